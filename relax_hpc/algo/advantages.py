@@ -1,0 +1,126 @@
+"""From scalar rewards to per-token advantages, as Relax does for its GRPO family.
+
+Why two steps: Relax normalizes rewards on the rollout side (``post_process_rewards``: the sample keeps
+``raw_reward`` = R and ``rewards`` = R̃) and broadcasts R̃ over the response tokens later, in the
+advantages step. relax_hpc keeps that split so the exchange carries the same fields:
+
+- :func:`postprocess_rewards` (rollout role): R → R̃. For every estimator here (grpo, gspo, sapo, cispo),
+  unless ``disable_rewards_normalization``: subtract the mean of each group of ``n_samples_per_prompt``
+  consecutive samples, then, unless ``disable_grpo_std_normalization`` (Dr.GRPO), divide by that group's
+  unbiased std + 1e-6.
+- :func:`broadcast_advantages` (advantages role): A_{i,t} = R̃_i on every response token (0 where the loss
+  mask is 0), then, if ``normalize_advantages``, whiten A over all valid tokens (of the data-parallel
+  group when a process group is given).
+- :func:`compute_advantages` does both, from raw rewards: the one-call form for tests and local runs.
+
+All take rewards as a 1-D tensor of ``num_groups * n_samples_per_prompt`` samples, the samples of one
+prompt consecutive, and a ``[B, T]`` loss mask (0/1 float or bool) with B = number of samples. The
+returns equal the advantages for these estimators (Relax stores both; no critic here).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from relax_hpc.algo.config import ESTIMATORS, AlgorithmConfig
+
+REWARD_STD_EPS = 1e-6
+WHITEN_EPS = 1e-8
+
+
+def group_normalize(
+    rewards: torch.Tensor, n_samples_per_prompt: int, *, std_normalization: bool = True, eps: float = REWARD_STD_EPS
+) -> torch.Tensor:
+    """R̃ = (R − mean_group R) [/ (std_group + eps)], groups of ``n_samples_per_prompt`` consecutive samples.
+
+    std is torch's unbiased std of the mean-subtracted group. A group of one sample has no spread: its
+    R̃ is 0 (Relax would produce NaN there, from the unbiased std of one value).
+    """
+    rewards = _as_float(rewards).reshape(-1)
+    n = int(n_samples_per_prompt)
+    if n < 1:
+        raise ValueError(f"n_samples_per_prompt must be at least 1, got {n_samples_per_prompt}")
+    if rewards.numel() % n != 0:
+        raise ValueError(
+            f"{rewards.numel()} rewards do not split into groups of n_samples_per_prompt = {n}; "
+            "group normalization needs whole groups (samples of one prompt next to each other)"
+        )
+    if rewards.numel() == 0:
+        return rewards.clone()
+    groups = rewards.reshape(-1, n)
+    centered = groups - groups.mean(dim=-1, keepdim=True)
+    if std_normalization:
+        if n == 1:
+            return torch.zeros_like(rewards)
+        centered = centered / (centered.std(dim=-1, keepdim=True) + eps)
+    return centered.reshape(-1)
+
+
+def postprocess_rewards(cfg: AlgorithmConfig, raw_rewards: torch.Tensor, n_samples_per_prompt: int) -> torch.Tensor:
+    """The rollout side's R → R̃ under ``cfg`` (see the module docstring); a float copy when off."""
+    raw = _as_float(raw_rewards).reshape(-1)
+    if cfg.disable_rewards_normalization or cfg.advantage_estimator not in ESTIMATORS:
+        return raw.clone()
+    return group_normalize(raw, n_samples_per_prompt, std_normalization=not cfg.disable_grpo_std_normalization)
+
+
+def broadcast_advantages(
+    cfg: AlgorithmConfig, rewards: torch.Tensor, loss_mask: torch.Tensor, *, process_group=None
+) -> torch.Tensor:
+    """A[B, T] from already post-processed per-sample rewards R̃[B]: R̃_i on each valid token, 0 elsewhere.
+
+    With ``cfg.normalize_advantages`` the result is whitened over the valid tokens; ``process_group``
+    (a torch.distributed group, used only when torch.distributed is initialized) makes the statistics
+    those of the whole data-parallel group, as Relax does.
+    """
+    rewards = _as_float(rewards).reshape(-1)
+    mask = loss_mask.to(torch.bool)
+    if mask.dim() != 2 or mask.shape[0] != rewards.numel():
+        raise ValueError(f"loss_mask must be [B, T] with B = {rewards.numel()} rewards, got {tuple(loss_mask.shape)}")
+    adv = torch.where(mask, rewards[:, None].expand(mask.shape), torch.zeros((), dtype=rewards.dtype))
+    if cfg.normalize_advantages:
+        adv = masked_whiten(adv, mask, process_group=process_group)
+    return adv
+
+
+def compute_advantages(
+    cfg: AlgorithmConfig, rewards: torch.Tensor, n_samples_per_prompt: int, loss_mask: torch.Tensor, *,
+    process_group=None,
+) -> torch.Tensor:
+    """A[B, T] from RAW per-sample rewards R[B]: :func:`postprocess_rewards` then :func:`broadcast_advantages`.
+
+    Do not pass rewards that were already normalized (a sample's ``rewards`` field): use
+    :func:`broadcast_advantages` for those.
+    """
+    return broadcast_advantages(
+        cfg, postprocess_rewards(cfg, rewards, n_samples_per_prompt), loss_mask, process_group=process_group
+    )
+
+
+def masked_whiten(
+    values: torch.Tensor, mask: torch.Tensor, *, process_group=None, eps: float = WHITEN_EPS
+) -> torch.Tensor:
+    """(x − μ) / sqrt(σ² + eps) over the valid tokens; 0 at masked positions.
+
+    μ and σ² are the masked mean and Bessel-corrected variance (N/(N−1) when N ≥ 2 valid tokens), summed
+    over ``process_group`` when torch.distributed is initialized. No valid token anywhere is an error.
+    """
+    mask = mask.to(torch.bool)
+    x = torch.where(mask, values, torch.zeros((), dtype=values.dtype))
+    m = mask.to(values.dtype)
+    stats = torch.stack([x.sum(), (x * x).sum(), m.sum()])
+    if process_group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(stats, group=process_group)
+    total, total_sq, count = stats.unbind()
+    if count.item() == 0:
+        raise ValueError("cannot whiten advantages: the loss mask has no valid token")
+    mean = total / count
+    var = total_sq / count - mean * mean
+    if count.item() >= 2:
+        var = var * count / (count - 1)
+    return torch.where(mask, (x - mean) * torch.rsqrt(var.clamp(min=0) + eps), torch.zeros((), dtype=values.dtype))
+
+
+def _as_float(t) -> torch.Tensor:
+    t = torch.as_tensor(t)
+    return t.to(torch.promote_types(t.dtype, torch.float32)) if t.is_floating_point() else t.to(torch.float32)

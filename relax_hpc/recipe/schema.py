@@ -1,0 +1,122 @@
+"""The recipe schema: one dataclass per section, defaults included.
+
+Sections owned by other packages (``algorithm`` by ``relax_hpc.algo``, ``train`` by ``relax_hpc.train``)
+are imported here so that one place lists everything a recipe may say. Field types are limited to what
+:mod:`relax_hpc.recipe.validate` understands: int, float, bool, str, ``X | None``, ``Literal[...]``,
+``list[X]``, ``dict[str, X]`` and nested dataclasses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from relax_hpc.algo.config import AlgorithmConfig
+from relax_hpc.train.config import TrainConfig
+
+ROLE_NAMES = ("actor", "rollout", "reference", "actor_fwd")
+"""Roles that run as Slurm job steps, in het-group order. ``advantages`` runs beside the controller."""
+
+
+@dataclass
+class RunConfig:
+    name: str | None = None  # run name; default: the recipe file's name without .yaml
+    runs_root: str = "./runs"  # where run directories are made (shared filesystem on a cluster)
+    seed: int = 1234  # one seed for data order, sampling and init
+    steps: int = 1  # number of rollout steps (Relax: num_rollout)
+
+
+@dataclass
+class RoleGroup:
+    """Resources of one role: a Slurm het component, or a step inside another role's component."""
+
+    enabled: bool = True
+    nodes: int = 1
+    tasks_per_node: int = 1  # ranks per node (one per GPU on GPU nodes)
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    mem: str | None = None  # per-node memory, Slurm syntax ("16G"); None = partition default
+    share_with: str | None = None  # run on that role's nodes (srun --overlap) instead of its own component
+
+
+@dataclass
+class Roles:
+    actor: RoleGroup = field(default_factory=RoleGroup)
+    rollout: RoleGroup = field(default_factory=RoleGroup)
+    reference: RoleGroup = field(default_factory=lambda: RoleGroup(enabled=False))
+    actor_fwd: RoleGroup = field(default_factory=lambda: RoleGroup(enabled=False))
+
+
+@dataclass
+class SlurmConfig:
+    partition: str | None = None  # None = the cluster's default partition
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None  # node features, e.g. "a100"
+    time: str = "01:00:00"  # wall-clock limit, Slurm syntax ([D-]HH:MM:SS)
+    job_name: str | None = None  # default: relax-<run name>
+    sbatch_extra: list[str] = field(default_factory=list)  # extra #SBATCH options, e.g. "--mail-type=END"
+    srun_args: list[str] = field(default_factory=list)  # extra srun options for every role step (container hooks)
+    env: dict[str, str] = field(default_factory=dict)  # environment exported to the controller and every step
+    signal_lead_s: int = 120  # --signal=B:USR2@lead: seconds before the limit to checkpoint
+    requeue: bool = True  # requeue the job after a checkpoint on signal or preemption
+    max_requeues: int = 5  # give up (fail) after this many restarts
+    mpi: Literal["pmix", "none"] = "pmix"  # srun --mpi for role steps (pmix: rendezvous through MPI)
+    template: str | None = None  # your own Jinja2 sbatch template (default: sbatch/hetjob.sbatch.j2)
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # HF model directory (config, tokenizer, safetensors)
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # JSONL or Parquet prompts
+    input_key: str = "prompt"
+    label_key: str = "label"
+    metadata_key: str = "metadata"
+    apply_chat_template: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    n_samples_per_prompt: int = 8
+    rollout_batch_size: int = 8  # prompts per rollout step
+    max_response_len: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # save every N steps (0: only on signal and at the end)
+    keep: int = 2  # keep the last K checkpoints
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    notify_urls: list[str] = field(default_factory=list)  # Apprise URLs
+    heartbeat_s: float = 2.0  # roles report this often
+    heartbeat_timeout_s: float = 60.0  # a role silent this long is dead
+
+
+@dataclass
+class Recipe:
+    run: RunConfig = field(default_factory=RunConfig)
+    mode: Literal["colocate", "fully_async"] = "colocate"
+    max_staleness: int = 0  # fully_async: how many steps rollout may run ahead of training
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    roles: Roles = field(default_factory=Roles)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def role(self, name: str) -> RoleGroup:
+        return getattr(self.roles, name)

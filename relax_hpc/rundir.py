@@ -1,0 +1,105 @@
+"""The run directory: the one place a run's state lives, on the shared filesystem.
+
+Everything that must survive a crash or be read by another process (the login node's ``relax-status``,
+a requeued job, a role on another node) is a file here, written atomically. Owner-only permissions:
+the token in it is what lets a process talk to the controller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    # files (each written by exactly one party)
+    @property
+    def recipe(self) -> Path:  # resolved recipe, by relax-submit
+        return self.path / "recipe.yaml"
+
+    @property
+    def script(self) -> Path:  # rendered sbatch script, by relax-submit
+        return self.path / "job.sbatch"
+
+    @property
+    def job(self) -> Path:  # {run, run_dir, job_id, executor, submitted_at, ...}, by relax-submit
+        return self.path / "job.json"
+
+    @property
+    def token_file(self) -> Path:  # shared secret for the control socket, by relax-submit
+        return self.path / "token"
+
+    @property
+    def state(self) -> Path:  # controller's view of the run, for relax-status
+        return self.path / "state.json"
+
+    @property
+    def controller_addr(self) -> Path:  # {host, port} of the control socket, by the controller
+        return self.path / "controller.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def rendezvous(self) -> Path:  # local-mode handshake files
+        return self.path / "rendezvous"
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def token(self) -> str:
+        return self.token_file.read_text().strip()
+
+    def read_json(self, which: Path, default: Any = None) -> Any:
+        try:
+            return json.loads(which.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return default
+
+
+def create_run_dir(runs_root: str | Path, name: str) -> RunDir:
+    """A new, private run directory ``<runs_root>/<name>-<timestamp>`` with a fresh token."""
+    root = Path(runs_root).expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in range(1000):
+        path = root / (f"{name}-{stamp}" if i == 0 else f"{name}-{stamp}-{i}")
+        try:
+            path.mkdir(mode=0o700)
+            break
+        except FileExistsError:
+            continue
+    else:  # pragma: no cover
+        raise RuntimeError(f"could not make a new run directory under {root}")
+    os.chmod(path, 0o700)  # mkdir's mode is masked by umask
+    rd = RunDir(path)
+    for sub in (rd.logs, rd.rendezvous):
+        sub.mkdir(mode=0o700)
+    write_private(rd.token_file, secrets.token_hex(32) + "\n")
+    return rd
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` atomically (tmp + fsync + rename), readable by the owner only."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, data: Any) -> None:
+    write_private(path, json.dumps(data, indent=1, sort_keys=True) + "\n")

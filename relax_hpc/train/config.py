@@ -1,0 +1,66 @@
+"""The recipe's ``train:`` section: how the actor's Megatron model is split, batched and optimized.
+
+Pure Python on purpose: the recipe validator imports this on the login node, where megatron-core may
+not even be installed. Field types stay within what :mod:`relax_hpc.recipe.validate` understands.
+Data parallelism is not a field: it is whatever is left, world / (tp × pp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class TrainConfig:
+    tp: int = 1  # tensor-parallel size (Megatron tensor_model_parallel_size)
+    pp: int = 1  # pipeline-parallel size; data parallel = world / (tp × pp)
+    micro_batch_size: int = 1  # samples per forward/backward pass on one data-parallel rank
+    global_batch_size: int | None = None  # samples per optimizer step across all DP ranks; None: one step per batch given
+    lr: float = 1e-6  # peak learning rate (Relax default 1e-6)
+    min_lr: float = 0.0  # floor of the cosine decay; unused with lr_decay: constant
+    lr_warmup_steps: int = 0  # linear warmup from 0 to lr over this many optimizer steps
+    lr_decay: Literal["constant", "cosine"] = "constant"  # schedule after warmup
+    lr_decay_steps: int = 0  # cosine: optimizer steps from the end of warmup down to min_lr (0: no decay)
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay
+    adam_beta1: float = 0.9  # Adam first-moment decay
+    adam_beta2: float = 0.98  # Adam second-moment decay
+    adam_eps: float = 1e-8  # Adam denominator epsilon
+    clip_grad: float = 1.0  # global gradient-norm clip (0: off)
+    use_distributed_optimizer: bool = True  # shard optimizer state over data-parallel ranks (ZeRO-1)
+    bf16: bool = False  # bf16 weights/activations with fp32 master weights (GPU); False: fp32 everywhere
+    seed: int = 1234  # seeds torch/numpy/python and Megatron's model-parallel RNG on every rank
+    max_seq_len: int = 4096  # longest prompt+response accepted; longer samples are an error, not truncated
+    logprob_micro_batch_size: int | None = None  # samples per forward-only pass (log-probs); None: micro_batch_size
+
+
+def check(cfg: TrainConfig) -> list[tuple[str, object, str]]:
+    """Meaning checks the type pass cannot do: (key, value, "problem. fix") for every bad value."""
+    out: list[tuple[str, object, str]] = []
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            out.append((key, getattr(cfg, key), msg))
+
+    need(cfg.tp >= 1, "tp", "must be at least 1. Fix: use 1 for no tensor parallelism")
+    need(cfg.pp >= 1, "pp", "must be at least 1. Fix: use 1 for no pipeline parallelism")
+    need(cfg.micro_batch_size >= 1, "micro_batch_size", "must be at least 1 sample. Fix: use 1")
+    if cfg.global_batch_size is not None:
+        need(cfg.global_batch_size >= 1, "global_batch_size", "must be at least 1 or null. Fix: use null")
+        if cfg.global_batch_size >= 1 and cfg.micro_batch_size >= 1:
+            need(cfg.global_batch_size % cfg.micro_batch_size == 0, "global_batch_size",
+                 f"is not a multiple of train.micro_batch_size = {cfg.micro_batch_size}. "
+                 "Fix: make it micro_batch_size × data-parallel size × a whole number of micro-batches")
+    if cfg.logprob_micro_batch_size is not None:
+        need(cfg.logprob_micro_batch_size >= 1, "logprob_micro_batch_size", "must be at least 1 or null. Fix: use null")
+    need(cfg.lr > 0, "lr", "must be positive. Fix: e.g. 1e-6")
+    need(0 <= cfg.min_lr <= cfg.lr, "min_lr", f"must be between 0 and train.lr = {cfg.lr}. Fix: e.g. 0")
+    need(cfg.lr_warmup_steps >= 0, "lr_warmup_steps", "must be 0 or more. Fix: use 0 for no warmup")
+    need(cfg.lr_decay_steps >= 0, "lr_decay_steps", "must be 0 or more. Fix: use 0 for no decay")
+    need(cfg.weight_decay >= 0, "weight_decay", "must be 0 or more. Fix: e.g. 0.0 or 0.01")
+    need(0 <= cfg.adam_beta1 < 1, "adam_beta1", "must be in [0, 1). Fix: e.g. 0.9")
+    need(0 <= cfg.adam_beta2 < 1, "adam_beta2", "must be in [0, 1). Fix: e.g. 0.98")
+    need(cfg.adam_eps > 0, "adam_eps", "must be positive. Fix: e.g. 1e-8")
+    need(cfg.clip_grad >= 0, "clip_grad", "must be 0 (off) or positive. Fix: e.g. 1.0")
+    need(cfg.max_seq_len >= 2, "max_seq_len", "must be at least 2 tokens (one prompt, one response). Fix: e.g. 4096")
+    return out
