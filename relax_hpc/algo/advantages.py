@@ -74,10 +74,11 @@ def broadcast_advantages(
     those of the whole data-parallel group, as Relax does.
     """
     rewards = _as_float(rewards).reshape(-1)
-    mask = loss_mask.to(torch.bool)
+    mask = loss_mask.to(device=rewards.device, dtype=torch.bool)
     if mask.dim() != 2 or mask.shape[0] != rewards.numel():
         raise ValueError(f"loss_mask must be [B, T] with B = {rewards.numel()} rewards, got {tuple(loss_mask.shape)}")
-    adv = torch.where(mask, rewards[:, None].expand(mask.shape), torch.zeros((), dtype=rewards.dtype))
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    adv = torch.where(mask, rewards[:, None].expand(mask.shape), zero)
     if cfg.normalize_advantages:
         adv = masked_whiten(adv, mask, process_group=process_group)
     return adv
@@ -106,7 +107,8 @@ def masked_whiten(
     over ``process_group`` when torch.distributed is initialized. No valid token anywhere is an error.
     """
     mask = mask.to(torch.bool)
-    x = torch.where(mask, values, torch.zeros((), dtype=values.dtype))
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    x = torch.where(mask, values, zero)
     m = mask.to(values.dtype)
     stats = torch.stack([x.sum(), (x * x).sum(), m.sum()])
     if process_group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -118,7 +120,7 @@ def masked_whiten(
     var = total_sq / count - mean * mean
     if count.item() >= 2:
         var = var * count / (count - 1)
-    return torch.where(mask, (x - mean) * torch.rsqrt(var.clamp(min=0) + eps), torch.zeros((), dtype=values.dtype))
+    return torch.where(mask, (x - mean) * torch.rsqrt(var.clamp(min=0) + eps), zero)
 
 
 def _as_float(t) -> torch.Tensor:

@@ -23,37 +23,37 @@ KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 @dataclass
 class AlgorithmConfig:
-    # --- objective -----------------------------------------------------------------------------------
-    advantage_estimator: Literal["grpo", "gspo", "sapo", "cispo"] = "grpo"  # objective: grpo = PPO-clip per token, gspo = sequence-level ratio, sapo = soft gate, cispo = clipped-IS REINFORCE
-    eps_clip: float = 0.2  # lower clip margin ε_lo: ratio is clipped below at 1 − eps_clip
-    eps_clip_high: float | None = None  # upper clip margin ε_hi: ratio clipped above at 1 + eps_clip_high; None = eps_clip
-    eps_clip_c: float | None = None  # dual-clip constant c > 1: for A < 0 the loss is capped at −c·A; None = off
+    # --- objective (see relax_hpc/algo/losses.py for the formulas) -------------------------------------
+    # grpo: PPO-clip per token; gspo: one ratio per sequence; sapo: soft gate; cispo: clipped-IS REINFORCE
+    advantage_estimator: Literal["grpo", "gspo", "sapo", "cispo"] = "grpo"  # which objective is trained
+    eps_clip: float = 0.2  # lower clip margin: the ratio is clipped below at 1 − eps_clip
+    eps_clip_high: float | None = None  # upper clip margin: ratio clipped above at 1 + eps_clip_high; None = eps_clip
+    eps_clip_c: float | None = None  # dual clip c > 1: the loss of A < 0 tokens is capped at −c·A; None = off
     sapo_tau_pos: float = 1.0  # SAPO gate temperature for tokens with A > 0
-    sapo_tau_neg: float = 1.05  # SAPO gate temperature for tokens with A ≤ 0 (higher damps negative updates)
-    entropy_coef: float = 0.0  # loss −= entropy_coef · mean entropy (entropy bonus); 0 = entropy only logged
-    calculate_per_token_loss: bool = False  # reduction: False = mean over samples of each sample's token-mean; True = sum over all tokens / token count
-    # --- KL ------------------------------------------------------------------------------------------
-    kl_coef: float = 0.0  # KL reward shaping (PPO only in Relax: no effect on grpo/gspo/sapo/cispo returns); exclusive with kl_loss_coef
-    use_kl_loss: bool = False  # add kl_loss_coef · KL(π_θ ‖ π_ref) to the loss (needs ref_log_probs, i.e. a reference role)
-    kl_loss_coef: float = 0.0  # weight β of the KL-to-reference loss
-    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"  # KL estimator: k1 = d, k2 = d²/2, k3 = e^−d − 1 + d, low_var_kl = k3 clamped to [−10, 10]
+    sapo_tau_neg: float = 1.05  # SAPO gate temperature for tokens with A ≤ 0 (higher: damps negative updates)
+    entropy_coef: float = 0.0  # entropy bonus: loss −= entropy_coef · mean entropy (0: entropy only logged)
+    calculate_per_token_loss: bool = False  # False: mean over samples of per-sample token means; True: token mean
+    # --- KL ----------------------------------------------------------------------------------------------
+    kl_coef: float = 0.0  # KL reward shaping (PPO-only in Relax: no effect on these estimators' returns)
+    use_kl_loss: bool = False  # add kl_loss_coef · KL(π_θ ‖ π_ref) to the loss (needs a reference role)
+    kl_loss_coef: float = 0.0  # weight of the KL-to-reference loss; exclusive with kl_coef
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"  # KL estimator (relax_hpc/algo/kl.py)
     use_unbiased_kl: bool = False  # multiply each KL token term by π_θ/π_old (DeepSeek-V3.2 unbiased KL)
-    ref_update_interval: int | None = None  # copy actor weights into the reference every N rollout steps; None = never
-    # --- rewards and advantages ----------------------------------------------------------------------
-    disable_rewards_normalization: bool = False  # skip group reward normalization (rewards used raw)
-    disable_grpo_std_normalization: bool = False  # Dr.GRPO: subtract the group mean but do not divide by the group std
-    normalize_advantages: bool = False  # whiten advantages (masked mean 0, std 1) over all valid tokens of the data-parallel group
-    disable_compute_advantages_and_returns: bool = False  # the advantages step leaves samples alone (custom pipelines set advantages themselves)
-    # --- off-policy correction -----------------------------------------------------------------------
-    use_rollout_logprobs: bool = False  # use the engine's sampling log-probs as π_old instead of a training-side recompute
-    use_tis: bool = False  # truncated importance sampling: pg loss × clamp(π_old/π_rollout, tis_clip_low, tis_clip)
+    ref_update_interval: int | None = None  # copy actor weights into the reference every N steps; None = never
+    # --- rewards and advantages --------------------------------------------------------------------------
+    disable_rewards_normalization: bool = False  # no group reward normalization: advantages are raw rewards
+    disable_grpo_std_normalization: bool = False  # Dr.GRPO: subtract the group mean, do not divide by its std
+    normalize_advantages: bool = False  # whiten advantages over all valid tokens of the data-parallel group
+    disable_compute_advantages_and_returns: bool = False  # advantages step leaves samples alone (custom pipelines)
+    # --- off-policy correction ---------------------------------------------------------------------------
+    use_rollout_logprobs: bool = False  # π_old = the engine's sampling log-probs instead of a trainer recompute
+    use_tis: bool = False  # truncated IS: pg loss × clamp(π_old/π_rollout, tis_clip_low, tis_clip)
     tis_clip: float = 2.0  # upper bound of the TIS weight
     tis_clip_low: float = 0.0  # lower bound of the TIS weight
-    custom_tis_function_path: str | None = None  # "module.function" replacing the TIS weighting, e.g. relax_hpc.algo.tis.icepop_function
-    get_mismatch_metrics: bool = False  # log tis/ois/train-rollout mismatch metrics (needs rollout_log_probs) without use_tis
-    use_opsm: bool = False  # off-policy sequence masking: drop a sequence's loss if A < 0 and its mean log-ratio > opsm_delta
+    custom_tis_function_path: str | None = None  # "pkg.module.function" replacing TIS, e.g. ...tis.icepop_function
+    get_mismatch_metrics: bool = False  # log tis/ois/train-vs-rollout metrics (needs rollout log-probs); loss as is
+    use_opsm: bool = False  # off-policy sequence masking: drop A < 0 tokens of sequences with δ_seq > opsm_delta
     opsm_delta: float = 1e-4  # OPSM threshold on the sequence mean of log π_old − log π_θ
-
 
 def clip_high(cfg: AlgorithmConfig) -> float:
     """ε_hi with Relax's fallback: eps_clip_high if set, else eps_clip."""
@@ -63,8 +63,8 @@ def clip_high(cfg: AlgorithmConfig) -> float:
 def check(cfg: AlgorithmConfig) -> list[tuple[str, object, str]]:
     """Meaning checks the type pass cannot do: (key, value, "problem. fix") for every bad value.
 
-    Also run by :func:`relax_hpc.algo.losses.policy_loss` callers that build a config by hand, so a
-    value that is off here is never trained with silently.
+    The recipe validator calls it and prefixes the keys with ``algorithm.``; code that builds an
+    :class:`AlgorithmConfig` by hand should call it too.
     """
     out: list[tuple[str, object, str]] = []
 
@@ -90,18 +90,20 @@ def check(cfg: AlgorithmConfig) -> list[tuple[str, object, str]]:
     need(cfg.kl_coef >= 0, "kl_coef", "must be 0 or more. Fix: use 0")
     need(cfg.kl_loss_coef >= 0, "kl_loss_coef", "must be 0 or more. Fix: e.g. 0.001")
     need(not (cfg.kl_coef != 0 and cfg.kl_loss_coef != 0), "kl_coef",
-         "and algorithm.kl_loss_coef cannot both be non-zero (Relax forbids it). Fix: set kl_coef to 0 and use the KL loss")
+         f"cannot be non-zero together with algorithm.kl_loss_coef = {cfg.kl_loss_coef} (Relax forbids both). "
+         "Fix: set kl_coef to 0 and use the KL loss")
     if cfg.ref_update_interval is not None:
         need(cfg.ref_update_interval >= 1, "ref_update_interval", "must be at least 1 or null. Fix: use null for never")
     need(cfg.tis_clip_low >= 0, "tis_clip_low", "must be 0 or more. Fix: use 0")
     need(cfg.tis_clip > cfg.tis_clip_low, "tis_clip",
          f"must be greater than algorithm.tis_clip_low = {cfg.tis_clip_low}. Fix: e.g. 2.0")
     need(not (cfg.use_tis and cfg.use_rollout_logprobs), "use_tis",
-         "and algorithm.use_rollout_logprobs cannot both be on (with rollout log-probs as π_old the TIS weight is 1). "
+         "cannot be on together with algorithm.use_rollout_logprobs (π_old would be π_rollout: the TIS weight is 1). "
          "Fix: turn one of them off")
     if cfg.custom_tis_function_path is not None:
-        need("." in cfg.custom_tis_function_path.strip(".") and " " not in cfg.custom_tis_function_path,
-             "custom_tis_function_path", "must be a dotted path 'package.module.function'. "
+        path = cfg.custom_tis_function_path
+        need(("." in path.strip(".") or ":" in path.strip(":")) and " " not in path,
+             "custom_tis_function_path", "must be a path 'package.module.function' (or 'package.module:function'). "
              "Fix: e.g. relax_hpc.algo.tis.icepop_function")
     need(cfg.opsm_delta >= 0, "opsm_delta", "must be 0 or more. Fix: e.g. 1e-4")
     return out

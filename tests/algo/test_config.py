@@ -1,0 +1,73 @@
+"""AlgorithmConfig defaults (Relax's), its meaning checks, and the configs/algorithm fragments."""
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from relax_hpc.algo.config import AlgorithmConfig, check, clip_high
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "algorithm"
+
+
+def test_relax_defaults():
+    c = AlgorithmConfig()
+    assert (c.advantage_estimator, c.eps_clip, c.eps_clip_high, c.eps_clip_c) == ("grpo", 0.2, None, None)
+    assert (c.kl_coef, c.use_kl_loss, c.kl_loss_coef, c.kl_loss_type) == (0.0, False, 0.0, "k1")
+    assert (c.sapo_tau_pos, c.sapo_tau_neg, c.entropy_coef) == (1.0, 1.05, 0.0)
+    assert (c.use_tis, c.tis_clip, c.tis_clip_low) == (False, 2.0, 0.0)
+    assert (c.use_opsm, c.opsm_delta) == (False, 1e-4)
+    assert not (c.disable_rewards_normalization or c.disable_grpo_std_normalization or c.normalize_advantages)
+    assert check(c) == []
+    assert clip_high(c) == 0.2 and clip_high(AlgorithmConfig(eps_clip_high=0.28)) == 0.28
+
+
+def test_field_types_are_ones_the_recipe_validator_supports():
+    allowed = {int, float, bool, str, type(None)}
+    for name, tp in typing.get_type_hints(AlgorithmConfig).items():
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+        if origin is typing.Literal:
+            continue
+        assert tp in allowed or set(args) <= allowed, f"{name}: {tp}"
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"eps_clip": 0.0}, "eps_clip"),
+        ({"eps_clip": 1.0}, "eps_clip"),
+        ({"eps_clip_high": -0.1}, "eps_clip_high"),
+        ({"eps_clip_c": 1.0}, "eps_clip_c"),
+        ({"eps_clip_c": 3.0, "advantage_estimator": "sapo"}, "eps_clip_c"),
+        ({"advantage_estimator": "ppo"}, "advantage_estimator"),
+        ({"kl_loss_type": "kl"}, "kl_loss_type"),
+        ({"kl_coef": 0.1, "kl_loss_coef": 0.1}, "kl_coef"),
+        ({"kl_loss_coef": -1.0}, "kl_loss_coef"),
+        ({"sapo_tau_neg": 0.0}, "sapo_tau_neg"),
+        ({"tis_clip": 0.5, "tis_clip_low": 1.0}, "tis_clip"),
+        ({"use_tis": True, "use_rollout_logprobs": True}, "use_tis"),
+        ({"custom_tis_function_path": "icepop"}, "custom_tis_function_path"),
+        ({"ref_update_interval": 0}, "ref_update_interval"),
+        ({"opsm_delta": -1.0}, "opsm_delta"),
+    ],
+)
+def test_check_names_the_key_the_value_and_a_fix(changes, key):
+    cfg = dataclasses.replace(AlgorithmConfig(), **changes)
+    problems = check(cfg)
+    assert key in [k for k, _, _ in problems], problems
+    for k, value, message in problems:
+        assert value == getattr(cfg, k)
+        assert "Fix:" in message
+
+
+@pytest.mark.parametrize("name, estimator", [("grpo", "grpo"), ("gspo", "gspo"), ("sapo", "sapo")])
+def test_fragments_select_their_estimator_and_are_valid(name, estimator):
+    data = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    assert set(data) == {"algorithm"}
+    section = data["algorithm"]
+    assert set(section) <= {f.name for f in dataclasses.fields(AlgorithmConfig)}
+    cfg = AlgorithmConfig(**section)
+    assert cfg.advantage_estimator == estimator
+    assert check(cfg) == []
