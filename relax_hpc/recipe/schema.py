@@ -72,21 +72,59 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str | None = None  # JSONL or Parquet prompts
-    input_key: str = "prompt"
-    label_key: str = "label"
-    metadata_key: str = "metadata"
-    apply_chat_template: bool = False
+    """Prompt data (Relax's data flags; see docs/rollout.md)."""
+
+    path: str | None = None  # JSONL or Parquet prompts: a file or a directory of them (Relax --prompt-data)
+    input_key: str = "prompt"  # record field with the prompt: a string, or chat messages with apply_chat_template
+    label_key: str | None = "label"  # record field that becomes sample.label; null = no label
+    metadata_key: str | None = "metadata"  # record field (mapping or JSON string) that becomes sample.metadata; optional per record
+    tool_key: str | None = "tools"  # record field with tool schemas passed to the chat template
+    apply_chat_template: bool = False  # format prompts with the tokenizer's chat template (add_generation_prompt)
+    apply_chat_template_kwargs: str | None = None  # JSON object of extra chat-template arguments, e.g. '{"enable_thinking": false}'
+    system_prompt: str | None = None  # with apply_chat_template: a system message put first when a record has none
+    shuffle: bool = False  # shuffle prompts, reshuffled every epoch (Relax --rollout-shuffle)
+    seed: int | None = None  # data order seed (Relax --rollout-seed); null = run.seed
+    eval_prompt_data: dict[str, str] = field(default_factory=dict)  # eval sets: name -> JSONL/Parquet path (Relax --eval-prompt-data)
+    eval_input_key: str | None = None  # input_key of the eval sets; null = input_key
+    eval_label_key: str | None = None  # label_key of the eval sets; null = label_key
 
 
 @dataclass
 class RolloutConfig:
-    n_samples_per_prompt: int = 8
+    """Generation, rewards and eval (Relax's rollout/reward/eval flags; see docs/rollout.md)."""
+
+    # --- batch and sampling --------------------------------------------------------------------------
+    n_samples_per_prompt: int = 8  # samples per prompt: one group
     rollout_batch_size: int = 8  # prompts per rollout step
-    max_response_len: int = 16
+    max_response_len: int = 16  # max new tokens per sample (Relax --rollout-max-response-len)
+    max_prompt_len: int | None = None  # drop prompts longer than this many tokens; null = keep all
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = -1  # -1 = off
+    stop: list[str] = field(default_factory=list)  # stop strings
+    stop_token_ids: list[int] = field(default_factory=list)  # stop token ids besides EOS
+    skip_special_tokens: bool = False  # drop special tokens from the response text
+    # --- engines -------------------------------------------------------------------------------------
+    sglang_server_concurrency: int = 512  # max in-flight generate requests per engine
+    max_retries: int = 3  # times one request is retried after an error on an engine that is still alive
+    # --- rewards -------------------------------------------------------------------------------------
+    rm_type: str | None = None  # built-in reward: math, exact_match, f1, dummy, boxed_<type>; sample.metadata["rm_type"] wins
+    custom_rm_path: str | None = None  # your reward function, 'package.module.function' (Relax --custom-rm-path)
+    reward_key: str | None = None  # key of the scalar reward when the reward function returns a dict
+    eval_reward_key: str | None = None  # reward_key for eval; null = reward_key
+    group_rm: bool = False  # call the custom reward once per group: reward_func(args, samples) -> list
+    reward_max_concurrency: int = 64  # reward calls in flight at once
+    reward_error_policy: Literal["skip", "fail"] = "fail"  # a reward that raises: fail = stop the run with the report; skip = reward 0, status FAILED, go on
+    custom_config_path: str | None = None  # YAML whose keys become attributes of the args your reward function receives
+    log_passrate: bool = False  # also log rollout/passrate/pass@k over each group
+    # --- eval ----------------------------------------------------------------------------------------
+    eval_interval: int | None = None  # eval every N rollout steps (and at the last one); null = never
+    skip_eval_before_train: bool = False  # no eval at step 0 before training
+    n_samples_per_eval_prompt: int = 1  # samples per eval prompt (pass@k for k = 1, 2, 4, ... up to this)
+    eval_temperature: float | None = None  # null = temperature
+    eval_top_p: float | None = None  # null = top_p
+    eval_top_k: int | None = None  # null = top_k
+    eval_max_response_len: int | None = None  # null = max_response_len
 
 
 @dataclass

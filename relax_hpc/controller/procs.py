@@ -1,0 +1,101 @@
+"""Started role steps, as processes the controller owns: start, poll, stop (by PID, never by name), log tails.
+
+Under Slurm a step is one ``srun`` process (SIGTERM makes srun signal its tasks; SIGKILL after a grace
+period ends srun, and slurmstepd then kills what is left of the step). Locally a step is one process per
+rank. Each process gets its own session, so a Ctrl-C at the terminal reaches the controller only, which
+then stops the steps in order.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections import deque
+from pathlib import Path
+
+from relax_hpc.launch.steps import StepCommand, task_log_pattern
+
+
+class StepProcess:
+    def __init__(self, cmd: StepCommand, run_dir: Path):
+        self.cmd, self.run_dir = cmd, run_dir
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def role(self) -> str:
+        return self.cmd.role
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def start(self) -> None:
+        for spec in self.cmd.procs:
+            spec.log.parent.mkdir(parents=True, exist_ok=True)
+            with open(spec.log, "ab") as log:  # the child keeps its own descriptor
+                self.procs.append(subprocess.Popen(
+                    spec.argv, env={**os.environ, **spec.env}, stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True))
+
+    def poll(self) -> int | None:
+        """None while running; the first non-zero exit code as soon as any process has one; else 0."""
+        codes = [p.poll() for p in self.procs]
+        bad = [c for c in codes if c not in (None, 0)]
+        if bad:
+            return bad[0]
+        return None if None in codes else 0
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every live process, SIGKILL those still alive after ``grace_s``, and reap them all."""
+        live = [p for p in self.procs if p.poll() is None]
+        for p in live:
+            _signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in live:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(p, signal.SIGKILL)
+                p.wait(timeout=10)
+
+    def log_tail(self, rank: int | None, lines: int = 20) -> str:
+        """The last ``lines`` of the rank's log (or of every rank's, when the rank is unknown) and srun's."""
+        pattern = str(task_log_pattern(self.run_dir, self.role))
+        ranks = [rank] if rank is not None else range(self.cmd.step.ntasks)
+        paths = [Path(pattern.replace("%t", str(r))) for r in ranks]
+        paths += [s.log for s in self.cmd.procs if s.log not in paths]
+        out = []
+        for path in paths:
+            tail = _tail(path, lines)
+            if tail:
+                out.append(f"--- {path} (last {len(tail)} lines) ---\n" + "".join(tail))
+        return "\n".join(out)
+
+
+    def last_line(self) -> str:
+        """The last non-empty line of the most recently written log of this step (a hint for a failed exit)."""
+        pattern = str(task_log_pattern(self.run_dir, self.role))
+        paths = [Path(pattern.replace("%t", str(r))) for r in range(self.cmd.step.ntasks)] + [s.log for s in self.cmd.procs]
+        paths = sorted((p for p in paths if p.exists()), key=lambda p: p.stat().st_mtime, reverse=True)
+        for path in paths:
+            for line in reversed(_tail(path, 5)):
+                if line.strip():
+                    return line.strip()
+        return ""
+
+
+def _signal(p: subprocess.Popen, sig: int) -> None:
+    try:
+        p.send_signal(sig)  # Popen checks the PID is still its unreaped child
+    except ProcessLookupError:
+        pass
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+    try:
+        with open(path, errors="replace") as f:
+            return list(deque(f, maxlen=lines))
+    except OSError:
+        return []

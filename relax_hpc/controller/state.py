@@ -1,0 +1,182 @@
+"""The run's state as the controller knows it, and ``state.json``, its only on-disk form.
+
+The controller is the only writer (atomic, mode 0600); ``relax-status`` and tests read it. Rules that decide
+a role's fate live here, in one place: a role fails on its first ``error`` message, a non-zero step exit,
+a step that ends before all its ranks said ``done``, or a rank silent for longer than the heartbeat
+timeout. The first failure wins and names role, rank, node and the error's last line.
+
+Times are Unix epoch seconds (floats). Phases only move forward (a late heartbeat cannot undo ``done``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from relax_hpc.controller.protocol import PHASES
+from relax_hpc.recipe import Recipe, RoleStep
+from relax_hpc.roles.runtime import cross_members
+from relax_hpc.rundir import RunDir, write_json
+
+ORDER = {p: i for i, p in enumerate(PHASES)}
+RUNNING, COMPLETED, FAILED, CANCELLED = "RUNNING", "COMPLETED", "FAILED", "CANCELLED"
+
+
+@dataclass
+class Rank:
+    phase: str = "starting"
+    last: float | None = None  # time of the last message from this rank
+    node: str | None = None
+    pid: int | None = None
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Failure:
+    role: str
+    rank: int | None
+    node: str | None
+    message: str
+
+    def reason(self) -> str:
+        who = self.role + (f" rank {self.rank}" if self.rank is not None else "")
+        return f"{who}{f' on {self.node}' if self.node else ''} failed: {self.message}"
+
+
+class RunState:
+    def __init__(self, run: RunDir, recipe: Recipe, steps: list[RoleStep], executor: str,
+                 env: dict[str, str] | None = None):
+        env = os.environ if env is None else env
+        self.run, self.steps = run, {s.role: s for s in steps}
+        self.ranks = {s.role: [Rank() for _ in range(s.ntasks)] for s in steps}
+        self.launched: dict[str, float] = {}
+        self.exit_codes: dict[str, int] = {}
+        self.failure: Failure | None = None
+        self.members = cross_members(recipe)
+        now = time.time()
+        job = run.read_json(run.job, {}) or {}
+        self.doc: dict[str, Any] = {
+            "run": run.name, "job_id": env.get("SLURM_JOB_ID") or job.get("job_id"), "executor": executor,
+            "state": RUNNING, "reason": None, "attempt": int(env.get("SLURM_RESTART_COUNT") or 0),
+            "step": 0, "total_steps": recipe.run.steps, "started_at": now, "updated_at": now,
+            "roles": {s.role: {
+                "het_group": s.het_group,
+                "het_nodelist": env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{s.het_group}", "localhost")
+                if executor == "slurm" else "localhost",
+                "nodes": [None] * s.ntasks, "ranks": s.ntasks, "ranks_ready": 0, "phase": "starting",
+                "last_heartbeat": None, "collective_ok": None, "error": None, "pids": [None] * s.ntasks,
+                "exit_code": None,
+            } for s in steps},
+            "cross_group": {"world": len(self.members), "ok": None},
+        }
+        self.dirty, self.urgent, self._last_write = True, True, 0.0
+
+    @property
+    def running(self) -> bool:
+        return self.doc["state"] == RUNNING
+
+    # -- inputs
+    def step_started(self, role: str, now: float) -> None:
+        self.launched[role] = now
+
+    def apply(self, now: float, msg: dict) -> None:
+        role, rank = msg.get("role"), msg.get("rank")
+        if role not in self.ranks or not isinstance(rank, int) or not 0 <= rank < len(self.ranks[role]):
+            return  # publish/lookup, or a rank this run does not have
+        r = self.ranks[role][rank]
+        r.last, r.node = now, msg.get("node", r.node)
+        kind = msg["type"]
+        if kind == "hello":
+            r.pid = msg["pid"]
+            self._advance(r, "bootstrap")
+        elif kind == "heartbeat":
+            r.info.update(msg["info"])
+            self._advance(r, msg["phase"])
+        elif kind == "error":
+            lines = [ln for ln in msg["traceback"].strip().splitlines() if ln.strip()]
+            self.fail(role, rank, r.node, lines[-1].strip() if lines else "error (no message)")
+        self._refresh(role)
+
+    def step_exited(self, role: str, code: int, hint: str = "") -> None:
+        if role in self.exit_codes:
+            return
+        self.exit_codes[role] = code
+        self.doc["roles"][role]["exit_code"] = code
+        self.dirty = True
+        if code != 0:
+            self.fail(role, None, None, f"step exited with code {code}{': ' + hint if hint else ''}")
+        elif any(r.phase != "done" for r in self.ranks[role]):
+            self.fail(role, None, None, "step ended before all its ranks reported done")
+
+    def check_silence(self, now: float, timeout_s: float) -> None:
+        for role, ranks in self.ranks.items():
+            if role not in self.launched or role in self.exit_codes:
+                continue
+            for i, r in enumerate(ranks):
+                since = r.last if r.last is not None else self.launched[role]
+                if r.phase not in ("done", "failed") and now - since > timeout_s:
+                    what = "no heartbeat" if r.last is not None else "never reported"
+                    self.fail(role, i, r.node, f"{what} for {now - since:.0f}s (heartbeat_timeout_s={timeout_s:g})")
+                    return
+
+    # -- outcomes
+    def fail(self, role: str, rank: int | None, node: str | None, message: str) -> None:
+        self.urgent = True
+        if role in self.doc["roles"]:
+            self.doc["roles"][role]["error"] = self.doc["roles"][role]["error"] or message
+            self.doc["roles"][role]["phase"] = "failed"
+            if rank is not None:
+                self.ranks[role][rank].phase = "failed"
+        if self.running:
+            self.failure = Failure(role, rank, node, message)
+            self._finish(FAILED, self.failure.reason())
+        self.dirty = True
+
+    def cancel(self, reason: str) -> None:
+        if self.running:
+            self._finish(CANCELLED, reason)
+
+    def check_complete(self) -> None:
+        if self.running and len(self.exit_codes) == len(self.ranks) and \
+                all(d["phase"] == "done" for d in self.doc["roles"].values()):
+            self._finish(COMPLETED, None)
+
+    def _finish(self, state: str, reason: str | None) -> None:
+        self.doc["state"], self.doc["reason"] = state, reason
+        self.dirty = self.urgent = True
+
+    # -- derived fields
+    def _advance(self, r: Rank, phase: str) -> None:
+        if ORDER[phase] > ORDER[r.phase]:
+            r.phase = phase
+
+    def _refresh(self, role: str) -> None:
+        d, ranks = self.doc["roles"][role], self.ranks[role]
+        before = (d["phase"], d["ranks_ready"], d["collective_ok"], self.doc["cross_group"]["ok"])
+        phases = {r.phase for r in ranks}
+        if d["phase"] != "failed":
+            d["phase"] = ("done" if phases == {"done"} else
+                          "ready" if phases <= {"ready", "done"} else
+                          "bootstrap" if phases != {"starting"} else "starting")
+        d["ranks_ready"] = sum(r.phase in ("ready", "done") for r in ranks)
+        d["pids"] = [r.pid for r in ranks]
+        gathered = ranks[0].info.get("nodes")
+        d["nodes"] = list(gathered) if gathered else [r.node for r in ranks]
+        oks = [r.info.get("collective_ok") for r in ranks]
+        d["collective_ok"] = None if None in oks else all(oks)
+        heard = [r.last for r in ranks if r.last is not None]
+        d["last_heartbeat"] = min(heard) if heard else None  # the stalest rank's: old means someone is silent
+        cross = [self.ranks[m][0].info.get("cross_group", {}).get("ok") for m in self.members if m in self.ranks]
+        self.doc["cross_group"]["ok"] = None if None in cross else all(cross)
+        self.dirty = True
+        self.urgent |= before != (d["phase"], d["ranks_ready"], d["collective_ok"], self.doc["cross_group"]["ok"])
+
+    def write(self, now: float | None = None, every_s: float = 0.0) -> None:
+        """Write ``state.json`` at once on a change of phase or state; heartbeat-only news at most every ``every_s``."""
+        now = time.time() if now is None else now
+        if self.dirty and (self.urgent or now - self._last_write >= every_s):
+            self.doc["updated_at"] = now
+            write_json(self.run.state, self.doc)
+            self.dirty, self.urgent, self._last_write = False, False, now

@@ -1,0 +1,17 @@
+"""Launch: a checked recipe becomes one Slurm heterogeneous job (or a local run), and back again for status.
+
+Modules, one job each:
+  render     recipe → sbatch script (Jinja2; every value shell-quoted)
+  slurm      sinfo/squeue/sacct/scancel in JSON, Slurm's state words
+  preflight  checks against the cluster (sinfo) or this machine (CUDA) before anything is submitted
+  executors  submitit extended for het jobs; the local executor (own process group)
+  submit     relax-submit's order: check → run directory → submit → job.json
+  runs       find a run by name, directory or job id
+  status     squeue/sacct + state.json → one status; rich rendering
+  follow     live view until a run ends
+  cancel     scancel, or stop a local run's process group
+  localproc  local process identity (PID + start time) and group stop
+  cli        the relax-submit / relax-status / relax-cancel entry points
+  steps      (the controller's) role step command lines
+Nothing here imports Megatron or SGLang.
+"""

@@ -1,0 +1,235 @@
+"""The three commands: ``relax-submit``, ``relax-status``, ``relax-cancel`` (see docs/cli.md).
+
+Only argument parsing, printing and exit codes live here; the work is in submit/status/cancel/follow.
+Exit codes: 0 success (for a foreground local run: it COMPLETED); 1 the run failed or a Slurm command failed;
+2 the recipe (or the run named) was refused before anything happened; 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from relax_hpc.launch import slurm
+from relax_hpc.launch.cancel import CancelError, cancel
+from relax_hpc.launch.follow import follow
+from relax_hpc.launch.runs import DEFAULT_RUNS_ROOT, RunNotFound, find_run
+from relax_hpc.launch.status import collect, is_final, render
+from relax_hpc.launch.submit import SubmitError, dry_run, plan, submit
+from relax_hpc.recipe import RecipeError
+from relax_hpc.rundir import RunDir
+
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=1, sort_keys=True, default=str), flush=True)
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _refused(e: RecipeError, as_json: bool) -> int:
+    _err(e.render())
+    if as_json:
+        _print_json({"error": "recipe refused", "source": e.source,
+                     "problems": [{"key": k, "value": repr(v), "message": m} for k, v, m in e.problems]})
+    return EXIT_REFUSED
+
+
+# -------------------------------------------------------------------------------------- relax-submit ---
+
+def _submit_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="relax-submit",
+        description="Submit a recipe as one Slurm heterogeneous job (or run it locally).",
+        epilog="Overrides: key.sub=value, e.g. run.steps=20 roles.rollout.nodes=2. See docs/cli.md.")
+    ap.add_argument("recipe", help="recipe YAML file")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
+    ap.add_argument("--local", action="store_true", help="run on this machine (the default without sbatch on PATH)")
+    ap.add_argument("--dry-run", action="store_true", help="print the sbatch script and step commands; submit nothing")
+    ap.add_argument("--json", action="store_true", help="print one JSON object (run, run_dir, job_id, ...)")
+    ap.add_argument("--detach", action="store_true", help="local runs: return at once instead of following the run")
+    return ap
+
+
+def _next_commands(record: dict, named_by_path: bool) -> list[str]:
+    ref = record["run_dir"] if named_by_path else record["run"]
+    cmds = [f"relax-status {ref} --watch", f"relax-cancel {ref}"]
+    log = record.get("batch_log") or record.get("local_log")
+    if log:
+        cmds.append(f"tail -f {log}")
+    return cmds
+
+
+def submit_main(argv: list[str] | None = None) -> int:
+    args = _submit_parser().parse_intermixed_args(argv)
+    console = Console(stderr=args.json)
+    executor = "local" if args.local or not slurm.have_sbatch() else "slurm"
+    if executor == "local" and not args.local:
+        _err("relax-submit: no sbatch on PATH: running with the local executor (processes on this machine)")
+    try:
+        p = plan(args.recipe, args.overrides, executor)
+    except RecipeError as e:
+        return _refused(e, args.json)
+
+    if args.dry_run:
+        d = dry_run(p)
+        if args.json:
+            _print_json(d)
+        else:
+            print(f"# relax-submit --dry-run: nothing submitted, nothing created. Executor: {d['executor']}.")
+            print(f"# Run directory would be: {d['run_dir']}")
+            if d["script"] is not None:
+                print("# ---------------- sbatch script ----------------")
+                print(d["script"], end="" if d["script"].endswith("\n") else "\n")
+            print("# ---------------- role steps (the controller starts these) ----------------")
+            for line in d["steps"]:
+                print(line)
+        return EXIT_OK
+
+    try:
+        record, job = submit(p)
+    except SubmitError as e:
+        _err(f"relax-submit: {e}\nNothing was submitted and no run directory was kept.")
+        return EXIT_FAILED
+    # relax-status looks under ./runs by default: elsewhere, name the run by its directory
+    record["next"] = _next_commands(record, named_by_path=p.runs_root != Path(DEFAULT_RUNS_ROOT).resolve())
+    rd = RunDir(p.runs_root / record["run"])
+
+    if executor == "slurm" or args.detach:
+        if args.json:
+            _print_json(record)
+        else:
+            what = f"Slurm job {record['job_id']}" if executor == "slurm" else f"local process {record['pid']}"
+            console.print(f"Submitted run [bold]{record['run']}[/bold] as {what}.", highlight=False)
+            console.print(f"Run directory: {record['run_dir']}", highlight=False)
+            console.print("Next:", highlight=False)
+            for c in record["next"]:
+                console.print(f"  {c}", highlight=False, soft_wrap=True)
+        return EXIT_OK
+    return _foreground(rd, record, job, console, args.json)
+
+
+def _foreground(rd: RunDir, record: dict, job: Any, console: Console, as_json: bool) -> int:
+    """Follow a local run until it ends; Ctrl-C cancels it (its whole process group)."""
+    if not as_json:
+        console.print(f"Running [bold]{record['run']}[/bold] locally (pid {record['pid']}); "
+                      f"Ctrl-C cancels. Run directory: {record['run_dir']}", highlight=False)
+    proc = getattr(job, "_process", None)
+
+    def ended(info: dict) -> bool:
+        if proc is not None:
+            proc.poll()  # reap the child so it is not a zombie
+        return is_final(info)
+
+    try:
+        if as_json:
+            info = collect(rd)
+            while not ended(info):
+                time.sleep(0.5)
+                info = collect(rd)
+        else:
+            info = follow(rd, console, interval=0.5, stop=ended, settle_s=5.0)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave the run half-stopped
+        _err("relax-submit: interrupted: cancelling the run ...")
+        try:
+            cancel(rd)
+        finally:
+            if proc is not None:
+                proc.poll()
+        info = collect(rd)
+        if as_json:
+            _print_json(dict(record, state=info["state"], reason=info["reason"]))
+        else:
+            _err(f"relax-submit: run {record['run']} {info['state']}")
+        return EXIT_INTERRUPTED
+    if as_json:
+        _print_json(dict(record, state=info["state"], reason=info["reason"]))
+    elif info["state"] == "COMPLETED":
+        console.print(f"Run {record['run']} COMPLETED.", highlight=False)
+    else:
+        _err(f"relax-submit: run {record['run']} {info['state']}: {info.get('reason') or 'no reason recorded'}\n"
+             f"Logs: {rd.logs}")
+    return EXIT_OK if info["state"] == "COMPLETED" else EXIT_FAILED
+
+
+# -------------------------------------------------------------------------------------- relax-status ---
+
+def _status_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="relax-status",
+                                 description="State of a run: Slurm's view (per het component) and the controller's "
+                                             "(step, phase per role).")
+    ap.add_argument("run", nargs="?", help="run name, run directory or job id (default: the latest run)")
+    ap.add_argument("--watch", action="store_true", help="refresh until the run ends (Ctrl-C stops watching only)")
+    ap.add_argument("--json", action="store_true", help="print JSON (with --watch: one object per line, on change)")
+    ap.add_argument("--runs-root", default=DEFAULT_RUNS_ROOT, help=f"where runs are (default {DEFAULT_RUNS_ROOT})")
+    ap.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch")
+    return ap
+
+
+def status_main(argv: list[str] | None = None) -> int:
+    args = _status_parser().parse_args(argv)
+    try:
+        rd = find_run(args.run, args.runs_root)
+    except RunNotFound as e:
+        _err(f"relax-status: {e}")
+        return EXIT_REFUSED
+    console = Console()
+    try:
+        if args.watch:
+            info = follow(rd, console, interval=args.interval, json_lines=args.json)
+        else:
+            info = collect(rd)
+            if args.json:
+                _print_json(info)
+            else:
+                console.print(render(info))
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if info["state"] == "UNKNOWN" and info["source"] == "none" and \
+        str(info.get("reason", "")).startswith("cannot ask Slurm") else EXIT_OK
+
+
+# -------------------------------------------------------------------------------------- relax-cancel ---
+
+def _cancel_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="relax-cancel", description="Cancel a run (scancel, or stop a local run).")
+    ap.add_argument("run", help="run name, run directory or job id")
+    ap.add_argument("--runs-root", default=DEFAULT_RUNS_ROOT, help=f"where runs are (default {DEFAULT_RUNS_ROOT})")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--grace", type=float, default=30.0,
+                    help="local runs: seconds between SIGTERM and SIGKILL (default 30)")
+    return ap
+
+
+def cancel_main(argv: list[str] | None = None) -> int:
+    args = _cancel_parser().parse_args(argv)
+    try:
+        rd = find_run(args.run, args.runs_root)
+    except RunNotFound as e:
+        _err(f"relax-cancel: {e}")
+        return EXIT_REFUSED
+    try:
+        out = cancel(rd, grace_s=args.grace)
+    except (CancelError, slurm.SlurmError) as e:
+        _err(f"relax-cancel: {e}")
+        return EXIT_FAILED
+    if args.json:
+        _print_json(out)
+    else:
+        print(f"Cancelled run {out['run']} ({out['executor']} job {out['job_id']}: {out['action']}).")
+    return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(submit_main())

@@ -1,0 +1,228 @@
+"""A run's status: what Slurm (or the local process) says, joined with what the controller wrote in ``state.json``.
+
+Why both: Slurm knows the allocation (state per het component, nodes, time left, why it is pending) but not
+training progress; the controller knows the step and each role's phase but not whether the job is still
+queued, or was killed without a chance to write. The overall ``state`` is always in Slurm's words (PENDING,
+RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT, ...), for local runs too, so scripts need one vocabulary.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import socket
+import time
+from typing import Any
+
+from rich.console import Group as RichGroup
+from rich.table import Table
+from rich.text import Text
+
+from relax_hpc.launch import localproc, slurm
+from relax_hpc.launch.executors import read_result
+from relax_hpc.launch.runs import load_job
+from relax_hpc.recipe import load_recipe
+from relax_hpc.recipe.layout import role_steps
+from relax_hpc.rundir import RunDir
+
+STATE_STYLE = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow", "FAILED": "bold red",
+               "CANCELLED": "magenta", "TIMEOUT": "red", "UNKNOWN": "dim"}
+
+
+def _epoch(v: Any) -> float | None:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return _dt.datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+    return None
+
+
+def _layout(rd: RunDir, state: dict) -> list[dict]:
+    """Roles in het-group order from the run's recipe (or, if it cannot be read, from state.json)."""
+    try:
+        recipe = load_recipe(rd.recipe)
+        return [{"role": s.role, "het_group": s.het_group, "shared": s.shared, "nodes_requested": s.nodes,
+                 "ntasks": s.ntasks} for s in role_steps(recipe)]
+    except Exception:
+        roles = state.get("roles") or {}
+        return [{"role": name, "het_group": (r or {}).get("het_group"), "shared": None, "nodes_requested": None,
+                 "ntasks": None} for name, r in roles.items()]
+
+
+def _failure_reason(rd: RunDir, job: dict, state: dict) -> str | None:
+    if state.get("reason"):
+        return str(state["reason"])
+    res = read_result(job.get("submitit_folder") or rd.path / "submitit", str(job.get("job_id")))
+    if res and res[0] == "error":
+        lines = [ln for ln in str(res[1]).strip().splitlines() if ln.strip()]
+        return lines[-1] if lines else "the controller raised an error"
+    return None
+
+
+def _slurm_state(rd: RunDir, job: dict, ctl: dict) -> tuple[str, str | None, list[dict], str]:
+    comps = slurm.job_components(job["job_id"], job.get("job_name"))
+    ctl_state = slurm.state_word(ctl["state"]) if ctl.get("state") else None
+    slurm_reason = next((c.reason for c in comps if c.reason), None)
+    if comps:
+        overall, source = slurm.aggregate_state([c.state for c in comps]), comps[0].source
+    elif ctl_state and slurm.is_finished(ctl_state):
+        overall, source = ctl_state, "state.json"
+    else:
+        overall, source = "UNKNOWN", "none"
+        slurm_reason = (f"Slurm no longer lists job {job['job_id']} and accounting has no record of it (yet); "
+                        "sacct lags a few seconds behind the end of a job")
+    if overall == "COMPLETED" and ctl_state and slurm.is_finished(ctl_state) and ctl_state != "COMPLETED":
+        overall = ctl_state  # the job ended cleanly but the controller says the run did not
+    if overall == "COMPLETED":
+        reason = None
+    elif slurm.is_finished(overall):  # why it ended; a pending reason left over from the queue is no answer
+        cancelled = "cancelled by relax-cancel" if (rd.path / "cancel.json").exists() else None
+        reason = _failure_reason(rd, job, ctl) or (cancelled if overall == "CANCELLED" else None) or slurm_reason
+    else:
+        reason = slurm_reason if overall != "RUNNING" else None
+    components = [dict(c.as_dict(), time_left=slurm.format_seconds(c.time_left_s())) for c in comps]
+    return overall, reason, components, source
+
+
+def _local_state(rd: RunDir, job: dict, ctl: dict) -> tuple[str, str | None, list[dict], str]:
+    ctl_state = slurm.state_word(ctl["state"]) if ctl.get("state") else None
+    cancelled = (rd.path / "cancel.json").exists()
+    host = job.get("host")
+    if host and host != socket.gethostname():
+        return "UNKNOWN", f"a local run on host {host}: run relax-status there", [], "none"
+    if localproc.alive(int(job["pid"]), job.get("pid_start")):
+        if cancelled:
+            return "RUNNING", "cancel requested; stopping", [], "process"
+        active = ctl_state if ctl_state and not slurm.is_finished(ctl_state) and ctl_state != "PENDING" else None
+        return active or "RUNNING", None, [], "process"
+    if ctl_state == "COMPLETED":
+        return "COMPLETED", None, [], "state.json"
+    if cancelled:
+        return "CANCELLED", "cancelled by relax-cancel", [], "process"
+    res = read_result(job.get("submitit_folder") or rd.path / "submitit", str(job["job_id"]))
+    if ctl_state and slurm.is_finished(ctl_state):
+        return ctl_state, _failure_reason(rd, job, ctl), [], "state.json"
+    if res and res[0] == "success":
+        return "COMPLETED", None, [], "process"
+    reason = _failure_reason(rd, job, ctl) or (
+        f"the local process {job['pid']} ended without a result; see {rd.logs}")
+    return "FAILED", reason, [], "process"
+
+
+def collect(rd: RunDir, now: float | None = None) -> dict:
+    """Everything ``relax-status --json`` prints for one run."""
+    now = time.time() if now is None else now
+    job = load_job(rd)
+    ctl = rd.read_json(rd.state, {}) or {}
+    executor = job.get("executor", "slurm")
+    if executor == "slurm":
+        try:
+            overall, reason, components, source = _slurm_state(rd, job, ctl)
+        except slurm.SlurmError as e:
+            overall, reason, components, source = "UNKNOWN", f"cannot ask Slurm: {e}", [], "none"
+    else:
+        overall, reason, components, source = _local_state(rd, job, ctl)
+    layout = _layout(rd, ctl)
+    ctl_roles = ctl.get("roles") or {}
+    roles: dict[str, dict] = {}
+    for entry in layout:
+        r = dict(entry)
+        r.update({k: v for k, v in (ctl_roles.get(entry["role"]) or {}).items() if k != "het_group"})
+        hb = _epoch(r.get("last_heartbeat"))
+        r["heartbeat_age_s"] = None if hb is None else round(now - hb, 1)
+        roles[entry["role"]] = r
+    if not components:  # local, or Slurm forgot the job: one entry per het group from the recipe
+        for k in sorted({e["het_group"] for e in layout if e["het_group"] is not None}):
+            label = "local" if executor == "local" else f"{job.get('job_id')}+{k}"
+            components.append({"het_group": k, "label": label, "state": overall,
+                               "reason": None, "nodes": "localhost" if executor == "local" else None,
+                               "source": source})
+    for c in components:
+        k = c.get("het_offset", c.get("het_group"))
+        c["het_group"] = k
+        c["roles"] = [e["role"] for e in layout if e["het_group"] == k]
+    time_left = next((c.get("time_left_s") for c in components if c.get("het_group") == 0), None)
+    return {
+        "run": rd.name,
+        "run_dir": str(rd.path),
+        "job_id": str(job.get("job_id")),
+        "job_name": job.get("job_name"),
+        "executor": executor,
+        "state": overall,
+        "reason": reason,
+        "source": source,
+        "submitted_at": job.get("submitted_at"),
+        "controller_state": ctl.get("state"),
+        "attempt": ctl.get("attempt"),
+        "step": ctl.get("step"),
+        "total_steps": ctl.get("total_steps"),
+        "updated_at": ctl.get("updated_at"),
+        "time_left_s": time_left,
+        "components": components,
+        "roles": roles,
+        "logs": str(rd.logs),
+    }
+
+
+def is_final(info: dict) -> bool:
+    return slurm.is_finished(info["state"])
+
+
+# --------------------------------------------------------------------------------------- display ---
+
+def _styled(state: Any) -> Text:
+    s = str(state or "-")
+    return Text(s, style=STATE_STYLE.get(slurm.state_word(s) if state else "UNKNOWN", ""))
+
+
+def _cell(v: Any) -> str:
+    if v is None or v == "":
+        return "-"
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v) or "-"
+    return str(v)
+
+
+def render(info: dict) -> RichGroup:
+    """The rich view of :func:`collect`'s result (relax-status, and relax-submit's local progress view)."""
+    step = "" if info.get("step") is None else f"  step {info['step']}/{info.get('total_steps') or '?'}"
+    left = "" if info["executor"] == "local" or not info.get("components") else \
+        f"  time left {slurm.format_seconds(info.get('time_left_s'))}"
+    head = Text.assemble((info["run"], "bold"), f"  job {info['job_id']} ({info['executor']})  ",
+                         _styled(info["state"]), step, left)
+    parts: list[Any] = [head]
+    if info.get("reason"):
+        parts.append(Text(f"reason: {info['reason']}", style="yellow" if info["state"] == "PENDING" else "red"))
+    comps = Table(title=None, box=None, pad_edge=False, header_style="bold")
+    for col in ("het", "job", "state", "nodes", "time left", "reason", "roles"):
+        comps.add_column(col)
+    for c in info["components"]:
+        comps.add_row(_cell(c.get("het_group")), _cell(c.get("label")), _styled(c.get("state")),
+                      _cell(c.get("nodes")), _cell(c.get("time_left")), _cell(c.get("reason")), _cell(c.get("roles")))
+    roles = Table(box=None, pad_edge=False, header_style="bold")
+    for col in ("role", "het", "phase", "nodes", "ranks", "heartbeat", "error"):
+        roles.add_column(col)
+    for name, r in info["roles"].items():
+        hb = r.get("heartbeat_age_s")
+        roles.add_row(name, _cell(r.get("het_group")), _cell(r.get("phase")),
+                      _cell(r.get("nodes") if r.get("nodes") else r.get("nodes_requested")),
+                      _cell(r.get("ranks") if r.get("ranks") is not None else r.get("ntasks")),
+                      "-" if hb is None else f"{hb:.0f}s ago", _cell(r.get("error")))
+    parts += [Text(""), comps, Text(""), roles, Text(f"logs: {info['logs']}", style="dim")]
+    return RichGroup(*parts)
+
+
+def signature(info: dict) -> tuple:
+    """What makes a status worth printing again (not clocks: time left, heartbeat ages, estimates)."""
+    comps = tuple((c.get("label"), c.get("state"), c.get("reason"), c.get("nodes")) for c in info["components"])
+    roles = tuple((n, r.get("phase"), r.get("error")) for n, r in info["roles"].items())
+    return (info["state"], info.get("reason"), info.get("step"), info.get("controller_state"), comps, roles)
+
+
+def summary_line(info: dict) -> str:
+    """One line for terminals that are not interactive (logs, CI)."""
+    phases = " ".join(f"{n}={r.get('phase') or '-'}" for n, r in info["roles"].items())
+    step = "" if info.get("step") is None else f" step {info['step']}/{info.get('total_steps') or '?'}"
+    return f"{info['run']} {info['state']}{step} {phases}".rstrip()

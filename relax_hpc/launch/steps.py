@@ -1,0 +1,119 @@
+"""The command lines of the role steps: what the controller starts, and what ``relax-submit --dry-run`` prints.
+
+One place builds them so that the dry run shows exactly what will run. Under Slurm a role is one
+``srun --het-group=K`` job step (``--overlap`` when it shares another role's component); locally it is
+``nodes × tasks_per_node`` processes of the same module, told their rank by environment variables. Argument
+lists only: nothing here goes through a shell.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import relax_hpc
+from relax_hpc.recipe import Recipe, RoleStep, role_steps
+
+EXECUTORS = ("slurm", "local")
+PACKAGE_ROOT = str(Path(relax_hpc.__file__).resolve().parents[1])  # so every step imports this relax_hpc
+
+
+def executor_from_env(env: dict[str, str] | None = None) -> str:
+    """``RELAX_EXECUTOR`` if set, else ``slurm`` inside a het job's batch script, else ``local``."""
+    env = os.environ if env is None else env
+    chosen = env.get("RELAX_EXECUTOR")
+    if chosen:
+        if chosen not in EXECUTORS:
+            raise ValueError(f"RELAX_EXECUTOR={chosen!r}: must be one of {', '.join(EXECUTORS)}")
+        return chosen
+    return "slurm" if env.get("SLURM_JOB_ID") and env.get("SLURM_HET_SIZE") else "local"
+
+
+@dataclass(frozen=True)
+class Proc:
+    argv: list[str]
+    env: dict[str, str]  # added to the controller's environment
+    log: Path  # stdout+stderr of this process (for srun: srun's own messages; tasks log via --output)
+
+
+@dataclass(frozen=True)
+class StepCommand:
+    step: RoleStep
+    launch_id: str  # fresh per start: a rendezvous file from an earlier attempt is never mistaken for ours
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def role(self) -> str:
+        return self.step.role
+
+
+def role_module(role: str) -> str:
+    return f"relax_hpc.roles.{role}"
+
+
+def task_log_pattern(run_dir: Path, role: str) -> Path:
+    """Per-rank log; ``%t`` is the rank (srun expands it; the local launcher substitutes it)."""
+    return run_dir / "logs" / f"{role}.%t.log"
+
+
+def srun_argv(step: RoleStep, recipe: Recipe, run_dir: Path, python: str = sys.executable) -> list[str]:
+    argv = ["srun", f"--het-group={step.het_group}"]
+    if step.shared:
+        argv.append("--overlap")
+    argv += [
+        f"--nodes={step.nodes}",
+        f"--ntasks={step.ntasks}",
+        f"--ntasks-per-node={step.tasks_per_node}",
+        f"--cpus-per-task={recipe.role(step.role).cpus_per_task}",
+        f"--mpi={recipe.slurm.mpi}",
+        "--kill-on-bad-exit=1",
+        f"--output={task_log_pattern(run_dir, step.role)}",
+        *recipe.slurm.srun_args,
+        python, "-m", role_module(step.role), str(run_dir),
+    ]
+    return argv
+
+
+def _common_env(recipe: Recipe, launch_id: str, rendezvous: str) -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH")
+    return {
+        **recipe.slurm.env,
+        "RELAX_LAUNCH_ID": launch_id,
+        "RELAX_RENDEZVOUS": rendezvous,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": PACKAGE_ROOT + (os.pathsep + path if path else ""),
+    }
+
+
+def step_commands(recipe: Recipe, run_dir: str | Path, executor: str, python: str = sys.executable) -> list[StepCommand]:
+    """What to start for each role step, in het-group order."""
+    run_dir = Path(run_dir).resolve()
+    out = []
+    for step in role_steps(recipe):
+        launch_id = secrets.token_hex(6)
+        if executor == "slurm":
+            rendezvous = "mpi" if recipe.slurm.mpi == "pmix" else "file"
+            env = _common_env(recipe, launch_id, rendezvous)
+            procs = [Proc(srun_argv(step, recipe, run_dir, python), env, run_dir / "logs" / f"{step.role}.srun.log")]
+        elif executor == "local":
+            procs = []
+            for rank in range(step.ntasks):
+                env = {**_common_env(recipe, launch_id, "file"), "RELAX_RANK": str(rank),
+                       "RELAX_WORLD_SIZE": str(step.ntasks), "RELAX_LOCAL_RANK": str(rank % step.tasks_per_node),
+                       "RELAX_NODE": "localhost"}
+                log = Path(str(task_log_pattern(run_dir, step.role)).replace("%t", str(rank)))
+                procs.append(Proc([python, "-m", role_module(step.role), str(run_dir)], env, log))
+        else:
+            raise ValueError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
+        out.append(StepCommand(step, launch_id, procs))
+    return out
+
+
+def describe_steps(recipe: Recipe, run_dir: str | Path, python: str = sys.executable) -> list[str]:
+    """The Slurm step commands, shell-quoted, one per role (for ``relax-submit --dry-run``)."""
+    run_dir = Path(run_dir).resolve()
+    return [shlex.join(srun_argv(s, recipe, run_dir, python)) for s in role_steps(recipe)]

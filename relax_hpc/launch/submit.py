@@ -1,0 +1,187 @@
+"""relax-submit: recipe → checks → run directory → one het job (or a local run) → job.json.
+
+Order matters and is the point of this module: everything that can refuse a recipe (the validator, the
+checks against the cluster or this machine, rendering the template) runs *before* the run directory is made
+or anything is submitted; if the submission itself fails, the run directory is removed again. So a refused
+recipe leaves nothing behind, and a run directory always belongs to a submitted job.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import shlex
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relax_hpc.launch import localproc
+from relax_hpc.launch.executors import ControllerTask, HetSlurmExecutor, RelaxLocalExecutor, runner_argv
+from relax_hpc.launch.preflight import preflight
+from relax_hpc.launch.render import PACKAGE_ROOT, render_script
+from relax_hpc.launch.slurm import parse_time
+from relax_hpc.recipe import Recipe, dump_recipe, load_recipe
+from relax_hpc.rundir import RunDir, create_run_dir, write_json, write_private
+
+
+class SubmitError(RuntimeError):
+    """The recipe was fine but submitting failed (sbatch refused, the local process did not start)."""
+
+
+@dataclass
+class Plan:
+    """A checked recipe and what would be submitted for it."""
+
+    recipe: Recipe
+    source: str
+    overrides: list[str]
+    executor: str  # "slurm" | "local"
+    python: str
+    search: list[Path] = field(default_factory=list)  # where a relative slurm.template is looked up
+
+    @property
+    def runs_root(self) -> Path:
+        return Path(self.recipe.run.runs_root).expanduser().resolve()
+
+    def script(self, run_dir: Path) -> str:
+        # the script prepends this to the job's PYTHONPATH (sbatch passes the submitter's environment on)
+        return render_script(self.recipe, run_dir, runner_argv(self.python, run_dir / "submitit"),
+                             str(PACKAGE_ROOT), self.search)
+
+
+def pythonpath() -> str:
+    """PYTHONPATH for a local run: it imports the same relax_hpc as the submitter, whatever its directory."""
+    old = os.environ.get("PYTHONPATH")
+    return str(PACKAGE_ROOT) + (os.pathsep + old if old else "")
+
+
+def plan(recipe_path: str | Path, overrides: list[str] | tuple[str, ...] = (), executor: str = "slurm",
+         python: str | None = None) -> Plan:
+    """Load, validate and check a recipe for ``executor``; raises RecipeError (nothing is created)."""
+    recipe = load_recipe(recipe_path, list(overrides))
+    p = Plan(recipe, str(recipe_path), list(overrides), executor, python or sys.executable,
+             [Path.cwd(), Path(recipe_path).resolve().parent])
+    preflight(recipe, executor, source=str(recipe_path))
+    if executor == "slurm":  # a broken template is a recipe problem: find it now
+        p.script(p.runs_root / f"{recipe.run.name}-YYYYmmdd-HHMMSS")
+    return p
+
+
+def would_be_run_dir(p: Plan) -> Path:
+    return p.runs_root / f"{p.recipe.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def step_lines(p: Plan, run_dir: Path) -> list[str]:
+    """The role steps' command lines, from the controller's own builder (``relax_hpc.launch.steps``)."""
+    try:
+        if p.executor == "local":
+            from relax_hpc.launch.steps import step_commands
+
+            lines = []
+            for sc in step_commands(p.recipe, run_dir, "local", p.python):
+                for proc in sc.procs:
+                    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(proc.env.items())
+                                   if k.startswith("RELAX_") and k not in ("RELAX_LAUNCH_ID",))
+                    lines.append(f"{env} {shlex.join(proc.argv)}".strip())
+            return lines
+        from relax_hpc.launch.steps import describe_steps
+
+        return list(describe_steps(p.recipe, run_dir, p.python))
+    except Exception as e:  # the step builder belongs to the controller; a dry run should still print the script
+        return [f"# (step commands unavailable: {type(e).__name__}: {e})"]
+
+
+def dry_run(p: Plan) -> dict:
+    run_dir = would_be_run_dir(p)
+    return {"dry_run": True, "executor": p.executor, "run_dir": str(run_dir), "run": run_dir.name,
+            "job_id": None, "script": p.script(run_dir) if p.executor == "slurm" else None,
+            "steps": step_lines(p, run_dir)}
+
+
+def _timeout_min(recipe: Recipe) -> float:
+    return parse_time(recipe.slurm.time) / 60
+
+
+def _submit_slurm(p: Plan, rd: RunDir, script: str):
+    def render(argv: list[str]) -> str:
+        if argv != runner_argv(p.python, rd.path / "submitit"):
+            raise SubmitError(f"unexpected runner command {argv}")
+        return script
+
+    ex = HetSlurmExecutor(rd.path / "submitit", render, _timeout_min(p.recipe), p.recipe.slurm.max_requeues,
+                          python=p.python)
+    return ex.submit(ControllerTask(rd.path))
+
+
+def _submit_local(p: Plan, rd: RunDir):
+    env = {**p.recipe.slurm.env, "RELAX_EXECUTOR": "local", "RELAX_RUN_DIR": str(rd.path),
+           "PYTHONPATH": pythonpath(), "PYTHONUNBUFFERED": "1"}
+    ex = RelaxLocalExecutor(rd.path / "submitit", env, rd.logs / "local.log", _timeout_min(p.recipe),
+                            p.recipe.slurm.signal_lead_s, p.recipe.slurm.max_requeues, python=p.python)
+    return ex.submit(ControllerTask(rd.path))
+
+
+def submit(p: Plan) -> tuple[dict, Any]:
+    """Make the run directory, submit, write job.json; returns (job.json contents, submitit job handle)."""
+    rd = create_run_dir(p.runs_root, p.recipe.run.name)
+    try:
+        write_private(rd.recipe, dump_recipe(p.recipe))
+        record: dict[str, Any] = {
+            "run": rd.name, "run_dir": str(rd.path), "executor": p.executor,
+            "job_name": p.recipe.slurm.job_name or f"relax-{p.recipe.run.name}",
+            "recipe_source": str(Path(p.source).resolve()), "overrides": p.overrides,
+            "submitit_folder": str(rd.path / "submitit"), "python": p.python,
+            "host": socket.gethostname(), "user": getpass.getuser(),
+        }
+        if p.executor == "slurm":
+            script = p.script(rd.path)
+            write_private(rd.script, script)
+            record["submitted_at"] = time.time()
+            try:
+                job = _submit_slurm(p, rd, script)
+            except SubmitError:
+                raise
+            except Exception as e:  # submitit wraps sbatch's complaint in its own error types
+                raise SubmitError(f"sbatch refused the job: {str(e).strip()}") from None
+            record.update(job_id=str(job.job_id), script=str(rd.script),
+                          batch_log=str(rd.logs / f"batch-{job.job_id}.out"))
+        else:
+            record["submitted_at"] = time.time()
+            try:
+                job = _submit_local(p, rd)
+            except Exception as e:
+                raise SubmitError(f"could not start the local run: {e}") from None
+            pid = int(job.job_id)
+            record.update(job_id=str(pid), pid=pid, pgid=pid, pid_start=localproc.start_ticks(pid),
+                          local_log=str(rd.logs / "local.log"))
+        write_json(rd.job, record)
+    except BaseException:
+        if not rd.job.exists():  # nothing was submitted: leave nothing behind
+            shutil.rmtree(rd.path, ignore_errors=True)
+        raise
+    return record, job
+
+
+def resubmit(run_dir: str | Path, python: str | None = None) -> dict:
+    """Submit an existing Slurm run again as a new job (for a controller whose requeue was refused).
+
+    Re-renders the script from ``RUN_DIR/recipe.yaml`` (same run directory, so the new job resumes from its
+    checkpoints), submits it through the same executor, and records the new id in job.json (the old one in
+    ``previous_job_ids``). Returns the updated job.json contents."""
+    rd = RunDir(Path(run_dir).resolve())
+    old = rd.read_json(rd.job, {}) or {}
+    recipe = load_recipe(rd.recipe)
+    search = [Path.cwd()] + ([Path(old["recipe_source"]).parent] if old.get("recipe_source") else []) + [rd.path]
+    p = Plan(recipe, str(rd.recipe), [], "slurm", python or old.get("python") or sys.executable, search)
+    script = p.script(rd.path)
+    write_private(rd.script, script)
+    job = _submit_slurm(p, rd, script)
+    record = dict(old, job_id=str(job.job_id), submitted_at=time.time(),
+                  previous_job_ids=[*old.get("previous_job_ids", []), old.get("job_id")],
+                  batch_log=str(rd.logs / f"batch-{job.job_id}.out"))
+    write_json(rd.job, record)
+    return record

@@ -1,0 +1,173 @@
+"""What every role process shares: who it is, its line to the controller, its heartbeat, and how it ends.
+
+A role module is ``main(ROLE, work)``: the same code under Slurm (``srun`` gives ``SLURM_PROCID``...) and
+locally (the controller's launcher gives ``RELAX_RANK``...). Any exception is reported to the controller
+as an ``error`` (so the run fails with this rank's traceback instead of hanging) and printed to this
+rank's log; the process then exits 1, and ``srun --kill-on-bad-exit`` takes the rest of the step down.
+A rank that loses the controller for longer than the heartbeat timeout exits too: no role outlives its run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from relax_hpc.controller.protocol import PHASES, Client, ProtocolError
+from relax_hpc.recipe import Recipe, load_recipe, role_steps
+from relax_hpc.rundir import RunDir
+
+CONTROLLER_LOST_EXIT = 75  # exit code of a rank that stopped hearing from the controller
+
+
+@dataclass(frozen=True)
+class Identity:
+    role: str
+    rank: int
+    world: int
+    local_rank: int
+    node: str
+
+    @classmethod
+    def from_env(cls, role: str, env: dict[str, str] | None = None) -> "Identity":
+        """The local launcher's ``RELAX_*`` variables win over Slurm's (a local run may sit inside an allocation)."""
+        env = os.environ if env is None else env
+
+        def pick(*names: str, default: str) -> str:
+            return next((env[n] for n in names if env.get(n)), default)
+
+        return cls(role=role,
+                   rank=int(pick("RELAX_RANK", "SLURM_PROCID", default="0")),
+                   world=int(pick("RELAX_WORLD_SIZE", "SLURM_NTASKS", default="1")),
+                   local_rank=int(pick("RELAX_LOCAL_RANK", "SLURM_LOCALID", default="0")),
+                   node=pick("RELAX_NODE", "SLURMD_NODENAME", default=socket.gethostname()))
+
+
+def cross_members(recipe: Recipe) -> list[str]:
+    """Ranks of the cross-role group, in order: the actor (its rank 0), then rank 0 of every other role."""
+    return ["actor", *[s.role for s in role_steps(recipe) if s.role != "actor"]]
+
+
+def reachable_host(ident: Identity) -> str:
+    """The address other processes use to reach a listener here: the node's name where it resolves."""
+    if ident.node == "localhost":
+        return "127.0.0.1"
+    try:
+        socket.getaddrinfo(ident.node, None)
+        return ident.node
+    except OSError:
+        return socket.getfqdn()
+
+
+class RoleContext:
+    """A running rank: identity, recipe, controller client, and the phase/info its heartbeats carry."""
+
+    def __init__(self, role: str, run_dir: str | Path):
+        self.run = RunDir(Path(run_dir).resolve())
+        self.recipe: Recipe = load_recipe(self.run.recipe)
+        self.ident = Identity.from_env(role)
+        self.launch_id = os.environ.get("RELAX_LAUNCH_ID", "")
+        addr = self.run.read_json(self.run.controller_addr)
+        if not addr:
+            raise RuntimeError(f"{self.run.controller_addr} is missing: is the controller running?")
+        self.client = Client(addr["host"], int(addr["port"]), self.run.token())
+        self.phase = "starting"
+        self.info: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    # -- talking to the controller
+    def hello(self) -> None:
+        i = self.ident
+        self.client.hello(i.role, i.rank, i.world, i.node, os.getpid())
+
+    def report(self, phase: str, **info: Any) -> None:
+        """Move to ``phase`` (and merge ``info``), and tell the controller now rather than at the next beat."""
+        assert phase in PHASES, phase
+        self.phase = phase
+        self.info.update(info)
+        self.client.heartbeat(self.ident.role, self.ident.rank, self.ident.node, phase, dict(self.info))
+
+    def report_error(self, text: str) -> None:
+        try:
+            self.client.error(self.ident.role, self.ident.rank, self.ident.node, text)
+        except (OSError, ProtocolError) as e:  # the log still has it; the exit code still fails the step
+            print(f"[{self.ident.role}:{self.ident.rank}] could not report the error to the controller: {e}",
+                  file=sys.stderr, flush=True)
+
+    # -- heartbeat
+    def start_heartbeat(self) -> None:
+        self._beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self._beat.start()
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join(timeout=15)
+
+    def _heartbeat_loop(self) -> None:
+        every = self.recipe.logging.heartbeat_s
+        give_up = self.recipe.logging.heartbeat_timeout_s
+        last_ok = time.monotonic()
+        while not self._stop.wait(every):
+            try:
+                self.client.heartbeat(self.ident.role, self.ident.rank, self.ident.node, self.phase, dict(self.info))
+                last_ok = time.monotonic()
+            except (OSError, ProtocolError) as e:
+                if time.monotonic() - last_ok > give_up:
+                    print(f"[{self.ident.role}:{self.ident.rank}] no answer from the controller for "
+                          f"{give_up:.0f}s ({e}); exiting", file=sys.stderr, flush=True)
+                    os._exit(CONTROLLER_LOST_EXIT)
+
+    def close(self) -> None:
+        self.stop_heartbeat()
+        self.client.close()
+
+
+def _injected_failure(role: str) -> None:
+    """Test hook: ``RELAX_TEST_FAIL_ROLE=<role>`` makes that role fail right after its bootstrap."""
+    if os.environ.get("RELAX_TEST_FAIL_ROLE") == role:
+        raise RuntimeError(f"RELAX_TEST_FAIL_ROLE={role}: injected failure after bootstrap")
+
+
+Work = Callable[[RoleContext, Any], None]
+
+
+def main(role: str, work: Work | None = None, argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m relax_hpc.roles.<role> RUN_DIR``: bootstrap, report ready, ``work``, done."""
+    from relax_hpc.roles.comm import bootstrap  # torch is imported here, after the cheap checks
+
+    argv = sys.argv if argv is None else argv
+    if len(argv) != 2:
+        print(f"usage: python -m relax_hpc.roles.{role} RUN_DIR", file=sys.stderr)
+        return 2
+    ctx = RoleContext(role, argv[1])
+    tag = f"[{role}:{ctx.ident.rank}@{ctx.ident.node}]"
+    try:
+        ctx.hello()
+        ctx.start_heartbeat()
+        ctx.report("bootstrap")
+        comm = bootstrap(ctx)
+        ctx.report("ready", **comm.summary())
+        print(f"{tag} ready: {comm.summary()}", flush=True)
+        _injected_failure(role)
+        if work is not None:
+            work(ctx, comm)
+        comm.close()
+        ctx.stop_heartbeat()
+        ctx.report("done")
+        print(f"{tag} done", flush=True)
+        return 0
+    except BaseException:
+        text = traceback.format_exc()
+        print(f"{tag} failed:\n{text}", file=sys.stderr, flush=True)
+        ctx.report_error(text)
+        return 1
+    finally:
+        ctx.close()

@@ -1,0 +1,435 @@
+"""The SGLang client: the one module that knows SGLang's HTTP wire format (0.5.23 native API).
+
+Everything relax_hpc asks of an inference engine goes through :class:`EngineClient`: generation for the
+rollout driver, health/info for launch and supervision, pause/flush/abort around weight syncs, and the
+weight-update calls for the actor. Real SGLang servers and relax_hpc's CPU engine
+(:mod:`relax_hpc.rollout.cpu_engine`) answer the same calls the same way, so nothing above this module
+knows which one it is talking to.
+
+Failure policy (why it is shaped this way):
+
+* every failure is an :class:`EngineError` naming the engine URL, the call and the cause (HTTP status and
+  body, timeout, connection refused), because a run with dozens of engines must say *which* one broke;
+* retries only where they cannot duplicate work: idempotent calls (health, info, flush, weight reads) retry
+  on any transport error or 5xx; every other call retries only when the connection was never made, i.e.
+  the engine cannot have seen the request. A generate that timed out is *not* resent.
+
+Typical use::
+
+    c = EngineClient("http://node12:30000")
+    g = await c.agenerate([1, 5, 7], SamplingParams(max_new_tokens=64, temperature=1.0), return_logprob=True)
+    g.output_ids, g.output_logprobs, g.finish_reason.type, g.weight_version
+
+    fut = c.submit(c.update_weights_from_distributed, names, dtypes, shapes, group_name="wg", weight_version="3")
+    for t in tensors: dist.broadcast(t, src=0, group=pg)   # the engine receives while the HTTP call waits
+    fut.result()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import httpx
+
+# Seconds. Generation can legitimately take minutes (long responses, queued behind others); control calls
+# should answer fast; a weight update waits for the whole broadcast.
+DEFAULT_TIMEOUT = 60.0
+GENERATE_TIMEOUT = 1800.0
+WEIGHTS_TIMEOUT = 1800.0
+CONNECT_TIMEOUT = 10.0
+
+
+class EngineError(RuntimeError):
+    """An engine call failed. ``str(e)`` reads "engine URL: CALL failed: CAUSE"."""
+
+    def __init__(self, engine_url: str, call: str, cause: str, *, status: int | None = None, body: str | None = None):
+        self.engine_url, self.call, self.cause, self.status, self.body = engine_url, call, cause, status, body
+        super().__init__(f"engine {engine_url}: {call} failed: {cause}")
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """SGLang's tagged finish reason: ``stop`` (``matched`` token id or string), ``length`` (``length``),
+    ``abort`` (``message``). ``unknown`` if the engine sent none."""
+
+    type: str
+    matched: int | str | list[int] | None = None
+    length: int | None = None
+    message: str | None = None
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> "FinishReason":
+        if not d:
+            return cls("unknown")
+        return cls(str(d.get("type")), d.get("matched"), d.get("length"), d.get("message"))
+
+
+@dataclass
+class SamplingParams:
+    """The sampling knobs relax_hpc sets, under SGLang's names; ``extra`` passes any other SGLang key through."""
+
+    max_new_tokens: int | None = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+             "top_k": self.top_k, "ignore_eos": self.ignore_eos}
+        if self.stop_token_ids:
+            d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.sampling_seed is not None:
+            d["sampling_seed"] = self.sampling_seed
+        return {**d, **self.extra}
+
+
+@dataclass
+class Generation:
+    """One finished generation. ``output_logprobs[i]`` is the engine's log-prob of ``output_ids[i]``."""
+
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float] | None
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: str | None
+    text: str | None = None
+    meta_info: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason.type == "abort"
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason.type == "length"
+
+
+def parse_generation(engine_url: str, obj: Any) -> Generation:
+    """Turn one SGLang ``/generate`` response object into a :class:`Generation` (checking the logprob rows)."""
+    try:
+        meta = obj["meta_info"]
+        out_ids = [int(t) for t in obj["output_ids"]]
+        rows = meta.get("output_token_logprobs")
+        logprobs = None
+        if rows is not None:
+            logprobs = [float(r[0]) for r in rows]
+            if [int(r[1]) for r in rows] != out_ids:
+                raise ValueError(f"output_token_logprobs token ids ({len(rows)} rows) do not match output_ids "
+                                 f"({len(out_ids)} tokens)")
+        return Generation(
+            rid=str(meta.get("id")), output_ids=out_ids, output_logprobs=logprobs,
+            finish_reason=FinishReason.from_json(meta.get("finish_reason")),
+            prompt_tokens=int(meta.get("prompt_tokens", 0)), completion_tokens=int(meta.get("completion_tokens", len(out_ids))),
+            weight_version=None if meta.get("weight_version") is None else str(meta["weight_version"]),
+            text=obj.get("text"), meta_info=meta)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise EngineError(engine_url, "/generate", f"malformed response ({type(e).__name__}: {e}): {str(obj)[:300]}") from e
+
+
+# call path -> retry on any transport error / 5xx (idempotent) or only on connect errors
+_IDEMPOTENT = {"/health_generate", "/health", "/server_info", "/model_info", "/flush_cache", "/get_weights_by_name"}
+
+
+class EngineClient:
+    """Sync and async calls to one engine (SGLang or relax_hpc's CPU engine) at ``url``."""
+
+    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT, connect_timeout: float = CONNECT_TIMEOUT,
+                 retries: int = 3, backoff: float = 0.2, max_connections: int = 1024, api_key: str | None = None):
+        self.url = url.rstrip("/")
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.retries, self.backoff = retries, backoff
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._client: httpx.Client | None = None
+        self._aclients: dict[int, tuple[asyncio.AbstractEventLoop, httpx.AsyncClient]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.url!r})"
+
+    # ------------------------------------------------------------------ transport
+    def _timeout(self, t: float | None) -> httpx.Timeout:
+        t = self.timeout if t is None else t
+        return httpx.Timeout(t, connect=min(self.connect_timeout, t), pool=None)
+
+    def _sync(self) -> httpx.Client:
+        with self._lock:
+            if self._client is None:
+                self._client = httpx.Client(limits=self._limits, headers=self._headers)
+            return self._client
+
+    def _async(self) -> httpx.AsyncClient:
+        # an httpx.AsyncClient belongs to one event loop; keep one per loop (tests and tools call asyncio.run often)
+        loop = asyncio.get_running_loop()
+        got = self._aclients.get(id(loop))
+        if got is None or got[0] is not loop:
+            got = (loop, httpx.AsyncClient(limits=self._limits, headers=self._headers))
+            self._aclients = {k: v for k, v in self._aclients.items() if not v[0].is_closed()}
+            self._aclients[id(loop)] = got
+        return got[1]
+
+    def _fail(self, call: str, e: Exception, timeout: float) -> EngineError:
+        if isinstance(e, httpx.ConnectError):
+            cause = "connection refused (is the engine running?)" if "refused" in str(e).lower() \
+                else f"cannot connect: {e or type(e).__name__}"
+        elif isinstance(e, httpx.ConnectTimeout):
+            cause = f"connect timed out after {min(self.connect_timeout, timeout)} s"
+        elif isinstance(e, httpx.TimeoutException):
+            cause = f"timed out after {timeout} s waiting for the answer ({type(e).__name__})"
+        elif isinstance(e, (httpx.RemoteProtocolError, httpx.ReadError)):
+            cause = f"connection closed by the engine mid-request (did it die?): {e or type(e).__name__}"
+        else:
+            cause = f"{type(e).__name__}: {e}"
+        return EngineError(self.url, call, cause)
+
+    def _status_error(self, call: str, r: httpx.Response) -> EngineError:
+        body = r.text
+        return EngineError(self.url, call, f"HTTP {r.status_code}: {body[:2000] or '(empty body)'}",
+                           status=r.status_code, body=body)
+
+    def _retryable(self, path: str, e: Exception | None, status: int | None) -> bool:
+        if path in _IDEMPOTENT:
+            return e is not None or (status is not None and status >= 500 and status != 503)
+        return isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))  # never reached the engine
+
+    def request(self, method: str, path: str, json: Any = None, *, timeout: float | None = None,
+                ok_statuses: Sequence[int] = (200,)) -> httpx.Response:
+        """One call with the retry policy; raises EngineError unless the status is in ``ok_statuses``."""
+        t = self.timeout if timeout is None else timeout
+        for attempt in range(self.retries + 1):
+            try:
+                r = self._sync().request(method, self.url + path, json=json, timeout=self._timeout(t))
+            except httpx.TransportError as e:
+                if attempt < self.retries and self._retryable(path, e, None):
+                    time.sleep(self.backoff * 2 ** attempt)
+                    continue
+                raise self._fail(path, e, t) from e
+            if r.status_code in ok_statuses:
+                return r
+            if attempt < self.retries and self._retryable(path, None, r.status_code):
+                time.sleep(self.backoff * 2 ** attempt)
+                continue
+            raise self._status_error(path, r)
+        raise AssertionError("unreachable")
+
+    async def arequest(self, method: str, path: str, json: Any = None, *, timeout: float | None = None,
+                       ok_statuses: Sequence[int] = (200,)) -> httpx.Response:
+        """Async twin of :meth:`request`."""
+        t = self.timeout if timeout is None else timeout
+        for attempt in range(self.retries + 1):
+            try:
+                r = await self._async().request(method, self.url + path, json=json, timeout=self._timeout(t))
+            except httpx.TransportError as e:
+                if attempt < self.retries and self._retryable(path, e, None):
+                    await asyncio.sleep(self.backoff * 2 ** attempt)
+                    continue
+                raise self._fail(path, e, t) from e
+            if r.status_code in ok_statuses:
+                return r
+            if attempt < self.retries and self._retryable(path, None, r.status_code):
+                await asyncio.sleep(self.backoff * 2 ** attempt)
+                continue
+            raise self._status_error(path, r)
+        raise AssertionError("unreachable")
+
+    def _json(self, path: str, r: httpx.Response) -> Any:
+        try:
+            return r.json() if r.content else None
+        except ValueError as e:
+            raise EngineError(self.url, path, f"invalid JSON in the answer: {r.text[:300]!r}") from e
+
+    def _success(self, path: str, payload: dict, timeout: float | None = None) -> dict:
+        """The ``{"success", "message"}`` calls (session and weight updates)."""
+        r = self.request("POST", path, payload, timeout=timeout)
+        d = self._json(path, r) or {}
+        if d.get("success") is False:
+            raise EngineError(self.url, path, f"engine reported failure: {d.get('message')}", status=r.status_code,
+                              body=r.text)
+        return d
+
+    # ------------------------------------------------------------------ generation
+    @staticmethod
+    def _generate_payload(input_ids, sampling_params, return_logprob, rid, extra) -> dict:
+        sp = sampling_params.to_json() if isinstance(sampling_params, SamplingParams) else dict(sampling_params or {})
+        body = {"input_ids": list(input_ids), "sampling_params": sp, "return_logprob": bool(return_logprob)}
+        if rid is not None:
+            body["rid"] = rid
+        body.update(extra or {})
+        return body
+
+    async def agenerate(self, input_ids: Sequence[int], sampling_params: SamplingParams | dict | None = None, *,
+                        return_logprob: bool = True, rid: str | None = None, timeout: float | None = GENERATE_TIMEOUT,
+                        extra: dict | None = None) -> Generation:
+        """``POST /generate`` for one prompt of token ids. Many may run concurrently (asyncio.gather); the engine
+        batches them. An aborted request (pause/abort) returns normally with ``finish_reason.type == "abort"``."""
+        body = self._generate_payload(input_ids, sampling_params, return_logprob, rid, extra)
+        r = await self.arequest("POST", "/generate", body, timeout=timeout)
+        return parse_generation(self.url, self._json("/generate", r))
+
+    def generate(self, input_ids: Sequence[int], sampling_params: SamplingParams | dict | None = None, *,
+                 return_logprob: bool = True, rid: str | None = None, timeout: float | None = GENERATE_TIMEOUT,
+                 extra: dict | None = None) -> Generation:
+        """Blocking :meth:`agenerate`."""
+        body = self._generate_payload(input_ids, sampling_params, return_logprob, rid, extra)
+        r = self.request("POST", "/generate", body, timeout=timeout)
+        return parse_generation(self.url, self._json("/generate", r))
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams | dict | None = None, *,
+                       return_logprob: bool = True, timeout: float | None = GENERATE_TIMEOUT) -> list[Generation]:
+        """Blocking: all prompts concurrently (one request each), results in prompt order."""
+        async def run():
+            return await asyncio.gather(*(self.agenerate(p, sampling_params, return_logprob=return_logprob,
+                                                         timeout=timeout) for p in prompts))
+        return list(asyncio.run(run()))
+
+    # ------------------------------------------------------------------ health and info
+    def health_generate(self, timeout: float = 30.0) -> None:
+        """``GET /health_generate``: the engine runs a 1-token generation. Raises EngineError (503 = unhealthy)."""
+        self.request("GET", "/health_generate", timeout=timeout)
+
+    async def ahealth_generate(self, timeout: float = 30.0) -> None:
+        await self.arequest("GET", "/health_generate", timeout=timeout)
+
+    def is_healthy(self, timeout: float = 30.0) -> bool:
+        """Like :meth:`health_generate` but a bool, and no retries (for polling loops)."""
+        try:
+            r = self._sync().get(self.url + "/health_generate", timeout=self._timeout(timeout))
+            return r.status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def server_info(self) -> dict:
+        """``GET /server_info``: server args and scheduler state (``internal_states``)."""
+        return self._json("/server_info", self.request("GET", "/server_info"))
+
+    def model_info(self) -> dict:
+        """``GET /model_info``: model path, ``weight_version``, architectures."""
+        return self._json("/model_info", self.request("GET", "/model_info"))
+
+    def weight_version(self) -> str | None:
+        v = self.model_info().get("weight_version")
+        return None if v is None else str(v)
+
+    # ------------------------------------------------------------------ control
+    def flush_cache(self, timeout: float | None = None) -> str:
+        """``POST /flush_cache``. The engine refuses (HTTP 400 → EngineError) while requests run or wait."""
+        return self.request("POST", "/flush_cache", timeout=timeout).text
+
+    def pause_generation(self, mode: str = "abort", timeout: float | None = None) -> dict:
+        """``POST /pause_generation``: ``abort`` (in-flight requests return aborted), ``retract`` (back to the
+        queue, KV dropped) or ``in_place`` (kept with their KV). New requests wait until continue."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode must be abort, retract or in_place, not {mode!r}")
+        return self._json("/pause_generation", self.request("POST", "/pause_generation", {"mode": mode}, timeout=timeout))
+
+    async def apause_generation(self, mode: str = "abort", timeout: float | None = None) -> dict:
+        r = await self.arequest("POST", "/pause_generation", {"mode": mode}, timeout=timeout)
+        return self._json("/pause_generation", r)
+
+    def continue_generation(self, timeout: float | None = None) -> dict:
+        """``POST /continue_generation``."""
+        return self._json("/continue_generation", self.request("POST", "/continue_generation", {}, timeout=timeout))
+
+    async def acontinue_generation(self, timeout: float | None = None) -> dict:
+        r = await self.arequest("POST", "/continue_generation", {}, timeout=timeout)
+        return self._json("/continue_generation", r)
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """``POST /abort_request``: the request ``rid`` (or all) finishes with ``finish_reason.type == "abort"``."""
+        if not rid and not abort_all:
+            raise ValueError("abort_request needs a rid or abort_all=True")
+        self.request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    async def aabort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        await self.arequest("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    # ------------------------------------------------------------------ weights
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl",
+                                  timeout: float | None = WEIGHTS_TIMEOUT) -> dict:
+        """``POST /init_weights_update_group``. Blocks until every rank joined: run it with :meth:`submit`
+        while the trainer (rank 0) creates its side of the group."""
+        return self._success("/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend}, timeout)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self._success("/destroy_weights_update_group", {"group_name": group_name})
+
+    def begin_weight_update(self) -> dict:
+        """``POST /begin_weight_update``: SGLang ≥ 0.5.23 accepts distributed/tensor updates only inside a session."""
+        return self._success("/begin_weight_update", {})
+
+    def end_weight_update(self) -> dict:
+        return self._success("/end_weight_update", {})
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+                                        group_name: str = "weight_update_group", *, flush_cache: bool = True,
+                                        weight_version: str | None = None, load_format: str | None = None,
+                                        abort_all_requests: bool = False,
+                                        timeout: float | None = WEIGHTS_TIMEOUT) -> dict:
+        """``POST /update_weights_from_distributed``: the engine receives ``dist.broadcast(src=0)`` of each
+        (name, dtype, shape) in order, or one flat buffer with ``load_format="flattened_bucket"``. It returns
+        only after the broadcasts: start it with :meth:`submit`, then broadcast. dtypes are torch names
+        ("bfloat16"); names are HF parameter names."""
+        body = {"names": list(names), "dtypes": [str(d).replace("torch.", "") for d in dtypes],
+                "shapes": [list(s) for s in shapes], "group_name": group_name, "flush_cache": flush_cache,
+                "abort_all_requests": abort_all_requests, "weight_version": weight_version, "load_format": load_format}
+        return self._success("/update_weights_from_distributed", body, timeout)
+
+    def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
+                                 load_format: str | None = None, flush_cache: bool = True,
+                                 abort_all_requests: bool = False, timeout: float | None = WEIGHTS_TIMEOUT) -> dict:
+        """``POST /update_weights_from_disk``: reload weights from an HF directory (late-joining engines)."""
+        body = {"model_path": str(model_path), "weight_version": weight_version, "load_format": load_format,
+                "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        return self._success("/update_weights_from_disk", body, timeout)
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        return self._success("/update_weight_version", {"new_version": str(new_version),
+                                                        "abort_all_requests": abort_all_requests})
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """``POST /get_weights_by_name``: the first ``truncate_size`` rows of a parameter, as float lists."""
+        r = self.request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+        return self._json("/get_weights_by_name", r)
+
+    # ------------------------------------------------------------------ helpers
+    def submit(self, fn: Callable, *args, **kwargs) -> Future:
+        """Run a blocking call (e.g. :meth:`update_weights_from_distributed`) in a background thread."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="engine-client")
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+                self._pool = None
+
+    async def aclose(self) -> None:
+        got = self._aclients.pop(id(asyncio.get_running_loop()), None)
+        if got is not None:
+            await got[1].aclose()
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

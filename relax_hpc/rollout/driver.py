@@ -1,0 +1,447 @@
+"""The rollout driver: one rollout batch from prompt groups, across engines, with rewards and normalization.
+
+:meth:`RolloutDriver.generate_rollout` takes groups of samples (from
+:meth:`relax_hpc.rollout.data.RolloutDataSource.get_samples`: ``n_samples_per_prompt`` copies of one prompt
+per group) and, as Relax's default ``generate_rollout`` does:
+
+1. sends one ``/generate`` per sample (prompt token ids, Relax's sampling parameters, log-probs on for
+   training) to the engines, at most ``sglang_server_concurrency`` in flight per engine, each request to the
+   least-loaded live engine;
+2. writes the engine's answer into the sample: ``tokens`` = prompt + response ids, ``response``,
+   ``response_length``, ``loss_mask`` (ones; zeros for ``remove_sample``), ``rollout_log_probs``,
+   ``weight_versions`` (SGLang's ``meta_info["weight_version"]``) and ``status`` from ``finish_reason``;
+3. scores each group as soon as it is complete (:class:`~relax_hpc.rollout.rewards.RewardRunner`);
+4. normalizes the rewards per group with :func:`relax_hpc.algo.advantages.postprocess_rewards`
+   (``raw_rewards`` keeps R, ``rewards`` R̃), and computes Relax's ``rollout/...`` metrics.
+
+Engine failures: a request that fails without an HTTP answer (connection refused or closed, timeout) makes
+the driver probe that engine's ``/health_generate``; if the probe fails too the engine is declared dead —
+logged and recorded by name (URL unless a name is given) in :attr:`RolloutResult.engine_failures`, reported
+to ``on_engine_dead`` — and never used again by this driver; the request goes to another engine, from
+scratch. Only if no engine is left does the batch fail, with :class:`NoEngineError` naming every dead engine
+and why. An engine that answers an error (HTTP 5xx) or aborts the request is retried up to ``max_retries``
+times (on another engine when there is one); an HTTP 4xx (a request the engine refuses, e.g. a prompt
+longer than its context) fails the batch at once with the sample named.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from relax_hpc.algo.advantages import postprocess_rewards
+from relax_hpc.algo.config import AlgorithmConfig
+from relax_hpc.rollout.client import EngineClient, EngineError, Generation, SamplingParams
+from relax_hpc.rollout.eval import sample_metrics
+from relax_hpc.rollout.rewards import RewardFailure, RewardRunner
+from relax_hpc.rollout.sample import Sample, SampleStatus
+
+log = logging.getLogger(__name__)
+
+HEALTH_PROBE_TIMEOUT = 10.0  # seconds for the /health_generate probe after a transport error
+
+
+class RolloutError(RuntimeError):
+    """A rollout batch could not be produced (an engine refused a request, retries ran out, ...)."""
+
+
+class NoEngineError(RolloutError):
+    """Every engine of the driver is dead; the message names each one and why."""
+
+
+@dataclass
+class EngineFailure:
+    """An engine the driver declared dead during a batch."""
+
+    name: str
+    url: str
+    error: str
+    time: float  # time.time() when declared dead
+
+
+@dataclass
+class _Engine:
+    name: str
+    client: EngineClient
+    in_flight: int = 0
+    served: int = 0  # requests sent to it
+    peak: int = 0  # most requests in flight at once
+    dead: str | None = None
+
+
+class _EnginePool:
+    """Least-loaded choice among live engines, with a bound on in-flight requests per engine."""
+
+    def __init__(self, engines: list[_Engine], per_engine: int) -> None:
+        self.engines = engines
+        self.per_engine = per_engine
+        self._cond: asyncio.Condition | None = None
+        self._loop: Any = None
+
+    def _condition(self) -> asyncio.Condition:
+        loop = asyncio.get_running_loop()
+        if self._cond is None or self._loop is not loop:
+            self._cond, self._loop = asyncio.Condition(), loop
+        return self._cond
+
+    def alive(self) -> list[_Engine]:
+        return [e for e in self.engines if e.dead is None]
+
+    def dead_report(self) -> str:
+        return "; ".join(f"{e.name}: {e.dead}" for e in self.engines if e.dead is not None) or "no engine was given"
+
+    async def acquire(self, avoid: set[str] = frozenset()) -> _Engine:
+        cond = self._condition()
+        async with cond:
+            while True:
+                alive = self.alive()
+                if not alive:
+                    raise NoEngineError(f"no rollout engine left to generate with ({self.dead_report()})")
+                free = [e for e in alive if e.in_flight < self.per_engine]
+                if free:
+                    pick = min([e for e in free if e.name not in avoid] or free, key=lambda e: (e.in_flight, e.served))
+                    pick.in_flight += 1
+                    pick.served += 1
+                    pick.peak = max(pick.peak, pick.in_flight)
+                    return pick
+                await cond.wait()
+
+    async def release(self, engine: _Engine) -> None:
+        cond = self._condition()
+        async with cond:
+            engine.in_flight -= 1
+            cond.notify_all()
+
+    async def mark_dead(self, engine: _Engine, reason: str) -> bool:
+        """Declare ``engine`` dead; True if this call did it (False if it already was)."""
+        cond = self._condition()
+        async with cond:
+            if engine.dead is not None:
+                return False
+            engine.dead = reason
+            cond.notify_all()
+            return True
+
+
+@dataclass
+class RolloutResult:
+    """One rollout batch: samples (groups consecutive, in the order given), rewards and metrics."""
+
+    samples: list[Sample]
+    raw_rewards: list[float]  # scalar reward per sample (through reward_key)
+    rewards: list[float]  # after group normalization (= raw_rewards for eval or with normalization off)
+    metrics: dict[str, float]
+    group_size: int
+    reward_failures: list[RewardFailure] = field(default_factory=list)
+    engine_failures: list[EngineFailure] = field(default_factory=list)
+    retries: int = 0  # requests sent again (dead engine, 5xx, abort)
+
+    def groups(self) -> list[list[Sample]]:
+        n = self.group_size
+        return [self.samples[i:i + n] for i in range(0, len(self.samples), n)]
+
+    def to_train_data(self) -> dict[str, list]:
+        """Per-sample fields under Relax's train-data names, one list entry per sample."""
+        s = self.samples
+        return {
+            "tokens": [x.tokens for x in s],
+            "response_lengths": [x.response_length for x in s],
+            "total_lengths": [len(x.tokens) for x in s],
+            "rewards": list(self.rewards),
+            "raw_reward": list(self.raw_rewards),
+            "truncated": [int(x.status is SampleStatus.TRUNCATED) for x in s],
+            "loss_masks": [x.loss_mask if x.loss_mask is not None else [1] * x.response_length for x in s],
+            "rollout_log_probs": [x.rollout_log_probs for x in s],
+            "sample_indices": [x.index for x in s],
+            "group_indices": [x.group_index for x in s],
+            "weight_versions": [x.weight_version for x in s],
+            "status": [x.status.value for x in s],
+        }
+
+
+@dataclass
+class _Batch:
+    """Per-batch counters (several batches may run at once on one driver, e.g. eval beside training)."""
+
+    retries: int = 0
+    engine_failures: list[EngineFailure] = field(default_factory=list)
+
+
+EngineLike = EngineClient | Any  # an EngineClient, or anything with .client() (EngineHandle) or .url
+
+
+def _as_client(e: Any) -> EngineClient:
+    if isinstance(e, EngineClient):
+        return e
+    if hasattr(e, "client") and callable(e.client):
+        return e.client()
+    if isinstance(e, str):
+        return EngineClient(e)
+    raise TypeError(f"not an engine: {e!r} (give EngineClient, EngineHandle or a URL)")
+
+
+class RolloutDriver:
+    """Generates rollout batches over a set of engines. See the module docstring for the behaviour.
+
+    ``args``: :func:`relax_hpc.rollout.rewards.build_args` of the recipe (Relax's names: sampling
+    ``rollout_*``, ``eval_*``, ``n_samples_per_prompt``, ``sglang_server_concurrency``, reward settings, and
+    ``max_retries``). ``engines``: a list of :class:`EngineClient`/``EngineHandle``/URLs (named by URL) or a
+    ``{name: engine}`` mapping. ``tokenizer``: turns prompts without token ids into ids
+    (``encode(prompt, add_special_tokens=False)``) and decodes responses the engine sent no text for.
+    ``algorithm``: the normalization settings (defaults: GRPO's). ``on_engine_dead(name, reason)`` is called
+    once per engine declared dead.
+    """
+
+    def __init__(self, args: Any, engines: Sequence[EngineLike] | dict[str, EngineLike], *, tokenizer: Any = None,
+                 reward: RewardRunner | None = None, algorithm: AlgorithmConfig | None = None,
+                 on_engine_dead: Callable[[str, str], None] | None = None) -> None:
+        self.args = args
+        self.tokenizer = tokenizer
+        self.reward = reward if reward is not None else RewardRunner(args)
+        self.algorithm = algorithm if algorithm is not None else _algorithm_from_args(args)
+        self.on_engine_dead = on_engine_dead
+        self.per_engine = int(getattr(args, "sglang_server_concurrency", 512) or 512)
+        self.max_retries = int(getattr(args, "max_retries", 3))
+        self.engine_failures: list[EngineFailure] = []
+        self.set_engines(engines)
+
+    # --- engines -------------------------------------------------------------------------------------
+    def set_engines(self, engines: Sequence[EngineLike] | dict[str, EngineLike]) -> None:
+        """Replace the engine set (elastic scaling, restarted engines); dead marks are forgotten."""
+        items = engines.items() if isinstance(engines, dict) else ((None, e) for e in engines)
+        pool: list[_Engine] = []
+        for name, e in items:
+            client = _as_client(e)
+            pool.append(_Engine(name=str(name) if name is not None else client.url, client=client))
+        names = [e.name for e in pool]
+        if len(set(names)) != len(names):
+            raise ValueError(f"engine names must be unique, got {names}")
+        self.pool = _EnginePool(pool, self.per_engine)
+
+    @property
+    def live_engines(self) -> list[str]:
+        return [e.name for e in self.pool.alive()]
+
+    @property
+    def dead_engines(self) -> dict[str, str]:
+        return {e.name: e.dead for e in self.pool.engines if e.dead is not None}
+
+    def engine_stats(self) -> dict[str, dict[str, Any]]:
+        """Per engine: requests sent, the peak in flight, and why it is dead (None if alive)."""
+        return {e.name: {"url": e.client.url, "requests": e.served, "peak_in_flight": e.peak, "dead": e.dead}
+                for e in self.pool.engines}
+
+    # --- sampling parameters -------------------------------------------------------------------------
+    def sampling_params(self, evaluation: bool = False) -> SamplingParams:
+        """Relax's sampling parameters (``eval_*`` override the ``rollout_*`` ones for eval)."""
+        a = self.args
+
+        def pick(eval_name: str, name: str, default: Any) -> Any:
+            if evaluation and getattr(a, eval_name, None) is not None:
+                return getattr(a, eval_name)
+            v = getattr(a, name, None)
+            return default if v is None else v
+
+        extra: dict[str, Any] = {
+            "skip_special_tokens": bool(getattr(a, "rollout_skip_special_tokens", False)),
+            "no_stop_trim": True,
+            "spaces_between_special_tokens": False,
+        }
+        stop = list(getattr(a, "rollout_stop", None) or [])
+        if stop:
+            extra["stop"] = stop
+        return SamplingParams(
+            max_new_tokens=int(pick("eval_max_response_len", "rollout_max_response_len", 128)),
+            temperature=float(pick("eval_temperature", "rollout_temperature", 1.0)),
+            top_p=float(pick("eval_top_p", "rollout_top_p", 1.0)),
+            top_k=int(pick("eval_top_k", "rollout_top_k", -1)),
+            stop_token_ids=list(getattr(a, "rollout_stop_token_ids", None) or []) or None,
+            extra=extra,
+        )
+
+    # --- one sample ----------------------------------------------------------------------------------
+    def _prompt_ids(self, sample: Sample) -> list[int]:
+        if sample.tokens:
+            return list(sample.tokens)
+        if self.tokenizer is None:
+            raise RolloutError(f"sample index={sample.index} has no prompt token ids and the driver has no tokenizer")
+        if not isinstance(sample.prompt, str):
+            raise RolloutError(f"sample index={sample.index}: the prompt is chat messages; apply the chat template "
+                               "first (data.apply_chat_template)")
+        return list(self.tokenizer.encode(sample.prompt, add_special_tokens=False))
+
+    async def _engine_is_dead(self, engine: _Engine, err: EngineError) -> bool:
+        """After an error without an HTTP answer: is the engine gone (probe fails) or was it this request?"""
+        if engine.dead is not None:
+            return True
+        if err.status is not None:
+            return False
+        try:
+            await engine.client.arequest("GET", "/health_generate", timeout=HEALTH_PROBE_TIMEOUT)
+            return False
+        except EngineError:
+            return True
+
+    async def _declare_dead(self, engine: _Engine, err: EngineError, batch: _Batch) -> None:
+        reason = err.cause
+        if await self.pool.mark_dead(engine, reason):
+            fail = EngineFailure(name=engine.name, url=engine.client.url, error=str(err), time=time.time())
+            self.engine_failures.append(fail)
+            batch.engine_failures.append(fail)
+            alive = self.live_engines
+            log.error("rollout engine %s is dead (%s); its requests go to the %d engine(s) left: %s",
+                      engine.name, reason, len(alive), ", ".join(alive) or "none")
+            if self.on_engine_dead is not None:
+                self.on_engine_dead(engine.name, reason)
+
+    async def generate_sample(self, sample: Sample, sp: SamplingParams, *, evaluation: bool = False,
+                              batch: _Batch | None = None) -> Sample:
+        """Generate ``sample``'s response (retrying as the module docstring says); fills the sample in place."""
+        batch = batch if batch is not None else _Batch()
+        prompt_ids = self._prompt_ids(sample)
+        attempts = 0
+        avoid: set[str] = set()
+        while True:
+            engine = await self.pool.acquire(avoid)
+            try:
+                gen = await engine.client.agenerate(prompt_ids, sp, return_logprob=not evaluation)
+            except EngineError as err:
+                if await self._engine_is_dead(engine, err):
+                    await self._declare_dead(engine, err, batch)
+                    batch.retries += 1
+                    continue
+                if err.status is not None and 400 <= err.status < 500 and err.status not in (408, 429):
+                    raise RolloutError(f"engine {engine.name} refused the request of sample index={sample.index} "
+                                       f"group_index={sample.group_index} ({len(prompt_ids)} prompt tokens): "
+                                       f"{err.cause}") from err
+                attempts += 1
+                if attempts > self.max_retries:
+                    raise RolloutError(f"sample index={sample.index}: generation failed {attempts} times, last on "
+                                       f"engine {engine.name}: {err.cause} (rollout.max_retries = {self.max_retries})") from err
+                log.warning("generate failed on engine %s (%s); retry %d/%d", engine.name, err.cause, attempts,
+                            self.max_retries)
+                avoid = {engine.name}
+                batch.retries += 1
+                continue
+            finally:
+                await self.pool.release(engine)
+            if gen.aborted and attempts < self.max_retries:
+                attempts += 1
+                batch.retries += 1
+                log.warning("engine %s aborted sample index=%s (%s); retry %d/%d", engine.name, sample.index,
+                            gen.finish_reason.message, attempts, self.max_retries)
+                continue
+            self._fill(sample, prompt_ids, gen)
+            return sample
+
+    def _fill(self, sample: Sample, prompt_ids: list[int], gen: Generation) -> None:
+        sample.reset_response(prompt_ids)
+        text = gen.text
+        if text is None and self.tokenizer is not None:
+            text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=bool(
+                getattr(self.args, "rollout_skip_special_tokens", False)))
+        sample.append_response(gen.output_ids, text or "", gen.output_logprobs,
+                               loss_mask_value=0 if sample.remove_sample else 1)
+        sample.update_from_meta_info(gen.meta_info)
+        if sample.status is SampleStatus.PENDING:  # no/unknown finish reason: the engine finished the request
+            sample.status = SampleStatus.COMPLETED
+
+    # --- a batch -------------------------------------------------------------------------------------
+    async def _group(self, group: list[Sample], sp: SamplingParams, evaluation: bool, batch: _Batch) -> list[RewardFailure]:
+        await asyncio.gather(*(self.generate_sample(s, sp, evaluation=evaluation, batch=batch) for s in group))
+        return await self.reward.score_group(group, evaluation=evaluation)
+
+    async def generate_rollout(self, groups: Iterable[list[Sample]], *, evaluation: bool = False) -> RolloutResult:
+        """Generate, score and (unless ``evaluation``) normalize one batch of groups; see the module docstring.
+
+        Raises :class:`NoEngineError` when every engine died, :class:`RolloutError` for a request that cannot
+        be served, and :class:`~relax_hpc.rollout.rewards.RewardError` under ``reward_error_policy: fail``.
+        """
+        groups = [list(g) for g in groups]
+        if not groups:
+            raise ValueError("generate_rollout needs at least one group")
+        sizes = {len(g) for g in groups}
+        if len(sizes) != 1 or 0 in sizes:
+            raise ValueError(f"all groups must have the same, non-zero size (n_samples_per_prompt), got sizes {sorted(sizes)}")
+        n = sizes.pop()
+        batch = _Batch()
+        sp = self.sampling_params(evaluation)
+        t0 = time.monotonic()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._group(g, sp, evaluation, batch)) for g in groups]
+        except BaseExceptionGroup as eg:
+            raise _first_error(eg) from None
+        rollout_time = time.monotonic() - t0
+        reward_failures = [f for t in tasks for f in t.result()]
+        samples = [s for g in groups for s in g]
+        key = self.reward.reward_key(evaluation)
+        raw = [s.get_reward_value(reward_key=key) for s in samples]
+        if evaluation:
+            rewards = list(raw)
+        else:
+            rewards = postprocess_rewards(self.algorithm, torch.tensor(raw, dtype=torch.float32), n).tolist()
+        metrics = self._metrics(samples, raw, rewards, n, rollout_time, evaluation, batch)
+        return RolloutResult(samples=samples, raw_rewards=raw, rewards=rewards, metrics=metrics, group_size=n,
+                             reward_failures=reward_failures, engine_failures=batch.engine_failures,
+                             retries=batch.retries)
+
+    def generate_rollout_sync(self, groups: Iterable[list[Sample]], *, evaluation: bool = False) -> RolloutResult:
+        """:meth:`generate_rollout` from synchronous code (runs its own event loop)."""
+        return asyncio.run(self.generate_rollout(groups, evaluation=evaluation))
+
+    def _metrics(self, samples: list[Sample], raw: list[float], rewards: list[float], n: int, rollout_time: float,
+                 evaluation: bool, batch: _Batch) -> dict[str, float]:
+        base = sample_metrics(samples, raw, reward_key=self.reward.reward_key(evaluation), group_size=n,
+                              log_passrate=bool(getattr(self.args, "log_passrate", False)))
+        out = {f"rollout/{k}": v for k, v in base.items()}
+        out["rollout/rewards"] = statistics.fmean(rewards)
+        out["rollout/response_lengths"] = statistics.fmean(s.response_length for s in samples)
+        out["rollout/total_lengths"] = statistics.fmean(len(s.tokens) for s in samples)
+        out["rollout/truncated"] = out["rollout/truncated_ratio"]
+        out["rollout/engine_retries"] = float(batch.retries)
+        out["rollout/engines_dead"] = float(len(self.dead_engines))
+        out["perf/rollout_time"] = rollout_time
+        tokens = sum(s.response_length for s in samples)
+        out["perf/tokens_per_sec"] = tokens / rollout_time if rollout_time > 0 else 0.0
+        return out
+
+
+def _first_error(eg: BaseExceptionGroup) -> BaseException:
+    """The error to raise from a failed batch: prefer a real error over the cancellations it caused."""
+    flat: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for x in e.exceptions:
+                walk(x)
+        else:
+            flat.append(e)
+
+    walk(eg)
+    for e in flat:
+        if not isinstance(e, asyncio.CancelledError):
+            return e
+    return flat[0]
+
+
+def _algorithm_from_args(args: Any) -> AlgorithmConfig:
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(AlgorithmConfig)}
+    return AlgorithmConfig(**{k: getattr(args, k) for k in names if hasattr(args, k)})
+
+
+def build_driver(recipe: Any, engines: Sequence[EngineLike] | dict[str, EngineLike], *, tokenizer: Any = None,
+                 on_engine_dead: Callable[[str, str], None] | None = None, **extra_args: Any) -> RolloutDriver:
+    """A driver from a recipe: ``args`` from :func:`~relax_hpc.rollout.rewards.build_args`, its algorithm section."""
+    from relax_hpc.rollout.rewards import build_args
+
+    args = build_args(recipe, **extra_args)
+    return RolloutDriver(args, engines, tokenizer=tokenizer, algorithm=recipe.algorithm, on_engine_dead=on_engine_dead)

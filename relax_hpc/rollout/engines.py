@@ -1,0 +1,203 @@
+"""Launch inference engines: real SGLang servers on GPU nodes, relax_hpc's CPU engine elsewhere.
+
+The rollout role calls :func:`launch_engine` (or :func:`start_engine` for many, then
+:meth:`EngineHandle.wait_ready` on each, so N engines load their weights in parallel). Either kind comes
+back as an :class:`EngineHandle` with a URL that :class:`~relax_hpc.rollout.client.EngineClient` talks to.
+
+Why it looks like this:
+
+* **Ports from the kernel.** Two runs on one node must never collide on a port (a top complaint about
+  peers). The CPU engine binds port 0 itself and reports its URL through a ready-file. SGLang needs
+  ``--port``, so we bind port 0, read the number, release it and pass it; if SGLang then loses the race
+  ("address already in use") we relaunch on a fresh port.
+* **Own Python.** SGLang pins its own torch/transformers, so it runs from the interpreter the recipe names
+  (``python=``, e.g. a venv or container wrapper), never imported here.
+* **Readiness = ``/health_generate``** (a real 1-token generation), with a deadline; if the process dies
+  first, the error carries the tail of its log.
+* **Stop by PID.** Each engine runs in its own session (process group = its PID), so :meth:`EngineHandle.stop`
+  signals exactly that group — SGLang's scheduler/detokenizer children included — and nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from relax_hpc.rollout.client import EngineClient
+
+KINDS = ("sglang", "cpu")
+_PORT_IN_USE = ("address already in use", "errno 98", "port is in use", "already in use")
+
+
+class EngineLaunchError(RuntimeError):
+    """An engine did not become ready: it died, or missed the deadline. The message ends with its log tail."""
+
+
+def free_port(host: str = "") -> int:
+    """A port the kernel says is free right now (bind port 0, read it, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _advertised(host: str) -> str:
+    return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
+
+
+def sglang_command(python: str, model_path: str, host: str, port: int, tp: int, extra_args: Sequence[str] = ()) -> list[str]:
+    """The ``sglang.launch_server`` command line (extra_args from the recipe go last, so they can override)."""
+    return [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
+            "--port", str(port), "--tp-size", str(tp), *extra_args]
+
+
+def cpu_engine_command(python: str, model_path: str, host: str, ready_file: str, extra_args: Sequence[str] = ()) -> list[str]:
+    return [python, "-m", "relax_hpc.rollout.cpu_engine", "--model", str(model_path), "--host", host,
+            "--port", "0", "--ready-file", ready_file, *extra_args]
+
+
+@dataclass
+class EngineHandle:
+    """A launched engine process. ``url`` is empty until the CPU engine reports it (see :meth:`wait_ready`)."""
+
+    kind: str
+    model_path: str
+    url: str
+    pid: int
+    log_path: Path
+    command: list[str]
+    host: str
+    tp: int = 1
+    python: str = sys.executable
+    env: dict = field(default_factory=dict, repr=False)
+    extra_args: tuple = ()
+    ready_file: Path | None = None
+    _proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    def client(self, **kwargs) -> EngineClient:
+        return EngineClient(self.url, **kwargs)
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def returncode(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as e:
+            return f"(no log at {self.log_path}: {e})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _launch_error(self, what: str) -> EngineLaunchError:
+        return EngineLaunchError(f"{self.kind} engine (pid {self.pid}, model {self.model_path}) {what}; "
+                                 f"log {self.log_path}, last lines:\n{self.log_tail()}")
+
+    def wait_ready(self, timeout: float = 600.0, poll: float = 0.25) -> "EngineHandle":
+        """Block until ``/health_generate`` answers 200. Raises EngineLaunchError (with the log tail) if the
+        process exits or ``timeout`` passes; in both cases the process group is stopped first."""
+        deadline = time.monotonic() + timeout
+        port_retries = 3
+        while True:
+            rc = self.returncode()
+            if rc is not None:
+                if self.kind == "sglang" and port_retries > 0 and any(s in self.log_tail(80).lower() for s in _PORT_IN_USE):
+                    port_retries -= 1  # lost the race for the port we picked: same engine, fresh port
+                    self._spawn(free_port(self.host if self.host not in ("0.0.0.0", "::") else ""))
+                    continue
+                self.stop()
+                raise self._launch_error(f"exited with code {rc} before it was ready")
+            if not self.url and self.ready_file is not None and self.ready_file.exists():
+                self.url = self.ready_file.read_text().strip()
+            if self.url and EngineClient(self.url, retries=0).is_healthy(timeout=max(1.0, min(30.0, deadline - time.monotonic()))):
+                return self
+            if time.monotonic() > deadline:
+                self.stop()
+                raise self._launch_error(f"was not ready after {timeout:.0f} s (url {self.url or 'not reported yet'})")
+            time.sleep(poll)
+
+    def _spawn(self, port: int | None = None) -> None:
+        if self.kind == "sglang":
+            self.command = sglang_command(self.python, self.model_path, self.host, port, self.tp, self.extra_args)
+            self.url = f"http://{_advertised(self.host)}:{port}"
+        env = {**os.environ, **self.env}
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== relax_hpc launch {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(self.command)}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env=env, start_new_session=True)
+        self.pid = self._proc.pid
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM the engine's process group (its PID), SIGKILL after ``timeout``; returns the exit code."""
+        if self._proc is None:
+            return None
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.pid, sig)  # the group we created with start_new_session: pgid == pid
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self._proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # children (SGLang's scheduler, detokenizer) may outlive the leader briefly
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return self._proc.poll()
+
+
+def start_engine(kind: str, model_path: str | os.PathLike, *, python: str | None = None, tp: int = 1,
+                 host: str = "127.0.0.1", env: dict | None = None, log_path: str | os.PathLike | None = None,
+                 extra_args: Sequence[str] = ()) -> EngineHandle:
+    """Start an engine process and return at once (call :meth:`EngineHandle.wait_ready`).
+
+    kind: ``"sglang"`` (``python`` must be an interpreter with SGLang; ``tp`` GPUs per engine, which ones via
+    ``env={"CUDA_VISIBLE_DEVICES": ...}``) or ``"cpu"`` (TP must be 1; ``python`` defaults to this one).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"engine kind must be one of {KINDS}, not {kind!r}")
+    if kind == "cpu" and tp != 1:
+        raise ValueError(f"the CPU engine serves TP=1 only, got tp={tp}")
+    if kind == "sglang" and not python:
+        python = os.environ.get("RELAX_SGLANG_PYTHON")
+        if not python:
+            raise ValueError("kind='sglang' needs python= (the interpreter of an SGLang environment), "
+                             "or RELAX_SGLANG_PYTHON in the environment")
+    python = python or sys.executable
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix=f"relax-{kind}-engine-", suffix=".log")
+        os.close(fd)
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(env or {})
+    ready_file = None
+    command: list[str] = []
+    if kind == "cpu":
+        ready_file = log_path.with_name(log_path.name + f".{os.getpid()}.{time.monotonic_ns()}.url")
+        ready_file.unlink(missing_ok=True)
+        command = cpu_engine_command(python, str(model_path), host, str(ready_file), extra_args)
+        pkg_root = str(Path(__file__).resolve().parents[2])  # importable even when relax_hpc is not installed
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))) if p)
+    h = EngineHandle(kind=kind, model_path=str(model_path), url="", pid=-1, log_path=log_path, command=command,
+                     host=host, tp=tp, python=python, env=env, extra_args=tuple(extra_args), ready_file=ready_file)
+    h._spawn(free_port(host if host not in ("0.0.0.0", "::") else "") if kind == "sglang" else None)
+    return h
+
+
+def launch_engine(kind: str, model_path: str | os.PathLike, *, python: str | None = None, tp: int = 1,
+                  host: str = "127.0.0.1", env: dict | None = None, log_path: str | os.PathLike | None = None,
+                  extra_args: Sequence[str] = (), ready_timeout: float = 600.0) -> EngineHandle:
+    """Start an engine and wait until it answers ``/health_generate``; see :func:`start_engine`."""
+    return start_engine(kind, model_path, python=python, tp=tp, host=host, env=env, log_path=log_path,
+                        extra_args=extra_args).wait_ready(ready_timeout)

@@ -1,0 +1,543 @@
+"""Rewards: built-in rule rewards, Relax-style custom reward functions, group rewards, and failure reporting.
+
+The contract is Relax's (``--custom-rm-path``, ``--reward-key``, ``--group-rm``, ``--rm-type``):
+
+- ``rollout.custom_rm_path: package.module.function`` names ``async def reward_func(args, sample, **kwargs)``
+  returning a float, or a dict whose scalar is read through ``rollout.reward_key`` (the whole dict is kept
+  in ``sample.reward``; its other numeric keys are logged as ``rollout/<key>/mean`` etc.). A plain ``def``
+  works too (it runs in a worker thread). The module must be importable (on ``sys.path``/``PYTHONPATH``).
+- ``rollout.group_rm: true``: ``reward_func(args, samples, **kwargs)`` gets a whole group (the
+  ``n_samples_per_prompt`` samples of one prompt) and returns one float or dict per sample, in order.
+- ``args`` is a namespace with Relax's flag names (``args.reward_key``, ``args.n_samples_per_prompt``,
+  ``args.rollout_max_response_len``, ...; see :func:`build_args`) plus every key of
+  ``rollout.custom_config_path`` (Relax's ``--custom-config-path``).
+- Without a custom function, ``rollout.rm_type`` (or ``sample.metadata["rm_type"]``, which wins) picks a
+  built-in: ``math``, ``exact_match``, ``f1``, ``dummy``; ``boxed_<type>`` first extracts the last
+  ``\\boxed{...}`` of the response.
+
+A reward that raises (or returns something that is not a number / has no ``reward_key``) is a
+:class:`RewardFailure`: the sample's index, group, prompt, response and label with the exception and its
+traceback. ``rollout.reward_error_policy`` decides what follows: ``fail`` raises :class:`RewardError` with the
+report (the run stops), ``skip`` logs it, sets the sample's reward to 0.0 and status FAILED (its error in
+``metadata["reward_error"]``) and the run goes on.
+
+No torch here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import inspect
+import logging
+import math
+import re
+import traceback as tb
+from dataclasses import dataclass
+from fractions import Fraction
+from types import SimpleNamespace
+from typing import Any, Callable
+
+from relax_hpc.rollout.sample import Sample, SampleStatus, reward_value
+
+log = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------------------
+# Answer extraction and comparison
+# --------------------------------------------------------------------------------------------------
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?|[-+]?\.\d+")
+_FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
+_FRAC_SHORT = re.compile(r"\\[dt]?frac(\d)(\d)")
+_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``, or ``\\boxed 5``), braces balanced; None if none."""
+    if not text:
+        return None
+    matches = list(_BOXED.finditer(text))
+    for m in reversed(matches):
+        i = m.end()
+        if i < len(text) and text[i] == "{":
+            depth, j = 0, i
+            while j < len(text):
+                if text[j] == "{":
+                    depth += 1
+                elif text[j] == "}":
+                    depth -= 1
+                    if depth == 0:
+                        return text[i + 1:j].strip()
+                j += 1
+            continue  # unbalanced: try an earlier one
+        word = re.match(r"[^\s$]+", text[i:])
+        if word:
+            return word.group(0).strip()
+    return None
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last number in ``text`` ("1,234", "-3.5", "7/2"), or None."""
+    if not text:
+        return None
+    found = _NUMBER.findall(text)
+    return found[-1].strip() if found else None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a solution: the last ``\\boxed{}``, else what follows "####" (GSM8K), else the last number."""
+    if text is None:
+        return None
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1].strip()
+        if tail:
+            return tail.split("\n", 1)[0].strip()
+    return extract_last_number(text)
+
+
+def normalize_answer(ans: str) -> str:
+    """A canonical string for a math answer: LaTeX wrappers, spaces, ``$``, trailing dots and units marks dropped."""
+    s = str(ans).strip()
+    inner = extract_boxed(s)
+    if inner is not None:
+        s = inner
+    s = _TEXT.sub(r"\1", s)
+    for tok in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "^\\circ", "^{\\circ}", "\\%", "%",
+                "\\displaystyle"):
+        s = s.replace(tok, "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\s+", "", s)
+    s = s.rstrip(".")
+    if s.startswith("x=") or s.startswith("y=") or s.startswith("k=") or s.startswith("n="):
+        s = s[2:]
+    return s.lower()
+
+
+def to_number(ans: str) -> Fraction | float | None:
+    """The value of a numeric answer ("1,000", "-3.50", "7/2", "\\frac{7}{2}", "-\\frac{1}{3}", "2.5e3"), else None."""
+    s = normalize_answer(ans)
+    m = re.fullmatch(r"([-+]?)\\frac\{([^{}]*)\}\{([^{}]*)\}", s)
+    if m:
+        num, den = to_number(m.group(2)), to_number(m.group(3))
+        if num is None or den is None or den == 0:
+            return None
+        val = Fraction(num) / Fraction(den) if not isinstance(num, float) and not isinstance(den, float) else num / den
+        return -val if m.group(1) == "-" else val
+    s = s.replace(",", "") if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", s) else s
+    if "/" in s:
+        a, _, b = s.partition("/")
+        na, nb = to_number(a), to_number(b)
+        if na is None or nb is None or nb == 0:
+            return None
+        return Fraction(na) / Fraction(nb) if isinstance(na, Fraction) and isinstance(nb, Fraction) else na / nb
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        pass
+    try:
+        v = float(s)
+    except ValueError:
+        return None
+    return v if math.isfinite(v) else None
+
+
+def math_equal(pred: str | None, label: Any, *, rel_tol: float = 1e-6) -> bool:
+    """Numerically equal when both are numbers (relative tolerance ``rel_tol``), else equal after normalization."""
+    if pred is None or label is None:
+        return False
+    label = str(label)
+    a, b = to_number(pred), to_number(label)
+    if a is not None and b is not None:
+        if isinstance(a, Fraction) and isinstance(b, Fraction):
+            return a == b
+        return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=rel_tol)
+    return normalize_answer(pred) == normalize_answer(label)
+
+
+def _label_answer(label: Any) -> str:
+    """The answer in a label: the label itself, or the final answer when it is a whole solution."""
+    s = str(label)
+    if "\\boxed" in s or "####" in s:
+        return extract_answer(s) or s
+    return s
+
+
+# --------------------------------------------------------------------------------------------------
+# Built-in rewards: (response, label, metadata) -> float
+# --------------------------------------------------------------------------------------------------
+
+
+def math_reward(response: str, label: Any, metadata: dict | None = None) -> float:
+    """1.0 if the response's final answer (last ``\\boxed{}``, else "####", else last number) equals the label."""
+    return 1.0 if math_equal(extract_answer(response), _label_answer(label)) else 0.0
+
+
+def exact_match_reward(response: str, label: Any, metadata: dict | None = None) -> float:
+    """1.0 if the response, stripped, equals the label, stripped."""
+    return 1.0 if label is not None and (response or "").strip() == str(label).strip() else 0.0
+
+
+def f1_reward(response: str, label: Any, metadata: dict | None = None) -> float:
+    """Token F1 of the response against the label (lowercased, whitespace tokens, punctuation dropped)."""
+    def toks(s: Any) -> list[str]:
+        return re.sub(r"[^\w\s]", " ", str(s or "").lower()).split()
+
+    pred, gold = toks(response), toks(label)
+    if not pred or not gold:
+        return float(pred == gold)
+    common: dict[str, int] = {}
+    for t in gold:
+        common[t] = common.get(t, 0) + 1
+    same = 0
+    for t in pred:
+        if common.get(t, 0) > 0:
+            same += 1
+            common[t] -= 1
+    if same == 0:
+        return 0.0
+    p, r = same / len(pred), same / len(gold)
+    return 2 * p * r / (p + r)
+
+
+def dummy_reward(response: str, label: Any, metadata: dict | None = None) -> float:
+    """0.0 for everything (the real score comes later, e.g. from a post-process step)."""
+    return 0.0
+
+
+BUILTIN_REWARDS: dict[str, Callable[[str, Any, dict | None], float]] = {
+    "math": math_reward,
+    "exact_match": exact_match_reward,
+    "f1": f1_reward,
+    "dummy": dummy_reward,
+}
+
+
+def builtin_reward(rm_type: str, response: str, label: Any, metadata: dict | None = None) -> float:
+    """Score with built-in ``rm_type``; ``boxed_<type>`` scores the last ``\\boxed{}`` content with ``<type>``."""
+    if rm_type.startswith("boxed_"):
+        inner = rm_type[len("boxed_"):]
+        return builtin_reward(inner, extract_boxed(response) or "", label, metadata)
+    fn = BUILTIN_REWARDS.get(rm_type)
+    if fn is None:
+        raise ValueError(f"unknown rm_type {rm_type!r}. Fix: use one of {', '.join(BUILTIN_REWARDS)} "
+                         "(or boxed_<one of them>), or set rollout.custom_rm_path")
+    return fn(response, label, metadata)
+
+
+# --------------------------------------------------------------------------------------------------
+# Custom reward functions
+# --------------------------------------------------------------------------------------------------
+
+
+def load_function(path: str, what: str = "rollout.custom_rm_path") -> Callable[..., Any]:
+    """The function at Relax's dotted path ``package.module.function`` (module part imported, last part looked up)."""
+    if not isinstance(path, str) or ":" in path or "." not in path.strip(".") or any(c.isspace() for c in path):
+        raise ValueError(f"{what} = {path!r} is not a dotted path. Fix: use Relax's form 'package.module.function', "
+                         "e.g. examples.my_algo.reward_my_algo.reward_func")
+    module_path, _, attr = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_path)
+    except ModuleNotFoundError as e:
+        hint = ""
+        if e.name and (e.name == "relax" or e.name.startswith("relax.")):
+            hint = (" Relax reward modules that import relax.utils.types.Sample need that import changed to "
+                    "relax_hpc.rollout.sample.Sample (or dropped: the sample is passed in).")
+        raise ImportError(f"{what} = {path!r}: cannot import module {module_path!r} ({e}). Fix: make sure it is "
+                          f"importable from the rollout role (PYTHONPATH, or the run's working directory).{hint}") from e
+    try:
+        fn = getattr(module, attr)
+    except AttributeError:
+        raise ImportError(f"{what} = {path!r}: module {module_path!r} ({getattr(module, '__file__', '?')}) has no "
+                          f"attribute {attr!r}") from None
+    if not callable(fn):
+        raise TypeError(f"{what} = {path!r} is not callable (it is a {type(fn).__name__})")
+    return fn
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    try:
+        fn = inspect.unwrap(fn)
+    except ValueError:
+        pass
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = getattr(fn, "__call__", None)
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+# --------------------------------------------------------------------------------------------------
+# args: what a Relax reward function receives
+# --------------------------------------------------------------------------------------------------
+
+
+def build_args(recipe: Any = None, *, data: Any = None, rollout: Any = None, algorithm: Any = None,
+               **extra: Any) -> SimpleNamespace:
+    """The ``args`` a Relax reward/generate function receives: Relax's flag names from the recipe sections.
+
+    Every field of ``algorithm`` is copied under its own name (they are Relax's names already); the data
+    and rollout fields are mapped to Relax's names (``rollout.max_response_len`` →
+    ``args.rollout_max_response_len``, ``data.path`` → ``args.prompt_data``...). Then the keys of
+    ``rollout.custom_config_path`` (a YAML mapping) are set, then ``extra``.
+    """
+    if recipe is not None:
+        data = data if data is not None else recipe.data
+        rollout = rollout if rollout is not None else recipe.rollout
+        algorithm = algorithm if algorithm is not None else recipe.algorithm
+    a: dict[str, Any] = {}
+    if algorithm is not None:
+        a.update(dataclasses.asdict(algorithm))
+    if data is not None:
+        a.update(
+            prompt_data=data.path, input_key=data.input_key, label_key=data.label_key,
+            metadata_key=data.metadata_key, tool_key=getattr(data, "tool_key", None),
+            apply_chat_template=data.apply_chat_template,
+            apply_chat_template_kwargs=getattr(data, "apply_chat_template_kwargs", None),
+            system_prompt=getattr(data, "system_prompt", None),
+            rollout_shuffle=getattr(data, "shuffle", False),
+            rollout_seed=getattr(data, "seed", None) if getattr(data, "seed", None) is not None
+            else getattr(getattr(recipe, "run", None), "seed", 42),
+            eval_prompt_data=dict(getattr(data, "eval_prompt_data", {}) or {}),
+            eval_input_key=getattr(data, "eval_input_key", None), eval_label_key=getattr(data, "eval_label_key", None),
+        )
+    if rollout is not None:
+        g = lambda k, d=None: getattr(rollout, k, d)  # noqa: E731
+        a.update(
+            n_samples_per_prompt=rollout.n_samples_per_prompt, rollout_batch_size=rollout.rollout_batch_size,
+            rollout_max_response_len=rollout.max_response_len, rollout_max_prompt_len=g("max_prompt_len"),
+            rollout_temperature=rollout.temperature, rollout_top_p=rollout.top_p, rollout_top_k=rollout.top_k,
+            rollout_stop=list(g("stop", []) or []), rollout_stop_token_ids=list(g("stop_token_ids", []) or []),
+            rollout_skip_special_tokens=g("skip_special_tokens", False),
+            sglang_server_concurrency=g("sglang_server_concurrency", 512), max_retries=g("max_retries", 3),
+            rm_type=g("rm_type"), custom_rm_path=g("custom_rm_path"), reward_key=g("reward_key"),
+            eval_reward_key=g("eval_reward_key") if g("eval_reward_key") is not None else g("reward_key"),
+            group_rm=g("group_rm", False), reward_max_concurrency=g("reward_max_concurrency", 64),
+            reward_error_policy=g("reward_error_policy", "fail"), custom_config_path=g("custom_config_path"),
+            log_passrate=g("log_passrate", False), eval_interval=g("eval_interval"),
+            skip_eval_before_train=g("skip_eval_before_train", False),
+            n_samples_per_eval_prompt=g("n_samples_per_eval_prompt", 1),
+            eval_temperature=g("eval_temperature"), eval_top_p=g("eval_top_p"), eval_top_k=g("eval_top_k"),
+            eval_max_response_len=g("eval_max_response_len"),
+        )
+        if g("custom_config_path"):
+            a.update(load_custom_config(g("custom_config_path")))
+    a.update(extra)
+    return SimpleNamespace(**a)
+
+
+def load_custom_config(path: str) -> dict[str, Any]:
+    """Relax's ``--custom-config-path``: a YAML mapping whose keys become ``args`` attributes."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            cfg = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ValueError(f"rollout.custom_config_path = {path!r}: cannot read ({e.strerror})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"rollout.custom_config_path = {path!r} must hold a YAML mapping, got {type(cfg).__name__}")
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------
+# Failures
+# --------------------------------------------------------------------------------------------------
+
+_SHOW = 300
+
+
+def _clip(x: Any) -> str:
+    s = x if isinstance(x, str) else repr(x)
+    return s if len(s) <= _SHOW else s[:_SHOW] + f"... [{len(s) - _SHOW} more chars]"
+
+
+@dataclass
+class RewardFailure:
+    """One sample whose reward could not be computed, with what it was scored on and why."""
+
+    index: int | None
+    group_index: int | None
+    prompt: Any
+    response: str
+    label: Any
+    error: BaseException
+    traceback: str
+    source: str  # which reward: the custom_rm_path or "rm_type <name>"
+    sample: Sample | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def error_text(self) -> str:
+        return f"{type(self.error).__name__}: {self.error}"
+
+    def __str__(self) -> str:
+        return (f"sample index={self.index} group_index={self.group_index}: reward {self.source} raised "
+                f"{self.error_text}\n    prompt: {_clip(self.prompt)}\n    response: {_clip(self.response)}\n"
+                f"    label: {_clip(self.label)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "group_index": self.group_index, "prompt": self.prompt,
+                "response": self.response, "label": self.label, "error": self.error_text,
+                "traceback": self.traceback, "source": self.source}
+
+
+class RewardError(RuntimeError):
+    """Rewards failed and ``reward_error_policy`` is ``fail``; ``failures`` has the report of each sample."""
+
+    def __init__(self, failures: list[RewardFailure]) -> None:
+        self.failures = list(failures)
+        shown = "\n".join(f"  - {f}" for f in self.failures[:5])
+        more = f"\n  ... and {len(self.failures) - 5} more" if len(self.failures) > 5 else ""
+        first_tb = self.failures[0].traceback if self.failures else ""
+        super().__init__(
+            f"the reward function failed for {len(self.failures)} sample(s) "
+            f"(rollout.reward_error_policy = fail; set it to skip to give such samples reward 0 and go on):\n"
+            f"{shown}{more}\nTraceback of the first failure:\n{first_tb}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# The runner
+# --------------------------------------------------------------------------------------------------
+
+
+class RewardRunner:
+    """Scores samples with the custom reward function or a built-in, bounded to ``max_concurrency`` calls.
+
+    ``args``: the namespace from :func:`build_args` (reads ``custom_rm_path``, ``rm_type``, ``reward_key``,
+    ``eval_reward_key``, ``group_rm``, ``reward_max_concurrency``, ``reward_error_policy``).
+    """
+
+    def __init__(self, args: Any, *, policy: str | None = None, max_concurrency: int | None = None) -> None:
+        self.args = args
+        self.custom_rm_path: str | None = getattr(args, "custom_rm_path", None)
+        self.rm_type: str | None = getattr(args, "rm_type", None)
+        self.group_rm: bool = bool(getattr(args, "group_rm", False))
+        self.policy = policy or getattr(args, "reward_error_policy", "fail")
+        if self.policy not in ("skip", "fail"):
+            raise ValueError(f"reward_error_policy must be 'skip' or 'fail', got {self.policy!r}")
+        self.max_concurrency = max_concurrency or getattr(args, "reward_max_concurrency", 64) or 64
+        self.fn = load_function(self.custom_rm_path) if self.custom_rm_path else None
+        self.fn_is_async = self.fn is not None and _is_async(self.fn)
+        self._sem: asyncio.Semaphore | None = None
+        self._sem_loop: Any = None
+        self.failures: list[RewardFailure] = []  # every failure seen by this runner (skip policy keeps going)
+
+    def reward_key(self, evaluation: bool = False) -> str | None:
+        if evaluation:
+            k = getattr(self.args, "eval_reward_key", None)
+            if k is not None:
+                return k
+        return getattr(self.args, "reward_key", None)
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if self._sem is None or self._sem_loop is not loop:
+            self._sem, self._sem_loop = asyncio.Semaphore(self.max_concurrency), loop
+        return self._sem
+
+    # --- one call ------------------------------------------------------------------------------------
+    async def _call_custom(self, payload: Sample | list[Sample], **kwargs: Any) -> Any:
+        if self.fn_is_async:
+            return await self.fn(self.args, payload, **kwargs)
+        result = await asyncio.to_thread(self.fn, self.args, payload, **kwargs)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+    async def _score_one(self, sample: Sample, reward_key: str | None, **kwargs: Any) -> Any:
+        if self.fn is not None:
+            return await self._call_custom(sample, **kwargs)
+        meta = sample.metadata if isinstance(sample.metadata, dict) else {}
+        rm_type = meta.get("rm_type") or self.rm_type
+        if not rm_type:
+            raise ValueError("no reward is configured: set rollout.custom_rm_path or rollout.rm_type "
+                             "(or give this record a metadata.rm_type)")
+        value = builtin_reward(rm_type, sample.response, sample.label, meta)
+        return {reward_key: value} if reward_key else value
+
+    def _source(self, sample: Sample | None = None) -> str:
+        if self.custom_rm_path:
+            return self.custom_rm_path
+        meta = sample.metadata if sample is not None and isinstance(sample.metadata, dict) else {}
+        return f"rm_type {meta.get('rm_type') or self.rm_type!r}"
+
+    def _fail(self, sample: Sample, error: BaseException, trace: str) -> RewardFailure:
+        f = RewardFailure(index=sample.index, group_index=sample.group_index, prompt=sample.prompt,
+                          response=sample.response, label=sample.label, error=error, traceback=trace,
+                          source=self._source(sample), sample=sample)
+        self.failures.append(f)
+        return f
+
+    @staticmethod
+    def _check(value: Any, reward_key: str | None) -> None:
+        v = reward_value(value, reward_key)
+        if not math.isfinite(v):
+            raise ValueError(f"the reward is {v}, not a finite number")
+
+    # --- public --------------------------------------------------------------------------------------
+    async def score_group(self, samples: list[Sample], *, evaluation: bool = False, **kwargs: Any) -> list[RewardFailure]:
+        """Set ``reward`` on every sample of one group; returns this group's failures (see the policy)."""
+        key = self.reward_key(evaluation)
+        failures: list[RewardFailure] = []
+        if self.group_rm and self.fn is not None:
+            try:
+                async with self._semaphore():
+                    values = await self._call_custom(list(samples), **kwargs)
+                if not isinstance(values, (list, tuple)) or len(values) != len(samples):
+                    got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+                    raise TypeError(f"with rollout.group_rm the reward function must return a list of one reward "
+                                    f"per sample ({len(samples)}), got {got}")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                trace = tb.format_exc()
+                failures = [self._fail(s, e, trace) for s in samples]
+            else:
+                for s, v in zip(samples, values):
+                    try:
+                        self._check(v, key)
+                        s.reward = v
+                    except Exception as e:
+                        failures.append(self._fail(s, e, tb.format_exc()))
+        else:
+            async def one(s: Sample) -> RewardFailure | None:
+                if s.reward is not None:  # a custom generate function scored it already (Relax's rule)
+                    return None
+                try:
+                    async with self._semaphore():
+                        v = await self._score_one(s, key, **kwargs)
+                    self._check(v, key)
+                    s.reward = v
+                    return None
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    return self._fail(s, e, tb.format_exc())
+
+            failures = [f for f in await asyncio.gather(*(one(s) for s in samples)) if f is not None]
+        self._apply_policy(samples, failures)
+        return failures
+
+    async def score_groups(self, groups: list[list[Sample]], *, evaluation: bool = False,
+                           **kwargs: Any) -> list[RewardFailure]:
+        """:meth:`score_group` for every group, concurrently (under ``fail`` the first failing group raises)."""
+        results = await asyncio.gather(*(self.score_group(g, evaluation=evaluation, **kwargs) for g in groups))
+        return [f for r in results for f in r]
+
+    def _apply_policy(self, samples: list[Sample], failures: list[RewardFailure]) -> None:
+        if not failures:
+            return
+        if self.policy == "fail":
+            raise RewardError(failures)
+        for f in failures:
+            f.sample.reward = 0.0
+            f.sample.status = SampleStatus.FAILED
+            f.sample.metadata["reward_error"] = f.error_text
+        for f in failures:
+            log.warning("reward failed, sample gets reward 0 and status FAILED (reward_error_policy = skip): %s\n%s",
+                        f, f.traceback)

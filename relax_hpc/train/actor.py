@@ -1,0 +1,113 @@
+"""MegatronActor: the one object the actor, reference and actor_fwd roles hold.
+
+Usage (every rank of the role, after the role's bootstrap made the default process group)::
+
+    init_parallel(train_cfg.tp, train_cfg.pp, seed=train_cfg.seed)
+    actor = MegatronActor.from_hf(hf_dir, train_cfg, algo_cfg)          # forward_only=True for reference
+    old = actor.compute_log_probs(batch)                                   # list of [R_i] tensors
+    metrics = actor.train_step(batch)                                      # one optimizer step
+    actor.save_checkpoint(ckpt_root, {"data_pos": 17})                     # collective; `latest` last
+    extra = actor.load_checkpoint(ckpt_root)                               # at any TP/PP
+    actor.export_hf(out_dir); for name, t in actor.named_hf_weights(): ...
+
+Batch format (the same list on every rank; the actor takes each DP rank's share itself): a list of
+samples, each a mapping or object with ``tokens`` LongTensor[L] (prompt + response), ``response_start``
+int (first response index; response R = L − response_start tokens), ``advantage`` float or
+``advantages`` [R], ``old_log_probs`` [R] (if absent and not ``use_rollout_logprobs``: π_old = this
+forward, ratio 1), optional ``loss_mask`` [R], ``ref_log_probs`` [R], ``rollout_log_probs`` [R].
+Padding, micro-batching (``train.micro_batch_size``) and DP sharding happen inside; see :mod:`.batch`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from relax_hpc.train import checkpoint as ckpt
+from relax_hpc.train import export as hf_export
+from relax_hpc.train.config import TrainConfig
+from relax_hpc.train.logprobs import compute_log_probs
+from relax_hpc.train.model import build_model, wrap_ddp_and_optimizer
+from relax_hpc.train.parallel import ParallelInfo, info
+from relax_hpc.train.step import train_step
+
+
+class MegatronActor:
+    def __init__(self, built, model: list, optimizer, train_cfg: TrainConfig, algo_cfg, *, temperature: float,
+                 pad_id: int):
+        self.bridge = built.bridge
+        self.hf_dir = built.hf_dir
+        self.model = model  # DDP-wrapped chunks (training) or bare GPTModel chunks (forward only)
+        self.optimizer = optimizer  # None when forward only
+        self.train_cfg = train_cfg
+        self.algo_cfg = algo_cfg
+        self.temperature = temperature
+        self.pad_id = pad_id
+        self.step = 0  # optimizer steps done (restored by load_checkpoint)
+
+    @classmethod
+    def from_hf(cls, hf_dir: str | os.PathLike, train_cfg: TrainConfig, algo_cfg=None, *,
+                temperature: float = 1.0, forward_only: bool = False) -> "MegatronActor":
+        """Build from an HF directory. ``init_parallel(train_cfg.tp, train_cfg.pp)`` must have run.
+
+        ``temperature`` is the rollout sampling temperature: logits are divided by it before log-probs,
+        as the engine did when it sampled. ``forward_only`` (reference, actor_fwd): no DDP, no optimizer.
+        """
+        if algo_cfg is None:
+            from relax_hpc.algo import AlgorithmConfig
+
+            algo_cfg = AlgorithmConfig()
+        built = build_model(hf_dir, train_cfg)
+        if forward_only:
+            model, optimizer = built.chunks, None
+            for m in model:
+                m.requires_grad_(False)
+        else:
+            model, optimizer = wrap_ddp_and_optimizer(built.chunks, train_cfg)
+        hf_cfg = built.bridge.hf_pretrained.config
+        pad_id = getattr(hf_cfg, "pad_token_id", None)
+        if pad_id is None:
+            pad_id = getattr(hf_cfg, "eos_token_id", 0)
+            pad_id = pad_id[0] if isinstance(pad_id, (list, tuple)) else (pad_id or 0)
+        return cls(built, model, optimizer, train_cfg, algo_cfg, temperature=temperature, pad_id=int(pad_id))
+
+    @property
+    def parallel(self) -> ParallelInfo:
+        return info()
+
+    def compute_log_probs(self, batch: Sequence) -> list[torch.Tensor]:
+        """Forward only: per-sample log-probs of the response tokens ([R_i] float32, CPU), on every rank."""
+        mbs = self.train_cfg.logprob_micro_batch_size or self.train_cfg.micro_batch_size
+        return compute_log_probs(self.model, batch, mbs=mbs, pad_id=self.pad_id, temperature=self.temperature,
+                                 max_seq_len=self.train_cfg.max_seq_len)
+
+    def train_step(self, batch: Sequence) -> dict[str, float]:
+        """One optimizer step on the global batch; metrics (same on every rank) incl. loss, pg_loss, grad_norm."""
+        if self.optimizer is None:
+            raise RuntimeError("this MegatronActor was built forward_only: it cannot train")
+        metrics = train_step(self.model, self.optimizer, batch, train_cfg=self.train_cfg, algo_cfg=self.algo_cfg,
+                             step=self.step, pad_id=self.pad_id, temperature=self.temperature)
+        self.step += 1
+        metrics["step"] = float(self.step)
+        return metrics
+
+    def save_checkpoint(self, root: str | os.PathLike, extra_state: dict | None = None, *,
+                        keep: int | None = None) -> Path:
+        """Collective save of model, optimizer, RNG, step and ``extra_state`` under ``root``; ``latest`` last."""
+        return ckpt.save(root, self.model, self.optimizer, step=self.step, extra_state=extra_state, keep=keep)
+
+    def load_checkpoint(self, path: str | os.PathLike, *, load_optimizer: bool = True) -> dict:
+        """Collective load (root with ``latest``, or a step dir), at any TP/PP; returns ``extra_state``."""
+        self.step, extra = ckpt.load(path, self.model, self.optimizer if load_optimizer else None)
+        return extra
+
+    def export_hf(self, out_dir: str | os.PathLike) -> Path:
+        """Collective: write an HF model directory (config, tokenizer, safetensors) that transformers loads."""
+        return hf_export.export_hf(self.bridge, self.model, out_dir)
+
+    def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective iterator of (HF name, full CPU tensor), for weight sync; every rank gets full tensors."""
+        return hf_export.named_hf_weights(self.bridge, self.model)

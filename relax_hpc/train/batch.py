@@ -1,0 +1,159 @@
+"""Samples → padded micro-batch tensors (and per-sample results back), for the Megatron forward.
+
+A sample is a mapping (or an object with attributes) with:
+
+* ``tokens``: LongTensor[L] (or list of ints), prompt + response;
+* ``response_start``: int ≥ 1, index in ``tokens`` of the first response token (the response is
+  ``tokens[response_start:]``, R = L − response_start tokens);
+* ``loss_mask`` (optional): [R] 0/1 over the response tokens (default all ones; a sample Relax marked
+  ``remove_sample`` has all zeros);
+* ``advantage`` (float, per sample) or ``advantages`` ([R], per token);
+* ``old_log_probs`` [R] (π_old; optional only with ``use_rollout_logprobs``), ``ref_log_probs`` [R]
+  (optional), ``rollout_log_probs`` [R] (optional).
+
+Why right padding with no attention mask: attention is causal, so pad tokens after a sequence never
+change the logits of its real tokens, and no mask tensor has to be built or sent through the pipeline.
+Log-probs are computed only at response positions (logits at position p score token p+1), which keeps
+the vocab-sized tensors as small as the responses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def field(sample, name: str, default=None):
+    """``sample[name]`` for mappings, ``sample.name`` otherwise; ``default`` when absent or None."""
+    if isinstance(sample, Mapping):
+        v = sample.get(name, default)
+    else:
+        v = getattr(sample, name, default)
+    return default if v is None else v
+
+
+def tokens_of(sample) -> torch.Tensor:
+    return torch.as_tensor(field(sample, "tokens"), dtype=torch.long).reshape(-1)
+
+
+def response_bounds(sample) -> tuple[int, int]:
+    """(response_start, response length R); checks that there is at least one prompt and one response token."""
+    n = tokens_of(sample).numel()
+    start = field(sample, "response_start")
+    if start is None:
+        raise ValueError("sample has no response_start")
+    start = int(start)
+    if not 1 <= start < n:
+        raise ValueError(f"response_start = {start} must be in [1, {n}) for a sample of {n} tokens "
+                         "(at least one prompt token and one response token)")
+    return start, n - start
+
+
+@dataclass
+class MicroBatch:
+    """One forward pass worth of samples. ``B`` rows (``n_real`` real, the rest all-pad filler for PP),
+    ``S`` padded sequence length, ``T`` longest response. Train fields are None for forward-only use."""
+
+    tokens: torch.Tensor  # [B, S] long
+    position_ids: torch.Tensor  # [B, S] long
+    logit_index: torch.Tensor  # [n_real, T] position of the logits that score each response token
+    targets: torch.Tensor  # [n_real, T] the response token ids (pad where t >= R)
+    valid: torch.Tensor  # [n_real, T] bool, t < R
+    response_lens: list[int]
+    n_real: int
+    loss_mask: torch.Tensor | None = None  # [n_real, T] float: valid × the sample's loss mask
+    advantages: torch.Tensor | None = None  # [n_real, T]
+    old_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    rollout_log_probs: torch.Tensor | None = None
+    weight: float = 1.0  # this micro-batch's share of the global loss (samples or tokens)
+
+    @property
+    def num_loss_tokens(self) -> float:
+        return float(self.loss_mask.sum()) if self.loss_mask is not None else float(sum(self.response_lens))
+
+
+def _per_token(sample, name: str, r: int, *, required: bool) -> torch.Tensor | None:
+    v = field(sample, name)
+    if v is None:
+        if required:
+            raise ValueError(f"sample has no {name}")
+        return None
+    t = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
+    if t.numel() != r:
+        raise ValueError(f"{name} has {t.numel()} values for a response of {r} tokens")
+    return t
+
+
+def _stack(rows: list[torch.Tensor | None], t: int) -> torch.Tensor | None:
+    if any(r is None for r in rows):
+        return None
+    out = torch.zeros(len(rows), t, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : r.numel()] = r
+    return out
+
+
+def make_micro_batch(samples: Sequence, *, pad_id: int, train: bool, seq_len: int | None = None,
+                     rows: int | None = None, max_seq_len: int | None = None) -> MicroBatch:
+    """Pad ``samples`` into one micro-batch; ``seq_len``/``rows`` force a fixed shape (pipeline p2p needs it)."""
+    if not samples:
+        raise ValueError("empty micro-batch")
+    toks = [tokens_of(s) for s in samples]
+    bounds = [response_bounds(s) for s in samples]
+    longest = max(t.numel() for t in toks)
+    if max_seq_len is not None and longest > max_seq_len:
+        raise ValueError(f"a sample has {longest} tokens, more than train.max_seq_len = {max_seq_len}")
+    S = seq_len or longest
+    B = rows or len(samples)
+    assert S >= longest and B >= len(samples)
+    tokens = torch.full((B, S), pad_id, dtype=torch.long)
+    for i, t in enumerate(toks):
+        tokens[i, : t.numel()] = t
+    position_ids = torch.arange(S, dtype=torch.long).unsqueeze(0).expand(B, S).contiguous()
+    lens = [r for _, r in bounds]
+    T = max(lens)
+    ar = torch.arange(T)
+    starts = torch.tensor([s for s, _ in bounds])
+    valid = ar.unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+    logit_index = (starts.unsqueeze(1) - 1 + ar.unsqueeze(0)).clamp(max=S - 2)
+    targets = tokens[: len(samples)].gather(1, logit_index + 1)
+    mb = MicroBatch(tokens=tokens, position_ids=position_ids, logit_index=logit_index, targets=targets,
+                    valid=valid, response_lens=lens, n_real=len(samples))
+    if not train:
+        return mb
+    masks, advs = [], []
+    for s, (_, r) in zip(samples, bounds):
+        m = _per_token(s, "loss_mask", r, required=False)
+        masks.append(torch.ones(r) if m is None else m)
+        a = _per_token(s, "advantages", r, required=False)
+        if a is None:
+            adv = field(s, "advantage")
+            if adv is None:
+                raise ValueError("sample has neither advantage (float) nor advantages (per token)")
+            a = torch.full((r,), float(adv))
+        advs.append(a)
+    mb.loss_mask = _stack(masks, T) * valid
+    mb.advantages = _stack(advs, T)
+    for name in ("old_log_probs", "ref_log_probs", "rollout_log_probs"):
+        setattr(mb, name, _stack([_per_token(s, name, r, required=False) for s, (_, r) in zip(samples, bounds)], T))
+    return mb
+
+
+def dp_shard(samples: Sequence, dp: int, dp_rank: int) -> list:
+    """This data-parallel rank's contiguous share of the global batch (sizes differ by at most one)."""
+    n = len(samples)
+    base, extra = divmod(n, dp)
+    start = dp_rank * base + min(dp_rank, extra)
+    return list(samples[start: start + base + (1 if dp_rank < extra else 0)])
+
+
+def chunks(samples: Sequence, size: int) -> list[list]:
+    return [list(samples[i: i + size]) for i in range(0, len(samples), size)]
+
+
+def unpad(rows: torch.Tensor, lens: Sequence[int]) -> list[torch.Tensor]:
+    """[B, T] → B tensors of their true lengths."""
+    return [rows[i, :n].clone() for i, n in enumerate(lens)]

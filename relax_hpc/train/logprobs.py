@@ -1,0 +1,158 @@
+"""Per-token log-probs (and entropy) of response tokens from vocab-parallel logits, and the forward passes.
+
+Why our own vocab-parallel math instead of ``tensor_parallel.vocab_parallel_cross_entropy``: that kernel
+overwrites its input in place (fine for a loss, wrong when entropy is taken from the same logits) and
+gives no entropy. Here log p and the entropy share one max/sum-exp; the only collectives are
+all-reduces over the TP group (max without grad; sums through ``reduce_from_tensor_model_parallel_region``,
+whose backward is the identity, which is the exact gradient of a sum of per-rank partial sums).
+
+:func:`run_forward` drives Megatron's ``forward_backward_func`` (1F1B when PP > 1) over micro-batches
+for both the forward-only pass (old/reference log-probs) and the training pass (:mod:`.step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from relax_hpc.train import batch as B
+from relax_hpc.train import cpu_compat
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False,
+                            entropy_grad: bool = True):
+    """log p(target) and optionally the entropy, for logits ``[..., V/tp]`` sharded over the TP group.
+
+    Returns (log_probs [...], entropy [...] or None), in float32; log-probs are differentiable, the
+    entropy too unless ``entropy_grad`` is False (a metric only: no graph kept for it).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region as tp_sum
+
+    logits = logits.float()
+    tp = ps.get_tensor_model_parallel_world_size()
+    part = logits.shape[-1]
+    lo = ps.get_tensor_model_parallel_rank() * part
+    m = logits.detach().amax(dim=-1)
+    if tp > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    z = logits - m.unsqueeze(-1)
+    e = z.exp()
+    sum_e = tp_sum(e.sum(dim=-1))
+    local = targets - lo
+    inside = (local >= 0) & (local < part)
+    z_t = z.gather(-1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1) * inside
+    log_z = sum_e.log()
+    log_probs = tp_sum(z_t) - log_z
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = log_z - tp_sum((e * z).sum(dim=-1)) / sum_e
+    return log_probs, entropy
+
+
+def response_logprobs(output: torch.Tensor, mb: B.MicroBatch, *, temperature: float = 1.0,
+                      with_entropy: bool = False, entropy_grad: bool = True):
+    """From the model output ``[B, S, V/tp]``: log-probs (and entropy) ``[n_real, T]`` of the response tokens."""
+    idx = mb.logit_index.to(output.device)
+    rows = output[: mb.n_real]
+    picked = rows.gather(1, idx.unsqueeze(-1).expand(-1, -1, rows.shape[-1]))
+    if temperature != 1.0:
+        picked = picked / temperature
+    lp, ent = vocab_parallel_logprobs(picked, mb.targets.to(output.device), with_entropy=with_entropy,
+                                      entropy_grad=entropy_grad)
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+    valid = mb.valid.to(output.device)
+    lp = torch.where(valid, lp, zero)
+    if ent is not None:
+        ent = torch.where(valid, ent, zero)
+    return lp, ent
+
+
+def _forward_step(loss_fn: Callable, data_iterator, model):
+    mb = next(data_iterator)
+    dev = next(model.parameters()).device
+    out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None)
+    return out, partial(loss_fn, mb)
+
+
+def plan_micro_batches(samples: Sequence, mbs: int, *, pad_id: int, train: bool, pp: int,
+                       max_seq_len: int | None, global_seq_len: int) -> list[B.MicroBatch]:
+    """Split this rank's samples into micro-batches; with PP every one gets the same [mbs, S] shape."""
+    groups = B.chunks(samples, mbs)
+    if pp > 1:
+        return [B.make_micro_batch(g, pad_id=pad_id, train=train, seq_len=global_seq_len, rows=mbs,
+                                   max_seq_len=max_seq_len) for g in groups]
+    return [B.make_micro_batch(g, pad_id=pad_id, train=train, max_seq_len=max_seq_len) for g in groups]
+
+
+def run_forward(model: list, micro_batches: list[B.MicroBatch], loss_fn: Callable, *, forward_only: bool) -> list:
+    """Run ``forward_backward_func`` over the micro-batches; returns ``loss_fn``'s dicts (last stage only)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    mb0 = micro_batches[0]
+    fb = get_forward_backward_func()
+    return fb(
+        forward_step_func=partial(_forward_step, loss_fn),
+        data_iterator=iter(micro_batches) if len(model) == 1 else [iter(micro_batches) for _ in model],
+        model=model,
+        num_microbatches=len(micro_batches),
+        seq_length=mb0.tokens.shape[1],
+        micro_batch_size=mb0.tokens.shape[0],
+        forward_only=forward_only,
+    )
+
+
+def compute_log_probs(model: list, samples: Sequence, *, mbs: int, pad_id: int, temperature: float = 1.0,
+                      max_seq_len: int | None = None) -> list[torch.Tensor]:
+    """Forward-only response log-probs for the global batch ``samples``; every rank gets all of them.
+
+    Each DP rank computes its share; results are gathered over DP and broadcast from the last pipeline
+    stage, so the caller sees one list in the order of ``samples`` whatever the layout.
+    """
+    from megatron.core import parallel_state as ps
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    lens = [B.response_bounds(s)[1] for s in samples]
+    T = max(lens)
+    per_rank = -(-len(samples) // dp)
+    mine = B.dp_shard(samples, dp, dp_rank)
+    out = torch.zeros(per_rank, T, dtype=torch.float32, device=cpu_compat.device())  # NCCL needs device tensors
+    if mine:
+        S = max(B.tokens_of(s).numel() for s in samples)
+        mbs_list = plan_micro_batches(mine, mbs, pad_id=pad_id, train=False, pp=pp, max_seq_len=max_seq_len,
+                                      global_seq_len=S)
+
+        def loss_fn(mb, output):
+            lp, _ = response_logprobs(output, mb, temperature=temperature)
+            return lp.sum() * 0.0, {"log_probs": lp.detach().cpu()}
+
+        for m in model:
+            m.eval()
+        with torch.no_grad():
+            results = run_forward(model, mbs_list, loss_fn, forward_only=True)
+        for m in model:
+            m.train()
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            row = 0
+            for mb, res in zip(mbs_list, results):
+                lp = res["log_probs"]
+                out[row: row + mb.n_real, : lp.shape[1]] = lp.to(out.device)
+                row += mb.n_real
+    if pp > 1:
+        src = ps.get_pipeline_model_parallel_last_rank()
+        dist.broadcast(out, src=src, group=ps.get_pipeline_model_parallel_group())
+    if dp > 1:
+        gathered = [torch.empty_like(out) for _ in range(dp)]
+        dist.all_gather(gathered, out, group=ps.get_data_parallel_group())
+    else:
+        gathered = [out]
+    rows = []
+    for r in range(dp):
+        n = len(B.dp_shard(samples, dp, r))
+        rows.extend(gathered[r][:n].cpu())
+    return [row[:n].clone() for row, n in zip(rows, lens)]

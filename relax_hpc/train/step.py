@@ -1,0 +1,123 @@
+"""One optimizer step of the policy loss (:func:`relax_hpc.algo.policy_loss`) over a global batch.
+
+Loss weighting, so that any TP/PP/DP layout and micro-batch split gives the loss of the whole batch
+(Relax's: the mean over samples of each sample's token-mean, or with ``calculate_per_token_loss`` the
+mean over all loss tokens): ``policy_loss`` reduces over the samples of one micro-batch, so micro-batch k
+gets the weight w_k = B_k / N (or its token share). Megatron's schedule divides each micro-batch loss
+by this rank's number of micro-batches M and DDP averages gradients over the DP ranks, so the tensor
+we backprop is loss_k · w_k · M · dp. Metrics are Σ_k w_k · metric_k summed over DP ranks: exactly the
+whole-batch value, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from relax_hpc.train import batch as B
+from relax_hpc.train.config import TrainConfig
+from relax_hpc.train.logprobs import plan_micro_batches, response_logprobs, run_forward
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Learning rate of optimizer step ``step`` (0 = the first): linear warmup, then constant or cosine."""
+    if cfg.lr_warmup_steps > 0 and step < cfg.lr_warmup_steps:
+        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
+    if cfg.lr_decay == "cosine" and cfg.lr_decay_steps > 0:
+        k = min(step - cfg.lr_warmup_steps, cfg.lr_decay_steps) / cfg.lr_decay_steps
+        return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * k))
+    return cfg.lr
+
+
+def _loss_tokens(sample) -> float:
+    _, r = B.response_bounds(sample)
+    m = B.field(sample, "loss_mask")
+    return float(r if m is None else torch.as_tensor(m, dtype=torch.float32).sum())
+
+
+def train_step(model: list, optimizer, samples: Sequence, *, train_cfg: TrainConfig, algo_cfg, step: int,
+               pad_id: int, temperature: float = 1.0) -> dict[str, float]:
+    """Forward/backward over ``samples`` (the global batch, the same list on every rank) and one optimizer step.
+
+    Returns float metrics, the same on every rank: Relax's ``loss``, ``pg_loss``, ``pg_clipfrac``,
+    ``ppo_kl``, ``entropy_loss`` (+ ``kl_loss``, ``tis``... as configured), plus ``grad_norm``, ``lr``,
+    ``update_successful``, ``num_samples``, ``num_loss_tokens``.
+    """
+    from megatron.core import parallel_state as ps
+
+    from relax_hpc.algo import policy_loss
+
+    n = len(samples)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if train_cfg.global_batch_size is not None and n != train_cfg.global_batch_size:
+        raise ValueError(f"train_step got {n} samples but train.global_batch_size = {train_cfg.global_batch_size}")
+    if n < dp:
+        raise ValueError(f"train_step got {n} samples for {dp} data-parallel ranks: every rank needs at least one")
+    per_token = bool(algo_cfg.calculate_per_token_loss)
+    total = sum(_loss_tokens(s) for s in samples) if per_token else float(n)
+    total = max(total, 1.0)
+    mine = B.dp_shard(samples, dp, dp_rank)
+    S = max(B.tokens_of(s).numel() for s in samples)
+    mbs = plan_micro_batches(mine, train_cfg.micro_batch_size, pad_id=pad_id, train=True, pp=pp,
+                             max_seq_len=train_cfg.max_seq_len, global_seq_len=S)
+    M = len(mbs)
+    for mb in mbs:
+        mb.weight = (mb.num_loss_tokens if per_token else mb.n_real) / total
+    entropy_grad = algo_cfg.entropy_coef != 0
+
+    def loss_fn(mb: B.MicroBatch, output: torch.Tensor):
+        lp, ent = response_logprobs(output, mb, temperature=temperature, with_entropy=True, entropy_grad=entropy_grad)
+        dev = lp.device
+
+        def data(t):
+            return None if t is None else t.to(dev)
+
+        old = data(mb.old_log_probs)
+        if old is None and not algo_cfg.use_rollout_logprobs:
+            old = lp.detach()  # no actor_fwd: π_old is this very forward (ratio 1), Relax's on-policy shortcut
+        loss, metrics = policy_loss(
+            algo_cfg, lp, old, data(mb.advantages), data(mb.loss_mask),
+            ref_log_probs=data(mb.ref_log_probs), rollout_log_probs=data(mb.rollout_log_probs), entropy=ent,
+        )
+        reported = {k: float(v) * mb.weight for k, v in metrics.items()}
+        return loss * (mb.weight * M * dp), reported
+
+    for m in model:
+        m.train()
+        m.zero_grad_buffer()
+    optimizer.zero_grad()
+    results = run_forward(model, mbs, loss_fn, forward_only=False)
+
+    lr = lr_at(train_cfg, step)
+    for g in optimizer.param_groups:
+        g["lr"] = lr * g.get("lr_mult", 1.0)
+        g["weight_decay"] = train_cfg.weight_decay * g.get("wd_mult", 1.0)
+    ok, grad_norm, _ = optimizer.step()
+
+    metrics: dict[str, float] = {}
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        for r in results:
+            for k, v in r.items():
+                metrics[k] = metrics.get(k, 0.0) + v
+        if dp > 1:
+            parts: list = [None] * dp
+            dist.all_gather_object(parts, metrics, group=ps.get_data_parallel_group())
+            metrics = {}
+            for part in parts:
+                for k, v in part.items():
+                    metrics[k] = metrics.get(k, 0.0) + v
+    if pp > 1:
+        box = [metrics]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        metrics = box[0]
+    metrics.update(
+        grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+        lr=lr, update_successful=float(bool(ok)), num_samples=float(n),
+        num_loss_tokens=float(sum(_loss_tokens(s) for s in samples)),
+    )
+    return metrics

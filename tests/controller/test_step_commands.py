@@ -1,0 +1,64 @@
+"""Role step command lines: srun per het group under Slurm, N×T processes locally; argument lists, quoted for print."""
+
+import shlex
+
+import pytest
+
+from ctl_helpers import TINY, make_run
+from relax_hpc.launch.steps import describe_steps, executor_from_env, step_commands
+from relax_hpc.recipe import load_recipe
+
+
+@pytest.fixture
+def run(tmp_path):
+    recipe = {**TINY, "slurm": {"mpi": "pmix", "srun_args": ["--container-image=/img/a.sqsh"],
+                                "env": {"OMPI_MCA_btl": "self,tcp"}}}
+    return make_run(tmp_path / "a dir", recipe)  # a space: the printed lines must quote it
+
+
+def test_slurm_steps_one_srun_per_role(run):
+    recipe = load_recipe(run.recipe)
+    cmds = {c.role: c for c in step_commands(recipe, run.path, "slurm", python="/py")}
+    assert list(cmds) == ["actor", "rollout", "reference", "actor_fwd"]
+    actor = cmds["actor"].procs[0].argv
+    assert actor[:2] == ["srun", "--het-group=0"] and "--overlap" not in actor
+    assert "--nodes=1" in actor and "--ntasks-per-node=2" in actor and "--ntasks=2" in actor
+    assert "--mpi=pmix" in actor and "--kill-on-bad-exit=1" in actor
+    assert f"--output={run.path}/logs/actor.%t.log" in actor
+    assert actor[-4:] == ["/py", "-m", "relax_hpc.roles.actor", str(run.path)]
+    assert "--container-image=/img/a.sqsh" in actor
+    fwd = cmds["actor_fwd"].procs[0].argv
+    assert "--het-group=2" in fwd and "--overlap" in fwd  # shares reference's component
+    env = cmds["actor"].procs[0].env
+    assert env["RELAX_RENDEZVOUS"] == "mpi" and env["OMPI_MCA_btl"] == "self,tcp" and env["RELAX_LAUNCH_ID"]
+    assert cmds["actor"].launch_id != cmds["rollout"].launch_id
+
+
+def test_local_steps_one_process_per_rank(run):
+    recipe = load_recipe(run.recipe)
+    actor = step_commands(recipe, run.path, "local", python="/py")[0]
+    assert [p.env["RELAX_RANK"] for p in actor.procs] == ["0", "1"]
+    assert {p.env["RELAX_WORLD_SIZE"] for p in actor.procs} == {"2"}
+    assert [p.env["RELAX_LOCAL_RANK"] for p in actor.procs] == ["0", "1"]
+    assert actor.procs[1].argv == ["/py", "-m", "relax_hpc.roles.actor", str(run.path)]
+    assert actor.procs[1].log == run.logs / "actor.1.log"
+    assert actor.procs[0].env["RELAX_RENDEZVOUS"] == "file"
+
+
+def test_describe_steps_prints_shell_quoted_lines(run):
+    lines = describe_steps(load_recipe(run.recipe), run.path, python="/py")
+    assert len(lines) == 4
+    assert shlex.split(lines[0])[-3:] == ["-m", "relax_hpc.roles.actor", str(run.path)]
+    assert f"'{run.path}'" in lines[0] and "--container-image=/img/a.sqsh" in lines[0]
+
+
+@pytest.mark.parametrize("env,want", [({}, "local"), ({"SLURM_JOB_ID": "7"}, "local"),
+                                      ({"SLURM_JOB_ID": "7", "SLURM_HET_SIZE": "3"}, "slurm"),
+                                      ({"SLURM_JOB_ID": "7", "SLURM_HET_SIZE": "3", "RELAX_EXECUTOR": "local"}, "local")])
+def test_executor_from_env(env, want):
+    assert executor_from_env(env) == want
+
+
+def test_unknown_executor_is_refused():
+    with pytest.raises(ValueError, match="RELAX_EXECUTOR"):
+        executor_from_env({"RELAX_EXECUTOR": "ray"})

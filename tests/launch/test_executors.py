@@ -1,0 +1,134 @@
+"""submitit extended: het job ids in the watcher, the checkpointable controller task, the local executor's
+process group, and (on the dev cluster) a real het job submitted through HetSlurmExecutor."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from pathlib import Path
+
+import cloudpickle
+import pytest
+
+from relax_hpc.launch.executors import (ControllerTask, HetSlurmExecutor, HetSlurmInfoWatcher, RelaxLocalExecutor,
+                                        read_result, runner_argv)
+from relax_hpc.launch.render import render_script
+from relax_hpc.launch.slurm import parse_time
+from relax_hpc.recipe import recipe_from_dict
+
+from . import stub_tasks
+from .conftest import REPO, TESTS
+
+SACCT = """JobID|State|NodeList
+12+0|RUNNING|node[1-2]
+12+0.batch|RUNNING|node1
+12+1|RUNNING|node3
+12+1.0|RUNNING|node3
+13+0|COMPLETED|node1
+13+1|FAILED|node2
+14+0|CANCELLED by 0|node1
+14+1|CANCELLED by 0|node2
+15|COMPLETED|node4
+"""
+
+
+def test_watcher_understands_het_ids():
+    info = HetSlurmInfoWatcher().read_info(SACCT)
+    assert info["12"]["State"] == "RUNNING" and info["12"]["NodeList"] == "node[1-2],node3"
+    assert info["13"]["State"] == "FAILED"  # the worst component
+    assert info["14"]["State"] == "CANCELLED"
+    assert info["12+1"]["State"] == "RUNNING" and "12+0.batch" not in info
+    assert info["15"]["State"] == "COMPLETED"  # plain jobs as before
+
+
+def test_watcher_is_done_for_het_jobs():
+    w = HetSlurmInfoWatcher()
+    w._info_dict.update(w.read_info(SACCT))
+    assert not w.is_done("12", mode="cache") and w.is_done("13", mode="cache")
+
+
+def test_controller_task_is_checkpointable_and_picklable(tmp_path):
+    task = ControllerTask(tmp_path)
+    again = task.checkpoint()
+    assert isinstance(again.function, ControllerTask) and again.function.run_dir == str(tmp_path)
+    clone = pickle.loads(cloudpickle.dumps(task))
+    assert clone.run_dir == str(tmp_path)
+
+
+def local_executor(tmp_path, **env) -> RelaxLocalExecutor:
+    return RelaxLocalExecutor(tmp_path / "submitit", {"RELAX_EXECUTOR": "local", **env}, tmp_path / "local.log",
+                              timeout_min=5, signal_delay_s=30, max_num_timeout=2)
+
+
+def test_local_executor_runs_in_its_own_session(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{TESTS}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    ex = local_executor(tmp_path, EXTRA="a b; c")
+    out = tmp_path / "env.txt"
+    job = ex.submit(stub_tasks.write_env, str(out), "RELAX_EXECUTOR", "EXTRA", "CUDA_VISIBLE_DEVICES")
+    pid = int(job.job_id)
+    assert os.getpgid(pid) == pid  # session leader: relax-cancel signals the whole group
+    result = job.result()
+    assert result == {"RELAX_EXECUTOR": "local", "EXTRA": "a b; c", "CUDA_VISIBLE_DEVICES": "7"}
+    assert read_result(ex.folder, job.job_id) == ("success", result)
+
+
+def test_local_executor_reports_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{TESTS}")
+    ex = local_executor(tmp_path)
+    job = ex.submit(stub_tasks.fail, "boom 42")
+    with pytest.raises(Exception, match="boom 42"):
+        job.result()
+    outcome, trace = read_result(ex.folder, job.job_id)
+    assert outcome == "error" and "boom 42" in trace
+
+
+def two_groups(tmp_path) -> tuple:
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    recipe = recipe_from_dict({"run": {"name": "exec-test"}, "slurm": {"partition": "debug", "time": "00:05:00"},
+                               "roles": {"actor": {"nodes": 2}, "rollout": {"nodes": 1, "gpus_per_node": 2}}})
+    return recipe, run_dir
+
+
+@pytest.mark.slurm
+def test_het_slurm_executor_end_to_end(slurm_cluster, tmp_path):
+    """A real 2-component het job through submitit: pickled callable run by the batch script, its result back
+    through submitit, and the watcher's state for the het id is COMPLETED (plain submitit says UNKNOWN)."""
+    recipe, run_dir = two_groups(tmp_path)
+    folder = run_dir / "submitit"
+
+    def render(argv):
+        assert argv == runner_argv(ex.raw_python, folder)
+        return render_script(recipe, run_dir, argv, f"{REPO}{os.pathsep}{TESTS}")
+
+    ex = HetSlurmExecutor(folder, render, parse_time(recipe.slurm.time) / 60, max_num_timeout=1)
+    job = ex.submit(stub_tasks.write_env, str(tmp_path / "env.txt"), "SLURM_HET_SIZE", "RELAX_EXECUTOR",
+                    "SUBMITIT_EXECUTOR", "SLURM_JOB_NODELIST_HET_GROUP_1")
+    assert job.job_id.isdigit()
+    submitted = Path(job.paths.submission_file).read_text()
+    assert submitted.count("#SBATCH hetjob") == 1
+    result = job.result()
+    assert result["SLURM_HET_SIZE"] == "2" and result["RELAX_EXECUTOR"] == "slurm"
+    assert result["SUBMITIT_EXECUTOR"] == "slurm" and result["SLURM_JOB_NODELIST_HET_GROUP_1"]
+    deadline = time.monotonic() + 60  # sacct is eventually consistent
+    while (state := job.watcher.get_state(job.job_id, mode="force")) != "COMPLETED" and time.monotonic() < deadline:
+        time.sleep(1)
+    assert state == "COMPLETED"
+    assert job.watcher.get_info(job.job_id, mode="cache")["HetComponents"] == "2"
+
+
+@pytest.mark.slurm
+def test_het_slurm_executor_failure_is_seen(slurm_cluster, tmp_path):
+    recipe, run_dir = two_groups(tmp_path)
+    folder = run_dir / "submitit"
+    ex = HetSlurmExecutor(folder, lambda argv: render_script(recipe, run_dir, argv, f"{REPO}{os.pathsep}{TESTS}"),
+                          5, max_num_timeout=1)
+    job = ex.submit(stub_tasks.fail, "het boom")
+    with pytest.raises(Exception, match="het boom"):
+        job.result()
+    deadline = time.monotonic() + 60
+    while (state := job.watcher.get_state(job.job_id, mode="force")) != "FAILED" and time.monotonic() < deadline:
+        time.sleep(1)
+    assert state == "FAILED"

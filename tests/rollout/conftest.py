@@ -1,0 +1,77 @@
+"""Engine fixtures for the rollout tests: a tiny HF model made offline, and CPU engine processes stopped by PID.
+
+One engine per test module (module scope): starting one costs a few seconds (python + torch + transformers
+import), and modules that change weights must not leak them into others.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _tiny_model_maker():
+    """tools/make-tiny-model has no .py suffix: load it as a module to call make_tiny_model()."""
+    path = REPO / "tools" / "make-tiny-model"
+    loader = importlib.machinery.SourceFileLoader("relax_make_tiny_model", str(path))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod.make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """Llama, hidden 64, 2 layers, vocab 128, max_pos 512, random weights (seed 0)."""
+    out = tmp_path_factory.mktemp("engine-model") / "tiny-llama"
+    return _tiny_model_maker()(out, arch="llama", hidden=64, layers=2, heads=4, kv_heads=2, seed=0)
+
+
+ENGINE_ARGS = ["--threads", "1", "--seed", "0"]
+
+
+@pytest.fixture(scope="session")
+def _prestarted_engines(request, tiny_llama, tmp_path_factory):
+    """Start the engine of every collected module that uses ``cpu_engine`` at once, without waiting.
+
+    Start-up is mostly importing torch and transformers; overlapping it across modules saves most of it.
+    Each module still gets its own engine process."""
+    from relax_hpc.rollout.engines import start_engine
+
+    modules = sorted({item.module.__name__ for item in request.session.items if "cpu_engine" in item.fixturenames})
+    logs = tmp_path_factory.mktemp("engine-logs")
+    handles = {m: start_engine("cpu", tiny_llama, log_path=logs / f"{m}.log", extra_args=ENGINE_ARGS) for m in modules}
+    try:
+        yield handles
+    finally:
+        for h in handles.values():
+            h.stop()
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(request, _prestarted_engines, tiny_llama, tmp_path_factory):
+    """This module's CPU engine serving ``tiny_llama``, ready; stopped (its PID's process group) afterwards."""
+    from relax_hpc.rollout.engines import start_engine
+
+    handle = _prestarted_engines.get(request.module.__name__)
+    if handle is None:  # not seen at collection (e.g. requested dynamically): start one now
+        handle = start_engine("cpu", tiny_llama, log_path=tmp_path_factory.mktemp("engine-log") / "cpu-engine.log",
+                              extra_args=ENGINE_ARGS)
+    try:
+        yield handle.wait_ready(120)
+    finally:
+        handle.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cpu_engine):
+    from relax_hpc.rollout.client import EngineClient
+
+    c = EngineClient(cpu_engine.url, timeout=60)
+    yield c
+    c.close()

@@ -1,0 +1,113 @@
+"""Engine launch: the CPU engine (launch, readiness, stop by PID, failure with the log tail, a dead engine's
+error) and, on GPU machines with an SGLang environment, a real SGLang server driven by the same client."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from relax_hpc.rollout.client import EngineClient, EngineError, SamplingParams
+from relax_hpc.rollout.engines import (EngineLaunchError, cpu_engine_command, free_port, launch_engine,
+                                       sglang_command, start_engine)
+
+
+def test_commands_and_argument_checks(monkeypatch, tmp_path):
+    cmd = sglang_command("/envs/sgl/bin/python", "/m", "0.0.0.0", 31000, 2, ["--mem-fraction-static", "0.7"])
+    assert cmd[:3] == ["/envs/sgl/bin/python", "-m", "sglang.launch_server"]
+    assert cmd[cmd.index("--port") + 1] == "31000" and cmd[cmd.index("--tp-size") + 1] == "2"
+    assert cmd[-2:] == ["--mem-fraction-static", "0.7"]
+    cpu = cpu_engine_command("py", "/m", "127.0.0.1", "/r")
+    assert cpu[1:3] == ["-m", "relax_hpc.rollout.cpu_engine"] and cpu[cpu.index("--port") + 1] == "0"
+    assert 0 < free_port() < 65536
+    with pytest.raises(ValueError, match="TP=1"):
+        start_engine("cpu", tmp_path, tp=2)
+    with pytest.raises(ValueError, match="kind"):
+        start_engine("vllm", tmp_path)
+    monkeypatch.delenv("RELAX_SGLANG_PYTHON", raising=False)
+    with pytest.raises(ValueError, match="RELAX_SGLANG_PYTHON"):
+        start_engine("sglang", tmp_path)
+
+
+def test_cpu_launch_then_killed_engine_gives_connection_refused(tiny_llama, tmp_path):
+    h = launch_engine("cpu", tiny_llama, log_path=tmp_path / "e.log", extra_args=["--threads", "1"], ready_timeout=120)
+    try:
+        assert h.alive() and h.url.startswith("http://127.0.0.1:") and h.pid > 0
+        c = EngineClient(h.url, retries=1, backoff=0.05)
+        assert len(c.generate([1, 2, 3], SamplingParams(max_new_tokens=2)).output_ids) == 2
+        os.kill(h.pid, signal.SIGKILL)  # a crash, by PID
+        h._proc.wait(10)
+        with pytest.raises(EngineError) as e:
+            c.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
+        msg = str(e.value)
+        assert h.url in msg and "/generate" in msg and "connection refused" in msg
+        with pytest.raises(EngineError, match="connection refused"):
+            c.server_info()  # idempotent: retried, then the same clear error
+        assert not c.is_healthy(timeout=2)
+    finally:
+        h.stop()
+    assert not h.alive()
+
+
+def test_launch_failure_reports_log_tail(tmp_path):
+    with pytest.raises(EngineLaunchError) as e:
+        launch_engine("cpu", tmp_path / "no-such-model", log_path=tmp_path / "bad.log", ready_timeout=120)
+    msg = str(e.value)
+    assert "exited with code" in msg and str(tmp_path / "bad.log") in msg
+    assert "Traceback" in msg and "config.json" in msg  # the engine's own error, from its log
+
+
+# ---------------------------------------------------------------------------- real SGLang (GPU only)
+
+def _sglang_python() -> str | None:
+    py = os.environ.get("RELAX_SGLANG_PYTHON")
+    if not py or not (shutil.which(py) or os.access(py, os.X_OK)):
+        return None
+    try:
+        ok = subprocess.run([py, "-c", "import sglang"], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return py if ok else None
+
+
+@pytest.mark.gpu
+def test_real_sglang_engine(tiny_llama, tmp_path):
+    """The client's calls against `python -m sglang.launch_server` (set RELAX_SGLANG_PYTHON to its interpreter;
+    RELAX_SGLANG_TP for TP, default 1)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    py = _sglang_python()
+    if py is None:
+        pytest.skip("needs RELAX_SGLANG_PYTHON: an interpreter that can `import sglang`")
+    tp = int(os.environ.get("RELAX_SGLANG_TP", "1"))
+    h = launch_engine("sglang", tiny_llama, python=py, tp=tp, log_path=tmp_path / "sglang.log", ready_timeout=900,
+                      extra_args=["--mem-fraction-static", "0.3", "--disable-cuda-graph"])
+    try:
+        c = EngineClient(h.url)
+        g = c.generate([1, 10, 11, 12], SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1.0, sampling_seed=3))
+        assert len(g.output_ids) == len(g.output_logprobs) == 8 and g.finish_reason.type == "length"
+        ref = c.generate([1, 10, 11, 12], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+        k = ref.output_ids.index(ref.output_ids[3])
+        s = c.generate([1, 10, 11, 12], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True,
+                                                       stop_token_ids=[ref.output_ids[3]]))
+        assert s.finish_reason.type == "stop" and s.output_ids == ref.output_ids[:k + 1]
+        c.health_generate()
+        assert "internal_states" in c.server_info() and c.model_info()["weight_version"] is not None
+        c.pause_generation("abort")
+        c.continue_generation()
+        c.flush_cache()
+        c.update_weights_from_disk(str(tiny_llama), weight_version="disk-1")
+        assert c.weight_version() == "disk-1"
+        assert c.generate([1, 2], {"max_new_tokens": 2}).weight_version == "disk-1"
+        with pytest.raises(EngineError) as e:
+            c.generate([1, 2], {"max_new_tokens": 2, "bogus_knob": 1})
+        assert e.value.status == 400
+    finally:
+        t = time.monotonic()
+        h.stop()
+        assert time.monotonic() - t < 30 and not h.alive()

@@ -1,0 +1,67 @@
+"""Fixtures for relax_hpc.train tests: tiny HF models made offline by tools/make-tiny-model, and the
+multi-process runs (one launch serves several tests: importing megatron + the bridge costs ~8 s a process)."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from train.launch import run_job
+
+REPO = Path(__file__).resolve().parents[2]
+
+# One GRPO setting for every layout, so TP=1, TP=2, DP=2 and PP=2 runs can be compared number by number.
+TRAIN_ARGS = {"n": 8, "steps": 5, "lr": 1e-4, "algo": {"eps_clip": 0.2}}
+
+
+def load_tiny_model_tool():
+    """tools/make-tiny-model as a module (it has no .py suffix)."""
+    path = REPO / "tools" / "make-tiny-model"
+    loader = importlib.machinery.SourceFileLoader("make_tiny_model", str(path))
+    spec = importlib.util.spec_from_loader("make_tiny_model", loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def tiny_tool():
+    return load_tiny_model_tool()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, tiny_tool) -> dict[str, str]:
+    """{"qwen3": dir, "llama": dir}: hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 128."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: str(tiny_tool.make_tiny_model(root / arch, arch=arch, seed=0)) for arch in ("qwen3", "llama")}
+
+
+def _checked(res: dict) -> dict:
+    for k, v in res.items():
+        assert not (isinstance(v, dict) and "error" in v), v["error"]
+    assert "error" not in res, res.get("error")
+    return res
+
+
+@pytest.fixture(scope="session")
+def single_run(tiny_models, tmp_path_factory) -> dict:
+    """One process (TP=1): bridge parity for both archs, and GRPO training on the fixed batch."""
+    jobs = {
+        "parity": ["parity", {"tp": 1, "models": tiny_models}],
+        "train": ["train", dict(TRAIN_ARGS, hf=tiny_models["qwen3"], layouts=[{"tp": 1}])],
+    }
+    return _checked(run_job("suite", jobs, nproc=1, out_dir=tmp_path_factory.mktemp("single"), timeout=240))
+
+
+@pytest.fixture(scope="session")
+def multi_run(tiny_models, tmp_path_factory) -> dict:
+    """Two processes: parity at TP=2, then the same training at TP=2, DP=2 (DistributedOptimizer) and PP=2."""
+    jobs = {
+        "parity": ["parity", {"tp": 2, "models": tiny_models}],
+        "train": ["train", dict(TRAIN_ARGS, hf=tiny_models["qwen3"],
+                                layouts=[{"tp": 2}, {"tp": 1}, {"tp": 1, "pp": 2}])],
+    }
+    return _checked(run_job("suite", jobs, nproc=2, out_dir=tmp_path_factory.mktemp("multi"), timeout=300))

@@ -1,0 +1,233 @@
+"""One rank of a relax_hpc.train test job, run as its own process (see ``launch.py``).
+
+Why processes and not in-pytest: megatron's parallel state, the CPU layer's process-wide torch
+function mode and dist_checkpointing's helper processes are global to a process; keeping them out
+of the pytest process keeps other packages' tests unaffected, and a hang is killed by a timeout.
+
+    python tests/train/worker.py JOB OUT_DIR ARGS_JSON     (env: RANK, WORLD_SIZE, RELAX_TEST_STORE)
+
+Rank 0 writes ``OUT_DIR/result.json``. The ``if __name__ == "__main__"`` guard is required:
+dist_checkpointing's writer uses the spawn start method and re-imports ``__main__``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def init_dist():
+    import torch
+    import torch.distributed as dist
+
+    from relax_hpc.train import cpu_compat
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["RELAX_TEST_STORE"].rsplit(":", 1)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    store = dist.TCPStore(host, int(port), world_size=None, is_master=False, timeout=__import__("datetime").timedelta(seconds=120))
+    store = dist.PrefixStore(os.environ.get("RELAX_TEST_PREFIX", "job"), store)
+    dist.init_process_group(cpu_compat.backend(), store=store, rank=rank, world_size=world)
+    return rank, world
+
+
+def make_batch(n: int, seed: int = 0, vocab: int = 128, fixed_old: bool = False):
+    """n samples of 8–14 tokens with a 2–5 token prompt, advantages +1/−1/+0.5/−0.5 repeating."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    advs = [1.0, -1.0, 0.5, -0.5]
+    for i in range(n):
+        L = int(torch.randint(8, 15, (1,), generator=g))
+        start = int(torch.randint(2, 6, (1,), generator=g))
+        s = {"tokens": torch.randint(6, vocab, (L,), generator=g), "response_start": start, "advantage": advs[i % 4]}
+        if fixed_old:  # data that does not depend on the model, so a resumed run sees the same batch
+            s["old_log_probs"] = torch.full((L - start,), -4.85) + 0.01 * torch.randn(L - start, generator=g)
+        out.append(s)
+    return out
+
+
+def _algo(**kw):
+    from relax_hpc.algo import AlgorithmConfig
+
+    return AlgorithmConfig(**kw)
+
+
+def _train_cfg(layout: dict, **kw):
+    from relax_hpc.train import TrainConfig
+
+    return TrainConfig(tp=layout.get("tp", 1), pp=layout.get("pp", 1),
+                       use_distributed_optimizer=layout.get("distopt", True), seed=1, **kw)
+
+
+def _full_logits(actor, tokens):
+    """Logits gathered over TP ([B, S, V]) from the actor's first chunk."""
+    import torch
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from relax_hpc.train import cpu_compat
+
+    dev = cpu_compat.device()
+    with torch.no_grad():
+        out = actor.model[0](tokens.to(dev), torch.arange(tokens.shape[1], device=dev)[None].expand_as(tokens.to(dev)), None)
+        return gather_from_tensor_model_parallel_region(out).float().cpu()
+
+
+def job_parity(args: dict, out: Path) -> dict:
+    """Bridge-built logits and log-probs vs transformers at args['tp']; HF export; named weights."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from relax_hpc.train import MegatronActor, init_parallel
+    from relax_hpc.train.parallel import destroy_parallel
+
+    tp = args["tp"]
+    res = {}
+    for arch, hf_dir in args["models"].items():
+        init_parallel(tp, 1, seed=1)
+        actor = MegatronActor.from_hf(hf_dir, _train_cfg({"tp": tp}), forward_only=True)
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        g = torch.Generator().manual_seed(3)
+        tokens = torch.randint(0, 128, (3, 20), generator=g)
+        meg = _full_logits(actor, tokens)
+        with torch.no_grad():
+            ref = hf(tokens).logits.float()
+        batch = make_batch(5, seed=7)
+        lps = actor.compute_log_probs(batch)
+        lp_diff = 0.0
+        for s, lp in zip(batch, lps):
+            t = s["tokens"]
+            with torch.no_grad():
+                full = torch.log_softmax(hf(t[None]).logits[0].float(), -1)
+            want = full[s["response_start"] - 1: -1].gather(-1, t[s["response_start"]:, None])[:, 0]
+            lp_diff = max(lp_diff, (lp - want).abs().max().item())
+        exp_dir = out / f"export_{arch}_tp{tp}"
+        actor.export_hf(exp_dir)
+        names = {}
+        orig = load_file(str(Path(hf_dir) / "model.safetensors"))
+        w_diff = 0.0
+        for name, t in actor.named_hf_weights():
+            names[name] = list(t.shape)
+            w_diff = max(w_diff, (t.float().cpu() - orig[name].float()).abs().max().item())
+        r = {"logits_max_diff": (meg - ref).abs().max().item(), "logprob_max_diff": lp_diff,
+             "weights_max_diff": w_diff, "n_weights": len(names), "missing": sorted(set(orig) - set(names))}
+        if int(os.environ["RANK"]) == 0:
+            back = AutoModelForCausalLM.from_pretrained(exp_dir, dtype=torch.float32).eval()
+            with torch.no_grad():
+                r["export_logits_max_diff"] = (back(tokens).logits.float() - ref).abs().max().item()
+        res[arch] = r
+        del actor
+        destroy_parallel()
+    return res
+
+
+def job_train(args: dict, out: Path) -> dict:
+    """For each layout: fixed batch, old log-probs from the initial model, GRPO steps; losses and log-prob moves."""
+    import torch
+
+    from relax_hpc.train import MegatronActor, init_parallel
+    from relax_hpc.train.parallel import destroy_parallel
+
+    res = {}
+    for layout in args["layouts"]:
+        key = "tp{tp}_pp{pp}_dp{dp}".format(dp=int(os.environ["WORLD_SIZE"]) // (layout.get("tp", 1) * layout.get("pp", 1)),
+                                            tp=layout.get("tp", 1), pp=layout.get("pp", 1))
+        init_parallel(layout.get("tp", 1), layout.get("pp", 1), seed=1)
+        actor = MegatronActor.from_hf(args["hf"], _train_cfg(layout, micro_batch_size=2, lr=args["lr"], clip_grad=1.0),
+                                      _algo(**args.get("algo", {})))
+        batch = make_batch(args["n"], seed=11)
+        old = actor.compute_log_probs(batch)
+        for s, o in zip(batch, old):
+            s["old_log_probs"] = o
+        steps, t0 = [], time.time()
+        for _ in range(args["steps"]):
+            m = actor.train_step(batch)
+            steps.append({k: m[k] for k in ("loss", "pg_loss", "grad_norm", "pg_clipfrac", "ppo_kl", "entropy_loss")})
+        step_s = (time.time() - t0) / args["steps"]
+        new = actor.compute_log_probs(batch)
+        res[key] = {"steps": steps, "step_s": step_s,
+                    "advantage": [s["advantage"] for s in batch],
+                    "logprob_change": [(n - o).mean().item() for n, o in zip(new, old)]}
+        del actor
+        destroy_parallel()
+    return res
+
+
+def job_resume(args: dict, out: Path) -> dict:
+    """mode=save: k steps, save, n more (reference). mode=load: load, n steps. Per layout, fixed data."""
+    import torch
+
+    from relax_hpc.train import MegatronActor, init_parallel
+    from relax_hpc.train.parallel import destroy_parallel
+
+    res = {}
+    for layout in args["layouts"]:
+        init_parallel(layout.get("tp", 1), layout.get("pp", 1), seed=1)
+        actor = MegatronActor.from_hf(args["hf"], _train_cfg(layout, micro_batch_size=1, lr=args["lr"], clip_grad=1.0),
+                                      _algo())
+        batch = make_batch(args["n_samples"], seed=5, fixed_old=True)
+        r: dict = {}
+        if args["mode"] == "save":
+            for _ in range(args["k"]):
+                actor.train_step(batch)
+            t0 = time.time()
+            actor.save_checkpoint(layout["ckpt"], {"data_pos": args["k"], "note": "hello"})
+            r["save_s"] = time.time() - t0
+        else:
+            t0 = time.time()
+            r["extra"] = actor.load_checkpoint(layout["ckpt"])
+            r["load_s"] = time.time() - t0
+            r["step_after_load"] = actor.step
+        r["steps"] = []
+        for _ in range(args["n"]):
+            m = actor.train_step(batch)
+            r["steps"].append([m["loss"], m["grad_norm"]])
+        res[layout["name"]] = r
+        del actor
+        destroy_parallel()
+    return res
+
+
+def job_suite(args: dict, out: Path) -> dict:
+    """Several jobs in one launch (imports cost ~8 s per process): {"name": [job, args], ...}."""
+    res = {}
+    for name, (job, sub) in args.items():
+        t0 = time.time()
+        res[name] = JOBS[job](sub, out)
+        res[name + "_s"] = time.time() - t0
+    return res
+
+
+JOBS = {"parity": job_parity, "train": job_train, "resume": job_resume, "suite": job_suite}
+
+
+def main() -> int:
+    job, out, args = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    rank, _ = init_dist()
+    try:
+        result = JOBS[job](args, out)
+        status = 0
+    except Exception:
+        traceback.print_exc()
+        result, status = {"error": traceback.format_exc()}, 1
+    if rank == 0:
+        tmp = out / "result.json.tmp"
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, out / "result.json")
+    import torch.distributed as dist
+
+    if status == 0:
+        dist.barrier()
+        dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
