@@ -76,10 +76,11 @@ def test_dump_round_trips(tmp_path):
     assert again == rec
 
 
-def test_smoke_layout_has_four_het_groups():
+def test_smoke_layout_fits_four_nodes():
     steps = role_steps(load_recipe(REPO / "recipes" / "smoke.yaml"))
     assert [(s.role, s.het_group, s.shared, s.ntasks) for s in steps] == [
-        ("actor", 0, False, 2), ("rollout", 1, False, 1), ("reference", 2, False, 1), ("actor_fwd", 3, False, 1)]
+        ("actor", 0, False, 2), ("rollout", 1, False, 1), ("reference", 2, False, 1), ("actor_fwd", 2, True, 1)]
+    assert sum(s.nodes for s in steps if not s.shared) == 4
 
 
 def test_shared_role_runs_in_host_component(tmp_path):
