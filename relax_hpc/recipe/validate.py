@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args, get_origin
 from relax_hpc.algo.config import check as check_algorithm
 from relax_hpc.recipe.errors import _MISSING
 from relax_hpc.recipe.schema import ROLE_NAMES, Recipe
+from relax_hpc.rollout.data import check_config as check_data
 from relax_hpc.train.config import check as check_train
 
 Problem = tuple[str, object, str]
@@ -147,6 +148,7 @@ def check(recipe: Recipe) -> list[Problem]:
                          f"must be longer than logging.heartbeat_s = {recipe.logging.heartbeat_s}"))
     problems += [(f"algorithm.{k}", v, m) for k, v, m in check_algorithm(recipe.algorithm)]
     problems += [(f"train.{k}", v, m) for k, v, m in check_train(recipe.train)]
+    problems += check_data(recipe.data, recipe.rollout)  # keys already carry their section
     return problems
 
 
