@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from relax_hpc.controller.channel import Channel
-from relax_hpc.controller.procs import StepProcess
+from relax_hpc.controller.procs import StepProcess, stop_steps
 from relax_hpc.controller.signals import Signals
 from relax_hpc.controller.state import RunState
 from relax_hpc.launch.steps import executor_from_env, step_commands
@@ -54,12 +54,12 @@ def _run(run: RunDir) -> dict:
     local = executor == "local"
     host = "127.0.0.1" if local else os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     state = RunState(run, recipe, role_steps(recipe), executor)
+    steps = [StepProcess(c, run.path) for c in step_commands(recipe, run.path, executor)]
     channel = Channel(run.token(), bind_host="127.0.0.1" if local else "0.0.0.0")
     write_json(run.controller_addr, {"host": host, "port": channel.port, "pid": os.getpid()})
     log.info("run %s: executor %s, control socket %s:%d", run.name, executor, host, channel.port)
-    steps = [StepProcess(c, run.path) for c in step_commands(recipe, run.path, executor)]
-    try:
-        with Signals() as sig:
+    with Signals() as sig:  # held through the cleanup too: a second Ctrl-C must not cut the stop short
+        try:
             for s in steps:
                 log.info("starting %s: %s", s.role, " ".join(s.cmd.procs[0].argv))
                 s.start()
@@ -76,15 +76,14 @@ def _run(run: RunDir) -> dict:
                     state.cancel(on_signal(sig.name, state, steps))
                 state.check_complete()
                 state.write(every_s=1.0)
-    except BaseException as e:
-        state.fail("controller", None, host, f"{type(e).__name__}: {e}")
-        raise
-    finally:
-        for s in steps:
-            s.stop(STOP_GRACE_S)
-        channel.close()
-        state.write()
-        _report(state, steps)
+        except BaseException as e:
+            state.fail("controller", None, host, f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            stop_steps(steps, STOP_GRACE_S)
+            channel.close()
+            state.write()
+            _report(state, steps)
     if state.doc["state"] != "COMPLETED":
         raise RunFailed(state.doc["reason"])
     return state.doc

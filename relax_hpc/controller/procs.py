@@ -47,18 +47,8 @@ class StepProcess:
             return bad[0]
         return None if None in codes else 0
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every live process, SIGKILL those still alive after ``grace_s``, and reap them all."""
-        live = [p for p in self.procs if p.poll() is None]
-        for p in live:
-            _signal(p, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for p in live:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal(p, signal.SIGKILL)
-                p.wait(timeout=10)
+    def live(self) -> list[subprocess.Popen]:
+        return [p for p in self.procs if p.poll() is None]
 
     def log_tail(self, rank: int | None, lines: int = 20) -> str:
         """The last ``lines`` of the rank's log (or of every rank's, when the rank is unknown) and srun's."""
@@ -77,13 +67,28 @@ class StepProcess:
     def last_line(self) -> str:
         """The last non-empty line of the most recently written log of this step (a hint for a failed exit)."""
         pattern = str(task_log_pattern(self.run_dir, self.role))
-        paths = [Path(pattern.replace("%t", str(r))) for r in range(self.cmd.step.ntasks)] + [s.log for s in self.cmd.procs]
+        paths = [Path(pattern.replace("%t", str(r))) for r in range(self.cmd.step.ntasks)]
+        paths += [s.log for s in self.cmd.procs]
         paths = sorted((p for p in paths if p.exists()), key=lambda p: p.stat().st_mtime, reverse=True)
         for path in paths:
             for line in reversed(_tail(path, 5)):
                 if line.strip():
                     return line.strip()
         return ""
+
+
+def stop_steps(steps: list[StepProcess], grace_s: float = 10.0) -> None:
+    """SIGTERM every live process of every step at once, SIGKILL those alive after ``grace_s``, reap all."""
+    live = [p for s in steps for p in s.live()]
+    for p in live:
+        _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal(p, signal.SIGKILL)
+            p.wait(timeout=10)
 
 
 def _signal(p: subprocess.Popen, sig: int) -> None:

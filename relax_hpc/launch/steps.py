@@ -89,7 +89,8 @@ def _common_env(recipe: Recipe, launch_id: str, rendezvous: str) -> dict[str, st
     }
 
 
-def step_commands(recipe: Recipe, run_dir: str | Path, executor: str, python: str = sys.executable) -> list[StepCommand]:
+def step_commands(recipe: Recipe, run_dir: str | Path, executor: str,
+                  python: str = sys.executable) -> list[StepCommand]:
     """What to start for each role step, in het-group order."""
     run_dir = Path(run_dir).resolve()
     out = []

@@ -56,7 +56,8 @@ def test_a_failing_role_fails_the_run_fast_with_its_error(tmp_path, monkeypatch)
     monkeypatch.setenv("RELAX_TEST_FAIL_ROLE", "rollout")
     run = make_run(tmp_path)
     t0 = time.monotonic()
-    with pytest.raises(RunFailed, match="rollout rank 0 on localhost failed: RuntimeError: RELAX_TEST_FAIL_ROLE=rollout"):
+    want = "rollout rank 0 on localhost failed: RuntimeError: RELAX_TEST_FAIL_ROLE=rollout"
+    with pytest.raises(RunFailed, match=want):
         run_controller(run.path)
     assert time.monotonic() - t0 < 45
     state = json.loads(run.state.read_text())

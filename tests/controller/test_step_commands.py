@@ -52,9 +52,11 @@ def test_describe_steps_prints_shell_quoted_lines(run):
     assert f"'{run.path}'" in lines[0] and "--container-image=/img/a.sqsh" in lines[0]
 
 
-@pytest.mark.parametrize("env,want", [({}, "local"), ({"SLURM_JOB_ID": "7"}, "local"),
-                                      ({"SLURM_JOB_ID": "7", "SLURM_HET_SIZE": "3"}, "slurm"),
-                                      ({"SLURM_JOB_ID": "7", "SLURM_HET_SIZE": "3", "RELAX_EXECUTOR": "local"}, "local")])
+HET = {"SLURM_JOB_ID": "7", "SLURM_HET_SIZE": "3"}
+
+
+@pytest.mark.parametrize("env,want", [({}, "local"), ({"SLURM_JOB_ID": "7"}, "local"), (HET, "slurm"),
+                                      ({**HET, "RELAX_EXECUTOR": "local"}, "local")])
 def test_executor_from_env(env, want):
     assert executor_from_env(env) == want
 

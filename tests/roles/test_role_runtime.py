@@ -1,6 +1,5 @@
 """The role side: identity from the environment, the file rendezvous, and a role never outliving its controller."""
 
-import json
 import subprocess
 import sys
 import time
@@ -40,7 +39,8 @@ def recipe_from(tmp_path, data):
 @pytest.fixture
 def run(tmp_path):
     rd = create_run_dir(tmp_path / "runs", "r")
-    rd.recipe.write_text(dump_recipe(recipe_from(tmp_path, {"logging": {"heartbeat_s": 0.2, "heartbeat_timeout_s": 1.5}})))
+    fast = {"logging": {"heartbeat_s": 0.2, "heartbeat_timeout_s": 1.5}}
+    rd.recipe.write_text(dump_recipe(recipe_from(tmp_path, fast)))
     return rd
 
 
