@@ -2,7 +2,11 @@
 
 The loop is single-threaded and owns the run's state; connection threads only put messages on a queue,
 so no lock guards the state. ``publish``/``lookup`` are answered here (a small locked dict), because a
-role waiting for an address should not wait for the loop's next tick.
+role waiting for an address should not wait for the loop's next tick. Tasks too: the loop
+:meth:`Channel.assign` queues one for a role, and the role's ``next_task`` long poll (waiting in its
+connection thread) gets it the moment it is there. A task stays at the head of its role's queue until its
+``task_done`` arrives, so a reply lost on the way is delivered again on the next poll (a role asks for
+its next task only after it reported the last one).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from relax_hpc.controller.protocol import Server
+from relax_hpc.controller.protocol import MAX_TASK_WAIT_S, Server
 
 
 class Channel:
@@ -20,6 +24,8 @@ class Channel:
         self._events: queue.Queue[tuple[float, dict]] = queue.Queue()
         self._kv: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._tasks: dict[str, list[dict]] = {}  # per role, assigned and not yet done, in order
+        self._task_cond = threading.Condition(self._lock)
         self.server = Server(token, self._handle, bind_host=bind_host).start()
         self.port = self.server.port
 
@@ -32,8 +38,31 @@ class Channel:
             with self._lock:
                 found = msg["key"] in self._kv
                 return {"found": found, "value": self._kv.get(msg["key"])}
+        elif kind == "next_task":
+            self._events.put((time.time(), msg))  # a long poll is a sign of life too
+            return {"task": self._head(msg["role"], min(float(msg["wait_s"]), MAX_TASK_WAIT_S))}
+        elif kind == "task_done":
+            with self._task_cond:
+                queue_ = self._tasks.get(msg["role"], [])
+                self._tasks[msg["role"]] = [t for t in queue_ if t.get("id") != msg["task_id"]]
         self._events.put((time.time(), msg))
         return {}
+
+    def assign(self, role: str, task: dict) -> None:
+        """Queue ``task`` for ``role``'s rank 0 (its next ``next_task`` gets it)."""
+        with self._task_cond:
+            self._tasks.setdefault(role, []).append(task)
+            self._task_cond.notify_all()
+
+    def _head(self, role: str, wait_s: float) -> dict | None:
+        deadline = time.monotonic() + max(0.0, wait_s)
+        with self._task_cond:
+            while not self._tasks.get(role):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._task_cond.wait(left)
+            return self._tasks[role][0]
 
     def drain(self, wait_s: float) -> list[tuple[float, dict]]:
         """Messages received so far as ``(time, message)``; waits up to ``wait_s`` for the first one."""

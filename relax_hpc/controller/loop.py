@@ -2,8 +2,9 @@
 ``state.json`` current, and finish. It never waits without a timeout, so a dead role fails the run
 instead of hanging it.
 
-Later issues add the training-loop state machine (which step each role is on, weight syncs, checkpoints)
-to the body of the ``while`` and real work to :func:`on_signal`.
+With ``model.path`` set, the training loop (:class:`~relax_hpc.controller.colocate.Colocate`: generate →
+train → sync, metrics, summary) rides on the same loop: it sees every message and hands out tasks;
+without it the roles only bootstrap. A later issue adds real work to :func:`on_signal`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 from relax_hpc.controller.channel import Channel
+from relax_hpc.controller.colocate import Colocate
 from relax_hpc.controller.procs import StepProcess, stop_steps
 from relax_hpc.controller.signals import Signals
 from relax_hpc.controller.state import RunState
@@ -58,8 +60,10 @@ def _run(run: RunDir) -> dict:
     channel = Channel(run.token(), bind_host="127.0.0.1" if local else "0.0.0.0")
     write_json(run.controller_addr, {"host": host, "port": channel.port, "pid": os.getpid()})
     log.info("run %s: executor %s, control socket %s:%d", run.name, executor, host, channel.port)
+    train = None
     with Signals() as sig:  # held through the cleanup too: a second Ctrl-C must not cut the stop short
         try:
+            train = Colocate(recipe, run, state, channel) if recipe.model.path else None
             for s in steps:
                 log.info("starting %s: %s", s.role, " ".join(s.cmd.procs[0].argv))
                 s.start()
@@ -68,6 +72,8 @@ def _run(run: RunDir) -> dict:
                 codes = {s: s.poll() for s in steps}  # polled first: a rank's last message precedes its exit
                 for now, msg in channel.drain(TICK_S):
                     state.apply(now, msg)
+                    if train is not None:
+                        train.on_message(msg)
                 for s, code in codes.items():
                     if code is not None:
                         state.step_exited(s.role, code, s.last_line() if code else "")
@@ -82,6 +88,8 @@ def _run(run: RunDir) -> dict:
         finally:
             stop_steps(steps, STOP_GRACE_S)
             channel.close()
+            if train is not None:
+                train.finish()
             state.write()
             _report(state, steps)
     if state.doc["state"] != "COMPLETED":

@@ -16,6 +16,11 @@ Request types (fields besides ``type`` and ``token``):
 - ``error``     role, rank, node, traceback                a rank failed; the run fails with it
 - ``publish``   key, value                                 store an address (e.g. the cross-role group's)
 - ``lookup``    key                                        reply ``found`` and ``value``
+- ``next_task`` role, rank, wait_s                         long poll by a role's rank 0: reply ``task`` (an
+                                                           object with ``id`` and ``kind``) or null after
+                                                           ``wait_s`` (at most :data:`MAX_TASK_WAIT_S`)
+- ``task_done`` role, rank, task_id, result (dict)         the task's outcome; ``result["error"]`` (a string)
+                                                           fails the run with that report
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ log = logging.getLogger("relax_hpc.control")
 
 MAX_LINE = 1 << 20  # one request; larger is refused (a peer cannot make the controller buffer without bound)
 PHASES = ("starting", "bootstrap", "ready", "done", "failed")
+MAX_TASK_WAIT_S = 5.0  # a next_task long poll: well under the client's socket timeout
 
 # required fields and their types, per request type
 FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
@@ -41,6 +47,8 @@ FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "error": {"role": str, "rank": int, "node": str, "traceback": str},
     "publish": {"key": str, "value": (str, int, float, bool, dict, list)},
     "lookup": {"key": str},
+    "next_task": {"role": str, "rank": int, "wait_s": (int, float)},
+    "task_done": {"role": str, "rank": int, "task_id": int, "result": dict},
 }
 
 
@@ -240,6 +248,13 @@ class Client:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"nothing was published under {key!r} within {wait_s:.0f}s")
             time.sleep(poll_s)
+
+    def next_task(self, role: str, rank: int, wait_s: float = MAX_TASK_WAIT_S) -> dict | None:
+        """The controller's next task for ``role`` (``{"id", "kind", ...}``), or None if none came in ``wait_s``."""
+        return self.request("next_task", role=role, rank=rank, wait_s=min(float(wait_s), MAX_TASK_WAIT_S)).get("task")
+
+    def task_done(self, role: str, rank: int, task_id: int, result: dict) -> dict:
+        return self.request("task_done", role=role, rank=rank, task_id=task_id, result=result)
 
     def close(self) -> None:
         with self._lock:

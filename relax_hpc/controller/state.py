@@ -134,6 +134,11 @@ class RunState:
             self._finish(FAILED, self.failure.reason())
         self.dirty = True
 
+    def progress(self, **fields: Any) -> None:
+        """Training progress for state.json (``step``, ``phase``, ``reward``, ``engines``, ...), written at once."""
+        self.doc.update(fields)
+        self.dirty = self.urgent = True
+
     def cancel(self, reason: str) -> None:
         if self.running:
             self._finish(CANCELLED, reason)

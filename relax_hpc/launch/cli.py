@@ -100,6 +100,8 @@ def submit_main(argv: list[str] | None = None) -> int:
         record, job = submit(p)
     except SubmitError as e:
         _err(f"relax-submit: {e}\nNothing was submitted and no run directory was kept.")
+        if args.json:
+            _print_json({"error": "submission failed", "message": str(e)})
         return EXIT_FAILED
     # relax-status looks under ./runs by default: elsewhere, name the run by its directory
     record["next"] = _next_commands(record, named_by_path=p.runs_root != Path(DEFAULT_RUNS_ROOT).resolve())

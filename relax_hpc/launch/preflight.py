@@ -74,7 +74,27 @@ def check_slurm(recipe: Recipe, nodes: list[slurm.Node], default: str | None) ->
                 problems.append((f"{key}.nodes", g.nodes,
                                  f"only {len(fit)} node(s) of {where} have {g.gpus_per_node} GPUs, {cpus} CPUs "
                                  f"and {need_mem} MB together. Fix: fewer nodes or smaller nodes"))
+    problems += _check_distinct_nodes(recipe, len(pnodes), where, problems)
     return problems
+
+
+def _check_distinct_nodes(recipe: Recipe, available: int, where: str, found: list[Problem]) -> list[Problem]:
+    """Slurm never places two components of one het job on the same node (seen on 22.05: a 2+1+1+1 job on
+    4 idle nodes stays PENDING (Resources) for ever), so the components' node counts add up."""
+    groups = het_groups(recipe)
+    total = sum(s.group.nodes for s in groups)
+    if total <= available or any(k.endswith(".nodes") for k, _, _ in found):
+        return []
+    running = 0
+    for s in groups:
+        running += s.group.nodes
+        if running > available:
+            sizes = "+".join(str(g.group.nodes) for g in groups)
+            return [(f"roles.{s.role}.nodes", s.group.nodes,
+                     f"the het components need {sizes} = {total} nodes but {where} has {available}: Slurm never puts "
+                     "two components of one heterogeneous job on the same node, so the job would wait for ever. "
+                     f"Fix: fewer nodes, or run {s.role} on another role's nodes (roles.{s.role}.share_with)")]
+    return []
 
 
 def check_local(recipe: Recipe, cuda_devices: Callable[[], int]) -> list[Problem]:

@@ -78,8 +78,10 @@ def _slurm_state(rd: RunDir, job: dict, ctl: dict) -> tuple[str, str | None, lis
     if overall == "COMPLETED":
         reason = None
     elif slurm.is_finished(overall):  # why it ended; a pending reason left over from the queue is no answer
-        cancelled = "cancelled by relax-cancel" if (rd.path / "cancel.json").exists() else None
-        reason = _failure_reason(rd, job, ctl) or (cancelled if overall == "CANCELLED" else None) or slurm_reason
+        if overall == "CANCELLED" and (rd.path / "cancel.json").exists():
+            reason = "cancelled by relax-cancel"
+        else:
+            reason = _failure_reason(rd, job, ctl) or slurm_reason
     else:
         reason = slurm_reason if overall != "RUNNING" else None
     components = [dict(c.as_dict(), time_left=slurm.format_seconds(c.time_left_s())) for c in comps]
@@ -181,7 +183,7 @@ def _cell(v: Any) -> str:
     if v is None or v == "":
         return "-"
     if isinstance(v, (list, tuple)):
-        return ",".join(str(x) for x in v) or "-"
+        return ",".join("?" if x is None else str(x) for x in v) or "-"
     return str(v)
 
 

@@ -66,8 +66,8 @@ def plan(recipe_path: str | Path, overrides: list[str] | tuple[str, ...] = (), e
     p = Plan(recipe, str(recipe_path), list(overrides), executor, python or sys.executable,
              [Path.cwd(), Path(recipe_path).resolve().parent])
     preflight(recipe, executor, source=str(recipe_path))
-    if executor == "slurm":  # a broken template is a recipe problem: find it now
-        p.script(p.runs_root / f"{recipe.run.name}-YYYYmmdd-HHMMSS")
+    # a broken template is a recipe problem (also for a local run of the recipe): find it now
+    p.script(p.runs_root / f"{recipe.run.name}-YYYYmmdd-HHMMSS")
     return p
 
 
@@ -146,7 +146,7 @@ def submit(p: Plan) -> tuple[dict, Any]:
             except SubmitError:
                 raise
             except Exception as e:  # submitit wraps sbatch's complaint in its own error types
-                raise SubmitError(f"sbatch refused the job: {str(e).strip()}") from None
+                raise SubmitError(f"submitting the job failed: {str(e).strip()}") from None
             record.update(job_id=str(job.job_id), script=str(rd.script),
                           batch_log=str(rd.logs / f"batch-{job.job_id}.out"))
         else:

@@ -1,13 +1,179 @@
 """The actor role: trains the policy (Megatron) and pushes weights to the engines.
 
-For now it only bootstraps its communicators (see :mod:`relax_hpc.roles.runtime`); its work goes in ``work``.
+After the bootstrap (:mod:`relax_hpc.roles.runtime`) every rank builds the Megatron model from
+``model.path`` (``init_parallel`` over the role's group, then :meth:`MegatronActor.from_hf`) and serves
+the controller's tasks (:mod:`relax_hpc.roles.tasks`):
+
+- ``connect {engines}``: rank 0 builds the weight-sync group with the engines (:mod:`.weight_sync`).
+- ``train {step, chunks}``: read the step's samples from the exchange (checksums verified), broadcast the
+  normalized rewards over the response tokens (advantages), recompute π_old with a forward pass (or use
+  the engine's log-probs with ``algorithm.use_rollout_logprobs``), one ``train_step``. Returns Relax's
+  ``train/*`` metrics, ``train/train_rollout_logprob_abs_diff`` (mean |actor − engine| log-prob over the
+  response tokens; with identical weights this is the numerical gap, ~1e-7 on CPU) and ``perf/train_time``.
+- ``sync {version, engines}``: every rank walks ``named_hf_weights`` (a collective); rank 0 pushes them and
+  checks a fingerprint (first rows of three tensors) against each engine. Returns ``perf/weight_sync_time``,
+  ``weights/engine_max_abs_diff`` and whether every engine reports the new version.
+- ``checkpoint {step, extra}``: ``save_checkpoint`` under ``RUN_DIR/checkpoints``.
+- ``stop``.
+
+Without ``model.path`` the role only bootstraps (the launch smoke tests).
 """
 
-import sys
+from __future__ import annotations
 
-from relax_hpc.roles.runtime import main
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from relax_hpc.roles.runtime import RoleContext, main, reachable_host
 
 ROLE = "actor"
 
+
+def _model_path(ctx: RoleContext) -> str:
+    p = Path(ctx.recipe.model.path).expanduser()
+    return str(p if p.is_absolute() else (Path.cwd() / p).resolve())
+
+
+def work(ctx: RoleContext, comm: Any) -> None:
+    if ctx.recipe.model.path is None:
+        return
+    import torch
+    import torch.distributed as dist
+
+    from relax_hpc.roles import samples as S
+    from relax_hpc.roles.tasks import serve
+    from relax_hpc.roles.weight_sync import fingerprint_check, make_sender
+    from relax_hpc.train.actor import MegatronActor
+    from relax_hpc.train.parallel import init_parallel
+
+    r = ctx.recipe
+    rank = ctx.ident.rank
+    torch.set_num_threads(max(1, r.roles.actor.cpus_per_task))
+    init_parallel(r.train.tp, r.train.pp, seed=r.train.seed)
+    temperature = r.rollout.temperature if r.rollout.temperature > 1e-6 else 1.0  # greedy: the engine uses T=1
+    actor = MegatronActor.from_hf(_model_path(ctx), r.train, r.algorithm, temperature=temperature)
+    ctx.report("ready", model=_model_path(ctx))
+    st: dict[str, Any] = {"sender": None, "engines": {}}
+
+    def connect(task: dict) -> dict:
+        st["engines"] = dict(task["engines"])
+        if rank == 0:
+            if st["sender"] is None:
+                st["sender"] = make_sender("nccl" if comm.backend == "nccl" else "gloo")
+            st["sender"].connect(st["engines"], reachable_host(ctx.ident))
+        return {"engines": sorted(st["engines"])}
+
+    def train(task: dict) -> dict:
+        t0 = time.monotonic()
+        from megatron.core import parallel_state as ps
+
+        samples = S.read_samples(task["chunks"])
+        batch = S.to_train_batch(samples, r.algorithm, process_group=ps.get_data_parallel_group())
+        t_read = time.monotonic() - t0
+        diff = {}
+        if not r.algorithm.use_rollout_logprobs:
+            old = actor.compute_log_probs(batch)
+            for s, lp in zip(batch, old):
+                s["old_log_probs"] = lp
+            diff = _logprob_gap(batch, old)
+        metrics = actor.train_step(batch)
+        out = {f"train/{k}": v for k, v in metrics.items()}
+        out.update(diff)
+        out["perf/train_time"] = time.monotonic() - t0
+        out["perf/exchange_read_time"] = t_read
+        return {"metrics": out}
+
+    def sync(task: dict) -> dict:
+        t0 = time.monotonic()
+        engines = dict(task.get("engines") or st["engines"])
+        if rank == 0 and engines != st["engines"]:  # an engine died: a new group with the ones left
+            connect({"engines": engines})
+        probe = _probe_names(actor)
+        kept: dict[str, torch.Tensor] = {}
+
+        def stream():
+            for name, t in actor.named_hf_weights():
+                if name in probe:
+                    kept[name] = t
+                yield name, t
+
+        if rank == 0:
+            info = st["sender"].push(stream(), str(task["version"]))
+        else:
+            for _ in stream():
+                pass
+            info = {}
+        dist.barrier()
+        out: dict[str, Any] = {"perf/weight_sync_time": time.monotonic() - t0}
+        if rank == 0:
+            fp = fingerprint_check(engines, kept)
+            versions = _versions(engines)
+            out.update({"weights/engine_max_abs_diff": fp["max_abs_diff"],
+                        "weights/versions_ok": float(all(v == str(task["version"]) for v in versions.values())),
+                        "weights/bytes": info.get("bytes", 0.0)})
+            return {"metrics": out, "engine_versions": versions, "fingerprint": fp["per_engine"]}
+        return {"metrics": out}
+
+    def checkpoint(task: dict) -> dict:
+        t0 = time.monotonic()
+        path = actor.save_checkpoint(ctx.run.path / "checkpoints", dict(task.get("extra") or {}),
+                                     keep=r.checkpoint.keep)
+        return {"path": str(path), "metrics": {"perf/save_time": time.monotonic() - t0}}
+
+    try:
+        serve(ctx, comm, {"connect": connect, "train": train, "sync": sync, "checkpoint": checkpoint,
+                          "stop": lambda task: {}})
+    finally:
+        if st["sender"] is not None:
+            st["sender"].close()
+
+
+def _logprob_gap(batch: list[dict], old: list) -> dict[str, float]:
+    """Mean and max |actor − engine| log-prob over the response tokens that have engine log-probs."""
+    import torch
+
+    diffs = [(lp - s["rollout_log_probs"]).abs() for s, lp in zip(batch, old) if "rollout_log_probs" in s]
+    if not diffs:
+        return {}
+    d = torch.cat(diffs)
+    return {"train/train_rollout_logprob_abs_diff": float(d.mean()),
+            "train/train_rollout_logprob_abs_diff_max": float(d.max())}
+
+
+def _probe_names(actor: Any) -> set[str]:
+    """Three tensors whose first rows make the sync fingerprint: the first, a middle and the last by name."""
+    names = _hf_names(actor)
+    return {names[0], names[len(names) // 2], names[-1]} if names else set()
+
+
+def _hf_names(actor: Any) -> list[str]:
+    cached = getattr(actor, "_relax_hf_names", None)
+    if cached is None:
+        import json
+
+        idx = Path(actor.hf_dir) / "model.safetensors.index.json"
+        if idx.exists():
+            cached = sorted(json.loads(idx.read_text())["weight_map"])
+        else:
+            from safetensors import safe_open
+
+            files = sorted(Path(actor.hf_dir).glob("*.safetensors"))
+            cached = sorted(k for f in files for k in safe_open(str(f), "pt").keys())
+        actor._relax_hf_names = cached
+    return cached
+
+
+def _versions(engines: dict[str, str]) -> dict[str, str | None]:
+    from relax_hpc.rollout.client import EngineClient
+
+    out = {}
+    for name, url in engines.items():
+        with EngineClient(url) as c:
+            out[name] = c.weight_version()
+    return out
+
+
 if __name__ == "__main__":
-    sys.exit(main(ROLE))
+    sys.exit(main(ROLE, work))

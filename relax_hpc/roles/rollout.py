@@ -1,13 +1,158 @@
 """The rollout role: runs the inference engines, generates samples and rewards them.
 
-For now it only bootstraps its communicators (see :mod:`relax_hpc.roles.runtime`); its work goes in ``work``.
+Every rank launches one engine on its node (the CPU engine where there is no CUDA; SGLang from
+``RELAX_SGLANG_PYTHON`` on GPU nodes), so the role's size (``roles.rollout``: nodes × tasks_per_node) is
+the number of engines. Rank 0 gathers their URLs and drives them; the other ranks keep their engine alive
+until ``stop``. Tasks (:mod:`relax_hpc.roles.tasks`):
+
+- ``start_engines``: returns ``{"engines": {name: url}, "pids": {...}, "nodes": {...}}`` (names
+  ``engine0``, ``engine1``, ... by rank).
+- ``generate {step, engines}``: the next ``rollout_batch_size`` prompt groups from ``data.path``, generated
+  with :class:`~relax_hpc.rollout.driver.RolloutDriver` on the live engines (a dead one is reported by
+  name and its requests go to the others), scored by the reward (``rollout.custom_rm_path`` / ``rm_type``),
+  group-normalized, written as one chunk in ``RUN_DIR/exchange/step_<N>/``. Returns the chunk ref,
+  Relax's ``rollout/*`` metrics, the data cursor, the weight versions the samples carry, reward failures
+  (with their samples) and engine failures.
+- ``stop``: engines are stopped (by PID) on the way out, whatever happened.
+
+Without ``model.path`` the role only bootstraps (the launch smoke tests).
 """
 
-import sys
+from __future__ import annotations
 
-from relax_hpc.roles.runtime import main
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from relax_hpc.roles.runtime import RoleContext, main
 
 ROLE = "rollout"
+ENGINE_READY_S = 900.0
+log = logging.getLogger("relax_hpc.rollout")
+
+
+def _resolve(p: str) -> str:
+    q = Path(p).expanduser()
+    return str(q if q.is_absolute() else (Path.cwd() / q).resolve())
+
+
+def _launch_engine(ctx: RoleContext) -> Any:
+    """This rank's engine: SGLang on a GPU node with RELAX_SGLANG_PYTHON set, else the CPU engine."""
+    import torch
+
+    from relax_hpc.rollout.engines import launch_engine
+
+    r, i = ctx.recipe, ctx.ident
+    local = i.node == "localhost"
+    host = "127.0.0.1" if local else "0.0.0.0"
+    logf = ctx.run.logs / f"engine{i.rank}.log"
+    if torch.cuda.is_available() and os.environ.get("RELAX_SGLANG_PYTHON"):
+        gpus = max(1, r.roles.rollout.gpus_per_node // max(1, r.roles.rollout.tasks_per_node))
+        first = i.local_rank * gpus
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(str(first + k) for k in range(gpus))}
+        return launch_engine("sglang", _resolve(r.model.path), tp=gpus, host=host, env=env, log_path=logf,
+                             extra_args=["--weight-version", "0", "--random-seed", str(r.run.seed + i.rank)],
+                             ready_timeout=ENGINE_READY_S)
+    threads = max(1, r.roles.rollout.cpus_per_task)
+    return launch_engine("cpu", _resolve(r.model.path), host=host, log_path=logf, ready_timeout=ENGINE_READY_S,
+                         extra_args=["--weight-version", "0", "--seed", str(r.run.seed + i.rank),
+                                     "--threads", str(threads)])
+
+
+def work(ctx: RoleContext, comm: Any) -> None:
+    if ctx.recipe.model.path is None:
+        return
+    import torch.distributed as dist
+
+    from relax_hpc.roles.tasks import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [rollout] %(levelname)s %(name)s: %(message)s")
+    i = ctx.ident
+    engine = _launch_engine(ctx)
+    try:
+        me = (f"engine{i.rank}", engine.url, engine.pid, i.node)
+        everyone: list[Any] = [None] * i.world
+        dist.all_gather_object(everyone, me)
+        ctx.report("ready", engine=engine.url)
+        gen = Generator(ctx, {n: u for n, u, _, _ in everyone}) if i.rank == 0 else None
+
+        def start_engines(task: dict) -> dict:
+            return {"engines": {n: u for n, u, _, _ in everyone}, "pids": {n: p for n, _, p, _ in everyone},
+                    "nodes": {n: node for n, _, _, node in everyone}}
+
+        def generate(task: dict) -> dict | None:
+            return gen.generate(task) if gen is not None else None
+
+        serve(ctx, comm, {"start_engines": start_engines, "generate": generate, "stop": lambda task: {}})
+    finally:
+        engine.stop()
+
+
+class Generator:
+    """Rank 0's half: data, tokenizer, reward, driver; one :meth:`generate` per rollout step."""
+
+    def __init__(self, ctx: RoleContext, engines: dict[str, str]):
+        from relax_hpc.rollout.data import data_source_from_config, dataset_from_config, load_tokenizer
+        from relax_hpc.rollout.driver import build_driver
+
+        r = ctx.recipe
+        self.ctx, self.recipe = ctx, r
+        self.tokenizer = load_tokenizer(_resolve(r.model.path))
+        if r.data.path is None:
+            raise ValueError("data.path is not set: the rollout role needs prompts (a JSONL or Parquet file)")
+        dataset = dataset_from_config(r.data, r.rollout, tokenizer=self.tokenizer, path=_resolve(r.data.path))
+        self.data = data_source_from_config(dataset, r.data, r.rollout, run_seed=r.run.seed)
+        self.driver = build_driver(r, engines, tokenizer=self.tokenizer)
+        self.engines = dict(engines)
+
+    def generate(self, task: dict) -> dict:
+        from relax_hpc.roles import samples as S
+        from relax_hpc.rollout.rewards import RewardError
+
+        step = int(task["step"])
+        live = dict(task.get("engines") or self.engines)
+        if set(live) != set(self.driver.live_engines):  # the controller's view of which engines are alive wins
+            self.driver.set_engines(live)
+        groups = self.data.get_samples()
+        t0 = time.monotonic()
+        try:
+            result = self.driver.generate_rollout_sync(groups)
+        except RewardError as e:  # the full report (tracebacks too) goes to this log; the run's reason gets
+            log.error("step %d: %s", step, e)  # the samples and the errors, without the tracebacks
+            e.report = f"{type(e).__name__}: {str(e).split(chr(10) + 'Traceback of the first failure:')[0]}"
+            raise
+        t_gen = time.monotonic() - t0
+        t1 = time.monotonic()
+        ref = S.write_step(self.ctx.run.path, step, result)
+        metrics = dict(result.metrics)
+        metrics["perf/exchange_write_time"] = time.monotonic() - t1
+        metrics["perf/rollout_time"] = metrics.get("perf/rollout_time", t_gen)
+        metrics["rollout/reward_failures"] = float(len(result.reward_failures))
+        versions = sorted({str(s.weight_version) for s in result.samples})
+        return {
+            "metrics": metrics,
+            "chunks": [ref.to_dict()],
+            "n": len(result.samples),
+            "weight_versions": versions,
+            "data_state": self.data.state_dict(),
+            "reward_failures": [_short_failure(f) for f in result.reward_failures[:20]],
+            "engine_failures": [{"name": f.name, "url": f.url, "error": f.error} for f in result.engine_failures],
+            "dead_engines": self.driver.dead_engines,
+        }
+
+
+def _short_failure(f: Any) -> dict:
+    d = f.to_dict()
+    d["traceback"] = d["traceback"][-2000:]
+    for k in ("prompt", "response", "label"):
+        v = d.get(k)
+        if isinstance(v, str) and len(v) > 300:
+            d[k] = v[:300] + "..."
+    return d
+
 
 if __name__ == "__main__":
-    sys.exit(main(ROLE))
+    sys.exit(main(ROLE, work))

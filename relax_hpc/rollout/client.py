@@ -130,11 +130,13 @@ def parse_generation(engine_url: str, obj: Any) -> Generation:
         return Generation(
             rid=str(meta.get("id")), output_ids=out_ids, output_logprobs=logprobs,
             finish_reason=FinishReason.from_json(meta.get("finish_reason")),
-            prompt_tokens=int(meta.get("prompt_tokens", 0)), completion_tokens=int(meta.get("completion_tokens", len(out_ids))),
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            completion_tokens=int(meta.get("completion_tokens", len(out_ids))),
             weight_version=None if meta.get("weight_version") is None else str(meta["weight_version"]),
             text=obj.get("text"), meta_info=meta)
     except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise EngineError(engine_url, "/generate", f"malformed response ({type(e).__name__}: {e}): {str(obj)[:300]}") from e
+        raise EngineError(engine_url, "/generate",
+                          f"malformed response ({type(e).__name__}: {e}): {str(obj)[:300]}") from e
 
 
 # call path -> retry on any transport error / 5xx (idempotent) or only on connect errors
@@ -290,8 +292,11 @@ class EngineClient:
                        return_logprob: bool = True, timeout: float | None = GENERATE_TIMEOUT) -> list[Generation]:
         """Blocking: all prompts concurrently (one request each), results in prompt order."""
         async def run():
-            return await asyncio.gather(*(self.agenerate(p, sampling_params, return_logprob=return_logprob,
-                                                         timeout=timeout) for p in prompts))
+            try:
+                return await asyncio.gather(*(self.agenerate(p, sampling_params, return_logprob=return_logprob,
+                                                             timeout=timeout) for p in prompts))
+            finally:
+                await self.aclose()  # this loop ends here; its connections must not outlive it
         return list(asyncio.run(run()))
 
     # ------------------------------------------------------------------ health and info
@@ -332,7 +337,8 @@ class EngineClient:
         queue, KV dropped) or ``in_place`` (kept with their KV). New requests wait until continue."""
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause mode must be abort, retract or in_place, not {mode!r}")
-        return self._json("/pause_generation", self.request("POST", "/pause_generation", {"mode": mode}, timeout=timeout))
+        r = self.request("POST", "/pause_generation", {"mode": mode}, timeout=timeout)
+        return self._json("/pause_generation", r)
 
     async def apause_generation(self, mode: str = "abort", timeout: float | None = None) -> dict:
         r = await self.arequest("POST", "/pause_generation", {"mode": mode}, timeout=timeout)
@@ -375,10 +381,10 @@ class EngineClient:
     def end_weight_update(self) -> dict:
         return self._success("/end_weight_update", {})
 
-    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-                                        group_name: str = "weight_update_group", *, flush_cache: bool = True,
-                                        weight_version: str | None = None, load_format: str | None = None,
-                                        abort_all_requests: bool = False,
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                        shapes: Sequence[Sequence[int]], group_name: str = "weight_update_group",
+                                        *, flush_cache: bool = True, weight_version: str | None = None,
+                                        load_format: str | None = None, abort_all_requests: bool = False,
                                         timeout: float | None = WEIGHTS_TIMEOUT) -> dict:
         """``POST /update_weights_from_distributed``: the engine receives ``dist.broadcast(src=0)`` of each
         (name, dtype, shape) in order, or one flat buffer with ``load_format="flattened_bucket"``. It returns

@@ -59,9 +59,9 @@ _SAMPLING_KEYS = {
     "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width",
     "watermark", "choice",
 }
-_SUPPORTED = {"max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "ignore_eos", "sampling_seed",
-              "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval",
-              "custom_params"}
+_SUPPORTED = {"max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "ignore_eos",
+              "sampling_seed", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+              "stream_interval", "custom_params"}
 _NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
             "min_new_tokens": 0, "n": 1}
 
@@ -202,6 +202,7 @@ class Scheduler:
     def pause(self, mode: str, timeout_s: float = 120.0) -> None:
         with self.cv:
             self.paused = mode
+            self.parked = False  # the scheduler must acknowledge this mode, not an earlier one
             self.cv.notify_all()
         if mode == "abort":
             self.abort(None, "Abort by pause_generation (mode=abort).")
@@ -293,16 +294,14 @@ class Scheduler:
         cache, logits = out.past_key_values, out.logits[:, -1, :].float()
         pos = pos[:, -1:]
         while True:
-            next_tokens = []
-            for i, r in enumerate(rows):
-                tok, lp = _sample(r, logits[i])
+            next_tokens, lps = sample_batch(rows, logits)
+            for r, tok, lp in zip(rows, next_tokens, lps):
                 r.output_ids.append(tok)
                 if r.return_logprob:
                     r.logprobs.append(lp)
                 reason = eng.finish_reason(r, tok)
                 if reason is not None:
                     r.finish_with(reason, eng.weight_version)
-                next_tokens.append(tok)
             state = self._control(rows)
             if state != "go":
                 return
@@ -323,24 +322,28 @@ class Scheduler:
             cache, logits = out.past_key_values, out.logits[:, -1, :].float()
 
 
-def _sample(r: _Req, logits: torch.Tensor) -> tuple[int, float]:
-    """Sample one token; the log-prob is from the unfiltered tempered distribution (see module docstring)."""
-    logp = torch.log_softmax(logits / r.temperature, dim=-1)
-    V = logp.shape[-1]
-    if r.top_k == 1:
-        tok = int(torch.argmax(logits))
-        return tok, float(logp[tok])
-    probs = logp.exp()
-    if 0 < r.top_k < V:
-        kth = torch.topk(probs, r.top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if r.top_p < 1.0:
-        sp, si = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sp, dim=-1)
-        drop = (cum - sp) > r.top_p  # as SGLang: on the top-k-zeroed, not renormalized, probabilities
-        probs = probs.scatter(0, si, sp.masked_fill(drop, 0.0))
-    tok = int(torch.multinomial(probs, 1, generator=r.gen))
-    return tok, float(logp[tok])
+def sample_batch(rows: list[_Req], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Sample one token per row (vectorized); log-probs come from the unfiltered tempered distribution.
+
+    Top-k then top-p as SGLang applies them (on sorted, not renormalized probabilities). Each row draws one
+    uniform from its own generator and inverts its CDF, so a seeded request samples the same tokens
+    whatever batch it shares."""
+    B, V = logits.shape
+    temp = torch.tensor([r.temperature for r in rows], dtype=logits.dtype)[:, None]
+    logp = torch.log_softmax(logits / temp, dim=-1)
+    sp, si = torch.sort(logp.exp(), dim=-1, descending=True)
+    ranks = torch.arange(V)[None, :]
+    sp = sp.masked_fill(ranks >= torch.tensor([min(r.top_k, V) for r in rows])[:, None], 0.0)
+    top_p = torch.tensor([r.top_p for r in rows], dtype=sp.dtype)[:, None]
+    sp = sp.masked_fill((torch.cumsum(sp, dim=-1) - sp) > top_p, 0.0)
+    cum = torch.cumsum(sp, dim=-1)
+    u = torch.stack([torch.rand((), generator=r.gen) for r in rows]).to(cum.dtype)
+    pick = torch.searchsorted(cum, (u * cum[:, -1])[:, None]).clamp(max=V - 1)
+    toks = si.gather(1, pick)[:, 0]
+    greedy = torch.tensor([r.top_k == 1 for r in rows])
+    toks = torch.where(greedy, logits.argmax(dim=-1), toks)
+    lps = logp.gather(1, toks[:, None])[:, 0]
+    return toks.tolist(), lps.tolist()
 
 
 def _abort_reason(message: str) -> dict:
@@ -466,16 +469,22 @@ class CPUEngine:
         return out
 
     def health_generate(self, timeout_s: float = 20.0) -> bool:
-        """A 1-token generation through the scheduler (SGLang's default health check). While paused, the
-        engine is alive by definition and answers 200 without queueing behind the pause."""
-        if self.scheduler.paused is not None:
-            return True
-        r = self._make_req([0], {"max_new_tokens": 1, "temperature": 0.0}, False, f"HEALTH_CHECK_{uuid.uuid4().hex}")
-        self.scheduler.submit([r])
-        if not r.done.wait(timeout_s):
-            self.scheduler.abort(r.rid, "health check timed out")
+        """A 1-token forward of ``input_ids=[0]`` (SGLang's default health check generates one token).
+
+        It runs between decode steps instead of queueing behind a batch: with static batching a long batch
+        would otherwise make a healthy engine look dead (SGLang's continuous batching answers at once). It
+        answers while paused too, as the model is still there."""
+        if not self.model_lock.acquire(timeout=timeout_s):
             return False
-        return r.error is None
+        try:
+            with torch.inference_mode():
+                logits = self.model(input_ids=torch.tensor([[0]])).logits[0, -1]
+            return bool(torch.isfinite(logits).all())
+        except Exception:
+            log.error("health check failed: %s", traceback.format_exc())
+            return False
+        finally:
+            self.model_lock.release()
 
     # ------------------------------------------------------------------ control
     def flush_cache(self) -> tuple[bool, str]:
@@ -489,8 +498,9 @@ class CPUEngine:
     def server_info(self) -> dict:
         running, waiting = self.scheduler.busy()
         return {
-            "model_path": self.model_path, "tokenizer_path": self.model_path, "served_model_name": self.served_model_name,
-            "host": self.host, "port": self.port, "tp_size": 1, "dp_size": 1, "device": "cpu",
+            "model_path": self.model_path, "tokenizer_path": self.model_path,
+            "served_model_name": self.served_model_name, "host": self.host, "port": self.port, "tp_size": 1,
+            "dp_size": 1, "device": "cpu",
             "dtype": str(self.dtype).replace("torch.", ""), "context_length": self.context_len,
             "skip_tokenizer_init": self.tokenizer is None, "max_running_requests": self.scheduler.max_batch,
             "launch_command": " ".join(sys.argv), "status": "ready", "max_total_num_tokens": None,
@@ -503,8 +513,9 @@ class CPUEngine:
 
     def model_info(self) -> dict:
         return {
-            "model_path": self.model_path, "tokenizer_path": self.model_path, "served_model_name": self.served_model_name,
-            "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
+            "model_path": self.model_path, "tokenizer_path": self.model_path,
+            "served_model_name": self.served_model_name, "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
             "load_format": "safetensors", "model_type": getattr(self.config, "model_type", None),
             "architectures": getattr(self.config, "architectures", None), "has_image_understanding": False,
             "has_audio_understanding": False,
@@ -552,15 +563,18 @@ class CPUEngine:
     def update_weights_from_distributed(self, body: dict) -> tuple[bool, str]:
         import torch.distributed as dist
         if not self.session:
-            return False, "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()."
+            return False, ("update_weights_from_distributed must run between begin_weight_update() and "
+                           "end_weight_update().")
         group_name = body.get("group_name", "weight_update_group")
         pg = self.groups.get(group_name)
         if pg is None:
-            return False, f"Group {group_name} not in {list(self.groups)}. Please call `init_weights_update_group` first."
+            return False, (f"Group {group_name} not in {list(self.groups)}. "
+                           "Please call `init_weights_update_group` first.")
         names, shapes = list(body.get("names") or []), [list(s) for s in body.get("shapes") or []]
         dtypes = [_resolve_dtype(d) for d in body.get("dtypes") or []]
         if not names or not (len(names) == len(dtypes) == len(shapes)):
-            return False, f"names, dtypes and shapes must be non-empty and equally long ({len(names)}, {len(dtypes)}, {len(shapes)})"
+            return False, (f"names, dtypes and shapes must be non-empty and equally long "
+                           f"({len(names)}, {len(dtypes)}, {len(shapes)})")
         if body.get("abort_all_requests"):
             self.scheduler.abort(None, "Abort by update_weights_from_distributed (abort_all_requests).")
         fmt = body.get("load_format")

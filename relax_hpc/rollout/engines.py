@@ -52,13 +52,15 @@ def _advertised(host: str) -> str:
     return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
 
 
-def sglang_command(python: str, model_path: str, host: str, port: int, tp: int, extra_args: Sequence[str] = ()) -> list[str]:
+def sglang_command(python: str, model_path: str, host: str, port: int, tp: int,
+                   extra_args: Sequence[str] = ()) -> list[str]:
     """The ``sglang.launch_server`` command line (extra_args from the recipe go last, so they can override)."""
     return [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
             "--port", str(port), "--tp-size", str(tp), *extra_args]
 
 
-def cpu_engine_command(python: str, model_path: str, host: str, ready_file: str, extra_args: Sequence[str] = ()) -> list[str]:
+def cpu_engine_command(python: str, model_path: str, host: str, ready_file: str,
+                       extra_args: Sequence[str] = ()) -> list[str]:
     return [python, "-m", "relax_hpc.rollout.cpu_engine", "--model", str(model_path), "--host", host,
             "--port", "0", "--ready-file", ready_file, *extra_args]
 
@@ -80,6 +82,8 @@ class EngineHandle:
     extra_args: tuple = ()
     ready_file: Path | None = None
     _proc: subprocess.Popen | None = field(default=None, repr=False)
+    _log_offset: int = field(default=0, repr=False)
+    _stopped: bool = field(default=False, repr=False)
 
     def client(self, **kwargs) -> EngineClient:
         return EngineClient(self.url, **kwargs)
@@ -106,23 +110,45 @@ class EngineHandle:
         process exits or ``timeout`` passes; in both cases the process group is stopped first."""
         deadline = time.monotonic() + timeout
         port_retries = 3
-        while True:
-            rc = self.returncode()
-            if rc is not None:
-                if self.kind == "sglang" and port_retries > 0 and any(s in self.log_tail(80).lower() for s in _PORT_IN_USE):
-                    port_retries -= 1  # lost the race for the port we picked: same engine, fresh port
-                    self._spawn(free_port(self.host if self.host not in ("0.0.0.0", "::") else ""))
-                    continue
-                self.stop()
-                raise self._launch_error(f"exited with code {rc} before it was ready")
-            if not self.url and self.ready_file is not None and self.ready_file.exists():
-                self.url = self.ready_file.read_text().strip()
-            if self.url and EngineClient(self.url, retries=0).is_healthy(timeout=max(1.0, min(30.0, deadline - time.monotonic()))):
-                return self
-            if time.monotonic() > deadline:
-                self.stop()
-                raise self._launch_error(f"was not ready after {timeout:.0f} s (url {self.url or 'not reported yet'})")
-            time.sleep(poll)
+        probe: EngineClient | None = None
+        try:
+            while True:
+                rc = self.returncode()
+                if rc is not None:
+                    if self.kind == "sglang" and port_retries > 0 and self._lost_port_race():
+                        port_retries -= 1  # another process took the port we picked: same engine, fresh port
+                        try:  # the dead attempt's children (SGLang starts its scheduler before binding HTTP)
+                            os.killpg(self.pid, signal.SIGKILL)
+                        except (ProcessLookupError, PermissionError):
+                            pass
+                        self._spawn(free_port(self.host if self.host not in ("0.0.0.0", "::") else ""))
+                        probe = None
+                        continue
+                    self.stop()
+                    raise self._launch_error(f"exited with code {rc} before it was ready")
+                if not self.url and self.ready_file is not None and self.ready_file.exists():
+                    self.url = self.ready_file.read_text().strip()
+                if self.url:
+                    probe = probe or EngineClient(self.url, retries=0)
+                    if probe.is_healthy(timeout=max(1.0, min(30.0, deadline - time.monotonic()))):
+                        return self
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise self._launch_error(
+                        f"was not ready after {timeout:.0f} s (url {self.url or 'not reported yet'})")
+                time.sleep(poll)
+        finally:
+            if probe is not None:
+                probe.close()
+
+    def _lost_port_race(self) -> bool:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                text = f.read().decode(errors="replace").lower()
+        except OSError:
+            return False
+        return any(s in text for s in _PORT_IN_USE)
 
     def _spawn(self, port: int | None = None) -> None:
         if self.kind == "sglang":
@@ -130,16 +156,22 @@ class EngineHandle:
             self.url = f"http://{_advertised(self.host)}:{port}"
         env = {**os.environ, **self.env}
         with open(self.log_path, "ab") as log:
-            log.write(f"\n==== relax_hpc launch {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(self.command)}\n".encode())
+            self._log_offset = log.tell()
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            log.write(f"\n==== relax_hpc launch {stamp}: {' '.join(self.command)}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           env=env, start_new_session=True)
         self.pid = self._proc.pid
+        self._stopped = False
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM the engine's process group (its PID), SIGKILL after ``timeout``; returns the exit code."""
         if self._proc is None:
             return None
+        if self._stopped:  # never signal a process group id twice: once empty, the id may be reused
+            return self._proc.poll()
+        self._stopped = True
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(self.pid, sig)  # the group we created with start_new_session: pgid == pid
@@ -175,6 +207,8 @@ def start_engine(kind: str, model_path: str | os.PathLike, *, python: str | None
             raise ValueError("kind='sglang' needs python= (the interpreter of an SGLang environment), "
                              "or RELAX_SGLANG_PYTHON in the environment")
     python = python or sys.executable
+    if kind == "cpu" and not (Path(model_path) / "config.json").is_file():  # fail now, not after a torch import
+        raise EngineLaunchError(f"cpu engine: no HF model at {model_path} (config.json missing)")
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix=f"relax-{kind}-engine-", suffix=".log")
         os.close(fd)
@@ -188,7 +222,8 @@ def start_engine(kind: str, model_path: str | os.PathLike, *, python: str | None
         ready_file.unlink(missing_ok=True)
         command = cpu_engine_command(python, str(model_path), host, str(ready_file), extra_args)
         pkg_root = str(Path(__file__).resolve().parents[2])  # importable even when relax_hpc is not installed
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))) if p)
+        old = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, old) if p)
     h = EngineHandle(kind=kind, model_path=str(model_path), url="", pid=-1, log_path=log_path, command=command,
                      host=host, tp=tp, python=python, env=env, extra_args=tuple(extra_args), ready_file=ready_file)
     h._spawn(free_port(host if host not in ("0.0.0.0", "::") else "") if kind == "sglang" else None)

@@ -15,8 +15,10 @@ Why these choices:
   without ``meta.json`` and ``latest`` still names the previous complete checkpoint.
 * RNG states are per rank and do not reshard; on a different layout each rank takes rank 0's state
   (dropout is 0 in training, so the model's numbers do not depend on it).
-* dist_checkpointing's writer spawns helper processes (``spawn`` start method): entry scripts must sit
-  behind ``if __name__ == "__main__":`` and psutil must be installed, or the save hangs.
+* Saves are synchronous. Upstream then still starts a ``spawn`` multiprocessing Manager (2-3 s per
+  process, and a hang forever if the entry script lacks ``if __name__ == "__main__":``) only to pass
+  write results from one function to another *in the same process*; :func:`_in_process_results_queue`
+  hands it a plain ``queue.Queue`` instead. The writer still forks worker processes, which need psutil.
 """
 
 from __future__ import annotations
@@ -39,6 +41,22 @@ LATEST = "latest"
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def _in_process_results_queue() -> None:
+    """Give dist_checkpointing's sync save an in-process results queue instead of a spawned Manager.
+
+    In a synchronous save, ``write_preloaded_data_multiproc`` runs in the calling process and puts the
+    merged results on this queue, which ``retrieve_write_results`` reads right after in the same
+    process (``get_nowait``: a ``queue.Queue``'s put is synchronous; an ``mp.Queue``'s is not).
+    Async saves would need the Manager; this module never makes them.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _unwrapped(model: list) -> list:
@@ -117,6 +135,7 @@ def save(root: str | os.PathLike, model: list, optimizer, *, step: int, extra_st
             shutil.rmtree(out)
         out.mkdir(parents=True)
     dist.barrier()
+    _in_process_results_queue()
     dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(out))
     (out / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), out / "rng" / f"rank_{rank:05d}.pt")

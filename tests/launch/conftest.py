@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -58,10 +59,15 @@ def no_slurm_env(tmp_path_factory) -> dict[str, str]:
     return env
 
 
-def cluster_job_ids() -> set[str]:
-    """Every job id squeue shows (recent finished ones too) and sacct knows: a new submission changes it."""
-    ids = set(subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split())
-    acct = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID", "-S", "now-1days"],
+def unique_job_name() -> str:
+    """A job name no one else uses: other developers submit to the same cluster at the same time, so "no new
+    job" can only be checked for jobs of our own name."""
+    return f"relax-t{uuid.uuid4().hex[:10]}"
+
+
+def jobs_named(name: str) -> set[str]:
+    """Ids of jobs called ``name`` that squeue shows (recent finished ones too) or sacct knows."""
+    ids = set(subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True).stdout.split())
+    acct = subprocess.run(["sacct", "-n", "-X", "-P", "--name", name, "-o", "JobID", "-S", "now-1days"],
                           capture_output=True, text=True)
-    ids |= set(acct.stdout.split())
-    return ids
+    return ids | set(acct.stdout.split())

@@ -25,7 +25,7 @@ def problems(rec, default="gpu"):
 
 
 def test_fitting_recipe_passes():
-    assert problems(recipe(actor={"nodes": 4, "gpus_per_node": 4, "tasks_per_node": 4})) == {}
+    assert problems(recipe(actor={"nodes": 3, "gpus_per_node": 4, "tasks_per_node": 4})) == {}
 
 
 def test_unknown_partition():
@@ -102,3 +102,16 @@ def test_preflight_against_dev_cluster(slurm_cluster):
                                     "roles": {"actor": {"nodes": 5}, "rollout": {"gpus_per_node": 5}}}), "slurm")
     keys = {k for k, _, _ in e.value.problems}
     assert keys == {"roles.actor.nodes", "roles.rollout.gpus_per_node"}
+
+
+def test_het_components_never_share_nodes():
+    """2+1+1+1 nodes on a 4-node partition can never start (Slurm puts each component on its own nodes)."""
+    rec = recipe_from_dict({"slurm": {"partition": "gpu"}, "roles": {
+        "actor": {"nodes": 2}, "rollout": {"nodes": 1}, "reference": {"enabled": True, "nodes": 1},
+        "actor_fwd": {"enabled": True, "nodes": 1}}})
+    (key, value, msg), = check_slurm(rec, NODES, None)
+    assert key == "roles.actor_fwd.nodes" and "2+1+1+1 = 5 nodes" in msg and "share_with" in msg
+    rec = recipe_from_dict({"slurm": {"partition": "gpu"}, "roles": {
+        "actor": {"nodes": 2}, "rollout": {"nodes": 1}, "reference": {"enabled": True, "nodes": 1},
+        "actor_fwd": {"enabled": True, "nodes": 1, "share_with": "actor"}}})
+    assert check_slurm(rec, NODES, None) == []

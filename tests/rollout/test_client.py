@@ -56,7 +56,8 @@ def test_stop_token_finish(client):
     ref = client.generate(PROMPT, greedy).output_ids
     stop = ref[4]
     k = ref.index(stop)
-    g = client.generate(PROMPT, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]))
+    g = client.generate(PROMPT, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True,
+                                               stop_token_ids=[stop]))
     assert g.output_ids == ref[:k + 1]  # the matched stop token is part of the output, as in SGLang
     assert g.finish_reason.type == "stop" and g.finish_reason.matched == stop and not g.truncated
 
@@ -136,7 +137,7 @@ def test_pause_abort_then_continue(client):
 
 def test_pause_in_place_keeps_requests(client):
     pool = ThreadPoolExecutor(2)
-    sp = SamplingParams(max_new_tokens=300, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=200, ignore_eos=True)
     futs = [pool.submit(client.generate, [1, 70 + i], sp) for i in range(2)]
     wait_running(client)
     client.pause_generation("in_place")
@@ -152,12 +153,12 @@ def test_pause_in_place_keeps_requests(client):
     finally:
         client.continue_generation()
     gens = [f.result(timeout=60) for f in futs]
-    assert all(g.finish_reason.type == "length" and len(g.output_ids) == 300 for g in gens)
+    assert all(g.finish_reason.type == "length" and len(g.output_ids) == 200 for g in gens)
     pool.shutdown()
 
 
 def test_pause_retract_recomputes_and_resumes(client):
-    sp = SamplingParams(max_new_tokens=250, ignore_eos=True, sampling_seed=7)
+    sp = SamplingParams(max_new_tokens=150, ignore_eos=True, sampling_seed=7)
     ref = client.generate([1, 80], sp)
     pool = ThreadPoolExecutor(1)
     fut = pool.submit(client.generate, [1, 80], sp)

@@ -92,7 +92,8 @@ def test_update_per_tensor_broadcast(client, group, hf_model):
 
 
 def test_update_flattened_bucket(client, group, hf_model):
-    names = ["model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight", "model.layers.1.input_layernorm.weight"]
+    names = ["model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight",
+             "model.layers.1.input_layernorm.weight"]
     sd = hf_model.state_dict()
     gen = torch.Generator().manual_seed(1)
     new = [sd[n] * 1.5 + 0.1 * torch.randn(sd[n].shape, generator=gen) for n in names]

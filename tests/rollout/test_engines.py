@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -33,32 +34,34 @@ def test_commands_and_argument_checks(monkeypatch, tmp_path):
         start_engine("sglang", tmp_path)
 
 
-def test_cpu_launch_then_killed_engine_gives_connection_refused(tiny_llama, tmp_path):
-    h = launch_engine("cpu", tiny_llama, log_path=tmp_path / "e.log", extra_args=["--threads", "1"], ready_timeout=120)
-    try:
-        assert h.alive() and h.url.startswith("http://127.0.0.1:") and h.pid > 0
-        c = EngineClient(h.url, retries=1, backoff=0.05)
-        assert len(c.generate([1, 2, 3], SamplingParams(max_new_tokens=2)).output_ids) == 2
-        os.kill(h.pid, signal.SIGKILL)  # a crash, by PID
-        h._proc.wait(10)
-        with pytest.raises(EngineError) as e:
-            c.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
-        msg = str(e.value)
-        assert h.url in msg and "/generate" in msg and "connection refused" in msg
-        with pytest.raises(EngineError, match="connection refused"):
-            c.server_info()  # idempotent: retried, then the same clear error
-        assert not c.is_healthy(timeout=2)
-    finally:
-        h.stop()
+def test_killed_engine_gives_connection_refused(cpu_engine):
+    """The module's CPU engine (launched and made ready by the fixture), killed by PID like a crash."""
+    h = cpu_engine
+    assert h.alive() and h.url.startswith("http://127.0.0.1:") and h.pid > 0
+    c = EngineClient(h.url, retries=1, backoff=0.05)
+    assert len(c.generate([1, 2, 3], SamplingParams(max_new_tokens=2)).output_ids) == 2
+    os.kill(h.pid, signal.SIGKILL)
+    h._proc.wait(10)
+    with pytest.raises(EngineError) as e:
+        c.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
+    msg = str(e.value)
+    assert h.url in msg and "/generate" in msg and "connection refused" in msg and e.value.status is None
+    with pytest.raises(EngineError, match="connection refused"):
+        c.server_info()  # idempotent: retried, then the same clear error
+    assert not c.is_healthy(timeout=2)
+    h.stop()
     assert not h.alive()
 
 
 def test_launch_failure_reports_log_tail(tmp_path):
+    """An engine that dies before it is ready: here "SGLang" from an interpreter without it."""
     with pytest.raises(EngineLaunchError) as e:
-        launch_engine("cpu", tmp_path / "no-such-model", log_path=tmp_path / "bad.log", ready_timeout=120)
+        launch_engine("sglang", tmp_path, python=sys.executable, log_path=tmp_path / "bad.log", ready_timeout=60)
     msg = str(e.value)
-    assert "exited with code" in msg and str(tmp_path / "bad.log") in msg
-    assert "Traceback" in msg and "config.json" in msg  # the engine's own error, from its log
+    assert "exited with code 1" in msg and str(tmp_path / "bad.log") in msg
+    assert "No module named 'sglang'" in msg  # the engine's own words, from its log
+    with pytest.raises(EngineLaunchError, match="config.json"):
+        launch_engine("cpu", tmp_path / "no-such-model")
 
 
 # ---------------------------------------------------------------------------- real SGLang (GPU only)
@@ -89,7 +92,8 @@ def test_real_sglang_engine(tiny_llama, tmp_path):
                       extra_args=["--mem-fraction-static", "0.3", "--disable-cuda-graph"])
     try:
         c = EngineClient(h.url)
-        g = c.generate([1, 10, 11, 12], SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1.0, sampling_seed=3))
+        g = c.generate([1, 10, 11, 12],
+                       SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1.0, sampling_seed=3))
         assert len(g.output_ids) == len(g.output_logprobs) == 8 and g.finish_reason.type == "length"
         ref = c.generate([1, 10, 11, 12], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
         k = ref.output_ids.index(ref.output_ids[3])

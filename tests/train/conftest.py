@@ -15,6 +15,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 # One GRPO setting for every layout, so TP=1, TP=2, DP=2 and PP=2 runs can be compared number by number.
 TRAIN_ARGS = {"n": 8, "steps": 5, "lr": 1e-4, "algo": {"eps_clip": 0.2}}
+# Checkpoint runs: K steps, save, N more; data independent of the model (fixed old log-probs).
+RESUME_ARGS = {"k": 3, "n": 3, "lr": 2e-4, "n_samples": 4, "algo": {"eps_clip": 0.5}}
+
+
+def resume_layouts(root: Path) -> list[dict]:
+    return [
+        {"name": "dp2", "tp": 1, "distopt": True, "ckpt": str(root / "ck_dp2")},  # optimizer state sharded over DP
+        {"name": "tp2", "tp": 2, "distopt": True, "ckpt": str(root / "ck_tp2")},
+    ]
 
 
 def load_tiny_model_tool():
@@ -39,11 +48,11 @@ def tiny_models(tmp_path_factory, tiny_tool) -> dict[str, str]:
     return {arch: str(tiny_tool.make_tiny_model(root / arch, arch=arch, seed=0)) for arch in ("qwen3", "llama")}
 
 
-def _checked(res: dict) -> dict:
-    for k, v in res.items():
-        assert not (isinstance(v, dict) and "error" in v), v["error"]
-    assert "error" not in res, res.get("error")
-    return res
+def part(res: dict, name: str) -> dict:
+    """One job's result from a suite run; fails the calling test with the job's traceback."""
+    r = res[name]
+    assert "error" not in r, f"job {name} failed in the worker:\n{r['error']}"
+    return r
 
 
 @pytest.fixture(scope="session")
@@ -53,15 +62,21 @@ def single_run(tiny_models, tmp_path_factory) -> dict:
         "parity": ["parity", {"tp": 1, "models": tiny_models}],
         "train": ["train", dict(TRAIN_ARGS, hf=tiny_models["qwen3"], layouts=[{"tp": 1}])],
     }
-    return _checked(run_job("suite", jobs, nproc=1, out_dir=tmp_path_factory.mktemp("single"), timeout=240))
+    return run_job("suite", jobs, nproc=1, out_dir=tmp_path_factory.mktemp("single"), timeout=240)
 
 
 @pytest.fixture(scope="session")
 def multi_run(tiny_models, tmp_path_factory) -> dict:
-    """Two processes: parity at TP=2, then the same training at TP=2, DP=2 (DistributedOptimizer) and PP=2."""
+    """Two processes: parity at TP=2; the same training at TP=2, DP=2 (DistributedOptimizer) and PP=2;
+    then the uninterrupted checkpoint runs (train K, save, train N) that test_checkpoint resumes."""
+    root = tmp_path_factory.mktemp("multi")
     jobs = {
         "parity": ["parity", {"tp": 2, "models": tiny_models}],
         "train": ["train", dict(TRAIN_ARGS, hf=tiny_models["qwen3"],
                                 layouts=[{"tp": 2}, {"tp": 1}, {"tp": 1, "pp": 2}])],
+        "resume_save": ["resume", dict(RESUME_ARGS, mode="save", hf=tiny_models["qwen3"],
+                                       layouts=resume_layouts(root))],
     }
-    return _checked(run_job("suite", jobs, nproc=2, out_dir=tmp_path_factory.mktemp("multi"), timeout=300))
+    res = run_job("suite", jobs, nproc=2, out_dir=root, timeout=360)
+    res["ckpt_root"] = str(root)
+    return res

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -42,12 +43,19 @@ def run_job(job: str, args: dict, *, nproc: int, out_dir: Path, timeout: float =
         procs.append(subprocess.Popen([sys.executable, str(WORKER), job, str(out_dir), json.dumps(args)],
                                       env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO))
         logs.append(log)
-    failed = None
+    failed, deadline, grace_until = None, time.monotonic() + timeout, None
     try:
-        for p in procs:
-            p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        failed = f"timed out after {timeout} s"
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if now > deadline:
+                failed = f"timed out after {timeout} s"
+                break
+            if grace_until is None and any(p.returncode for p in procs if p.poll() is not None):
+                grace_until = now + 15  # a rank died: its peers are likely stuck in a collective
+            if grace_until is not None and now > grace_until:
+                failed = "a rank failed and the others did not finish"
+                break
+            time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:

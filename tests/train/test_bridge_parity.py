@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from train.conftest import part
+
 TOL = 1e-5
 
 
@@ -21,10 +23,10 @@ def _check(res: dict, tp: int) -> None:
 
 @pytest.mark.timeout(300)
 def test_parity_and_export_tp1(single_run):
-    _check(single_run["parity"], tp=1)
+    _check(part(single_run, "parity"), tp=1)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_parity_and_export_tp2(multi_run):
-    _check(multi_run["parity"], tp=2)
+    _check(part(multi_run, "parity"), tp=2)

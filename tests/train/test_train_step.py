@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from train.conftest import part
+
 TOL = 1e-5
 
 
@@ -15,7 +17,7 @@ def _show(key: str, r: dict) -> str:
 
 @pytest.mark.timeout(300)
 def test_grpo_lowers_loss_and_follows_advantages(single_run):
-    r = single_run["train"]["tp1_pp1_dp1"]
+    r = part(single_run, "train")["tp1_pp1_dp1"]
     print(_show("tp1", r))
     losses = [s["loss"] for s in r["steps"]]
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
@@ -29,8 +31,8 @@ def test_grpo_lowers_loss_and_follows_advantages(single_run):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("layout", ["tp2_pp1_dp1", "tp1_pp1_dp2", "tp1_pp2_dp1"])
 def test_layouts_match_tp1(single_run, multi_run, layout):
-    ref = single_run["train"]["tp1_pp1_dp1"]
-    got = multi_run["train"][layout]
+    ref = part(single_run, "train")["tp1_pp1_dp1"]
+    got = part(multi_run, "train")[layout]
     print(_show(layout, got))
     worst = max(abs(a[k] - b[k]) for a, b in zip(ref["steps"], got["steps"]) for k in ("loss", "grad_norm"))
     print(f"{layout}: max |diff| vs tp1 over losses and grad norms = {worst:.2e}")

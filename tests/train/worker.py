@@ -21,6 +21,8 @@ from pathlib import Path
 
 
 def init_dist():
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
@@ -30,8 +32,7 @@ def init_dist():
     host, port = os.environ["RELAX_TEST_STORE"].rsplit(":", 1)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    store = dist.TCPStore(host, int(port), world_size=None, is_master=False, timeout=__import__("datetime").timedelta(seconds=120))
-    store = dist.PrefixStore(os.environ.get("RELAX_TEST_PREFIX", "job"), store)
+    store = dist.TCPStore(host, int(port), world_size=None, is_master=False, timeout=timedelta(seconds=120))
     dist.init_process_group(cpu_compat.backend(), store=store, rank=rank, world_size=world)
     return rank, world
 
@@ -171,7 +172,7 @@ def job_resume(args: dict, out: Path) -> dict:
     for layout in args["layouts"]:
         init_parallel(layout.get("tp", 1), layout.get("pp", 1), seed=1)
         actor = MegatronActor.from_hf(args["hf"], _train_cfg(layout, micro_batch_size=1, lr=args["lr"], clip_grad=1.0),
-                                      _algo())
+                                      _algo(**args.get("algo", {})))
         batch = make_batch(args["n_samples"], seed=5, fixed_old=True)
         r: dict = {}
         if args["mode"] == "save":
@@ -196,11 +197,22 @@ def job_resume(args: dict, out: Path) -> dict:
 
 
 def job_suite(args: dict, out: Path) -> dict:
-    """Several jobs in one launch (imports cost ~8 s per process): {"name": [job, args], ...}."""
-    res = {}
+    """Several jobs in one launch (imports cost ~8 s per process): {"name": [job, args], ...}.
+
+    A failing job is recorded as {"error": traceback} and the rest are not run (the parallel state
+    may be half torn down); each test checks only its own job's entry.
+    """
+    res, failed = {}, None
     for name, (job, sub) in args.items():
+        if failed:
+            res[name] = {"error": f"not run: job {failed!r} failed before it"}
+            continue
         t0 = time.time()
-        res[name] = JOBS[job](sub, out)
+        try:
+            res[name] = JOBS[job](sub, out)
+        except Exception:
+            traceback.print_exc()
+            res[name], failed = {"error": traceback.format_exc()}, name
         res[name + "_s"] = time.time() - t0
     return res
 

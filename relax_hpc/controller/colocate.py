@@ -1,0 +1,168 @@
+"""The colocate training loop: step N = generate a batch → train on it → sync weights → step N+1.
+
+A state machine the controller loop feeds with ``task_done`` messages. It hands out tasks through the
+channel (the roles' rank 0 long-poll for them, see :mod:`relax_hpc.roles.tasks`) and keeps one task in
+flight at a time, so training is strictly on-policy: the samples of step N were generated with the
+weights of step N−1 (version ``"N-1"``, ``"0"`` being the model on disk), and after step N's sync every
+engine serves version ``"N"``.
+
+    rollout start_engines → actor connect → [rollout generate(N) → actor train(N) → actor sync(N)
+    (→ actor checkpoint(N) every checkpoint.interval steps and after the last)] × run.steps → stop
+
+Each step's metrics (the roles' ``rollout/*``, ``train/*``, ``perf/*``, ``weights/*`` plus
+``perf/step_time``) go to :class:`~relax_hpc.ops.metrics.RunMetrics` (TensorBoard, metrics.jsonl), and
+``state.json`` gets ``step``, ``phase``, ``reward`` (the step's mean raw reward), ``reward_first10``,
+``engines`` and ``last_checkpoint``. A task that reports an error fails the run with the report as
+reason (a reward that raised under ``reward_error_policy: fail``, every engine dead, ...). An engine
+the driver declared dead is logged by name, marked in ``state.json`` and left out of later steps and
+weight syncs. The exchange keeps only the last step's chunk.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from relax_hpc.controller.channel import Channel
+from relax_hpc.controller.state import RunState
+from relax_hpc.ops.metrics import REWARD, RunMetrics
+from relax_hpc.recipe import Recipe
+from relax_hpc.rundir import RunDir
+
+log = logging.getLogger("relax_hpc.controller")
+
+
+@dataclass
+class Task:
+    role: str
+    kind: str
+    step: int
+    started: float
+
+
+class Colocate:
+    def __init__(self, recipe: Recipe, run: RunDir, state: RunState, channel: Channel):
+        if recipe.mode != "colocate":
+            raise NotImplementedError(f"mode {recipe.mode!r} is not implemented yet. Fix: use mode: colocate")
+        self.recipe, self.run, self.state, self.channel = recipe, run, state, channel
+        self.total = recipe.run.steps
+        self.metrics = RunMetrics(run.path, recipe.logging.tensorboard)
+        self._ids = itertools.count(1)
+        self.pending: dict[int, Task] = {}
+        self.step = 0  # the step in progress (0 before the first)
+        self.engines: dict[str, str] = {}
+        self.engine_info: dict[str, dict] = {}
+        self.cur: dict[str, float] = {}  # this step's metrics so far
+        self.step_t0 = 0.0
+        self.data_state: dict | None = None
+        state.progress(step=0, phase="starting engines", reward=None, engines={})
+        self._assign("rollout", "start_engines")
+
+    # -- tasks out
+    def _assign(self, role: str, kind: str, **fields: Any) -> None:
+        tid = next(self._ids)
+        self.pending[tid] = Task(role, kind, self.step, time.monotonic())
+        self.channel.assign(role, {"id": tid, "kind": kind, **fields})
+
+    def _live(self) -> dict[str, str]:
+        return {n: u for n, u in self.engines.items() if not self.engine_info[n].get("dead")}
+
+    # -- results in
+    def on_message(self, msg: dict) -> None:
+        if msg.get("type") != "task_done":
+            return
+        task = self.pending.pop(msg["task_id"], None)
+        if task is None or not self.state.running:
+            return
+        res = msg["result"]
+        if "error" in res:
+            at = f"step {task.step} {task.kind}" if task.step else task.kind
+            self.state.fail(task.role, msg["rank"], self._node(task.role), f"{at}: {res['error']}")
+            return
+        self.cur.update({k: v for k, v in (res.get("metrics") or {}).items()})
+        getattr(self, f"_{task.kind}_done")(res)
+
+    def _node(self, role: str) -> str | None:
+        nodes = self.state.doc["roles"].get(role, {}).get("nodes") or [None]
+        return nodes[0]
+
+    def _start_engines_done(self, res: dict) -> None:
+        self.engines = dict(res["engines"])
+        self.engine_info = {n: {"url": u, "pid": res.get("pids", {}).get(n), "node": res.get("nodes", {}).get(n),
+                                "dead": None} for n, u in self.engines.items()}
+        log.info("engines: %s", ", ".join(f"{n} {u}" for n, u in self.engines.items()))
+        self.state.progress(engines=self.engine_info, phase="connecting weight sync")
+        self._assign("actor", "connect", engines=self.engines)
+
+    def _connect_done(self, res: dict) -> None:
+        self._next_step()
+
+    def _next_step(self) -> None:
+        if self.step >= self.total:
+            self.state.progress(phase="stopping")
+            for role in ("rollout", "actor"):
+                self._assign(role, "stop")
+            return
+        self.step += 1
+        self.cur, self.step_t0 = {}, time.monotonic()
+        self.state.progress(phase="generate")
+        self._assign("rollout", "generate", step=self.step, engines=self._live())
+
+    def _generate_done(self, res: dict) -> None:
+        for f in res.get("engine_failures", []):
+            log.error("step %d: rollout engine %s (%s) died: %s; its requests went to the other engines",
+                      self.step, f["name"], f["url"], f["error"])
+        for name, why in (res.get("dead_engines") or {}).items():
+            if name in self.engine_info and not self.engine_info[name]["dead"]:
+                self.engine_info[name]["dead"] = why
+        for f in res.get("reward_failures", []):
+            log.warning("step %d: reward failed for sample index=%s group_index=%s (prompt %r, response %r, label %r): "
+                        "%s", self.step, f.get("index"), f.get("group_index"), f.get("prompt"), f.get("response"),
+                        f.get("label"), f.get("error"))
+        versions = [v for v in res.get("weight_versions", []) if v not in (None, "None")]
+        if versions and all(v.isdigit() for v in versions):
+            self.cur["rollout/weight_version"] = float(max(int(v) for v in versions))
+        self.data_state = res.get("data_state")
+        self.state.progress(phase="train", engines=self.engine_info)
+        self._assign("actor", "train", step=self.step, chunks=res["chunks"])
+
+    def _train_done(self, res: dict) -> None:
+        self.state.progress(phase="sync")
+        self._assign("actor", "sync", version=str(self.step), engines=self._live())
+        shutil.rmtree(self.run.path / "exchange" / f"step_{self.step - 1}", ignore_errors=True)
+
+    def _sync_done(self, res: dict) -> None:
+        bad = {n: v for n, v in (res.get("engine_versions") or {}).items() if v != str(self.step)}
+        if bad:
+            log.warning("step %d: engines report other weight versions than %d after the sync: %s", self.step,
+                        self.step, bad)
+        self.cur["perf/step_time"] = time.monotonic() - self.step_t0
+        vals = self.metrics.log(self.step, self.cur)
+        first, _ = self.metrics.reward_ends()
+        self.state.progress(step=self.step, reward=vals.get(REWARD), reward_first10=first)
+        every = self.recipe.checkpoint.interval  # 0: only after the last step
+        if (every and self.step % every == 0) or self.step == self.total:
+            self.state.progress(phase="checkpoint")
+            self._assign("actor", "checkpoint", extra={"step": self.step, "data": self.data_state})
+        else:
+            self._next_step()
+
+    def _checkpoint_done(self, res: dict) -> None:
+        self.state.progress(last_checkpoint=res.get("path"))
+        self._next_step()
+
+    # -- the end
+    def finish(self) -> dict:
+        """summary.json and reward.png (whatever the run's outcome); returns the summary."""
+        first, last = self.metrics.reward_ends()
+        summary = self.metrics.finish(self.state.doc, {"engines": self.engine_info})
+        if first is not None:
+            log.info("mean reward: first %d steps %.3f, last %d steps %.3f (%d steps, %.0f s); summary %s",
+                     summary["reward_window"], first, summary["reward_window"], last, summary["steps"],
+                     summary["wall_time_s"], self.run.path / "summary.json")
+        self.state.progress(reward_first10=first, reward_last10=last)
+        return summary

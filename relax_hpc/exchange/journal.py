@@ -1,0 +1,161 @@
+"""The exchange journal: an append-only JSON-lines file, one fsynced record per broker decision.
+
+Every change of the broker's state is first appended here, then applied; replaying the file rebuilds the
+state (``Broker`` does exactly that on construction). A record is one JSON object on one line, with ``op``
+and ``t`` (wall-clock time of the append):
+
+==================  ==========================================================================================
+``journal``         first line: ``v`` (format version)
+``config``          ``tasks`` ({task: [fields]}), ``max_staleness`` — written when they change
+``start``           ``step``, ``min_uncleared`` (None if none), ``max_staleness``: the producer began a step
+``produced``        ``step``, ``chunk`` (id), ``producer``, ``seq``, ``n``, ``fields``, ``checksum``, ``size``, ``attrs``
+``end``             ``step``: the producer will announce no more chunks for it
+``fields_added``    ``chunk``, ``writer``, ``file``, ``fields``, ``checksum``, ``size``
+``leased``          ``lease``, ``task``, ``holder``, ``chunks`` ([ids]), ``fields``: handed out, not yet consumed
+``consumed``        ``lease``, ``task``, ``chunks``: the consumer acknowledged the lease
+``released``        ``lease``, ``reason``: given back unconsumed; its chunks may be handed out again
+``quarantined``     ``chunk``, ``reason``
+``cleared``         ``step``, ``forced``, ``unconsumed`` (samples not consumed by every task)
+==================  ==========================================================================================
+
+Durability: a record is written with one ``write`` on an ``O_APPEND`` descriptor and ``fdatasync``-ed before
+the call returns, so a record the broker acted on (replied to) is on disk. A crash mid-append can leave a
+torn or garbage tail (a prefix of a line, or NUL bytes on some filesystems); replay ignores it and
+:class:`Journal` truncates it before appending. Damage anywhere else raises :class:`JournalCorrupt`.
+
+One writer at a time: :class:`Journal` holds an exclusive ``flock`` on the file while open (best effort on
+network filesystems that lack it), so a second broker on the same journal fails instead of interleaving.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+VERSION = 1
+
+
+class JournalCorrupt(Exception):
+    """A record that is not the last one cannot be read: the journal was damaged, not torn by a crash."""
+
+
+class JournalLocked(Exception):
+    """Another process has this journal open for writing."""
+
+
+def _parse(data: bytes, path: str) -> tuple[list[dict], int, bytes]:
+    """(records, length of the valid prefix, torn tail)."""
+    records: list[dict] = []
+    pos = 0
+    bad_at: int | None = None
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        if nl < 0:  # no newline: the last append was cut short
+            bad_at = pos if bad_at is None else bad_at
+            break
+        line = data[pos:nl]
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or "op" not in rec:
+                raise ValueError("not a record")
+        except (ValueError, UnicodeDecodeError):
+            if bad_at is None:
+                bad_at = pos
+        else:
+            if bad_at is not None:
+                raise JournalCorrupt(f"{path}: unreadable record at byte {bad_at} is followed by valid ones")
+            records.append(rec)
+        pos = nl + 1
+    good = len(data) if bad_at is None else bad_at
+    return records, good, data[good:]
+
+
+def replay(path: str | os.PathLike) -> list[dict]:
+    """The records of a journal, a torn tail ignored (read-only; safe while a broker appends)."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return []
+    return _parse(data, str(path))[0]
+
+
+def iter_ops(records: list[dict], *ops: str) -> Iterator[dict]:
+    return (r for r in records if r.get("op") in ops)
+
+
+class Journal:
+    """The open journal: ``records`` (what was there at open, for the caller to replay and drop) and
+    :meth:`append`."""
+
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = True):
+        self.path = Path(path)
+        self._fsync = fsync
+        self.appended = 0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        created = not self.path.exists()
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise JournalLocked(f"{self.path} is open in another broker") from None
+            except OSError:
+                pass  # no locks on this filesystem
+            data = _read_all(self._fd)
+            self.records, good, self.torn_tail = _parse(data, str(self.path))
+            if self.torn_tail:
+                os.ftruncate(self._fd, good)
+                os.fsync(self._fd)
+            if not self.records:
+                self.records = [self.append({"op": "journal", "v": VERSION})]
+            if created:
+                _fsync_dir(self.path.parent)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        if self.records[0].get("op") != "journal" or self.records[0].get("v") != VERSION:
+            os.close(self._fd)
+            raise JournalCorrupt(f"{self.path}: not a version-{VERSION} exchange journal")
+
+    def append(self, rec: dict[str, Any]) -> dict:
+        """Write ``rec`` (``t`` added) as one line and make it durable; returns the written record."""
+        rec = {"op": rec["op"], "t": round(time.time(), 6), **{k: v for k, v in rec.items() if k != "op"}}
+        line = json.dumps(rec, separators=(",", ":")).encode() + b"\n"
+        mv = memoryview(line)
+        while mv:
+            mv = mv[os.write(self._fd, mv) :]
+        if self._fsync:
+            os.fdatasync(self._fd)
+        self.appended += 1
+        return rec
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # releases the lock
+            self._fd = -1
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+
+def _read_all(fd: int) -> bytes:
+    os.lseek(fd, 0, os.SEEK_SET)
+    parts = []
+    while True:
+        b = os.read(fd, 1 << 20)
+        if not b:
+            return b"".join(parts)
+        parts.append(b)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

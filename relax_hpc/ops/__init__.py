@@ -1,0 +1,1 @@
+"""Operations: run metrics (TensorBoard, summary, reward plot). Notifications come later."""

@@ -1,0 +1,157 @@
+"""Run metrics, written by the controller: TensorBoard scalars, ``metrics.jsonl``, ``summary.json``, ``reward.png``.
+
+Every metric a role returns for a step goes to TensorBoard under the name it came with (Relax's names:
+``rollout/raw_reward``, ``rollout/response_len/mean``, ``train/pg_loss``, ``train/grad_norm``,
+``train/loss``, ``perf/rollout_time``, ``perf/train_time``, ``perf/weight_sync_time``, ``perf/step_time``,
+``eval/...``), with the rollout step as TensorBoard's step, into ``RUN_DIR/tensorboard``; and as one JSON
+line per step into ``RUN_DIR/metrics.jsonl`` (what tests and the summary read; no TensorBoard needed).
+
+At the end of a run :meth:`RunMetrics.finish` writes ``summary.json`` (mean reward of the first and of the
+last 10 steps, steps done, wall time, final state) and ``reward.png`` (mean raw reward per step, matplotlib
+with the Agg backend: no display needed). The writer is TensorBoard's own event-file writer (the package
+``tensorboard``), so the controller never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from relax_hpc.rundir import write_json
+
+log = logging.getLogger("relax_hpc.metrics")
+
+REWARD = "rollout/raw_reward"
+WINDOW = 10  # steps averaged at each end of the run for summary.json
+
+
+class TensorBoardWriter:
+    """Scalars into an event file under ``logdir`` (TensorBoard's EventFileWriter; no torch)."""
+
+    def __init__(self, logdir: str | os.PathLike):
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._Event, self._Summary = Event, Summary
+        Path(logdir).mkdir(parents=True, exist_ok=True)
+        self._w = EventFileWriter(str(logdir), flush_secs=5)
+        self._w.add_event(Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def scalars(self, step: int, values: dict[str, float], wall_time: float | None = None) -> None:
+        vals = [self._Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()]
+        if vals:
+            self._w.add_event(self._Event(wall_time=wall_time or time.time(), step=int(step),
+                                          summary=self._Summary(value=vals)))
+
+    def flush(self) -> None:
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
+def numeric(metrics: dict[str, Any]) -> dict[str, float]:
+    """The finite float metrics of a dict (what can be a TensorBoard scalar)."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if math.isfinite(float(v)):
+            out[str(k)] = float(v)
+    return out
+
+
+class RunMetrics:
+    """The controller's metrics sink for one run: ``log`` a step's metrics, ``finish`` once at the end."""
+
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True):
+        self.dir = Path(run_dir)
+        self.rewards: dict[int, float] = {}
+        self.started = time.time()
+        self._tb: TensorBoardWriter | None = None
+        if tensorboard:
+            try:
+                self._tb = TensorBoardWriter(self.dir / "tensorboard")
+            except ImportError as e:  # the package is in requirements; still, never fail a run over it
+                log.warning("no TensorBoard events (cannot import tensorboard: %s); metrics.jsonl still has them", e)
+        self._jsonl = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
+        """Record ``metrics`` for rollout step ``step``; returns the numeric ones that were written."""
+        vals = numeric(metrics)
+        now = time.time()
+        if self._tb is not None:
+            self._tb.scalars(step, vals, now)
+        self._jsonl.write(json.dumps({"step": int(step), "time": now, **vals}, sort_keys=True) + "\n")
+        self._jsonl.flush()
+        if REWARD in vals:
+            self.rewards[int(step)] = vals[REWARD]
+        return vals
+
+    def reward_ends(self) -> tuple[float | None, float | None]:
+        """Mean reward of the first and of the last ``WINDOW`` steps logged (None before any)."""
+        r = [self.rewards[s] for s in sorted(self.rewards)]
+        if not r:
+            return None, None
+        return statistics.fmean(r[:WINDOW]), statistics.fmean(r[-WINDOW:])
+
+    def finish(self, state: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write ``summary.json`` and ``reward.png``; close the writers. Returns the summary."""
+        first, last = self.reward_ends()
+        steps = sorted(self.rewards)
+        summary = {
+            "run": state.get("run"), "state": state.get("state"), "reason": state.get("reason"),
+            "steps": len(steps), "total_steps": state.get("total_steps"),
+            "wall_time_s": round(time.time() - self.started, 1),
+            "reward_first10": first, "reward_last10": last,
+            "reward_window": min(WINDOW, len(steps)),
+            "reward_final": self.rewards[steps[-1]] if steps else None,
+            "tensorboard": str(self.dir / "tensorboard") if self._tb is not None else None,
+            "reward_png": None, **(extra or {}),
+        }
+        if steps:
+            try:
+                plot_rewards(self.dir / "reward.png", steps, [self.rewards[s] for s in steps], title=state.get("run"))
+                summary["reward_png"] = str(self.dir / "reward.png")
+            except Exception as e:  # a plot must never turn a finished run into a failed one
+                log.warning("could not draw reward.png: %s", e)
+        write_json(self.dir / "summary.json", summary)
+        self.close()
+        return summary
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if not self._jsonl.closed:
+            self._jsonl.close()
+
+
+def plot_rewards(path: str | os.PathLike, steps: list[int], rewards: list[float], title: str | None = None) -> None:
+    """Mean raw reward per step (dots) and its running mean over ``WINDOW`` steps (line), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot(steps, rewards, ".", color="tab:blue", alpha=0.5, label="mean reward of the step")
+    smooth = [statistics.fmean(rewards[max(0, i - WINDOW + 1): i + 1]) for i in range(len(rewards))]
+    ax.plot(steps, smooth, "-", color="tab:orange", label=f"running mean ({WINDOW} steps)")
+    ax.set_xlabel("rollout step")
+    ax.set_ylabel(REWARD)
+    ax.set_title(title or "reward")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    tmp = Path(str(path) + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)

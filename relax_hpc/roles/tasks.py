@@ -1,0 +1,99 @@
+"""How a role receives its work from the controller: one task at a time, every rank of the role in step.
+
+Rank 0 long-polls ``next_task`` on its own connection (so the heartbeat thread's connection is never held
+by a poll) and passes each task to the other ranks of its role with a broadcast on the role's own
+group. While no task comes it broadcasts ``None`` every poll (at most :data:`MAX_TASK_WAIT_S`), so the
+other ranks never sit in a collective longer than that (the role group's timeout is the heartbeat timeout).
+
+A task is a dict ``{"id": int, "kind": str, ...}``; the stream ends after ``kind == "stop"``. Rank 0
+answers each task with :meth:`TaskStream.done` (its result dict) or :meth:`TaskStream.failed` (the error
+text, which fails the run with that report). See ``docs/controller.md`` for the tasks each role gets.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable, Iterator
+
+from relax_hpc.controller.protocol import MAX_TASK_WAIT_S, Client
+from relax_hpc.roles.runtime import RoleContext
+
+MAX_REPORT = 8000  # characters of an error report sent with task_done (the line limit is 1 MiB)
+
+
+class TaskStream:
+    def __init__(self, ctx: RoleContext, comm: Any):
+        self.ctx, self.comm = ctx, comm
+        self.rank, self.world = ctx.ident.rank, ctx.ident.world
+        self._client: Client | None = None
+        if self.rank == 0:
+            addr = ctx.run.read_json(ctx.run.controller_addr)
+            timeout = MAX_TASK_WAIT_S + 10.0
+            self._client = Client(addr["host"], int(addr["port"]), ctx.run.token(), timeout_s=timeout)
+
+    def _poll(self) -> dict | None:
+        return self._client.next_task(self.ctx.ident.role, 0, MAX_TASK_WAIT_S) if self._client else None
+
+    def _share(self, task: dict | None) -> dict | None:
+        if self.world == 1:
+            return task
+        import torch.distributed as dist
+
+        box = [task]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def __iter__(self) -> Iterator[dict]:
+        while True:
+            task = self._share(self._poll())
+            if task is None:
+                continue
+            yield task
+            if task.get("kind") == "stop":
+                return
+
+    def done(self, task: dict, result: dict) -> None:
+        if self._client is not None:
+            self._client.task_done(self.ctx.ident.role, 0, int(task["id"]), result)
+
+    def failed(self, task: dict, error: BaseException) -> None:
+        """Report ``error`` as the task's outcome (the run fails with it); never raises."""
+        if self._client is None:
+            return
+        text = getattr(error, "report", None) or describe(error)
+        try:
+            self._client.task_done(self.ctx.ident.role, 0, int(task["id"]), {"error": text[:MAX_REPORT]})
+        except Exception:  # the error path in runtime.main reports it again through `error`
+            pass
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+def describe(error: BaseException) -> str:
+    """``Type: message`` (the whole message: reports like RewardError's span lines)."""
+    text = f"{type(error).__name__}: {error}".strip()
+    return text or "".join(traceback.format_exception_only(type(error), error)).strip()
+
+
+def serve(ctx: RoleContext, comm: Any, handlers: dict[str, Callable[[dict], dict | None]]) -> None:
+    """Run tasks until ``stop``: ``handlers[kind](task)`` on every rank; rank 0 reports its result.
+
+    A handler that raises reports the error as the task's outcome and re-raises (the role then fails).
+    An unknown kind is an error too: controller and role disagree about the protocol.
+    """
+    stream = TaskStream(ctx, comm)
+    try:
+        for task in stream:
+            kind = task.get("kind")
+            try:
+                if kind not in handlers:
+                    raise RuntimeError(f"{ctx.ident.role} got a task of unknown kind {kind!r}: {task}")
+                result = handlers[kind](task) or {}
+            except BaseException as e:
+                stream.failed(task, e)
+                raise
+            stream.done(task, result)
+    finally:
+        stream.close()

@@ -1,0 +1,55 @@
+"""One-digit addition: ``"a+b="`` → the digit ``a + b`` (a, b digits, a + b ≤ 9). The quickstart's task.
+
+Why this task: a tiny model made by ``tools/make-tiny-model`` (character-level tokenizer: every digit
+and ``+``/``=`` is one token) starts at chance and can learn it from scratch with GRPO in a couple of
+hundred steps on a CPU, and a partial-credit reward gives a signal from the first step: random digits
+near the answer score something, so group-normalized advantages are rarely all zero.
+
+The reward is Relax's custom form (``rollout.custom_rm_path: relax_hpc.tasks.arith.reward_func``):
+
+- 1.0 if the response's first character is the right digit;
+- 0.5 · (1 − |d − answer| / 9) if it is another digit d;
+- 0.0 otherwise (no response, a letter, a symbol).
+
+``python -m relax_hpc.tasks.arith OUT.jsonl`` writes the 55 prompts (``recipes/data/arith.jsonl``), one
+JSON object per line with ``prompt`` and ``label``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+
+def prompts() -> list[dict[str, str]]:
+    return [{"prompt": f"{a}+{b}=", "label": str(a + b)} for a in range(10) for b in range(10) if a + b <= 9]
+
+
+def score(response: str, label: Any) -> float:
+    answer = int(str(label).strip())
+    first = (response or "")[:1]
+    if not first.isdigit() or not first.isascii():
+        return 0.0
+    d = int(first)
+    return 1.0 if d == answer else 0.5 * (1.0 - abs(d - answer) / 9.0)
+
+
+async def reward_func(args: Any, sample: Any, **kwargs: Any) -> float:
+    """Relax's custom reward signature: ``args`` (unused here) and the ``Sample`` (``response``, ``label``)."""
+    return score(sample.response, sample.label)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m relax_hpc.tasks.arith OUT.jsonl", file=sys.stderr)
+        return 2
+    with open(argv[0], "w", encoding="utf-8") as f:
+        for rec in prompts():
+            f.write(json.dumps(rec) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

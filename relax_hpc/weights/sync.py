@@ -1,0 +1,416 @@
+"""Actor → engines weight sync over a torch.distributed group, driven through SGLang's HTTP API.
+
+:class:`WeightSender` lives on the actor's rank 0 (the rank that holds full HF-named weights after the
+bridge's TP/PP gather). One sync looks like this (``docs/weights.md`` has the why of each step)::
+
+    sender = WeightSender(bucket_bytes=512 * MiB, pause_mode="retract")
+    sender.connect([EngineClient(u) for u in urls], master_address=socket.gethostname())   # once
+    metrics = sender.push(actor.named_hf_weights(), version="12")                           # every step
+
+* ``connect``: a ``TCPStore`` on a kernel-chosen port (port 0) hosted here, then one group of
+  ``1 + Σ engine TP sizes`` ranks: this process is rank 0, engine *i*'s TP ranks are
+  ``rank_offset_i + tp_rank``. Every engine is asked to join with ``/init_weights_update_group`` from its
+  own thread while this process builds its side; group creation is collective, so nothing returns until
+  all ranks are in, and an engine that fails is reported by URL at once.
+* ``push``: ``/pause_generation`` (all engines) → ``/flush_cache`` (not after ``in_place``) →
+  ``/begin_weight_update`` → per bucket: ``/update_weights_from_distributed`` (names, dtypes, shapes,
+  ``load_format="flattened_bucket"``) on every engine from threads, while this process
+  ``dist.broadcast``s the bucket's flat buffer → ``/update_weight_version`` once every bucket arrived →
+  ``/end_weight_update`` → ``/continue_generation``. Packing bucket *i+1* overlaps the broadcast of bucket
+  *i*. The end/continue calls run even when a step fails, so engines never stay paused or in a session.
+
+Every wait has a deadline; every failure is a :class:`WeightSyncError` that names the engine(s).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from relax_hpc.rollout.client import EngineClient, EngineError
+from relax_hpc.weights.buckets import DEFAULT_BUCKET_BYTES, Bucket, iter_buckets
+
+log = logging.getLogger("relax_hpc.weights")
+
+PAUSE_MODES = ("retract", "abort", "in_place")
+MODES = ("bucketed", "per_tensor")
+_group_seq = itertools.count()
+
+
+class WeightSyncError(RuntimeError):
+    """A weight-sync step failed. ``engines`` lists the URLs of the engines that failed (may be empty)."""
+
+    def __init__(self, message: str, engines: Sequence[str] = ()):
+        super().__init__(message)
+        self.engines = list(engines)
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+def _in_thread(fn: Callable, *args, name: str = "weight-sync", **kwargs) -> Future:
+    """Run ``fn`` in a daemon thread. Daemon, because a thread stuck in a collective whose peer died
+    must never hold up interpreter exit (a ThreadPoolExecutor's workers would, until the group's timeout)."""
+    fut: Future = Future()
+
+    def run():
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
+
+
+def _wait_engines(futs: dict[Future, EngineClient], timeout: float, what: str,
+                  extra: Callable[[], None] | None = None) -> list[Any]:
+    """Wait for one call per engine; the first failure raises at once (naming the engine), so a dead engine
+    never makes us sit out the deadline. ``extra`` is polled too (e.g. our own side of a collective)."""
+    deadline = time.monotonic() + timeout
+    pending = set(futs)
+    while pending:
+        done = {f for f in pending if f.done()}
+        for f in done:
+            e = f.exception()
+            if e is not None:
+                url = futs[f].url
+                cause = str(e) if isinstance(e, EngineError) else f"{type(e).__name__}: {e}"
+                raise WeightSyncError(f"{what} failed on engine {url}: {cause}", [url]) from e
+        pending -= done
+        if extra is not None:
+            extra()
+        if not pending:
+            break
+        if time.monotonic() > deadline:
+            urls = [futs[f].url for f in pending]
+            raise WeightSyncError(f"{what}: no answer within {timeout:.0f} s from engine(s) {', '.join(urls)}", urls)
+        cf.wait(pending, timeout=min(0.1, max(0.0, deadline - time.monotonic())), return_when=cf.FIRST_COMPLETED)
+    return [f.result() for f in futs]
+
+
+def new_group(store: dist.Store, rank: int, world_size: int, group_name: str, backend: str,
+              timeout: timedelta) -> dist.ProcessGroup:
+    """Our side of the weight-sync group, built exactly as SGLang's ``init_custom_process_group`` builds the
+    engines' side: keys under ``PrefixStore(group_name)`` of the rendezvous store, a group beside the default
+    one (which may or may not exist) registered with identity rank mapping so ``dist.broadcast(..., group=pg)``
+    works. Private torch API, as in SGLang/OpenRLHF/verl; checked with torch 2.13."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                      group_name=group_name, backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+# ----------------------------------------------------------------------------------------- sender
+
+class WeightSender:
+    """The actor rank 0's end of the weight-sync group (see the module docstring).
+
+    bucket_bytes: largest bucket (default 512 MiB, Relax's ``--update-weight-buffer-size``); a bigger tensor
+        travels alone. Rank 0 holds at most about two buckets per dtype at a time.
+    pause_mode: ``"retract"`` (default: in-flight requests go back to the queue without their KV and finish
+        on the new weights after continue; no generated token is wasted), ``"abort"`` (they return at once
+        with ``finish_reason.type == "abort"``; nothing spans two versions), ``"in_place"`` (they stay with
+        their KV cache; the cache is not flushed). The CPU engine and SGLang support all three.
+    mode: ``"bucketed"`` (default; one broadcast of a flat buffer per bucket, ``load_format="flattened_bucket"``)
+        or ``"per_tensor"`` (one broadcast per tensor, SGLang's default load format; for comparison).
+    backend: of the group; default ``"nccl"`` when CUDA is available else ``"gloo"``. ``device``: where
+        buckets are sent from (default ``cuda`` for nccl, else ``cpu``); tensors elsewhere are moved there.
+    timeout: seconds for each bucket (HTTP call + broadcast) and the group's collective timeout;
+        connect_timeout: seconds for the group to form.
+    """
+
+    def __init__(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause_mode: str = "retract",
+                 mode: str = "bucketed", backend: str | None = None, device: str | torch.device | None = None,
+                 group_name: str | None = None, timeout: float = 600.0, connect_timeout: float = 120.0,
+                 control_timeout: float = 60.0):
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.bucket_bytes = int(bucket_bytes)
+        self.pause_mode = pause_mode
+        self.mode = mode
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.device = torch.device(device if device is not None else ("cuda" if self.backend == "nccl" else "cpu"))
+        self.group_name = group_name
+        self._explicit_name = group_name
+        self.timeout = float(timeout)
+        self.connect_timeout = float(connect_timeout)
+        self.control_timeout = float(control_timeout)
+        self.engines: list[EngineClient] = []
+        self.tp_sizes: list[int] = []
+        self.pg: dist.ProcessGroup | None = None
+        self.master_address: str | None = None
+        self.master_port: int | None = None
+        self._store: dist.TCPStore | None = None
+        self._broken: str | None = None  # set when a collective may be left half-done: the group is unusable
+
+    def __repr__(self) -> str:
+        return (f"WeightSender({len(self.engines)} engines, group={self.group_name!r}, "
+                f"world={self.world_size}, mode={self.mode}, pause={self.pause_mode})")
+
+    @property
+    def connected(self) -> bool:
+        return self.pg is not None
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(self.tp_sizes)
+
+    @property
+    def rank_offsets(self) -> list[int]:
+        return [1 + sum(self.tp_sizes[:i]) for i in range(len(self.tp_sizes))]
+
+    # ------------------------------------------------------------------ group
+    def connect(self, engines: Sequence[EngineClient | str], master_address: str, *,
+                tp_sizes: Sequence[int] | None = None) -> "WeightSender":
+        """Create the weight-sync group with these engines (URLs or clients). ``master_address``: this host's
+        name or address as the engines can reach it. ``tp_sizes``: each engine's TP size (default: asked from
+        ``/server_info``; this also fails fast, by URL, for an engine that is not answering)."""
+        if self.pg is not None:
+            raise WeightSyncError(f"already connected ({self!r}); call close() or reconnect()")
+        engines = [e if isinstance(e, EngineClient) else EngineClient(str(e)) for e in engines]
+        if not engines:
+            raise ValueError("connect needs at least one engine")
+        if tp_sizes is None:
+            infos = _wait_engines({_in_thread(e.server_info): e for e in engines}, self.control_timeout,
+                                  "asking the engine's TP size (/server_info)")
+            tp_sizes = [int(i.get("tp_size") or 1) for i in infos]
+        if len(tp_sizes) != len(engines) or any(int(t) < 1 for t in tp_sizes):
+            raise ValueError(f"tp_sizes {list(tp_sizes)} do not fit {len(engines)} engines")
+        self.engines, self.tp_sizes = engines, [int(t) for t in tp_sizes]
+        name = self.group_name or f"relax_weight_sync_{os.getpid()}_{next(_group_seq)}"
+        timeout = timedelta(seconds=max(self.timeout, self.connect_timeout))
+        # port 0: the kernel picks a free one, so two runs on a node never collide (DESIGN §3)
+        store = dist.TCPStore(master_address, 0, world_size=None, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        port = store.port
+        log.info("weight-sync group %s: %d ranks, store %s:%d, engines %s (TP %s)", name, self.world_size,
+                 master_address, port, [e.url for e in engines], self.tp_sizes)
+        t0 = time.monotonic()
+        futs = {_in_thread(e.init_weights_update_group, master_address, port, off, self.world_size,
+                           group_name=name, backend=self.backend, timeout=self.connect_timeout + 30,
+                           name=f"weight-sync-init-{i}"): e
+                for i, (e, off) in enumerate(zip(engines, self.rank_offsets))}
+        ours = _in_thread(new_group, store, 0, self.world_size, name, self.backend, timeout, name="weight-sync-rank0")
+
+        def check_ours():
+            if ours.done() and ours.exception() is not None:
+                raise WeightSyncError(f"creating rank 0 of weight-sync group {name} failed: {ours.exception()}") \
+                    from ours.exception()
+        try:
+            _wait_engines(futs, self.connect_timeout, f"joining weight-sync group {name} "
+                          f"(/init_weights_update_group, store {master_address}:{port})", extra=check_ours)
+            pg = ours.result(timeout=max(1.0, self.connect_timeout - (time.monotonic() - t0)))
+        except WeightSyncError:
+            self.engines, self.tp_sizes = [], []
+            raise
+        except Exception as e:
+            self.engines, self.tp_sizes = [], []
+            raise WeightSyncError(f"weight-sync group {name}: rank 0 not ready within {self.connect_timeout:.0f} s: "
+                                  f"{type(e).__name__}: {e}") from e
+        self.pg, self._store, self.group_name = pg, store, name
+        self.master_address, self.master_port = master_address, port
+        self._broken = None
+        log.info("weight-sync group %s ready in %.2f s", name, time.monotonic() - t0)
+        return self
+
+    def close(self, *, destroy_on_engines: bool = True) -> None:
+        """Leave the group (and ask each engine to destroy its side, ignoring failures)."""
+        if self.pg is None:
+            return
+        if destroy_on_engines and not self._broken:
+            futs = [_in_thread(e.destroy_weights_update_group, self.group_name) for e in self.engines]
+            for f, e in zip(futs, self.engines):
+                try:
+                    f.result(timeout=self.control_timeout)
+                except Exception as ex:  # noqa: BLE001 - best effort
+                    log.warning("engine %s: destroying weight-sync group failed: %s", e.url, ex)
+        try:
+            dist.destroy_process_group(self.pg)
+        except Exception as ex:  # noqa: BLE001
+            log.warning("destroying our side of the weight-sync group failed: %s", ex)
+        self.pg, self._store, self.engines, self.tp_sizes = None, None, [], []
+        self.group_name = self._explicit_name
+
+    def reconnect(self, engines: Sequence[EngineClient | str], master_address: str | None = None, **kw) -> "WeightSender":
+        """New group for a new engine list (an engine joined or left: a group's size is fixed at creation)."""
+        addr = master_address or self.master_address
+        if addr is None:
+            raise ValueError("reconnect needs master_address (never connected before)")
+        self.close()
+        return self.connect(engines, addr, **kw)
+
+    # ------------------------------------------------------------------ push
+    def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: str | int, *,
+             mode: str | None = None, pause_mode: str | None = None) -> dict[str, float]:
+        """Send every (HF name, full tensor) to every engine and set their ``weight_version`` to ``version``.
+
+        ``named_weights`` is consumed lazily (the actor's collective gather yields tensor by tensor). Returns
+        metrics: ``perf/weight_sync_time`` (s, pause to continue; also as Relax's ``perf/update_weights_time``),
+        ``perf/weight_sync_transfer_time`` (s, the bucket loop), ``perf/weight_sync_pause_time``,
+        ``perf/weight_sync_bytes``, ``perf/weight_sync_buckets``, ``perf/weight_sync_tensors``,
+        ``perf/weight_sync_gbps`` (GB/s over the transfer time). Raises WeightSyncError naming the engine on
+        any failure; the engines are still ended and continued, but the group may then be unusable
+        (``reconnect``).
+        """
+        if self.pg is None:
+            raise WeightSyncError("not connected: call connect(engines, master_address) first")
+        if self._broken:
+            raise WeightSyncError(f"the weight-sync group is unusable after an earlier failure ({self._broken}); "
+                                  "call reconnect()")
+        mode = mode or self.mode
+        pause_mode = pause_mode or self.pause_mode
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
+        version = str(version)
+        t0 = time.perf_counter()
+        self._on_all(lambda e: e.pause_generation(pause_mode, timeout=self.control_timeout), "/pause_generation")
+        stats = {"bytes": 0, "buckets": 0, "tensors": 0}
+        t_pause = t_xfer0 = t_xfer = time.perf_counter()
+        errors: list[BaseException] = []
+        try:
+            if pause_mode != "in_place":  # KV built by the old weights must not be reused by new requests
+                self._on_all(lambda e: e.flush_cache(timeout=self.control_timeout), "/flush_cache")
+            self._on_all(lambda e: e.begin_weight_update(), "/begin_weight_update")
+            try:
+                t_pause = t_xfer0 = time.perf_counter()
+                self._send_all(named_weights, mode, stats)
+                t_xfer = time.perf_counter()
+                self._on_all(lambda e: e.update_weight_version(version, abort_all_requests=False),
+                             "/update_weight_version")
+            except BaseException as e:
+                errors.append(e)
+                raise
+            finally:
+                try:
+                    self._on_all(lambda e: e.end_weight_update(), "/end_weight_update")
+                except WeightSyncError as e:
+                    if not errors:
+                        raise
+                    log.error("after a failed push: %s", e)
+        finally:
+            try:
+                self._on_all(lambda e: e.continue_generation(timeout=self.control_timeout), "/continue_generation")
+            except WeightSyncError as e:
+                if not errors:
+                    raise
+                log.error("after a failed push: %s", e)
+        total = time.perf_counter() - t0
+        xfer = max(t_xfer - t_xfer0, 1e-9)
+        metrics = {
+            "perf/weight_sync_time": total, "perf/update_weights_time": total,
+            "perf/weight_sync_transfer_time": xfer, "perf/weight_sync_pause_time": t_pause - t0,
+            "perf/weight_sync_bytes": float(stats["bytes"]), "perf/weight_sync_buckets": float(stats["buckets"]),
+            "perf/weight_sync_tensors": float(stats["tensors"]), "perf/weight_sync_gbps": stats["bytes"] / xfer / 1e9,
+        }
+        log.info("weight sync to version %s (%s): %d tensors, %d buckets, %.1f MB in %.3f s (transfer %.3f s, %.2f GB/s)",
+                 version, mode, stats["tensors"], stats["buckets"], stats["bytes"] / 1e6, total, xfer,
+                 metrics["perf/weight_sync_gbps"])
+        return metrics
+
+    def _to_device(self, named: Iterable[tuple[str, torch.Tensor]]):
+        for n, t in named:
+            yield n, (t if t.device == self.device else t.to(self.device))
+
+    def _send_all(self, named_weights, mode: str, stats: dict) -> None:
+        """The bucket loop. Pipelined: bucket i's broadcast runs (async) while bucket i+1 is packed (that is
+        when the bucket iterator pulls and copies tensors), and only then do we wait for bucket i."""
+        inflight = None
+        for bucket in iter_buckets(self._to_device(named_weights), self.bucket_bytes):
+            if inflight is not None:
+                self._finish(*inflight)
+            inflight = (bucket, *self._start(bucket, mode))
+            stats["bytes"] += bucket.nbytes
+            stats["buckets"] += 1
+            stats["tensors"] += len(bucket)
+        if inflight is not None:
+            self._finish(*inflight)
+
+    def _start(self, bucket: Bucket, mode: str):
+        fmt = "flattened_bucket" if mode == "bucketed" else None
+        futs = {_in_thread(e.update_weights_from_distributed, bucket.names, bucket.dtypes, bucket.shapes,
+                           self.group_name, flush_cache=False, load_format=fmt, timeout=self.timeout,
+                           name="weight-sync-update"): e for e in self.engines}
+        try:
+            if mode == "bucketed":
+                works = [dist.broadcast(bucket.flat, src=0, group=self.pg, async_op=True)]
+            else:
+                works = [dist.broadcast(t.contiguous(), src=0, group=self.pg, async_op=True)
+                         for _, t in bucket.unpack()]
+        except Exception as e:
+            self._broken = f"broadcast failed: {e}"
+            raise WeightSyncError(f"broadcast of a {bucket.nbytes / 1e6:.1f} MB bucket failed: {e}") from e
+        return futs, works
+
+    def _finish(self, bucket: Bucket, futs: dict, works: list) -> None:
+        what = (f"/update_weights_from_distributed ({len(bucket)} tensors, {bucket.nbytes / 1e6:.1f} MB, "
+                f"first {bucket.names[0]})")
+        try:
+            _wait_engines(futs, self.timeout, what)
+        except WeightSyncError as e:
+            # the engine may never take its part of the broadcast: our side of the collective can't be trusted
+            self._broken = str(e)
+            raise
+        for w in works:  # every engine answered, so every engine received: these complete at once
+            w.wait()
+
+    # ------------------------------------------------------------------ helpers
+    def _on_all(self, fn: Callable[[EngineClient], Any], what: str) -> list[Any]:
+        """``fn(engine)`` on every engine at once; raises WeightSyncError naming every engine that failed."""
+        futs = {_in_thread(fn, e, name=f"weight-sync{what.replace('/', '-')}"): e for e in self.engines}
+        deadline = time.monotonic() + self.control_timeout + 5
+        failed, results = [], []
+        for f, e in futs.items():
+            try:
+                results.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
+            except Exception as ex:  # noqa: BLE001 - collected and reported together
+                cause = str(ex) if isinstance(ex, EngineError) else f"{type(ex).__name__}: {ex or 'no answer in time'}"
+                failed.append((e.url, cause))
+        if failed:
+            raise WeightSyncError(f"{what} failed on {len(failed)} of {len(futs)} engine(s): "
+                                  + "; ".join(f"{u}: {c}" for u, c in failed), [u for u, _ in failed])
+        return results
+
+
+def load_from_disk(engine: EngineClient | str, hf_dir: str | os.PathLike, version: str | int, *,
+                   timeout: float = 1800.0) -> dict:
+    """Bring a late-joining (new or restarted) engine to the latest weights: ``/update_weights_from_disk`` of
+    the last HF export, tagged ``version``. Afterwards the actor includes it in the next group
+    (``WeightSender.reconnect``). Raises WeightSyncError naming the engine."""
+    c = engine if isinstance(engine, EngineClient) else EngineClient(str(engine))
+    try:
+        return c.update_weights_from_disk(str(hf_dir), weight_version=str(version), timeout=timeout)
+    except EngineError as e:
+        raise WeightSyncError(f"loading weights from {hf_dir} failed on engine {c.url}: {e}", [c.url]) from e
+
+
+def push_from_actor(actor, sender: WeightSender | None, version: str | int, **kw) -> dict[str, float]:
+    """Collective over the actor's ranks: every rank iterates ``actor.named_hf_weights()`` (the bridge gathers
+    TP/PP shards collectively); rank 0, the one holding ``sender``, sends. Other ranks pass ``sender=None``
+    and get ``{}``."""
+    named = actor.named_hf_weights()
+    if sender is None:
+        for _ in named:
+            pass
+        return {}
+    return sender.push(named, version, **kw)

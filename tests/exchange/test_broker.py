@@ -1,0 +1,289 @@
+"""The broker, rule by rule: fields gate consumption, leases, restarts, damage, clearing."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from relax_hpc.exchange import (
+    Broker,
+    ChunkQuarantined,
+    Consumer,
+    DamagedChunk,
+    FieldConflict,
+    FieldWriter,
+    LeaseLost,
+    Producer,
+    StepCleared,
+    StepEnded,
+    StepNotComplete,
+    StepNotStarted,
+    UnknownChunk,
+    UnknownTask,
+    read_chunk,
+    replay,
+    write_chunk,
+    write_fields,
+)
+from relax_hpc.exchange.chunk import partition_dir
+
+from .helpers import flip_byte, sample_fields, tokens_for, truncate
+
+TASKS = {"fwd": ["tokens"], "train": ["tokens", "log_probs"]}
+
+
+def broker(root, **kw) -> Broker:
+    return Broker(root, tasks=kw.pop("tasks", TASKS), max_staleness=kw.pop("max_staleness", 2), **kw)
+
+
+def put(b, root, step, sids, producer="p"):
+    return Producer(b, root, producer).put(step, sample_fields(sids, [3] * len(sids)))
+
+
+def lp_for(ref):
+    return {"log_probs": [np.full(3, 0.5, np.float32)] * ref.n}
+
+
+def test_a_consumer_gets_only_chunks_with_all_its_fields(xroot):
+    b = broker(xroot)
+    b.start_step(0)
+    r0, r1 = put(b, xroot, 0, [0, 1]), put(b, xroot, 0, [2])
+    assert b.request("train", batch_size=10) is None  # no log_probs yet
+    lease = b.request("fwd", batch_size=10, holder="fwd0")
+    assert [c.id for c in lease.chunks] == [r0.id, r1.id] and lease.n == 3
+    assert b.request("fwd", batch_size=10) is None  # leased: not handed out twice
+    assert FieldWriter(b, "actor_fwd").add(lease.chunks[1], lp_for(r1))
+    got = b.request("train", batch_size=10, holder="a0")
+    assert [c.id for c in got.chunks] == [r1.id] and "log_probs" in got.chunks[0].all_fields
+    data = read_chunk(got.chunks[0], got.fields)
+    assert data["tokens"][0].tolist() == tokens_for(2, 3).tolist()
+    # asking for fewer fields than the task's is allowed (Relax's get_meta takes fields per call)
+    b.ack(got.id)
+    assert b.request("train", ["tokens"], 10).chunks[0].id == r0.id
+
+
+def test_batches_are_fifo_prefixes_bounded_by_batch_size(xroot):
+    b = broker(xroot)
+    b.start_step(0)
+    b.start_step(1)
+    refs = [put(b, xroot, 1, [10, 11, 12]), put(b, xroot, 0, [0, 1]), put(b, xroot, 0, [2, 3, 4]), put(b, xroot, 0, [5])]
+    lease = b.request("fwd", batch_size=4)
+    assert [c.id for c in lease.chunks] == [refs[1].id]  # the next (3 samples) would make 5 > 4
+    lease = b.request("fwd", batch_size=1)
+    assert [c.id for c in lease.chunks] == [refs[2].id]  # a chunk larger than the batch comes alone
+    assert b.request("fwd", batch_size=10, step=1).chunks[0].id == refs[0].id
+    assert b.request("fwd", batch_size=10, min_samples=2) is None  # only refs[3] (1 sample) is left
+    assert b.request("fwd", batch_size=10).chunks[0].id == refs[3].id
+
+
+def test_request_waits_for_an_announce(xroot):
+    b = broker(xroot)
+    b.start_step(0)
+    threading.Timer(0.2, lambda: put(b, xroot, 0, [1])).start()
+    t0 = time.monotonic()
+    lease = b.request("fwd", batch_size=1, timeout=10)
+    assert lease is not None and 0.1 < time.monotonic() - t0 < 5
+
+
+def test_ack_release_and_lost_leases(xroot):
+    b = broker(xroot, auto_clear=False)
+    b.start_step(0)
+    put(b, xroot, 0, [1])
+    lease = b.request("fwd", holder="h1")
+    assert b.release(lease.id) is True and b.release(lease.id) is False
+    with pytest.raises(LeaseLost):
+        b.ack(lease.id)  # its chunks may be with someone else now
+    again = b.request("fwd", holder="h2")
+    assert again.chunks == lease.chunks
+    b.ack(again.id)
+    b.ack(again.id)  # idempotent: a consumer retrying after a lost reply
+    assert b.request("fwd") is None
+    with pytest.raises(LeaseLost):
+        b.ack("L999")
+    with pytest.raises(UnknownTask):
+        b.request("nope")
+
+
+def test_leases_survive_a_broker_restart(xroot):
+    b = broker(xroot)
+    b.start_step(0)
+    put(b, xroot, 0, [1])
+    put(b, xroot, 0, [2])
+    l1 = b.request("fwd", holder="fwd-0")  # the reply to this was lost in the crash
+    b.close()
+    b = broker(xroot)
+    assert [x.id for x in b.outstanding(holder="fwd-0")] == [l1.id]
+    l2 = b.request("fwd", holder="fwd-1")
+    assert l2.chunks[0].id != l1.chunks[0].id  # still leased: not handed out twice
+    resumed = Consumer(b, "fwd", "fwd-0").resume()
+    assert [x.lease.id for x in resumed] == [l1.id] and resumed[0].samples()[0]["tokens"].tolist() == tokens_for(1, 3).tolist()
+    b.ack(l1.id)
+    # a consumer that died: the controller releases what it held
+    assert b.release_holder("fwd-1") == [l2.id]
+    assert b.request("fwd", holder="fwd-2").chunks == l2.chunks
+
+
+def test_the_same_seq_is_never_reused_after_a_restart(xroot):
+    b = broker(xroot)
+    b.start_step(0)
+    put(b, xroot, 0, [1], producer="roll")
+    # a producer died between its rename and its announce: the file is there, the broker never heard of it
+    orphan = write_chunk(xroot, 0, "roll", 1, sample_fields([99], [3]))
+    b.close()
+    b = broker(xroot)
+    assert b.next_seq("roll") == 1 and b.orphans() == [partition_dir(xroot, 0) / "chunk_roll_1.h5"]
+    p = Producer(b, xroot, "roll")
+    ref = p.put(0, sample_fields([2], [3]))
+    assert ref.name == "chunk_roll_2"  # skipped the orphan's name rather than replace it
+    assert read_chunk(orphan)["sid"].tolist() == [99]
+
+
+def test_announce_checks(xroot):
+    b = broker(xroot)
+    partition_dir(xroot, 5).mkdir()
+    with pytest.raises(StepNotStarted):
+        b.announce(write_chunk(xroot, 5, "p", 0, {"tokens": [[1]]}))
+    b.start_step(0)
+    ref = write_chunk(xroot, 0, "p", 0, {"tokens": [[1]]})
+    flip_byte(ref.path, 20)  # damaged before the announce: the header no longer matches
+    with pytest.raises(DamagedChunk):
+        b.announce(ref)
+    ref2 = write_chunk(xroot, 0, "p", 1, {"tokens": [[1]]})
+    b.announce(ref2)
+    b.end_step(0)
+    with pytest.raises(StepEnded):
+        b.announce(write_chunk(xroot, 0, "p", 2, {"tokens": [[1]]}))
+    with pytest.raises(UnknownChunk):
+        b.add_fields(write_fields(ref, "w", {"log_probs": [[0.0]]}))
+
+
+def test_field_writes_first_wins_and_are_idempotent(xroot):
+    b = broker(xroot)
+    b.start_step(0)
+    ref = put(b, xroot, 0, [1, 2])
+    side = write_fields(ref, "actor_fwd", lp_for(ref))
+    assert b.add_fields(side) is True and b.add_fields(side) is False
+    other = write_fields(ref, "actor_fwd-1", {"log_probs": [np.zeros(3, np.float32)] * 2})
+    with pytest.raises(FieldConflict):
+        b.add_fields(other)
+    assert FieldWriter(b, "actor_fwd-1").add(ref, {"log_probs": [np.ones(3, np.float32)] * 2}) is False
+    files = sorted(os.listdir(ref.dir))
+    assert files == sorted(["chunk_p_0.h5", side.file, other.file])  # FieldWriter removed its losing file
+    got = b.request("train", batch_size=2)
+    assert read_chunk(got.chunks[0], ["log_probs"])["log_probs"][0].tolist() == [0.5] * 3
+
+
+def test_truncated_file_is_quarantined_at_hand_out_and_never_delivered(xroot):
+    b = broker(xroot)
+    b.start_step(0)
+    r0, r1 = put(b, xroot, 0, [1]), put(b, xroot, 0, [2])
+    truncate(r0.path, 100)
+    lease = b.request("fwd", batch_size=5)
+    assert [c.id for c in lease.chunks] == [r1.id]
+    assert [d["chunk"] for d in b.damaged()] == [r0.id]
+    assert (xroot / "quarantine" / "step_0" / "chunk_p_0.h5").exists()
+    with pytest.raises(ChunkQuarantined):
+        b.add_fields(dataclasses.replace(write_fields(r1, "w", lp_for(r1)), chunk=r0.id))
+
+
+def test_altered_file_is_reported_reverified_and_quarantined(xroot):
+    b = broker(xroot)
+    b.start_step(0)
+    r0, r1 = put(b, xroot, 0, [1]), put(b, xroot, 0, [2])
+    flip_byte(r0.path, r0.size - 10)  # same size: only a full read can tell
+    c = Consumer(b, "fwd", "fwd0")
+    batch = c.get(5)
+    assert [x.id for x in batch.chunks] == [r1.id]  # the damaged one was dropped from the batch
+    assert [d["chunk"] for d in b.damaged()] == [r0.id] and "altered" in b.damaged()[0]["reason"]
+    c.ack(batch)
+    # a consumer's report alone does not quarantine a sound chunk: the broker checks for itself
+    assert b.report_damaged(r1.id, "my NFS mount is flaky") is False
+    assert b.damaged()[-1]["chunk"] == r0.id
+    b.close()
+    b = broker(xroot)  # the quarantine is journaled
+    assert [d["chunk"] for d in b.damaged()] == [r0.id]
+    assert b.verify_all() == []
+
+
+def test_verify_all_finds_silent_damage(xroot):
+    b = broker(xroot)
+    b.start_step(0)
+    r0 = put(b, xroot, 0, [1])
+    flip_byte(r0.path, 600)
+    assert b.verify_all() == [r0.id]
+    assert b.request("fwd") is None
+
+
+def test_clear_when_complete_or_forced(xroot):
+    b = broker(xroot, auto_clear=False)
+    b.start_step(0)
+    ref = put(b, xroot, 0, [1])
+    with pytest.raises(StepNotComplete):
+        b.clear(0)
+    for task in ("fwd", "train"):
+        if task == "train":
+            FieldWriter(b, "actor_fwd").add(ref, lp_for(ref))
+        b.ack(b.request(task).id)
+    assert not b.complete(0)  # not ended: more chunks may come
+    b.end_step(0)
+    assert b.complete(0) and b.clear(0) and not partition_dir(xroot, 0).exists()
+    assert b.clear(0) is False
+    with pytest.raises(StepCleared):
+        b.start_step(0)
+    b.start_step(1)
+    put(b, xroot, 1, [5])
+    lease = b.request("fwd")
+    assert b.clear(1, force=True)
+    b.ack(lease.id)  # the lease was voided with its step; acking it is harmless
+    rec = [r for r in replay(b.journal_path) if r["op"] == "cleared"]
+    assert [(r["step"], r["forced"], r["unconsumed"]) for r in rec] == [(0, False, 0), (1, True, 1)]
+
+
+def test_auto_clear_and_crash_between_journal_and_delete(xroot):
+    b = broker(xroot)
+    b.start_step(0)
+    ref = put(b, xroot, 0, [1])
+    b.end_step(0)
+    b.ack(b.request("fwd").id)
+    FieldWriter(b, "actor_fwd").add(ref, lp_for(ref))
+    b.ack(b.request("train").id)
+    assert b.uncleared() == [] and not partition_dir(xroot, 0).exists()
+    b.close()
+    partition_dir(xroot, 0).mkdir()  # as if the crash hit after the journal record, before the delete
+    (partition_dir(xroot, 0) / "chunk_p_0.h5").write_bytes(b"left over")
+    b = broker(xroot)
+    assert not partition_dir(xroot, 0).exists() and b.stats()["cleared"] == 1
+
+
+def test_staleness_gate_rules(xroot):
+    b = broker(xroot, max_staleness=1)
+    assert b.may_start(0) and b.start_step(0)
+    assert b.start_step(1)  # 1 - 0 <= 1
+    assert not b.may_start(2) and b.start_step(2) is False
+    assert b.start_step(1)  # already started: fine (a restarted producer)
+    b.end_step(0)
+    b.clear(0, force=True)
+    assert b.start_step(2)
+    st = b.stats()
+    assert st["uncleared"] == [1, 2] and st["min_uncleared"] == 1
+    # start_step can wait for the gate to open
+    threading.Timer(0.2, lambda: (b.end_step(1), b.clear(1, force=True))).start()
+    assert b.start_step(3, timeout=10)
+
+
+def test_progress_and_stats(xroot):
+    b = broker(xroot)
+    b.start_step(0)
+    r0, _r1 = put(b, xroot, 0, [1, 2]), put(b, xroot, 0, [3])
+    b.request("fwd", batch_size=2)
+    FieldWriter(b, "actor_fwd").add(r0, lp_for(r0))
+    p = b.progress("train", 0)
+    assert (p["samples"], p["ready"], p["waiting"], p["drained"]) == (3, 2, 1, False)
+    assert b.progress("fwd", 0)["leased"] == 2
+    s = b.stats()
+    assert s["steps"]["0"]["samples"] == 3 and s["leases"] == 1 and s["samples_in"] == 3

@@ -1,0 +1,295 @@
+"""The chunk format: round trips, side files, and damage that must never be read back as data."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from relax_hpc.exchange import chunk as chunkmod
+from relax_hpc.exchange.chunk import (
+    HEADER_SIZE,
+    ChunkExists,
+    DamagedChunk,
+    Ragged,
+    columns_to_samples,
+    encode_column,
+    partition_dir,
+    read_chunk,
+    read_header,
+    samples_to_columns,
+    sweep_tmp,
+    verify_file,
+    visible_chunks,
+    write_chunk,
+    write_fields,
+)
+
+from .helpers import flip_byte, fresh_dir, sample_fields, truncate
+
+DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+          np.float16, np.float32, np.float64, np.bool_, np.complex64, np.complex128]
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def same_array(a, b) -> bool:
+    """Bit-for-bit: dtype, shape and bytes (NaNs and -0.0 included)."""
+    return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@st.composite
+def columns(draw):
+    n = draw(st.integers(1, 6))
+    names = draw(st.lists(st.from_regex(r"[a-z][a-z0-9_]{0,6}", fullmatch=True), min_size=1, max_size=4, unique=True))
+    out = {}
+    for name in names:
+        kind = draw(st.sampled_from(["fixed", "ragged", "json"]))
+        if kind == "json":
+            out[name] = ("json", [{"v": draw(json_values)} for _ in range(n)])
+            continue
+        dtype = np.dtype(draw(st.sampled_from(DTYPES)))
+        tail = draw(st.sampled_from([(), (3,), (2, 2)]))
+        if kind == "fixed":
+            out[name] = ("fixed", draw(hnp.arrays(dtype, (n,) + tail)))
+        else:
+            lens = draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
+            out[name] = ("ragged", [draw(hnp.arrays(dtype, (k,) + tail)) for k in lens])
+    return n, out
+
+
+def check_same(kind, want, got):
+    if kind == "fixed":
+        assert same_array(want, got)
+    elif kind == "ragged":
+        assert isinstance(got, list) and len(got) == len(want)
+        for w, g in zip(want, got):
+            assert same_array(w, g)
+    else:
+        assert got == want
+
+
+@FAST
+@given(data=columns(), attrs=st.dictionaries(st.text(max_size=5), json_values, max_size=3))
+def test_round_trip_any_dtype_and_kind(data, attrs):
+    n, cols = data
+    root = fresh_dir()
+    try:
+        partition_dir(root, 3).mkdir()
+        ref = write_chunk(root, 3, "rollout-0", 7, {k: v for k, (_, v) in cols.items()}, attrs)
+        assert ref.n == n and ref.step == 3 and ref.id == "step_3/chunk_rollout-0_7" and ref.attrs == attrs
+        assert set(ref.fields) == set(cols)
+        got = read_chunk(ref)
+        for name, (kind, want) in cols.items():
+            check_same(kind, want, got[name])
+        # a subset reads only what was asked for; flat ragged gives the same arrays
+        name = next(iter(cols))
+        assert list(read_chunk(ref, [name])) == [name]
+        flat = read_chunk(ref, ragged="flat")
+        for name, (kind, want) in cols.items():
+            if kind == "ragged":
+                assert isinstance(flat[name], Ragged) and len(flat[name]) == n
+                for i in range(n):
+                    assert same_array(want[i], flat[name][i])
+        # the ref survives the wire
+        assert type(ref).from_dict(ref.to_dict()) == ref
+    finally:
+        shutil.rmtree(root)
+
+
+def test_side_files_add_fields_and_are_idempotent(xroot):
+    partition_dir(xroot, 0).mkdir()
+    ref = write_chunk(xroot, 0, "p", 0, sample_fields([1, 2, 3], [4, 0, 2]))
+    lp = [np.full(k, 0.25, np.float32) for k in (4, 0, 2)]
+    side = write_fields(ref, "actor_fwd", {"log_probs": lp})
+    assert side.chunk == ref.id and side.fields == ("log_probs",)
+    assert side.file.startswith("chunk_p_0.actor_fwd.") and (ref.dir / side.file).exists()
+    again = write_fields(ref, "actor_fwd", {"log_probs": lp})  # same bytes: the same file, no error
+    assert again == side
+    other = write_fields(ref, "actor_fwd", {"log_probs": [x + 1 for x in lp]})  # other bytes: another file
+    assert other.file != side.file and (ref.dir / side.file).exists()
+    full = ref.with_side(side).with_side(write_fields(ref, "advantages", {"advantages": lp, "returns": lp}))
+    got = read_chunk(full, ["tokens", "log_probs", "returns"])
+    assert [list(x) for x in got["log_probs"]] == [list(x) for x in lp]
+    assert set(full.all_fields) == {"sid", "tokens", "reward", "log_probs", "advantages", "returns"}
+    with pytest.raises(ValueError, match="already has"):
+        write_fields(full, "x", {"log_probs": lp})
+    with pytest.raises(ValueError, match="3 samples"):
+        write_fields(ref, "x", {"y": [1.0, 2.0]})
+    with pytest.raises(KeyError):
+        read_chunk(ref, ["log_probs"])  # a ref without the side does not know the field
+
+
+def test_samples_columns_helpers(xroot):
+    samples = [{"tokens": [1, 2, 3], "reward": 1.0, "meta": {"src": "a"}, "ok": True},
+               {"tokens": [], "reward": 0.5, "meta": {"src": "b"}, "ok": False},
+               {"tokens": [9], "reward": -1.0, "meta": {}, "ok": True}]
+    cols = samples_to_columns(samples)
+    partition_dir(xroot, 0).mkdir()
+    ref = write_chunk(xroot, 0, "p", 0, cols)
+    back = columns_to_samples(read_chunk(ref))
+    assert [s["tokens"].tolist() for s in back] == [[1, 2, 3], [], [9]]
+    assert all(s["tokens"].dtype == np.int64 for s in back)  # an empty list does not make it float
+    assert [float(s["reward"]) for s in back] == [1.0, 0.5, -1.0]
+    assert [s["meta"] for s in back] == [{"src": "a"}, {"src": "b"}, {}]
+    assert [bool(s["ok"]) for s in back] == [True, False, True]
+    with pytest.raises(ValueError):
+        samples_to_columns([{"a": 1}, {"b": 2}])
+
+
+def test_column_kinds_and_refusals():
+    assert encode_column("a", np.zeros((2, 3)))[0] == "fixed"
+    assert encode_column("a", [1, 2.5])[0] == "fixed"
+    assert encode_column("a", [np.zeros(2), np.zeros(5)])[0] == "ragged"
+    assert encode_column("a", [[1, 2], [3]])[0] == "ragged"
+    assert encode_column("a", ["x", "yz"])[0] == "json"
+    assert encode_column("a", [[1, [2]], [3]])[0] == "json"
+    assert encode_column("a", Ragged(np.arange(5), np.array([0, 2, 5])))[0] == "ragged"
+    with pytest.raises(ValueError):
+        encode_column("a", [np.zeros((2, 3)), np.zeros((2, 4))])  # trailing shapes differ
+    for bad in ("a/b", "", "1x", "x.y"):
+        with pytest.raises(ValueError):
+            encode_column(bad, [1])
+    with pytest.raises(ValueError):
+        encode_column("a", np.array(1.0))
+
+
+def test_names_and_sample_counts(xroot):
+    partition_dir(xroot, 0).mkdir()
+    with pytest.raises(ValueError):
+        write_chunk(xroot, 0, "bad.name", 0, {"a": [1]})
+    with pytest.raises(ValueError, match="sample count"):
+        write_chunk(xroot, 0, "p", 0, {"a": [1, 2], "b": [1]})
+    with pytest.raises(ValueError):
+        write_chunk(xroot, 0, "p", 0, {})
+    with pytest.raises(FileNotFoundError, match="started"):
+        write_chunk(xroot, 9, "p", 0, {"a": [1]})  # no partition directory
+    with pytest.raises(ValueError, match="attrs"):
+        write_chunk(xroot, 0, "p", 0, {"a": [1]}, {"big": "x" * (70 << 10)})
+
+
+def test_a_published_chunk_is_never_replaced(xroot):
+    partition_dir(xroot, 0).mkdir()
+    ref = write_chunk(xroot, 0, "p", 0, {"a": [1, 2]})
+    with pytest.raises(ChunkExists):
+        write_chunk(xroot, 0, "p", 0, {"a": [3, 4]})
+    assert read_chunk(ref)["a"].tolist() == [1, 2]
+    assert [p.name for p in visible_chunks(xroot, 0)] == ["chunk_p_0.h5"]
+    assert not [n for n in os.listdir(ref.dir) if n.endswith(".tmp")]  # the loser's tmp is gone
+
+
+def test_a_failed_write_leaves_nothing(xroot, monkeypatch):
+    partition_dir(xroot, 0).mkdir()
+    calls = []
+    real = os.write
+
+    def failing_write(fd, data):  # the header goes out, then the disk fills up
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(chunkmod.os, "write", failing_write)
+    with pytest.raises(OSError, match="space"):
+        write_chunk(xroot, 0, "p", 0, {"a": [1, 2]})
+    monkeypatch.undo()
+    assert os.listdir(partition_dir(xroot, 0)) == []
+
+
+# ------------------------------------------------------------------------------------------ damage ---
+
+
+@pytest.fixture(scope="module")
+def pristine():
+    root = fresh_dir()
+    partition_dir(root, 0).mkdir()
+    ref = write_chunk(root, 0, "p", 0, sample_fields([5, 6, 7], [40, 3, 0]), {"weight_version": 2})
+    side = write_fields(ref, "w", {"lp": [np.ones(k, np.float32) for k in (40, 3, 0)]})
+    ref = ref.with_side(side)
+    files = {"main": open(ref.path, "rb").read(), "side": open(ref.dir / side.file, "rb").read()}
+    yield ref, files
+    shutil.rmtree(root)
+
+
+def _restore(ref, files):
+    open(ref.path, "wb").write(files["main"])
+    open(ref.dir / ref.sides[0].file, "wb").write(files["side"])
+
+
+def _path(ref, which):
+    return ref.path if which == "main" else ref.dir / ref.sides[0].file
+
+
+@FAST
+@given(which=st.sampled_from(["main", "side"]), frac=st.floats(0, 1, exclude_max=True), mask=st.integers(1, 255))
+def test_any_altered_byte_is_caught(pristine, which, frac, mask):
+    ref, files = pristine
+    _restore(ref, files)
+    path = _path(ref, which)
+    offset = int(frac * len(files[which]))
+    flip_byte(path, offset, mask)
+    field = "tokens" if which == "main" else "lp"
+    with pytest.raises(DamagedChunk):
+        read_chunk(ref, [field])
+    with pytest.raises(DamagedChunk):
+        verify_file(path)  # also caught by the file's own header, without the journal's values
+    _restore(ref, files)
+    read_chunk(ref)
+
+
+@FAST
+@given(which=st.sampled_from(["main", "side"]), frac=st.floats(0, 1, exclude_max=True))
+def test_any_truncation_is_caught(pristine, which, frac):
+    ref, files = pristine
+    _restore(ref, files)
+    path = _path(ref, which)
+    truncate(path, int(frac * len(files[which])))
+    with pytest.raises(DamagedChunk):
+        read_chunk(ref, ["tokens", "lp"])
+    _restore(ref, files)
+
+
+def test_other_damage(pristine):
+    ref, files = pristine
+    _restore(ref, files)
+    with open(ref.path, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(DamagedChunk, match="grown"):
+        read_chunk(ref)
+    os.unlink(ref.path)
+    with pytest.raises(DamagedChunk, match="cannot read"):
+        read_chunk(ref)
+    # a sound file that is not the one the ref names (a swapped or rewritten chunk)
+    open(ref.path, "wb").write(files["side"])
+    with pytest.raises(DamagedChunk):
+        read_chunk(ref, ["tokens"])
+    _restore(ref, files)
+    assert read_header(ref.path)["checksum"] == ref.checksum
+    # reading only the main file's fields does not need the side file
+    os.unlink(ref.dir / ref.sides[0].file)
+    assert len(read_chunk(ref, ["tokens"])["tokens"]) == 3
+    with pytest.raises(DamagedChunk):
+        read_chunk(ref, ["lp"])
+    _restore(ref, files)
+    assert read_header(ref.path)["size"] == ref.size and ref.size > HEADER_SIZE
+
+
+def test_sweep_tmp(xroot):
+    d = partition_dir(xroot, 0)
+    d.mkdir()
+    (d / ".chunk_p_0.h5.123.ab.tmp").write_bytes(b"partial")
+    write_chunk(xroot, 0, "p", 1, {"a": [1]})
+    assert sweep_tmp(xroot, older_than_s=3600) == []
+    assert [p.name for p in sweep_tmp(xroot, older_than_s=0)] == [".chunk_p_0.h5.123.ab.tmp"]
+    assert [p.name for p in visible_chunks(xroot, 0)] == ["chunk_p_1.h5"]

@@ -1,0 +1,193 @@
+"""The commands as a user types them: dry runs, refusals (exit 2, key named, nothing left behind, nothing
+submitted), and local runs without Slurm on PATH."""
+
+from __future__ import annotations
+
+import glob
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from relax_hpc.launch import localproc
+
+from .conftest import SMOKE, cli, jobs_named, unique_job_name
+
+
+def no_run_dirs(cwd) -> bool:
+    runs = cwd / "runs"
+    return not runs.exists() or not any(runs.iterdir())
+
+
+# ------------------------------------------------------------------------------------------ dry runs ---
+
+@pytest.mark.slurm
+def test_dry_run_prints_script_and_steps_and_submits_nothing(slurm_cluster, tmp_path):
+    name = unique_job_name()
+    p = cli("relax-submit", "--dry-run", str(SMOKE), f"slurm.job_name={name}", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("#SBATCH hetjob") == 2 and "#!/bin/bash" in p.stdout
+    assert "srun --het-group=0" in p.stdout and "srun --het-group=2 --overlap" in p.stdout
+    assert "relax_hpc.roles.actor_fwd" in p.stdout
+    assert no_run_dirs(tmp_path)
+    assert f"#SBATCH --job-name={name}" in p.stdout
+    time.sleep(1)
+    assert jobs_named(name) == set()
+
+
+@pytest.mark.slurm
+def test_dry_run_json(slurm_cluster, tmp_path):
+    p = cli("relax-submit", "--dry-run", "--json", str(SMOKE), cwd=tmp_path)
+    d = json.loads(p.stdout)
+    assert d["dry_run"] is True and d["job_id"] is None and d["executor"] == "slurm"
+    assert d["script"].startswith("#!/bin/bash") and len(d["steps"]) == 4
+    assert no_run_dirs(tmp_path)
+
+
+def test_dry_run_local_without_slurm(no_slurm_env, tmp_path):
+    p = cli("relax-submit", "--dry-run", str(SMOKE), cwd=tmp_path, env=no_slurm_env)
+    assert p.returncode == 0, p.stderr
+    assert "no sbatch on PATH" in p.stderr and "Executor: local" in p.stdout
+    assert "RELAX_RANK=1" in p.stdout and "relax_hpc.roles.actor" in p.stdout  # the actor's 2 local ranks
+    assert no_run_dirs(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------ refusals ---
+
+VALIDATOR_CASES = [
+    (["roles.actor.nodes=two"], "roles.actor.nodes", "integer"),
+    (["roles.actor.nodse=2"], "roles.actor.nodse", "did you mean"),
+    (["slurm.partition=debug;touch /tmp/relax-pwned"], "slurm.partition", "shell metacharacters"),
+    (["slurm.sbatch_extra=['--comment=$(touch x)']"], "slurm.sbatch_extra[0]", "shell metacharacters"),
+    (["slurm.template=no-such-template.j2"], "slurm.template", "no such template"),
+]
+CLUSTER_CASES = [
+    (["roles.actor.nodes=5"], "roles.actor.nodes", "has only 4 node(s)"),
+    (["roles.rollout.gpus_per_node=5"], "roles.rollout.gpus_per_node", "at most 4 GPUs"),
+    (["slurm.partition=nosuch"], "slurm.partition", "no such partition"),
+    (["roles.actor_fwd.share_with=null"], "roles.actor_fwd.nodes", "never puts two components"),
+]
+
+
+def assert_refused(p, key, text, cwd):
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert f"  - {key}" in p.stderr and text in p.stderr, p.stderr
+    assert "nothing was submitted" in p.stderr
+    assert no_run_dirs(cwd)
+
+
+@pytest.mark.parametrize("overrides,key,text", VALIDATOR_CASES)
+def test_bad_recipe_refused_locally(no_slurm_env, tmp_path, overrides, key, text):
+    p = cli("relax-submit", "--local", str(SMOKE), *overrides, cwd=tmp_path, env=no_slurm_env)
+    assert_refused(p, key, text, tmp_path)
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("overrides,key,text", VALIDATOR_CASES + CLUSTER_CASES)
+def test_bad_recipe_refused_before_sbatch(slurm_cluster, tmp_path, overrides, key, text):
+    name = unique_job_name()
+    p = cli("relax-submit", str(SMOKE), *overrides, f"slurm.job_name={name}", cwd=tmp_path)
+    assert_refused(p, key, text, tmp_path)
+    time.sleep(1)
+    assert jobs_named(name) == set()
+
+
+def test_refusal_as_json(no_slurm_env, tmp_path):
+    p = cli("relax-submit", "--local", "--json", str(SMOKE), "roles.actor.nodes=two", cwd=tmp_path,
+            env=no_slurm_env)
+    assert p.returncode == 2
+    d = json.loads(p.stdout)
+    assert d["error"] == "recipe refused" and d["problems"][0]["key"] == "roles.actor.nodes"
+
+
+def test_local_gpus_without_cuda_refused(no_slurm_env, tmp_path):
+    if glob.glob("/dev/nvidia[0-9]*") or shutil.which("nvidia-smi"):
+        pytest.skip("this machine may have CUDA")
+    p = cli("relax-submit", "--local", str(SMOKE), "roles.rollout.gpus_per_node=1", cwd=tmp_path, env=no_slurm_env)
+    assert_refused(p, "roles.rollout.gpus_per_node", "no CUDA GPU", tmp_path)
+
+
+def test_missing_recipe_file(no_slurm_env, tmp_path):
+    p = cli("relax-submit", "--local", str(tmp_path / "nope.yaml"), cwd=tmp_path, env=no_slurm_env)
+    assert p.returncode == 2 and "no such file" in p.stderr
+
+
+def test_status_and_cancel_without_runs(tmp_path):
+    p = cli("relax-status", cwd=tmp_path)
+    assert p.returncode == 2 and "no runs under" in p.stderr
+    p = cli("relax-cancel", "nope", cwd=tmp_path)
+    assert p.returncode == 2 and "no run or job id" in p.stderr
+
+
+# ---------------------------------------------------------------------------------------- local runs ---
+
+@pytest.mark.slow
+def test_local_smoke_run_without_slurm(no_slurm_env, tmp_path):
+    """No sbatch on PATH: relax-submit runs the smoke recipe here, in the foreground, to COMPLETED."""
+    p = cli("relax-submit", str(SMOKE), cwd=tmp_path, env=no_slurm_env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "no sbatch on PATH" in p.stderr and "COMPLETED" in p.stdout
+    s = cli("relax-status", "--json", cwd=tmp_path, env=no_slurm_env)
+    d = json.loads(s.stdout)
+    assert d["state"] == "COMPLETED" and d["executor"] == "local" and d["reason"] is None
+    assert [c["het_group"] for c in d["components"]] == [0, 1, 2]
+    assert set(d["roles"]) == {"actor", "rollout", "reference", "actor_fwd"}
+    assert all(r["phase"] == "done" for r in d["roles"].values())
+    run_dir = tmp_path / "runs" / d["run"]
+    assert (run_dir.stat().st_mode & 0o777) == 0o700
+    job = json.loads((run_dir / "job.json").read_text())
+    assert job["executor"] == "local" and job["pid"] == int(job["job_id"])
+
+
+@pytest.mark.slow
+def test_local_detach_then_cancel(no_slurm_env, tmp_path):
+    p = cli("relax-submit", "--local", "--detach", "--json", str(SMOKE), cwd=tmp_path, env=no_slurm_env)
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert {"run", "run_dir", "job_id", "pid"} <= set(d)
+    c = cli("relax-cancel", d["run"], "--json", cwd=tmp_path, env=no_slurm_env)
+    assert c.returncode == 0, c.stderr
+    assert json.loads(c.stdout)["action"] in ("terminated", "killed")
+    s = json.loads(cli("relax-status", d["run"], "--json", cwd=tmp_path, env=no_slurm_env).stdout)
+    assert s["state"] == "CANCELLED", s
+
+
+@pytest.mark.slow
+def test_local_json_foreground_reports_final_state(no_slurm_env, tmp_path):
+    p = cli("relax-submit", "--local", "--json", str(SMOKE), cwd=tmp_path, env=no_slurm_env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["state"] == "COMPLETED" and d["executor"] == "local"
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_foreground_cancels_the_run(no_slurm_env, tmp_path):
+    code = "import sys; from relax_hpc.launch.cli import submit_main; sys.exit(submit_main(sys.argv[1:]))"
+    p = subprocess.Popen([sys.executable, "-c", code, "--local", str(SMOKE)], cwd=tmp_path, env=no_slurm_env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list((tmp_path / "runs").glob("*/job.json")):
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.1)
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=90)
+    assert p.returncode == 130, (out, err)
+    assert "cancelling" in err
+    d = json.loads(cli("relax-status", "--json", cwd=tmp_path, env=no_slurm_env).stdout)
+    assert d["state"] == "CANCELLED", d
+    job = json.loads((tmp_path / "runs" / d["run"] / "job.json").read_text())
+    assert not localproc.run_processes(job["pid"])  # nothing of the run is left
+
+
+@pytest.mark.slurm
+def test_sbatch_refusal_leaves_nothing_behind(slurm_cluster, tmp_path):
+    """A request only sbatch can judge (an unknown node): exit 1, sbatch's words, the run directory removed."""
+    p = cli("relax-submit", "--json", str(SMOKE), "slurm.sbatch_extra=[--nodelist=nosuchnode]", cwd=tmp_path)
+    assert p.returncode == 1
+    assert "Invalid node name" in p.stderr and json.loads(p.stdout)["error"] == "submission failed"
+    assert no_run_dirs(tmp_path)

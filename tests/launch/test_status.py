@@ -1,0 +1,144 @@
+"""relax-status's join of Slurm (or the local process) with state.json, in Slurm's state words."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import time
+
+import pytest
+from rich.console import Console
+
+from relax_hpc.launch import localproc, status
+from relax_hpc.launch.slurm import Component
+from relax_hpc.recipe import dump_recipe, recipe_from_dict
+from relax_hpc.rundir import create_run_dir, write_json, write_private
+
+RECIPE = {"run": {"name": "st"}, "roles": {"actor": {"nodes": 2}, "rollout": {"nodes": 1},
+                                           "reference": {"enabled": True, "share_with": "actor", "nodes": 1}}}
+
+
+def run_dir(tmp_path, executor="slurm", **job):
+    rd = create_run_dir(tmp_path / "runs", "st")
+    write_private(rd.recipe, dump_recipe(recipe_from_dict(RECIPE)))
+    write_json(rd.job, {"run": rd.name, "run_dir": str(rd.path), "executor": executor, "job_id": "7",
+                        "job_name": "relax-st", "submitted_at": time.time(), **job})
+    return rd
+
+
+def comp(offset, state, reason=None, nodes="node1"):
+    return Component(het_job_id=7, het_offset=offset, job_id=7 + offset, state=state, reason=reason, nodes=nodes,
+                     node_count=1, partition="debug", name="relax-st", submit_time=1, start_time=int(time.time()),
+                     end_time=None, time_limit_s=600)
+
+
+def with_comps(monkeypatch, *comps):
+    monkeypatch.setattr(status.slurm, "job_components", lambda job_id, name=None: list(comps))
+
+
+def test_slurm_running_joins_state_json(tmp_path, monkeypatch):
+    rd = run_dir(tmp_path)
+    write_json(rd.state, {"state": "RUNNING", "step": 3, "total_steps": 10, "attempt": 0,
+                          "roles": {"actor": {"phase": "train", "nodes": ["node1", "node2"], "ranks": 2,
+                                              "last_heartbeat": time.time() - 2}}})
+    with_comps(monkeypatch, comp(0, "RUNNING", nodes="node[1-2]"), comp(1, "RUNNING", nodes="node3"))
+    info = status.collect(rd)
+    assert info["state"] == "RUNNING" and info["step"] == 3 and info["total_steps"] == 10
+    assert [c["label"] for c in info["components"]] == ["7+0", "7+1"]
+    assert info["components"][0]["roles"] == ["actor", "reference"]  # reference shares the actor's nodes
+    assert info["roles"]["actor"]["phase"] == "train" and 1 <= info["roles"]["actor"]["heartbeat_age_s"] < 10
+    assert info["roles"]["rollout"]["het_group"] == 1 and info["roles"]["reference"]["shared"] is True
+    assert 590 <= info["time_left_s"] <= 600
+    out = io.StringIO()
+    Console(file=out, width=140).print(status.render(info))
+    assert "RUNNING" in out.getvalue() and "train" in out.getvalue()
+
+
+def test_pending_reason(tmp_path, monkeypatch):
+    rd = run_dir(tmp_path)
+    with_comps(monkeypatch, comp(0, "PENDING", "Resources", None), comp(1, "PENDING", "Resources", None))
+    info = status.collect(rd)
+    assert info["state"] == "PENDING" and info["reason"] == "Resources"
+    assert info["components"][1]["reason"] == "Resources"
+
+
+def test_failed_reason_comes_from_the_controller(tmp_path, monkeypatch):
+    rd = run_dir(tmp_path)
+    write_json(rd.state, {"state": "FAILED", "reason": "rollout rank 0 on node3 failed: OOM"})
+    with_comps(monkeypatch, comp(0, "FAILED"), comp(1, "COMPLETED"))
+    info = status.collect(rd)
+    assert info["state"] == "FAILED" and "OOM" in info["reason"]
+
+
+def test_clean_exit_but_failed_run_is_failed(tmp_path, monkeypatch):
+    rd = run_dir(tmp_path)
+    write_json(rd.state, {"state": "FAILED", "reason": "x"})
+    with_comps(monkeypatch, comp(0, "COMPLETED"), comp(1, "COMPLETED"))
+    assert status.collect(rd)["state"] == "FAILED"
+
+
+def test_cancelled_says_so(tmp_path, monkeypatch):
+    rd = run_dir(tmp_path)
+    write_json(rd.path / "cancel.json", {"requested_at": 1})
+    with_comps(monkeypatch, comp(0, "CANCELLED", "Resources"), comp(1, "CANCELLED", "Resources"))
+    info = status.collect(rd)
+    assert info["state"] == "CANCELLED" and info["reason"] == "cancelled by relax-cancel"
+
+
+def test_slurm_forgot_the_job(tmp_path, monkeypatch):
+    rd = run_dir(tmp_path)
+    with_comps(monkeypatch)
+    info = status.collect(rd)
+    assert info["state"] == "UNKNOWN" and "sacct" in info["reason"]
+    assert [c["het_group"] for c in info["components"]] == [0, 1]  # still one entry per component
+    write_json(rd.state, {"state": "COMPLETED"})
+    assert status.collect(rd)["state"] == "COMPLETED"
+
+
+def test_slurm_unreachable(tmp_path, monkeypatch):
+    rd = run_dir(tmp_path)
+
+    def boom(job_id, name=None):
+        raise status.slurm.SlurmError("squeue: not found")
+    monkeypatch.setattr(status.slurm, "job_components", boom)
+    info = status.collect(rd)
+    assert info["state"] == "UNKNOWN" and "cannot ask Slurm" in info["reason"]
+
+
+@pytest.fixture
+def sleeper():
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    yield p
+    p.kill()
+    p.wait()
+
+
+def test_local_running_then_completed(tmp_path, sleeper):
+    rd = run_dir(tmp_path, "local", job_id=str(sleeper.pid), pid=sleeper.pid,
+                 pid_start=localproc.start_ticks(sleeper.pid))
+    write_json(rd.state, {"state": "RUNNING", "step": 1, "total_steps": 2, "roles": {"actor": {"phase": "train"}}})
+    info = status.collect(rd)
+    assert info["state"] == "RUNNING" and info["executor"] == "local"
+    assert [c["label"] for c in info["components"]] == ["local", "local"]
+    sleeper.kill()
+    sleeper.wait()
+    write_json(rd.state, {"state": "COMPLETED"})
+    assert status.collect(rd)["state"] == "COMPLETED"
+
+
+def test_local_died_without_a_word_is_failed(tmp_path, sleeper):
+    rd = run_dir(tmp_path, "local", job_id=str(sleeper.pid), pid=sleeper.pid,
+                 pid_start=localproc.start_ticks(sleeper.pid))
+    sleeper.kill()
+    sleeper.wait()
+    info = status.collect(rd)
+    assert info["state"] == "FAILED" and "without a result" in info["reason"]
+    write_json(rd.path / "cancel.json", {"requested_at": 1})
+    assert status.collect(rd)["state"] == "CANCELLED"
+
+
+def test_local_pid_reuse_is_not_mistaken_for_the_run(tmp_path, sleeper):
+    rd = run_dir(tmp_path, "local", job_id=str(sleeper.pid), pid=sleeper.pid,
+                 pid_start=localproc.start_ticks(sleeper.pid) - 1)  # recorded start differs: another process
+    assert status.collect(rd)["state"] == "FAILED"

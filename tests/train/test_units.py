@@ -1,0 +1,95 @@
+"""Pure-python/torch pieces of relax_hpc.train, in-process (no megatron import): config checks, batching,
+DP sharding, the learning-rate schedule, and that importing the package stays cheap."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from relax_hpc.train import TrainConfig, check
+from relax_hpc.train import batch as B
+from relax_hpc.train.step import lr_at
+
+
+def test_config_defaults_are_valid_and_bad_values_named():
+    assert check(TrainConfig()) == []
+    bad = TrainConfig(tp=0, micro_batch_size=4, global_batch_size=6, lr=-1.0, adam_beta2=1.0, clip_grad=-1)
+    keys = {k for k, _, _ in check(bad)}
+    assert keys == {"tp", "global_batch_size", "lr", "min_lr", "adam_beta2", "clip_grad"}
+    for key, value, msg in check(bad):
+        assert "Fix" in msg and value == getattr(bad, key)
+
+
+def test_config_field_types_are_recipe_types():
+    import dataclasses
+    import typing
+
+    allowed = {int, float, bool, str}
+    for f in dataclasses.fields(TrainConfig):
+        t = typing.get_type_hints(TrainConfig)[f.name]
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        assert t in allowed or typing.get_origin(t) is typing.Literal or all(a in allowed for a in args), (f.name, t)
+
+
+def test_import_is_cheap():
+    code = "import sys, relax_hpc.train; assert 'megatron' not in sys.modules and 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _sample(n_prompt, n_resp, adv=1.0, **kw):
+    return dict(tokens=torch.arange(10, 10 + n_prompt + n_resp), response_start=n_prompt, advantage=adv, **kw)
+
+
+def test_micro_batch_padding_and_indices():
+    s1, s2 = _sample(2, 3), _sample(4, 1, adv=-0.5, loss_mask=[0])
+    mb = B.make_micro_batch([s1, s2], pad_id=0, train=True)
+    assert mb.tokens.shape == (2, 5) and mb.tokens[1].tolist() == [10, 11, 12, 13, 14]
+    assert mb.tokens[0].tolist() == [10, 11, 12, 13, 14]
+    # logits at p score token p+1: response of s1 = tokens 2..4, scored at positions 1..3
+    assert mb.logit_index[0].tolist() == [1, 2, 3] and mb.targets[0].tolist() == [12, 13, 14]
+    assert mb.valid.tolist() == [[True, True, True], [True, False, False]]
+    assert mb.loss_mask.tolist() == [[1, 1, 1], [0, 0, 0]]
+    assert mb.advantages[1, 0].item() == -0.5 and mb.old_log_probs is None
+    fixed = B.make_micro_batch([s1], pad_id=0, train=False, seq_len=8, rows=2)
+    assert fixed.tokens.shape == (2, 8) and fixed.n_real == 1 and fixed.tokens[1].eq(0).all()
+
+
+def test_micro_batch_rejects_bad_samples():
+    with pytest.raises(ValueError, match="response_start"):
+        B.make_micro_batch([_sample(0, 3)], pad_id=0, train=False)
+    with pytest.raises(ValueError, match="old_log_probs has 2 values"):
+        B.make_micro_batch([_sample(2, 3, old_log_probs=[0.0, 0.0])], pad_id=0, train=True)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        B.make_micro_batch([_sample(2, 3)], pad_id=0, train=False, max_seq_len=4)
+
+
+def test_dp_shard_covers_batch_in_order():
+    items = list(range(7))
+    parts = [B.dp_shard(items, 3, r) for r in range(3)]
+    assert parts == [[0, 1, 2], [3, 4], [5, 6]]
+
+
+def test_lr_schedule():
+    cfg = TrainConfig(lr=1.0, lr_warmup_steps=4)
+    assert [lr_at(cfg, s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cos = TrainConfig(lr=1.0, min_lr=0.1, lr_decay="cosine", lr_decay_steps=2)
+    assert [round(lr_at(cos, s), 6) for s in range(4)] == [1.0, 0.55, 0.1, 0.1]
+
+
+def test_checkpoint_resolve_trusts_only_latest(tmp_path):
+    from relax_hpc.train import checkpoint as ckpt
+
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        ckpt.resolve(tmp_path)
+    done, half = tmp_path / ckpt.step_dir_name(4), tmp_path / ckpt.step_dir_name(8)
+    done.mkdir()
+    (done / "meta.json").write_text('{"step": 4}')
+    half.mkdir()  # a save killed before meta.json and `latest`
+    (tmp_path / "latest").write_text(done.name + "\n")
+    assert ckpt.resolve(tmp_path) == done and ckpt.resolve(done) == done
+    (tmp_path / "latest").write_text(half.name + "\n")
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        ckpt.resolve(tmp_path)
