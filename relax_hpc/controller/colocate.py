@@ -155,6 +155,9 @@ class Colocate:
         self.state.progress(last_checkpoint=res.get("path"))
         self._next_step()
 
+    def _stop_done(self, res: dict) -> None:
+        pass  # the role ends; the loop sees it done
+
     # -- the end
     def finish(self) -> dict:
         """summary.json and reward.png (whatever the run's outcome); returns the summary."""

@@ -139,6 +139,7 @@ class LoggingConfig:
     notify_urls: list[str] = field(default_factory=list)  # Apprise URLs
     heartbeat_s: float = 2.0  # roles report this often
     heartbeat_timeout_s: float = 60.0  # a role silent this long is dead
+    check_weight_sync: bool = True  # after each weight sync, compare a spot fingerprint of the weights on every engine with the actor's (weights/fingerprint_match)
 
 
 @dataclass

@@ -10,9 +10,11 @@ the controller's tasks (:mod:`relax_hpc.roles.tasks`):
   the engine's log-probs with ``algorithm.use_rollout_logprobs``), one ``train_step``. Returns Relax's
   ``train/*`` metrics, ``train/train_rollout_logprob_abs_diff`` (mean |actor − engine| log-prob over the
   response tokens; with identical weights this is the numerical gap, ~1e-7 on CPU) and ``perf/train_time``.
-- ``sync {version, engines}``: every rank walks ``named_hf_weights`` (a collective); rank 0 pushes them and
-  checks a fingerprint (first rows of three tensors) against each engine. Returns ``perf/weight_sync_time``,
-  ``weights/engine_max_abs_diff`` and whether every engine reports the new version.
+- ``sync {version, engines}``: every rank walks ``named_hf_weights`` (a collective); rank 0 pushes them with
+  :class:`relax_hpc.weights.WeightSender` (a new group first if the engine set changed) and, with
+  ``logging.check_weight_sync``, checks a spot fingerprint against each engine (:mod:`.weight_sync`).
+  Returns the sender's ``perf/weight_sync_*`` metrics, ``weights/fingerprint_match``,
+  ``weights/engine_max_abs_diff`` and ``weights/versions_ok`` (every engine serves the new version).
 - ``checkpoint {step, extra}``: ``save_checkpoint`` under ``RUN_DIR/checkpoints``.
 - ``stop``.
 
@@ -44,7 +46,8 @@ def work(ctx: RoleContext, comm: Any) -> None:
 
     from relax_hpc.roles import samples as S
     from relax_hpc.roles.tasks import serve
-    from relax_hpc.roles.weight_sync import fingerprint_check, make_sender
+    from relax_hpc.roles.weight_sync import ROWS, check_engines
+    from relax_hpc.weights import WeightSender
     from relax_hpc.train.actor import MegatronActor
     from relax_hpc.train.parallel import init_parallel
 
@@ -61,8 +64,10 @@ def work(ctx: RoleContext, comm: Any) -> None:
         st["engines"] = dict(task["engines"])
         if rank == 0:
             if st["sender"] is None:
-                st["sender"] = make_sender("nccl" if comm.backend == "nccl" else "gloo")
-            st["sender"].connect(st["engines"], reachable_host(ctx.ident))
+                st["sender"] = WeightSender(backend="nccl" if comm.backend == "nccl" else "gloo")
+                st["sender"].connect(list(st["engines"].values()), reachable_host(ctx.ident))
+            else:  # the engine set changed (an engine died): a group's size is fixed, so a new group
+                st["sender"].reconnect(list(st["engines"].values()))
         return {"engines": sorted(st["engines"])}
 
     def train(task: dict) -> dict:
@@ -87,34 +92,28 @@ def work(ctx: RoleContext, comm: Any) -> None:
 
     def sync(task: dict) -> dict:
         t0 = time.monotonic()
+        version = str(task["version"])
         engines = dict(task.get("engines") or st["engines"])
-        if rank == 0 and engines != st["engines"]:  # an engine died: a new group with the ones left
+        if engines != st["engines"]:  # an engine died since the last sync
             connect({"engines": engines})
-        probe = _probe_names(actor)
-        kept: dict[str, torch.Tensor] = {}
+        heads: dict[str, torch.Tensor] = {}
 
-        def stream():
+        def stream():  # every rank walks the collective gather; rank 0 keeps each tensor's first rows
             for name, t in actor.named_hf_weights():
-                if name in probe:
-                    kept[name] = t
+                heads[name] = t[:ROWS].detach().clone()
                 yield name, t
 
-        if rank == 0:
-            info = st["sender"].push(stream(), str(task["version"]))
-        else:
-            for _ in stream():
-                pass
-            info = {}
+        out: dict[str, Any] = dict(push_from_actor_stream(stream(), st["sender"] if rank == 0 else None, version))
         dist.barrier()
-        out: dict[str, Any] = {"perf/weight_sync_time": time.monotonic() - t0}
-        if rank == 0:
-            fp = fingerprint_check(engines, kept)
-            versions = _versions(engines)
-            out.update({"weights/engine_max_abs_diff": fp["max_abs_diff"],
-                        "weights/versions_ok": float(all(v == str(task["version"]) for v in versions.values())),
-                        "weights/bytes": info.get("bytes", 0.0)})
-            return {"metrics": out, "engine_versions": versions, "fingerprint": fp["per_engine"]}
-        return {"metrics": out}
+        out["perf/weight_sync_time"] = time.monotonic() - t0
+        if rank != 0:
+            return {"metrics": out}
+        checks = check_engines(engines, heads, version) if r.logging.check_weight_sync else {}
+        if checks:
+            out["weights/fingerprint_match"] = float(all(c["fingerprint_equal"] for c in checks.values()))
+            out["weights/engine_max_abs_diff"] = max(c["max_abs_diff"] for c in checks.values())
+            out["weights/versions_ok"] = float(all(c["version_ok"] for c in checks.values()))
+        return {"metrics": out, "engine_versions": {n: c["version"] for n, c in checks.items()}, "checks": checks}
 
     def checkpoint(task: dict) -> dict:
         t0 = time.monotonic()
@@ -126,8 +125,8 @@ def work(ctx: RoleContext, comm: Any) -> None:
         serve(ctx, comm, {"connect": connect, "train": train, "sync": sync, "checkpoint": checkpoint,
                           "stop": lambda task: {}})
     finally:
-        if st["sender"] is not None:
-            st["sender"].close()
+        if st["sender"] is not None:  # the engines are going away too: leave without asking them
+            st["sender"].close(destroy_on_engines=False)
 
 
 def _logprob_gap(batch: list[dict], old: list) -> dict[str, float]:
@@ -142,37 +141,13 @@ def _logprob_gap(batch: list[dict], old: list) -> dict[str, float]:
             "train/train_rollout_logprob_abs_diff_max": float(d.max())}
 
 
-def _probe_names(actor: Any) -> set[str]:
-    """Three tensors whose first rows make the sync fingerprint: the first, a middle and the last by name."""
-    names = _hf_names(actor)
-    return {names[0], names[len(names) // 2], names[-1]} if names else set()
-
-
-def _hf_names(actor: Any) -> list[str]:
-    cached = getattr(actor, "_relax_hf_names", None)
-    if cached is None:
-        import json
-
-        idx = Path(actor.hf_dir) / "model.safetensors.index.json"
-        if idx.exists():
-            cached = sorted(json.loads(idx.read_text())["weight_map"])
-        else:
-            from safetensors import safe_open
-
-            files = sorted(Path(actor.hf_dir).glob("*.safetensors"))
-            cached = sorted(k for f in files for k in safe_open(str(f), "pt").keys())
-        actor._relax_hf_names = cached
-    return cached
-
-
-def _versions(engines: dict[str, str]) -> dict[str, str | None]:
-    from relax_hpc.rollout.client import EngineClient
-
-    out = {}
-    for name, url in engines.items():
-        with EngineClient(url) as c:
-            out[name] = c.weight_version()
-    return out
+def push_from_actor_stream(named: Any, sender: Any, version: str) -> dict[str, float]:
+    """Rank 0 pushes ``named`` through ``sender``; the other ranks (``sender`` None) just walk the gather."""
+    if sender is None:
+        for _ in named:
+            pass
+        return {}
+    return sender.push(named, version)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,12 @@ def _resolve(p: str) -> str:
     return str(q if q.is_absolute() else (Path.cwd() / q).resolve())
 
 
-def _launch_engine(ctx: RoleContext) -> Any:
-    """This rank's engine: SGLang on a GPU node with RELAX_SGLANG_PYTHON set, else the CPU engine."""
+def _start_engine(ctx: RoleContext) -> Any:
+    """This rank's engine, started (not yet ready): SGLang on a GPU node with RELAX_SGLANG_PYTHON set, else
+    the CPU engine."""
     import torch
 
-    from relax_hpc.rollout.engines import launch_engine
+    from relax_hpc.rollout.engines import start_engine
 
     r, i = ctx.recipe, ctx.ident
     local = i.node == "localhost"
@@ -53,13 +54,12 @@ def _launch_engine(ctx: RoleContext) -> Any:
         gpus = max(1, r.roles.rollout.gpus_per_node // max(1, r.roles.rollout.tasks_per_node))
         first = i.local_rank * gpus
         env = {"CUDA_VISIBLE_DEVICES": ",".join(str(first + k) for k in range(gpus))}
-        return launch_engine("sglang", _resolve(r.model.path), tp=gpus, host=host, env=env, log_path=logf,
-                             extra_args=["--weight-version", "0", "--random-seed", str(r.run.seed + i.rank)],
-                             ready_timeout=ENGINE_READY_S)
+        return start_engine("sglang", _resolve(r.model.path), tp=gpus, host=host, env=env, log_path=logf,
+                            extra_args=["--weight-version", "0", "--random-seed", str(r.run.seed + i.rank)])
     threads = max(1, r.roles.rollout.cpus_per_task)
-    return launch_engine("cpu", _resolve(r.model.path), host=host, log_path=logf, ready_timeout=ENGINE_READY_S,
-                         extra_args=["--weight-version", "0", "--seed", str(r.run.seed + i.rank),
-                                     "--threads", str(threads)])
+    return start_engine("cpu", _resolve(r.model.path), host=host, log_path=logf,
+                        extra_args=["--weight-version", "0", "--seed", str(r.run.seed + i.rank),
+                                    "--threads", str(threads)])
 
 
 def work(ctx: RoleContext, comm: Any) -> None:
@@ -71,8 +71,10 @@ def work(ctx: RoleContext, comm: Any) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [rollout] %(levelname)s %(name)s: %(message)s")
     i = ctx.ident
-    engine = _launch_engine(ctx)
+    engine = _start_engine(ctx)
+    ctx.add_cleanup(engine.stop)  # also on SIGTERM and when the controller is lost
     try:
+        engine.wait_ready(ENGINE_READY_S)
         me = (f"engine{i.rank}", engine.url, engine.pid, i.node)
         everyone: list[Any] = [None] * i.world
         dist.all_gather_object(everyone, me)

@@ -5,11 +5,15 @@ locally (the controller's launcher gives ``RELAX_RANK``...). Any exception is re
 as an ``error`` (so the run fails with this rank's traceback instead of hanging) and printed to this
 rank's log; the process then exits 1, and ``srun --kill-on-bad-exit`` takes the rest of the step down.
 A rank that loses the controller for longer than the heartbeat timeout exits too: no role outlives its run.
+What a role started outside its own process (the rollout role's engines) is registered with
+:meth:`RoleContext.add_cleanup` and stopped on every way out: a normal end, an exception, SIGTERM (the
+controller stopping the steps), and the lost-controller exit.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import threading
@@ -81,6 +85,20 @@ class RoleContext:
         self.info: dict[str, Any] = {}
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+        self._cleanups: list[Callable[[], Any]] = []
+
+    # -- things to undo on the way out
+    def add_cleanup(self, fn: Callable[[], Any]) -> None:
+        """Call ``fn`` when this rank ends, however it ends (except SIGKILL); the last added runs first."""
+        self._cleanups.append(fn)
+
+    def run_cleanups(self) -> None:
+        while self._cleanups:
+            fn = self._cleanups.pop()
+            try:
+                fn()
+            except Exception as e:  # one failed cleanup must not skip the others
+                print(f"[{self.ident.role}:{self.ident.rank}] cleanup {fn!r} failed: {e}", file=sys.stderr, flush=True)
 
     # -- talking to the controller
     def hello(self) -> None:
@@ -123,9 +141,11 @@ class RoleContext:
                 if time.monotonic() - last_ok > give_up:
                     print(f"[{self.ident.role}:{self.ident.rank}] no answer from the controller for "
                           f"{give_up:.0f}s ({e}); exiting", file=sys.stderr, flush=True)
+                    self.run_cleanups()
                     os._exit(CONTROLLER_LOST_EXIT)
 
     def close(self) -> None:
+        self.run_cleanups()
         self.stop_heartbeat()
         self.client.close()
 
@@ -139,6 +159,19 @@ def _injected_failure(role: str) -> None:
 Work = Callable[[RoleContext, Any], None]
 
 
+class Stopped(BaseException):
+    """SIGTERM arrived (the controller stopping the steps, scancel): unwind so that cleanups run."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM kills at once
+    raise Stopped(signum)
+
+
 def main(role: str, work: Work | None = None, argv: list[str] | None = None) -> int:
     """Entry point of ``python -m relax_hpc.roles.<role> RUN_DIR``: bootstrap, report ready, ``work``, done."""
     from relax_hpc.roles.comm import bootstrap  # torch is imported here, after the cheap checks
@@ -149,6 +182,8 @@ def main(role: str, work: Work | None = None, argv: list[str] | None = None) -> 
         return 2
     ctx = RoleContext(role, argv[1])
     tag = f"[{role}:{ctx.ident.rank}@{ctx.ident.node}]"
+    if threading.current_thread() is threading.main_thread():  # SIGTERM → Stopped: unwinds, so cleanups run
+        signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         ctx.hello()
         ctx.start_heartbeat()
@@ -164,6 +199,9 @@ def main(role: str, work: Work | None = None, argv: list[str] | None = None) -> 
         ctx.report("done")
         print(f"{tag} done", flush=True)
         return 0
+    except Stopped as e:  # the controller stops the steps: it already knows why
+        print(f"{tag} stopped by signal {e.signum}", file=sys.stderr, flush=True)
+        return 128 + e.signum
     except BaseException:
         text = traceback.format_exc()
         print(f"{tag} failed:\n{text}", file=sys.stderr, flush=True)

@@ -110,6 +110,9 @@ def build_model(hf_dir: str | Path, cfg: TrainConfig) -> BuiltModel:
     assert ps.get_tensor_model_parallel_world_size() == cfg.tp and ps.get_pipeline_model_parallel_world_size() == cfg.pp, (
         f"parallel state is tp={ps.get_tensor_model_parallel_world_size()}, "
         f"pp={ps.get_pipeline_model_parallel_world_size()} but train config says tp={cfg.tp}, pp={cfg.pp}")
+    from relax_hpc.train.parallel import seed_all
+
+    seed_all(cfg.seed)  # reproducible builds; on GPU this also seeds the TP-aware CUDA RNG the init needs
     AutoBridge = import_bridge()
     bridge = AutoBridge.from_hf_pretrained(str(hf_dir))
     provider = bridge.to_megatron_provider(load_weights=True)

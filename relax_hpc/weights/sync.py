@@ -284,42 +284,45 @@ class WeightSender:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
         version = str(version)
         t0 = time.perf_counter()
-        self._on_all(lambda e: e.pause_generation(pause_mode, timeout=self.control_timeout), "/pause_generation")
         stats = {"bytes": 0, "buckets": 0, "tensors": 0}
-        t_pause = t_xfer0 = t_xfer = time.perf_counter()
+        t_xfer0 = t_xfer = t0
         errors: list[BaseException] = []
+        in_session = body_failed = False
         try:
+            self._on_all(lambda e: e.pause_generation(pause_mode, timeout=self.control_timeout), "/pause_generation")
             if pause_mode != "in_place":  # KV built by the old weights must not be reused by new requests
                 self._on_all(lambda e: e.flush_cache(timeout=self.control_timeout), "/flush_cache")
+            in_session = True
             self._on_all(lambda e: e.begin_weight_update(), "/begin_weight_update")
-            try:
-                t_pause = t_xfer0 = time.perf_counter()
-                self._send_all(named_weights, mode, stats)
-                t_xfer = time.perf_counter()
-                self._on_all(lambda e: e.update_weight_version(version, abort_all_requests=False),
-                             "/update_weight_version")
-            except BaseException as e:
-                errors.append(e)
-                raise
-            finally:
-                try:
-                    self._on_all(lambda e: e.end_weight_update(), "/end_weight_update")
-                except WeightSyncError as e:
-                    if not errors:
-                        raise
-                    log.error("after a failed push: %s", e)
+            t_xfer0 = time.perf_counter()
+            self._send_all(named_weights, mode, stats)
+            t_xfer = time.perf_counter()
+            # the version moves only once every bucket is in (SGLang's /end_weight_update carries none)
+            self._on_all(lambda e: e.update_weight_version(version, abort_all_requests=False),
+                         "/update_weight_version")
+        except BaseException as e:
+            errors.append(e)
+            body_failed = True
+            raise
         finally:
-            try:
-                self._on_all(lambda e: e.continue_generation(timeout=self.control_timeout), "/continue_generation")
-            except WeightSyncError as e:
-                if not errors:
-                    raise
-                log.error("after a failed push: %s", e)
+            # always: no engine may stay in a session or paused, also when a step failed on some engine
+            cleanup = [(lambda e: e.end_weight_update(), "/end_weight_update")] if in_session else []
+            cleanup.append((lambda e: e.continue_generation(timeout=self.control_timeout), "/continue_generation"))
+            for fn, what in cleanup:
+                try:
+                    self._on_all(fn, what)
+                except WeightSyncError as e:
+                    if errors:
+                        log.error("while cleaning up after a failed weight sync: %s", e)
+                    else:
+                        errors.append(e)
+            if errors and not body_failed:  # the body's own error propagates by itself
+                raise errors[0]
         total = time.perf_counter() - t0
         xfer = max(t_xfer - t_xfer0, 1e-9)
         metrics = {
             "perf/weight_sync_time": total, "perf/update_weights_time": total,
-            "perf/weight_sync_transfer_time": xfer, "perf/weight_sync_pause_time": t_pause - t0,
+            "perf/weight_sync_transfer_time": xfer, "perf/weight_sync_pause_time": t_xfer0 - t0,
             "perf/weight_sync_bytes": float(stats["bytes"]), "perf/weight_sync_buckets": float(stats["buckets"]),
             "perf/weight_sync_tensors": float(stats["tensors"]), "perf/weight_sync_gbps": stats["bytes"] / xfer / 1e9,
         }

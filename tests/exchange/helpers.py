@@ -38,3 +38,12 @@ def flip_byte(path: Path, offset: int, mask: int = 0x5A) -> None:
 
 def truncate(path: Path, size: int) -> None:
     os.truncate(path, size)
+
+
+def bump_byte(path: Path, offset: int) -> None:
+    """Add 1 to a byte: repeated bumps never restore the original (as two equal XORs would)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([(b[0] + 1) % 256]))

@@ -24,7 +24,7 @@ from relax_hpc.exchange import Broker, ChunkQuarantined, DamagedChunk, FieldWrit
 from relax_hpc.exchange.chunk import partition_dir
 from relax_hpc.exchange.staleness import audit, satisfies
 
-from .helpers import flip_byte, fresh_dir, sample_fields, tokens_for, truncate
+from .helpers import bump_byte, fresh_dir, sample_fields, tokens_for, truncate
 
 TASKS = {
     "fwd": ("tokens",),  # actor_fwd → log_probs
@@ -58,8 +58,9 @@ class MChunk:
 
 
 class Exchange(RuleBasedStateMachine):
-    @initialize(k=st.sampled_from([0, 1, 2]), auto=st.booleans())
-    def setup(self, k, auto):
+    @initialize(k=st.sampled_from([0, 1, 2]), auto=st.booleans(),
+                first=st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=3), min_size=1, max_size=3))
+    def setup(self, k, auto, first):
         self.root = fresh_dir("relax-xchg-sm-")
         self.k, self.auto = k, auto
         self.b = self._broker()
@@ -74,6 +75,9 @@ class Exchange(RuleBasedStateMachine):
         self.quarantined: set[str] = set()
         self.next_sid = 0
         self.order = 0
+        self.start_step()  # step 0, with a few chunks, so that consumers have work from the start
+        for lens in first:
+            self._produce(0, "roll-a", lens)
 
     def _broker(self) -> Broker:
         return Broker(self.root, tasks=TASKS, max_staleness=self.k, auto_clear=self.auto)
@@ -200,7 +204,14 @@ class Exchange(RuleBasedStateMachine):
     @rule(data=st.data(), producer=st.sampled_from(["roll-a", "roll-b"]),
           lens=st.lists(st.integers(0, 6), min_size=1, max_size=4))
     def produce(self, data, producer, lens):
-        step = data.draw(st.sampled_from(sorted(self._open_steps())))
+        self._produce(data.draw(st.sampled_from(sorted(self._open_steps()))), producer, lens)
+
+    @precondition(lambda self: any(not v["ended"] for v in self.steps.values()))
+    @rule(producer=st.sampled_from(["roll-a", "roll-b"]), lens=st.lists(st.integers(0, 6), min_size=1, max_size=4))
+    def produce_into_the_newest_step(self, producer, lens):
+        self._produce(max(self._open_steps()), producer, lens)
+
+    def _produce(self, step, producer, lens):
         sids = list(range(self.next_sid, self.next_sid + len(lens)))
         self.next_sid += len(lens)
         ref = self.producers[producer].put(step, sample_fields(sids, lens))
@@ -216,9 +227,17 @@ class Exchange(RuleBasedStateMachine):
         self.steps[step]["ended"] = True
         self._sync()
 
-    @rule(task=st.sampled_from(sorted(TASKS)), batch=st.integers(1, 8), data=st.data(),
-          outcome=st.sampled_from(["ack", "ack", "release", "hold", "lost", "die_after_writes"]))
+    OUTCOMES = st.sampled_from(["ack", "ack", "ack", "release", "hold", "lost", "die_after_writes"])
+
+    @rule(task=st.sampled_from(sorted(TASKS)), batch=st.integers(1, 8), data=st.data(), outcome=OUTCOMES)
     def consume(self, task, batch, data, outcome):
+        self._consume(task, batch, data, outcome)
+
+    @rule(task=st.sampled_from(sorted(TASKS)), batch=st.integers(1, 8), data=st.data(), outcome=OUTCOMES)
+    def consume_more(self, task, batch, data, outcome):  # a second rule: consumers are the busiest parties
+        self._consume(task, batch, data, outcome)
+
+    def _consume(self, task, batch, data, outcome):
         holder = data.draw(st.sampled_from([h for h in HOLDERS if h.startswith(task + "-")]))
         eligible = self._eligible(task)
         expect, total = [], 0
@@ -233,8 +252,10 @@ class Exchange(RuleBasedStateMachine):
         self._sync()
         got = [] if lease is None else [r.id for r in lease.chunks]
         assert got == expect, f"{task} got {got}, the rules say {expect}"
+        event(f"consume: {'a lease' if lease else 'nothing ready'}")
         if lease is None:
             return
+        event(f"consume outcome: {outcome}")
         assert not set(got) & self.quarantined
         self.leases[lease.id] = (task, holder, got)
         if outcome == "lost":  # the reply never reached the consumer; only resume() finds it
@@ -242,9 +263,9 @@ class Exchange(RuleBasedStateMachine):
         sids = self._process(lease.id, task, lease.chunks)
         if outcome == "ack":
             self._ack(lease.id, sids)
-        elif outcome == "release":
-            assert self.b.release(lease.id)
-            del self.leases[lease.id]
+        elif outcome == "release":  # False if reading voided it (all its chunks quarantined, step cleared)
+            assert self.b.release(lease.id) == (lease.id in self.leases)
+            self.leases.pop(lease.id, None)
         elif outcome == "hold":
             self.pending[lease.id] = sids
         else:  # the consumer dies after writing its fields, before its ack
@@ -283,6 +304,7 @@ class Exchange(RuleBasedStateMachine):
 
     @rule(torn=st.booleans())
     def broker_restarts(self, torn):
+        event("broker restarted")
         self.b.close()
         if torn:  # the crash hit mid-append
             with open(self.root / "journal.jsonl", "ab") as f:
@@ -329,7 +351,7 @@ class Exchange(RuleBasedStateMachine):
         if size == 0:
             return
         if mode == "flip":
-            flip_byte(path, int(frac * size), 0x21)
+            bump_byte(path, int(frac * size))
             c.damaged[path] = c.damaged.get(path, "flip")
         else:
             truncate(path, int(frac * size))

@@ -1,8 +1,9 @@
 """Must-show 3: save at step k, resume in a fresh process, and the next steps' losses and grad norms are
 bit-identical to the uninterrupted run (DistributedOptimizer sharded over DP=2 included); a TP=2
-checkpoint resumes at TP=1 (and a DP=2 DistributedOptimizer checkpoint at DP=1).
+checkpoint resumes at TP=1 (and a DP=2 DistributedOptimizer checkpoint at TP=2, DP=1).
 
-The uninterrupted runs (K steps, save, N more) are part of the ``multi_run`` launch (conftest).
+The uninterrupted runs (K steps, save, N more) are part of the ``multi_run`` launch (conftest); one
+fresh two-process launch here resumes all four combinations.
 Timeouts everywhere: a dist_checkpointing save that loses its writer process hangs instead of failing.
 """
 
@@ -18,19 +19,23 @@ from train.launch import run_job
 pytestmark = [pytest.mark.slow]
 
 
-def _resume(tiny_models, multi_run, *, nproc: int, tp: int | None, out: str) -> tuple[dict, dict]:
+@pytest.fixture(scope="module")
+def resumed(tiny_models, multi_run) -> tuple[dict, dict]:
     ref = part(multi_run, "resume_save")
     root = Path(multi_run["ckpt_root"])
-    layouts = [dict(l, tp=tp or l["tp"]) for l in resume_layouts(root)]
-    args = dict(RESUME_ARGS, mode="load", hf=tiny_models["qwen3"], layouts=layouts)
-    got = run_job("resume", args, nproc=nproc, out_dir=root / out, timeout=300)
+    same = resume_layouts(root)
+    by_name = {l["name"]: l for l in same}
+    swapped = [dict(by_name["tp2"], name="tp2_at_tp1", tp=1),  # TP=2 checkpoint -> TP=1 (DP=2)
+               dict(by_name["dp2"], name="dp2_at_tp2", tp=2)]  # DP=2-sharded optimizer -> TP=2, DP=1
+    args = dict(RESUME_ARGS, mode="load", hf=tiny_models["qwen3"], layouts=same + swapped)
+    got = run_job("resume", args, nproc=2, out_dir=root / "load", timeout=300)
     assert "error" not in got, got.get("error")
     return ref, got
 
 
 @pytest.mark.timeout(600)
-def test_resume_same_layout_is_bit_exact(tiny_models, multi_run):
-    ref, got = _resume(tiny_models, multi_run, nproc=2, tp=None, out="load_same")
+def test_resume_same_layout_is_bit_exact(resumed):
+    ref, got = resumed
     for name in ("dp2", "tp2"):
         print(f"[resume {name}] uninterrupted (loss, grad_norm) {ref[name]['steps']}\n"
               f"[resume {name}] resumed                       {got[name]['steps']}"
@@ -42,10 +47,10 @@ def test_resume_same_layout_is_bit_exact(tiny_models, multi_run):
 
 
 @pytest.mark.timeout(600)
-def test_resume_at_tp1(tiny_models, multi_run):
-    ref, got = _resume(tiny_models, multi_run, nproc=1, tp=1, out="load_tp1")  # tp2 -> tp1, dp2 -> dp1
-    for name in ("dp2", "tp2"):
-        worst = max(abs(a - b) for s, t in zip(ref[name]["steps"], got[name]["steps"]) for a, b in zip(s, t))
-        print(f"[resume {name} -> TP=1, 1 rank] max |diff| of losses and grad norms vs uninterrupted: {worst:.2e}")
+def test_resume_at_other_layout(resumed):
+    ref, got = resumed
+    for name, src in (("tp2_at_tp1", "tp2"), ("dp2_at_tp2", "dp2")):
+        worst = max(abs(a - b) for s, t in zip(ref[src]["steps"], got[name]["steps"]) for a, b in zip(s, t))
+        print(f"[resume {name}] max |diff| of losses and grad norms vs uninterrupted {src}: {worst:.2e}")
         assert got[name]["step_after_load"] == RESUME_ARGS["k"]
-        assert worst <= 1e-5, (ref[name]["steps"], got[name]["steps"])
+        assert worst <= 1e-5, (ref[src]["steps"], got[name]["steps"])

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from train.conftest import REPO
 
 
 def _digest(d: Path) -> str:
@@ -30,7 +26,7 @@ def test_tokenizer_single_tokens_and_chat_template(tiny_models):
     assert {tok.bos_token, tok.eos_token, tok.pad_token} == {"<s>", "<|im_end|>", "<pad>"}
     chat = tok.apply_chat_template([{"role": "user", "content": "3+4=?"}], add_generation_prompt=True, tokenize=False)
     assert chat == "<|im_start|>user\n3+4=?<|im_end|>\n<|im_start|>assistant\n"
-    assert tok.decode(tok.apply_chat_template([{"role": "user", "content": "1-1"}])) .startswith("<|im_start|>user")
+    assert tok.decode(tok.apply_chat_template([{"role": "user", "content": "1-1"}])).startswith("<|im_start|>user")
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -59,16 +55,17 @@ def test_deterministic_per_seed(tiny_tool, tiny_models, tmp_path):
         assert (same / f).read_bytes() == (Path(tiny_models["qwen3"]) / f).read_bytes()
 
 
-def test_command_line(tmp_path):
-    out = tmp_path / "m"
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "make-tiny-model"), "--arch", "llama", "--hidden", "32",
-                        "--layers", "1", "--heads", "2", "--kv-heads", "1", "--seed", "3", str(out)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+def test_command_line(tiny_tool, tmp_path, capsys):
+    """The CLI (argument names as documented) through main(); a subprocess would re-import transformers."""
     import json
 
+    out = tmp_path / "m"
+    assert tiny_tool.main(["--arch", "llama", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+                           "--seed", "3", str(out)]) == 0
     cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "llama"
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (32, 1, 2, 1)
-    bad = subprocess.run([sys.executable, str(REPO / "tools" / "make-tiny-model"), "--hidden", "30", "--heads", "4",
-                          str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "must divide" in bad.stderr
+    with pytest.raises(SystemExit):
+        tiny_tool.main(["--hidden", "30", "--heads", "4", str(tmp_path / "bad")])
+    assert "must divide" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
