@@ -20,8 +20,8 @@ Inside the HDF5 file, one entry per field, all contiguous and uncompressed:
   ``data[offsets[i]:offsets[i+1]]``);
 - ``json``   — one JSON value per sample (metadata dicts, strings): like ragged, ``data`` being UTF-8 bytes.
 
-Root attributes say which chunk it is (step, producer, seq, n; for a side file the chunk id and writer) and
-carry the producer's JSON ``attrs``.
+One JSON root attribute, ``meta``, says which chunk it is (step, producer, seq, n; for a side file the chunk
+id, writer and base checksum), each field's kind, and carries the producer's ``attrs``.
 
 Writing is crash-safe: the file image is built in memory, written to a hidden temporary name
 (``.<name>.<pid>.<rand>.tmp``), fsynced, then hard-linked to its final name (which fails rather than replace
@@ -350,23 +350,22 @@ def columns_to_samples(columns: Mapping[str, Any]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------- writing ---
 
 
-def _image(columns: Mapping[str, tuple[str, Any]], root_attrs: Mapping[str, Any]) -> bytes:
-    """The HDF5 file (without our user block) as bytes, built in memory."""
+def _image(columns: Mapping[str, tuple[str, Any]], meta: Mapping[str, Any]) -> bytes:
+    """The HDF5 file (without our user block) as bytes, built in memory. ``meta`` (plus each field's kind)
+    goes into one JSON root attribute: one attribute is much cheaper than one per fact."""
     payload = sum((p.nbytes if k == "fixed" else p.data.nbytes + p.offsets.nbytes) for k, p in columns.values())
     name = f"relax-chunk-{os.getpid()}-{threading.get_ident()}-{next(_ids)}.h5"
     block = max(1 << 16, min(payload + (1 << 16), 1 << 30))
     f = h5py.File(name, "w", driver="core", backing_store=False, block_size=block, userblock_size=HEADER_SIZE,
                   libver=("v110", "latest"))  # smaller object headers; readable by HDF5 >= 1.10
     try:
-        for key, value in root_attrs.items():
-            f.attrs[key] = value
+        f.attrs["meta"] = json.dumps({**meta, "fields": {name: kind for name, (kind, _) in columns.items()}},
+                                     separators=(",", ":"))
         for fname, (kind, p) in columns.items():
             if kind == "fixed":
-                ds = f.create_dataset(fname, data=p)
-                ds.attrs["kind"] = kind
+                f.create_dataset(fname, data=p)
             else:
                 g = f.create_group(fname)
-                g.attrs["kind"] = kind
                 g.create_dataset("data", data=p.data)
                 g.create_dataset("offsets", data=p.offsets)
         f.flush()
@@ -479,7 +478,7 @@ def write_chunk(root: str | os.PathLike, step: int, producer: str, seq: int, fie
         raise ValueError(f"attrs are {len(attrs_json)} bytes of JSON; the limit is {MAX_ATTRS_BYTES}")
     cols, n = _encode_all(fields)
     image = _image(cols, {"format": FORMAT, "v": VERSION, "kind": "chunk", "step": int(step),
-                          "producer": producer, "seq": int(seq), "n": n, "attrs": attrs_json})
+                          "producer": producer, "seq": int(seq), "n": n, "attrs": attrs})
     checksum, header = _seal("chunk", image, n, None, algo)
     size = HEADER_SIZE + len(image)
     directory = partition_dir(root, step)
@@ -603,11 +602,11 @@ def verify_file(path: str | os.PathLike, checksum: str | None = None, size: int 
     return load_verified(path, checksum, size)[0]
 
 
-def _decode(f: h5py.File, name: str, ragged: str, path: Path) -> Any:
+def _decode(f: h5py.File, kinds: Mapping[str, str], name: str, ragged: str, path: Path) -> Any:
     obj = f.get(name)
-    if obj is None:
+    if obj is None or name not in kinds:
         raise DamagedChunk(path, f"field {name!r} is missing from the file")
-    kind = obj.attrs.get("kind")
+    kind = kinds[name]
     if kind == "fixed" and isinstance(obj, h5py.Dataset):
         return obj[()]
     if kind in ("ragged", "json") and isinstance(obj, h5py.Group):
@@ -642,8 +641,9 @@ def read_chunk(ref: ChunkRef, fields: Iterable[str] | None = None, *, ragged: st
                                      f"does not belong to {ref.id}")
         try:
             with h5py.File(io.BytesIO(buf), "r") as f:
+                kinds = json.loads(f.attrs["meta"])["fields"]
                 for name in wanted:
-                    out[name] = _decode(f, name, ragged, path)
+                    out[name] = _decode(f, kinds, name, ragged, path)
         except DamagedChunk:
             raise
         except Exception as e:  # verified bytes that HDF5 cannot read: written damaged

@@ -62,9 +62,24 @@ def _start_engine(ctx: RoleContext) -> Any:
                                     "--threads", str(threads)])
 
 
+def _sniffio_shim() -> None:
+    """httpcore imports ``sniffio`` on every async request to tell asyncio from trio; where sniffio is not
+    installed (httpx 0.28 no longer requires it) that failed import searches sys.path each time: ~1 ms per
+    generate request. The rollout role runs asyncio only, so answer the question once."""
+    try:
+        import sniffio  # noqa: F401
+    except ImportError:
+        import types
+
+        shim = types.ModuleType("sniffio")
+        shim.current_async_library = lambda: "asyncio"  # type: ignore[attr-defined]
+        sys.modules["sniffio"] = shim
+
+
 def work(ctx: RoleContext, comm: Any) -> None:
     if ctx.recipe.model.path is None:
         return
+    _sniffio_shim()
     import torch.distributed as dist
 
     from relax_hpc.roles.tasks import serve

@@ -172,15 +172,49 @@ def pack(named: list[tuple[str, torch.Tensor]], *, out: torch.Tensor | None = No
     return Bucket(flat, meta)
 
 
+class BufferRing:
+    """Reusable pack buffers: ``n`` byte buffers handed out in turn, each viewed as the dtype of the bucket
+    packed into it, grown when a bucket needs more. A bucket packed into buffer *i* stays valid until ``n``
+    more buckets are packed: with ``n = 2`` one bucket can be on the wire while the next is packed.
+
+    Why: fresh allocations of hundreds of MB per weight sync cost page faults (on some VMs as much as the
+    copy itself). On GPU the CUDA caching allocator already reuses memory; there it is not needed."""
+
+    def __init__(self, n: int = 2, device: torch.device | str | None = None):
+        self.n = n
+        self.device = device
+        self.bufs: list[torch.Tensor | None] = [None] * n
+        self.i = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        i, self.i = self.i, (self.i + 1) % self.n
+        b = self.bufs[i]
+        if b is None or b.numel() < nbytes:
+            self.bufs[i] = b = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return b[:nbytes].view(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.bufs if b is not None)
+
+
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[Bucket]:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, ring: BufferRing | None = None) -> Iterator[Bucket]:
     """Group a stream of (name, tensor) into buckets of at most ``bucket_bytes`` each, one dtype per bucket.
 
     Streaming: a bucket is packed and yielded as soon as it is full, so the whole model is never held at
     once (the actor's gather yields tensors one by one). Order: tensors keep their relative order within a
     dtype; buckets come out when they fill, the rest at the end in order of each dtype's first tensor.
-    Names must be unique.
+    Names must be unique. ``ring``: pack into its reusable buffers (see :class:`BufferRing` for how long a
+    bucket then stays valid); a lone contiguous tensor is never copied either way.
     """
+
+    def emit(items):
+        if ring is None or (len(items) == 1 and items[0][1].is_contiguous()):
+            return pack(items)
+        return pack(items, out=ring.take(sum(t.numel() for _, t in items), items[0][1].dtype))
+
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     open_: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
@@ -194,16 +228,16 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         nb = t.numel() * t.element_size()
         if nb > bucket_bytes:  # alone, and without disturbing the open bucket of its dtype
-            yield pack([(name, t)])
+            yield emit([(name, t)])
             continue
         d = t.dtype
         if d in open_ and size[d] + nb > bucket_bytes:
-            yield pack(open_.pop(d))
+            yield emit(open_.pop(d))
             del size[d]
         open_.setdefault(d, []).append((name, t))
         size[d] = size.get(d, 0) + nb
     for d in list(open_):
-        yield pack(open_.pop(d))
+        yield emit(open_.pop(d))
 
 
 def buckets_bytes(buckets: Iterable[Bucket]) -> int:

@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.rollout.client import EngineClient, EngineError
-from relax_hpc.weights.buckets import DEFAULT_BUCKET_BYTES, Bucket, iter_buckets
+from relax_hpc.weights.buckets import (DEFAULT_BUCKET_BYTES, Bucket, BufferRing, dtype_from_name, empty_flat, iter_buckets, plan,
+                                       unpack)
 
 log = logging.getLogger("relax_hpc.weights")
 
@@ -115,6 +116,78 @@ def new_group(store: dist.Store, rank: int, world_size: int, group_name: str, ba
     return pg
 
 
+# ----------------------------------------------------------------------------------------- transfer
+
+def send_buckets(named: Iterable[tuple[str, torch.Tensor]], pg: dist.ProcessGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 *, mode: str = "bucketed", device: torch.device | str | None = None,
+                 announce: Callable[[Bucket], Any] | None = None, confirm: Callable[[Bucket, Any], None] | None = None,
+                 stats: dict | None = None, ring: BufferRing | None = None) -> dict:
+    """Rank 0's side of the transfer: bucket ``named`` and broadcast each bucket from rank 0 of ``pg``.
+
+    ``mode="bucketed"``: one broadcast of the bucket's flat buffer (SGLang ``load_format="flattened_bucket"``);
+    ``"per_tensor"``: one broadcast per tensor, in bucket order (SGLang's default load format).
+    Per bucket: ``h = announce(bucket)`` (tell the receivers what comes), the broadcast(s) start (async),
+    the *next* bucket is packed while they run, then ``confirm(bucket, h)`` (the receivers took it) and the
+    broadcasts are waited for. ``device``: move tensors there first (the group's device; NCCL needs CUDA).
+    ``ring``: reusable pack buffers (at least 2: one bucket on the wire, one being packed).
+    Returns (and adds to ``stats``) bytes, buckets, tensors."""
+    stats = stats if stats is not None else {}
+    for k in ("bytes", "buckets", "tensors"):
+        stats.setdefault(k, 0)
+    dev = torch.device(device) if device is not None else None
+
+    def moved():
+        for n, t in named:
+            yield n, (t if dev is None or t.device == dev else t.to(dev))
+
+    def finish(bucket, handle, works):
+        if confirm is not None:
+            confirm(bucket, handle)
+        for w in works:
+            w.wait()
+
+    if ring is not None and ring.n < 2:
+        raise ValueError("send_buckets needs a BufferRing of at least 2 buffers")
+    inflight = None
+    for bucket in iter_buckets(moved(), bucket_bytes, ring=ring):  # packing happens here, while `inflight` broadcasts
+        if inflight is not None:
+            finish(*inflight)
+        handle = announce(bucket) if announce is not None else None
+        if mode == "bucketed":
+            works = [dist.broadcast(bucket.flat, src=0, group=pg, async_op=True)]
+        elif mode == "per_tensor":
+            works = [dist.broadcast(t.contiguous(), src=0, group=pg, async_op=True) for _, t in bucket.unpack()]
+        else:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        inflight = (bucket, handle, works)
+        stats["bytes"] += bucket.nbytes
+        stats["buckets"] += 1
+        stats["tensors"] += len(bucket)
+    if inflight is not None:
+        finish(*inflight)
+    return stats
+
+
+def receive(names: Sequence[str], dtypes: Sequence[str | torch.dtype], shapes: Sequence[Sequence[int]],
+            pg: dist.ProcessGroup, *, load_format: str | None = "flattened_bucket",
+            device: torch.device | str | None = None) -> list[tuple[str, torch.Tensor]]:
+    """A receiver's side of one announced bucket, exactly as SGLang's engine does it: allocate, receive
+    (one flat buffer for ``"flattened_bucket"``, else one async broadcast per tensor), cut into views.
+    For receivers that are not SGLang (benchmarks; a Megatron reference/actor_fwd)."""
+    metas = plan((n, s, dtype_from_name(d)) for n, d, s in zip(names, dtypes, shapes))
+    if load_format == "flattened_bucket":
+        flat = empty_flat(metas, device)
+        dist.broadcast(flat, src=0, group=pg)
+        return unpack(flat, metas)
+    if load_format not in (None, "", "direct"):
+        raise ValueError(f"load_format must be 'flattened_bucket' or None, not {load_format!r}")
+    out = [(m.name, torch.empty(m.shape, dtype=m.dtype, device=device)) for m in metas]
+    works = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in out]
+    for w in works:
+        w.wait()
+    return out
+
+
 # ----------------------------------------------------------------------------------------- sender
 
 class WeightSender:
@@ -131,13 +204,16 @@ class WeightSender:
     backend: of the group; default ``"nccl"`` when CUDA is available else ``"gloo"``. ``device``: where
         buckets are sent from (default ``cuda`` for nccl, else ``cpu``); tensors elsewhere are moved there.
     timeout: seconds for each bucket (HTTP call + broadcast) and the group's collective timeout;
-        connect_timeout: seconds for the group to form.
+        connect_timeout: seconds for the group to form; control_timeout: pause/flush/begin/end/continue.
+    reuse_buffers: pack into two buffers kept between pushes (default on CPU, where fresh allocations of
+        this size cost page faults; off on GPU, where the caching allocator does it). Holds up to
+        2 × bucket_bytes between pushes.
     """
 
     def __init__(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause_mode: str = "retract",
                  mode: str = "bucketed", backend: str | None = None, device: str | torch.device | None = None,
                  group_name: str | None = None, timeout: float = 600.0, connect_timeout: float = 120.0,
-                 control_timeout: float = 60.0):
+                 control_timeout: float = 60.0, reuse_buffers: bool | None = None):
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
         if mode not in MODES:
@@ -154,6 +230,9 @@ class WeightSender:
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
         self.control_timeout = float(control_timeout)
+        if reuse_buffers is None:  # on GPU the caching allocator already recycles bucket memory
+            reuse_buffers = self.device.type == "cpu"
+        self.ring = BufferRing(2, self.device) if reuse_buffers else None
         self.engines: list[EngineClient] = []
         self.tp_sizes: list[int] = []
         self.pg: dist.ProcessGroup | None = None
@@ -331,51 +410,31 @@ class WeightSender:
                  metrics["perf/weight_sync_gbps"])
         return metrics
 
-    def _to_device(self, named: Iterable[tuple[str, torch.Tensor]]):
-        for n, t in named:
-            yield n, (t if t.device == self.device else t.to(self.device))
-
     def _send_all(self, named_weights, mode: str, stats: dict) -> None:
-        """The bucket loop. Pipelined: bucket i's broadcast runs (async) while bucket i+1 is packed (that is
-        when the bucket iterator pulls and copies tensors), and only then do we wait for bucket i."""
-        inflight = None
-        for bucket in iter_buckets(self._to_device(named_weights), self.bucket_bytes):
-            if inflight is not None:
-                self._finish(*inflight)
-            inflight = (bucket, *self._start(bucket, mode))
-            stats["bytes"] += bucket.nbytes
-            stats["buckets"] += 1
-            stats["tensors"] += len(bucket)
-        if inflight is not None:
-            self._finish(*inflight)
+        def announce(bucket: Bucket):  # the engines learn what comes, then wait in the broadcast
+            fmt = "flattened_bucket" if mode == "bucketed" else None
+            return {_in_thread(e.update_weights_from_distributed, bucket.names, bucket.dtypes, bucket.shapes,
+                               self.group_name, flush_cache=False, load_format=fmt, timeout=self.timeout,
+                               name="weight-sync-update"): e for e in self.engines}
 
-    def _start(self, bucket: Bucket, mode: str):
-        fmt = "flattened_bucket" if mode == "bucketed" else None
-        futs = {_in_thread(e.update_weights_from_distributed, bucket.names, bucket.dtypes, bucket.shapes,
-                           self.group_name, flush_cache=False, load_format=fmt, timeout=self.timeout,
-                           name="weight-sync-update"): e for e in self.engines}
+        def confirm(bucket: Bucket, futs: dict) -> None:
+            what = (f"/update_weights_from_distributed ({len(bucket)} tensors, {bucket.nbytes / 1e6:.1f} MB, "
+                    f"first {bucket.names[0]})")
+            try:
+                _wait_engines(futs, self.timeout, what)
+            except WeightSyncError as e:
+                # the engine may never take its part of the broadcast: our side of the group can't be trusted
+                self._broken = str(e)
+                raise
+
         try:
-            if mode == "bucketed":
-                works = [dist.broadcast(bucket.flat, src=0, group=self.pg, async_op=True)]
-            else:
-                works = [dist.broadcast(t.contiguous(), src=0, group=self.pg, async_op=True)
-                         for _, t in bucket.unpack()]
+            send_buckets(named_weights, self.pg, self.bucket_bytes, mode=mode, device=self.device,
+                         announce=announce, confirm=confirm, stats=stats, ring=self.ring)
+        except WeightSyncError:
+            raise
         except Exception as e:
             self._broken = f"broadcast failed: {e}"
-            raise WeightSyncError(f"broadcast of a {bucket.nbytes / 1e6:.1f} MB bucket failed: {e}") from e
-        return futs, works
-
-    def _finish(self, bucket: Bucket, futs: dict, works: list) -> None:
-        what = (f"/update_weights_from_distributed ({len(bucket)} tensors, {bucket.nbytes / 1e6:.1f} MB, "
-                f"first {bucket.names[0]})")
-        try:
-            _wait_engines(futs, self.timeout, what)
-        except WeightSyncError as e:
-            # the engine may never take its part of the broadcast: our side of the collective can't be trusted
-            self._broken = str(e)
-            raise
-        for w in works:  # every engine answered, so every engine received: these complete at once
-            w.wait()
+            raise WeightSyncError(f"weight broadcast failed: {type(e).__name__}: {e}") from e
 
     # ------------------------------------------------------------------ helpers
     def _on_all(self, fn: Callable[[EngineClient], Any], what: str) -> list[Any]:

@@ -415,6 +415,6 @@ class Exchange(RuleBasedStateMachine):
         self._sync()
 
 
-Exchange.TestCase.settings = settings(max_examples=int(os.environ.get("RELAX_XCHG_EXAMPLES", "60")),
-                                      stateful_step_count=40, deadline=None)
+Exchange.TestCase.settings = settings(max_examples=int(os.environ.get("RELAX_XCHG_EXAMPLES", "25")),
+                                      stateful_step_count=30, deadline=None)
 TestExchange = Exchange.TestCase

@@ -66,6 +66,8 @@ def run_job(job: str, args: dict, *, nproc: int, out_dir: Path, timeout: float =
         log.seek(0)
         tails.append(f"--- rank {rank} (rc={procs[rank].returncode}) ---\n" + log.read()[-6000:])
         log.close()
+    if os.environ.get("RELAX_TEST_SHOW_LOGS"):
+        print("\n".join(tails))
     if failed is None and any(p.returncode for p in procs):
         failed = "a rank failed"
     result_file = out_dir / "result.json"

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -198,14 +199,18 @@ def test_engine_dying_during_connect_is_named_without_hanging():
                          text=True, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{int(p.stdout.readline())}"
-        s = WeightSender(timeout=20, connect_timeout=20)
+        s = WeightSender(timeout=8, connect_timeout=8)
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError) as e:
             s.connect([url], "127.0.0.1")
         took = time.monotonic() - t0
         assert url in str(e.value) and e.value.engines == [url], str(e.value)
-        assert "init_weights_update_group" in str(e.value) and took < 10, (took, str(e.value))
+        assert "init_weights_update_group" in str(e.value) and took < 6, (took, str(e.value))
         assert p.wait(timeout=10) == 3 and not s.connected
+        # our half-built side of the group gives up at the group timeout; let it, rather than exit under it
+        for th in threading.enumerate():
+            if th.name == "weight-sync-rank0":
+                th.join(timeout=30)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)

@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+"""Weight-sync benchmark (run by hand, not a test): bucketed broadcast vs the raw limit vs one broadcast per tensor.
+
+    tools/bench/weight_sync.py [--layers 24 --hidden 128] [--reps 7] [--bucket-mib 512 16 4] [--no-engine] [--no-append]
+
+The model is a tiny Llama made offline by tools/make-tiny-model (default hidden 128, 24 layers: 219 tensors,
+about 25 MB in fp32): many small tensors, where per-broadcast overhead shows.
+
+1. **Transport** (two processes on this machine, one gloo group built by relax_hpc.weights.sync.new_group,
+   the same code path as WeightSender.connect): this process sends (rank 0), a child receives (rank 1) the
+   way SGLang's engine does (allocate, receive, cut into views; relax_hpc.weights.sync.receive).
+   * ``raw``: one broadcast of a ready flat buffer with the same bytes (the limit: no packing, one call);
+   * ``bucketed``: relax_hpc.weights.sync.send_buckets (pack per bucket, one broadcast each, packing of
+     the next bucket overlapping the current broadcast), per bucket size;
+   * ``per_tensor``: one broadcast per tensor (send_buckets mode="per_tensor").
+   Each timing runs from a start handshake to the receiver's acknowledgement, methods interleaved rep by
+   rep (the machine may be shared), median of ``--reps`` after one warm-up.
+2. **End to end** (unless --no-engine): WeightSender.push to a CPU engine process (HTTP + gloo + the
+   engine loading the weights), bucketed vs per-tensor broadcasts vs one HTTP call + broadcast per tensor.
+
+Prints a markdown table and appends it, with machine and date, to docs/benchmarks.md (never rewrites it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.machinery
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from relax_hpc.weights.buckets import BufferRing, MiB, dtype_from_name, empty_flat, iter_buckets, plan, unpack  # noqa: E402
+from relax_hpc.weights.sync import new_group, receive, send_buckets  # noqa: E402
+
+GROUP = "relax_bench_weight_sync"
+TIMEOUT = dt.timedelta(seconds=300)
+
+
+# ----------------------------------------------------------------------------------------- receiver (child)
+
+def receiver(port: int) -> int:
+    store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False, timeout=TIMEOUT)
+    pg = new_group(store, 1, 2, GROUP, "gloo", TIMEOUT)
+    flag = torch.zeros(1)
+    raw_buf = None
+    cache: dict = {}
+    i = 0
+    while True:
+        cmd = json.loads(store.get(f"cmd/{i}"))
+        i += 1
+        if cmd["method"] == "quit":
+            return 0
+        if cmd["method"] == "raw" and (raw_buf is None or raw_buf.numel() != cmd["numel"]):
+            raw_buf = torch.empty(cmd["numel"], dtype=getattr(torch, cmd["dtype"]))
+        dist.broadcast(flag, src=0, group=pg)  # start handshake
+        if cmd["method"] == "raw":
+            dist.broadcast(raw_buf, src=0, group=pg)
+        elif not cmd["reuse"]:  # exactly SGLang's receive path, every buffer freshly allocated
+            fmt = "flattened_bucket" if cmd["method"] == "bucketed" else None
+            for names, dtypes, shapes in cmd["buckets"]:
+                receive(names, dtypes, shapes, pg, load_format=fmt)
+        else:  # the same with buffers reused between syncs, as SGLang's CUDA caching allocator gives them
+            for k, (names, dtypes, shapes) in enumerate(cmd["buckets"]):
+                metas = plan((n, s, dtype_from_name(d)) for n, d, s in zip(names, dtypes, shapes))
+                key = (cmd["method"], cmd["bucket"], k)
+                if cmd["method"] == "bucketed":
+                    if key not in cache:
+                        cache[key] = empty_flat(metas)
+                    dist.broadcast(cache[key], src=0, group=pg)
+                    unpack(cache[key], metas)
+                else:
+                    if key not in cache:
+                        cache[key] = [torch.empty(m.shape, dtype=m.dtype) for m in metas]
+                    for w in [dist.broadcast(t, src=0, group=pg, async_op=True) for t in cache[key]]:
+                        w.wait()
+        dist.broadcast(flag, src=1, group=pg)  # acknowledgement: everything is here
+
+
+# ----------------------------------------------------------------------------------------- sender (parent)
+
+def make_model(hidden: int, layers: int, out: Path) -> Path:
+    loader = importlib.machinery.SourceFileLoader("relax_make_tiny_model_bench", str(REPO / "tools" / "make-tiny-model"))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod.make_tiny_model(out, arch="llama", hidden=hidden, layers=layers, heads=4, kv_heads=2, seed=0)
+
+
+def transport(named: list, reps: int, bucket_sizes: list[int], reuse: bool) -> dict[str, list[float]]:
+    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+    child = subprocess.Popen([sys.executable, __file__, "--receiver", str(store.port), "--threads",
+                              str(torch.get_num_threads())])
+    try:
+        pg = new_group(store, 0, 2, GROUP, "gloo", TIMEOUT)
+        flag = torch.zeros(1)
+        total = sum(t.numel() for _, t in named)
+        dtype = named[0][1].dtype
+        raw = torch.cat([t.reshape(-1) for _, t in named])
+        plans = {b: [[bk.names, bk.dtypes, bk.shapes] for bk in iter_buckets(named, b)] for b in bucket_sizes}
+        methods = [("raw", None)] + [("bucketed", b) for b in bucket_sizes] + [("per_tensor", max(bucket_sizes))]
+        ring = BufferRing(2) if reuse else None
+        times: dict[str, list[float]] = {}
+        seq = 0
+        for rep in range(reps + 1):  # rep 0 warms up (allocator, sockets)
+            for method, b in methods:
+                cmd = {"method": method, "numel": total, "dtype": str(dtype).removeprefix("torch."), "reuse": reuse,
+                       "bucket": b}
+                if b is not None:
+                    cmd["buckets"] = plans[b]
+                store.set(f"cmd/{seq}", json.dumps(cmd))
+                seq += 1
+                dist.broadcast(flag, src=0, group=pg)
+                t0 = time.perf_counter()
+                if method == "raw":
+                    dist.broadcast(raw, src=0, group=pg)
+                else:
+                    send_buckets(named, pg, b, mode=method, ring=ring)
+                dist.broadcast(flag, src=1, group=pg)
+                dt_s = time.perf_counter() - t0
+                if rep > 0:
+                    key = method if method != "bucketed" else f"bucketed {b // MiB} MiB"
+                    times.setdefault(key, []).append(dt_s)
+        store.set(f"cmd/{seq}", json.dumps({"method": "quit"}))
+        child.wait(timeout=60)
+        return times
+    finally:
+        if child.poll() is None:
+            child.kill()  # our own child, by its handle
+            child.wait()
+
+
+def end_to_end(model_dir: Path, named: list, reps: int, log_dir: Path) -> dict[str, list[float]]:
+    from relax_hpc.rollout.engines import launch_engine
+    from relax_hpc.weights import WeightSender, engine_fingerprint, fingerprint
+
+    h = launch_engine("cpu", model_dir, log_path=log_dir / "bench-engine.log",
+                      extra_args=["--threads", str(torch.get_num_threads())],
+                      ready_timeout=300)
+    try:
+        c = h.client(timeout=120)
+        s = WeightSender(timeout=300, connect_timeout=120)
+        s.connect([c], "127.0.0.1")
+        cases = [("push bucketed 512 MiB", dict(mode="bucketed"), 512 * MiB),
+                 ("push per-tensor broadcasts, 1 call", dict(mode="per_tensor"), 512 * MiB),
+                 ("push 1 call + 1 broadcast per tensor", dict(mode="per_tensor"), 1)]
+        times: dict[str, list[float]] = {}
+        v = 0
+        for rep in range(reps + 1):
+            for name, kw, b in cases:
+                s.bucket_bytes = b
+                v += 1
+                m = s.push(named, str(v), **kw)
+                if rep > 0:
+                    times.setdefault(name, []).append(m["perf/weight_sync_time"])
+        assert engine_fingerprint(c, [n for n, _ in named][:5]) == fingerprint(named[:5])
+        s.close()
+        return times
+    finally:
+        h.stop()
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+            f"({torch.get_num_threads()} thread/process), "
+            f"Python {platform.python_version()}; load average {load} at start")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--receiver", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--bucket-mib", type=float, nargs="+", default=[512, 16, 4])
+    p.add_argument("--no-engine", action="store_true", help="skip the end-to-end push to a CPU engine")
+    p.add_argument("--fresh-buffers", action="store_true",
+                   help="allocate every pack/receive buffer anew (default: reuse them between syncs, as "
+                        "WeightSender does on CPU and the CUDA caching allocator does on GPU)")
+    p.add_argument("--no-append", action="store_true", help="print only; do not append to docs/benchmarks.md")
+    p.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads in both processes (default 1: on a small shared VM, OpenMP copies with "
+                        "more threads than free cores are several times slower)")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    if a.receiver is not None:
+        return receiver(a.receiver)
+
+    when = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    where = machine()
+    tmp = Path(tempfile.mkdtemp(prefix="relax-bench-weights-"))
+    model_dir = make_model(a.hidden, a.layers, tmp / "model")
+    from safetensors.torch import load_file
+
+    named = [(n, t.to(getattr(torch, a.dtype))) for n, t in load_file(str(model_dir / "model.safetensors")).items()]
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    desc = (f"tiny Llama hidden {a.hidden}, {a.layers} layers: {len(named)} tensors, {nbytes / 1e6:.1f} MB {a.dtype} "
+            f"(median tensor {statistics.median(t.numel() * t.element_size() for _, t in named) / 1e3:.0f} kB)")
+    print(f"{desc}\n{where}", flush=True)
+
+    sizes = [max(1, int(b * MiB)) for b in a.bucket_mib]
+    times = transport(named, a.reps, sizes, reuse=not a.fresh_buffers)
+    raw = statistics.median(times["raw"])
+    per = statistics.median(times["per_tensor"])
+    rows = ["| method | broadcasts | median s | min s | GB/s | vs raw | speed-up vs per-tensor |", "|---|---|---|---|---|---|---|"]
+    for key, ts in times.items():
+        med = statistics.median(ts)
+        if key == "raw":
+            nb = 1
+        elif key == "per_tensor":
+            nb = len(named)
+        else:
+            nb = len(list(iter_buckets(named, int(float(key.split()[1]) * MiB))))
+        rows.append(f"| {key.replace('_', '-')} | {nb} | {med:.4f} | {min(ts):.4f} | {nbytes / med / 1e9:.2f} | "
+                    f"{raw / med * 100:.0f} % | {per / med:.1f}× |")
+    out = [f"### Weight sync transport, gloo, 2 processes ({when})", "", f"Model: {desc}. Machine: {where}.",
+           f"Median of {a.reps} (after 1 warm-up), from start handshake to receiver acknowledgement; "
+           "methods interleaved. vs raw = raw time / method time. Pack and receive buffers "
+           + ("allocated anew every time." if a.fresh_buffers else "reused between syncs (raw: one ready buffer each side)."),
+           "", *rows, ""]
+
+    if not a.no_engine:
+        e2e = end_to_end(model_dir, named, max(3, a.reps // 2), tmp)
+        first = statistics.median(next(iter(e2e.values())))
+        out += [f"End to end, `WeightSender.push` to one CPU engine process (pause → continue, HTTP + gloo + the "
+                f"engine loading the weights), median of {max(3, a.reps // 2)}:", "",
+                "| push | HTTP calls | broadcasts | median s | min s | vs bucketed |", "|---|---|---|---|---|---|"]
+        shape = {"push bucketed 512 MiB": (1, 1), "push per-tensor broadcasts, 1 call": (1, len(named)),
+                 "push 1 call + 1 broadcast per tensor": (len(named), len(named))}
+        for key, ts in e2e.items():
+            med = statistics.median(ts)
+            calls, nb = shape[key]
+            out.append(f"| {key} | {calls} update + 6 control | {nb} | {med:.3f} | {min(ts):.3f} | {med / first:.1f}× |")
+        out.append("")
+    text = "\n".join(out)
+    print("\n" + text)
+    if not a.no_append:
+        path = Path(a.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:  # append only: other benchmarks write to this file too
+            if f.tell() == 0:
+                f.write("# Benchmarks\n\nAppended by the tools in tools/bench/; newest last.\n\n")
+            f.write("\n" + text + "\n")
+        print(f"appended to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
