@@ -1,0 +1,84 @@
+"""End-to-end fixtures: the quickstart's tiny model (made offline), run directories made as relax-submit makes
+them, and readers for what a run leaves behind (state.json, metrics.jsonl, summary.json, TensorBoard)."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from relax_hpc.recipe import dump_recipe, load_recipe
+from relax_hpc.rundir import RunDir, create_run_dir
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+ARITH = REPO / "recipes" / "data" / "arith.jsonl"
+HERE = Path(__file__).resolve().parent
+
+
+def make_tiny_model(out: Path, **kw) -> Path:
+    loader = importlib.machinery.SourceFileLoader("relax_make_tiny_model_e2e", str(REPO / "tools" / "make-tiny-model"))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return Path(mod.make_tiny_model(out, **kw))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The quickstart's model: tools/make-tiny-model --arch llama --hidden 64 --layers 2 --heads 4 --kv-heads 2 --seed 0."""
+    return make_tiny_model(tmp_path_factory.mktemp("e2e-model") / "tiny-llama", arch="llama", hidden=64, layers=2,
+                           heads=4, kv_heads=2, seed=0)
+
+
+def quickstart_overrides(model: Path, runs_root: Path, *extra: str) -> list[str]:
+    return [f"model.path={model}", f"data.path={ARITH}", f"run.runs_root={runs_root}", *extra]
+
+
+def make_run(tmp_path: Path, model: Path, *overrides: str, recipe: Path = QUICKSTART, name: str = "e2e") -> RunDir:
+    """A run directory holding the quickstart recipe with ``overrides`` (absolute paths: the roles' cwd differs)."""
+    r = load_recipe(recipe, quickstart_overrides(model, tmp_path / "runs", *overrides))
+    run = create_run_dir(tmp_path / "runs", name)
+    run.recipe.write_text(dump_recipe(r))
+    return run
+
+
+@pytest.fixture
+def local_executor(monkeypatch):
+    monkeypatch.setenv("RELAX_EXECUTOR", "local")
+    monkeypatch.delenv("RELAX_TEST_FAIL_ROLE", raising=False)
+    # reward functions written for the tests (tests/e2e/test_rewards.py) must be importable by the rollout role
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p))
+
+
+def metrics(run: RunDir) -> list[dict]:
+    path = run.path / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def state(run: RunDir) -> dict:
+    return run.read_json(run.state, {}) or {}
+
+
+def wait_until(pred, timeout: float, every: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(every)
+    raise TimeoutError(f"{what} not reached within {timeout:.0f} s")
+
+
+def tensorboard_tags(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Scalar tags in a TensorBoard log directory, read with TensorBoard's own EventAccumulator."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
