@@ -167,5 +167,5 @@ class Colocate:
             log.info("mean reward: first %d steps %.3f, last %d steps %.3f (%d steps, %.0f s); summary %s",
                      summary["reward_window"], first, summary["reward_window"], last, summary["steps"],
                      summary["wall_time_s"], self.run.path / "summary.json")
-        self.state.progress(reward_first10=first, reward_last10=last)
+        self.state.progress(reward_first10=first, reward_last10=last, phase="finished")
         return summary

@@ -55,7 +55,7 @@ from relax_hpc.exchange.chunk import (
     partition_dir,
     sweep_tmp,
 )
-from relax_hpc.exchange.journal import Journal
+from relax_hpc.exchange.journal import Journal, JournalCorrupt
 
 _ID_RE = re.compile(r"^step_(\d+)/(chunk_[A-Za-z0-9_-]+)$")
 
@@ -201,8 +201,13 @@ class Broker:
         self.journal_path = self._journal.path
         self.torn_tail = self._journal.torn_tail
         self.replayed = len(self._journal.records)
-        for rec in self._journal.records:
-            self._apply(rec)
+        for i, rec in enumerate(self._journal.records):
+            try:
+                self._apply(rec)
+            except (KeyError, ValueError, TypeError, IndexError) as e:
+                self._journal.close()
+                raise JournalCorrupt(f"{self._journal.path}: record {i + 1} ({rec.get('op')}) does not fit the "
+                                     f"records before it: {type(e).__name__}: {e}") from None
         self._journal.records = []
         config = {"tasks": {t: list(f) for t, f in self.tasks.items()}, "max_staleness": max_staleness}
         with self._lock:

@@ -129,7 +129,7 @@ class Journal:
         while mv:
             mv = mv[os.write(self._fd, mv) :]
         if self._fsync:
-            os.fdatasync(self._fd)
+            _datasync(self._fd)
         self.appended += 1
         return rec
 
@@ -141,6 +141,9 @@ class Journal:
     @property
     def closed(self) -> bool:
         return self._fd < 0
+
+
+_datasync = getattr(os, "fdatasync", os.fsync)  # fdatasync is Linux's; elsewhere fsync
 
 
 def _read_all(fd: int) -> bytes:

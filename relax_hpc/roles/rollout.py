@@ -41,25 +41,35 @@ def _resolve(p: str) -> str:
 
 def _start_engine(ctx: RoleContext) -> Any:
     """This rank's engine, started (not yet ready): SGLang on a GPU node with RELAX_SGLANG_PYTHON set, else
-    the CPU engine."""
-    import torch
-
+    the CPU engine. Runs before the bootstrap (``prepare``), so the engine loads while torch is imported here;
+    registered for cleanup at once."""
+    if ctx.recipe.model.path is None:
+        return None
     from relax_hpc.rollout.engines import start_engine
 
     r, i = ctx.recipe, ctx.ident
     local = i.node == "localhost"
     host = "127.0.0.1" if local else "0.0.0.0"
     logf = ctx.run.logs / f"engine{i.rank}.log"
-    if torch.cuda.is_available() and os.environ.get("RELAX_SGLANG_PYTHON"):
+    if os.environ.get("RELAX_SGLANG_PYTHON") and _has_cuda():
         gpus = max(1, r.roles.rollout.gpus_per_node // max(1, r.roles.rollout.tasks_per_node))
         first = i.local_rank * gpus
         env = {"CUDA_VISIBLE_DEVICES": ",".join(str(first + k) for k in range(gpus))}
-        return start_engine("sglang", _resolve(r.model.path), tp=gpus, host=host, env=env, log_path=logf,
-                            extra_args=["--weight-version", "0", "--random-seed", str(r.run.seed + i.rank)])
-    threads = max(1, r.roles.rollout.cpus_per_task)
-    return start_engine("cpu", _resolve(r.model.path), host=host, log_path=logf,
-                        extra_args=["--weight-version", "0", "--seed", str(r.run.seed + i.rank),
-                                    "--threads", str(threads)])
+        h = start_engine("sglang", _resolve(r.model.path), tp=gpus, host=host, env=env, log_path=logf,
+                         extra_args=["--weight-version", "0", "--random-seed", str(r.run.seed + i.rank)])
+    else:
+        threads = max(1, r.roles.rollout.cpus_per_task)
+        h = start_engine("cpu", _resolve(r.model.path), host=host, log_path=logf,
+                         extra_args=["--weight-version", "0", "--seed", str(r.run.seed + i.rank),
+                                     "--threads", str(threads)])
+    ctx.add_cleanup(h.stop)  # also on SIGTERM and when the controller is lost
+    return h
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _sniffio_shim() -> None:
@@ -85,16 +95,18 @@ def work(ctx: RoleContext, comm: Any) -> None:
     from relax_hpc.roles.tasks import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [rollout] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     i = ctx.ident
-    engine = _start_engine(ctx)
-    ctx.add_cleanup(engine.stop)  # also on SIGTERM and when the controller is lost
+    engine = ctx.prepared
     try:
+        gen = Generator(ctx) if i.rank == 0 else None  # tokenizer and data load while the engine does
         engine.wait_ready(ENGINE_READY_S)
         me = (f"engine{i.rank}", engine.url, engine.pid, i.node)
         everyone: list[Any] = [None] * i.world
         dist.all_gather_object(everyone, me)
         ctx.report("ready", engine=engine.url)
-        gen = Generator(ctx, {n: u for n, u, _, _ in everyone}) if i.rank == 0 else None
+        if gen is not None:
+            gen.set_engines({n: u for n, u, _, _ in everyone})
 
         def start_engines(task: dict) -> dict:
             return {"engines": {n: u for n, u, _, _ in everyone}, "pids": {n: p for n, _, p, _ in everyone},
@@ -111,7 +123,7 @@ def work(ctx: RoleContext, comm: Any) -> None:
 class Generator:
     """Rank 0's half: data, tokenizer, reward, driver; one :meth:`generate` per rollout step."""
 
-    def __init__(self, ctx: RoleContext, engines: dict[str, str]):
+    def __init__(self, ctx: RoleContext):
         from relax_hpc.rollout.data import data_source_from_config, dataset_from_config, load_tokenizer
         from relax_hpc.rollout.driver import build_driver
 
@@ -122,8 +134,12 @@ class Generator:
             raise ValueError("data.path is not set: the rollout role needs prompts (a JSONL or Parquet file)")
         dataset = dataset_from_config(r.data, r.rollout, tokenizer=self.tokenizer, path=_resolve(r.data.path))
         self.data = data_source_from_config(dataset, r.data, r.rollout, run_seed=r.run.seed)
-        self.driver = build_driver(r, engines, tokenizer=self.tokenizer)
+        self.driver = build_driver(r, {}, tokenizer=self.tokenizer)  # loads the reward function: fails early
+        self.engines: dict[str, str] = {}
+
+    def set_engines(self, engines: dict[str, str]) -> None:
         self.engines = dict(engines)
+        self.driver.set_engines(self.engines)
 
     def generate(self, task: dict) -> dict:
         from relax_hpc.roles import samples as S
@@ -147,7 +163,6 @@ class Generator:
         metrics = dict(result.metrics)
         metrics["perf/exchange_write_time"] = time.monotonic() - t1
         metrics["perf/rollout_time"] = metrics.get("perf/rollout_time", t_gen)
-        metrics["rollout/reward_failures"] = float(len(result.reward_failures))
         versions = sorted({str(s.weight_version) for s in result.samples})
         return {
             "metrics": metrics,
@@ -172,4 +187,4 @@ def _short_failure(f: Any) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main(ROLE, work))
+    sys.exit(main(ROLE, work, prepare=_start_engine))

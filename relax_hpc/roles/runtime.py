@@ -86,6 +86,7 @@ class RoleContext:
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         self._cleanups: list[Callable[[], Any]] = []
+        self.prepared: Any = None  # what main's ``prepare`` returned
 
     # -- things to undo on the way out
     def add_cleanup(self, fn: Callable[[], Any]) -> None:
@@ -172,10 +173,12 @@ def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise Stopped(signum)
 
 
-def main(role: str, work: Work | None = None, argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m relax_hpc.roles.<role> RUN_DIR``: bootstrap, report ready, ``work``, done."""
-    from relax_hpc.roles.comm import bootstrap  # torch is imported here, after the cheap checks
+def main(role: str, work: Work | None = None, argv: list[str] | None = None,
+         prepare: Callable[[RoleContext], Any] | None = None) -> int:
+    """Entry point of ``python -m relax_hpc.roles.<role> RUN_DIR``: bootstrap, report ready, ``work``, done.
 
+    ``prepare(ctx)``, if given, runs before the bootstrap (its result is ``ctx.prepared``): for slow work that
+    needs no communicator, e.g. starting an engine process that loads while torch and the groups come up."""
     argv = sys.argv if argv is None else argv
     if len(argv) != 2:
         print(f"usage: python -m relax_hpc.roles.{role} RUN_DIR", file=sys.stderr)
@@ -188,6 +191,10 @@ def main(role: str, work: Work | None = None, argv: list[str] | None = None) -> 
         ctx.hello()
         ctx.start_heartbeat()
         ctx.report("bootstrap")
+        if prepare is not None:
+            ctx.prepared = prepare(ctx)
+        from relax_hpc.roles.comm import bootstrap  # torch is imported here, after hello and ``prepare``
+
         comm = bootstrap(ctx)
         ctx.report("ready", **comm.summary())
         print(f"{tag} ready: {comm.summary()}", flush=True)

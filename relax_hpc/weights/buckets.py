@@ -166,9 +166,8 @@ def pack(named: list[tuple[str, torch.Tensor]], *, out: torch.Tensor | None = No
         raise ValueError(f"out must be 1-D {named[0][1].dtype} with ≥ {total} elements, got {out.dtype} "
                          f"{tuple(out.shape)}")
     flat = out[:total]
-    with torch.no_grad():
-        for m, (_, t) in zip(meta, named):
-            flat[m.start_idx:m.end_idx].view(m.shape).copy_(t.detach())
+    with torch.no_grad():  # one C++ call for the whole bucket (a per-tensor copy_ loop costs ~2× here)
+        torch.cat([t.detach().reshape(-1) for _, t in named], out=flat)
     return Bucket(flat, meta)
 
 

@@ -272,6 +272,10 @@ class WeightSender:
             infos = _wait_engines({_in_thread(e.server_info): e for e in engines}, self.control_timeout,
                                   "asking the engine's TP size (/server_info)")
             tp_sizes = [int(i.get("tp_size") or 1) for i in infos]
+            for e, i in zip(engines, infos):  # SGLang DP replicas in one server would all claim ranks offset+0..tp-1
+                if int(i.get("dp_size") or 1) > 1 and not i.get("enable_dp_attention"):
+                    raise WeightSyncError(f"engine {e.url} runs dp_size={i['dp_size']} replicas in one server; their "
+                                          "weight-sync ranks would collide. Run one server per replica.", [e.url])
         if len(tp_sizes) != len(engines) or any(int(t) < 1 for t in tp_sizes):
             raise ValueError(f"tp_sizes {list(tp_sizes)} do not fit {len(engines)} engines")
         self.engines, self.tp_sizes = engines, [int(t) for t in tp_sizes]

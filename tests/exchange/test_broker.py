@@ -287,3 +287,14 @@ def test_progress_and_stats(xroot):
     assert b.progress("fwd", 0)["leased"] == 2
     s = b.stats()
     assert s["steps"]["0"]["samples"] == 3 and s["leases"] == 1 and s["samples_in"] == 3
+
+
+def test_quarantined_is_never_handed_out_even_without_file_checks(xroot):
+    b = broker(xroot, check_files=False)  # the broker's own stats off: only the quarantine flag stops it
+    b.start_step(0)
+    r0, r1 = put(b, xroot, 0, [1]), put(b, xroot, 0, [2])
+    assert b.quarantine(r0.id, "operator says so") and not b.quarantine(r0.id, "again")
+    assert [c.id for c in b.request("fwd", batch_size=5).chunks] == [r1.id]
+    b.close()
+    b = broker(xroot, check_files=False)
+    assert b.request("fwd", batch_size=5) is None and [d["chunk"] for d in b.damaged()] == [r0.id]

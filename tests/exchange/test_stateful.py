@@ -227,7 +227,7 @@ class Exchange(RuleBasedStateMachine):
         self.steps[step]["ended"] = True
         self._sync()
 
-    OUTCOMES = st.sampled_from(["ack", "ack", "ack", "release", "hold", "lost", "die_after_writes"])
+    OUTCOMES = st.sampled_from(["ack", "ack", "release", "hold", "hold", "lost", "die_after_writes"])
 
     @rule(task=st.sampled_from(sorted(TASKS)), batch=st.integers(1, 8), data=st.data(), outcome=OUTCOMES)
     def consume(self, task, batch, data, outcome):

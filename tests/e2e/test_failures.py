@@ -1,0 +1,99 @@
+"""Failures at the run level: a reward that raises (skip: reported with the sample, the run goes on; fail: the
+run stops with the report), an engine that dies (reported by name, its requests served by the other
+engine, weight syncs go on without it), and every engine dead (the run fails fast, naming them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from relax_hpc.controller import RunFailed, run_controller
+
+from .conftest import make_run, metrics, state
+
+REWARD = "e2e_rewards.raise_on_ones"  # tests/e2e/e2e_rewards.py: raises for prompts "1+..."
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.mark.slow
+def test_skipped_reward_failures_and_dying_engines(tmp_path, tiny_model, local_executor):
+    """Two engines (two rollout ranks), reward_error_policy skip. During step 2's generation engine1 is killed;
+    during step 4's, engine0: the run fails with both engines named, without waiting for a timeout."""
+    run = make_run(tmp_path, tiny_model, "run.steps=8", f"rollout.custom_rm_path={REWARD}",
+                   "rollout.reward_error_policy=skip", "roles.rollout.tasks_per_node=2", "rollout.max_response_len=4",
+                   name="failures")
+    killed: dict[str, float] = {}
+
+    def killer():
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and len(killed) < 2:
+            st = state(run)
+            engines = st.get("engines") or {}
+            busy = st.get("phase") == "generate"
+            if busy and "engine1" not in killed and st.get("step", 0) >= 1 and engines.get("engine1", {}).get("pid"):
+                _kill(engines["engine1"]["pid"])
+                killed["engine1"] = time.monotonic()
+            elif busy and "engine1" in killed and "engine0" not in killed and st.get("step", 0) >= 3:
+                _kill(engines["engine0"]["pid"])
+                killed["engine0"] = time.monotonic()
+            time.sleep(0.02)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    with pytest.raises(RunFailed) as err:
+        run_controller(run.path)
+    ended = time.monotonic()
+    t.join(5)
+    assert set(killed) == {"engine0", "engine1"}
+    assert ended - killed["engine0"] < 30  # fails fast: no waiting for a timeout
+
+    # every engine dead: the run fails, naming each one
+    reason = str(err.value)
+    assert "no rollout engine left" in reason and "engine0" in reason and "engine1" in reason, reason
+    st = state(run)
+    assert st["state"] == "FAILED" and st["engines"]["engine1"]["dead"]
+
+    # engine1's death: reported by name, its requests served by engine0, steps 2 and 3 completed
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3], rows
+    assert rows[0]["rollout/engines_dead"] == 0 and rows[2]["rollout/engines_dead"] == 1  # dead from step 2 (or 3,
+    # if the kill landed after step 2's last request)
+    for r in rows:  # the sync after engine1's death goes to engine0 alone, and lands
+        assert r["weights/fingerprint_match"] == 1.0 and r["weights/versions_ok"] == 1.0
+    log = (run.logs / "controller.log").read_text()
+    assert "rollout engine engine1 (http://127.0.0.1:" in log and "died" in log
+
+    # the reward that raised: each failure is logged with its sample, counted, and the run went on
+    assert sum(r["rollout/reward_failed"] for r in rows) > 0
+    assert "reward failed for sample index=" in log and "prompt '1+" in log and "test reward refuses" in log
+
+
+@pytest.mark.slow
+def test_a_reward_that_raises_stops_the_run_with_the_report(tmp_path, tiny_model, local_executor):
+    run = make_run(tmp_path, tiny_model, "run.steps=3", f"rollout.custom_rm_path={REWARD}",
+                   "rollout.reward_error_policy=fail", "data.shuffle=false", name="reward-fail")
+    with pytest.raises(RunFailed) as err:
+        run_controller(run.path)
+    reason = str(err.value)
+    assert reason.startswith("rollout rank 0 on localhost failed: step 1 generate: RewardError: the reward function "
+                             "failed for"), reason
+    # each failed sample with its index, group, prompt, response and label, and the error (the first group
+    # scored with a "1+" prompt stops the run)
+    assert re.search(r"sample index=\d+ group_index=\d+: reward e2e_rewards.raise_on_ones raised ValueError: "
+                     r"test reward refuses '1\+\d='\n    prompt: 1\+\d=\n    response: .*\n    label: \d", reason), reason
+    assert "reward_error_policy = fail" in reason
+    st = state(run)
+    assert st["state"] == "FAILED" and st["reason"] == reason and st["step"] == 0
+    assert json.loads((run.path / "summary.json").read_text())["state"] == "FAILED"
