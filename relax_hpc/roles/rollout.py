@@ -62,7 +62,7 @@ def _start_engine(ctx: RoleContext) -> Any:
         h = start_engine("cpu", _resolve(r.model.path), host=host, log_path=logf,
                          extra_args=["--weight-version", "0", "--seed", str(r.run.seed + i.rank),
                                      "--threads", str(threads)])
-    ctx.add_cleanup(h.stop)  # also on SIGTERM and when the controller is lost
+    ctx.add_cleanup(lambda: h.stop(timeout=5.0))  # also on SIGTERM (the controller gives 10 s) and controller loss
     return h
 
 

@@ -90,8 +90,20 @@ class RoleContext:
 
     # -- things to undo on the way out
     def add_cleanup(self, fn: Callable[[], Any]) -> None:
-        """Call ``fn`` when this rank ends, however it ends (except SIGKILL); the last added runs first."""
+        """Call ``fn`` when this rank ends, however it ends (except SIGKILL); the last added runs first.
+
+        The first call installs a SIGTERM handler that runs the cleanups and exits at once (143). Without
+        cleanups SIGTERM keeps its default action, which ends a rank even inside a collective; a Python
+        handler runs only when the main thread is back in Python."""
+        if not self._cleanups and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         self._cleanups.append(fn)
+
+    def _on_sigterm(self, signum: int, _frame: Any) -> None:
+        signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM kills at once
+        print(f"[{self.ident.role}:{self.ident.rank}] stopped by signal {signum}", file=sys.stderr, flush=True)
+        self.run_cleanups()
+        os._exit(128 + signum)
 
     def run_cleanups(self) -> None:
         while self._cleanups:
@@ -160,19 +172,6 @@ def _injected_failure(role: str) -> None:
 Work = Callable[[RoleContext, Any], None]
 
 
-class Stopped(BaseException):
-    """SIGTERM arrived (the controller stopping the steps, scancel): unwind so that cleanups run."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"signal {signum}")
-        self.signum = signum
-
-
-def _exit_on_signal(signum: int, _frame: Any) -> None:
-    signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM kills at once
-    raise Stopped(signum)
-
-
 def main(role: str, work: Work | None = None, argv: list[str] | None = None,
          prepare: Callable[[RoleContext], Any] | None = None) -> int:
     """Entry point of ``python -m relax_hpc.roles.<role> RUN_DIR``: bootstrap, report ready, ``work``, done.
@@ -185,8 +184,6 @@ def main(role: str, work: Work | None = None, argv: list[str] | None = None,
         return 2
     ctx = RoleContext(role, argv[1])
     tag = f"[{role}:{ctx.ident.rank}@{ctx.ident.node}]"
-    if threading.current_thread() is threading.main_thread():  # SIGTERM → Stopped: unwinds, so cleanups run
-        signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         ctx.hello()
         ctx.start_heartbeat()
@@ -206,9 +203,6 @@ def main(role: str, work: Work | None = None, argv: list[str] | None = None,
         ctx.report("done")
         print(f"{tag} done", flush=True)
         return 0
-    except Stopped as e:  # the controller stops the steps: it already knows why
-        print(f"{tag} stopped by signal {e.signum}", file=sys.stderr, flush=True)
-        return 128 + e.signum
     except BaseException:
         text = traceback.format_exc()
         print(f"{tag} failed:\n{text}", file=sys.stderr, flush=True)

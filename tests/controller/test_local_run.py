@@ -59,7 +59,7 @@ def test_a_failing_role_fails_the_run_fast_with_its_error(tmp_path, monkeypatch)
     want = "rollout rank 0 on localhost failed: RuntimeError: RELAX_TEST_FAIL_ROLE=rollout"
     with pytest.raises(RunFailed, match=want):
         run_controller(run.path)
-    assert time.monotonic() - t0 < 45
+    assert time.monotonic() - t0 < 90  # generous for a loaded 2-core machine; the reason check below tells an error report from a timeout
     state = json.loads(run.state.read_text())
     assert state["state"] == "FAILED" and "injected failure" in state["reason"]
     assert state["roles"]["rollout"]["phase"] == "failed"

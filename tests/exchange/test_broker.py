@@ -298,3 +298,21 @@ def test_quarantined_is_never_handed_out_even_without_file_checks(xroot):
     b.close()
     b = broker(xroot, check_files=False)
     assert b.request("fwd", batch_size=5) is None and [d["chunk"] for d in b.damaged()] == [r0.id]
+
+
+def test_wire_forms_and_status_are_json(xroot):
+    import json
+
+    from relax_hpc.exchange import Lease
+
+    b = broker(xroot)
+    b.start_step(0)
+    ref = put(b, xroot, 0, [1, 2])
+    FieldWriter(b, "actor_fwd").add(ref, lp_for(ref))
+    lease = b.request("train", batch_size=4, holder="a0")
+    again = Lease.from_dict(json.loads(json.dumps(lease.to_dict())))
+    assert again == lease and again.chunks[0].sides == lease.chunks[0].sides
+    assert read_chunk(again.chunks[0], ["log_probs"])["log_probs"][1].tolist() == [0.5] * 3
+    json.dumps(b.stats())
+    json.dumps(b.progress("train", 0))
+    json.dumps(b.damaged())

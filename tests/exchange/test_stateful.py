@@ -20,7 +20,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from relax_hpc.exchange import Broker, ChunkQuarantined, DamagedChunk, FieldWriter, LeaseLost, Producer, read_chunk, replay
+from relax_hpc.exchange import Broker, ChunkQuarantined, DamagedChunk, FieldWriter, Producer, read_chunk, replay
 from relax_hpc.exchange.chunk import partition_dir
 from relax_hpc.exchange.staleness import audit, satisfies
 
