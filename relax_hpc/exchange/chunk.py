@@ -562,7 +562,7 @@ def check_file(path: str | os.PathLike, checksum: str, size: int) -> dict:
     return meta
 
 
-def load_verified(path: str | os.PathLike, checksum: str | None = None, size: int | None = None) -> tuple[dict, bytes]:
+def load_verified(path: str | os.PathLike, checksum: str | None = None, size: int | None = None) -> tuple[dict, bytearray]:
     """(header, whole file bytes) after checking size and checksum; the expected values default to the
     header's own (a self-check, for files the journal does not know)."""
     path = Path(path)
@@ -571,12 +571,15 @@ def load_verified(path: str | os.PathLike, checksum: str | None = None, size: in
             actual = os.fstat(f.fileno()).st_size
             if size is not None and actual != size:
                 raise DamagedChunk(path, f"size {actual} bytes, expected {size} ({'truncated' if actual < size else 'grown'})")
-            buf = f.read()
+            buf = bytearray(actual)  # writable: the arrays read_chunk returns are views into it
+            got_n = f.readinto(buf)
+            if got_n != actual:
+                del buf[got_n:]
     except OSError as e:
         raise DamagedChunk(path, f"cannot read: {e.strerror or e}") from None
     if len(buf) < HEADER_SIZE:
         raise DamagedChunk(path, f"truncated: {len(buf)} bytes, shorter than the header")
-    meta = _parse_header(buf[:HEADER_SIZE], path)
+    meta = _parse_header(bytes(buf[:HEADER_SIZE]), path)
     want = checksum if checksum is not None else meta["checksum"]
     want_size = size if size is not None else meta.get("size")
     if len(buf) != want_size:
@@ -584,7 +587,7 @@ def load_verified(path: str | os.PathLike, checksum: str | None = None, size: in
     if meta["checksum"] != want:
         raise DamagedChunk(path, f"header checksum {meta['checksum']}, expected {want}")
     key = b'"checksum":"' + want.encode() + b'"'
-    head = buf[:HEADER_SIZE]
+    head = bytes(buf[:HEADER_SIZE])
     if head.count(key) != 1:
         raise DamagedChunk(path, "header checksum field is damaged")
     try:
@@ -602,15 +605,54 @@ def verify_file(path: str | os.PathLike, checksum: str | None = None, size: int 
     return load_verified(path, checksum, size)[0]
 
 
-def _decode(f: h5py.File, kinds: Mapping[str, str], name: str, ragged: str, path: Path) -> Any:
+class _MemFile(io.RawIOBase):
+    """A read-only file over a buffer, for h5py's file-object driver: no copy of the buffer (BytesIO makes one)."""
+
+    def __init__(self, buf: bytearray):
+        self._mv = memoryview(buf)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else len(self._mv) + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b) -> int:
+        chunk = self._mv[self._pos : self._pos + len(b)]
+        b[: len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
+
+
+def _array(ds: h5py.Dataset, buf: bytearray) -> np.ndarray:
+    """The dataset as a view into the verified buffer (datasets are contiguous: no copy), else read."""
+    if ds.size == 0:
+        return np.empty(ds.shape, ds.dtype)
+    off = ds.id.get_offset()
+    if off is None or ds.id.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS:
+        return ds[()]
+    if off + ds.size * ds.dtype.itemsize > len(buf):
+        raise ValueError(f"dataset {ds.name} runs past the end of the file")
+    return np.frombuffer(buf, dtype=ds.dtype, count=ds.size, offset=off).reshape(ds.shape)
+
+
+def _decode(f: h5py.File, buf: bytearray, kinds: Mapping[str, str], name: str, ragged: str, path: Path) -> Any:
     obj = f.get(name)
     if obj is None or name not in kinds:
         raise DamagedChunk(path, f"field {name!r} is missing from the file")
     kind = kinds[name]
     if kind == "fixed" and isinstance(obj, h5py.Dataset):
-        return obj[()]
+        return _array(obj, buf)
     if kind in ("ragged", "json") and isinstance(obj, h5py.Group):
-        r = Ragged(obj["data"][()], obj["offsets"][()])
+        r = Ragged(_array(obj["data"], buf), _array(obj["offsets"], buf))
         if kind == "json":
             raw = r.data.tobytes()
             return [json.loads(raw[r.offsets[i] : r.offsets[i + 1]]) for i in range(len(r))]
@@ -622,8 +664,9 @@ def read_chunk(ref: ChunkRef, fields: Iterable[str] | None = None, *, ragged: st
     """Read ``fields`` (default: all) of a chunk, from its main file and side files, each verified first.
 
     Returns ``{field: column}``: ``fixed`` → ndarray (n, …); ``ragged`` → list of n ndarrays (or one
-    :class:`Ragged` with ``ragged="flat"``); ``json`` → list of n values. Only the files holding the asked
-    fields are read. Raises :class:`DamagedChunk` (and returns nothing) if any of them fails its check.
+    :class:`Ragged` with ``ragged="flat"``); ``json`` → list of n values. The arrays are writable views into
+    the file's verified bytes (read once, never copied). Only the files holding the asked fields are read.
+    Raises :class:`DamagedChunk` (and returns nothing) if any of them fails its check.
     """
     if ragged not in ("list", "flat"):
         raise ValueError("ragged must be 'list' or 'flat'")
@@ -640,10 +683,10 @@ def read_chunk(ref: ChunkRef, fields: Iterable[str] | None = None, *, ragged: st
             raise DamagedChunk(path, f"header kind={meta.get('kind')} n={meta.get('n')} base={meta.get('base')} "
                                      f"does not belong to {ref.id}")
         try:
-            with h5py.File(io.BytesIO(buf), "r") as f:
+            with h5py.File(_MemFile(buf), "r") as f:
                 kinds = json.loads(f.attrs["meta"])["fields"]
                 for name in wanted:
-                    out[name] = _decode(f, kinds, name, ragged, path)
+                    out[name] = _decode(f, buf, kinds, name, ragged, path)
         except DamagedChunk:
             raise
         except Exception as e:  # verified bytes that HDF5 cannot read: written damaged

@@ -53,7 +53,13 @@ def work(ctx: RoleContext, comm: Any) -> None:
 
     r = ctx.recipe
     rank = ctx.ident.rank
-    torch.set_num_threads(max(1, r.roles.actor.cpus_per_task))
+    if not torch.cuda.is_available():
+        # Megatron wraps fused ops in torch.compile; on a CPU that compiles C++ for ~20 s at the first step
+        # and gains nothing at the sizes a CPU trains
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
+        torch.set_num_threads(max(1, r.roles.actor.cpus_per_task))
     init_parallel(r.train.tp, r.train.pp, seed=r.train.seed)
     temperature = r.rollout.temperature if r.rollout.temperature > 1e-6 else 1.0  # greedy: the engine uses T=1
     actor = MegatronActor.from_hf(_model_path(ctx), r.train, r.algorithm, temperature=temperature)

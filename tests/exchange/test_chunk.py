@@ -293,3 +293,14 @@ def test_sweep_tmp(xroot):
     assert sweep_tmp(xroot, older_than_s=3600) == []
     assert [p.name for p in sweep_tmp(xroot, older_than_s=0)] == [".chunk_p_0.h5.123.ab.tmp"]
     assert [p.name for p in visible_chunks(xroot, 0)] == ["chunk_p_1.h5"]
+
+
+def test_read_arrays_are_private_writable_views(xroot):
+    partition_dir(xroot, 0).mkdir()
+    ref = write_chunk(xroot, 0, "p", 0, sample_fields([1, 2], [5, 0]))
+    a, b = read_chunk(ref), read_chunk(ref, ragged="flat")
+    a["tokens"][0][:] = -1  # a consumer may modify what it got in place
+    a["sid"][0] = 42
+    assert b["tokens"][0].tolist() == read_chunk(ref)["tokens"][0].tolist() != [-1] * 5
+    assert b["sid"].tolist() == [1, 2] and b["tokens"].lengths().tolist() == [5, 0]
+    verify_file(ref.path)  # the file is untouched

@@ -374,10 +374,14 @@ class Exchange(RuleBasedStateMachine):
             shutil.rmtree(self.root, ignore_errors=True)
 
     def _drain(self):
-        """Everyone dies, the broker restarts, the producer ends its steps, consumers run dry."""
+        """The broker restarts, consumers come back or are declared dead, the producer ends its steps,
+        consumers run dry."""
         self.broker_restarts(torn=False)
-        for h in HOLDERS:
-            self._holder_died(h)
+        for i, h in enumerate(HOLDERS):  # half the consumers come back and finish their leases, half are gone
+            if i % 2:
+                self._holder_died(h)
+            else:
+                self.consumer_reconnects(h)
         for s in sorted(self._open_steps()):
             self.end_step_(s)
         progress = True
