@@ -48,6 +48,9 @@ class Colocate:
     def __init__(self, recipe: Recipe, run: RunDir, state: RunState, channel: Channel):
         if recipe.mode != "colocate":
             raise NotImplementedError(f"mode {recipe.mode!r} is not implemented yet. Fix: use mode: colocate")
+        if recipe.algorithm.use_kl_loss:
+            raise NotImplementedError("algorithm.use_kl_loss needs reference log-probs, and the reference role does "
+                                      "no work yet. Fix: set algorithm.use_kl_loss: false")
         self.recipe, self.run, self.state, self.channel = recipe, run, state, channel
         self.total = recipe.run.steps
         self.metrics = RunMetrics(run.path, recipe.logging.tensorboard)

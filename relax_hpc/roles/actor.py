@@ -46,7 +46,7 @@ def work(ctx: RoleContext, comm: Any) -> None:
 
     from relax_hpc.roles import samples as S
     from relax_hpc.roles.tasks import serve
-    from relax_hpc.roles.weight_sync import ROWS, check_engines
+    from relax_hpc.roles.weight_sync import ROWS, EngineChecker
     from relax_hpc.weights import WeightSender
     from relax_hpc.train.actor import MegatronActor
     from relax_hpc.train.parallel import init_parallel
@@ -65,6 +65,7 @@ def work(ctx: RoleContext, comm: Any) -> None:
     actor = MegatronActor.from_hf(_model_path(ctx), r.train, r.algorithm, temperature=temperature)
     ctx.report("ready", model=_model_path(ctx))
     st: dict[str, Any] = {"sender": None, "engines": {}}
+    checker = EngineChecker()
 
     def connect(task: dict) -> dict:
         st["engines"] = dict(task["engines"])
@@ -78,10 +79,8 @@ def work(ctx: RoleContext, comm: Any) -> None:
 
     def train(task: dict) -> dict:
         t0 = time.monotonic()
-        from megatron.core import parallel_state as ps
-
-        samples = S.read_samples(task["chunks"])
-        batch = S.to_train_batch(samples, r.algorithm, process_group=ps.get_data_parallel_group())
+        samples = S.read_samples(task["chunks"])  # every rank reads the whole batch (train_step shards it), so
+        batch = S.to_train_batch(samples, r.algorithm)  # advantage whitening needs no process group
         t_read = time.monotonic() - t0
         diff = {}
         if not r.algorithm.use_rollout_logprobs:
@@ -114,7 +113,7 @@ def work(ctx: RoleContext, comm: Any) -> None:
         out["perf/weight_sync_time"] = time.monotonic() - t0
         if rank != 0:
             return {"metrics": out}
-        checks = check_engines(engines, heads, version) if r.logging.check_weight_sync else {}
+        checks = checker.check(engines, heads, version) if r.logging.check_weight_sync else {}
         if checks:
             out["weights/fingerprint_match"] = float(all(c["fingerprint_equal"] for c in checks.values()))
             out["weights/engine_max_abs_diff"] = max(c["max_abs_diff"] for c in checks.values())
@@ -131,6 +130,7 @@ def work(ctx: RoleContext, comm: Any) -> None:
         serve(ctx, comm, {"connect": connect, "train": train, "sync": sync, "checkpoint": checkpoint,
                           "stop": lambda task: {}})
     finally:
+        checker.close()
         if st["sender"] is not None:  # the engines are going away too: leave without asking them
             st["sender"].close(destroy_on_engines=False)
 

@@ -24,20 +24,38 @@ def probe(named: dict[str, torch.Tensor], k: int = 3) -> list[str]:
     return sorted({names[0], names[len(names) // 2], names[-1]})
 
 
-def check_engines(engines: dict[str, str], heads: dict[str, torch.Tensor], version: str,
-                  rows: int = ROWS) -> dict[str, Any]:
-    """Per engine: fingerprint equal, max |engine − actor| over the probed slices, and its weight version."""
-    from relax_hpc.rollout.client import EngineClient
-    from relax_hpc.weights.fingerprint import fingerprint
+class EngineChecker:
+    """Checks engines after a sync; keeps one client per engine URL (a new HTTP client costs ~0.1 s)."""
 
-    names = probe(heads)
-    want = {n: heads[n][:rows] for n in names}
-    out: dict[str, Any] = {}
-    for name, url in engines.items():
-        with EngineClient(url) as c:
+    def __init__(self) -> None:
+        self._clients: dict[str, Any] = {}
+
+    def _client(self, url: str) -> Any:
+        from relax_hpc.rollout.client import EngineClient
+
+        if url not in self._clients:
+            self._clients[url] = EngineClient(url)
+        return self._clients[url]
+
+    def check(self, engines: dict[str, str], heads: dict[str, torch.Tensor], version: str,
+              rows: int = ROWS) -> dict[str, Any]:
+        """Per engine: fingerprint equal, max |engine − actor| over the probed slices, and its weight version."""
+        from relax_hpc.weights.fingerprint import fingerprint
+
+        names = probe(heads)
+        want = {n: heads[n][:rows] for n in names}
+        out: dict[str, Any] = {}
+        for name, url in engines.items():
+            c = self._client(url)
             got = {n: torch.tensor(c.get_weights_by_name(n, truncate_size=rows), dtype=torch.float64) for n in names}
             diff = max((float((got[n] - want[n].double().reshape(got[n].shape)).abs().max()) for n in names),
                        default=0.0)
+            v = c.weight_version()
             out[name] = {"fingerprint_equal": fingerprint(got) == fingerprint(want), "max_abs_diff": diff,
-                         "version": c.weight_version(), "version_ok": c.weight_version() == str(version)}
-    return out
+                         "version": v, "version_ok": v == str(version)}
+        return out
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()

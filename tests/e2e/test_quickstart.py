@@ -1,6 +1,6 @@
 """The quickstart learns: a shortened run on the local executor (and, marked slurm, as a Slurm het job).
 
-The local test runs the quickstart recipe for 30 steps (the full quickstart runs 200; docs/quickstart.md
+The local test runs the quickstart recipe for 25 steps (the full quickstart runs 200; docs/quickstart.md
 has its numbers) and checks what a user is told to look at: summary.json's rewards (the last 10 steps'
 mean well above the first 10's), TensorBoard events with Relax's metric names, state.json's progress,
 reward.png; and what the run checks on the way: every step's samples carry the weights of the step
@@ -20,7 +20,7 @@ from relax_hpc.controller import run_controller
 
 from .conftest import QUICKSTART, REPO, metrics, quickstart_overrides, state, tensorboard_tags
 
-STEPS = 30
+STEPS = 25
 RISE = 0.15
 
 
