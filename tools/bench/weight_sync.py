@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -213,6 +214,13 @@ def main(argv=None) -> int:
     when = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     where = machine()
     tmp = Path(tempfile.mkdtemp(prefix="relax-bench-weights-"))
+    try:
+        return run(a, tmp, when, where)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(a, tmp: Path, when: str, where: str) -> int:
     model_dir = make_model(a.hidden, a.layers, tmp / "model")
     from safetensors.torch import load_file
 
