@@ -18,6 +18,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -93,6 +94,32 @@ class HetSlurmInfoWatcher(SlurmInfoWatcher):
             }
         return info
 
+    # sacct is eventually consistent: for a few seconds after a short het job ends it may show one plain row
+    # ``J`` in a final state. submitit caches final states and stops asking, so without this a het job could
+    # stay "COMPLETED" with only its first component seen. A job submitted as het is done only once its het
+    # rows are read, or after a grace period (a dbd that never splits it must not hang ``result()``).
+    HET_ROWS_GRACE_S = 180.0
+
+    def __init__(self, delay_s: int = 60) -> None:
+        super().__init__(delay_s=delay_s)
+        self._het_pending: dict[str, float | None] = {}  # job id -> when first seen final as a plain row
+
+    def expect_het(self, job_id: str) -> None:
+        self._het_pending[job_id] = None
+
+    def is_done(self, job_id: str, mode: str = "standard") -> bool:
+        done = super().is_done(job_id, mode=mode)
+        if job_id not in self._het_pending:
+            return done
+        if not done:
+            return False
+        if "HetComponents" not in self._info_dict.get(job_id, {}):
+            first_final = self._het_pending[job_id] = self._het_pending[job_id] or time.monotonic()
+            if time.monotonic() - first_final < self.HET_ROWS_GRACE_S:
+                return False
+        del self._het_pending[job_id]
+        return True
+
 
 class HetSlurmJob(SlurmJob):
     watcher = HetSlurmInfoWatcher(delay_s=600)
@@ -124,7 +151,9 @@ class HetSlurmExecutor(SlurmExecutor):
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         if command != self._submitit_command_str:  # only our runner may be submitted this way
             raise ValueError(f"HetSlurmExecutor submits the submitit runner only, not {command!r}")
-        return self._render(self.runner_argv())
+        text = self._render(self.runner_argv())
+        self._submitted_het = "#SBATCH hetjob" in text
+        return text
 
     def _num_tasks(self) -> int:
         return 1
@@ -132,7 +161,11 @@ class HetSlurmExecutor(SlurmExecutor):
     def _internal_process_submissions(self, delayed_submissions: list) -> list:
         if len(delayed_submissions) != 1:
             raise ValueError("a relax_hpc run is one heterogeneous job: submit one task at a time")
-        return super()._internal_process_submissions(delayed_submissions)
+        jobs = super()._internal_process_submissions(delayed_submissions)
+        if getattr(self, "_submitted_het", False):
+            for job in jobs:
+                job.watcher.expect_het(job.job_id)
+        return jobs
 
 
 # ------------------------------------------------------------------------------------------ local ---

@@ -48,6 +48,24 @@ def test_watcher_is_done_for_het_jobs():
     assert not w.is_done("12", mode="cache") and w.is_done("13", mode="cache")
 
 
+def test_a_het_job_seen_as_one_plain_final_row_is_not_done_until_its_het_rows(monkeypatch):
+    """sacct briefly shows a just-ended het job as plain ``15|COMPLETED``; submitit would cache that as final
+    and never ask again (the CI failure this test pins)."""
+    clock = [1000.0]
+    monkeypatch.setattr("relax_hpc.launch.executors.time.monotonic", lambda: clock[0])
+    w = HetSlurmInfoWatcher()
+    w.expect_het("15")
+    w._info_dict.update(w.read_info(SACCT))
+    assert w._info_dict["15"]["State"] == "COMPLETED" and not w.is_done("15", mode="cache")
+    w._info_dict.update(w.read_info("JobID|State|NodeList\n15+0|COMPLETED|node4\n15+1|COMPLETED|node1\n"))
+    assert w.is_done("15", mode="cache") and w._info_dict["15"]["HetComponents"] == "2"
+    w.expect_het("16")  # a dbd that never splits it: done after the grace period, so result() cannot hang
+    w._info_dict.update(w.read_info("JobID|State|NodeList\n16|FAILED|node1\n"))
+    assert not w.is_done("16", mode="cache")
+    clock[0] += w.HET_ROWS_GRACE_S + 1
+    assert w.is_done("16", mode="cache")
+
+
 def test_controller_task_is_checkpointable_and_picklable(tmp_path):
     task = ControllerTask(tmp_path)
     again = task.checkpoint()
