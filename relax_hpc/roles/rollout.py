@@ -152,7 +152,8 @@ class Generator:
         groups = self.data.get_samples()
         t0 = time.monotonic()
         try:
-            result = self.driver.generate_rollout_sync(groups)
+            # seeded by (run.seed, step): a resumed run samples what the uninterrupted one would have
+            result = self.driver.generate_rollout_sync(groups, seed=self.recipe.run.seed * 1_000_003 + step)
         except RewardError as e:  # the full report (tracebacks too) goes to this log; the run's reason gets
             log.error("step %d: %s", step, e)  # the samples and the errors, without the tracebacks
             e.report = f"{type(e).__name__}: {str(e).split(chr(10) + 'Traceback of the first failure:')[0]}"

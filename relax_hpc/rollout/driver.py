@@ -27,6 +27,8 @@ longer than its context) fails the batch at once with the sample named.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import logging
 import statistics
 import time
@@ -301,9 +303,12 @@ class RolloutDriver:
                 self.on_engine_dead(engine.name, reason)
 
     async def generate_sample(self, sample: Sample, sp: SamplingParams, *, evaluation: bool = False,
-                              batch: _Batch | None = None) -> Sample:
-        """Generate ``sample``'s response (retrying as the module docstring says); fills the sample in place."""
+                              batch: _Batch | None = None, seed: int | None = None) -> Sample:
+        """Generate ``sample``'s response (retrying as the module docstring says); fills the sample in place.
+        ``seed`` becomes the request's ``sampling_seed`` (the same on a retry, so a retry samples alike)."""
         batch = batch if batch is not None else _Batch()
+        if seed is not None:
+            sp = dataclasses.replace(sp, sampling_seed=seed)
         prompt_ids = self._prompt_ids(sample)
         attempts = 0
         avoid: set[str] = set()
@@ -353,12 +358,19 @@ class RolloutDriver:
             sample.status = SampleStatus.COMPLETED
 
     # --- a batch -------------------------------------------------------------------------------------
-    async def _group(self, group: list[Sample], sp: SamplingParams, evaluation: bool, batch: _Batch) -> list[RewardFailure]:
-        await asyncio.gather(*(self.generate_sample(s, sp, evaluation=evaluation, batch=batch) for s in group))
+    async def _group(self, group: list[Sample], sp: SamplingParams, evaluation: bool, batch: _Batch,
+                     seeds: list[int | None]) -> list[RewardFailure]:
+        await asyncio.gather(*(self.generate_sample(s, sp, evaluation=evaluation, batch=batch, seed=seed)
+                               for s, seed in zip(group, seeds)))
         return await self.reward.score_group(group, evaluation=evaluation)
 
-    async def generate_rollout(self, groups: Iterable[list[Sample]], *, evaluation: bool = False) -> RolloutResult:
+    async def generate_rollout(self, groups: Iterable[list[Sample]], *, evaluation: bool = False,
+                               seed: int | None = None) -> RolloutResult:
         """Generate, score and (unless ``evaluation``) normalize one batch of groups; see the module docstring.
+
+        With ``seed``, the k-th sample of the batch is requested with ``sampling_seed`` derived from
+        (seed, k): its tokens then depend on the weights and the prompt only, not on which engine serves it
+        or in which order, so a run resumed from a checkpoint samples what the uninterrupted run sampled.
 
         Raises :class:`NoEngineError` when every engine died, :class:`RolloutError` for a request that cannot
         be served, and :class:`~relax_hpc.rollout.rewards.RewardError` under ``reward_error_policy: fail``.
@@ -375,7 +387,10 @@ class RolloutDriver:
         t0 = time.monotonic()
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._group(g, sp, evaluation, batch)) for g in groups]
+                tasks = [tg.create_task(self._group(g, sp, evaluation, batch,
+                                                    [None if seed is None else sample_seed(seed, i * n + j)
+                                                     for j in range(n)]))
+                         for i, g in enumerate(groups)]
         except BaseExceptionGroup as eg:
             raise _first_error(eg) from None
         rollout_time = time.monotonic() - t0
@@ -392,9 +407,10 @@ class RolloutDriver:
                              reward_failures=reward_failures, engine_failures=batch.engine_failures,
                              retries=batch.retries)
 
-    def generate_rollout_sync(self, groups: Iterable[list[Sample]], *, evaluation: bool = False) -> RolloutResult:
+    def generate_rollout_sync(self, groups: Iterable[list[Sample]], *, evaluation: bool = False,
+                              seed: int | None = None) -> RolloutResult:
         """:meth:`generate_rollout` from synchronous code (runs its own event loop)."""
-        return asyncio.run(self.generate_rollout(groups, evaluation=evaluation))
+        return asyncio.run(self.generate_rollout(groups, evaluation=evaluation, seed=seed))
 
     def _metrics(self, samples: list[Sample], raw: list[float], rewards: list[float], n: int, rollout_time: float,
                  evaluation: bool, batch: _Batch) -> dict[str, float]:
@@ -445,3 +461,9 @@ def build_driver(recipe: Any, engines: Sequence[EngineLike] | dict[str, EngineLi
 
     args = build_args(recipe, **extra_args)
     return RolloutDriver(args, engines, tokenizer=tokenizer, algorithm=recipe.algorithm, on_engine_dead=on_engine_dead)
+
+
+def sample_seed(seed: int, k: int) -> int:
+    """A 63-bit request seed for sample ``k`` of a batch seeded ``seed`` (a hash, so nearby seeds differ)."""
+    h = hashlib.blake2b(f"{seed}:{k}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1

@@ -113,6 +113,19 @@ def test_batch_of_groups(cpu_engine, client, dataset, tokenizer, reward_mod):
     assert [len(t) for t in data["tokens"]] == data["total_lengths"]
 
 
+def test_a_seeded_batch_samples_the_same_tokens_whatever_the_concurrency(cpu_engine, dataset, tokenizer):
+    """The resume promise at the rollout level: a batch seeded by (run seed, step) samples the same responses
+    when requests interleave differently; another seed samples others."""
+    groups = lambda: RolloutDataSource(dataset, rollout_batch_size=4, n_samples_per_prompt=4).get_samples()
+    runs = []
+    for conc, seed in ((1, 77), (4, 77), (4, 78)):
+        driver = RolloutDriver(make_args(rm_type="math", sglang_server_concurrency=conc, max_response_len=6,
+                                         temperature=1.0), [cpu_engine], tokenizer=tokenizer)
+        runs.append([s.tokens for s in driver.generate_rollout_sync(groups(), seed=seed).samples])
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
 def test_concurrency_bound_per_engine(cpu_engine, dataset, tokenizer):
     args = make_args(rm_type="math", sglang_server_concurrency=3, max_response_len=4)
     driver = RolloutDriver(args, [cpu_engine], tokenizer=tokenizer)
