@@ -16,6 +16,16 @@ Each step's metrics (the roles' ``rollout/*``, ``train/*``, ``perf/*``, ``weight
 reason (a reward that raised under ``reward_error_policy: fail``, every engine dead, ...). An engine
 the driver declared dead is logged by name, marked in ``state.json`` and left out of later steps and
 weight syncs. The exchange keeps only the last step's chunk.
+
+Resume: if ``RUN_DIR/checkpoints/latest`` names a complete checkpoint of step K, the loop starts there:
+rollout restores its data cursor, the actor loads the checkpoint in ``connect``, a sync puts its weights
+on the engines (version ``"K"``), and step K+1 follows; metrics after K from an earlier attempt are
+dropped (:class:`~relax_hpc.ops.metrics.RunMetrics`). Requests are seeded by (run seed, step), so the
+resumed run does what the uninterrupted one would have.
+
+Stop with a checkpoint (:meth:`Colocate.request_stop`: the time-limit warning, ``relax-cancel
+--checkpoint``): the step in flight finishes, a checkpoint is saved unless the last one is of this step,
+and ``outcome`` becomes ``"requeue"`` or ``"cancel"`` for the controller loop to act on.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from relax_hpc.controller.state import RunState
 from relax_hpc.ops.metrics import REWARD, RunMetrics
 from relax_hpc.recipe import Recipe
 from relax_hpc.rundir import RunDir
+from relax_hpc.train.latest import read_latest
 
 log = logging.getLogger("relax_hpc.controller")
 
@@ -53,18 +64,43 @@ class Colocate:
                                       "no work yet. Fix: set algorithm.use_kl_loss: false")
         self.recipe, self.run, self.state, self.channel = recipe, run, state, channel
         self.total = recipe.run.steps
-        self.metrics = RunMetrics(run.path, recipe.logging.tensorboard)
+        latest = read_latest(run.path / "checkpoints")
+        self.resume_path = str(latest[0]) if latest else None
+        self.last_ckpt_step = int(latest[1]["step"]) if latest else None
+        resume_step = self.last_ckpt_step or 0
+        self._drop_exchange_after(resume_step)
+        self.metrics = RunMetrics(run.path, recipe.logging.tensorboard, start_step=resume_step,
+                                  started=state.doc.get("started_at"))
         self._ids = itertools.count(1)
         self.pending: dict[int, Task] = {}
-        self.step = 0  # the step in progress (0 before the first)
+        self.step = resume_step  # the step in progress, or the last one done between steps (0 before the first)
+        self.resyncing = False
+        self.stop_request: tuple[str, str] | None = None  # (outcome, why) asked for by request_stop
+        self.outcome: str | None = None  # "requeue" or "cancel" once a requested stop is done
         self.engines: dict[str, str] = {}
         self.engine_info: dict[str, dict] = {}
         self.cur: dict[str, float] = {}  # this step's metrics so far
         self.step_t0 = 0.0
-        self.data_state: dict | None = None
-        state.progress(step=0, phase="starting engines", reward=None, engines={})
-        self._assign("rollout", "start_engines")
+        self.data_state: dict | None = (latest[1].get("extra_state") or {}).get("data") if latest else None
+        if latest:
+            log.info("resuming from %s (step %d of %d)", self.resume_path, resume_step, self.total)
+            state.event("resumed", f"from the checkpoint of step {resume_step}")
+        state.progress(step=resume_step, phase="starting engines", reward=None, engines={})
+        self._assign("rollout", "start_engines", data_state=self.data_state)
 
+    def _drop_exchange_after(self, step: int) -> None:
+        """Chunks of steps after the checkpoint are from an attempt that did not get to keep them."""
+        root = self.run.path / "exchange"
+        for d in root.glob("step_*") if root.is_dir() else []:
+            if d.name.split("_", 1)[1].isdigit() and int(d.name.split("_", 1)[1]) > step:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def request_stop(self, outcome: str, why: str) -> None:
+        """Finish the step in flight, checkpoint, then stop with ``outcome`` ("requeue" or "cancel")."""
+        if self.stop_request is None and self.outcome is None:
+            log.info("%s: the step in flight finishes, then a checkpoint, then %s", why, outcome)
+            self.stop_request = (outcome, why)
+            self.state.event("stop requested", f"{why}: checkpoint, then {outcome}")
     # -- tasks out
     def _assign(self, role: str, kind: str, **fields: Any) -> None:
         tid = next(self._ids)
@@ -84,7 +120,7 @@ class Colocate:
         res = msg["result"]
         if "error" in res:
             at = f"step {task.step} {task.kind}" if task.step else task.kind
-            self.state.fail(task.role, msg["rank"], self._node(task.role), f"{at}: {res['error']}")
+            self.state.fail(task.role, msg["rank"], self._node(task.role), f"{at}: {res['error']}", kind="task")
             return
         self.cur.update({k: v for k, v in (res.get("metrics") or {}).items()})
         getattr(self, f"_{task.kind}_done")(res)
@@ -99,12 +135,24 @@ class Colocate:
                                 "dead": None} for n, u in self.engines.items()}
         log.info("engines: %s", ", ".join(f"{n} {u}" for n, u in self.engines.items()))
         self.state.progress(engines=self.engine_info, phase="connecting weight sync")
-        self._assign("actor", "connect", engines=self.engines)
+        self._assign("actor", "connect", engines=self.engines, load=self.resume_path)
 
     def _connect_done(self, res: dict) -> None:
-        self._next_step()
+        if self.resume_path is None:
+            return self._next_step()
+        self.resyncing = True  # the engines serve the model on disk: give them the checkpoint's weights
+        self.state.progress(phase="sync")
+        self._assign("actor", "sync", version=str(self.step), engines=self._live())
 
     def _next_step(self) -> None:
+        if self.stop_request is not None:
+            outcome, why = self.stop_request
+            if self.step > (self.last_ckpt_step or 0):
+                self.state.progress(phase="checkpoint")
+                self._assign("actor", "checkpoint", extra={"step": self.step, "data": self.data_state})
+            else:
+                self.outcome = outcome
+            return
         if self.step >= self.total:
             self.state.progress(phase="stopping")
             for role in ("rollout", "actor"):
@@ -139,6 +187,9 @@ class Colocate:
         shutil.rmtree(self.run.path / "exchange" / f"step_{self.step - 1}", ignore_errors=True)
 
     def _sync_done(self, res: dict) -> None:
+        if self.resyncing:
+            self.resyncing = False
+            return self._next_step()
         bad = {n: v for n, v in (res.get("engine_versions") or {}).items() if v != str(self.step)}
         if bad:
             log.warning("step %d: engines report other weight versions than %d after the sync: %s", self.step,
@@ -155,7 +206,9 @@ class Colocate:
             self._next_step()
 
     def _checkpoint_done(self, res: dict) -> None:
-        self.state.progress(last_checkpoint=res.get("path"))
+        self.last_ckpt_step = self.step
+        self.state.progress(last_checkpoint={"step": self.step, "path": res.get("path"), "time": time.time()})
+        self.state.event("checkpoint", f"step {self.step}: {res.get('path')}")
         self._next_step()
 
     def _stop_done(self, res: dict) -> None:

@@ -3,8 +3,19 @@
 instead of hanging it.
 
 With ``model.path`` set, the training loop (:class:`~relax_hpc.controller.colocate.Colocate`: generate →
-train → sync, metrics, summary) rides on the same loop: it sees every message and hands out tasks;
-without it the roles only bootstrap. A later issue adds real work to :func:`on_signal`.
+train → sync, metrics, summary, resume from ``checkpoints/latest``) rides on the same loop: it sees every
+message and hands out tasks; without it the roles only bootstrap.
+
+Surviving the cluster (``docs/controller.md``, "Surviving the cluster"):
+
+* SIGUSR2 (``--signal=B:USR2@lead``, the time limit is near) or ``relax-cancel --checkpoint/--requeue``:
+  the step in flight finishes, the actor checkpoints, then the attempt ends REQUEUED (and comes back, see
+  :mod:`.requeue`) or the run ends CANCELLED.
+* SIGTERM (scancel, or preemption: Slurm signals the steps too and kills after KillWait): stop now; a
+  preempted job is requeued by Slurm and resumes from the last checkpoint.
+* A step that crashes, is killed or hangs (no heartbeat): every step is stopped and started again from
+  the latest checkpoint, at most ``checkpoint.max_restarts`` times per attempt. A task's own verdict
+  (a reward that raised, no engine alive) fails the run at once: doing it again would end the same way.
 """
 
 from __future__ import annotations
@@ -19,24 +30,23 @@ from pathlib import Path
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.colocate import Colocate
 from relax_hpc.controller.procs import StepProcess, stop_steps
+from relax_hpc.controller.requeue import come_back
 from relax_hpc.controller.signals import Signals
-from relax_hpc.controller.state import RunState
+from relax_hpc.controller.state import COMPLETED, FAILED, REQUEUED, RunState
 from relax_hpc.launch.steps import executor_from_env, step_commands
-from relax_hpc.recipe import load_recipe, role_steps
+from relax_hpc.ops.notify import EVENTS, Notifier, notify_urls
+from relax_hpc.recipe import Recipe, load_recipe, role_steps
 from relax_hpc.rundir import RunDir, write_json
 
 log = logging.getLogger("relax_hpc.controller")
 TICK_S = 0.2  # how long the loop waits for messages before it checks exits, silence and signals
 STOP_GRACE_S = 10.0
+LEVELS = {"failed": "failure", "finished": "success", "preempted": "warning", "step_restarted": "warning",
+          "cancelled": "warning"}
 
 
 class RunFailed(RuntimeError):
     """The run ended FAILED or CANCELLED; the message is state.json's reason."""
-
-
-def on_signal(name: str, state: RunState, steps: list[StepProcess]) -> str:
-    """Hook for SIGUSR2/SIGTERM: a later issue checkpoints and requeues here. Returns the cancel reason."""
-    return f"received {name}: stopping the steps (checkpoint and requeue are not implemented yet)"
 
 
 def run_controller(run_dir: str | os.PathLike) -> dict:
@@ -53,48 +63,123 @@ def run_controller(run_dir: str | os.PathLike) -> dict:
 
 def _run(run: RunDir) -> dict:
     recipe, executor = load_recipe(run.recipe), executor_from_env()
+    notifier = Notifier(notify_urls(recipe.logging.notify_urls), run.name)
+    restart = False
+    with Signals() as sig:  # held through the cleanup too: a second Ctrl-C must not cut the stop short
+        while True:
+            state = RunState(run, recipe, role_steps(recipe), executor, restart=restart)
+            state.on_event = lambda name, detail: name in EVENTS and notifier.send(
+                name, detail, LEVELS.get(name, "info"))
+            if not restart:
+                state.event("started", f"attempt {state.doc['attempt']}, job {state.doc['job_id']} ({executor})")
+            _attempt(run, recipe, executor, state, sig)
+            f = state.failure
+            restart = (state.doc["state"] == FAILED and f is not None and f.kind == "role"
+                       and state.doc["restarts"] < recipe.checkpoint.max_restarts)
+            if not restart:
+                break
+            state.event("step_restarted", f"{state.doc['reason']}; restarting every step from the latest "
+                        f"checkpoint ({state.doc['restarts'] + 1}/{recipe.checkpoint.max_restarts})")
+            state.write()
+    doc = state.doc
+    if doc["state"] == REQUEUED:
+        if doc["attempt"] >= recipe.slurm.max_requeues:
+            state.fail("controller", None, None, f"{doc['reason']}, but this was attempt {doc['attempt']} and "
+                       f"slurm.max_requeues is {recipe.slurm.max_requeues}: not coming back. Fix: raise "
+                       f"slurm.max_requeues or run.steps per job time, then relax-submit --resume {run.path}")
+        else:
+            state.event("requeued", doc["reason"])
+            state.write()
+            state.doc["requeue"] = come_back(run, recipe, executor)  # locally, and mostly on Slurm, no return
+            state.write()
+            return state.doc
+    if doc["state"] == COMPLETED:
+        state.event("finished", _summary_line(run))
+    else:
+        state.event("failed" if doc["state"] == FAILED else "cancelled", doc["reason"] or "")
+    state.write()
+    if doc["state"] != COMPLETED:
+        raise RunFailed(doc["reason"])
+    return doc
+
+
+def _attempt(run: RunDir, recipe: Recipe, executor: str, state: RunState, sig: Signals) -> None:
+    """Start the steps, run until the state is final, stop the steps."""
     local = executor == "local"
     host = "127.0.0.1" if local else os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    state = RunState(run, recipe, role_steps(recipe), executor)
     steps = [StepProcess(c, run.path) for c in step_commands(recipe, run.path, executor)]
-    channel = Channel(run.token(), bind_host="127.0.0.1" if local else "0.0.0.0")
-    write_json(run.controller_addr, {"host": host, "port": channel.port, "pid": os.getpid()})
+    channel = Channel(run.token(), bind_host="127.0.0.1" if local else "0.0.0.0")  # a new port per attempt:
+    write_json(run.controller_addr, {"host": host, "port": channel.port, "pid": os.getpid()})  # no stragglers
     log.info("run %s: executor %s, control socket %s:%d", run.name, executor, host, channel.port)
     train = None
-    with Signals() as sig:  # held through the cleanup too: a second Ctrl-C must not cut the stop short
-        try:
-            train = Colocate(recipe, run, state, channel) if recipe.model.path else None
-            for s in steps:
-                log.info("starting %s: %s", s.role, " ".join(s.cmd.procs[0].argv))
-                s.start()
-                state.step_started(s.role, time.time())
-            while state.running:
-                codes = {s: s.poll() for s in steps}  # polled first: a rank's last message precedes its exit
-                for now, msg in channel.drain(TICK_S):
-                    state.apply(now, msg)
-                    if train is not None:
-                        train.on_message(msg)
-                for s, code in codes.items():
-                    if code is not None:
-                        state.step_exited(s.role, code, s.last_line() if code else "")
-                state.check_silence(time.time(), recipe.logging.heartbeat_timeout_s)
-                if sig.received:
-                    state.cancel(on_signal(sig.name, state, steps))
-                state.check_complete()
-                state.write(every_s=1.0)
-        except BaseException as e:
-            state.fail("controller", None, host, f"{type(e).__name__}: {e}")
-            raise
-        finally:
-            stop_steps(steps, STOP_GRACE_S)
-            channel.close()
-            if train is not None:
-                train.finish()
-            state.write()
-            _report(state, steps)
-    if state.doc["state"] != "COMPLETED":
-        raise RunFailed(state.doc["reason"])
-    return state.doc
+    try:
+        train = Colocate(recipe, run, state, channel) if recipe.model.path else None
+        for s in steps:
+            log.info("starting %s: %s", s.role, " ".join(s.cmd.procs[0].argv))
+            s.start()
+            state.step_started(s.role, time.time())
+        while state.running:
+            codes = {s: s.poll() for s in steps}  # polled first: a rank's last message precedes its exit
+            for now, msg in channel.drain(TICK_S):
+                if msg["type"] == "control":
+                    _on_stop(state, train, "requeue" if msg["action"] == "checkpoint_requeue" else "cancel",
+                             f"relax-cancel --{msg['action'].split('_')[1]}")
+                    continue
+                state.apply(now, msg)
+                if train is not None:
+                    train.on_message(msg)
+            for s, code in codes.items():
+                if code is not None:
+                    state.step_exited(s.role, code, s.last_line() if code else "")
+            state.check_silence(time.time(), recipe.logging.heartbeat_timeout_s)
+            name = sig.take()
+            if name == "SIGUSR2":
+                _on_stop(state, train, "requeue", "SIGUSR2: the time limit is near")
+            elif name:
+                _on_interrupt(run, state, executor, name)
+            if train is not None and train.outcome is not None:
+                why = train.stop_request[1]
+                state.requeue(why) if train.outcome == "requeue" else state.cancel(f"{why}: stopped after a checkpoint")
+            state.check_complete()
+            state.write(every_s=1.0)
+    except BaseException as e:
+        state.fail("controller", None, host, f"{type(e).__name__}: {e}", kind="controller")
+        raise
+    finally:
+        stop_steps(steps, STOP_GRACE_S)
+        channel.close()
+        if train is not None:
+            train.finish()
+        state.write()
+        _report(state, steps)
+
+
+def _on_stop(state: RunState, train: Colocate | None, outcome: str, why: str) -> None:
+    """Checkpoint, then requeue or cancel; with no training loop there is nothing to save: at once."""
+    if train is not None:
+        train.request_stop(outcome, why)
+    elif outcome == "requeue":
+        state.requeue(why)
+    else:
+        state.cancel(why)
+
+
+def _on_interrupt(run: RunDir, state: RunState, executor: str, name: str) -> None:
+    ck = state.doc.get("last_checkpoint") or {}
+    since = f"the checkpoint of step {ck['step']}" if ck else "the start (no checkpoint yet)"
+    if executor == "slurm" and name == "SIGTERM" and not (run.path / "cancel.json").exists():
+        state.event("preempted", f"SIGTERM (preemption or scancel); a requeued job resumes from {since}")
+        state.cancel(f"received SIGTERM (preemption or scancel); a requeued job resumes from {since}")
+    else:
+        state.cancel(f"received {name}: stopped; relax-submit --resume resumes from {since}")
+
+
+def _summary_line(run: RunDir) -> str:
+    s = run.read_json(run.path / "summary.json", {}) or {}
+    if s.get("reward_first10") is None:
+        return f"{s.get('steps', 0)} steps"
+    return (f"{s['steps']} steps in {s.get('wall_time_s')} s; mean reward first {s['reward_window']} steps "
+            f"{s['reward_first10']:.3f}, last {s['reward_window']} steps {s['reward_last10']:.3f}")
 
 
 def _report(state: RunState, steps: list[StepProcess]) -> None:

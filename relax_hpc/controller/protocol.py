@@ -49,7 +49,10 @@ FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "lookup": {"key": str},
     "next_task": {"role": str, "rank": int, "wait_s": (int, float)},
     "task_done": {"role": str, "rank": int, "task_id": int, "result": dict},
+    "control": {"action": str},  # from relax-cancel: see CONTROL_ACTIONS
 }
+# what a user may ask of a running controller: checkpoint, then end the run (cancel) or this attempt (requeue)
+CONTROL_ACTIONS = ("checkpoint_cancel", "checkpoint_requeue")
 
 
 class ProtocolError(Exception):
@@ -85,6 +88,8 @@ def validate(msg: dict) -> None:
             raise ProtocolError(f"{kind}: field {name!r} missing or of the wrong type")
     if kind == "heartbeat" and msg["phase"] not in PHASES:
         raise ProtocolError(f"heartbeat: phase must be one of {', '.join(PHASES)}")
+    if kind == "control" and msg["action"] not in CONTROL_ACTIONS:
+        raise ProtocolError(f"control: action must be one of {', '.join(CONTROL_ACTIONS)}")
 
 
 # ------------------------------------------------------------------------------------------ server ---
@@ -255,6 +260,9 @@ class Client:
 
     def task_done(self, role: str, rank: int, task_id: int, result: dict) -> dict:
         return self.request("task_done", role=role, rank=rank, task_id=task_id, result=result)
+
+    def control(self, action: str) -> dict:
+        return self.request("control", action=action)
 
     def close(self) -> None:
         with self._lock:

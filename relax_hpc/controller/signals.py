@@ -30,6 +30,11 @@ class Signals:
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
+    def take(self) -> str:
+        """The name of the signal received since the last take ("" if none), which is then forgotten."""
+        name, self.received = self.name, None
+        return name
+
     @property
     def name(self) -> str:
         return signal.Signals(self.received).name if self.received else ""

@@ -6,6 +6,10 @@ a step that ends before all its ranks said ``done``, or a rank silent for longer
 timeout. The first failure wins and names role, rank, node and the error's last line.
 
 Times are Unix epoch seconds (floats). Phases only move forward (a late heartbeat cannot undo ``done``).
+
+A run lives through attempts (a requeued or continued job, a local requeue) and, inside one, restarts of
+its steps; ``state.json`` is carried across both: ``attempt``, ``restarts``, ``history`` (how each earlier
+try ended), ``last_checkpoint``, ``last_failure`` and ``events`` survive, the per-role view starts anew.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from relax_hpc.rundir import RunDir, write_json
 
 ORDER = {p: i for i, p in enumerate(PHASES)}
 RUNNING, COMPLETED, FAILED, CANCELLED = "RUNNING", "COMPLETED", "FAILED", "CANCELLED"
+REQUEUED = "REQUEUED"  # this attempt ended to come back (time limit, relax-cancel --requeue); the run goes on
+CARRIED = ("history", "restarts", "last_checkpoint", "last_failure", "events", "started_at", "reward_first10")
+MAX_EVENTS = 50
 
 
 @dataclass
@@ -39,7 +46,7 @@ class Failure:
     rank: int | None
     node: str | None
     message: str
-
+    kind: str = "role"  # role: a step crashed, hung or raised (a restart may help); task: the role's verdict on its work
     def reason(self) -> str:
         who = self.role + (f" rank {self.rank}" if self.rank is not None else "")
         return f"{who}{f' on {self.node}' if self.node else ''} failed: {self.message}"
@@ -47,8 +54,10 @@ class Failure:
 
 class RunState:
     def __init__(self, run: RunDir, recipe: Recipe, steps: list[RoleStep], executor: str,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, restart: bool = False):
+        """``restart``: the steps are being restarted inside this attempt (not a new attempt of the job)."""
         env = os.environ if env is None else env
+        prev = run.read_json(run.state, {}) or {}
         self.run, self.steps = run, {s.role: s for s in steps}
         self.ranks = {s.role: [Rank() for _ in range(s.ntasks)] for s in steps}
         self.launched: dict[str, float] = {}
@@ -59,7 +68,9 @@ class RunState:
         job = run.read_json(run.job, {}) or {}
         self.doc: dict[str, Any] = {
             "run": run.name, "job_id": env.get("SLURM_JOB_ID") or job.get("job_id"), "executor": executor,
-            "state": RUNNING, "reason": None, "attempt": int(env.get("SLURM_RESTART_COUNT") or 0),
+            "state": RUNNING, "reason": None, "attempt": int(prev.get("attempt", -1)) + (0 if restart else 1),
+            "slurm_restart_count": int(env.get("SLURM_RESTART_COUNT") or 0), "restarts": 0, "history": [],
+            "last_checkpoint": None, "last_failure": None, "events": [],
             "step": 0, "total_steps": recipe.run.steps, "started_at": now, "updated_at": now,
             "roles": {s.role: {
                 "het_group": s.het_group,
@@ -71,7 +82,13 @@ class RunState:
             } for s in steps},
             "cross_group": {"world": len(self.members), "ok": None},
         }
+        if prev:
+            self.doc.update({k: prev[k] for k in CARRIED if prev.get(k) is not None})
+            self.doc["restarts"] += 1 if restart else 0
+            self.doc["history"] = (self.doc["history"] + [{k: prev.get(k) for k in (
+                "attempt", "job_id", "state", "reason", "step", "updated_at")}])[-MAX_EVENTS:]
         self.dirty, self.urgent, self._last_write = True, True, 0.0
+        self.on_event = None  # called with (name, detail) for each event (the controller notifies)
 
     @property
     def running(self) -> bool:
@@ -122,7 +139,7 @@ class RunState:
                     return
 
     # -- outcomes
-    def fail(self, role: str, rank: int | None, node: str | None, message: str) -> None:
+    def fail(self, role: str, rank: int | None, node: str | None, message: str, kind: str = "role") -> None:
         self.urgent = True
         if role in self.doc["roles"]:
             self.doc["roles"][role]["error"] = self.doc["roles"][role]["error"] or message
@@ -130,8 +147,9 @@ class RunState:
             if rank is not None:
                 self.ranks[role][rank].phase = "failed"
         if self.running:
-            self.failure = Failure(role, rank, node, message)
+            self.failure = Failure(role, rank, node, message, kind)
             self._finish(FAILED, self.failure.reason())
+            self.doc["last_failure"] = self.failure.reason()
         self.dirty = True
 
     def progress(self, **fields: Any) -> None:
@@ -142,6 +160,17 @@ class RunState:
     def cancel(self, reason: str) -> None:
         if self.running:
             self._finish(CANCELLED, reason)
+
+    def requeue(self, reason: str) -> None:
+        if self.running:
+            self._finish(REQUEUED, reason)
+
+    def event(self, name: str, detail: str = "") -> None:
+        """A line in ``state.json``'s ``events`` (what ``relax-status`` shows of the run's life)."""
+        self.doc["events"] = (self.doc["events"] + [{"time": time.time(), "event": name, "detail": detail}])[-MAX_EVENTS:]
+        self.dirty = self.urgent = True
+        if self.on_event is not None:
+            self.on_event(name, detail)
 
     def check_complete(self) -> None:
         if self.running and len(self.exit_codes) == len(self.ranks) and \

@@ -1,4 +1,5 @@
-"""Cancel a run: ``scancel`` its het job (all components at once), or stop a local run's process group.
+"""Cancel a run: ``scancel`` its het job (all components at once), or stop a local run's process group;
+or ask its controller, over the run's control socket, to checkpoint first (``--checkpoint``/``--requeue``).
 
 The request is recorded in ``RUN_DIR/cancel.json`` first, so that a run that dies of the cancellation is
 reported CANCELLED (not FAILED) by ``relax-status`` even when nothing else could say why it ended.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import socket
 import time
+
+from relax_hpc.controller.protocol import Client, ProtocolError
 
 from relax_hpc.launch import localproc, slurm
 from relax_hpc.launch.runs import load_job
@@ -35,3 +38,37 @@ def cancel(rd: RunDir, grace_s: float = 30.0) -> dict:
                               "another process; nothing was signalled")
     return {"run": rd.name, "run_dir": str(rd.path), "job_id": str(job.get("job_id")), "executor": executor,
             "action": outcome}
+
+
+def checkpoint_then_stop(rd: RunDir, action: str, wait_s: float = 600.0) -> dict:
+    """Ask the controller to finish the step in flight, checkpoint, then cancel or requeue (``action`` is a
+    ``CONTROL_ACTIONS`` name); wait up to ``wait_s`` for the attempt to end. Returns what happened."""
+    job = load_job(rd)
+    addr = rd.read_json(rd.controller_addr, {}) or {}
+    state = (rd.read_json(rd.state, {}) or {}).get("state")
+    if not addr or state != "RUNNING":
+        raise CancelError(f"run {rd.name} has no running controller (state {state or 'unknown'}): nothing to "
+                          "checkpoint. Fix: relax-cancel without --checkpoint")
+    if action == "checkpoint_cancel":
+        write_json(rd.path / "cancel.json", {"requested_at": time.time(), "by": "relax-cancel --checkpoint"})
+    try:
+        client = Client(addr["host"], int(addr["port"]), rd.token(), timeout_s=10.0)
+        try:
+            client.control(action)
+        finally:
+            client.close()
+    except (OSError, ProtocolError) as e:
+        raise CancelError(f"cannot reach the controller of run {rd.name} at {addr['host']}:{addr['port']}: {e}. "
+                          "Fix: relax-cancel without --checkpoint (the last periodic checkpoint is kept)") from None
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        doc = rd.read_json(rd.state, {}) or {}
+        if doc.get("state") != "RUNNING":
+            ck = doc.get("last_checkpoint") or {}
+            return {"run": rd.name, "run_dir": str(rd.path), "job_id": str(job.get("job_id")),
+                    "executor": job.get("executor", "slurm"),
+                    "action": "requeue" if doc.get("state") == "REQUEUED" else "checkpoint, then cancel",
+                    "state": doc.get("state"), "checkpoint": ck.get("path"), "step": ck.get("step")}
+        time.sleep(0.5)
+    raise CancelError(f"run {rd.name} did not stop within {wait_s:g} s (the step in flight or the checkpoint is "
+                      "slow); it will still stop after them. relax-status shows when")

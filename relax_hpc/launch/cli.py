@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console
 
 from relax_hpc.launch import slurm
-from relax_hpc.launch.cancel import CancelError, cancel
+from relax_hpc.launch.cancel import CancelError, cancel, checkpoint_then_stop
 from relax_hpc.launch.follow import follow
 from relax_hpc.launch.runs import DEFAULT_RUNS_ROOT, RunNotFound, find_run
 from relax_hpc.launch.status import collect, is_final, render
@@ -52,12 +52,14 @@ def _submit_parser() -> argparse.ArgumentParser:
         prog="relax-submit",
         description="Submit a recipe as one Slurm heterogeneous job (or run it locally).",
         epilog="Overrides: key.sub=value, e.g. run.steps=20 roles.rollout.nodes=2. See docs/cli.md.")
-    ap.add_argument("recipe", help="recipe YAML file")
+    ap.add_argument("recipe", help="recipe YAML file (with --resume: the run's name or directory)")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
     ap.add_argument("--local", action="store_true", help="run on this machine (the default without sbatch on PATH)")
     ap.add_argument("--dry-run", action="store_true", help="print the sbatch script and step commands; submit nothing")
     ap.add_argument("--json", action="store_true", help="print one JSON object (run, run_dir, job_id, ...)")
     ap.add_argument("--detach", action="store_true", help="local runs: return at once instead of following the run")
+    ap.add_argument("--resume", action="store_true",
+                    help="start an ended run again from its latest checkpoint, in its own directory")
     return ap
 
 
@@ -76,6 +78,8 @@ def submit_main(argv: list[str] | None = None) -> int:
     executor = "local" if args.local or not slurm.have_sbatch() else "slurm"
     if executor == "local" and not args.local:
         _err("relax-submit: no sbatch on PATH: running with the local executor (processes on this machine)")
+    if args.resume:
+        return _resume(args, console)
     try:
         p = plan(args.recipe, args.overrides, executor)
     except RecipeError as e:
@@ -117,6 +121,36 @@ def submit_main(argv: list[str] | None = None) -> int:
             console.print("Next:", highlight=False)
             for c in record["next"]:
                 console.print(f"  {c}", highlight=False, soft_wrap=True)
+        return EXIT_OK
+    return _foreground(rd, record, job, console, args.json)
+
+
+def _resume(args: argparse.Namespace, console: Console) -> int:
+    from relax_hpc.launch.submit import resume
+
+    try:
+        rd = find_run(args.recipe)
+    except RunNotFound as e:
+        _err(f"relax-submit --resume: {e}")
+        return EXIT_FAILED
+    if args.overrides:
+        _err("relax-submit --resume: a resumed run keeps its recipe (RUN_DIR/recipe.yaml); overrides are refused")
+        return EXIT_FAILED
+    info = collect(rd)
+    if not is_final(info) or info["state"] == "COMPLETED":
+        _err(f"relax-submit --resume: run {rd.name} is {info['state']}: only a run that ended without "
+             "completing can be resumed")
+        return EXIT_FAILED
+    try:
+        record, job = resume(rd.path, "local" if args.local else None)
+    except Exception as e:
+        _err(f"relax-submit --resume: {e}")
+        return EXIT_FAILED
+    if job is None or args.detach:
+        if args.json:
+            _print_json(record)
+        else:
+            console.print(f"Resumed run [bold]{rd.name}[/bold] as job {record['job_id']}.", highlight=False)
         return EXIT_OK
     return _foreground(rd, record, job, console, args.json)
 
@@ -211,6 +245,14 @@ def _cancel_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--grace", type=float, default=30.0,
                     help="local runs: seconds between SIGTERM and SIGKILL (default 30)")
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--checkpoint", action="store_true",
+                     help="let the step in flight finish, save a checkpoint, then cancel (resume later with "
+                          "relax-submit --resume RUN)")
+    how.add_argument("--requeue", action="store_true",
+                     help="save a checkpoint, then end this attempt and come back (Slurm: requeue)")
+    ap.add_argument("--wait", type=float, default=600.0,
+                    help="with --checkpoint/--requeue: seconds to wait for the run to act (default 600)")
     return ap
 
 
@@ -222,14 +264,18 @@ def cancel_main(argv: list[str] | None = None) -> int:
         _err(f"relax-cancel: {e}")
         return EXIT_REFUSED
     try:
-        out = cancel(rd, grace_s=args.grace)
+        if args.checkpoint or args.requeue:
+            out = checkpoint_then_stop(rd, "checkpoint_requeue" if args.requeue else "checkpoint_cancel", args.wait)
+        else:
+            out = cancel(rd, grace_s=args.grace)
     except (CancelError, slurm.SlurmError) as e:
         _err(f"relax-cancel: {e}")
         return EXIT_FAILED
     if args.json:
         _print_json(out)
     else:
-        print(f"Cancelled run {out['run']} ({out['executor']} job {out['job_id']}: {out['action']}).")
+        print(f"{'Cancelled' if out['action'] != 'requeue' else 'Requeued'} run {out['run']} "
+              f"({out['executor']} job {out['job_id']}: {out['action']}).")
     return EXIT_OK
 
 

@@ -314,3 +314,8 @@ def job_components(job_id: int | str, name: str | None = None) -> list[Component
 def scancel(job_id: int | str, signal: str | None = None) -> None:
     argv = ["scancel"] + ([f"--signal={signal}"] if signal else []) + [str(job_id)]
     run(argv)
+
+
+def scontrol_requeue(job_id: int | str) -> None:
+    """Requeue a job (a het job: all its components, same id). Slurm kills the calling batch script at once."""
+    run(["scontrol", "requeue", str(job_id)])

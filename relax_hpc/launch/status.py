@@ -158,6 +158,12 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
         "submitted_at": job.get("submitted_at"),
         "controller_state": ctl.get("state"),
         "attempt": ctl.get("attempt"),
+        "restarts": ctl.get("restarts"),
+        "last_checkpoint": ctl.get("last_checkpoint"),
+        "last_failure": ctl.get("last_failure"),
+        "events": (ctl.get("events") or [])[-5:],
+        "phase": ctl.get("phase"),
+        "reward": ctl.get("reward"),
         "step": ctl.get("step"),
         "total_steps": ctl.get("total_steps"),
         "updated_at": ctl.get("updated_at"),
@@ -195,6 +201,9 @@ def render(info: dict) -> RichGroup:
     head = Text.assemble((info["run"], "bold"), f"  job {info['job_id']} ({info['executor']})  ",
                          _styled(info["state"]), step, left)
     parts: list[Any] = [head]
+    life = _life_line(info)
+    if life:
+        parts.append(Text(life, style="dim"))
     if info.get("reason"):
         parts.append(Text(f"reason: {info['reason']}", style="yellow" if info["state"] == "PENDING" else "red"))
     comps = Table(title=None, box=None, pad_edge=False, header_style="bold")
@@ -214,6 +223,25 @@ def render(info: dict) -> RichGroup:
                       "-" if hb is None else f"{hb:.0f}s ago", _cell(r.get("error")))
     parts += [Text(""), comps, Text(""), roles, Text(f"logs: {info['logs']}", style="dim")]
     return RichGroup(*parts)
+
+
+def _life_line(info: dict) -> str:
+    """Attempts, restarts, the last checkpoint and the last failure (recovered or not), on one line."""
+    bits = []
+    if info.get("phase") and info["state"] == "RUNNING":
+        bits.append(f"phase {info['phase']}")
+    if isinstance(info.get("reward"), (int, float)):
+        bits.append(f"reward {info['reward']:.3f}")
+    if info.get("attempt"):
+        bits.append(f"attempt {info['attempt']}")
+    if info.get("restarts"):
+        bits.append(f"{info['restarts']} step restart(s)")
+    ck = info.get("last_checkpoint")
+    if isinstance(ck, dict) and ck.get("step") is not None:
+        bits.append(f"last checkpoint step {ck['step']}")
+    if info.get("last_failure") and info.get("last_failure") != info.get("reason"):
+        bits.append(f"last failure: {info['last_failure']}")
+    return "  ".join(bits)
 
 
 def signature(info: dict) -> tuple:

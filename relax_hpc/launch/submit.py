@@ -166,6 +166,26 @@ def submit(p: Plan) -> tuple[dict, Any]:
     return record, job
 
 
+def resume(run_dir: str | Path, executor: str | None = None, python: str | None = None) -> tuple[dict, Any]:
+    """Start an ended run again in its own directory (``relax-submit --resume``): the controller resumes from
+    ``checkpoints/latest``. Slurm runs get a continuation job (:func:`resubmit`); local runs a new process.
+    Returns (job.json contents, the submitit job handle or None)."""
+    rd = RunDir(Path(run_dir).resolve())
+    old = rd.read_json(rd.job, {}) or {}
+    if (executor or old.get("executor", "slurm")) == "slurm":
+        return resubmit(rd.path, python), None
+    recipe = load_recipe(rd.recipe)
+    p = Plan(recipe, str(rd.recipe), [], "local", python or old.get("python") or sys.executable, [rd.path])
+    (rd.path / "cancel.json").unlink(missing_ok=True)  # an earlier relax-cancel is not this attempt's
+    job = _submit_local(p, rd)
+    pid = int(job.job_id)
+    record = dict(old, executor="local", job_id=str(pid), pid=pid, pgid=pid, pid_start=localproc.start_ticks(pid),
+                  submitted_at=time.time(), host=socket.gethostname(),
+                  previous_job_ids=[*old.get("previous_job_ids", []), old.get("job_id")])
+    write_json(rd.job, record)
+    return record, job
+
+
 def resubmit(run_dir: str | Path, python: str | None = None) -> dict:
     """Submit an existing Slurm run again as a new job (for a controller whose requeue was refused).
 

@@ -50,6 +50,14 @@ class TensorBoardWriter:
             self._w.add_event(self._Event(wall_time=wall_time or time.time(), step=int(step),
                                           summary=self._Summary(value=vals)))
 
+    def purge_from(self, step: int) -> None:
+        """Hide the events at ``step`` and later that earlier attempts wrote (steps a resumed run does again):
+        TensorBoard drops them when it reads a START session log at that step, so a curve stays one curve."""
+        from tensorboard.compat.proto.event_pb2 import SessionLog
+
+        self._w.add_event(self._Event(wall_time=time.time(), step=int(step),
+                                      session_log=SessionLog(status=SessionLog.START)))
+
     def flush(self) -> None:
         self._w.flush()
 
@@ -69,19 +77,46 @@ def numeric(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 class RunMetrics:
-    """The controller's metrics sink for one run: ``log`` a step's metrics, ``finish`` once at the end."""
+    """The controller's metrics sink for one run: ``log`` a step's metrics, ``finish`` once at the end.
 
-    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True):
+    ``start_step``: the step the run resumes after (its checkpoint's; 0 for a fresh start). What an earlier
+    attempt logged up to it is kept (``metrics.jsonl`` and the same TensorBoard directory, so the curves go
+    on); what it logged after is dropped, because this attempt does those steps again."""
+
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, start_step: int = 0,
+                 started: float | None = None):
         self.dir = Path(run_dir)
         self.rewards: dict[int, float] = {}
-        self.started = time.time()
+        self.started = started or time.time()
+        self._keep_until(start_step)
         self._tb: TensorBoardWriter | None = None
         if tensorboard:
             try:
                 self._tb = TensorBoardWriter(self.dir / "tensorboard")
             except ImportError as e:  # the package is in requirements; still, never fail a run over it
                 log.warning("no TensorBoard events (cannot import tensorboard: %s); metrics.jsonl still has them", e)
+        if self._tb is not None and self._earlier:
+            self._tb.purge_from(start_step + 1)
         self._jsonl = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def _keep_until(self, step: int) -> None:
+        path = self.dir / "metrics.jsonl"
+        self._earlier = path.exists()
+        if not self._earlier:
+            return
+        kept = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:  # a line cut by a kill
+                continue
+            if int(row.get("step", 0)) <= step:
+                kept.append(line)
+                if REWARD in row:
+                    self.rewards[int(row["step"])] = float(row[REWARD])
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+        os.replace(tmp, path)
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
         """Record ``metrics`` for rollout step ``step``; returns the numeric ones that were written."""

@@ -131,6 +131,7 @@ class RolloutConfig:
 class CheckpointConfig:
     interval: int = 0  # save every N steps (0: only on signal and at the end)
     keep: int = 2  # keep the last K checkpoints
+    max_restarts: int = 2  # a step that crashes, is killed or hangs: restart every step from the latest checkpoint, at most this many times per job attempt
 
 
 @dataclass

@@ -143,6 +143,11 @@ def check(recipe: Recipe) -> list[Problem]:
         problems.append(("max_staleness", recipe.max_staleness, "must be 0 or more"))
     if recipe.slurm.signal_lead_s < 0:
         problems.append(("slurm.signal_lead_s", recipe.slurm.signal_lead_s, "must be 0 or more seconds"))
+    for key, val, low in (("checkpoint.interval", recipe.checkpoint.interval, 0), ("checkpoint.keep", recipe.checkpoint.keep, 1),
+                          ("checkpoint.max_restarts", recipe.checkpoint.max_restarts, 0),
+                          ("slurm.max_requeues", recipe.slurm.max_requeues, 0)):
+        if val < low:
+            problems.append((key, val, f"must be at least {low}"))
     if recipe.logging.heartbeat_timeout_s <= recipe.logging.heartbeat_s:
         problems.append(("logging.heartbeat_timeout_s", recipe.logging.heartbeat_timeout_s,
                          f"must be longer than logging.heartbeat_s = {recipe.logging.heartbeat_s}"))

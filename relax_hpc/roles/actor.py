@@ -4,7 +4,8 @@ After the bootstrap (:mod:`relax_hpc.roles.runtime`) every rank builds the Megat
 ``model.path`` (``init_parallel`` over the role's group, then :meth:`MegatronActor.from_hf`) and serves
 the controller's tasks (:mod:`relax_hpc.roles.tasks`):
 
-- ``connect {engines}``: rank 0 builds the weight-sync group with the engines (:mod:`.weight_sync`).
+- ``connect {engines, load}``: every rank loads the checkpoint ``load`` if given (a resumed run), then
+  rank 0 builds the weight-sync group with the engines (:mod:`.weight_sync`).
 - ``train {step, chunks}``: read the step's samples from the exchange (checksums verified), broadcast the
   normalized rewards over the response tokens (advantages), recompute π_old with a forward pass (or use
   the engine's log-probs with ``algorithm.use_rollout_logprobs``), one ``train_step``. Returns Relax's
@@ -68,6 +69,10 @@ def work(ctx: RoleContext, comm: Any) -> None:
     checker = EngineChecker()
 
     def connect(task: dict) -> dict:
+        loaded = None
+        if task.get("load"):  # collective: every rank got this task
+            actor.load_checkpoint(task["load"])
+            loaded = actor.step
         st["engines"] = dict(task["engines"])
         if rank == 0:
             if st["sender"] is None:
@@ -75,7 +80,7 @@ def work(ctx: RoleContext, comm: Any) -> None:
                 st["sender"].connect(list(st["engines"].values()), reachable_host(ctx.ident))
             else:  # the engine set changed (an engine died): a group's size is fixed, so a new group
                 st["sender"].reconnect(list(st["engines"].values()))
-        return {"engines": sorted(st["engines"])}
+        return {"engines": sorted(st["engines"]), "loaded_step": loaded}
 
     def train(task: dict) -> dict:
         t0 = time.monotonic()

@@ -5,7 +5,7 @@ Every rank launches one engine on its node (the CPU engine where there is no CUD
 the number of engines. Rank 0 gathers their URLs and drives them; the other ranks keep their engine alive
 until ``stop``. Tasks (:mod:`relax_hpc.roles.tasks`):
 
-- ``start_engines``: returns ``{"engines": {name: url}, "pids": {...}, "nodes": {...}}`` (names
+- ``start_engines {data_state}``: restores the data cursor if given (a resumed run); returns ``{"engines": {name: url}, "pids": {...}, "nodes": {...}}`` (names
   ``engine0``, ``engine1``, ... by rank).
 - ``generate {step, engines}``: the next ``rollout_batch_size`` prompt groups from ``data.path``, generated
   with :class:`~relax_hpc.rollout.driver.RolloutDriver` on the live engines (a dead one is reported by
@@ -109,6 +109,8 @@ def work(ctx: RoleContext, comm: Any) -> None:
             gen.set_engines({n: u for n, u, _, _ in everyone})
 
         def start_engines(task: dict) -> dict:
+            if gen is not None and task.get("data_state"):
+                gen.data.load_state_dict(task["data_state"])
             return {"engines": {n: u for n, u, _, _ in everyone}, "pids": {n: p for n, _, p, _ in everyone},
                     "nodes": {n: node for n, _, _, node in everyone}}
 

@@ -35,12 +35,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from relax_hpc.train.latest import LATEST, resolve, step_dir_name  # noqa: F401 - the layout, shared
+
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-LATEST = "latest"
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
 
 
 def _in_process_results_queue() -> None:
@@ -165,20 +162,6 @@ def _prune(root: Path, keep: int) -> None:
     done = sorted(p for p in root.glob("step_*") if (p / "meta.json").exists())
     for p in done[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
-
-
-def resolve(path: str | os.PathLike) -> Path:
-    """A step directory, from a root (through ``latest``) or a step directory itself."""
-    p = Path(path)
-    if (p / "meta.json").exists():
-        return p
-    latest = p / LATEST
-    if not latest.exists():
-        raise FileNotFoundError(f"no checkpoint at {p}: neither {latest} nor {p / 'meta.json'} exists")
-    step_dir = p / latest.read_text().strip()
-    if not (step_dir / "meta.json").exists():
-        raise FileNotFoundError(f"{latest} names {step_dir}, which is not a complete checkpoint")
-    return step_dir
 
 
 def load(path: str | os.PathLike, model: list, optimizer, *, load_optimizer: bool = True) -> tuple[int, dict]:

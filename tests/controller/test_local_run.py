@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from ctl_helpers import make_run
+from ctl_helpers import TINY, make_run
 from relax_hpc.controller import RunFailed, run_controller
 
 
@@ -69,32 +69,56 @@ def test_a_failing_role_fails_the_run_fast_with_its_error(tmp_path, monkeypatch)
     no_descendants_left(all_pids(state))
 
 
-def test_a_role_that_dies_without_a_word_fails_the_run(tmp_path, monkeypatch):
-    """A rank killed from outside (OOM killer, segfault) sends no error message: its exit code says it."""
-    run = make_run(tmp_path)
-    killed = []
-
+def kill_once(run, role: str, killed: list) -> threading.Thread:
+    """SIGKILL ``role``'s rank 0 as soon as state.json names its PID (once)."""
     def kill_rollout():
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not killed:
             state = run.read_json(run.state, {}) or {}
-            pids = state.get("roles", {}).get("rollout", {}).get("pids", [None])
+            pids = state.get("roles", {}).get(role, {}).get("pids", [None])
             if pids[0]:
                 os.kill(pids[0], signal.SIGKILL)
                 killed.append(pids[0])
             time.sleep(0.05)
 
-    threading.Thread(target=kill_rollout, daemon=True).start()
+    t = threading.Thread(target=kill_rollout, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_role_that_dies_without_a_word_fails_the_run(tmp_path, monkeypatch):
+    """A rank killed from outside (OOM killer, segfault) sends no error message: its exit code says it.
+    With no restarts allowed, the run fails with that reason."""
+    run = make_run(tmp_path, dict(TINY, checkpoint={"max_restarts": 0}))
+    kill_once(run, "rollout", [])
     with pytest.raises(RunFailed, match="rollout failed: step exited with code -9"):
         run_controller(run.path)
     no_descendants_left(all_pids(json.loads(run.state.read_text())))
 
 
-def test_sigusr2_cancels_the_run_and_stops_the_roles(tmp_path):
+def test_a_killed_step_is_restarted_and_the_run_goes_on(tmp_path):
+    """With restarts allowed, every step is stopped and started again (a new control port, new PIDs) and the
+    run completes; state.json keeps the failure that was survived and counts the restart."""
+    run = make_run(tmp_path, dict(TINY, checkpoint={"max_restarts": 1}))
+    killed: list = []
+    kill_once(run, "actor", killed)
+    final = run_controller(run.path)
+    assert final["state"] == "COMPLETED" and final["restarts"] == 1 and final["attempt"] == 0
+    assert "actor" in final["last_failure"] and "code -9" in final["last_failure"]
+    assert killed[0] not in final["roles"]["actor"]["pids"]
+    assert [e["event"] for e in final["events"]] == ["started", "step_restarted", "finished"]
+    no_descendants_left(all_pids(final) + killed)
+
+
+def test_sigusr2_requeues_the_run_and_stops_the_roles(tmp_path):
+    """The time-limit warning: with nothing to checkpoint (no model) the attempt ends REQUEUED at once and,
+    locally, the controller exits with submitit's requeue code so the local runner starts it again."""
     run = make_run(tmp_path)
     threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGUSR2)).start()
-    with pytest.raises(RunFailed, match="received SIGUSR2"):
+    with pytest.raises(SystemExit) as exc:
         run_controller(run.path)
+    assert exc.value.code == 144
     state = json.loads(run.state.read_text())
-    assert state["state"] == "CANCELLED"
+    assert state["state"] == "REQUEUED" and "SIGUSR2" in state["reason"]
+    assert [e["event"] for e in state["events"]] == ["started", "requeued"]
     no_descendants_left(all_pids(state))

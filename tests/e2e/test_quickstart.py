@@ -43,7 +43,7 @@ def test_quickstart_learns_locally(tmp_path, tiny_model, local_executor):
     st = state(run)
     assert st["step"] == STEPS and st["total_steps"] == STEPS and st["phase"] == "finished"
     assert st["reward"] is not None and st["reward_first10"] == first and st["reward_last10"] == last
-    assert st["last_checkpoint"] and Path(st["last_checkpoint"]).is_dir()
+    assert st["last_checkpoint"]["step"] == STEPS and Path(st["last_checkpoint"]["path"]).is_dir()
 
     tags = tensorboard_tags(run.path / "tensorboard")
     for tag in ("rollout/raw_reward", "rollout/response_len/mean", "train/pg_loss", "train/grad_norm", "train/loss",

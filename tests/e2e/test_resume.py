@@ -1,0 +1,134 @@
+"""Deterministic resume, the promise: a run interrupted and brought back ends with the same per-step losses
+and rewards as the same run uninterrupted.
+
+The interrupted run goes through the real local path (``relax-submit --local --detach``: submitit's local
+runner, which starts the controller again when it asks to be requeued) and is hit twice:
+
+1. SIGUSR2 to the controller (what Slurm sends before the time limit): the step in flight finishes, a
+   checkpoint is saved, the attempt ends REQUEUED and the runner starts attempt 1, which resumes from it;
+2. ``kill -9`` of the actor rank in attempt 1: the controller restarts every step from the latest periodic
+   checkpoint (``checkpoint.interval``), in place.
+
+The reference is the same recipe run straight through. Every step's training loss, policy-gradient loss,
+gradient norm and mean reward must match to 1e-6, each step must be logged exactly once (metrics.jsonl and
+TensorBoard), and state.json must tell what happened (attempts, restarts, the failure, checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from relax_hpc.controller import run_controller
+from relax_hpc.launch.cancel import cancel
+from relax_hpc.rundir import RunDir
+
+from .conftest import QUICKSTART, REPO, make_run, metrics, quickstart_overrides, state, tensorboard_tags, wait_until
+
+STEPS = 10
+KEYS = ("train/loss", "train/pg_loss", "train/grad_norm", "rollout/raw_reward")
+SMALL = (f"run.steps={STEPS}", "checkpoint.interval=2", "checkpoint.keep=3", "rollout.rollout_batch_size=8")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model) -> dict[int, dict]:
+    """Per-step metrics of the run uninterrupted."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RELAX_EXECUTOR", "local")
+        ref = make_run(tmp_path_factory.mktemp("ref"), tiny_model, *SMALL, name="ref")
+        assert run_controller(ref.path)["state"] == "COMPLETED"
+    want = {r["step"]: r for r in metrics(ref)}
+    assert sorted(want) == list(range(1, STEPS + 1))
+    return want
+
+
+def same_steps(run: RunDir, want: dict[int, dict]) -> None:
+    got = metrics(run)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1)), "a step logged twice or missing"
+    for r in got:
+        for k in KEYS:
+            assert r[k] == pytest.approx(want[r["step"]][k], abs=1e-6), (r["step"], k, r[k], want[r["step"]][k])
+    tags = tensorboard_tags(run.path / "tensorboard")
+    assert [s for s, _ in tags["train/loss"]] == list(range(1, STEPS + 1))
+    assert [v for _, v in tags["train/loss"]] == pytest.approx([want[s]["train/loss"] for s in range(1, STEPS + 1)],
+                                                               abs=1e-6)
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_ends_as_if_never_interrupted(reference, tmp_path, tiny_model, local_executor):
+    want = reference
+
+    out = subprocess.run(
+        [sys.executable, "-m", "relax_hpc.launch.cli", "--local", "--detach", "--json", str(QUICKSTART),
+         *quickstart_overrides(tiny_model, tmp_path / "runs", *SMALL)],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    run = RunDir(Path(json.loads(out.stdout)["run_dir"]))
+    try:
+        # 1. the time-limit warning, once a step is done
+        wait_until(lambda: state(run).get("step", 0) >= 1 and state(run).get("phase") == "generate", 300,
+                   what="step 1 done")
+        ctl = run.read_json(run.controller_addr)
+        os.kill(ctl["pid"], signal.SIGUSR2)
+        wait_until(lambda: state(run).get("attempt") == 1 and state(run).get("state") == "RUNNING", 300,
+                   what="attempt 1 running")
+        st = state(run)
+        first = st["history"][-1]
+        assert first["state"] == "REQUEUED" and "SIGUSR2" in first["reason"]
+        resumed_at = st["last_checkpoint"]["step"]
+        assert resumed_at >= 1
+
+        # 2. kill -9 of the actor rank, a step or more after the next periodic checkpoint
+        wait_until(lambda: (state(run).get("last_checkpoint") or {}).get("step", 0) > resumed_at
+                   and state(run).get("phase") == "train", 300, what="a periodic checkpoint in attempt 1")
+        actor_pid = state(run)["roles"]["actor"]["pids"][0]
+        os.kill(actor_pid, signal.SIGKILL)
+        wait_until(lambda: state(run).get("state") not in (None, "RUNNING", "REQUEUED")
+                   and state(run).get("restarts", 0) >= 1, 600, every=0.5, what="the run's end")
+    finally:
+        if state(run).get("state") in (None, "RUNNING", "REQUEUED"):  # a failed assertion: leave no processes
+            cancel(run, grace_s=5)
+    st = state(run)
+    assert st["state"] == "COMPLETED", st.get("reason")
+    assert st["attempt"] == 1 and st["restarts"] == 1
+    assert "actor" in st["last_failure"] and ("-9" in st["last_failure"] or "signal" in st["last_failure"].lower()
+                                              or "exited" in st["last_failure"])
+    events = [e["event"] for e in st["events"]]
+    for ev in ("started", "checkpoint", "requeued", "resumed", "step_restarted", "finished"):
+        assert ev in events, (ev, events)
+
+    same_steps(run, want)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_requeued_slurm_job_resumes_and_ends_as_if_never_interrupted(reference, slurm_cluster, tmp_path,
+                                                                        tiny_model):
+    """The warning signal to the batch shell (``scancel -b -s USR2``): checkpoint, ``scontrol requeue`` (same job
+    id, SLURM_RESTART_COUNT=1), resume; the steps match the uninterrupted local run."""
+    recipe = REPO / "recipes" / "quickstart-slurm.yaml"
+    p = subprocess.run([str(REPO / ".venv" / "bin" / "relax-submit"), "--json", str(recipe),
+                        *quickstart_overrides(tiny_model, tmp_path / "runs", *SMALL)],
+                       capture_output=True, text=True, cwd=tmp_path, env=slurm_cluster.env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    sub = json.loads(p.stdout)
+    run = RunDir(Path(sub["run_dir"]))
+    try:
+        wait_until(lambda: state(run).get("step", 0) >= 1 and state(run).get("phase") == "generate", 600,
+                   what="step 1 done")
+        subprocess.run(["scancel", "-b", "-s", "USR2", sub["job_id"]], check=True, env=slurm_cluster.env)
+        wait_until(lambda: state(run).get("attempt") == 1 and state(run).get("state") == "COMPLETED", 900,
+                   every=1.0, what="attempt 1 completed")
+    finally:
+        if state(run).get("state") != "COMPLETED":
+            subprocess.run(["scancel", sub["job_id"]], env=slurm_cluster.env)
+    st = state(run)
+    assert st["slurm_restart_count"] == 1 and st["job_id"] == sub["job_id"]
+    assert st["history"][-1]["state"] == "REQUEUED"
+    same_steps(run, reference)
