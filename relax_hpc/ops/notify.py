@@ -33,6 +33,9 @@ def _scheme(url: str) -> str:
 
 
 class Notifier:
+    """Sends a run's events to its URLs. The controller calls ``send`` from its main loop, so a slow or dead
+    service may cost it at most ``timeout_s`` and never an exception."""
+
     def __init__(self, urls: list[str], run_name: str, timeout_s: float = 10.0):
         self.urls, self.run_name, self.timeout_s = list(urls), run_name, timeout_s
 
