@@ -16,11 +16,13 @@ TensorBoard), and state.json must tell what happened (attempts, restarts, the fa
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -60,8 +62,31 @@ def same_steps(run: RunDir, want: dict[int, dict]) -> None:
                                                                abs=1e-6)
 
 
+class Inbox(http.server.BaseHTTPRequestHandler):
+    """A real Apprise target: Apprise's JSON notifier POSTs here (``json://127.0.0.1:PORT/``)."""
+    got: list[dict] = []
+
+    def do_POST(self):
+        self.got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def inbox(monkeypatch):
+    Inbox.got = []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Inbox)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setenv("RELAX_NOTIFY_URLS", f"json://127.0.0.1:{srv.server_address[1]}/")
+    yield Inbox.got
+    srv.shutdown()
+
+
 @pytest.mark.slow
-def test_an_interrupted_run_ends_as_if_never_interrupted(reference, tmp_path, tiny_model, local_executor):
+def test_an_interrupted_run_ends_as_if_never_interrupted(reference, tmp_path, tiny_model, local_executor, inbox):
     want = reference
 
     out = subprocess.run(
@@ -102,6 +127,12 @@ def test_an_interrupted_run_ends_as_if_never_interrupted(reference, tmp_path, ti
     events = [e["event"] for e in st["events"]]
     for ev in ("started", "checkpoint", "requeued", "resumed", "step_restarted", "finished"):
         assert ev in events, (ev, events)
+    # each event reached the notification target, with the run's name and the reason
+    told = {m["title"].rsplit(": ", 1)[1]: m for m in inbox if run.name in m["title"]}
+    for ev in ("started", "checkpoint", "requeued", "resumed", "step_restarted", "finished"):
+        assert ev in told and run.name in told[ev]["message"], (ev, sorted(told))
+    assert "SIGUSR2" in told["requeued"]["message"] and "code -9" in told["step_restarted"]["message"]
+    assert told["step_restarted"]["type"] == "warning" and told["finished"]["type"] == "success"
 
     same_steps(run, want)
 
@@ -111,7 +142,9 @@ def test_an_interrupted_run_ends_as_if_never_interrupted(reference, tmp_path, ti
 def test_a_requeued_slurm_job_resumes_and_ends_as_if_never_interrupted(reference, slurm_cluster, tmp_path,
                                                                         tiny_model):
     """The warning signal to the batch shell (``scancel -b -s USR2``): checkpoint, ``scontrol requeue`` (same job
-    id, SLURM_RESTART_COUNT=1), resume; the steps match the uninterrupted local run."""
+    id, SLURM_RESTART_COUNT=1), resume; then preemption by a job in the higher-priority partition ``urgent``
+    (SIGTERM, KillWait 5 s, Slurm requeues: SLURM_RESTART_COUNT=2), resume from the last periodic
+    checkpoint. The steps match the uninterrupted local run."""
     recipe = REPO / "recipes" / "quickstart-slurm.yaml"
     p = subprocess.run([str(REPO / ".venv" / "bin" / "relax-submit"), "--json", str(recipe),
                         *quickstart_overrides(tiny_model, tmp_path / "runs", *SMALL)],
@@ -123,12 +156,22 @@ def test_a_requeued_slurm_job_resumes_and_ends_as_if_never_interrupted(reference
         wait_until(lambda: state(run).get("step", 0) >= 1 and state(run).get("phase") == "generate", 600,
                    what="step 1 done")
         subprocess.run(["scancel", "-b", "-s", "USR2", sub["job_id"]], check=True, env=slurm_cluster.env)
-        wait_until(lambda: state(run).get("attempt") == 1 and state(run).get("state") == "COMPLETED", 900,
-                   every=1.0, what="attempt 1 completed")
+        wait_until(lambda: state(run).get("attempt") == 1 and state(run).get("state") == "RUNNING", 600,
+                   every=0.5, what="attempt 1 running")
+        resumed_at = state(run)["last_checkpoint"]["step"]
+        wait_until(lambda: (state(run).get("last_checkpoint") or {}).get("step", 0) > resumed_at
+                   and state(run).get("phase") == "train", 600, what="a periodic checkpoint in attempt 1")
+        subprocess.run(["sbatch", "-p", "urgent", "-N", "4", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 2"],
+                       check=True, env=slurm_cluster.env, capture_output=True)
+        wait_until(lambda: state(run).get("attempt") == 2 and state(run).get("state") == "COMPLETED", 900,
+                   every=1.0, what="attempt 2 completed")
     finally:
         if state(run).get("state") != "COMPLETED":
             subprocess.run(["scancel", sub["job_id"]], env=slurm_cluster.env)
     st = state(run)
-    assert st["slurm_restart_count"] == 1 and st["job_id"] == sub["job_id"]
-    assert st["history"][-1]["state"] == "REQUEUED"
+    assert st["slurm_restart_count"] == 2 and st["job_id"] == sub["job_id"]
+    assert [h["state"] for h in st["history"][-2:]] == ["REQUEUED", "CANCELLED"]
+    assert "SIGTERM" in st["history"][-1]["reason"]
+    events = [e["event"] for e in st["events"]]
+    assert events.count("resumed") == 2 and "preempted" in events and "requeued" in events
     same_steps(run, reference)
