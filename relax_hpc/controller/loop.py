@@ -122,8 +122,9 @@ def _attempt(run: RunDir, recipe: Recipe, executor: str, state: RunState, sig: S
             codes = {s: s.poll() for s in steps}  # polled first: a rank's last message precedes its exit
             for now, msg in channel.drain(TICK_S):
                 if msg["type"] == "control":
-                    _on_stop(state, train, "requeue" if msg["action"] == "checkpoint_requeue" else "cancel",
-                             f"relax-cancel --{msg['action'].split('_')[1]}")
+                    requeue = msg["action"] == "checkpoint_requeue"
+                    _on_stop(state, train, "requeue" if requeue else "cancel",
+                             "relax-cancel --requeue" if requeue else "relax-cancel --checkpoint")
                     continue
                 state.apply(now, msg)
                 if train is not None:

@@ -151,6 +151,13 @@ def check(recipe: Recipe) -> list[Problem]:
     if recipe.logging.heartbeat_timeout_s <= recipe.logging.heartbeat_s:
         problems.append(("logging.heartbeat_timeout_s", recipe.logging.heartbeat_timeout_s,
                          f"must be longer than logging.heartbeat_s = {recipe.logging.heartbeat_s}"))
+    if recipe.logging.notify_urls:
+        from relax_hpc.ops.notify import Notifier
+
+        for i, url in enumerate(recipe.logging.notify_urls):
+            if Notifier.check([url]):  # the value shown is the scheme only: URLs carry tokens
+                problems.append((f"logging.notify_urls[{i}]", url.split("://", 1)[0] + "://...",
+                                 "is not a URL Apprise understands. Fix: see https://github.com/caronc/apprise/wiki"))
     problems += [(f"algorithm.{k}", v, m) for k, v, m in check_algorithm(recipe.algorithm)]
     problems += [(f"train.{k}", v, m) for k, v, m in check_train(recipe.train)]
     problems += check_data(recipe.data, recipe.rollout)  # keys already carry their section

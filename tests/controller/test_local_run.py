@@ -122,3 +122,32 @@ def test_sigusr2_requeues_the_run_and_stops_the_roles(tmp_path):
     assert state["state"] == "REQUEUED" and "SIGUSR2" in state["reason"]
     assert [e["event"] for e in state["events"]] == ["started", "requeued"]
     no_descendants_left(all_pids(state))
+
+
+def test_relax_cancel_checkpoint_reaches_the_controller_over_its_socket(tmp_path):
+    """``relax-cancel --checkpoint`` is a control message on the run's token-authenticated socket; with no
+    training loop there is nothing to save, so the run is cancelled at once with that reason."""
+    from relax_hpc.launch.cancel import checkpoint_then_stop
+
+    run = make_run(tmp_path)
+    (run.path / "job.json").write_text(json.dumps({"run": run.name, "executor": "local", "job_id": "1"}))
+    result = {}
+    t = threading.Thread(target=lambda: result.update(err=_run_catching(run)), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (run.controller_addr.exists() and run.state.exists()):
+        time.sleep(0.05)
+    out = checkpoint_then_stop(run, "checkpoint_cancel", wait_s=60)
+    t.join(60)
+    assert out["state"] == "CANCELLED" and out["action"] == "checkpoint, then cancel"
+    assert "relax-cancel --checkpoint" in result["err"]
+    assert (run.path / "cancel.json").exists()
+    no_descendants_left(all_pids(json.loads(run.state.read_text())))
+
+
+def _run_catching(run) -> str:
+    try:
+        run_controller(run.path)
+        return ""
+    except RunFailed as e:
+        return str(e)

@@ -96,3 +96,10 @@ def test_colocate_is_on_policy():
 def test_section_checks_are_prefixed():
     p = problems({"train": {"lr": -1.0}, "algorithm": {"eps_clip": 2.0}})
     assert "train.lr" in p and "algorithm.eps_clip" in p
+
+
+def test_survival_knobs_and_notification_urls():
+    p = problems({"checkpoint": {"keep": 0, "max_restarts": -1}, "slurm": {"max_requeues": -2},
+                  "logging": {"notify_urls": ["json://127.0.0.1:9/", "nonsense://token@host"]}})
+    assert {"checkpoint.keep", "checkpoint.max_restarts", "slurm.max_requeues"} <= set(p)
+    assert "Apprise" in p["logging.notify_urls[1]"] and "logging.notify_urls[0]" not in p
