@@ -1,13 +1,20 @@
-"""The actor_fwd role: adds the current policy's log-probs to samples (forward-only Megatron).
+"""The actor_fwd role: adds the current policy's log-probs (``log_probs``, π_old) to samples, forward only.
 
-For now it only bootstraps its communicators (see :mod:`relax_hpc.roles.runtime`); its work goes in ``work``.
+It follows the actor through the actor's checkpoints (task ``load``); the work is
+:func:`relax_hpc.roles.forward.work_forward` (tasks ``logprobs``, ``load``, ``stop``).
 """
 
 import sys
 
+from relax_hpc.roles.forward import work_forward
 from relax_hpc.roles.runtime import main
 
 ROLE = "actor_fwd"
 
+
+def work(ctx, comm) -> None:
+    work_forward(ctx, comm, "log_probs")
+
+
 if __name__ == "__main__":
-    sys.exit(main(ROLE))
+    sys.exit(main(ROLE, work))

@@ -1,13 +1,20 @@
-"""The reference role: adds reference log-probs to samples (forward-only Megatron).
+"""The reference role: adds the reference policy's log-probs (``ref_log_probs``) to samples, forward only.
 
-For now it only bootstraps its communicators (see :mod:`relax_hpc.roles.runtime`); its work goes in ``work``.
+Its model is ``model.path`` and stays so unless the controller sends ``load``; the work is
+:func:`relax_hpc.roles.forward.work_forward` (tasks ``logprobs``, ``load``, ``stop``).
 """
 
 import sys
 
+from relax_hpc.roles.forward import work_forward
 from relax_hpc.roles.runtime import main
 
 ROLE = "reference"
 
+
+def work(ctx, comm) -> None:
+    work_forward(ctx, comm, "ref_log_probs")
+
+
 if __name__ == "__main__":
-    sys.exit(main(ROLE))
+    sys.exit(main(ROLE, work))

@@ -18,7 +18,12 @@ Fields (one value per sample; Relax's names where Relax has them):
 ``weight_version``     json      the engine's weight version when it finished the sample
 ``status``             json      completed / truncated / aborted / failed
 ``prompt``, ``response``, ``label``  json  for people reading the files
+``ref_log_probs``      ragged    side file of the reference role: π_ref of each response token (float32)
+``log_probs``          ragged    side file of the actor_fwd role: π_old of each response token (float32)
 =====================  ========  ==========================================================================
+
+The last two are optional (:data:`FORWARD_FIELDS`): a chunk has them once those roles added them
+(:mod:`relax_hpc.roles.forward`), and a caller that wants them passes them in ``read_samples``'s ``fields``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from relax_hpc.exchange.chunk import ChunkRef, read_chunk, write_chunk
 PRODUCER = "rollout"
 TRAIN_FIELDS = ("tokens", "response_length", "loss_mask", "rollout_log_probs", "rewards", "raw_reward", "index",
                 "weight_version")
+FORWARD_FIELDS = ("ref_log_probs", "log_probs")  # optional side fields: to_train_batch → ref_/old_log_probs
 
 
 def exchange_root(run_path: str | os.PathLike) -> str:
@@ -76,7 +82,8 @@ def read_samples(refs: Sequence[dict | ChunkRef], fields: Sequence[str] = TRAIN_
 def to_train_batch(samples: list[dict[str, Any]], algo_cfg: Any, process_group: Any = None) -> list[dict[str, Any]]:
     """The actor's batch (:mod:`relax_hpc.train.batch`): tokens, response_start, per-token advantages
     (R̃ broadcast over the loss mask, whitened if ``algorithm.normalize_advantages``), loss_mask and
-    rollout_log_probs."""
+    rollout_log_probs; ``ref_log_probs`` and ``old_log_probs`` from a sample's ``ref_log_probs`` and
+    ``log_probs`` when it has them."""
     import torch
 
     from relax_hpc.algo.advantages import broadcast_advantages
@@ -97,5 +104,8 @@ def to_train_batch(samples: list[dict[str, Any]], algo_cfg: Any, process_group: 
         lp = np.asarray(s["rollout_log_probs"], dtype=np.float32)
         if lp.size == r:
             item["rollout_log_probs"] = torch.as_tensor(lp)
+        for name, key in (("ref_log_probs", "ref_log_probs"), ("log_probs", "old_log_probs")):
+            if name in s and np.size(s[name]) == r:
+                item[key] = torch.as_tensor(np.asarray(s[name], dtype=np.float32))
         batch.append(item)
     return batch

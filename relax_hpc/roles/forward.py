@@ -1,0 +1,115 @@
+"""The forward-only worker shared by the ``reference`` and ``actor_fwd`` roles.
+
+Both roles hold the same Megatron model as the actor (built from ``model.path`` over the role's own group
+with ``train.tp``/``train.pp``) but never train it: ``forward_only`` gives bare chunks without DDP or an
+optimizer (no gradient buffers, no optimizer state: a fraction of the actor's memory), and the only thing
+they do is a forward pass that turns response tokens into per-token log-probs, which rank 0 adds to the
+exchange as a side file of each chunk (:func:`relax_hpc.exchange.chunk.write_fields`). The reference keeps
+its initial weights (π_ref, ``ref_log_probs``); actor_fwd follows the actor (π_old, ``log_probs``). There is
+one weight source, the actor's checkpoints (``load``): no second path to keep in step with training.
+
+Tasks (:mod:`relax_hpc.roles.tasks`):
+
+- ``logprobs {chunks: [ChunkRef dicts], field?}``: every rank reads the samples (checksums verified) and
+  runs the forward (a collective); rank 0 writes ``field`` (default: the role's) for each chunk that lacks
+  it (a chunk that has it already returns its existing side). Returns ``{"sides": [SideRef dicts], "metrics":
+  {"perf/<role>_time": s}}`` on rank 0.
+- ``load {path}``: a checkpoint root (with ``latest``) or step dir (with ``meta.json``), model weights only.
+  Returns ``{"step": the checkpoint's step}``.
+- ``stop``.
+
+Without ``model.path`` the role only bootstraps (the launch smoke tests).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from relax_hpc.roles.runtime import RoleContext
+
+if TYPE_CHECKING:
+    from relax_hpc.exchange.chunk import ChunkRef
+
+READ_FIELDS = ("tokens", "response_length")
+
+
+def build_actor(recipe: Any, role: str, model_path: str) -> Any:
+    """Every rank: Megatron's groups over the role's ranks, then the forward-only model (as the actor builds it)."""
+    import torch
+
+    from relax_hpc.train.actor import MegatronActor
+    from relax_hpc.train.parallel import init_parallel
+
+    if not torch.cuda.is_available():  # as in roles/actor.py: torch.compile only costs time on a CPU
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
+        torch.set_num_threads(max(1, recipe.role(role).cpus_per_task))
+    init_parallel(recipe.train.tp, recipe.train.pp, seed=recipe.train.seed)
+    temperature = recipe.rollout.temperature if recipe.rollout.temperature > 1e-6 else 1.0  # greedy: T=1
+    return MegatronActor.from_hf(model_path, recipe.train, recipe.algorithm, temperature=temperature,
+                                 forward_only=True)
+
+
+def compute_and_write(actor: Any, refs: Sequence[dict | ChunkRef], field: str, writer: str, rank: int) -> list[dict]:
+    """Log-probs of every response token of these chunks as side field ``field`` (ragged float32).
+
+    Collective (every rank calls it with the same refs); rank 0 writes the side files and returns their
+    :class:`~relax_hpc.exchange.chunk.SideRef` dicts in the order of ``refs``, the other ranks ``[]``."""
+    import numpy as np  # here, not at the top: a role imports numpy, h5py and torch after its hello
+    import torch
+
+    from relax_hpc.exchange.chunk import ChunkRef, write_fields
+    from relax_hpc.roles.samples import read_samples
+
+    chunks = [r if isinstance(r, ChunkRef) else ChunkRef.from_dict(r) for r in refs]
+    todo = [c for c in chunks if field not in c.all_fields]
+    batch = []  # the minimal batch items compute_log_probs needs
+    for s in read_samples(todo, READ_FIELDS):
+        tokens = torch.as_tensor(np.asarray(s["tokens"], dtype=np.int64))
+        batch.append({"tokens": tokens, "response_start": int(tokens.numel() - int(s["response_length"]))})
+    lps = actor.compute_log_probs(batch) if batch else []
+    if rank != 0:
+        return []
+    sides, pos = {}, 0
+    for c in todo:
+        arrays = [lp.detach().cpu().numpy().astype(np.float32) for lp in lps[pos: pos + c.n]]
+        pos += c.n
+        sides[c.id] = write_fields(c, writer, {field: arrays}).to_dict()
+    for c in chunks:  # chunks that had the field already: their existing side
+        if c.id not in sides:
+            sides[c.id] = next(s.to_dict() for s in c.sides if field in s.fields)
+    return [sides[c.id] for c in chunks]
+
+
+def load_weights(actor: Any, path: str) -> int:
+    """Collective: the model weights of a Megatron checkpoint (root with ``latest`` or a step dir); its step."""
+    p = Path(path)
+    if not ((p / "latest").exists() or (p / "meta.json").exists()):
+        raise ValueError(f"{path} is not a Megatron checkpoint (no 'latest' or 'meta.json' in it)")
+    actor.load_checkpoint(p, load_optimizer=False)
+    return actor.step
+
+
+def work_forward(ctx: RoleContext, comm: Any, field: str) -> None:
+    """The role's work: build the model, then serve ``logprobs``/``load``/``stop`` until ``stop``."""
+    if ctx.recipe.model.path is None:
+        return
+    from relax_hpc.roles.actor import _model_path
+    from relax_hpc.roles.tasks import serve
+
+    role, rank = ctx.ident.role, ctx.ident.rank
+    actor = build_actor(ctx.recipe, role, _model_path(ctx))
+    ctx.report("ready", model=_model_path(ctx))
+
+    def logprobs(task: dict) -> dict:
+        t0 = time.monotonic()
+        sides = compute_and_write(actor, task["chunks"], task.get("field") or field, role, rank)
+        if rank != 0:
+            return {}
+        return {"sides": sides, "metrics": {f"perf/{role}_time": time.monotonic() - t0}}
+
+    serve(ctx, comm, {"logprobs": logprobs, "load": lambda task: {"step": load_weights(actor, task["path"])},
+                      "stop": lambda task: {}})
