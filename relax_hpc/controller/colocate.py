@@ -15,7 +15,14 @@ Each step's metrics (the roles' ``rollout/*``, ``train/*``, ``perf/*``, ``weight
 ``engines`` and ``last_checkpoint``. A task that reports an error fails the run with the report as
 reason (a reward that raised under ``reward_error_policy: fail``, every engine dead, ...). An engine
 the driver declared dead is logged by name, marked in ``state.json`` and left out of later steps and
-weight syncs. The exchange keeps only the last step's chunk.
+weight syncs.
+
+The exchange (:class:`~relax_hpc.exchange.broker.Broker`, journal ``RUN_DIR/exchange/journal.jsonl``):
+each step is a partition started through the staleness gate (colocate: ``max_staleness`` 0), the rollout's
+chunks are announced when its ``generate`` reports them (the report travels over the run's token
+socket), the actor's ``train`` gets them under a lease of task ``train``, and its ``task_done`` acks the
+lease, which clears the step. So the journal records every sample produced and consumed, across
+attempts (:mod:`relax_hpc.exchange.audit`).
 
 Resume: if ``RUN_DIR/checkpoints/latest`` names a complete checkpoint of step K, the loop starts there:
 rollout restores its data cursor, the actor loads the checkpoint in ``connect``, a sync puts its weights
@@ -32,15 +39,17 @@ from __future__ import annotations
 
 import itertools
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.state import RunState
+from relax_hpc.exchange.broker import Broker
+from relax_hpc.exchange.chunk import ChunkRef
 from relax_hpc.ops.metrics import REWARD, RunMetrics
 from relax_hpc.recipe import Recipe
+from relax_hpc.roles.samples import PRODUCER, TRAIN_FIELDS
 from relax_hpc.rundir import RunDir
 from relax_hpc.train.latest import read_latest
 
@@ -68,7 +77,10 @@ class Colocate:
         self.resume_path = str(latest[0]) if latest else None
         self.last_ckpt_step = int(latest[1]["step"]) if latest else None
         resume_step = self.last_ckpt_step or 0
-        self._drop_exchange_after(resume_step)
+        self.broker = Broker(run.path / "exchange", tasks={"train": TRAIN_FIELDS}, max_staleness=recipe.max_staleness)
+        if self.broker.rewind(resume_step):  # steps an earlier attempt did after its last checkpoint
+            log.info("exchange: partitions after step %d voided; they are produced again", resume_step)
+        self.lease = None
         self.metrics = RunMetrics(run.path, recipe.logging.tensorboard, start_step=resume_step,
                                   started=state.doc.get("started_at"))
         self._ids = itertools.count(1)
@@ -87,13 +99,6 @@ class Colocate:
             state.event("resumed", f"from the checkpoint of step {resume_step}")
         state.progress(step=resume_step, phase="starting engines", reward=None, engines={})
         self._assign("rollout", "start_engines", data_state=self.data_state)
-
-    def _drop_exchange_after(self, step: int) -> None:
-        """Chunks of steps after the checkpoint are from an attempt that did not get to keep them."""
-        root = self.run.path / "exchange"
-        for d in root.glob("step_*") if root.is_dir() else []:
-            if d.name.split("_", 1)[1].isdigit() and int(d.name.split("_", 1)[1]) > step:
-                shutil.rmtree(d, ignore_errors=True)
 
     def request_stop(self, outcome: str, why: str) -> None:
         """Finish the step in flight, checkpoint, then stop with ``outcome`` ("requeue" or "cancel")."""
@@ -160,8 +165,11 @@ class Colocate:
             return
         self.step += 1
         self.cur, self.step_t0 = {}, time.monotonic()
+        if not self.broker.start_step(self.step):
+            raise RuntimeError(f"exchange: step {self.step} may not start (uncleared {self.broker.uncleared()}, "
+                               f"max_staleness {self.recipe.max_staleness})")
         self.state.progress(phase="generate")
-        self._assign("rollout", "generate", step=self.step, engines=self._live())
+        self._assign("rollout", "generate", step=self.step, engines=self._live(), seq=self.broker.next_seq(PRODUCER))
 
     def _generate_done(self, res: dict) -> None:
         for f in res.get("engine_failures", []):
@@ -178,13 +186,18 @@ class Colocate:
         if versions and all(v.isdigit() for v in versions):
             self.cur["rollout/weight_version"] = float(max(int(v) for v in versions))
         self.data_state = res.get("data_state")
+        for c in res["chunks"]:
+            self.broker.announce(ChunkRef.from_dict(c))
+        self.broker.end_step(self.step)
+        self.lease = self.broker.request("train", step=self.step, batch_size=1 << 30, holder="actor")
         self.state.progress(phase="train", engines=self.engine_info)
-        self._assign("actor", "train", step=self.step, chunks=res["chunks"])
+        self._assign("actor", "train", step=self.step, chunks=[c.to_dict() for c in self.lease.chunks])
 
     def _train_done(self, res: dict) -> None:
+        self.broker.ack(self.lease.id)  # consumed: the step is complete and cleared
+        self.lease = None
         self.state.progress(phase="sync")
         self._assign("actor", "sync", version=str(self.step), engines=self._live())
-        shutil.rmtree(self.run.path / "exchange" / f"step_{self.step - 1}", ignore_errors=True)
 
     def _sync_done(self, res: dict) -> None:
         if self.resyncing:
@@ -224,4 +237,5 @@ class Colocate:
                      summary["reward_window"], first, summary["reward_window"], last, summary["steps"],
                      summary["wall_time_s"], self.run.path / "summary.json")
         self.state.progress(reward_first10=first, reward_last10=last, phase="finished")
+        self.broker.close()
         return summary

@@ -278,6 +278,17 @@ class Broker:
                         del self._leases[lid]
                         self._lease_end[lid] = "dropped"
             self._cleared.add(step)
+        elif op == "rewound":
+            for step in r["steps"]:
+                st = self._steps.pop(int(step), None)
+                gone = set(st.chunks) if st else set()
+                for cid in gone:
+                    del self._chunks[cid]
+                for lid, lease in list(self._leases.items()):
+                    if gone.intersection(lease.chunks):
+                        del self._leases[lid]
+                        self._lease_end[lid] = "rewound"
+                self._cleared.discard(int(step))
         elif op != "journal":
             raise ValueError(f"unknown journal record {op!r}")
 
@@ -630,6 +641,22 @@ class Broker:
         self._log({"op": "cleared", "step": step, "forced": forced, "unconsumed": unconsumed})
         shutil.rmtree(partition_dir(self.root, step), ignore_errors=True)
         _fsync_dir(self.root)
+
+    def rewind(self, step: int) -> list[int]:
+        """Forget every partition after ``step``, cleared or not: a run resumed from the checkpoint of ``step``
+        produces them again (the same samples: generation is seeded by step). Journaled, then their directories
+        are deleted (also ones a crash left unannounced). Returns the steps forgotten."""
+        with self._lock:
+            on_disk = {int(m.group(1)) for e in os.scandir(self.root)
+                       if (m := re.fullmatch(r"step_(\d+)", e.name)) and e.is_dir()}
+            later = sorted(s for s in set(self._steps) | self._cleared | on_disk if s > step)
+            if not later:
+                return []
+            self._log({"op": "rewound", "step": step, "steps": later})
+            for s in later:
+                shutil.rmtree(partition_dir(self.root, s), ignore_errors=True)
+            _fsync_dir(self.root)
+            return later
 
     def _auto_clear(self, steps: Iterable[int]) -> None:
         if self.auto_clear:

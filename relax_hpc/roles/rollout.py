@@ -162,7 +162,7 @@ class Generator:
             raise
         t_gen = time.monotonic() - t0
         t1 = time.monotonic()
-        ref = S.write_step(self.ctx.run.path, step, result)
+        ref = S.write_step(self.ctx.run.path, step, result, seq=int(task.get("seq", 0)))
         metrics = dict(result.metrics)
         metrics["perf/exchange_write_time"] = time.monotonic() - t1
         metrics["perf/rollout_time"] = metrics.get("perf/rollout_time", t_gen)
