@@ -30,10 +30,11 @@ def audit(journal: str | os.PathLike) -> dict[int, StepAudit]:
     chunk_step: dict[str, int] = {}
     chunk_n: dict[str, int] = {}
     leases: dict[str, tuple[str, list[str]]] = {}
+    rewinds: dict[int, int] = {}
     for r in replay(journal):
         op = r.get("op")
         if op == "start":
-            steps.setdefault(int(r["step"]), StepAudit())
+            steps.setdefault(int(r["step"]), StepAudit(rewinds=rewinds.get(int(r["step"]), 0)))
         elif op == "produced":
             s = int(r["step"])
             chunk_step[r["chunk"]], chunk_n[r["chunk"]] = s, int(r["n"])
@@ -52,8 +53,8 @@ def audit(journal: str | os.PathLike) -> dict[int, StepAudit]:
             a.cleared, a.forced = True, bool(r.get("forced"))
         elif op == "rewound":
             for s in r["steps"]:
-                old = steps.pop(int(s), None)
-                steps[int(s)] = StepAudit(rewinds=(old.rewinds + 1) if old else 1)
+                steps.pop(int(s), None)
+                rewinds[int(s)] = rewinds.get(int(s), 0) + 1
                 for cid in [c for c, st in chunk_step.items() if st == int(s)]:
                     del chunk_step[cid]
     return steps

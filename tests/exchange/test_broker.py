@@ -316,3 +316,38 @@ def test_wire_forms_and_status_are_json(xroot):
     json.dumps(b.stats())
     json.dumps(b.progress("train", 0))
     json.dumps(b.damaged())
+
+
+def test_rewind_voids_later_partitions_across_a_restart_and_the_audit_counts_once(xroot):
+    """A run resumed from the checkpoint of step 1 produces steps 2.. again: rewind forgets them (cleared or
+    not, and unannounced leftovers on disk), a restarted broker agrees, and the journal audit counts only
+    the partitions' current lives."""
+    from relax_hpc.exchange.audit import audit, exactly_once
+
+    tasks = {"train": ["tokens"]}
+    b = broker(xroot, tasks=tasks, max_staleness=0)
+    for step in (1, 2):
+        b.start_step(step)
+        put(b, xroot, step, [step * 10, step * 10 + 1])
+        b.end_step(step)
+        b.ack(b.request("train", batch_size=10, step=step).id)  # consumed: cleared
+    b.start_step(3)
+    put(b, xroot, 3, [30])  # produced, not consumed: the attempt died here
+    stray = partition_dir(xroot, 4)
+    stray.mkdir()
+    assert b.uncleared() == [3]
+    assert b.rewind(1) == [2, 3, 4]
+    assert not partition_dir(xroot, 3).exists() and not stray.exists()
+    b.close()
+    b = broker(xroot, tasks=tasks, max_staleness=0)
+    assert b.uncleared() == [] and b.rewind(1) == []
+    for step in (2, 3):  # produced again, with other content, and consumed
+        assert b.start_step(step)
+        put(b, xroot, step, [step * 100])
+        b.end_step(step)
+        b.ack(b.request("train", batch_size=10, step=step).id)
+    b.close()
+    a = audit(xroot / "journal.jsonl")
+    assert {s: (x.samples, x.consumed, x.cleared, x.rewinds) for s, x in a.items()} == {
+        1: (2, {"train": 2}, True, 0), 2: (1, {"train": 1}, True, 1), 3: (1, {"train": 1}, True, 1)}
+    assert exactly_once(xroot / "journal.jsonl", ["train"]) == []
