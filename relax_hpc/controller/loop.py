@@ -2,8 +2,8 @@
 ``state.json`` current, and finish. It never waits without a timeout, so a dead role fails the run
 instead of hanging it.
 
-With ``model.path`` set, the training loop (:class:`~relax_hpc.controller.colocate.Colocate`: generate →
-train → sync, metrics, summary, resume from ``checkpoints/latest``) rides on the same loop: it sees every
+With ``model.path`` set, the training loop (:class:`~relax_hpc.controller.training.TrainingLoop`: generate
+→ train → sync in either mode, metrics, summary, resume from ``checkpoints/latest``) rides on the same loop: it sees every
 message and hands out tasks; without it the roles only bootstrap.
 
 Surviving the cluster (``docs/controller.md``, "Surviving the cluster"):
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from relax_hpc.controller.channel import Channel
-from relax_hpc.controller.colocate import Colocate
+from relax_hpc.controller.training import TrainingLoop
 from relax_hpc.controller.procs import StepProcess, stop_steps
 from relax_hpc.controller.requeue import come_back
 from relax_hpc.controller.signals import Signals
@@ -113,7 +113,7 @@ def _attempt(run: RunDir, recipe: Recipe, executor: str, state: RunState, sig: S
     log.info("run %s: executor %s, control socket %s:%d", run.name, executor, host, channel.port)
     train = None
     try:
-        train = Colocate(recipe, run, state, channel) if recipe.model.path else None
+        train = TrainingLoop(recipe, run, state, channel) if recipe.model.path else None
         for s in steps:
             log.info("starting %s: %s", s.role, " ".join(s.cmd.procs[0].argv))
             s.start()
@@ -155,7 +155,7 @@ def _attempt(run: RunDir, recipe: Recipe, executor: str, state: RunState, sig: S
         _report(state, steps)
 
 
-def _on_stop(state: RunState, train: Colocate | None, outcome: str, why: str) -> None:
+def _on_stop(state: RunState, train: TrainingLoop | None, outcome: str, why: str) -> None:
     """Checkpoint, then requeue or cancel; with no training loop there is nothing to save: at once."""
     if train is not None:
         train.request_stop(outcome, why)

@@ -1,0 +1,268 @@
+"""The training loop: rollout step N is generated → trained on → its weights synced, in both modes.
+
+A state machine the controller loop feeds with ``task_done`` messages. It hands out tasks through the
+channel (the roles' rank 0 long-poll for them, see :mod:`relax_hpc.roles.tasks`), at most one in flight per
+role, and decides what each idle role does next in one place, :meth:`TrainingLoop._pump`:
+
+- rollout, when idle: ``generate(N+1)`` as soon as the exchange's staleness gate lets partition N+1 start;
+- actor, when idle: ``train(N)`` once step N's chunks are in, then ``sync(N)`` (weights → engines,
+  version ``"N"``), then ``checkpoint(N)`` every ``checkpoint.interval`` steps and after the last.
+
+Step N's lease of task ``train`` is acked when ``sync(N)`` is done, so with ``max_staleness: k`` rollout
+starts step N+1 only while ``N+1 − (oldest step not yet synced) ≤ k``. The modes differ only in k:
+``colocate`` is k = 0 (strictly on-policy: step N is generated with the weights of step N−1; on GPU nodes
+the roles take turns on the same devices), ``fully_async`` lets rollout run up to k steps ahead while the
+actor trains and syncs, on its own node group; samples then carry older versions, never older than
+``N−1−k``.
+
+    rollout start_engines → actor connect (→ resume sync) → pump … → stop
+
+The exchange (:class:`~relax_hpc.exchange.broker.Broker`, journal ``RUN_DIR/exchange/journal.jsonl``):
+rollout's chunks are announced when its ``generate`` reports them (over the run's token socket), so the
+journal records every sample produced and consumed, across attempts (:mod:`relax_hpc.exchange.audit`).
+
+Metrics: a step's ``rollout/*``, ``train/*``, ``perf/*``, ``weights/*`` plus ``perf/step_time`` (generate
+start → sync done) and ``perf/step_interval`` (sync done → sync done: the throughput) go to
+:class:`~relax_hpc.ops.metrics.RunMetrics` when its sync is done; ``state.json`` gets ``step`` (synced
+steps), ``generated``, ``phase``, ``reward``, ``engines``, ``last_checkpoint``. A task that reports an
+error fails the run with the report as reason (kind ``task``: no restart helps). A dead engine is logged
+by name, marked in ``state.json`` and left out of later steps and syncs.
+
+Resume: from ``checkpoints/latest`` (step K): rollout restores the data cursor saved with it, the actor
+loads it in ``connect``, a sync puts it on the engines (version ``"K"``), partitions after K are voided
+(``Broker.rewind``) and produced again; generation is seeded by (run seed, step), so a colocate run
+resumes exactly as if never stopped. Stop with a checkpoint (:meth:`request_stop`): no new generation,
+the actor finishes its step, checkpoints unless the last checkpoint is of this step, and ``outcome``
+becomes ``"requeue"`` or ``"cancel"``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from relax_hpc.controller.channel import Channel
+from relax_hpc.controller.state import RunState
+from relax_hpc.exchange.broker import Broker
+from relax_hpc.exchange.chunk import ChunkRef
+from relax_hpc.ops.metrics import REWARD, RunMetrics
+from relax_hpc.recipe import Recipe
+from relax_hpc.roles.samples import PRODUCER, TRAIN_FIELDS
+from relax_hpc.rundir import RunDir
+from relax_hpc.train.latest import read_latest
+
+log = logging.getLogger("relax_hpc.controller")
+
+
+@dataclass
+class Task:
+    role: str
+    kind: str
+    step: int
+    started: float
+
+
+class TrainingLoop:
+    def __init__(self, recipe: Recipe, run: RunDir, state: RunState, channel: Channel):
+        if recipe.algorithm.use_kl_loss:
+            raise NotImplementedError("algorithm.use_kl_loss needs reference log-probs in the training batch, which "
+                                      "the loop does not route yet. Fix: set algorithm.use_kl_loss: false")
+        self.recipe, self.run, self.state, self.channel = recipe, run, state, channel
+        self.total = recipe.run.steps
+        latest = read_latest(run.path / "checkpoints")
+        self.resume_path = str(latest[0]) if latest else None
+        self.last_ckpt_step = int(latest[1]["step"]) if latest else None
+        k = self.last_ckpt_step or 0
+        self.broker = Broker(run.path / "exchange", tasks={"train": TRAIN_FIELDS},
+                             max_staleness=recipe.max_staleness if recipe.mode == "fully_async" else 0)
+        if self.broker.rewind(k):  # steps an earlier attempt did after its last checkpoint
+            log.info("exchange: partitions after step %d voided; they are produced again", k)
+        self.metrics = RunMetrics(run.path, recipe.logging.tensorboard, start_step=k, started=state.doc.get("started_at"))
+        self._ids = itertools.count(1)
+        self.pending: dict[int, Task] = {}
+        self.busy = {"rollout": True, "actor": False}  # rollout starts the engines first
+        self.started = False  # engines up, weights connected (and resynced on a resume)
+        self.step = self.generated = k  # synced steps; steps generated
+        self.results: dict[int, dict] = {}  # generated, not yet trained: step -> generate's result
+        self.leases: dict[int, Any] = {}
+        self.cur: dict[int, dict[str, float]] = {}  # step -> its metrics so far
+        self.t0: dict[int, float] = {}
+        self.last_sync = None
+        self.data_states: dict[int, dict | None] = {k: (latest[1].get("extra_state") or {}).get("data") if latest else None}
+        self.stop_request: tuple[str, str] | None = None  # (outcome, why) asked for by request_stop
+        self.outcome: str | None = None  # "requeue" or "cancel" once a requested stop is done
+        self.engines: dict[str, str] = {}
+        self.engine_info: dict[str, dict] = {}
+        if latest:
+            log.info("resuming from %s (step %d of %d)", self.resume_path, k, self.total)
+            state.event("resumed", f"from the checkpoint of step {k}")
+        state.progress(step=k, generated=k, phase="starting engines", reward=None, engines={}, mode=recipe.mode)
+        self._assign("rollout", "start_engines", k, data_state=self.data_states[k])
+
+    def request_stop(self, outcome: str, why: str) -> None:
+        """No new generation; the actor's step finishes, a checkpoint, then stop with ``outcome``."""
+        if self.stop_request is None and self.outcome is None:
+            log.info("%s: the step in flight finishes, then a checkpoint, then %s", why, outcome)
+            self.stop_request = (outcome, why)
+            self.state.event("stop requested", f"{why}: checkpoint, then {outcome}")
+            self._pump()
+
+    # -- tasks out
+    def _assign(self, role: str, kind: str, at: int, /, **fields: Any) -> None:
+        """Queue task ``kind`` for ``role``, as part of step ``at``."""
+        tid = next(self._ids)
+        self.pending[tid] = Task(role, kind, at, time.monotonic())
+        self.busy[role] = True
+        self.channel.assign(role, {"id": tid, "kind": kind, **fields})
+
+    def _live(self) -> dict[str, str]:
+        return {n: u for n, u in self.engines.items() if not self.engine_info[n].get("dead")}
+
+    def _pump(self) -> None:
+        """Give each idle role its next task (the one place that decides)."""
+        if not self.started or self.outcome is not None or not self.state.running:
+            return
+        if not self.busy["actor"]:
+            if self.stop_request is not None:
+                if self.step > (self.last_ckpt_step or 0):
+                    return self._checkpoint(self.step)
+                self.outcome = self.stop_request[0]
+                return
+            if self.step >= self.total:
+                self.state.progress(phase="stopping")
+                for role in ("rollout", "actor"):
+                    self._assign(role, "stop", self.step)
+                self.started = False
+                return
+            if self.step + 1 in self.results:
+                self._train(self.step + 1)
+        if not self.busy["rollout"] and self.stop_request is None and self.generated < self.total:
+            n = self.generated + 1
+            if self.broker.start_step(n):  # the staleness gate
+                self.generated = n
+                self.cur.setdefault(n, {})
+                self.t0[n] = time.monotonic()
+                self._assign("rollout", "generate", n, step=n, engines=self._live(), seq=self.broker.next_seq(PRODUCER))
+        self.state.progress(phase=self._phase(), generated=self.generated)
+
+    def _phase(self) -> str:
+        kinds = sorted({t.kind for t in self.pending.values()})
+        return "+".join(kinds) if kinds else "idle"
+
+    def _train(self, n: int) -> None:
+        res = self.results.pop(n)
+        for c in res["chunks"]:
+            self.broker.announce(ChunkRef.from_dict(c))
+        self.broker.end_step(n)
+        lease = self.leases[n] = self.broker.request("train", step=n, batch_size=1 << 30, holder="actor")
+        self._assign("actor", "train", n, step=n, chunks=[c.to_dict() for c in lease.chunks])
+
+    def _checkpoint(self, n: int) -> None:
+        self._assign("actor", "checkpoint", n, extra={"step": n, "data": self.data_states.get(n)})
+
+    # -- results in
+    def on_message(self, msg: dict) -> None:
+        if msg.get("type") != "task_done":
+            return
+        task = self.pending.pop(msg["task_id"], None)
+        if task is None or not self.state.running:
+            return
+        self.busy[task.role] = False
+        res = msg["result"]
+        if "error" in res:
+            at = f"step {task.step} {task.kind}" if task.kind not in ("start_engines", "connect") else task.kind
+            self.state.fail(task.role, msg["rank"], self._node(task.role), f"{at}: {res['error']}", kind="task")
+            return
+        if task.kind in ("generate", "train", "sync") and task.step in self.cur:  # a step's own metrics
+            self.cur[task.step].update(res.get("metrics") or {})
+        getattr(self, f"_{task.kind}_done")(task, res)
+        self._pump()
+
+    def _node(self, role: str) -> str | None:
+        nodes = self.state.doc["roles"].get(role, {}).get("nodes") or [None]
+        return nodes[0]
+
+    def _start_engines_done(self, task: Task, res: dict) -> None:
+        self.engines = dict(res["engines"])
+        self.engine_info = {n: {"url": u, "pid": res.get("pids", {}).get(n), "node": res.get("nodes", {}).get(n),
+                                "dead": None} for n, u in self.engines.items()}
+        log.info("engines: %s", ", ".join(f"{n} {u}" for n, u in self.engines.items()))
+        self.state.progress(engines=self.engine_info, phase="connecting weight sync")
+        self._assign("actor", "connect", self.step, engines=self.engines, load=self.resume_path)
+
+    def _connect_done(self, task: Task, res: dict) -> None:
+        if self.resume_path is None:
+            self.started = True
+        else:  # the engines serve the model on disk: give them the checkpoint's weights first
+            self._assign("actor", "sync", self.step, version=str(self.step), engines=self._live())
+
+    def _generate_done(self, task: Task, res: dict) -> None:
+        n = task.step
+        for f in res.get("engine_failures", []):
+            log.error("step %d: rollout engine %s (%s) died: %s; its requests went to the other engines",
+                      n, f["name"], f["url"], f["error"])
+        for name, why in (res.get("dead_engines") or {}).items():
+            if name in self.engine_info and not self.engine_info[name]["dead"]:
+                self.engine_info[name]["dead"] = why
+                self.state.progress(engines=self.engine_info)
+        for f in res.get("reward_failures", []):
+            log.warning("step %d: reward failed for sample index=%s group_index=%s (prompt %r, response %r, label %r): "
+                        "%s", n, f.get("index"), f.get("group_index"), f.get("prompt"), f.get("response"),
+                        f.get("label"), f.get("error"))
+        versions = [int(v) for v in res.get("weight_versions", []) if str(v).isdigit()]
+        if versions:
+            self.cur[n]["rollout/weight_version"] = float(max(versions))
+            self.cur[n]["rollout/weight_version_min"] = float(min(versions))
+        self.data_states[n] = res.get("data_state")
+        self.results[n] = res
+
+    def _train_done(self, task: Task, res: dict) -> None:
+        self._assign("actor", "sync", task.step, version=str(task.step), engines=self._live())
+
+    def _sync_done(self, task: Task, res: dict) -> None:
+        n = task.step
+        if not self.started:  # the resume sync
+            self.started = True
+            return
+        bad = {e: v for e, v in (res.get("engine_versions") or {}).items() if v != str(n)}
+        if bad:
+            log.warning("step %d: engines report other weight versions than %d after the sync: %s", n, n, bad)
+        self.broker.ack(self.leases.pop(n).id)  # consumed: the step is complete and cleared; the gate moves
+        now = time.monotonic()
+        cur = self.cur.pop(n)
+        cur["perf/step_time"] = now - self.t0.pop(n)
+        if self.last_sync is not None:
+            cur["perf/step_interval"] = now - self.last_sync
+        self.last_sync, self.step = now, n
+        vals = self.metrics.log(n, cur)
+        first, _ = self.metrics.reward_ends()
+        self.state.progress(step=n, reward=vals.get(REWARD), reward_first10=first)
+        every = self.recipe.checkpoint.interval  # 0: only after the last step
+        if (every and n % every == 0) or n == self.total:
+            self._checkpoint(n)
+        for old in [s for s in self.data_states if s < n - 1 and s != (self.last_ckpt_step or 0)]:
+            del self.data_states[old]
+
+    def _checkpoint_done(self, task: Task, res: dict) -> None:
+        self.last_ckpt_step = task.step
+        self.state.progress(last_checkpoint={"step": task.step, "path": res.get("path"), "time": time.time()})
+        self.state.event("checkpoint", f"step {task.step}: {res.get('path')}")
+
+    def _stop_done(self, task: Task, res: dict) -> None:
+        pass  # the role ends; the loop sees it done
+
+    # -- the end
+    def finish(self) -> dict:
+        """summary.json and reward.png (whatever the run's outcome); returns the summary."""
+        first, last = self.metrics.reward_ends()
+        summary = self.metrics.finish(self.state.doc, {"engines": self.engine_info, "mode": self.recipe.mode})
+        if first is not None:
+            log.info("mean reward: first %d steps %.3f, last %d steps %.3f (%d steps, %.0f s); summary %s",
+                     summary["reward_window"], first, summary["reward_window"], last, summary["steps"],
+                     summary["wall_time_s"], self.run.path / "summary.json")
+        self.state.progress(reward_first10=first, reward_last10=last, phase="finished")
+        self.broker.close()
+        return summary
