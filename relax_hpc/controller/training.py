@@ -5,8 +5,16 @@ channel (the roles' rank 0 long-poll for them, see :mod:`relax_hpc.roles.tasks`)
 role, and decides what each idle role does next in one place, :meth:`TrainingLoop._pump`:
 
 - rollout, when idle: ``generate(N+1)`` as soon as the exchange's staleness gate lets partition N+1 start;
-- actor, when idle: ``train(N)`` once step N's chunks are in, then ``sync(N)`` (weights → engines,
-  version ``"N"``), then ``checkpoint(N)`` every ``checkpoint.interval`` steps and after the last.
+- reference (with ``algorithm.use_kl_loss``), when idle: ``logprobs`` of the next step's chunks
+  (``ref_log_probs``: π_ref, the model on disk, refreshed from the actor's checkpoint every
+  ``algorithm.ref_update_interval`` steps if set);
+- actor_fwd (when enabled), when idle and holding the weights of step N−1: ``logprobs`` of step N
+  (``log_probs``: π_old, which the actor then uses instead of its own forward); it follows the actor by
+  ``load``ing the actor's checkpoint after every step (one weight source; with actor_fwd on, the actor
+  checkpoints every step);
+- actor, when idle: ``train(N)`` once step N's chunks have every field it needs, then ``sync(N)``
+  (weights → engines, version ``"N"``), then ``checkpoint(N)`` every ``checkpoint.interval`` steps and
+  after the last.
 
 Step N's lease of task ``train`` is acked when ``sync(N)`` is done, so with ``max_staleness: k`` rollout
 starts step N+1 only while ``N+1 − (oldest step not yet synced) ≤ k``. The modes differ only in k:
@@ -47,7 +55,7 @@ from typing import Any
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.state import RunState
 from relax_hpc.exchange.broker import Broker
-from relax_hpc.exchange.chunk import ChunkRef
+from relax_hpc.exchange.chunk import ChunkRef, SideRef
 from relax_hpc.ops.metrics import REWARD, RunMetrics
 from relax_hpc.recipe import Recipe
 from relax_hpc.roles.samples import PRODUCER, TRAIN_FIELDS
@@ -67,23 +75,29 @@ class Task:
 
 class TrainingLoop:
     def __init__(self, recipe: Recipe, run: RunDir, state: RunState, channel: Channel):
-        if recipe.algorithm.use_kl_loss:
-            raise NotImplementedError("algorithm.use_kl_loss needs reference log-probs in the training batch, which "
-                                      "the loop does not route yet. Fix: set algorithm.use_kl_loss: false")
+        if recipe.algorithm.use_kl_loss and not recipe.roles.reference.enabled:
+            raise ValueError("algorithm.use_kl_loss needs reference log-probs. Fix: set roles.reference.enabled: true")
         self.recipe, self.run, self.state, self.channel = recipe, run, state, channel
+        # the forward roles with work to do, and the field each adds to every chunk
+        self.fwd = {r: f for r, f, on in (("reference", "ref_log_probs", recipe.algorithm.use_kl_loss),
+                                          ("actor_fwd", "log_probs", recipe.roles.actor_fwd.enabled)) if on}
         self.total = recipe.run.steps
         latest = read_latest(run.path / "checkpoints")
         self.resume_path = str(latest[0]) if latest else None
         self.last_ckpt_step = int(latest[1]["step"]) if latest else None
         k = self.last_ckpt_step or 0
-        self.broker = Broker(run.path / "exchange", tasks={"train": TRAIN_FIELDS},
+        tasks = {"train": [*TRAIN_FIELDS, *self.fwd.values()], **{r: ["tokens"] for r in self.fwd}}
+        self.broker = Broker(run.path / "exchange", tasks=tasks,
                              max_staleness=recipe.max_staleness if recipe.mode == "fully_async" else 0)
         if self.broker.rewind(k):  # steps an earlier attempt did after its last checkpoint
             log.info("exchange: partitions after step %d voided; they are produced again", k)
         self.metrics = RunMetrics(run.path, recipe.logging.tensorboard, start_step=k, started=state.doc.get("started_at"))
         self._ids = itertools.count(1)
         self.pending: dict[int, Task] = {}
-        self.busy = {"rollout": True, "actor": False}  # rollout starts the engines first
+        self.fwd_next = {r: k + 1 for r in self.fwd}  # the step each forward role does next
+        self.fwd_weights = {r: 0 for r in self.fwd}  # the step whose weights it holds (0: the model on disk)
+        # enabled forward roles serve tasks until told to stop, work or not
+        self.roles = ["rollout", "actor"] + [r for r in ("reference", "actor_fwd") if recipe.role(r).enabled]
         self.started = False  # engines up, weights connected (and resynced on a resume)
         self.step = self.generated = k  # synced steps; steps generated
         self.results: dict[int, dict] = {}  # generated, not yet trained: step -> generate's result
@@ -101,6 +115,9 @@ class TrainingLoop:
             state.event("resumed", f"from the checkpoint of step {k}")
         state.progress(step=k, generated=k, phase="starting engines", reward=None, engines={}, mode=recipe.mode)
         self._assign("rollout", "start_engines", k, data_state=self.data_states[k])
+        for r in self.fwd:  # a resumed actor_fwd follows the checkpoint; a refreshed reference too (the latest)
+            if latest and (r == "actor_fwd" or recipe.algorithm.ref_update_interval):
+                self._assign(r, "load", k, path=self.resume_path)
 
     def request_stop(self, outcome: str, why: str) -> None:
         """No new generation; the actor's step finishes, a checkpoint, then stop with ``outcome``."""
@@ -112,11 +129,13 @@ class TrainingLoop:
 
     # -- tasks out
     def _assign(self, role: str, kind: str, at: int, /, **fields: Any) -> None:
-        """Queue task ``kind`` for ``role``, as part of step ``at``."""
+        """Queue task ``kind`` for ``role``, as part of step ``at`` (a role does its tasks in order)."""
         tid = next(self._ids)
         self.pending[tid] = Task(role, kind, at, time.monotonic())
-        self.busy[role] = True
         self.channel.assign(role, {"id": tid, "kind": kind, **fields})
+
+    def _idle(self, role: str) -> bool:
+        return not any(t.role == role for t in self.pending.values())
 
     def _live(self) -> dict[str, str]:
         return {n: u for n, u in self.engines.items() if not self.engine_info[n].get("dead")}
@@ -125,7 +144,7 @@ class TrainingLoop:
         """Give each idle role its next task (the one place that decides)."""
         if not self.started or self.outcome is not None or not self.state.running:
             return
-        if not self.busy["actor"]:
+        if self._idle("actor"):
             if self.stop_request is not None:
                 if self.step > (self.last_ckpt_step or 0):
                     return self._checkpoint(self.step)
@@ -133,13 +152,20 @@ class TrainingLoop:
                 return
             if self.step >= self.total:
                 self.state.progress(phase="stopping")
-                for role in ("rollout", "actor"):
+                for role in self.roles:
                     self._assign(role, "stop", self.step)
                 self.started = False
                 return
-            if self.step + 1 in self.results:
-                self._train(self.step + 1)
-        if not self.busy["rollout"] and self.stop_request is None and self.generated < self.total:
+            n = self.step + 1
+            if n in self.results and all(self.fwd_next[r] > n for r in self.fwd):
+                self._train(n)
+        for r in self.fwd:
+            n = self.fwd_next[r]
+            if self._idle(r) and n in self.results and (r != "actor_fwd" or self.fwd_weights[r] == n - 1):
+                lease = self.broker.request(r, step=n, batch_size=1 << 30, holder=r)
+                self.leases[(r, n)] = lease
+                self._assign(r, "logprobs", n, chunks=[c.to_dict() for c in lease.chunks])
+        if self._idle("rollout") and self.stop_request is None and self.generated < self.total:
             n = self.generated + 1
             if self.broker.start_step(n):  # the staleness gate
                 self.generated = n
@@ -153,10 +179,7 @@ class TrainingLoop:
         return "+".join(kinds) if kinds else "idle"
 
     def _train(self, n: int) -> None:
-        res = self.results.pop(n)
-        for c in res["chunks"]:
-            self.broker.announce(ChunkRef.from_dict(c))
-        self.broker.end_step(n)
+        self.results.pop(n)
         lease = self.leases[n] = self.broker.request("train", step=n, batch_size=1 << 30, holder="actor")
         self._assign("actor", "train", n, step=n, chunks=[c.to_dict() for c in lease.chunks])
 
@@ -170,13 +193,12 @@ class TrainingLoop:
         task = self.pending.pop(msg["task_id"], None)
         if task is None or not self.state.running:
             return
-        self.busy[task.role] = False
         res = msg["result"]
         if "error" in res:
             at = f"step {task.step} {task.kind}" if task.kind not in ("start_engines", "connect") else task.kind
             self.state.fail(task.role, msg["rank"], self._node(task.role), f"{at}: {res['error']}", kind="task")
             return
-        if task.kind in ("generate", "train", "sync") and task.step in self.cur:  # a step's own metrics
+        if task.kind in ("generate", "logprobs", "train", "sync") and task.step in self.cur:  # a step's own metrics
             self.cur[task.step].update(res.get("metrics") or {})
         getattr(self, f"_{task.kind}_done")(task, res)
         self._pump()
@@ -217,7 +239,19 @@ class TrainingLoop:
             self.cur[n]["rollout/weight_version"] = float(max(versions))
             self.cur[n]["rollout/weight_version_min"] = float(min(versions))
         self.data_states[n] = res.get("data_state")
+        for c in res["chunks"]:
+            self.broker.announce(ChunkRef.from_dict(c))
+        self.broker.end_step(n)
         self.results[n] = res
+
+    def _logprobs_done(self, task: Task, res: dict) -> None:
+        for side in res.get("sides", []):
+            self.broker.add_fields(SideRef.from_dict(side))
+        self.broker.ack(self.leases.pop((task.role, task.step)).id)
+        self.fwd_next[task.role] = task.step + 1
+
+    def _load_done(self, task: Task, res: dict) -> None:
+        self.fwd_weights[task.role] = int(res.get("step", task.step))
 
     def _train_done(self, task: Task, res: dict) -> None:
         self._assign("actor", "sync", task.step, version=str(task.step), engines=self._live())
@@ -230,7 +264,7 @@ class TrainingLoop:
         bad = {e: v for e, v in (res.get("engine_versions") or {}).items() if v != str(n)}
         if bad:
             log.warning("step %d: engines report other weight versions than %d after the sync: %s", n, n, bad)
-        self.broker.ack(self.leases.pop(n).id)  # consumed: the step is complete and cleared; the gate moves
+        self.broker.ack(self.leases.pop(n).id)  # consumed by every task: the step is cleared; the gate moves
         now = time.monotonic()
         cur = self.cur.pop(n)
         cur["perf/step_time"] = now - self.t0.pop(n)
@@ -240,7 +274,7 @@ class TrainingLoop:
         vals = self.metrics.log(n, cur)
         first, _ = self.metrics.reward_ends()
         self.state.progress(step=n, reward=vals.get(REWARD), reward_first10=first)
-        every = self.recipe.checkpoint.interval  # 0: only after the last step
+        every = 1 if "actor_fwd" in self.fwd else self.recipe.checkpoint.interval  # 0: only after the last step
         if (every and n % every == 0) or n == self.total:
             self._checkpoint(n)
         for old in [s for s in self.data_states if s < n - 1 and s != (self.last_ckpt_step or 0)]:
@@ -248,6 +282,10 @@ class TrainingLoop:
 
     def _checkpoint_done(self, task: Task, res: dict) -> None:
         self.last_ckpt_step = task.step
+        every = self.recipe.algorithm.ref_update_interval
+        for r in self.fwd:
+            if r == "actor_fwd" or (every and task.step % every == 0):
+                self._assign(r, "load", task.step, path=res.get("path"))
         self.state.progress(last_checkpoint={"step": task.step, "path": res.get("path"), "time": time.time()})
         self.state.event("checkpoint", f"step {task.step}: {res.get('path')}")
 

@@ -6,9 +6,11 @@ the controller's tasks (:mod:`relax_hpc.roles.tasks`):
 
 - ``connect {engines, load}``: every rank loads the checkpoint ``load`` if given (a resumed run), then
   rank 0 builds the weight-sync group with the engines (:mod:`.weight_sync`).
-- ``train {step, chunks}``: read the step's samples from the exchange (checksums verified), broadcast the
-  normalized rewards over the response tokens (advantages), recompute π_old with a forward pass (or use
-  the engine's log-probs with ``algorithm.use_rollout_logprobs``), one ``train_step``. Returns Relax's
+- ``train {step, chunks}``: read the step's samples from the exchange (checksums verified; with the side
+  fields ``ref_log_probs``/``log_probs`` when the reference/actor_fwd roles added them), broadcast the
+  normalized rewards over the response tokens (advantages), take π_old from actor_fwd's ``log_probs`` or
+  recompute it with a forward pass (or use the engine's log-probs with ``algorithm.use_rollout_logprobs``),
+  one ``train_step``. Returns Relax's
   ``train/*`` metrics, ``train/train_rollout_logprob_abs_diff`` (mean |actor − engine| log-prob over the
   response tokens; with identical weights this is the numerical gap, ~1e-7 on CPU) and ``perf/train_time``.
 - ``sync {version, engines}``: every rank walks ``named_hf_weights`` (a collective); rank 0 pushes them with
@@ -45,6 +47,7 @@ def work(ctx: RoleContext, comm: Any) -> None:
     import torch
     import torch.distributed as dist
 
+    from relax_hpc.exchange.chunk import ChunkRef
     from relax_hpc.roles import samples as S
     from relax_hpc.roles.tasks import serve
     from relax_hpc.roles.weight_sync import ROWS, EngineChecker
@@ -84,11 +87,15 @@ def work(ctx: RoleContext, comm: Any) -> None:
 
     def train(task: dict) -> dict:
         t0 = time.monotonic()
-        samples = S.read_samples(task["chunks"])  # every rank reads the whole batch (train_step shards it), so
-        batch = S.to_train_batch(samples, r.algorithm)  # advantage whitening needs no process group
+        refs = [ChunkRef.from_dict(c) for c in task["chunks"]]
+        extra = [f for f in S.FORWARD_FIELDS if all(f in c.all_fields for c in refs)]  # added by reference/actor_fwd
+        samples = S.read_samples(refs, (*S.TRAIN_FIELDS, *extra))  # every rank reads the whole batch (train_step
+        batch = S.to_train_batch(samples, r.algorithm)  # shards it), so advantage whitening needs no process group
         t_read = time.monotonic() - t0
         diff = {}
-        if not r.algorithm.use_rollout_logprobs:
+        if "log_probs" in extra:  # π_old from actor_fwd, computed with the weights this rank holds now
+            diff = _logprob_gap(batch, [s["old_log_probs"] for s in batch])
+        elif not r.algorithm.use_rollout_logprobs:
             old = actor.compute_log_probs(batch)
             for s, lp in zip(batch, old):
                 s["old_log_probs"] = lp

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from relax_hpc.controller import run_controller
+from relax_hpc.exchange.audit import exactly_once
 
 from .conftest import QUICKSTART, REPO, metrics, quickstart_overrides, state, tensorboard_tags
 
@@ -62,8 +63,10 @@ def test_quickstart_learns_locally(tmp_path, tiny_model, local_executor):
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_quickstart_learns_on_slurm(slurm_cluster, tmp_path, tiny_model):
-    """relax-submit on the dev cluster: actor and rollout in their own het components; the reward rises."""
+def test_quickstart_learns_on_slurm_with_four_groups_at_once(slurm_cluster, tmp_path, tiny_model):
+    """relax-submit recipes/quickstart-slurm.yaml on the dev cluster: actor, rollout, reference and actor_fwd each
+    in their own het component (one node each), fully async; the reward rises, and the journal shows every
+    produced sample consumed exactly once by each task (train, reference, actor_fwd)."""
     venv = REPO / ".venv" / "bin"
     recipe = REPO / "recipes" / "quickstart-slurm.yaml"
     over = quickstart_overrides(tiny_model, tmp_path / "runs", f"run.steps={STEPS}")
@@ -72,21 +75,31 @@ def test_quickstart_learns_on_slurm(slurm_cluster, tmp_path, tiny_model):
     assert p.returncode == 0, p.stderr
     sub = json.loads(p.stdout)
     job, run_dir = sub["job_id"], Path(sub["run_dir"])
-    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i"], capture_output=True, text=True).stdout.split()
-    assert {f"{job}+0", f"{job}+1"} <= set(out) or (run_dir / "state.json").exists()
-    deadline = time.monotonic() + 900
+    deadline = time.monotonic() + 1200
     st: dict = {}
+    seen: set[str] = set()
     while time.monotonic() < deadline:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-t", "RUNNING", "-o", "%i"], capture_output=True,
+                             text=True, env=slurm_cluster.env).stdout.split()
+        if len(out) == 4:
+            seen = set(out)
         q = subprocess.run([str(venv / "relax-status"), "--json", sub["run"]], capture_output=True, text=True,
                            cwd=tmp_path, env=slurm_cluster.env)
         st = json.loads(q.stdout) if q.returncode == 0 else {}
         if st.get("state") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
             break
-        time.sleep(5)
+        time.sleep(3)
     assert st.get("state") == "COMPLETED", st
+    assert seen == {f"{job}+{k}" for k in range(4)}, "the four components never ran at once"
     ctl = json.loads((run_dir / "state.json").read_text())
-    assert ctl["executor"] == "slurm" and ctl["step"] == STEPS
-    assert ctl["roles"]["actor"]["het_group"] != ctl["roles"]["rollout"]["het_group"]
+    assert ctl["executor"] == "slurm" and ctl["step"] == STEPS and ctl["mode"] == "fully_async"
+    assert len({ctl["roles"][r]["het_group"] for r in ("actor", "rollout", "reference", "actor_fwd")}) == 4
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["reward_last10"] > summary["reward_first10"] + RISE, summary
-    assert "rollout/raw_reward" in tensorboard_tags(run_dir / "tensorboard")
+    assert exactly_once(run_dir / "exchange" / "journal.jsonl", ["train", "reference", "actor_fwd"]) == []
+    rows = metrics_of(run_dir)
+    assert all("train/kl_loss" in r and "perf/reference_time" in r and "perf/actor_fwd_time" in r for r in rows)
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -149,7 +149,7 @@ def test_a_requeued_slurm_job_resumes_and_ends_as_if_never_interrupted(reference
     id, SLURM_RESTART_COUNT=1), resume; then preemption by a job in the higher-priority partition ``urgent``
     (SIGTERM, KillWait 5 s, Slurm requeues: SLURM_RESTART_COUNT=2), resume from the last periodic
     checkpoint. The steps match the uninterrupted local run."""
-    recipe = REPO / "recipes" / "quickstart-slurm.yaml"
+    recipe = REPO / "recipes" / "quickstart-slurm-colocate.yaml"
     p = subprocess.run([str(REPO / ".venv" / "bin" / "relax-submit"), "--json", str(recipe),
                         *quickstart_overrides(tiny_model, tmp_path / "runs", *SMALL)],
                        capture_output=True, text=True, cwd=tmp_path, env=slurm_cluster.env, timeout=120)
