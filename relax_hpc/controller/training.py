@@ -30,7 +30,8 @@ rollout's chunks are announced when its ``generate`` reports them (over the run'
 journal records every sample produced and consumed, across attempts (:mod:`relax_hpc.exchange.audit`).
 
 Metrics: a step's ``rollout/*``, ``train/*``, ``perf/*``, ``weights/*`` plus ``perf/step_time`` (generate
-start → sync done) and ``perf/step_interval`` (sync done → sync done: the throughput) go to
+start → sync done), ``perf/step_interval`` (sync done → sync done: the throughput) and
+``perf/controller_time`` (time this loop spent on the step's reports: broker, journal, metrics) go to
 :class:`~relax_hpc.ops.metrics.RunMetrics` when its sync is done; ``state.json`` gets ``step`` (synced
 steps), ``generated``, ``phase``, ``reward``, ``engines``, ``last_checkpoint``. A task that reports an
 error fails the run with the report as reason (kind ``task``: no restart helps). A dead engine is logged
@@ -105,6 +106,7 @@ class TrainingLoop:
         self.cur: dict[int, dict[str, float]] = {}  # step -> its metrics so far
         self.t0: dict[int, float] = {}
         self.last_sync = None
+        self.ctl_s = 0.0  # controller time (handling task reports: broker, journal, metrics) since the last sync
         self.data_states: dict[int, dict | None] = {k: (latest[1].get("extra_state") or {}).get("data") if latest else None}
         self.stop_request: tuple[str, str] | None = None  # (outcome, why) asked for by request_stop
         self.outcome: str | None = None  # "requeue" or "cancel" once a requested stop is done
@@ -190,6 +192,13 @@ class TrainingLoop:
     def on_message(self, msg: dict) -> None:
         if msg.get("type") != "task_done":
             return
+        t0 = time.perf_counter()
+        try:
+            self._on_task_done(msg)
+        finally:
+            self.ctl_s += time.perf_counter() - t0
+
+    def _on_task_done(self, msg: dict) -> None:
         task = self.pending.pop(msg["task_id"], None)
         if task is None or not self.state.running:
             return
@@ -270,6 +279,7 @@ class TrainingLoop:
         cur["perf/step_time"] = now - self.t0.pop(n)
         if self.last_sync is not None:
             cur["perf/step_interval"] = now - self.last_sync
+        cur["perf/controller_time"], self.ctl_s = self.ctl_s, 0.0
         self.last_sync, self.step = now, n
         vals = self.metrics.log(n, cur)
         first, _ = self.metrics.reward_ends()
