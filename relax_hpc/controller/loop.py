@@ -84,15 +84,19 @@ def _run(run: RunDir) -> dict:
     doc = state.doc
     if doc["state"] == REQUEUED:
         if doc["attempt"] >= recipe.slurm.max_requeues:
-            state.fail("controller", None, None, f"{doc['reason']}, but this was attempt {doc['attempt']} and "
-                       f"slurm.max_requeues is {recipe.slurm.max_requeues}: not coming back. Fix: raise "
-                       f"slurm.max_requeues or run.steps per job time, then relax-submit --resume {run.path}")
+            state.give_up(f"{doc['reason']}, but this was attempt {doc['attempt']} and slurm.max_requeues is "
+                          f"{recipe.slurm.max_requeues}: not coming back. Fix: raise slurm.max_requeues, then "
+                          f"relax-submit --resume {run.path}")
         else:
             state.event("requeued", doc["reason"])
             state.write()
-            state.doc["requeue"] = come_back(run, recipe, executor)  # locally, and mostly on Slurm, no return
-            state.write()
-            return state.doc
+            try:
+                state.doc["requeue"] = come_back(run, recipe, executor)  # locally, and mostly on Slurm, no return
+                state.write()
+                return state.doc
+            except Exception as e:  # neither requeue nor a continuation: say so instead of waiting for ever
+                state.give_up(f"{doc['reason']}; coming back failed: {type(e).__name__}: {e}. Fix: "
+                              f"relax-submit --resume {run.path}")
     if doc["state"] == COMPLETED:
         state.event("finished", _summary_line(run))
     else:

@@ -161,6 +161,11 @@ class RunState:
         if self.running:
             self._finish(CANCELLED, reason)
 
+    def give_up(self, reason: str) -> None:
+        """FAILED, whatever the state was (an attempt that ended REQUEUED but cannot come back)."""
+        self._finish(FAILED, reason)
+        self.doc["last_failure"] = reason
+
     def requeue(self, reason: str) -> None:
         if self.running:
             self._finish(REQUEUED, reason)

@@ -151,3 +151,14 @@ def _run_catching(run) -> str:
         return ""
     except RunFailed as e:
         return str(e)
+
+
+def test_past_max_requeues_the_run_fails_and_says_how_to_go_on(tmp_path):
+    run = make_run(tmp_path, dict(TINY, slurm={"mpi": "none", "max_requeues": 0}))
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGUSR2)).start()
+    with pytest.raises(RunFailed, match="slurm.max_requeues is 0"):
+        run_controller(run.path)
+    state = json.loads(run.state.read_text())
+    assert state["state"] == "FAILED" and "relax-submit --resume" in state["reason"]
+    assert state["events"][-1]["event"] == "failed"
+    no_descendants_left(all_pids(state))

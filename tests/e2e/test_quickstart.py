@@ -18,6 +18,7 @@ import pytest
 
 from relax_hpc.controller import run_controller
 from relax_hpc.exchange.audit import exactly_once
+from relax_hpc.exchange.journal import iter_ops, replay
 
 from .conftest import QUICKSTART, REPO, metrics, quickstart_overrides, state, tensorboard_tags
 
@@ -58,6 +59,13 @@ def test_quickstart_learns_locally(tmp_path, tiny_model, local_executor):
         assert r["rollout/weight_version"] == r["step"] - 1  # generated with the weights synced after step N-1
         assert r["weights/fingerprint_match"] == 1.0 and r["weights/versions_ok"] == 1.0
         assert r["train/train_rollout_logprob_abs_diff_max"] <= 1e-4
+    # colocate is max_staleness 0: from the journal, every partition started with none uncleared (rollout
+    # never ran ahead), and every sample was trained on exactly once
+    journal = run.path / "exchange" / "journal.jsonl"
+    starts = list(iter_ops(replay(journal), "start"))
+    assert [s["step"] for s in starts] == list(range(1, STEPS + 1))
+    assert all(s["min_uncleared"] is None for s in starts)
+    assert exactly_once(journal, ["train"]) == []
     print(f"quickstart {STEPS} steps: reward {first:.3f} -> {last:.3f}, {wall:.0f} s")
 
 

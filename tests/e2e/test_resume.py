@@ -179,3 +179,35 @@ def test_a_requeued_slurm_job_resumes_and_ends_as_if_never_interrupted(reference
     assert events.count("resumed") == 2 and "preempted" in events and "requeued" in events
     same_steps(run, reference)
     assert exactly_once(run.path / "exchange" / "journal.jsonl", ["train"]) == []
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_time_limited_job_checkpoints_before_the_kill_and_goes_on(slurm_cluster, tmp_path, tiny_model):
+    """A real time limit (slurm.time 2 min, the warning 80 s before it; Slurm sends it early by up to a
+    minute): every attempt checkpoints on the warning and requeues itself before the limit kills it (a
+    TIMEOUT is never requeued by Slurm), until the run is done; no step is lost or logged twice."""
+    steps = 40
+    recipe = REPO / "recipes" / "quickstart-slurm-colocate.yaml"
+    p = subprocess.run([str(REPO / ".venv" / "bin" / "relax-submit"), "--json", str(recipe),
+                        *quickstart_overrides(tiny_model, tmp_path / "runs", f"run.steps={steps}",
+                                              "slurm.time=00:02:00", "slurm.signal_lead_s=80",
+                                              "slurm.max_requeues=10",
+                                              "rollout.rollout_batch_size=8")],
+                       capture_output=True, text=True, cwd=tmp_path, env=slurm_cluster.env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    sub = json.loads(p.stdout)
+    run = RunDir(Path(sub["run_dir"]))
+    try:
+        wait_until(lambda: state(run).get("state") not in (None, "RUNNING", "REQUEUED")
+                   and state(run)["events"][-1]["event"] in ("finished", "failed", "cancelled"), 900, every=1.0,
+                   what="the run's end")
+    finally:
+        if state(run).get("state") != "COMPLETED":
+            subprocess.run(["scancel", sub["job_id"]], env=slurm_cluster.env)
+    st = state(run)
+    assert st["state"] == "COMPLETED", st.get("reason")
+    assert st["attempt"] >= 1 and st["slurm_restart_count"] == st["attempt"]
+    assert all(h["state"] == "REQUEUED" and "SIGUSR2" in h["reason"] for h in st["history"])
+    assert [r["step"] for r in metrics(run)] == list(range(1, steps + 1))
+    assert exactly_once(run.path / "exchange" / "journal.jsonl", ["train"]) == []
