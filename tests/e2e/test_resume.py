@@ -187,7 +187,7 @@ def test_a_time_limited_job_checkpoints_before_the_kill_and_goes_on(slurm_cluste
     """A real time limit (slurm.time 2 min, the warning 80 s before it; Slurm sends it early by up to a
     minute): every attempt checkpoints on the warning and requeues itself before the limit kills it (a
     TIMEOUT is never requeued by Slurm), until the run is done; no step is lost or logged twice."""
-    steps = 40
+    steps = 20
     recipe = REPO / "recipes" / "quickstart-slurm-colocate.yaml"
     p = subprocess.run([str(REPO / ".venv" / "bin" / "relax-submit"), "--json", str(recipe),
                         *quickstart_overrides(tiny_model, tmp_path / "runs", f"run.steps={steps}",
