@@ -101,5 +101,14 @@ def write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a directory's entries durable (a create, rename or unlink in it survives a crash)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_json(path: Path, data: Any) -> None:
     write_private(path, json.dumps(data, indent=1, sort_keys=True) + "\n")

@@ -56,6 +56,7 @@ from relax_hpc.exchange.chunk import (
     sweep_tmp,
 )
 from relax_hpc.exchange.journal import Journal, JournalCorrupt
+from relax_hpc.rundir import fsync_dir as _fsync_dir
 
 _ID_RE = re.compile(r"^step_(\d+)/(chunk_[A-Za-z0-9_-]+)$")
 
@@ -731,9 +732,3 @@ class Broker:
         self.close()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

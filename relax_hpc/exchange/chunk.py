@@ -51,6 +51,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import h5py
 import numpy as np
 
+from relax_hpc.rundir import fsync_dir as _fsync_dir
+
 MAGIC = b"RELAXHPC-CHUNK\n"
 HEADER_SIZE = 512
 FORMAT = "relax_hpc.chunk"
@@ -388,14 +390,6 @@ def _header(kind: str, checksum: str, size: int, n: int, base: str | None) -> by
     if len(h) > HEADER_SIZE:
         raise AssertionError("chunk header too long")
     return h.ljust(HEADER_SIZE, b"\0")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _WRITE_BLOCK = 8 << 20

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from relax_hpc.rundir import fsync_dir as _fsync_dir
+
 VERSION = 1
 
 
@@ -156,9 +158,3 @@ def _read_all(fd: int) -> bytes:
         parts.append(b)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from relax_hpc.rundir import fsync_dir as _fsync_dir
 from relax_hpc.train.latest import LATEST, resolve, step_dir_name  # noqa: F401 - the layout, shared
 
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -102,14 +103,6 @@ def _fsync_write(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _layout() -> dict:
