@@ -96,16 +96,17 @@ def test_a_role_that_dies_without_a_word_fails_the_run(tmp_path, monkeypatch):
     no_descendants_left(all_pids(json.loads(run.state.read_text())))
 
 
-def test_a_killed_step_is_restarted_and_the_run_goes_on(tmp_path):
+@pytest.mark.parametrize("role", ["actor", "reference"])
+def test_a_killed_step_is_restarted_and_the_run_goes_on(tmp_path, role):
     """With restarts allowed, every step is stopped and started again (a new control port, new PIDs) and the
     run completes; state.json keeps the failure that was survived and counts the restart."""
     run = make_run(tmp_path, dict(TINY, checkpoint={"max_restarts": 1}))
     killed: list = []
-    kill_once(run, "actor", killed)
+    kill_once(run, role, killed)
     final = run_controller(run.path)
     assert final["state"] == "COMPLETED" and final["restarts"] == 1 and final["attempt"] == 0
-    assert "actor" in final["last_failure"] and "code -9" in final["last_failure"]
-    assert killed[0] not in final["roles"]["actor"]["pids"]
+    assert role in final["last_failure"] and "code -9" in final["last_failure"]
+    assert killed[0] not in final["roles"][role]["pids"]
     assert [e["event"] for e in final["events"]] == ["started", "step_restarted", "finished"]
     no_descendants_left(all_pids(final) + killed)
 
