@@ -102,7 +102,7 @@ class TrainingLoop:
         self.started = False  # engines up, weights connected (and resynced on a resume)
         self.step = self.generated = k  # synced steps; steps generated
         self.results: dict[int, dict] = {}  # generated, not yet trained: step -> generate's result
-        self.leases: dict[int, Any] = {}
+        self.leases: dict[Any, Any] = {}  # step (train) or (role, step) (a forward role) -> its lease
         self.cur: dict[int, dict[str, float]] = {}  # step -> its metrics so far
         self.t0: dict[int, float] = {}
         self.last_sync = None

@@ -187,12 +187,12 @@ def test_a_time_limited_job_checkpoints_before_the_kill_and_goes_on(slurm_cluste
     """A real time limit (slurm.time 2 min, the warning 80 s before it; Slurm sends it early by up to a
     minute): every attempt checkpoints on the warning and requeues itself before the limit kills it (a
     TIMEOUT is never requeued by Slurm), until the run is done; no step is lost or logged twice."""
-    steps = 20
+    steps = 40  # ~70 s of work: longer than an attempt lasts before the warning (40 s after the start, give or take 30)
     recipe = REPO / "recipes" / "quickstart-slurm-colocate.yaml"
     p = subprocess.run([str(REPO / ".venv" / "bin" / "relax-submit"), "--json", str(recipe),
                         *quickstart_overrides(tiny_model, tmp_path / "runs", f"run.steps={steps}",
                                               "slurm.time=00:02:00", "slurm.signal_lead_s=80",
-                                              "slurm.max_requeues=10",
+                                              "slurm.max_requeues=15",
                                               "rollout.rollout_batch_size=8")],
                        capture_output=True, text=True, cwd=tmp_path, env=slurm_cluster.env, timeout=120)
     assert p.returncode == 0, p.stderr
