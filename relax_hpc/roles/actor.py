@@ -1,7 +1,7 @@
 """The actor role: trains the policy (Megatron) and pushes weights to the engines.
 
 After the bootstrap (:mod:`relax_hpc.roles.runtime`) every rank builds the Megatron model from
-``model.path`` (``init_parallel`` over the role's group, then :meth:`MegatronActor.from_hf`) and serves
+``model.path`` (:func:`relax_hpc.roles.model.build_megatron`: the builder the forward roles share) and serves
 the controller's tasks (:mod:`relax_hpc.roles.tasks`):
 
 - ``connect {engines, load}``: every rank loads the checkpoint ``load`` if given (a resumed run), then
@@ -28,17 +28,12 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from relax_hpc.roles.model import build_megatron, resolve
 from relax_hpc.roles.runtime import RoleContext, main, reachable_host
 
 ROLE = "actor"
-
-
-def _model_path(ctx: RoleContext) -> str:
-    p = Path(ctx.recipe.model.path).expanduser()
-    return str(p if p.is_absolute() else (Path.cwd() / p).resolve())
 
 
 def work(ctx: RoleContext, comm: Any) -> None:
@@ -52,22 +47,11 @@ def work(ctx: RoleContext, comm: Any) -> None:
     from relax_hpc.roles.tasks import serve
     from relax_hpc.roles.weight_sync import ROWS, EngineChecker
     from relax_hpc.weights import WeightSender
-    from relax_hpc.train.actor import MegatronActor
-    from relax_hpc.train.parallel import init_parallel
 
     r = ctx.recipe
     rank = ctx.ident.rank
-    if not torch.cuda.is_available():
-        # Megatron wraps fused ops in torch.compile; on a CPU that compiles C++ for ~20 s at the first step
-        # and gains nothing at the sizes a CPU trains
-        import torch._dynamo
-
-        torch._dynamo.config.disable = True
-        torch.set_num_threads(max(1, r.roles.actor.cpus_per_task))
-    init_parallel(r.train.tp, r.train.pp, seed=r.train.seed)
-    temperature = r.rollout.temperature if r.rollout.temperature > 1e-6 else 1.0  # greedy: the engine uses T=1
-    actor = MegatronActor.from_hf(_model_path(ctx), r.train, r.algorithm, temperature=temperature)
-    ctx.report("ready", model=_model_path(ctx))
+    actor = build_megatron(r, ROLE, forward_only=False)
+    ctx.report("ready", model=resolve(r.model.path))
     st: dict[str, Any] = {"sender": None, "engines": {}}
     checker = EngineChecker()
 

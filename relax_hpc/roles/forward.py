@@ -35,24 +35,6 @@ if TYPE_CHECKING:
 READ_FIELDS = ("tokens", "response_length")
 
 
-def build_actor(recipe: Any, role: str, model_path: str) -> Any:
-    """Every rank: Megatron's groups over the role's ranks, then the forward-only model (as the actor builds it)."""
-    import torch
-
-    from relax_hpc.train.actor import MegatronActor
-    from relax_hpc.train.parallel import init_parallel
-
-    if not torch.cuda.is_available():  # as in roles/actor.py: torch.compile only costs time on a CPU
-        import torch._dynamo
-
-        torch._dynamo.config.disable = True
-        torch.set_num_threads(max(1, recipe.role(role).cpus_per_task))
-    init_parallel(recipe.train.tp, recipe.train.pp, seed=recipe.train.seed)
-    temperature = recipe.rollout.temperature if recipe.rollout.temperature > 1e-6 else 1.0  # greedy: T=1
-    return MegatronActor.from_hf(model_path, recipe.train, recipe.algorithm, temperature=temperature,
-                                 forward_only=True)
-
-
 def compute_and_write(actor: Any, refs: Sequence[dict | ChunkRef], field: str, writer: str, rank: int) -> list[dict]:
     """Log-probs of every response token of these chunks as side field ``field`` (ragged float32).
 
@@ -97,12 +79,12 @@ def work_forward(ctx: RoleContext, comm: Any, field: str) -> None:
     """The role's work: build the model, then serve ``logprobs``/``load``/``stop`` until ``stop``."""
     if ctx.recipe.model.path is None:
         return
-    from relax_hpc.roles.actor import _model_path
+    from relax_hpc.roles.model import build_megatron, resolve
     from relax_hpc.roles.tasks import serve
 
     role, rank = ctx.ident.role, ctx.ident.rank
-    actor = build_actor(ctx.recipe, role, _model_path(ctx))
-    ctx.report("ready", model=_model_path(ctx))
+    actor = build_megatron(ctx.recipe, role, forward_only=True)
+    ctx.report("ready", model=resolve(ctx.recipe.model.path))
 
     def logprobs(task: dict) -> dict:
         t0 = time.monotonic()

@@ -24,19 +24,14 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from relax_hpc.roles.model import resolve
 from relax_hpc.roles.runtime import RoleContext, main
 
 ROLE = "rollout"
 ENGINE_READY_S = 900.0
 log = logging.getLogger("relax_hpc.rollout")
-
-
-def _resolve(p: str) -> str:
-    q = Path(p).expanduser()
-    return str(q if q.is_absolute() else (Path.cwd() / q).resolve())
 
 
 def _start_engine(ctx: RoleContext) -> Any:
@@ -55,11 +50,11 @@ def _start_engine(ctx: RoleContext) -> Any:
         gpus = max(1, r.roles.rollout.gpus_per_node // max(1, r.roles.rollout.tasks_per_node))
         first = i.local_rank * gpus
         env = {"CUDA_VISIBLE_DEVICES": ",".join(str(first + k) for k in range(gpus))}
-        h = start_engine("sglang", _resolve(r.model.path), tp=gpus, host=host, env=env, log_path=logf,
+        h = start_engine("sglang", resolve(r.model.path), tp=gpus, host=host, env=env, log_path=logf,
                          extra_args=["--weight-version", "0", "--random-seed", str(r.run.seed + i.rank)])
     else:
         threads = max(1, r.roles.rollout.cpus_per_task)
-        h = start_engine("cpu", _resolve(r.model.path), host=host, log_path=logf,
+        h = start_engine("cpu", resolve(r.model.path), host=host, log_path=logf,
                          extra_args=["--weight-version", "0", "--seed", str(r.run.seed + i.rank),
                                      "--threads", str(threads)])
     ctx.add_cleanup(lambda: h.stop(timeout=5.0))  # also on SIGTERM (the controller gives 10 s) and controller loss
@@ -131,10 +126,10 @@ class Generator:
 
         r = ctx.recipe
         self.ctx, self.recipe = ctx, r
-        self.tokenizer = load_tokenizer(_resolve(r.model.path))
+        self.tokenizer = load_tokenizer(resolve(r.model.path))
         if r.data.path is None:
             raise ValueError("data.path is not set: the rollout role needs prompts (a JSONL or Parquet file)")
-        dataset = dataset_from_config(r.data, r.rollout, tokenizer=self.tokenizer, path=_resolve(r.data.path))
+        dataset = dataset_from_config(r.data, r.rollout, tokenizer=self.tokenizer, path=resolve(r.data.path))
         self.data = data_source_from_config(dataset, r.data, r.rollout, run_seed=r.run.seed)
         self.driver = build_driver(r, {}, tokenizer=self.tokenizer)  # loads the reward function: fails early
         self.engines: dict[str, str] = {}

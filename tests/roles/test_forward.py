@@ -108,6 +108,7 @@ def _child(model: str, ref_json: str, out: Path) -> dict:
     from relax_hpc.exchange.chunk import ChunkRef, SideRef, read_chunk
     from relax_hpc.recipe.schema import Recipe
     from relax_hpc.roles import forward as F
+    from relax_hpc.roles.model import build_megatron
     from relax_hpc.train import cpu_compat
 
     tm: dict[str, float] = {}
@@ -115,7 +116,8 @@ def _child(model: str, ref_json: str, out: Path) -> dict:
     dist.init_process_group(cpu_compat.backend(), store=dist.HashStore(), rank=0, world_size=1)
     recipe = Recipe()
     recipe.roles.reference.cpus_per_task = 2
-    actor = F.build_actor(recipe, "reference", model)
+    recipe.model.path = str(model)
+    actor = build_megatron(recipe, "reference", forward_only=True)
     tm["build_s"] = time.monotonic() - t
     ref = ChunkRef.from_dict(json.loads(ref_json))
     t = time.monotonic()

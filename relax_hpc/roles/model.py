@@ -1,0 +1,40 @@
+"""What the Megatron roles (actor, reference, actor_fwd) share to get their model, and how every role reads
+a path from the recipe.
+
+One builder, so the three hold the same model built the same way (the CPU settings, the parallel layout,
+the sampling temperature their log-probs assume); they differ only in ``forward_only`` (no DDP wrapper,
+no optimizer).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def resolve(path: str) -> str:
+    """A recipe path as an absolute one: relative paths are relative to the directory the run was submitted
+    from (the role's working directory)."""
+    p = Path(path).expanduser()
+    return str(p if p.is_absolute() else (Path.cwd() / p).resolve())
+
+
+def build_megatron(recipe: Any, role: str, *, forward_only: bool) -> Any:
+    """Every rank: Megatron's groups over the role's ranks (``train.tp``/``train.pp``), then the model from
+    ``model.path`` as a :class:`~relax_hpc.train.actor.MegatronActor`."""
+    import torch
+
+    from relax_hpc.train.actor import MegatronActor
+    from relax_hpc.train.parallel import init_parallel
+
+    if not torch.cuda.is_available():
+        # Megatron wraps fused ops in torch.compile; on a CPU that compiles C++ for ~20 s at the first step
+        # and gains nothing at the sizes a CPU trains
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
+        torch.set_num_threads(max(1, recipe.role(role).cpus_per_task))
+    init_parallel(recipe.train.tp, recipe.train.pp, seed=recipe.train.seed)
+    temperature = recipe.rollout.temperature if recipe.rollout.temperature > 1e-6 else 1.0  # greedy: the engine uses T=1
+    return MegatronActor.from_hf(resolve(recipe.model.path), recipe.train, recipe.algorithm, temperature=temperature,
+                                 forward_only=forward_only)
