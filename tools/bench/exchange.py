@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -43,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
+from common import append, machine  # noqa: E402  (tools/bench/common.py: this script's directory is on sys.path)
 from relax_hpc.exchange import Broker, read_chunk, write_chunk  # noqa: E402
 from relax_hpc.exchange.chunk import CHECKSUM_ALGO, parse_chunk_file, partition_dir  # noqa: E402
 
@@ -259,22 +259,6 @@ def fsync_ms(base: Path) -> float:
         os.unlink(name)
 
 
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    import h5py
-
-    return (f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}, h5py {h5py.__version__} "
-            f"(HDF5 {h5py.version.hdf5_version}), numpy {np.__version__}; load average {load} at start")
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", action="append", help="a directory on the filesystem to test (repeatable; default: the temp dir)")
@@ -289,7 +273,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     when = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    where = machine()
+    import h5py
+
+    where = machine(f"h5py {h5py.__version__} (HDF5 {h5py.version.hdf5_version})", f"numpy {np.__version__}")
     chunks = make_chunks(a.chunks, a.samples, a.mean_len)
     per_chunk_mb = nbytes(chunks[0]) / 1e6
     lines = [f"\n### Sample exchange: chunks vs raw files, announce vs polling ({when})\n",
@@ -328,9 +314,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     print(text)
     if not a.no_append:
-        with open(a.out, "a") as f:
-            f.write(text + "\n")
-        print(f"appended to {a.out}")
+        append(a.out, text)
     return 0
 
 

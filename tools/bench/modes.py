@@ -25,7 +25,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from common import append, machine  # noqa: E402  (tools/bench/common.py: this script's directory is on sys.path)
 from relax_hpc.controller import run_controller  # noqa: E402
 from relax_hpc.recipe import dump_recipe, load_recipe  # noqa: E402
 from relax_hpc.rundir import create_run_dir  # noqa: E402
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--no-append", action="store_true")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="relax-bench-modes-"))
-    load0 = os.getloadavg()[0]
+    where = machine()
     rows = {m: run_mode(m, a.steps, a.staleness, a.model.resolve(), root) for m in ("colocate", "fully_async")}
     batch = load_recipe(REPO / "recipes" / "quickstart.yaml").rollout
     per_step = batch.rollout_batch_size * batch.n_samples_per_prompt
@@ -84,8 +84,7 @@ def main() -> None:
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"### Colocate vs fully-async, controller overhead ({when})", "",
-        f"Machine: {platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}; load average {load0:.1f} "
-        f"before, {os.getloadavg()[0]:.1f} after. Quickstart recipe, local executor, {a.steps} steps "
+        f"Machine: {where}; load average {os.getloadavg()[0]:.1f} at the end. Quickstart recipe, local executor, {a.steps} steps "
         f"({WARMUP} warm-up steps left out), {per_step} samples per step, fully_async with max_staleness "
         f"{a.staleness}. Medians per step.", "",
         "| mode | step interval s | samples/s | rollout s | train+sync s | controller s | controller / step |",
@@ -105,8 +104,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if not a.no_append:
-        with open(REPO / "docs" / "benchmarks.md", "a", encoding="utf-8") as f:
-            f.write("\n" + text)
+        append(REPO / "docs" / "benchmarks.md", text)
 
 
 if __name__ == "__main__":

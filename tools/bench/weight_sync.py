@@ -29,7 +29,6 @@ import importlib.machinery
 import importlib.util
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -44,6 +43,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from common import append, machine  # noqa: E402  (tools/bench/common.py: this script's directory is on sys.path)
 from relax_hpc.weights.buckets import BufferRing, MiB, dtype_from_name, empty_flat, iter_buckets, plan, unpack  # noqa: E402
 from relax_hpc.weights.sync import new_group, receive, send_buckets  # noqa: E402
 
@@ -174,21 +174,6 @@ def end_to_end(model_dir: Path, named: list, reps: int, log_dir: Path) -> dict[s
         h.stop()
 
 
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__} "
-            f"({torch.get_num_threads()} thread/process), "
-            f"Python {platform.python_version()}; load average {load} at start")
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--receiver", type=int, help=argparse.SUPPRESS)
@@ -212,7 +197,7 @@ def main(argv=None) -> int:
         return receiver(a.receiver)
 
     when = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    where = machine()
+    where = machine(f"torch {torch.__version__} ({torch.get_num_threads()} thread/process)")
     tmp = Path(tempfile.mkdtemp(prefix="relax-bench-weights-"))
     try:
         return run(a, tmp, when, where)
@@ -282,13 +267,7 @@ def run(a, tmp: Path, when: str, where: str) -> int:
     text = "\n".join(out)
     print("\n" + text)
     if not a.no_append:
-        path = Path(a.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:  # append only: other benchmarks write to this file too
-            if f.tell() == 0:
-                f.write("# Benchmarks\n\nAppended by the tools in tools/bench/; newest last.\n\n")
-            f.write("\n" + text + "\n")
-        print(f"appended to {path}")
+        append(a.out, text)
     return 0
 
 
