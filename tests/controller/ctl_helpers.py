@@ -9,6 +9,8 @@ import yaml
 from relax_hpc.recipe import dump_recipe, load_recipe
 from relax_hpc.rundir import RunDir, create_run_dir
 
+TOKEN = "t" * 64  # a run token for tests that talk to a Channel directly
+
 # actor 2 ranks, rollout 1, reference 1, actor_fwd sharing reference's component
 TINY = {
     "run": {"name": "tiny", "steps": 1},

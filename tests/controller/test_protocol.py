@@ -5,17 +5,8 @@ import socket
 
 import pytest
 
-from relax_hpc.controller.channel import Channel
+from ctl_helpers import TOKEN
 from relax_hpc.controller.protocol import Client, ProtocolError, encode
-
-TOKEN = "a" * 64
-
-
-@pytest.fixture
-def channel():
-    ch = Channel(TOKEN, bind_host="127.0.0.1")
-    yield ch
-    ch.close()
 
 
 def raw(port: int, payload: bytes) -> tuple[dict, bytes]:

@@ -6,17 +6,8 @@ import time
 
 import pytest
 
-from relax_hpc.controller.channel import Channel
+from ctl_helpers import TOKEN
 from relax_hpc.controller.protocol import MAX_TASK_WAIT_S, Client, ProtocolError
-
-TOKEN = "t" * 64
-
-
-@pytest.fixture
-def channel():
-    ch = Channel(TOKEN, bind_host="127.0.0.1")
-    yield ch
-    ch.close()
 
 
 @pytest.fixture
