@@ -71,7 +71,6 @@ class Task:
     role: str
     kind: str
     step: int
-    started: float
 
 
 class TrainingLoop:
@@ -101,7 +100,7 @@ class TrainingLoop:
         self.roles = ["rollout", "actor"] + [r for r in ("reference", "actor_fwd") if recipe.role(r).enabled]
         self.started = False  # engines up, weights connected (and resynced on a resume)
         self.step = self.generated = k  # synced steps; steps generated
-        self.results: dict[int, dict] = {}  # generated, not yet trained: step -> generate's result
+        self.ready: set[int] = set()  # steps generated (chunks announced), not yet trained
         self.leases: dict[Any, Any] = {}  # step (train) or (role, step) (a forward role) -> its lease
         self.cur: dict[int, dict[str, float]] = {}  # step -> its metrics so far
         self.t0: dict[int, float] = {}
@@ -133,7 +132,7 @@ class TrainingLoop:
     def _assign(self, role: str, kind: str, at: int, /, **fields: Any) -> None:
         """Queue task ``kind`` for ``role``, as part of step ``at`` (a role does its tasks in order)."""
         tid = next(self._ids)
-        self.pending[tid] = Task(role, kind, at, time.monotonic())
+        self.pending[tid] = Task(role, kind, at)
         self.channel.assign(role, {"id": tid, "kind": kind, **fields})
 
     def _idle(self, role: str) -> bool:
@@ -159,11 +158,11 @@ class TrainingLoop:
                 self.started = False
                 return
             n = self.step + 1
-            if n in self.results and all(self.fwd_next[r] > n for r in self.fwd):
+            if n in self.ready and all(self.fwd_next[r] > n for r in self.fwd):
                 self._train(n)
         for r in self.fwd:
             n = self.fwd_next[r]
-            if self._idle(r) and n in self.results and (r != "actor_fwd" or self.fwd_weights[r] == n - 1):
+            if self._idle(r) and n in self.ready and (r != "actor_fwd" or self.fwd_weights[r] == n - 1):
                 lease = self.broker.request(r, step=n, batch_size=1 << 30, holder=r)
                 self.leases[(r, n)] = lease
                 self._assign(r, "logprobs", n, chunks=[c.to_dict() for c in lease.chunks])
@@ -181,7 +180,7 @@ class TrainingLoop:
         return "+".join(kinds) if kinds else "idle"
 
     def _train(self, n: int) -> None:
-        self.results.pop(n)
+        self.ready.discard(n)
         lease = self.leases[n] = self.broker.request("train", step=n, batch_size=1 << 30, holder="actor")
         self._assign("actor", "train", n, step=n, chunks=[c.to_dict() for c in lease.chunks])
 
@@ -251,7 +250,7 @@ class TrainingLoop:
         for c in res["chunks"]:
             self.broker.announce(ChunkRef.from_dict(c))
         self.broker.end_step(n)
-        self.results[n] = res
+        self.ready.add(n)
 
     def _logprobs_done(self, task: Task, res: dict) -> None:
         for side in res.get("sides", []):

@@ -88,22 +88,22 @@ class RunMetrics:
         self.dir = Path(run_dir)
         self.rewards: dict[int, float] = {}
         self.started = started or time.time()
-        self._keep_until(start_step)
+        earlier = self._keep_until(start_step)
         self._tb: TensorBoardWriter | None = None
         if tensorboard:
             try:
                 self._tb = TensorBoardWriter(self.dir / "tensorboard")
             except ImportError as e:  # the package is in requirements; still, never fail a run over it
                 log.warning("no TensorBoard events (cannot import tensorboard: %s); metrics.jsonl still has them", e)
-        if self._tb is not None and self._earlier:
+        if self._tb is not None and earlier:
             self._tb.purge_from(start_step + 1)
         self._jsonl = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")
 
-    def _keep_until(self, step: int) -> None:
+    def _keep_until(self, step: int) -> bool:
+        """Drop an earlier attempt's rows after ``step``, keep its rewards; True if there was an earlier attempt."""
         path = self.dir / "metrics.jsonl"
-        self._earlier = path.exists()
-        if not self._earlier:
-            return
+        if not path.exists():
+            return False
         kept = []
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
@@ -117,6 +117,7 @@ class RunMetrics:
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
         os.replace(tmp, path)
+        return True
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
         """Record ``metrics`` for rollout step ``step``; returns the numeric ones that were written."""
