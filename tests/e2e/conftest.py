@@ -7,6 +7,7 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -46,6 +47,14 @@ def make_run(tmp_path: Path, model: Path, *overrides: str, recipe: Path = QUICKS
     run = create_run_dir(tmp_path / "runs", name)
     run.recipe.write_text(dump_recipe(r))
     return run
+
+
+def submit_slurm(recipe: Path, cwd: Path, env: dict, overrides: list[str]) -> dict:
+    """``relax-submit --json RECIPE OVERRIDES`` on the dev cluster; its JSON record (job_id, run_dir, run, ...)."""
+    p = subprocess.run([str(REPO / ".venv" / "bin" / "relax-submit"), "--json", str(recipe), *overrides],
+                       capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
 
 
 @pytest.fixture

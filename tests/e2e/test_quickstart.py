@@ -19,8 +19,9 @@ import pytest
 from relax_hpc.controller import run_controller
 from relax_hpc.exchange.audit import exactly_once
 from relax_hpc.exchange.journal import iter_ops, replay
+from relax_hpc.rundir import RunDir
 
-from .conftest import QUICKSTART, REPO, metrics, quickstart_overrides, state, tensorboard_tags
+from .conftest import REPO, metrics, quickstart_overrides, state, submit_slurm, tensorboard_tags
 
 STEPS = 25
 RISE = 0.15
@@ -77,11 +78,8 @@ def test_quickstart_learns_on_slurm_with_four_groups_at_once(slurm_cluster, tmp_
     produced sample consumed exactly once by each task (train, reference, actor_fwd)."""
     venv = REPO / ".venv" / "bin"
     recipe = REPO / "recipes" / "quickstart-slurm.yaml"
-    over = quickstart_overrides(tiny_model, tmp_path / "runs", f"run.steps={STEPS}")
-    p = subprocess.run([str(venv / "relax-submit"), "--json", str(recipe), *over], capture_output=True, text=True,
-                       cwd=tmp_path, env=slurm_cluster.env, timeout=120)
-    assert p.returncode == 0, p.stderr
-    sub = json.loads(p.stdout)
+    sub = submit_slurm(recipe, tmp_path, slurm_cluster.env,
+                       quickstart_overrides(tiny_model, tmp_path / "runs", f"run.steps={STEPS}"))
     job, run_dir = sub["job_id"], Path(sub["run_dir"])
     deadline = time.monotonic() + 1200
     st: dict = {}
@@ -105,9 +103,6 @@ def test_quickstart_learns_on_slurm_with_four_groups_at_once(slurm_cluster, tmp_
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["reward_last10"] > summary["reward_first10"] + RISE, summary
     assert exactly_once(run_dir / "exchange" / "journal.jsonl", ["train", "reference", "actor_fwd"]) == []
-    rows = metrics_of(run_dir)
+    rows = metrics(RunDir(run_dir))
     assert all("train/kl_loss" in r and "perf/reference_time" in r and "perf/actor_fwd_time" in r for r in rows)
 
-
-def metrics_of(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

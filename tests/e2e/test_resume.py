@@ -32,7 +32,8 @@ from relax_hpc.exchange.audit import audit, exactly_once
 from relax_hpc.launch.cancel import cancel
 from relax_hpc.rundir import RunDir
 
-from .conftest import QUICKSTART, REPO, make_run, metrics, quickstart_overrides, state, tensorboard_tags, wait_until
+from .conftest import (QUICKSTART, REPO, make_run, metrics, quickstart_overrides, state, submit_slurm,
+                       tensorboard_tags, wait_until)
 
 STEPS = 10
 KEYS = ("train/loss", "train/pg_loss", "train/grad_norm", "rollout/raw_reward")
@@ -150,11 +151,7 @@ def test_a_requeued_slurm_job_resumes_and_ends_as_if_never_interrupted(reference
     (SIGTERM, KillWait 5 s, Slurm requeues: SLURM_RESTART_COUNT=2), resume from the last periodic
     checkpoint. The steps match the uninterrupted local run."""
     recipe = REPO / "recipes" / "quickstart-slurm-colocate.yaml"
-    p = subprocess.run([str(REPO / ".venv" / "bin" / "relax-submit"), "--json", str(recipe),
-                        *quickstart_overrides(tiny_model, tmp_path / "runs", *SMALL)],
-                       capture_output=True, text=True, cwd=tmp_path, env=slurm_cluster.env, timeout=120)
-    assert p.returncode == 0, p.stderr
-    sub = json.loads(p.stdout)
+    sub = submit_slurm(recipe, tmp_path, slurm_cluster.env, quickstart_overrides(tiny_model, tmp_path / "runs", *SMALL))
     run = RunDir(Path(sub["run_dir"]))
     try:
         wait_until(lambda: state(run).get("step", 0) >= 1, 600, every=0.05, what="step 1 done")
@@ -189,14 +186,9 @@ def test_a_time_limited_job_checkpoints_before_the_kill_and_goes_on(slurm_cluste
     TIMEOUT is never requeued by Slurm), until the run is done; no step is lost or logged twice."""
     steps = 40  # ~70 s of work: longer than an attempt lasts before the warning (40 s after the start, give or take 30)
     recipe = REPO / "recipes" / "quickstart-slurm-colocate.yaml"
-    p = subprocess.run([str(REPO / ".venv" / "bin" / "relax-submit"), "--json", str(recipe),
-                        *quickstart_overrides(tiny_model, tmp_path / "runs", f"run.steps={steps}",
-                                              "slurm.time=00:02:00", "slurm.signal_lead_s=80",
-                                              "slurm.max_requeues=15",
-                                              "rollout.rollout_batch_size=8")],
-                       capture_output=True, text=True, cwd=tmp_path, env=slurm_cluster.env, timeout=120)
-    assert p.returncode == 0, p.stderr
-    sub = json.loads(p.stdout)
+    sub = submit_slurm(recipe, tmp_path, slurm_cluster.env, quickstart_overrides(
+        tiny_model, tmp_path / "runs", f"run.steps={steps}", "slurm.time=00:02:00", "slurm.signal_lead_s=80",
+        "slurm.max_requeues=15", "rollout.rollout_batch_size=8"))
     run = RunDir(Path(sub["run_dir"]))
     try:
         wait_until(lambda: state(run).get("state") not in (None, "RUNNING", "REQUEUED")
