@@ -125,6 +125,14 @@ def _submit_local(p: Plan, rd: RunDir):
     return ex.submit(ControllerTask(rd.path))
 
 
+def _local_fields(job: Any, rd: RunDir) -> dict:
+    """job.json's fields for a local run's process (its PID is its process group; the start time tells a
+    reused PID apart)."""
+    pid = int(job.job_id)
+    return dict(job_id=str(pid), pid=pid, pgid=pid, pid_start=localproc.start_ticks(pid),
+                local_log=str(rd.logs / "local.log"))
+
+
 def submit(p: Plan) -> tuple[dict, Any]:
     """Make the run directory, submit, write job.json; returns (job.json contents, submitit job handle)."""
     rd = create_run_dir(p.runs_root, p.recipe.run.name)
@@ -155,9 +163,7 @@ def submit(p: Plan) -> tuple[dict, Any]:
                 job = _submit_local(p, rd)
             except Exception as e:
                 raise SubmitError(f"could not start the local run: {e}") from None
-            pid = int(job.job_id)
-            record.update(job_id=str(pid), pid=pid, pgid=pid, pid_start=localproc.start_ticks(pid),
-                          local_log=str(rd.logs / "local.log"))
+            record.update(_local_fields(job, rd))
         write_json(rd.job, record)
     except BaseException:
         if not rd.job.exists():  # nothing was submitted: leave nothing behind
@@ -178,9 +184,7 @@ def resume(run_dir: str | Path, executor: str | None = None, python: str | None 
     p = Plan(recipe, str(rd.recipe), [], "local", python or old.get("python") or sys.executable, [rd.path])
     (rd.path / "cancel.json").unlink(missing_ok=True)  # an earlier relax-cancel is not this attempt's
     job = _submit_local(p, rd)
-    pid = int(job.job_id)
-    record = dict(old, executor="local", job_id=str(pid), pid=pid, pgid=pid, pid_start=localproc.start_ticks(pid),
-                  submitted_at=time.time(), host=socket.gethostname(),
+    record = dict(old, executor="local", **_local_fields(job, rd), submitted_at=time.time(), host=socket.gethostname(),
                   previous_job_ids=[*old.get("previous_job_ids", []), old.get("job_id")])
     write_json(rd.job, record)
     return record, job
