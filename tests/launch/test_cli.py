@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -154,6 +155,17 @@ def test_local_detach_then_cancel(no_slurm_env, tmp_path):
     assert json.loads(c.stdout)["action"] in ("terminated", "killed")
     s = json.loads(cli("relax-status", d["run"], "--json", cwd=tmp_path, env=no_slurm_env).stdout)
     assert s["state"] == "CANCELLED", s
+    # the cancelled run goes on in its own directory: a new process, the old id kept, the next attempt
+    assert cli("relax-submit", "--resume", d["run"], "x=1", cwd=tmp_path, env=no_slurm_env).returncode != 0
+    r = cli("relax-submit", "--resume", d["run"], "--json", cwd=tmp_path, env=no_slurm_env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    again = json.loads(r.stdout)
+    assert again["state"] == "COMPLETED" and again["run_dir"] == d["run_dir"] and again["job_id"] != d["job_id"]
+    assert again["previous_job_ids"] == [d["job_id"]]
+    state = json.loads((Path(d["run_dir"]) / "state.json").read_text())
+    assert state["attempt"] == len(state["history"])  # 0 if the first was cancelled before its controller wrote
+    done = cli("relax-submit", "--resume", d["run"], cwd=tmp_path, env=no_slurm_env)
+    assert done.returncode != 0 and "COMPLETED" in done.stderr  # a finished run is not started again
 
 
 @pytest.mark.slow
