@@ -38,6 +38,10 @@ class RunDir:
         return self.path / "token"
 
     @property
+    def api_key_file(self) -> Path:  # the run's inference-engine API key, by the first caller of api_key()
+        return self.path / "engine_api_key"
+
+    @property
     def state(self) -> Path:  # controller's view of the run, for relax-status
         return self.path / "state.json"
 
@@ -59,6 +63,27 @@ class RunDir:
 
     def token(self) -> str:
         return self.token_file.read_text().strip()
+
+    def api_key(self) -> str:
+        """The run's API key for its inference engines (``Authorization: Bearer KEY``): without it anyone on
+        the cluster's network could generate with, or overwrite the weights of, a run's engines.
+
+        Generated once, on first use, and kept (mode 0600) in the run directory, so every rank, a requeued job
+        and a restarted engine agree on it. Ranks on several nodes may ask at once: the file is written
+        whole under a private name and linked into place, and a rank that loses the race reads the winner's."""
+        try:
+            return self.api_key_file.read_text().strip()
+        except FileNotFoundError:
+            pass
+        tmp = self.api_key_file.with_name(f".{self.api_key_file.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        write_private(tmp, secrets.token_urlsafe(32) + "\n")
+        try:
+            os.link(tmp, self.api_key_file)  # atomic, and fails if another rank got there first
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+        return self.api_key_file.read_text().strip()
 
     def read_json(self, which: Path, default: Any = None) -> Any:
         try:

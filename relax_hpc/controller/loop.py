@@ -118,6 +118,7 @@ def _attempt(run: RunDir, recipe: Recipe, executor: str, state: RunState, sig: S
     train = None
     try:
         train = TrainingLoop(recipe, run, state, channel) if recipe.model.path else None
+        state.write()  # this attempt (and restart count) is on disk before any role can read it
         for s in steps:
             log.info("starting %s: %s", s.role, " ".join(s.cmd.procs[0].argv))
             s.start()
@@ -142,11 +143,16 @@ def _attempt(run: RunDir, recipe: Recipe, executor: str, state: RunState, sig: S
                 _on_stop(state, train, "requeue", "SIGUSR2: the time limit is near")
             elif name:
                 _on_interrupt(run, state, executor, name)
+            if train is not None:
+                train.tick()
             if train is not None and train.outcome is not None:
                 why = train.stop_request[1]
                 state.requeue(why) if train.outcome == "requeue" else state.cancel(f"{why}: stopped after a checkpoint")
             state.check_complete()
             state.write(every_s=1.0)
+    except Exception as e:  # reported like any failure (state.json, the failed event, a notification); no restart
+        log.exception("the controller failed")
+        state.fail("controller", None, host, f"{type(e).__name__}: {e}", kind="controller")
     except BaseException as e:
         state.fail("controller", None, host, f"{type(e).__name__}: {e}", kind="controller")
         raise

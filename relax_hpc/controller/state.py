@@ -2,8 +2,13 @@
 
 The controller is the only writer (atomic, mode 0600); ``relax-status`` and tests read it. Rules that decide
 a role's fate live here, in one place: a role fails on its first ``error`` message, a non-zero step exit,
-a step that ends before all its ranks said ``done``, or a rank silent for longer than the heartbeat
-timeout. The first failure wins and names role, rank, node and the error's last line.
+a step that ends before all its ranks said ``done``, a rank silent for longer than the heartbeat
+timeout, or a role whose rank 0 holds a task that made no progress for ``logging.task_timeout_s`` (its
+heartbeat thread alive, its work hung). The first failure wins and names role, rank, node and the error's
+last line.
+
+What a heartbeat's ``info`` says is checked by :func:`protocol.validate`; a value of the wrong type that
+got here anyway is ignored, never raised on: the loop that reads it is the run's only loop.
 
 Times are Unix epoch seconds (floats). Phases only move forward (a late heartbeat cannot undo ``done``).
 
@@ -38,6 +43,8 @@ class Rank:
     node: str | None = None
     pid: int | None = None
     info: dict = field(default_factory=dict)
+    task: tuple | None = None  # (task id, progress) of the task in hand, from its heartbeats; None: idle
+    task_since: float | None = None  # when ``task`` last changed
 
 
 @dataclass
@@ -52,6 +59,18 @@ class Failure:
         return f"{who}{f' on {self.node}' if self.node else ''} failed: {self.message}"
 
 
+def _flag(v: Any) -> bool | None:
+    """A check's verdict: True or False; anything else (not yet known, or malformed) is None."""
+    return v if isinstance(v, bool) else None
+
+
+def _get(d: Any, *keys: str) -> Any:
+    """``d[k1][k2]...``, or None where a level is missing or not a dict."""
+    for k in keys:
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
+
+
 class RunState:
     def __init__(self, run: RunDir, recipe: Recipe, steps: list[RoleStep], executor: str,
                  env: dict[str, str] | None = None, restart: bool = False):
@@ -64,6 +83,7 @@ class RunState:
         self.exit_codes: dict[str, int] = {}
         self.failure: Failure | None = None
         self.members = cross_members(recipe)
+        self.task_timeout_s = float(recipe.logging.task_timeout_s)
         now = time.time()
         job = run.read_json(run.job, {}) or {}
         self.doc: dict[str, Any] = {
@@ -109,8 +129,9 @@ class RunState:
             r.pid = msg["pid"]
             self._advance(r, "bootstrap")
         elif kind == "heartbeat":
-            r.info.update(msg["info"])
+            r.info.update(msg["info"] if isinstance(msg.get("info"), dict) else {})
             self._advance(r, msg["phase"])
+            self._track_task(r, now)
         elif kind == "error":
             lines = [ln for ln in msg["traceback"].strip().splitlines() if ln.strip()]
             self.fail(role, rank, r.node, lines[-1].strip() if lines else "error (no message)")
@@ -137,6 +158,38 @@ class RunState:
                     what = "no heartbeat" if r.last is not None else "never reported"
                     self.fail(role, i, r.node, f"{what} for {now - since:.0f}s (heartbeat_timeout_s={timeout_s:g})")
                     return
+        self.check_hung(now)
+
+    def check_hung(self, now: float) -> None:
+        """Fail a role whose rank 0 holds a task that made no progress for ``task_timeout_s`` (0: never).
+
+        A hung role still heartbeats (its heartbeat thread is fine), so silence never catches it; its task's
+        progress counter does. A role with no task (idle, long-polling) is never hung. Called by
+        :meth:`check_silence`, so the loop's tick covers both."""
+        if self.task_timeout_s <= 0:
+            return
+        for role, ranks in self.ranks.items():
+            r = ranks[0]
+            if role not in self.launched or role in self.exit_codes or r.phase in ("done", "failed"):
+                continue
+            if r.task is not None and r.task_since is not None and now - r.task_since > self.task_timeout_s:
+                self.fail(role, 0, r.node, self._hung_message(r, now))
+                return
+
+    def _hung_message(self, r: Rank, now: float) -> str:
+        task = r.info.get("task") if isinstance(r.info.get("task"), dict) else {}
+        at = f"step {task['step']}" if task.get("step") is not None else f"id {task.get('id')}"
+        return (f"task {task.get('kind')} ({at}) made no progress for {now - r.task_since:.0f}s "
+                f"(logging.task_timeout_s={self.task_timeout_s:g}); look at this rank's log for where it "
+                f"hangs, or raise logging.task_timeout_s if the task is only slow (0 turns the check off)")
+
+    @staticmethod
+    def _track_task(r: Rank, now: float) -> None:
+        """Note when the (task id, progress) pair of the task in hand last changed."""
+        task = r.info.get("task")
+        key = (task.get("id"), task.get("progress")) if isinstance(task, dict) else None
+        if key != r.task or r.task_since is None:
+            r.task, r.task_since = key, now
 
     # -- outcomes
     def fail(self, role: str, rank: int | None, node: str | None, message: str, kind: str = "role") -> None:
@@ -188,7 +241,7 @@ class RunState:
 
     # -- derived fields
     def _advance(self, r: Rank, phase: str) -> None:
-        if ORDER[phase] > ORDER[r.phase]:
+        if ORDER.get(phase, -1) > ORDER[r.phase]:  # an unknown phase moves nothing
             r.phase = phase
 
     def _refresh(self, role: str) -> None:
@@ -202,12 +255,13 @@ class RunState:
         d["ranks_ready"] = sum(r.phase in ("ready", "done") for r in ranks)
         d["pids"] = [r.pid for r in ranks]
         gathered = ranks[0].info.get("nodes")
-        d["nodes"] = list(gathered) if gathered else [r.node for r in ranks]
-        oks = [r.info.get("collective_ok") for r in ranks]
+        ok_nodes = isinstance(gathered, list) and gathered and all(isinstance(n, str) for n in gathered)
+        d["nodes"] = list(gathered) if ok_nodes else [r.node for r in ranks]
+        oks = [_flag(r.info.get("collective_ok")) for r in ranks]
         d["collective_ok"] = None if None in oks else all(oks)
         heard = [r.last for r in ranks if r.last is not None]
         d["last_heartbeat"] = min(heard) if heard else None  # the stalest rank's: old means someone is silent
-        cross = [self.ranks[m][0].info.get("cross_group", {}).get("ok") for m in self.members if m in self.ranks]
+        cross = [_flag(_get(self.ranks[m][0].info, "cross_group", "ok")) for m in self.members if m in self.ranks]
         self.doc["cross_group"]["ok"] = None if None in cross else all(cross)
         self.dirty = True
         self.urgent |= before != (d["phase"], d["ranks_ready"], d["collective_ok"], self.doc["cross_group"]["ok"])

@@ -37,6 +37,14 @@ steps), ``generated``, ``phase``, ``reward``, ``engines``, ``last_checkpoint``. 
 error fails the run with the report as reason (kind ``task``: no restart helps). A dead engine is logged
 by name, marked in ``state.json`` and left out of later steps and syncs.
 
+Damaged chunks (``docs/exchange.md``, "Damage"): a chunk of step N that the broker quarantines at hand-out
+(missing, resized), or that a ``train``/``logprobs`` task could not read (``DamagedChunk``: the broker
+re-verifies and quarantines), is reported (``state.json`` event ``chunk_quarantined``, metric
+``exchange/quarantined``) and never trained on: step N's partition is voided (``Broker.regenerate``) and
+``generate(N)`` assigned again, from the data cursor after step N−1 and with the same sampling seeds; results
+of tasks on the voided partition are dropped. After :data:`MAX_REGENERATIONS` damaged lives the run fails
+with the chunk's name. Test hook: ``RELAX_TEST_DAMAGE_CHUNK=<step>:truncate|flip``.
+
 Resume: from ``checkpoints/latest`` (step K): rollout restores the data cursor saved with it, the actor
 loads it in ``connect``, a sync puts it on the engines (version ``"K"``), partitions after K are voided
 (``Broker.rewind``) and produced again; generation is seeded by (run seed, step), so a colocate run
@@ -49,6 +57,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -66,11 +75,15 @@ from relax_hpc.train.latest import read_latest
 log = logging.getLogger("relax_hpc.controller")
 
 
+MAX_REGENERATIONS = 3  # lives of one step voided for damaged chunks before the run fails
+
+
 @dataclass
 class Task:
     role: str
     kind: str
     step: int
+    life: int = 0  # which life of the step's partition it works on (a step voided for damage starts a new one)
 
 
 class TrainingLoop:
@@ -94,19 +107,22 @@ class TrainingLoop:
         self.metrics = RunMetrics(run.path, recipe.logging.tensorboard, start_step=k, started=state.doc.get("started_at"))
         self._ids = itertools.count(1)
         self.pending: dict[int, Task] = {}
-        self.fwd_next = {r: k + 1 for r in self.fwd}  # the step each forward role does next
         self.fwd_weights = {r: 0 for r in self.fwd}  # the step whose weights it holds (0: the model on disk)
         # enabled forward roles serve tasks until told to stop, work or not
         self.roles = ["rollout", "actor"] + [r for r in ("reference", "actor_fwd") if recipe.role(r).enabled]
         self.started = False  # engines up, weights connected (and resynced on a resume)
         self.step = self.generated = k  # synced steps; steps generated
-        self.ready: set[int] = set()  # steps generated (chunks announced), not yet trained
+        self.ready: dict[int, set[str]] = {}  # steps generated (chunks announced), not yet trained -> the
+        #                                       forward roles that added their field to them
+        self.lives: dict[int, int] = {}  # step -> how often its partition was voided for damaged chunks
+        self.regen: set[int] = set()  # steps voided for damaged chunks, to be generated again
         self.leases: dict[Any, Any] = {}  # step (train) or (role, step) (a forward role) -> its lease
         self.cur: dict[int, dict[str, float]] = {}  # step -> its metrics so far
         self.t0: dict[int, float] = {}
         self.last_sync = None
         self.ctl_s = 0.0  # controller time (handling task reports: broker, journal, metrics) since the last sync
         self.data_states: dict[int, dict | None] = {k: (latest[1].get("extra_state") or {}).get("data") if latest else None}
+        self.paused = False  # RUN_DIR/pause seen (see _paused)
         self.stop_request: tuple[str, str] | None = None  # (outcome, why) asked for by request_stop
         self.outcome: str | None = None  # "requeue" or "cancel" once a requested stop is done
         self.engines: dict[str, str] = {}
@@ -132,7 +148,7 @@ class TrainingLoop:
     def _assign(self, role: str, kind: str, at: int, /, **fields: Any) -> None:
         """Queue task ``kind`` for ``role``, as part of step ``at`` (a role does its tasks in order)."""
         tid = next(self._ids)
-        self.pending[tid] = Task(role, kind, at)
+        self.pending[tid] = Task(role, kind, at, self.lives.get(at, 0))
         self.channel.assign(role, {"id": tid, "kind": kind, **fields})
 
     def _idle(self, role: str) -> bool:
@@ -158,31 +174,111 @@ class TrainingLoop:
                 self.started = False
                 return
             n = self.step + 1
-            if n in self.ready and all(self.fwd_next[r] > n for r in self.fwd):
+            if n in self.ready and self.ready[n].issuperset(self.fwd):
                 self._train(n)
         for r in self.fwd:
-            n = self.fwd_next[r]
-            if self._idle(r) and n in self.ready and (r != "actor_fwd" or self.fwd_weights[r] == n - 1):
-                lease = self.broker.request(r, step=n, batch_size=1 << 30, holder=r)
-                self.leases[(r, n)] = lease
-                self._assign(r, "logprobs", n, chunks=[c.to_dict() for c in lease.chunks])
-        if self._idle("rollout") and self.stop_request is None and self.generated < self.total:
-            n = self.generated + 1
-            if self.broker.start_step(n):  # the staleness gate
-                self.generated = n
-                self.cur.setdefault(n, {})
-                self.t0[n] = time.monotonic()
-                self._assign("rollout", "generate", n, step=n, engines=self._live(), seq=self.broker.next_seq(PRODUCER))
+            n = min((s for s, done in self.ready.items() if r not in done), default=None)
+            if n is not None and self._idle(r) and (r != "actor_fwd" or self.fwd_weights[r] == n - 1):
+                lease = self._lease(r, n, holder=r)
+                if lease is not None:
+                    self.leases[(r, n)] = lease
+                    self._assign(r, "logprobs", n, chunks=[c.to_dict() for c in lease.chunks])
+        if self._idle("rollout") and self.stop_request is None and (self.regen or self.generated < self.total):
+            n = min(self.regen) if self.regen else self.generated + 1  # a step voided for damage comes first
+            if self.state.running and not self._paused(n) and self.broker.start_step(n):  # the staleness gate
+                self.regen.discard(n)
+                self.generated = max(self.generated, n)
+                self.cur.setdefault(n, {}).setdefault("exchange/quarantined", 0.0)
+                self.t0.setdefault(n, time.monotonic())
+                # data_state: the cursor after step n-1, so that step n (also when generated again) gets its prompts
+                self._assign("rollout", "generate", n, step=n, engines=self._live(), seq=self.broker.next_seq(PRODUCER),
+                             data_state=self.data_states.get(n - 1))
         self.state.progress(phase=self._phase(), generated=self.generated)
 
     def _phase(self) -> str:
         kinds = sorted({t.kind for t in self.pending.values()})
-        return "+".join(kinds) if kinds else "idle"
+        return "+".join(kinds) if kinds else "paused" if self.paused else "idle"
+
+    def _paused(self, n: int) -> bool:
+        """Whether ``RUN_DIR/pause`` holds step ``n`` back: an empty file holds every new step, one with a step
+        number N the steps after N. The steps in flight finish; checkpoints and stops still happen. For
+        operators (hold a run, e.g. while a filesystem is repaired) and for tests and tools/chaos, which
+        must hit a run at a known point."""
+        path = self.run.path / "pause"
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            text = None
+        paused = text is not None and (not text.isdigit() or n > int(text))
+        if paused != self.paused:
+            self.paused = paused
+            self.state.event("paused" if paused else "unpaused",
+                             f"{path}: step {n} {'waits' if paused else 'starts'}")
+        return paused
+
+    def tick(self) -> None:
+        """Every turn of the controller loop: a pause file removed or moved on lets the next step start."""
+        if self.paused and self.started and not self._paused(min(self.regen) if self.regen else self.generated + 1):
+            self._pump()
 
     def _train(self, n: int) -> None:
-        self.ready.discard(n)
-        lease = self.leases[n] = self.broker.request("train", step=n, batch_size=1 << 30, holder="actor")
-        self._assign("actor", "train", n, step=n, chunks=[c.to_dict() for c in lease.chunks])
+        lease = self._lease("train", n, holder="actor")
+        if lease is not None:
+            del self.ready[n]
+            self.leases[n] = lease
+            self._assign("actor", "train", n, step=n, chunks=[c.to_dict() for c in lease.chunks])
+
+    # -- damaged chunks
+    def _lease(self, task: str, n: int, holder: str) -> Any:
+        """Every chunk of step ``n`` for ``task``; None when the broker quarantined chunks of ``n`` at hand-out
+        (a file missing or resized): then ``n`` is generated again (or the run fails), never trained on."""
+        lease = self.broker.request(task, step=n, batch_size=1 << 30, holder=holder)
+        if self.broker.quarantined(n):
+            self._regenerate(n)
+            return None
+        if lease is None:
+            self.state.fail("controller", None, None, f"step {n}: the exchange has no chunk of step {n} for {task}, "
+                            f"though it was generated (see {self.broker.journal_path})", kind="controller")
+        return lease
+
+    def _read_failed(self, task: Task, error: str) -> bool:
+        """A ``train``/``logprobs`` task could not read its chunks (``DamagedChunk``: bytes changed after the
+        broker's hand-out check): the broker verifies each chunk itself and quarantines the damaged ones, and
+        the step is generated again. False when the error is something else, or the broker finds the chunks
+        sound (the run then fails with the error)."""
+        key = task.step if task.kind == "train" else (task.role, task.step)
+        lease = self.leases.get(key)
+        if not error.startswith("DamagedChunk:") or lease is None:
+            return False
+        for c in lease.chunks:
+            self.broker.report_damaged(c.id, error)
+        if not self.broker.quarantined(task.step):
+            return False
+        self._regenerate(task.step)
+        return True
+
+    def _regenerate(self, n: int) -> None:
+        """Chunks of step ``n`` were quarantined: report them (``state.json`` event ``chunk_quarantined``, metric
+        ``exchange/quarantined``), void the step's partition and generate it again, with the same prompts
+        (the data cursor after step n-1) and sampling seeds; at most :data:`MAX_REGENERATIONS` times."""
+        bad = self.broker.quarantined(n)
+        names = "; ".join(f"{d['chunk']} ({d['reason']})" for d in bad)
+        log.error("step %d: quarantined %s; step %d is generated again", n, names, n)
+        self.state.event("chunk_quarantined", f"step {n}: {names}")
+        cur = self.cur.setdefault(n, {})
+        cur["exchange/quarantined"] = cur.get("exchange/quarantined", 0.0) + len(bad)
+        self.broker.regenerate(n, f"quarantined: {names}")  # its leases are void; late results are dropped
+        self.lives[n] = self.lives.get(n, 0) + 1
+        self.ready.pop(n, None)
+        for key in [key for key in self.leases if key == n or (isinstance(key, tuple) and key[1] == n)]:
+            del self.leases[key]
+        if self.lives[n] > MAX_REGENERATIONS:
+            self.state.fail("controller", None, None, f"step {n}: chunk {names} was quarantined; the step was generated "
+                            f"{MAX_REGENERATIONS + 1} times and damaged each time. Fix: check the filesystem under "
+                            f"{self.broker.root} (the damaged files are in {self.broker.root / 'quarantine'}), then "
+                            f"relax-submit --resume {self.run.path}", kind="task")
+            return
+        self.regen.add(n)
 
     def _checkpoint(self, n: int) -> None:
         self._assign("actor", "checkpoint", n, extra={"step": n, "data": self.data_states.get(n)})
@@ -202,9 +298,14 @@ class TrainingLoop:
         if task is None or not self.state.running:
             return
         res = msg["result"]
-        if "error" in res:
+        if task.kind in ("logprobs", "train") and task.life != self.lives.get(task.step, 0):
+            return self._pump()  # its step was voided (damaged chunks) since: it is generated again, this is void
+        if "error" in res and task.kind in ("logprobs", "train") and self._read_failed(task, res["error"]):
+            return self._pump()
+        if "error" in res:  # the task's verdict ends the run, unless the machinery broke (a restart may help)
             at = f"step {task.step} {task.kind}" if task.kind not in ("start_engines", "connect") else task.kind
-            self.state.fail(task.role, msg["rank"], self._node(task.role), f"{at}: {res['error']}", kind="task")
+            self.state.fail(task.role, msg["rank"], self._node(task.role), f"{at}: {res['error']}",
+                            kind="role" if res.get("restartable") else "task")
             return
         if task.kind in ("generate", "logprobs", "train", "sync") and task.step in self.cur:  # a step's own metrics
             self.cur[task.step].update(res.get("metrics") or {})
@@ -216,6 +317,8 @@ class TrainingLoop:
         return nodes[0]
 
     def _start_engines_done(self, task: Task, res: dict) -> None:
+        if self.data_states.get(self.step) is None and res.get("data_state"):  # the cursor step k+1 starts from
+            self.data_states[self.step] = res["data_state"]
         self.engines = dict(res["engines"])
         self.engine_info = {n: {"url": u, "pid": res.get("pids", {}).get(n), "node": res.get("nodes", {}).get(n),
                                 "dead": None} for n, u in self.engines.items()}
@@ -247,16 +350,18 @@ class TrainingLoop:
             self.cur[n]["rollout/weight_version"] = float(max(versions))
             self.cur[n]["rollout/weight_version_min"] = float(min(versions))
         self.data_states[n] = res.get("data_state")
-        for c in res["chunks"]:
-            self.broker.announce(ChunkRef.from_dict(c))
+        refs = [ChunkRef.from_dict(c) for c in res["chunks"]]
+        for ref in refs:
+            self.broker.announce(ref)
+        _test_damage(self.broker, n, refs)
         self.broker.end_step(n)
-        self.ready.add(n)
+        self.ready[n] = set()
 
     def _logprobs_done(self, task: Task, res: dict) -> None:
         for side in res.get("sides", []):
             self.broker.add_fields(SideRef.from_dict(side))
         self.broker.ack(self.leases.pop((task.role, task.step)).id)
-        self.fwd_next[task.role] = task.step + 1
+        self.ready[task.step].add(task.role)
 
     def _load_done(self, task: Task, res: dict) -> None:
         self.fwd_weights[task.role] = int(res.get("step", task.step))
@@ -266,6 +371,12 @@ class TrainingLoop:
 
     def _sync_done(self, task: Task, res: dict) -> None:
         n = task.step
+        for name, why in (res.get("dead_engines") or {}).items():  # found dead at the sync: left out from now on
+            if name in self.engine_info and not self.engine_info[name]["dead"]:
+                log.error("rollout engine %s (%s) died: %s; the sync went to the other engines", name,
+                          self.engine_info[name]["url"], why)
+                self.engine_info[name]["dead"] = why
+                self.state.progress(engines=self.engine_info)
         if not self.started:  # the resume sync
             self.started = True
             return
@@ -313,3 +424,25 @@ class TrainingLoop:
         self.state.progress(reward_first10=first, reward_last10=last, phase="finished")
         self.broker.close()
         return summary
+
+
+def _test_damage(broker: Broker, n: int, refs: list[ChunkRef]) -> None:
+    """Test hook: ``RELAX_TEST_DAMAGE_CHUNK=<step>:truncate|flip`` damages the first chunk of that step right after
+    its announce (``truncate``: half its bytes, found at hand-out; ``flip``: one byte inverted, found by the
+    reader's checksum), once per run: not again once a chunk of that step was quarantined."""
+    spec = os.environ.get("RELAX_TEST_DAMAGE_CHUNK", "")
+    step, _, how = spec.partition(":")
+    if not spec or int(step) != n or not refs or any(d["step"] == n for d in broker.damaged()):
+        return
+    path, size = refs[0].path, refs[0].size
+    log.warning("RELAX_TEST_DAMAGE_CHUNK=%s: damaging %s", spec, path)
+    if how == "truncate":
+        os.truncate(path, size // 2)
+    elif how == "flip":
+        with open(path, "r+b") as f:
+            f.seek(size // 2)
+            b = f.read(1)
+            f.seek(size // 2)
+            f.write(bytes([b[0] ^ 0xFF]))
+    else:
+        raise ValueError(f"RELAX_TEST_DAMAGE_CHUNK={spec!r}: expected <step>:truncate or <step>:flip")

@@ -195,6 +195,8 @@ class Broker:
         self._lease_seq = 0
         self._next_seq: dict[str, int] = {}
         self._damaged: list[dict] = []
+        self._life: dict[int, int] = {}  # step -> index in _damaged where its partition's current life began
+        self._voided: set[int] = set()  # voided (to be produced again), not started since
         self._config: dict | None = None
         self.samples_in = 0
 
@@ -231,6 +233,8 @@ class Broker:
             self._config = {"tasks": r["tasks"], "max_staleness": r["max_staleness"]}
         elif op == "start":
             self._steps[int(r["step"])] = _Step()
+            self._life[int(r["step"])] = len(self._damaged)
+            self._voided.discard(int(r["step"]))
         elif op == "produced":
             step = int(r["step"])
             path = partition_dir(self.root, step) / (split_id(r["chunk"])[1] + ".h5")
@@ -281,23 +285,31 @@ class Broker:
             self._cleared.add(step)
         elif op == "rewound":
             for step in r["steps"]:
-                st = self._steps.pop(int(step), None)
-                gone = set(st.chunks) if st else set()
-                for cid in gone:
-                    del self._chunks[cid]
-                for lid, lease in list(self._leases.items()):
-                    if gone.intersection(lease.chunks):
-                        del self._leases[lid]
-                        self._lease_end[lid] = "rewound"
-                self._cleared.discard(int(step))
+                self._forget(int(step), "rewound")
+        elif op == "voided":
+            self._forget(int(r["step"]), "voided")
+            self._voided.add(int(r["step"]))
+            self._life[int(r["step"])] = len(self._damaged)
         elif op != "journal":
             raise ValueError(f"unknown journal record {op!r}")
+
+    def _forget(self, step: int, why: str) -> None:
+        """Drop partition ``step`` (rewound or voided): its chunks, the leases on them; it may start again."""
+        st = self._steps.pop(step, None)
+        gone = set(st.chunks) if st else set()
+        for cid in gone:
+            del self._chunks[cid]
+        for lid, lease in list(self._leases.items()):
+            if gone.intersection(lease.chunks):
+                del self._leases[lid]
+                self._lease_end[lid] = why
+        self._cleared.discard(step)
 
     def _gc(self) -> None:
         """Finish what a crash may have interrupted after a journal record: deletions and moves."""
         for e in os.scandir(self.root):
             m = re.fullmatch(r"step_(\d+)", e.name)
-            if m and e.is_dir() and int(m.group(1)) in self._cleared:
+            if m and e.is_dir() and int(m.group(1)) in self._cleared | self._voided:
                 shutil.rmtree(e.path, ignore_errors=True)
         for step in self._steps:
             partition_dir(self.root, step).mkdir(exist_ok=True)
@@ -608,6 +620,12 @@ class Broker:
         with self._lock:
             return list(self._damaged)
 
+    def quarantined(self, step: int) -> list[dict]:
+        """The chunks of partition ``step``'s current life (since its last start) that were quarantined, even
+        if that emptied and cleared it: as in :meth:`damaged`."""
+        with self._lock:
+            return [d for d in self._damaged[self._life.get(step, 0):] if d["step"] == step]
+
     # ---------------------------------------------------------------------------------- clear ---
 
     def complete(self, step: int) -> bool:
@@ -658,6 +676,24 @@ class Broker:
                 shutil.rmtree(partition_dir(self.root, s), ignore_errors=True)
             _fsync_dir(self.root)
             return later
+
+    def regenerate(self, step: int, reason: str) -> list[str]:
+        """Void partition ``step`` so that it is produced again, because chunks of it were quarantined: journal
+        ``voided``, then delete its directory (the quarantined files stay in ``quarantine/``). Every chunk and
+        lease of it is forgotten (a late ack raises :class:`LeaseLost`); the audit counts none of its samples as
+        produced or consumed, and the step may :meth:`start_step` again (the gate lets the oldest step start).
+        Returns the quarantined chunk ids of the life that ended. Refused (:class:`ExchangeError`) for a step not
+        started, or with no chunk quarantined in its current life (a sound step is never produced twice)."""
+        with self._lock:
+            if step not in self._steps and step not in self._cleared:
+                raise StepNotStarted(f"step {step} has not been started: nothing to regenerate")
+            bad = [d["chunk"] for d in self.quarantined(step)]
+            if not bad:
+                raise ExchangeError(f"step {step} has no quarantined chunk; regenerate voids a damaged step only")
+            self._log({"op": "voided", "step": step, "reason": reason, "quarantined": bad})
+            shutil.rmtree(partition_dir(self.root, step), ignore_errors=True)
+            _fsync_dir(self.root)
+            return bad
 
     def _auto_clear(self, steps: Iterable[int]) -> None:
         if self.auto_clear:

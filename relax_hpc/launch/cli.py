@@ -21,7 +21,7 @@ from relax_hpc.launch import slurm
 from relax_hpc.launch.cancel import CancelError, cancel, checkpoint_then_stop
 from relax_hpc.launch.follow import follow
 from relax_hpc.launch.runs import DEFAULT_RUNS_ROOT, RunNotFound, find_run
-from relax_hpc.launch.status import collect, is_final, render
+from relax_hpc.launch.status import audit_run, collect, is_final, render, render_audit
 from relax_hpc.launch.submit import SubmitError, dry_run, plan, submit
 from relax_hpc.recipe import RecipeError
 from relax_hpc.rundir import RunDir
@@ -210,6 +210,9 @@ def _status_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="print JSON (with --watch: one object per line, on change)")
     ap.add_argument("--runs-root", default=DEFAULT_RUNS_ROOT, help=f"where runs are (default {DEFAULT_RUNS_ROOT})")
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch")
+    ap.add_argument("--audit", action="store_true",
+                    help="the exchange journal's audit: samples produced and consumed per step and task, chunks "
+                         "quarantined; exit 1 unless every sample was produced and consumed exactly once")
     return ap
 
 
@@ -221,6 +224,14 @@ def status_main(argv: list[str] | None = None) -> int:
         _err(f"relax-status: {e}")
         return EXIT_REFUSED
     console = Console()
+    if args.audit:
+        try:
+            info = audit_run(rd)
+        except Exception as e:  # a journal or recipe that cannot be read
+            _err(f"relax-status --audit: {type(e).__name__}: {e}")
+            return EXIT_FAILED
+        _print_json(info) if args.json else console.print(render_audit(info))
+        return EXIT_OK if info["exactly_once"] else EXIT_FAILED
     try:
         if args.watch:
             info = follow(rd, console, interval=args.interval, json_lines=args.json)

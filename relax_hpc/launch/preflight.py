@@ -1,9 +1,10 @@
 """Checks of a valid recipe against the place it will run, before anything is submitted.
 
 The recipe validator knows types and internal consistency; only here do we know the cluster (from
-``sinfo``) or this machine (CUDA). A request Slurm can never satisfy would otherwise sit PENDING forever or
-be refused by sbatch with "Requested node configuration is not available", naming no key. Problems are
-(key, value, message-with-fix) triples, raised as one :class:`RecipeError`, like the validator's.
+``sinfo``), this machine (CUDA) and the files the run will open (``validate.check_files``). A request Slurm
+can never satisfy would otherwise sit PENDING forever or be refused by sbatch with "Requested node
+configuration is not available", naming no key. Problems are (key, value, message-with-fix) triples,
+raised as one :class:`RecipeError`, like the validator's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from relax_hpc.launch import slurm
 from relax_hpc.recipe import Recipe, RecipeError
 from relax_hpc.recipe.errors import _MISSING
 from relax_hpc.recipe.layout import het_groups, role_steps
+from relax_hpc.recipe.validate import check_files
 
 Problem = tuple[str, object, str]
 
@@ -123,16 +125,20 @@ def cuda_device_count() -> int:
 
 
 def preflight(recipe: Recipe, executor: str, source: str | None = None) -> None:
-    """Raise :class:`RecipeError` if ``recipe`` cannot run on ``executor`` ('slurm' asks sinfo)."""
+    """Raise :class:`RecipeError` if ``recipe`` cannot run on ``executor`` ('slurm' asks sinfo).
+
+    First the files the run will open (``data.path``, the model's context length, relative to this working
+    directory, which becomes the roles'), then the cluster or this machine; all problems in one error."""
+    problems = check_files(recipe)
     if executor == "slurm":
         try:
             nodes, default = slurm.sinfo_nodes(), slurm.default_partition()
         except slurm.SlurmError as e:
-            raise RecipeError([("<cluster>", _MISSING, f"cannot check the recipe against the "
-                                f"cluster: {e}. Fix: check that Slurm answers (sinfo), or run with --local")],
-                              source=source) from None
-        problems = check_slurm(recipe, nodes, default)
+            problems.append(("<cluster>", _MISSING, f"cannot check the recipe against the "
+                             f"cluster: {e}. Fix: check that Slurm answers (sinfo), or run with --local"))
+            raise RecipeError(problems, source=source) from None
+        problems += check_slurm(recipe, nodes, default)
     else:
-        problems = check_local(recipe, cuda_device_count)
+        problems += check_local(recipe, cuda_device_count)
     if problems:
         raise RecipeError(problems, source=source)

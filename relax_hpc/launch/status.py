@@ -256,3 +256,47 @@ def summary_line(info: dict) -> str:
     phases = " ".join(f"{n}={r.get('phase') or '-'}" for n, r in info["roles"].items())
     step = "" if info.get("step") is None else f" step {info['step']}/{info.get('total_steps') or '?'}"
     return f"{info['run']} {info['state']}{step} {phases}".rstrip()
+
+
+# ------------------------------------------------------------------------------------------- audit ---
+
+def consuming_tasks(recipe: Any) -> list[str]:
+    """The exchange tasks of the training loop: ``train``, plus the forward roles with work to do
+    (``reference`` with ``algorithm.use_kl_loss``, ``actor_fwd`` when enabled), as the loop derives them."""
+    return ["train"] + [r for r, on in (("reference", recipe.algorithm.use_kl_loss),
+                                        ("actor_fwd", recipe.roles.actor_fwd.enabled)) if on]
+
+
+def audit_run(rd: RunDir) -> dict:
+    """``relax-status RUN --audit``: the exchange journal's account of every sample, per step: produced,
+    consumed by each task, chunks quarantined; ``exactly_once`` is true only when every sample was produced
+    once and consumed once by every task (a run still in progress is not there yet)."""
+    from relax_hpc.exchange.audit import audit, exactly_once
+
+    journal = rd.path / "exchange" / "journal.jsonl"
+    tasks = consuming_tasks(load_recipe(rd.recipe))
+    if not journal.exists():
+        return {"run": rd.name, "journal": str(journal), "tasks": tasks, "exactly_once": False, "steps": [],
+                "violations": [f"{journal} does not exist: no step was generated yet"]}
+    violations = exactly_once(journal, tasks)
+    steps = [{"step": s, "produced": a.samples, "consumed": {t: a.consumed.get(t, 0) for t in tasks},
+              "quarantined": list(a.quarantined), "regenerated": a.regenerated, "lost": a.lost,
+              "rewinds": a.rewinds, "cleared": a.cleared, "forced": a.forced}
+             for s, a in sorted(audit(journal).items())]
+    return {"run": rd.name, "journal": str(journal), "tasks": tasks, "exactly_once": not violations,
+            "steps": steps, "violations": violations}
+
+
+def render_audit(info: dict) -> RichGroup:
+    t = Table(title=f"exchange audit of {info['run']}", title_justify="left")
+    for col in ("step", "produced", *[f"consumed by {x}" for x in info["tasks"]], "quarantined", "cleared"):
+        t.add_column(col)
+    for s in info["steps"]:
+        q = ", ".join(c.split("/")[-1] for c in s["quarantined"])
+        if s["regenerated"]:
+            q += f" (generated again: {s['regenerated']}×)"
+        t.add_row(str(s["step"]), str(s["produced"]), *[str(s["consumed"][x]) for x in info["tasks"]], q or "-",
+                  "yes" if s["cleared"] else "no")
+    verdict = (Text("exactly once: yes", style="green") if info["exactly_once"] else
+               Text("exactly once: no\n" + "\n".join(f"  {v}" for v in info["violations"]), style="bold red"))
+    return RichGroup(t, verdict)

@@ -26,6 +26,7 @@ from relax_hpc.launch.render import PACKAGE_ROOT, render_script
 from relax_hpc.launch.slurm import parse_time
 from relax_hpc.recipe import Recipe, dump_recipe, load_recipe
 from relax_hpc.rundir import RunDir, create_run_dir, write_json, write_private
+from relax_hpc.train.latest import read_latest
 
 
 class SubmitError(RuntimeError):
@@ -175,8 +176,10 @@ def submit(p: Plan) -> tuple[dict, Any]:
 def resume(run_dir: str | Path, executor: str | None = None, python: str | None = None) -> tuple[dict, Any]:
     """Start an ended run again in its own directory (``relax-submit --resume``): the controller resumes from
     ``checkpoints/latest``. Slurm runs get a continuation job (:func:`resubmit`); local runs a new process.
-    Returns (job.json contents, the submitit job handle or None)."""
+    A ``latest`` naming a missing or incomplete checkpoint raises :class:`~relax_hpc.train.latest.BrokenLatest`
+    before anything is submitted or changed (resuming would start again at step 0). Returns (job.json contents, the submitit job handle or None)."""
     rd = RunDir(Path(run_dir).resolve())
+    read_latest(rd.path / "checkpoints")  # a broken `latest` (BrokenLatest) is refused before anything is touched
     old = rd.read_json(rd.job, {}) or {}
     if (executor or old.get("executor", "slurm")) == "slurm":
         return resubmit(rd.path, python), None

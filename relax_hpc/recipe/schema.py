@@ -106,7 +106,8 @@ class RolloutConfig:
     skip_special_tokens: bool = False  # drop special tokens from the response text
     # --- engines -------------------------------------------------------------------------------------
     sglang_server_concurrency: int = 512  # max in-flight generate requests per engine
-    max_retries: int = 3  # times one request is retried after an error on an engine that is still alive
+    max_retries: int = 3  # times one request is retried after an error on an engine that is still alive (with exponential backoff and jitter)
+    request_timeout_s: float = 600.0  # total deadline of one generate request (connect, send, whole answer, retries)
     # --- rewards -------------------------------------------------------------------------------------
     rm_type: str | None = None  # built-in reward: math, exact_match, f1, dummy, boxed_<type>; sample.metadata["rm_type"] wins
     custom_rm_path: str | None = None  # your reward function, 'package.module.function' (Relax --custom-rm-path)
@@ -115,6 +116,7 @@ class RolloutConfig:
     group_rm: bool = False  # call the custom reward once per group: reward_func(args, samples) -> list
     reward_max_concurrency: int = 64  # reward calls in flight at once
     reward_error_policy: Literal["skip", "fail"] = "fail"  # a reward that raises: fail = stop the run with the report; skip = reward 0, status FAILED, go on
+    reward_timeout_s: float = 300.0  # a reward call (or group_rm call) running longer is a failed reward (under reward_error_policy)
     custom_config_path: str | None = None  # YAML whose keys become attributes of the args your reward function receives
     log_passrate: bool = False  # also log rollout/passrate/pass@k over each group
     # --- eval ----------------------------------------------------------------------------------------
@@ -140,6 +142,7 @@ class LoggingConfig:
     notify_urls: list[str] = field(default_factory=list)  # Apprise URLs
     heartbeat_s: float = 2.0  # roles report this often
     heartbeat_timeout_s: float = 60.0  # a role silent this long is dead
+    task_timeout_s: float = 1800.0  # a role whose task makes no progress this long is hung (restarted); 0: off
     check_weight_sync: bool = True  # after each weight sync, compare a spot fingerprint of the weights on every engine with the actor's (weights/fingerprint_match)
 
 

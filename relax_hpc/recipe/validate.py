@@ -9,27 +9,34 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import json
 import re
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from relax_hpc.algo.config import check as check_algorithm
 from relax_hpc.recipe.errors import _MISSING
+from relax_hpc.recipe.relax_names import RELAX_NAMES, cli_flag, relax_flag
 from relax_hpc.recipe.schema import ROLE_NAMES, Recipe
-from relax_hpc.rollout.data import check_config as check_data
+from relax_hpc.rollout.data import DataError, check_config as check_data, expand_paths
+from relax_hpc.rollout.rewards import BUILTIN_REWARDS
 from relax_hpc.train.config import check as check_train
 
 Problem = tuple[str, object, str]
 
 # Strings that become Slurm arguments: a conservative set Slurm itself accepts in names and lists.
-_SLURM_WORD = re.compile(r"^[A-Za-z0-9_.:,+@%/=-]*$")
-_SLURM_OPTION = re.compile(r"^--?[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.:,+@%/=-]*)?$")
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$")
-_MEM = re.compile(r"^\d+[KMGT]?$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+# Always used with ``fullmatch``: ``$`` also matches before a trailing newline, so "debug\n" passed a ``^...$``
+# check and was refused only later by the sbatch renderer, naming no key.
+_SLURM_WORD = re.compile(r"[A-Za-z0-9_.:,+@%/=-]*")
+_SLURM_OPTION = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.:,+@%/=-]*)?")
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}|\d+-\d+")
+_MEM = re.compile(r"\d+[KMGT]?")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _SHELL_META = set(";&|<>`$()\\\"'*?[]{}~!#\n\r\t ")
 
 
@@ -46,14 +53,55 @@ def build(cls: type, data: Any, path: str, problems: list[Problem]) -> Any:
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
         if key not in fields:
-            near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
-            hint = f"did you mean '{near[0]}'?" if near else f"known keys here: {', '.join(sorted(fields))}"
-            problems.append((full, _MISSING, f"unknown key; {hint}"))
+            shown = _MISSING if isinstance(value, dict) or "://" in str(value) else value  # URLs carry tokens
+            problems.append((full, shown, f"unknown key; {unknown_key_hint(str(key), list(fields), value)}"))
             continue
         ok, converted = _convert(hints[key], value, full, problems)
         if ok:
             kwargs[key] = converted
     return cls(**kwargs)
+
+
+def unknown_key_hint(key: str, here: list[str], value: Any = _MISSING) -> str:
+    """Where an unknown key belongs. Relax's flag names first (``num_rollout`` is ``run.steps``; a spelling
+    match would say ``runs_root``), then the same name in another section, then the closest spelling here."""
+    name = relax_flag(key)
+    if name in RELAX_NAMES:
+        target = RELAX_NAMES[name]
+        if target is None:
+            return f"Relax's {cli_flag(name)} has no equivalent in relax_hpc yet. Fix: remove it"
+        if target.split(":")[0] in schema_keys():
+            return f"Relax's {cli_flag(name)} is `{target}` here. Fix: {_move_fix(target, value)}"
+    elsewhere = [k for k in sorted(schema_keys()) if k.rsplit(".", 1)[-1] == name]
+    if elsewhere:
+        fix = _move_fix(elsewhere[0], value)
+        return f"`{name}` is a key of another section: {', '.join(elsewhere[:4])}. Fix: {fix}"
+    near = difflib.get_close_matches(key, here, n=1, cutoff=0.6)
+    return f"did you mean '{near[0]}'?" if near else f"known keys here: {', '.join(sorted(here))}"
+
+
+def _move_fix(target: str, value: Any) -> str:
+    if ":" in target:
+        return f"set {target} instead"
+    if value is _MISSING or isinstance(value, dict):
+        return f"move it to {target}"
+    return f"set {target}: {json.dumps(value) if not isinstance(value, str) else value} instead"
+
+
+@functools.cache
+def schema_keys() -> frozenset[str]:
+    """Every dotted key a recipe may hold (sections too): ``run``, ``run.steps``, ``roles.actor.nodes``, ..."""
+    out: set[str] = set()
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, tp in typing.get_type_hints(cls).items():
+            key = f"{prefix}{name}"
+            out.add(key)
+            if dataclasses.is_dataclass(tp):
+                walk(tp, key + ".")
+
+    walk(Recipe, "")
+    return frozenset(out)
 
 
 def _convert(tp: Any, value: Any, path: str, problems: list[Problem]) -> tuple[bool, Any]:
@@ -112,7 +160,7 @@ def _scalar(tp: Any, value: Any, path: str, problems: list[Problem]) -> tuple[bo
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return True, float(value)
-        if isinstance(value, str) and _FLOAT.match(value.strip()):
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
             return True, float(value)  # PyYAML (YAML 1.1) reads `1e-5` as a string
         problems.append((path, value, f"must be a number, not {_kind(value)}"))
     elif tp is str:
@@ -148,6 +196,13 @@ def check(recipe: Recipe) -> list[Problem]:
                           ("slurm.max_requeues", recipe.slurm.max_requeues, 0)):
         if val < low:
             problems.append((key, val, f"must be at least {low}"))
+    if recipe.logging.task_timeout_s < 0:
+        problems.append(("logging.task_timeout_s", recipe.logging.task_timeout_s,
+                         "must be 0 or more seconds (0 turns the hung-task check off)"))
+    for key in ("reward_timeout_s", "request_timeout_s"):  # every wait on user code or an engine is bounded
+        val = getattr(recipe.rollout, key, None)
+        if val is not None and val <= 0:
+            problems.append((f"rollout.{key}", val, "must be more than 0 seconds"))
     if recipe.logging.heartbeat_timeout_s <= recipe.logging.heartbeat_s:
         problems.append(("logging.heartbeat_timeout_s", recipe.logging.heartbeat_timeout_s,
                          f"must be longer than logging.heartbeat_s = {recipe.logging.heartbeat_s}"))
@@ -161,45 +216,132 @@ def check(recipe: Recipe) -> list[Problem]:
     problems += [(f"algorithm.{k}", v, m) for k, v, m in check_algorithm(recipe.algorithm)]
     problems += [(f"train.{k}", v, m) for k, v, m in check_train(recipe.train)]
     problems += check_data(recipe.data, recipe.rollout)  # keys already carry their section
+    problems += _check_rm_type(recipe)
     return problems
+
+
+def known_rm_type(name: str) -> bool:
+    """Whether ``relax_hpc.rollout.rewards.builtin_reward`` scores ``name``: a built-in, or ``boxed_<built-in>``."""
+    while name.startswith("boxed_"):
+        name = name[len("boxed_"):]
+    return name in BUILTIN_REWARDS
+
+
+def _check_rm_type(r: Recipe) -> list[Problem]:
+    """An unknown built-in reward failed only at the first reward call (step 1, after the engines started).
+    With ``custom_rm_path`` set, rm_type is only passed to that function, which may use names of its own."""
+    rm = r.rollout.rm_type
+    if rm is None or r.rollout.custom_rm_path is not None or known_rm_type(rm):
+        return []
+    known = ", ".join(BUILTIN_REWARDS)
+    return [("rollout.rm_type", rm, f"is not a built-in reward of relax_hpc (Relax's other types such as dapo or "
+             f"deepscaler are not built in). Fix: use one of {known}, or boxed_<one of them> (e.g. boxed_math), "
+             "or write your reward function and set rollout.custom_rm_path")]
 
 
 def _check_strings(r: Recipe) -> list[Problem]:
     """Every string that becomes a Slurm argument must be a plain word: no value reaches a shell unquoted,
     and refusing metacharacters up front turns a confusing sbatch failure into a named key."""
-    out: list[Problem] = []
+    out = _check_line_breaks(r)
+    broken = {k for k, _, _ in out}
     s = r.slurm
     words = {"slurm.partition": s.partition, "slurm.account": s.account, "slurm.qos": s.qos,
              "slurm.constraint": s.constraint, "slurm.job_name": s.job_name}
     for key, val in words.items():
-        if val is not None and (not val or not _SLURM_WORD.match(val)):
+        if key not in broken and val is not None and (not val or not _SLURM_WORD.fullmatch(val)):
             out.append((key, val, _meta_msg(val, "a Slurm name as `sinfo`/`sacctmgr` prints it")))
-    if not _SLURM_TIME.match(s.time):
+    if "slurm.time" not in broken and not _SLURM_TIME.fullmatch(s.time):
         out.append(("slurm.time", s.time, "is not Slurm time syntax. Fix: MM, HH:MM:SS or D-HH:MM:SS, e.g. '02:00:00'"))
     for i, opt in enumerate(s.sbatch_extra):
-        if not _SLURM_OPTION.match(opt):
+        if f"slurm.sbatch_extra[{i}]" not in broken and not _SLURM_OPTION.fullmatch(opt):
             out.append((f"slurm.sbatch_extra[{i}]", opt,
                         _meta_msg(opt, "one sbatch option per item, like '--mail-type=END'")))
     for i, opt in enumerate(s.srun_args):
-        if not _SLURM_OPTION.match(opt):
+        if f"slurm.srun_args[{i}]" not in broken and not _SLURM_OPTION.fullmatch(opt):
             out.append((f"slurm.srun_args[{i}]", opt,
                         _meta_msg(opt, "one srun option per item, like '--container-image=img.sqsh'")))
-    for k, v in s.env.items():
-        if not _ENV_NAME.match(k):
-            out.append((f"slurm.env.{k}", v, "the variable name must be letters, digits and '_'"))
-        elif "\n" in v or "\0" in v:
-            out.append((f"slurm.env.{k}", v, "values may not contain newlines"))
-    if r.run.name is not None and not _RUN_NAME.match(r.run.name):
+    out += _check_env(s.env, broken)
+    if r.run.name is not None and "run.name" not in broken and not _RUN_NAME.fullmatch(r.run.name):
         out.append(("run.name", r.run.name,
                     _meta_msg(r.run.name, "letters, digits, '.', '_' and '-', starting with a letter or digit")))
-    for key, val in {"run.runs_root": r.run.runs_root, "model.path": r.model.path, "data.path": r.data.path,
-                     "slurm.template": s.template}.items():
-        if val is not None and any(c in val for c in "\n\r\0"):
-            out.append((key, val, "paths may not contain newlines"))
+    if "run.runs_root" not in broken and any(c in r.run.runs_root for c in "%\\"):
+        out.append(("run.runs_root", r.run.runs_root,
+                    "contains '%' or '\\', which Slurm expands as a filename pattern (%j: job id, %t: task) in the "
+                    "log paths of the run but not in the run directory itself, so logs would land elsewhere. "
+                    "Fix: a plain directory path without '%' or '\\'"))
     for name in ROLE_NAMES:
         mem = r.role(name).mem
-        if mem is not None and not _MEM.match(mem):
+        if mem is not None and f"roles.{name}.mem" not in broken and not _MEM.fullmatch(mem):
             out.append((f"roles.{name}.mem", mem, "is not Slurm memory syntax. Fix: e.g. '16G' or '4000M'"))
+    return out
+
+
+def _script_strings(r: Recipe) -> dict[str, str | None]:
+    """Every recipe string that ends up in the sbatch script, an srun command line or a path the job opens."""
+    s = r.slurm
+    out: dict[str, str | None] = {
+        "slurm.partition": s.partition, "slurm.account": s.account, "slurm.qos": s.qos,
+        "slurm.constraint": s.constraint, "slurm.job_name": s.job_name, "slurm.time": s.time,
+        "slurm.template": s.template, "run.name": r.run.name, "run.runs_root": r.run.runs_root,
+        "model.path": r.model.path, "data.path": r.data.path,
+    }
+    out.update({f"slurm.sbatch_extra[{i}]": v for i, v in enumerate(s.sbatch_extra)})
+    out.update({f"slurm.srun_args[{i}]": v for i, v in enumerate(s.srun_args)})
+    out.update({f"slurm.env.{k}": v for k, v in s.env.items()})
+    out.update({f"data.eval_prompt_data.{k}": v for k, v in r.data.eval_prompt_data.items()})
+    out.update({f"roles.{n}.mem": r.role(n).mem for n in ROLE_NAMES})
+    return out
+
+
+def _check_line_breaks(r: Recipe) -> list[Problem]:
+    """A line break or NUL in any of these would end an ``#SBATCH``/``export`` line; the renderer refuses it,
+    but only as "<sbatch template>", so say here which key holds it (usually a YAML ``|`` block's newline)."""
+    out: list[Problem] = []
+    for key, val in _script_strings(r).items():
+        if val is None or not any(c in val for c in "\n\r\0"):
+            continue
+        body = val.rstrip("\n\r\0")
+        where = "contains" if any(c in body for c in "\n\r\0") else "ends in"
+        out.append((key, val, f"{where} a newline or NUL byte, which cannot go into the sbatch script or a "
+                              f"command line. Fix: {val.strip()!r} on one line (a YAML '|' block keeps its final "
+                              "newline: use a plain or quoted string)"))
+    return out
+
+
+# Variables the launcher sets or reads in the controller and the role steps: a recipe that sets them would
+# change what relax_hpc starts (SUBMITIT_LOCAL_NTASKS=2 starts two controllers on one run directory) or who
+# a rank thinks it is. Slurm-set ones describe the job; the user sets Slurm's *input* variables (SLURM_CONF,
+# SBATCH_*, SRUN_*) freely.
+_LAUNCHER_ENV_PREFIXES = ("SUBMITIT_", "RELAX_", "SLURM_JOB", "SLURM_STEP", "SLURM_HET", "SLURM_ARRAY",
+                          "SLURM_NTASKS", "SLURM_TASKS", "SLURM_SUBMIT", "SLURM_SRUN_COMM", "SLURM_TOPOLOGY",
+                          "SLURMD_")
+_LAUNCHER_ENV_NAMES = {"SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NPROCS", "SLURM_NNODES",
+                       "SLURM_NODELIST", "SLURM_RESTART_COUNT", "SLURM_GTIDS", "SLURM_TASK_PID",
+                       "SLURM_CLUSTER_NAME", "SLURM_CPUS_ON_NODE", "SLURM_LAUNCH_NODE_IPADDR", "SLURM_PRIO_PROCESS",
+                       "SLURM_CPUS_PER_TASK", "SLURM_GPUS_ON_NODE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"}
+# RELAX_* settings documented for users (docs/engines.md, docs/controller.md): not the launcher's own.
+USER_RELAX_ENV = ("RELAX_SGLANG_PYTHON", "RELAX_SGLANG_TP", "RELAX_NOTIFY_URLS")
+
+
+def launcher_env_var(name: str) -> bool:
+    """True for a variable the launcher or Slurm sets for the job, which ``slurm.env`` must not override."""
+    if name in USER_RELAX_ENV:
+        return False
+    return name in _LAUNCHER_ENV_NAMES or name.startswith(_LAUNCHER_ENV_PREFIXES)
+
+
+def _check_env(env: dict[str, str], broken: set[str]) -> list[Problem]:
+    out: list[Problem] = []
+    for k, v in env.items():
+        key = f"slurm.env.{k}" if k.isprintable() else f"slurm.env[{k!r}]"  # a newline in a key would split the line
+        if not _ENV_NAME.fullmatch(k):
+            out.append((key, v, f"the variable name {k!r} must be letters, digits and '_'. Fix: rename it"))
+        elif launcher_env_var(k):
+            out.append((key, v, f"{k} is set or read by relax_hpc's launcher or by Slurm for the job itself "
+                                f"(SUBMITIT_*, RELAX_* except {', '.join(USER_RELAX_ENV)}, and Slurm's job/step "
+                                "variables such as SLURM_JOB_ID, SLURM_PROCID, SLURM_NTASKS, SLURM_HET_*, "
+                                "SLURM_RESTART_COUNT); overriding it breaks the run. Fix: remove it from slurm.env "
+                                "and size the job with roles.<role>.nodes/tasks_per_node"))
     return out
 
 
@@ -246,3 +388,75 @@ def _check_roles(r: Recipe) -> list[Problem]:
     if r.mode == "colocate" and r.max_staleness != 0:
         out.append(("max_staleness", r.max_staleness, "colocate mode is strictly on-policy: use 0, or mode: fully_async"))
     return out
+
+
+def check_files(recipe: Recipe, cwd: str | Path | None = None) -> list[Problem]:
+    """Checks that read the filesystem, so ``relax-submit`` runs them (through preflight) and the roles, which
+    reload the recipe elsewhere, do not. Relative paths are resolved as the roles resolve them
+    (``relax_hpc.roles.model.resolve``): against the directory the run is submitted from, ``cwd``."""
+    base = Path.cwd() if cwd is None else Path(cwd)
+    problems = _check_data_paths(recipe, base)
+    problems += _check_context(recipe, base)
+    return problems
+
+
+def _resolve(path: str, base: Path) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+def _check_data_paths(r: Recipe, base: Path) -> list[Problem]:
+    """A missing prompt file failed only when the rollout role opened it, after the job had waited in the queue."""
+    paths = {"data.path": r.data.path, **{f"data.eval_prompt_data.{k}": v for k, v in r.data.eval_prompt_data.items()}}
+    out: list[Problem] = []
+    for key, val in paths.items():
+        if val is None or any(c in val for c in "\n\r\0"):
+            continue  # unset, or already refused by the string checks
+        where = _resolve(val, base)
+        try:
+            expand_paths(where)
+        except DataError as e:
+            out.append((key, val, f"{e} (relative paths are relative to the directory you submit from, {base}). "
+                                  "Fix: give an existing JSONL/Parquet file or a directory of them, "
+                                  "as an absolute path or relative to where you run relax-submit"))
+    return out
+
+
+def _check_context(r: Recipe, base: Path) -> list[Problem]:
+    """Prompt + response longer than the model's context fails (or silently truncates) inside the engine, at
+    step 1; the model's config.json says its limit, so compare before submitting."""
+    limit, config = _max_positions(r.model.path, base)
+    if limit is None:
+        return []
+    ro = r.rollout
+    if ro.max_prompt_len is None:
+        if ro.max_response_len <= limit:
+            return []
+        return [("rollout.max_response_len", ro.max_response_len,
+                 f"is longer than the model's context, max_position_embeddings = {limit} in {config}. "
+                 f"Fix: at most {limit} tokens minus the longest prompt; set rollout.max_prompt_len too, so that "
+                 f"max_prompt_len + max_response_len <= {limit}")]
+    total = ro.max_prompt_len + ro.max_response_len
+    if total <= limit:
+        return []
+    return [("rollout.max_response_len", ro.max_response_len,
+             f"rollout.max_prompt_len + rollout.max_response_len = {ro.max_prompt_len} + {ro.max_response_len} = "
+             f"{total} tokens, more than the model's context, max_position_embeddings = {limit} in {config}. "
+             f"Fix: lower either so that their sum is at most {limit}")]
+
+
+def _max_positions(model_path: str | None, base: Path) -> tuple[int | None, Path | None]:
+    """``max_position_embeddings`` of the model's config.json (or of its ``text_config``); None when there is no
+    model directory, no config.json or no such key: then there is nothing to check against."""
+    if model_path is None or any(c in model_path for c in "\n\r\0"):
+        return None, None
+    config = _resolve(model_path, base) / "config.json"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None, None
+    for section in (data, data.get("text_config") if isinstance(data, dict) else None):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, config
+    return None, None

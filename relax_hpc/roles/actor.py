@@ -46,14 +46,14 @@ def work(ctx: RoleContext, comm: Any) -> None:
     from relax_hpc.roles import samples as S
     from relax_hpc.roles.tasks import serve
     from relax_hpc.roles.weight_sync import ROWS, EngineChecker
-    from relax_hpc.weights import WeightSender
+    from relax_hpc.weights import WeightSender, WeightSyncError
 
     r = ctx.recipe
     rank = ctx.ident.rank
     actor = build_megatron(r, ROLE, forward_only=False)
     ctx.report("ready", model=resolve(r.model.path))
     st: dict[str, Any] = {"sender": None, "engines": {}}
-    checker = EngineChecker()
+    checker = EngineChecker(ctx.run.api_key())
 
     def connect(task: dict) -> dict:
         loaded = None
@@ -63,7 +63,8 @@ def work(ctx: RoleContext, comm: Any) -> None:
         st["engines"] = dict(task["engines"])
         if rank == 0:
             if st["sender"] is None:
-                st["sender"] = WeightSender(backend="nccl" if comm.backend == "nccl" else "gloo")
+                st["sender"] = WeightSender(backend="nccl" if comm.backend == "nccl" else "gloo",
+                                            api_key=ctx.run.api_key())
                 st["sender"].connect(list(st["engines"].values()), reachable_host(ctx.ident))
             else:  # the engine set changed (an engine died): a group's size is fixed, so a new group
                 st["sender"].reconnect(list(st["engines"].values()))
@@ -73,8 +74,9 @@ def work(ctx: RoleContext, comm: Any) -> None:
         t0 = time.monotonic()
         refs = [ChunkRef.from_dict(c) for c in task["chunks"]]
         extra = [f for f in S.FORWARD_FIELDS if all(f in c.all_fields for c in refs)]  # added by reference/actor_fwd
-        samples = S.read_samples(refs, (*S.TRAIN_FIELDS, *extra))  # every rank reads the whole batch (train_step
-        batch = S.to_train_batch(samples, r.algorithm)  # shards it), so advantage whitening needs no process group
+        # every rank reads the whole batch (train_step shards it), so advantage whitening needs no process group
+        samples = S.read_samples(refs, (*S.TRAIN_FIELDS, *extra), agree=True)
+        batch = S.to_train_batch(samples, r.algorithm)
         t_read = time.monotonic() - t0
         diff = {}
         if "log_probs" in extra:  # π_old from actor_fwd, computed with the weights this rank holds now
@@ -95,6 +97,10 @@ def work(ctx: RoleContext, comm: Any) -> None:
         t0 = time.monotonic()
         version = str(task["version"])
         engines = dict(task.get("engines") or st["engines"])
+        dead = checker.unreachable(engines) if rank == 0 else {}  # died after its last request: left out
+        engines = {n: u for n, u in engines.items() if n not in dead}
+        if not engines:
+            raise WeightSyncError(f"no rollout engine left to sync: {dead}")
         if engines != st["engines"]:  # an engine died since the last sync
             connect({"engines": engines})
         heads: dict[str, torch.Tensor] = {}
@@ -114,7 +120,8 @@ def work(ctx: RoleContext, comm: Any) -> None:
             out["weights/fingerprint_match"] = float(all(c["fingerprint_equal"] for c in checks.values()))
             out["weights/engine_max_abs_diff"] = max(c["max_abs_diff"] for c in checks.values())
             out["weights/versions_ok"] = float(all(c["version_ok"] for c in checks.values()))
-        return {"metrics": out, "engine_versions": {n: c["version"] for n, c in checks.items()}, "checks": checks}
+        return {"metrics": out, "engine_versions": {n: c["version"] for n, c in checks.items()}, "checks": checks,
+                "dead_engines": dead}
 
     def checkpoint(task: dict) -> dict:
         t0 = time.monotonic()

@@ -49,7 +49,7 @@ def compute_and_write(actor: Any, refs: Sequence[dict | ChunkRef], field: str, w
     chunks = [r if isinstance(r, ChunkRef) else ChunkRef.from_dict(r) for r in refs]
     todo = [c for c in chunks if field not in c.all_fields]
     batch = []  # the minimal batch items compute_log_probs needs
-    for s in read_samples(todo, READ_FIELDS):
+    for s in read_samples(todo, READ_FIELDS, agree=True):
         tokens = torch.as_tensor(np.asarray(s["tokens"], dtype=np.int64))
         batch.append({"tokens": tokens, "response_start": int(tokens.numel() - int(s["response_length"]))})
     lps = actor.compute_log_probs(batch) if batch else []

@@ -5,15 +5,19 @@ Every rank launches one engine on its node (the CPU engine where there is no CUD
 the number of engines. Rank 0 gathers their URLs and drives them; the other ranks keep their engine alive
 until ``stop``. Tasks (:mod:`relax_hpc.roles.tasks`):
 
-- ``start_engines {data_state}``: restores the data cursor if given (a resumed run); returns ``{"engines": {name: url}, "pids": {...}, "nodes": {...}}`` (names
-  ``engine0``, ``engine1``, ... by rank).
-- ``generate {step, engines}``: the next ``rollout_batch_size`` prompt groups from ``data.path``, generated
+- ``start_engines {data_state}``: restores the data cursor if given (a resumed run); returns ``{"engines":
+  {name: url}, "pids": {...}, "nodes": {...}, "data_state"}`` (names ``engine0``, ``engine1``, ... by rank).
+- ``generate {step, engines, data_state}``: from the data cursor after step−1 (so a step generated again, e.g.
+  after a damaged chunk, gets the same prompts), the next ``rollout_batch_size`` prompt groups from ``data.path``, generated
   with :class:`~relax_hpc.rollout.driver.RolloutDriver` on the live engines (a dead one is reported by
   name and its requests go to the others), scored by the reward (``rollout.custom_rm_path`` / ``rm_type``),
   group-normalized, written as one chunk in ``RUN_DIR/exchange/step_<N>/``. Returns the chunk ref,
   Relax's ``rollout/*`` metrics, the data cursor, the weight versions the samples carry, reward failures
   (with their samples) and engine failures.
 - ``stop``: engines are stopped (by PID) on the way out, whatever happened.
+
+Engines are started with the run's API key (:meth:`relax_hpc.rundir.RunDir.api_key`) and the driver's clients
+send it; anything else that calls the engines (the actor's weight sync) must send it too.
 
 Without ``model.path`` the role only bootstraps (the launch smoke tests).
 """
@@ -46,15 +50,16 @@ def _start_engine(ctx: RoleContext) -> Any:
     local = i.node == "localhost"
     host = "127.0.0.1" if local else "0.0.0.0"
     logf = ctx.run.logs / f"engine{i.rank}.log"
+    key = ctx.run.api_key()  # every engine of the run answers only requests that carry it
     if os.environ.get("RELAX_SGLANG_PYTHON") and _has_cuda():
         gpus = max(1, r.roles.rollout.gpus_per_node // max(1, r.roles.rollout.tasks_per_node))
         first = i.local_rank * gpus
         env = {"CUDA_VISIBLE_DEVICES": ",".join(str(first + k) for k in range(gpus))}
         h = start_engine("sglang", resolve(r.model.path), tp=gpus, host=host, env=env, log_path=logf,
-                         extra_args=["--weight-version", "0", "--random-seed", str(r.run.seed + i.rank)])
+                         api_key=key, extra_args=["--weight-version", "0", "--random-seed", str(r.run.seed + i.rank)])
     else:
         threads = max(1, r.roles.rollout.cpus_per_task)
-        h = start_engine("cpu", resolve(r.model.path), host=host, log_path=logf,
+        h = start_engine("cpu", resolve(r.model.path), host=host, log_path=logf, api_key=key,
                          extra_args=["--weight-version", "0", "--seed", str(r.run.seed + i.rank),
                                      "--threads", str(threads)])
     ctx.add_cleanup(lambda: h.stop(timeout=5.0))  # also on SIGTERM (the controller gives 10 s) and controller loss
@@ -107,7 +112,8 @@ def work(ctx: RoleContext, comm: Any) -> None:
             if gen is not None and task.get("data_state"):
                 gen.data.load_state_dict(task["data_state"])
             return {"engines": {n: u for n, u, _, _ in everyone}, "pids": {n: p for n, _, p, _ in everyone},
-                    "nodes": {n: node for n, _, _, node in everyone}}
+                    "nodes": {n: node for n, _, _, node in everyone},
+                    "data_state": gen.data.state_dict() if gen is not None else None}
 
         def generate(task: dict) -> dict | None:
             return gen.generate(task) if gen is not None else None
@@ -131,7 +137,8 @@ class Generator:
             raise ValueError("data.path is not set: the rollout role needs prompts (a JSONL or Parquet file)")
         dataset = dataset_from_config(r.data, r.rollout, tokenizer=self.tokenizer, path=resolve(r.data.path))
         self.data = data_source_from_config(dataset, r.data, r.rollout, run_seed=r.run.seed)
-        self.driver = build_driver(r, {}, tokenizer=self.tokenizer)  # loads the reward function: fails early
+        # loads the reward function (fails early); its engine clients send the run's API key
+        self.driver = build_driver(r, {}, tokenizer=self.tokenizer, api_key=ctx.run.api_key())
         self.engines: dict[str, str] = {}
 
     def set_engines(self, engines: dict[str, str]) -> None:
@@ -146,6 +153,8 @@ class Generator:
         live = dict(task.get("engines") or self.engines)
         if set(live) != set(self.driver.live_engines):  # the controller's view of which engines are alive wins
             self.driver.set_engines(live)
+        if task.get("data_state"):  # the cursor after step-1: a step generated again gets the same prompts
+            self.data.load_state_dict(task["data_state"])
         groups = self.data.get_samples()
         t0 = time.monotonic()
         try:

@@ -69,6 +69,12 @@ def reachable_host(ident: Identity) -> str:
         return socket.getfqdn()
 
 
+def _whole(v: Any) -> bool:
+    """An int the controller accepts in ``info["task"]`` (protocol.INFO_FIELDS): a heartbeat it refused
+    would count as a lost one."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 class RoleContext:
     """A running rank: identity, recipe, controller client, and the phase/info its heartbeats carry."""
 
@@ -87,6 +93,30 @@ class RoleContext:
         self._beat: threading.Thread | None = None
         self._cleanups: list[Callable[[], Any]] = []
         self.prepared: Any = None  # what main's ``prepare`` returned
+        self.progress_count = 0  # bumped by :meth:`progress`; a task whose count stops moving is hung
+
+    # -- the task in hand, as the heartbeats show it (the controller fails a role whose task stops moving)
+    def begin_task(self, task: dict) -> None:
+        """Heartbeats now carry ``task``: its id, kind, step (if any) and the progress counter."""
+        shown = {"id": task["id"] if _whole(task.get("id")) else -1, "kind": str(task.get("kind")),
+                 "progress": self.progress_count}
+        if _whole(task.get("step")):
+            shown["step"] = task["step"]
+        self.info["task"] = shown
+
+    def progress(self, n: int = 1) -> None:
+        """Say the work moved on (a sample generated, a micro-batch done): without it for
+        ``logging.task_timeout_s`` the controller takes the role for hung and restarts the run's steps.
+        Cheap and thread-safe enough to call often: the shown dict is replaced, never changed in place."""
+        self.progress_count += n
+        task = self.info.get("task")
+        if isinstance(task, dict):
+            self.info["task"] = {**task, "progress": self.progress_count}
+
+    def end_task(self) -> None:
+        """Heartbeats now say "no task" (None, not absent: the controller merges info, so absent keeps the old)."""
+        self.progress_count += 1
+        self.info["task"] = None
 
     # -- things to undo on the way out
     def add_cleanup(self, fn: Callable[[], Any]) -> None:
@@ -163,10 +193,16 @@ class RoleContext:
         self.client.close()
 
 
-def _injected_failure(role: str) -> None:
-    """Test hook: ``RELAX_TEST_FAIL_ROLE=<role>`` makes that role fail right after its bootstrap."""
+def _injected_failure(ctx: RoleContext) -> None:
+    """Test hooks: ``RELAX_TEST_FAIL_ROLE=<role>`` makes that role fail right after its bootstrap;
+    ``RELAX_TEST_HOLD_ROLE=<role>`` keeps it ready (heartbeating, never done) until the controller stops its
+    step, in the run's first try only (no restart yet), so a test can act on a running controller without
+    racing the run's end."""
+    role = ctx.ident.role
     if os.environ.get("RELAX_TEST_FAIL_ROLE") == role:
         raise RuntimeError(f"RELAX_TEST_FAIL_ROLE={role}: injected failure after bootstrap")
+    if os.environ.get("RELAX_TEST_HOLD_ROLE") == role and not (ctx.run.read_json(ctx.run.state, {}) or {}).get("restarts"):
+        threading.Event().wait()
 
 
 Work = Callable[[RoleContext, Any], None]
@@ -195,7 +231,7 @@ def main(role: str, work: Work | None = None, argv: list[str] | None = None,
         comm = bootstrap(ctx)
         ctx.report("ready", **comm.summary())
         print(f"{tag} ready: {comm.summary()}", flush=True)
-        _injected_failure(role)
+        _injected_failure(ctx)
         if work is not None:
             work(ctx, comm)
         comm.close()

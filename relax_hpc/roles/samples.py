@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from relax_hpc.exchange.chunk import ChunkRef, read_chunk, write_chunk
+from relax_hpc.exchange.chunk import ChunkRef, DamagedChunk, read_chunk, write_chunk
 
 PRODUCER = "rollout"
 TRAIN_FIELDS = ("tokens", "response_length", "loss_mask", "rollout_log_probs", "rewards", "raw_reward", "index",
@@ -69,14 +69,40 @@ def write_step(run_path: str | os.PathLike, step: int, result: Any, seq: int = 0
     return write_chunk(root, step, PRODUCER, seq, fields, attrs={"group_size": result.group_size})
 
 
-def read_samples(refs: Sequence[dict | ChunkRef], fields: Sequence[str] = TRAIN_FIELDS) -> list[dict[str, Any]]:
-    """The samples of these chunks (in order) as dicts of ``fields``; raises DamagedChunk on a bad file."""
+def read_samples(refs: Sequence[dict | ChunkRef], fields: Sequence[str] = TRAIN_FIELDS, *,
+                 agree: bool = False) -> list[dict[str, Any]]:
+    """The samples of these chunks (in order) as dicts of ``fields``; raises DamagedChunk on a bad file.
+
+    ``agree``: a collective of the role's ranks (each reads the same chunks): if any rank could not read, every
+    rank raises DamagedChunk, so none goes on into a collective that the others never join."""
     out: list[dict[str, Any]] = []
-    for r in refs:
-        ref = r if isinstance(r, ChunkRef) else ChunkRef.from_dict(r)
-        cols = read_chunk(ref, list(fields))
-        out += [{k: cols[k][i] for k in fields} for i in range(ref.n)]
+    damage = None
+    try:
+        for r in refs:
+            ref = r if isinstance(r, ChunkRef) else ChunkRef.from_dict(r)
+            cols = read_chunk(ref, list(fields))
+            out += [{k: cols[k][i] for k in fields} for i in range(ref.n)]
+    except DamagedChunk as e:
+        damage = e
+    if agree and _any_rank(damage is not None) and damage is None:
+        first = refs[0] if refs else None
+        path = (first.path if isinstance(first, ChunkRef) else (first or {}).get("path")) if first else "?"
+        damage = DamagedChunk(path, "another rank of this role could not read this task's chunks")
+    if damage is not None:
+        raise damage
     return out
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of the role's process group (just ``flag`` without one)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def to_train_batch(samples: list[dict[str, Any]], algo_cfg: Any, process_group: Any = None) -> list[dict[str, Any]]:

@@ -8,6 +8,10 @@ other ranks never sit in a collective longer than that (the role group's timeout
 A task is a dict ``{"id": int, "kind": str, ...}``; the stream ends after ``kind == "stop"``. Rank 0
 answers each task with :meth:`TaskStream.done` (its result dict) or :meth:`TaskStream.failed` (the error
 text, which fails the run with that report). See ``docs/controller.md`` for the tasks each role gets.
+
+While a task runs, every heartbeat shows it (``info["task"]``: id, kind, step, progress; see
+:meth:`RoleContext.begin_task`), and the controller fails a role whose task stops progressing for
+``logging.task_timeout_s``: role code calls ``ctx.progress()`` as its work moves on.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import traceback
 from typing import Any, Callable, Iterator
 
 from relax_hpc.controller.protocol import MAX_TASK_WAIT_S, Client
+from relax_hpc.exchange.chunk import DamagedChunk
 from relax_hpc.roles.runtime import RoleContext
 
 MAX_REPORT = 8000  # characters of an error report sent with task_done (the line limit is 1 MiB)
@@ -44,11 +49,16 @@ class TaskStream:
         return box[0]
 
     def __iter__(self) -> Iterator[dict]:
+        """Each task, shown in the heartbeats from when it is handed out until the loop asks for the next."""
         while True:
             task = self._share(self._poll())
             if task is None:
                 continue
-            yield task
+            self.ctx.begin_task(task)
+            try:
+                yield task
+            finally:
+                self.ctx.end_task()
             if task.get("kind") == "stop":
                 return
 
@@ -57,12 +67,15 @@ class TaskStream:
             self._client.task_done(self.ctx.ident.role, 0, int(task["id"]), result)
 
     def failed(self, task: dict, error: BaseException) -> None:
-        """Report ``error`` as the task's outcome (the run fails with it); never raises."""
+        """Report ``error`` as the task's outcome (the run fails with it); never raises. An error whose class says
+        ``restartable = True`` (an engine process died: the machinery, not the recipe) lets the controller
+        restart the steps from the latest checkpoint instead of ending the run."""
         if self._client is None:
             return
         text = getattr(error, "report", None) or describe(error)
+        result = {"error": text[:MAX_REPORT], "restartable": bool(getattr(error, "restartable", False))}
         try:
-            self._client.task_done(self.ctx.ident.role, 0, int(task["id"]), {"error": text[:MAX_REPORT]})
+            self._client.task_done(self.ctx.ident.role, 0, int(task["id"]), result)
         except Exception:  # the error path in runtime.main reports it again through `error`
             pass
 
@@ -80,7 +93,10 @@ def describe(error: BaseException) -> str:
 def serve(ctx: RoleContext, comm: Any, handlers: dict[str, Callable[[dict], dict | None]]) -> None:
     """Run tasks until ``stop``: ``handlers[kind](task)`` on every rank; rank 0 reports its result.
 
-    A handler that raises reports the error as the task's outcome and re-raises (the role then fails).
+    A handler that raises reports the error as the task's outcome and re-raises (the role then fails),
+    except :class:`~relax_hpc.exchange.chunk.DamagedChunk` (a chunk that cannot be read: the controller
+    quarantines it and generates the step again), after which the role serves on. Handlers raise it on every
+    rank at once (:func:`relax_hpc.roles.samples.read_samples` with ``agree=True``), so the ranks stay in step.
     An unknown kind is an error too: controller and role disagree about the protocol.
     """
     stream = TaskStream(ctx, comm)
@@ -91,6 +107,9 @@ def serve(ctx: RoleContext, comm: Any, handlers: dict[str, Callable[[dict], dict
                 if kind not in handlers:
                     raise RuntimeError(f"{ctx.ident.role} got a task of unknown kind {kind!r}: {task}")
                 result = handlers[kind](task) or {}
+            except DamagedChunk as e:  # the controller quarantines the chunk and has the step made again
+                stream.failed(task, e)
+                continue
             except BaseException as e:
                 stream.failed(task, e)
                 raise

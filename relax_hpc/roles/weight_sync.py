@@ -27,14 +27,15 @@ def probe(named: dict[str, torch.Tensor], k: int = 3) -> list[str]:
 class EngineChecker:
     """Checks engines after a sync; keeps one client per engine URL (a new HTTP client costs ~0.1 s)."""
 
-    def __init__(self) -> None:
+    def __init__(self, api_key: str | None = None) -> None:
         self._clients: dict[str, Any] = {}
+        self._api_key = api_key  # the run's engine key
 
     def _client(self, url: str) -> Any:
         from relax_hpc.rollout.client import EngineClient
 
         if url not in self._clients:
-            self._clients[url] = EngineClient(url)
+            self._clients[url] = EngineClient(url, api_key=self._api_key)
         return self._clients[url]
 
     def check(self, engines: dict[str, str], heads: dict[str, torch.Tensor], version: str,
@@ -54,6 +55,20 @@ class EngineChecker:
             out[name] = {"fingerprint_equal": fingerprint(got) == fingerprint(want), "max_abs_diff": diff,
                          "version": v, "version_ok": v == str(version)}
         return out
+
+    def unreachable(self, engines: dict[str, str]) -> dict[str, str]:
+        """The engines that do not answer ``/health`` at all (no HTTP reply: the process is gone), with why.
+        An engine that died after its last generate request is found here, before a sync would fail on it."""
+        from relax_hpc.rollout.client import EngineError
+
+        dead = {}
+        for name, url in engines.items():
+            try:
+                self._client(url).request("GET", "/health", timeout=10.0, retries=1)
+            except EngineError as e:
+                if e.status is None:  # an HTTP error status means something answered
+                    dead[name] = str(e)
+        return dead
 
     def close(self) -> None:
         for c in self._clients.values():

@@ -10,9 +10,14 @@ Failure policy (why it is shaped this way):
 
 * every failure is an :class:`EngineError` naming the engine URL, the call and the cause (HTTP status and
   body, timeout, connection refused), because a run with dozens of engines must say *which* one broke;
-* retries only where they cannot duplicate work: idempotent calls (health, info, flush, weight reads) retry
-  on any transport error or 5xx; every other call retries only when the connection was never made, i.e.
-  the engine cannot have seen the request. A generate that timed out is *not* resent.
+* one total deadline per call (connect + send + the whole answer + retries): an engine that accepts the
+  connection and then trickles bytes, or never answers, fails the call after that many seconds, not never;
+* retries only where they cannot duplicate work, with exponential backoff and full jitter (:class:`Backoff`)
+  inside the same deadline: idempotent calls (health, info, flush, weight reads) retry on any transport error
+  or 5xx; ``/generate`` on a 5xx, a dropped connection or a failed connect (it has no side effect beyond
+  compute); every other call only when the connection was never made, i.e. the engine cannot have seen the
+  request. A call whose deadline ran out is *not* resent. 4xx and an answer that is not JSON are not retried;
+* ``api_key`` is sent as ``Authorization: Bearer KEY`` on every call (what SGLang's ``--api-key`` checks).
 
 Typical use::
 
@@ -28,6 +33,8 @@ Typical use::
 from __future__ import annotations
 
 import asyncio
+import logging
+import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,10 +43,13 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-# Seconds. Generation can legitimately take minutes (long responses, queued behind others); control calls
-# should answer fast; a weight update waits for the whole broadcast.
+log = logging.getLogger(__name__)
+
+# Seconds, each the total deadline of one call (retries included). Generation can legitimately take minutes
+# (long responses, queued behind others; the recipe's rollout.request_timeout_s); control calls should answer
+# fast; a weight update waits for the whole broadcast.
 DEFAULT_TIMEOUT = 60.0
-GENERATE_TIMEOUT = 1800.0
+GENERATE_TIMEOUT = 600.0
 WEIGHTS_TIMEOUT = 1800.0
 CONNECT_TIMEOUT = 10.0
 
@@ -139,22 +149,67 @@ def parse_generation(engine_url: str, obj: Any) -> Generation:
                           f"malformed response ({type(e).__name__}: {e}): {str(obj)[:300]}") from e
 
 
-# call path -> retry on any transport error / 5xx (idempotent) or only on connect errors
+# Retry classes by call path. Idempotent calls retry on any transport error or 5xx. /generate has no side
+# effect beyond compute, so it is resent after a 5xx or a dropped connection too (never after the deadline).
+# Every other call (weight updates, pause, abort) retries only when the connection was never made.
 _IDEMPOTENT = {"/health_generate", "/health", "/server_info", "/model_info", "/flush_cache", "/get_weights_by_name"}
+_RESENDABLE = _IDEMPOTENT | {"/generate"}
+_DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)  # connection closed mid-request
+
+
+def _refused(e: BaseException) -> bool:
+    """Was the connection refused? httpx's async transport says "All connection attempts failed" and keeps
+    the ConnectionRefusedError down the exception chain."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        if isinstance(x, ConnectionRefusedError) or "refused" in str(x).lower():
+            return True
+        seen.add(id(x))
+        x = x.__cause__ or x.__context__
+    return False
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with full jitter: retry ``k`` (0-based) waits ``uniform(0, min(cap, base * factor**k))``.
+
+    Why jitter: when an engine hiccups, hundreds of in-flight generates fail at once; without jitter they would
+    all come back at the same instant and knock it over again. Tests inject a tiny ``base``."""
+
+    base: float = 0.5
+    factor: float = 2.0
+    cap: float = 10.0
+    jitter: bool = True
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        d = min(self.cap, self.base * self.factor ** attempt)
+        return (rng or random).uniform(0.0, d) if self.jitter else d
 
 
 class EngineClient:
-    """Sync and async calls to one engine (SGLang or relax_hpc's CPU engine) at ``url``."""
+    """Sync and async calls to one engine (SGLang or relax_hpc's CPU engine) at ``url``.
 
-    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT, connect_timeout: float = CONNECT_TIMEOUT,
-                 retries: int = 3, backoff: float = 0.2, max_connections: int = 1024, api_key: str | None = None):
+    ``timeout``: the total deadline (seconds) of a control call, ``generate_timeout`` that of a ``/generate``
+    (the recipe's ``rollout.request_timeout_s``); a deadline covers connect, send, the whole answer body and
+    every retry, so an engine that trickles bytes cannot hold a request forever. ``retries``: how many times a
+    failed call is sent again (see the retry classes above), waiting ``backoff`` (a :class:`Backoff`, or a
+    float: its base) between attempts. ``api_key``: sent as ``Authorization: Bearer KEY`` on every call
+    (SGLang's ``--api-key``; the CPU engine's ``RELAX_ENGINE_API_KEY``).
+    """
+
+    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT, generate_timeout: float = GENERATE_TIMEOUT,
+                 connect_timeout: float = CONNECT_TIMEOUT, retries: int = 3, backoff: Backoff | float | None = None,
+                 max_connections: int = 1024, api_key: str | None = None):
         self.url = url.rstrip("/")
-        self.timeout, self.connect_timeout = timeout, connect_timeout
-        self.retries, self.backoff = retries, backoff
+        self.timeout, self.generate_timeout, self.connect_timeout = timeout, generate_timeout, connect_timeout
+        self.retries = int(retries)
+        self.backoff = backoff if isinstance(backoff, Backoff) else Backoff() if backoff is None else Backoff(float(backoff))
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._client: httpx.Client | None = None
         self._aclients: dict[int, tuple[asyncio.AbstractEventLoop, httpx.AsyncClient]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the private loop that serves the sync calls
+        self._loop_thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -162,15 +217,9 @@ class EngineClient:
         return f"EngineClient({self.url!r})"
 
     # ------------------------------------------------------------------ transport
-    def _timeout(self, t: float | None) -> httpx.Timeout:
-        t = self.timeout if t is None else t
-        return httpx.Timeout(t, connect=min(self.connect_timeout, t), pool=None)
-
-    def _sync(self) -> httpx.Client:
-        with self._lock:
-            if self._client is None:
-                self._client = httpx.Client(limits=self._limits, headers=self._headers)
-            return self._client
+    def _timeout(self, left: float) -> httpx.Timeout:
+        # httpx's timeouts are per phase/read; the total deadline is asyncio.timeout in arequest
+        return httpx.Timeout(left, connect=min(self.connect_timeout, left), pool=None)
 
     def _async(self) -> httpx.AsyncClient:
         # an httpx.AsyncClient belongs to one event loop; keep one per loop (tests and tools call asyncio.run often)
@@ -182,75 +231,109 @@ class EngineClient:
             self._aclients[id(loop)] = got
         return got[1]
 
-    def _fail(self, call: str, e: Exception, timeout: float) -> EngineError:
+    def _sync_loop(self) -> asyncio.AbstractEventLoop:
+        """Sync calls run on one private event loop in a daemon thread: the async path's total deadline then
+        holds for them too (httpx's sync client has per-read timeouts only), and the thread never blocks exit."""
+        with self._lock:
+            if self._loop is None or self._loop.is_closed():
+                loop = asyncio.new_event_loop()
+                t = threading.Thread(target=loop.run_forever, name=f"engine-client {self.url}", daemon=True)
+                t.start()
+                self._loop, self._loop_thread = loop, t
+            return self._loop
+
+    def _fail(self, call: str, e: Exception, budget: float) -> EngineError:
         if isinstance(e, httpx.ConnectError):
-            cause = "connection refused (is the engine running?)" if "refused" in str(e).lower() \
+            cause = "connection refused (is the engine running?)" if _refused(e) \
                 else f"cannot connect: {e or type(e).__name__}"
         elif isinstance(e, httpx.ConnectTimeout):
-            cause = f"connect timed out after {min(self.connect_timeout, timeout)} s"
-        elif isinstance(e, httpx.TimeoutException):
-            cause = f"timed out after {timeout} s waiting for the answer ({type(e).__name__})"
-        elif isinstance(e, (httpx.RemoteProtocolError, httpx.ReadError)):
+            cause = f"connect timed out after {self.connect_timeout} s"
+        elif isinstance(e, (httpx.TimeoutException, TimeoutError)):
+            return self._deadline_error(call, budget)
+        elif isinstance(e, _DROPPED):
             cause = f"connection closed by the engine mid-request (did it die?): {e or type(e).__name__}"
         else:
             cause = f"{type(e).__name__}: {e}"
         return EngineError(self.url, call, cause)
 
+    def _deadline_error(self, call: str, budget: float) -> EngineError:
+        knob = "rollout.request_timeout_s" if call == "/generate" else "the call's timeout"
+        return EngineError(self.url, call, f"timed out after {budget:g} s in total (connect, send, answer and "
+                                           f"retries; raise {knob} if the engine is just slow)")
+
     def _status_error(self, call: str, r: httpx.Response) -> EngineError:
         body = r.text
-        return EngineError(self.url, call, f"HTTP {r.status_code}: {body[:2000] or '(empty body)'}",
+        hint = " (the engine wants the run's API key: Authorization: Bearer ...)" if r.status_code == 401 else ""
+        return EngineError(self.url, call, f"HTTP {r.status_code}{hint}: {body[:2000] or '(empty body)'}",
                            status=r.status_code, body=body)
 
-    def _retryable(self, path: str, e: Exception | None, status: int | None) -> bool:
-        if path in _IDEMPOTENT:
-            return e is not None or (status is not None and status >= 500 and status != 503)
-        return isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))  # never reached the engine
+    @staticmethod
+    def _retryable(path: str, e: Exception | None, status: int | None) -> bool:
+        if e is not None:
+            if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+                return True  # never reached the engine
+            if isinstance(e, (httpx.TimeoutException, TimeoutError)):
+                return False  # the deadline is spent
+            return path in _IDEMPOTENT or (path in _RESENDABLE and isinstance(e, _DROPPED))
+        if status is None or status < 500:
+            return False  # 4xx: the engine refuses this request; sending it again changes nothing
+        return path == "/generate" or (path in _IDEMPOTENT and status != 503)  # 503 from a health check = unhealthy
+
+    def _next_wait(self, path: str, failed: Exception | httpx.Response, attempt: int, retries: int,
+                   deadline: float) -> float | None:
+        """Seconds to wait before sending again, or None: give up (not retryable, out of attempts or of time)."""
+        e = failed if isinstance(failed, Exception) else None
+        status = failed.status_code if isinstance(failed, httpx.Response) else None
+        if attempt >= retries or not self._retryable(path, e, status):
+            return None
+        wait = self.backoff.delay(attempt)
+        return wait if time.monotonic() + wait < deadline else None
 
     def request(self, method: str, path: str, json: Any = None, *, timeout: float | None = None,
-                ok_statuses: Sequence[int] = (200,)) -> httpx.Response:
-        """One call with the retry policy; raises EngineError unless the status is in ``ok_statuses``."""
-        t = self.timeout if timeout is None else timeout
-        for attempt in range(self.retries + 1):
-            try:
-                r = self._sync().request(method, self.url + path, json=json, timeout=self._timeout(t))
-            except httpx.TransportError as e:
-                if attempt < self.retries and self._retryable(path, e, None):
-                    time.sleep(self.backoff * 2 ** attempt)
-                    continue
-                raise self._fail(path, e, t) from e
-            if r.status_code in ok_statuses:
-                return r
-            if attempt < self.retries and self._retryable(path, None, r.status_code):
-                time.sleep(self.backoff * 2 ** attempt)
-                continue
-            raise self._status_error(path, r)
-        raise AssertionError("unreachable")
+                ok_statuses: Sequence[int] = (200,), retries: int | None = None) -> httpx.Response:
+        """Blocking :meth:`arequest` (run on this client's private event loop)."""
+        coro = self.arequest(method, path, json, timeout=timeout, ok_statuses=ok_statuses, retries=retries)
+        return asyncio.run_coroutine_threadsafe(coro, self._sync_loop()).result()
 
     async def arequest(self, method: str, path: str, json: Any = None, *, timeout: float | None = None,
-                       ok_statuses: Sequence[int] = (200,)) -> httpx.Response:
-        """Async twin of :meth:`request`."""
-        t = self.timeout if timeout is None else timeout
-        for attempt in range(self.retries + 1):
+                       ok_statuses: Sequence[int] = (200,), retries: int | None = None) -> httpx.Response:
+        """One call under one total deadline (``timeout``, default the client's), retried with backoff as the
+        retry classes say; raises EngineError unless the status is in ``ok_statuses``."""
+        budget = self.timeout if timeout is None else float(timeout)
+        retries = self.retries if retries is None else retries
+        deadline = time.monotonic() + budget
+        attempt = 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._deadline_error(path, budget)
             try:
-                r = await self._async().request(method, self.url + path, json=json, timeout=self._timeout(t))
-            except httpx.TransportError as e:
-                if attempt < self.retries and self._retryable(path, e, None):
-                    await asyncio.sleep(self.backoff * 2 ** attempt)
-                    continue
-                raise self._fail(path, e, t) from e
-            if r.status_code in ok_statuses:
-                return r
-            if attempt < self.retries and self._retryable(path, None, r.status_code):
-                await asyncio.sleep(self.backoff * 2 ** attempt)
-                continue
-            raise self._status_error(path, r)
-        raise AssertionError("unreachable")
+                async with asyncio.timeout(left):  # connect + send + the whole body, however it trickles
+                    r = await self._async().request(method, self.url + path, json=json, timeout=self._timeout(left))
+            except (httpx.TransportError, TimeoutError) as e:
+                failed: Exception | httpx.Response = e
+            else:
+                if r.status_code in ok_statuses:
+                    return r
+                failed = r
+            wait = self._next_wait(path, failed, attempt, retries, deadline)
+            if wait is None:
+                if isinstance(failed, httpx.Response):
+                    raise self._status_error(path, failed)
+                raise self._fail(path, failed, budget) from failed
+            log.warning("engine %s: %s failed (%s); retry %d/%d in %.2f s", self.url, path,
+                        failed.status_code if isinstance(failed, httpx.Response) else type(failed).__name__,
+                        attempt + 1, retries, wait)
+            await asyncio.sleep(wait)
+            attempt += 1
 
     def _json(self, path: str, r: httpx.Response) -> Any:
         try:
             return r.json() if r.content else None
         except ValueError as e:
-            raise EngineError(self.url, path, f"invalid JSON in the answer: {r.text[:300]!r}") from e
+            raise EngineError(self.url, path, f"HTTP {r.status_code} but the answer is not valid JSON ({e}); not "
+                              f"retried, is something else listening at this URL? Body: {r.text[:300]!r}",
+                              status=r.status_code, body=r.text) from e
 
     def _success(self, path: str, payload: dict, timeout: float | None = None) -> dict:
         """The ``{"success", "message"}`` calls (session and weight updates)."""
@@ -272,24 +355,24 @@ class EngineClient:
         return body
 
     async def agenerate(self, input_ids: Sequence[int], sampling_params: SamplingParams | dict | None = None, *,
-                        return_logprob: bool = True, rid: str | None = None, timeout: float | None = GENERATE_TIMEOUT,
+                        return_logprob: bool = True, rid: str | None = None, timeout: float | None = None,
                         extra: dict | None = None) -> Generation:
-        """``POST /generate`` for one prompt of token ids. Many may run concurrently (asyncio.gather); the engine
-        batches them. An aborted request (pause/abort) returns normally with ``finish_reason.type == "abort"``."""
+        """``POST /generate`` for one prompt of token ids (``timeout``: total deadline, default the client's
+        ``generate_timeout``). Many may run concurrently (asyncio.gather); the engine batches them. An aborted request (pause/abort) returns normally with ``finish_reason.type == "abort"``."""
         body = self._generate_payload(input_ids, sampling_params, return_logprob, rid, extra)
-        r = await self.arequest("POST", "/generate", body, timeout=timeout)
+        r = await self.arequest("POST", "/generate", body, timeout=self.generate_timeout if timeout is None else timeout)
         return parse_generation(self.url, self._json("/generate", r))
 
     def generate(self, input_ids: Sequence[int], sampling_params: SamplingParams | dict | None = None, *,
-                 return_logprob: bool = True, rid: str | None = None, timeout: float | None = GENERATE_TIMEOUT,
+                 return_logprob: bool = True, rid: str | None = None, timeout: float | None = None,
                  extra: dict | None = None) -> Generation:
         """Blocking :meth:`agenerate`."""
         body = self._generate_payload(input_ids, sampling_params, return_logprob, rid, extra)
-        r = self.request("POST", "/generate", body, timeout=timeout)
+        r = self.request("POST", "/generate", body, timeout=self.generate_timeout if timeout is None else timeout)
         return parse_generation(self.url, self._json("/generate", r))
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams | dict | None = None, *,
-                       return_logprob: bool = True, timeout: float | None = GENERATE_TIMEOUT) -> list[Generation]:
+                       return_logprob: bool = True, timeout: float | None = None) -> list[Generation]:
         """Blocking: all prompts concurrently (one request each), results in prompt order."""
         async def run():
             try:
@@ -310,9 +393,9 @@ class EngineClient:
     def is_healthy(self, timeout: float = 30.0) -> bool:
         """Like :meth:`health_generate` but a bool, and no retries (for polling loops)."""
         try:
-            r = self._sync().get(self.url + "/health_generate", timeout=self._timeout(timeout))
-            return r.status_code == 200
-        except httpx.TransportError:
+            self.request("GET", "/health_generate", timeout=timeout, retries=0)
+            return True
+        except EngineError:
             return False
 
     def server_info(self) -> dict:
@@ -422,9 +505,16 @@ class EngineClient:
 
     def close(self) -> None:
         with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+            loop, thread, self._loop = self._loop, self._loop_thread, None
+            if loop is not None and not loop.is_closed():
+                try:
+                    asyncio.run_coroutine_threadsafe(self.aclose(), loop).result(timeout=5.0)
+                except Exception:  # noqa: BLE001 - closing idle connections is best effort
+                    pass
+                loop.call_soon_threadsafe(loop.stop)
+                thread.join(timeout=5.0)
+                if not thread.is_alive():
+                    loop.close()
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
                 self._pool = None

@@ -20,11 +20,16 @@ Semantics (``docs/engines.md`` has the full list):
   served by gloo), ``/update_weights_from_distributed`` receives ``dist.broadcast(src=0)`` per tensor or
   one flat buffer (``load_format="flattened_bucket"``) and copies by HF parameter name; as in SGLang
   0.5.23 it is refused outside ``/begin_weight_update`` … ``/end_weight_update``.
+* **API key.** With ``RELAX_ENGINE_API_KEY`` set (or ``--api-key-file``), every request but ``/health*``
+  needs ``Authorization: Bearer KEY`` and is answered 401 otherwise, as SGLang's ``--api-key`` does (it
+  leaves ``/health`` and ``/health_generate`` open too). The key comes through the environment or a file,
+  never argv, so it does not show in ``ps``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import logging
 import os
@@ -694,7 +699,18 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 # --------------------------------------------------------------------------------------------- HTTP
 
-def _make_handler(engine: CPUEngine):
+API_KEY_ENV = "RELAX_ENGINE_API_KEY"
+_OPEN_PREFIXES = ("/health",)  # as SGLang's add_api_key_middleware: health checks need no key
+
+
+def _authorized(header: str | None, api_key: str | None, path: str) -> bool:
+    """``Authorization: Bearer KEY`` matches (compared in constant time), or no key is set, or a health path."""
+    if not api_key or path.startswith(_OPEN_PREFIXES):
+        return True
+    return hmac.compare_digest((header or "").encode(), f"Bearer {api_key}".encode())
+
+
+def _make_handler(engine: CPUEngine, api_key: str | None = None):
     def ok(data):
         return 200, data
 
@@ -779,7 +795,9 @@ def _make_handler(engine: CPUEngine):
         def _dispatch(self) -> None:
             path = urlsplit(self.path).path
             n = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(n) if n else b""
+            raw = self.rfile.read(n) if n else b""  # read even when refusing: the connection stays in step
+            if not _authorized(self.headers.get("Authorization"), api_key, path):
+                return self._send(401, {"error": "Unauthorized"})
             fn = routes.get(path)
             if fn is None:
                 return self._send(404, {"error": {"message": f"no endpoint {path} on the CPU engine"}})
@@ -816,8 +834,8 @@ def advertised_host(host: str) -> str:
     return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
 
 
-def serve(engine: CPUEngine, host: str = "127.0.0.1", port: int = 0) -> _Server:
-    server = _Server((host, port), _make_handler(engine))
+def serve(engine: CPUEngine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> _Server:
+    server = _Server((host, port), _make_handler(engine, api_key))
     engine.host, engine.port = host, server.server_address[1]
     engine.url = f"http://{advertised_host(host)}:{engine.port}"
     return server
@@ -836,19 +854,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None, help="seeds requests that carry no sampling_seed")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key-file", default=None,
+                   help=f"file holding the API key clients must send (default: ${API_KEY_ENV}; neither: no key)")
     a = p.parse_args(argv)
+    api_key = _read_api_key(a.api_key_file)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cpu_engine %(levelname)s %(message)s")
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     engine = CPUEngine(a.model, a.dtype, a.max_batch_size, a.batch_wait_ms, a.seed, a.weight_version,
                        a.served_model_name)
-    server = serve(engine, a.host, a.port)
+    server = serve(engine, a.host, a.port, api_key=api_key)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     if a.ready_file:
         tmp = Path(a.ready_file + ".tmp")
         tmp.write_text(engine.url + "\n")
         os.replace(tmp, a.ready_file)
-    print(f"relax_hpc cpu engine ready at {engine.url} (pid {os.getpid()}, model {a.model})", flush=True)
+    print(f"relax_hpc cpu engine ready at {engine.url} (pid {os.getpid()}, model {a.model}, "
+          f"API key {'required' if api_key else 'off'})", flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:
@@ -859,6 +881,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.shutdown()
     sys.stdout.flush()
     os._exit(0)  # nothing left to save; skip seconds of torch/gloo interpreter teardown so stop() is quick
+
+
+def _read_api_key(path: str | None) -> str | None:
+    """The key from ``--api-key-file`` or ``$RELAX_ENGINE_API_KEY`` (taken out of the environment once read)."""
+    env_key = os.environ.pop(API_KEY_ENV, None)
+    if path:
+        key = Path(path).read_text().strip()
+        if not key:
+            raise SystemExit(f"--api-key-file {path} is empty")
+        return key
+    return env_key or None
 
 
 if __name__ == "__main__":

@@ -21,7 +21,12 @@ to ``on_engine_dead`` — and never used again by this driver; the request goes 
 scratch. Only if no engine is left does the batch fail, with :class:`NoEngineError` naming every dead engine
 and why. An engine that answers an error (HTTP 5xx) or aborts the request is retried up to ``max_retries``
 times (on another engine when there is one); an HTTP 4xx (a request the engine refuses, e.g. a prompt
-longer than its context) fails the batch at once with the sample named.
+longer than its context) fails the batch at once with the sample named. Below that, each client resends a
+generate after a 5xx or a dropped connection with jittered exponential backoff, all within one total
+deadline per request (``rollout.request_timeout_s``), so a short burst of errors never reaches the driver.
+
+Reward failures are collected over the whole batch and handled once, in sample order: under
+``reward_error_policy: fail`` the report reads the same whichever group's reward happened to fail first.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import torch
 
 from relax_hpc.algo.advantages import postprocess_rewards
 from relax_hpc.algo.config import AlgorithmConfig
-from relax_hpc.rollout.client import EngineClient, EngineError, Generation, SamplingParams
+from relax_hpc.rollout.client import GENERATE_TIMEOUT, Backoff, EngineClient, EngineError, Generation, SamplingParams
 from relax_hpc.rollout.eval import sample_metrics
 from relax_hpc.rollout.rewards import RewardFailure, RewardRunner
 from relax_hpc.rollout.sample import Sample, SampleStatus
@@ -55,6 +60,8 @@ class RolloutError(RuntimeError):
 
 class NoEngineError(RolloutError):
     """Every engine of the driver is dead; the message names each one and why."""
+
+    restartable = True  # a restart starts the engines again (roles.tasks: the controller restarts the steps)
 
 
 @dataclass
@@ -178,13 +185,14 @@ class _Batch:
 EngineLike = EngineClient | Any  # an EngineClient, or anything with .client() (EngineHandle) or .url
 
 
-def _as_client(e: Any) -> EngineClient:
+def _as_client(e: Any, **client_kwargs: Any) -> EngineClient:
+    """An EngineClient is used as given; a handle or URL gets one built with the driver's settings."""
     if isinstance(e, EngineClient):
         return e
     if hasattr(e, "client") and callable(e.client):
-        return e.client()
+        return e.client(**client_kwargs)
     if isinstance(e, str):
-        return EngineClient(e)
+        return EngineClient(e, **client_kwargs)
     raise TypeError(f"not an engine: {e!r} (give EngineClient, EngineHandle or a URL)")
 
 
@@ -193,8 +201,10 @@ class RolloutDriver:
 
     ``args``: :func:`relax_hpc.rollout.rewards.build_args` of the recipe (Relax's names: sampling
     ``rollout_*``, ``eval_*``, ``n_samples_per_prompt``, ``sglang_server_concurrency``, reward settings, and
-    ``max_retries``). ``engines``: a list of :class:`EngineClient`/``EngineHandle``/URLs (named by URL) or a
-    ``{name: engine}`` mapping. ``tokenizer``: turns prompts without token ids into ids
+    ``max_retries``, ``request_timeout_s``). ``engines``: a list of :class:`EngineClient`/``EngineHandle``/URLs
+    (named by URL) or a ``{name: engine}`` mapping; for handles and URLs the driver builds the clients: total
+    deadline ``request_timeout_s`` per generate, ``max_retries`` retries with ``backoff``, ``api_key`` (the
+    run's engine key) on every call. A given EngineClient is used as it is. ``tokenizer``: turns prompts without token ids into ids
     (``encode(prompt, add_special_tokens=False)``) and decodes responses the engine sent no text for.
     ``algorithm``: the normalization settings (defaults: GRPO's). ``on_engine_dead(name, reason)`` is called
     once per engine declared dead.
@@ -202,7 +212,8 @@ class RolloutDriver:
 
     def __init__(self, args: Any, engines: Sequence[EngineLike] | dict[str, EngineLike], *, tokenizer: Any = None,
                  reward: RewardRunner | None = None, algorithm: AlgorithmConfig | None = None,
-                 on_engine_dead: Callable[[str, str], None] | None = None) -> None:
+                 on_engine_dead: Callable[[str, str], None] | None = None, api_key: str | None = None,
+                 backoff: Backoff | None = None) -> None:
         self.args = args
         self.tokenizer = tokenizer
         self.reward = reward if reward is not None else RewardRunner(args)
@@ -210,6 +221,13 @@ class RolloutDriver:
         self.on_engine_dead = on_engine_dead
         self.per_engine = int(getattr(args, "sglang_server_concurrency", 512) or 512)
         self.max_retries = int(getattr(args, "max_retries", 3))
+        timeout = getattr(args, "request_timeout_s", None)
+        timeout = GENERATE_TIMEOUT if timeout is None else timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"rollout.request_timeout_s = {timeout!r}: must be a positive number of seconds "
+                             f"(the total deadline of one generate request; default {GENERATE_TIMEOUT:g})")
+        self.client_kwargs: dict[str, Any] = {"generate_timeout": float(timeout), "retries": self.max_retries,
+                                              "api_key": api_key, "backoff": backoff}
         self.engine_failures: list[EngineFailure] = []
         self.set_engines(engines)
 
@@ -219,7 +237,7 @@ class RolloutDriver:
         items = engines.items() if isinstance(engines, dict) else ((None, e) for e in engines)
         pool: list[_Engine] = []
         for name, e in items:
-            client = _as_client(e)
+            client = _as_client(e, **self.client_kwargs)
             pool.append(_Engine(name=str(name) if name is not None else client.url, client=client))
         names = [e.name for e in pool]
         if len(set(names)) != len(names):
@@ -362,7 +380,7 @@ class RolloutDriver:
                      seeds: list[int | None]) -> list[RewardFailure]:
         await asyncio.gather(*(self.generate_sample(s, sp, evaluation=evaluation, batch=batch, seed=seed)
                                for s, seed in zip(group, seeds)))
-        return await self.reward.score_group(group, evaluation=evaluation)
+        return await self.reward.score_group(group, evaluation=evaluation, apply_policy=False)
 
     async def generate_rollout(self, groups: Iterable[list[Sample]], *, evaluation: bool = False,
                                seed: int | None = None) -> RolloutResult:
@@ -394,8 +412,9 @@ class RolloutDriver:
         except BaseExceptionGroup as eg:
             raise _first_error(eg) from None
         rollout_time = time.monotonic() - t0
-        reward_failures = [f for t in tasks for f in t.result()]
         samples = [s for g in groups for s in g]
+        reward_failures = _in_sample_order([f for t in tasks for f in t.result()], samples)
+        self.reward.apply_policy(reward_failures)  # once for the batch: a fail report reads in sample order
         key = self.reward.reward_key(evaluation)
         raw = [s.get_reward_value(reward_key=key) for s in samples]
         if evaluation:
@@ -429,6 +448,12 @@ class RolloutDriver:
         return out
 
 
+def _in_sample_order(failures: list[RewardFailure], samples: list[Sample]) -> list[RewardFailure]:
+    """Failures sorted by their sample's position in the batch, whatever order the groups finished in."""
+    pos = {id(s): k for k, s in enumerate(samples)}
+    return sorted(failures, key=lambda f: pos.get(id(f.sample), len(pos)))
+
+
 def _first_error(eg: BaseExceptionGroup) -> BaseException:
     """The error to raise from a failed batch: prefer a real error over the cancellations it caused."""
     flat: list[BaseException] = []
@@ -455,12 +480,16 @@ def _algorithm_from_args(args: Any) -> AlgorithmConfig:
 
 
 def build_driver(recipe: Any, engines: Sequence[EngineLike] | dict[str, EngineLike], *, tokenizer: Any = None,
-                 on_engine_dead: Callable[[str, str], None] | None = None, **extra_args: Any) -> RolloutDriver:
-    """A driver from a recipe: ``args`` from :func:`~relax_hpc.rollout.rewards.build_args`, its algorithm section."""
+                 on_engine_dead: Callable[[str, str], None] | None = None, api_key: str | None = None,
+                 **extra_args: Any) -> RolloutDriver:
+    """A driver from a recipe: ``args`` from :func:`~relax_hpc.rollout.rewards.build_args` (the engine
+    clients' deadline and retries come from ``rollout.request_timeout_s`` / ``max_retries``), its algorithm
+    section; ``api_key``: the run's engine key (:meth:`relax_hpc.rundir.RunDir.api_key`)."""
     from relax_hpc.rollout.rewards import build_args
 
     args = build_args(recipe, **extra_args)
-    return RolloutDriver(args, engines, tokenizer=tokenizer, algorithm=recipe.algorithm, on_engine_dead=on_engine_dead)
+    return RolloutDriver(args, engines, tokenizer=tokenizer, algorithm=recipe.algorithm, on_engine_dead=on_engine_dead,
+                         api_key=api_key)
 
 
 def sample_seed(seed: int, k: int) -> int:

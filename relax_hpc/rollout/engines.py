@@ -14,6 +14,10 @@ Why it looks like this:
   (``python=``, e.g. a venv or container wrapper), never imported here.
 * **Readiness = ``/health_generate``** (a real 1-token generation), with a deadline; if the process dies
   first, the error carries the tail of its log.
+* **An API key.** Started with ``api_key=`` (the rollout role passes the run's, ``RunDir.api_key()``), an
+  engine answers only requests carrying ``Authorization: Bearer KEY``: SGLang gets ``--api-key KEY`` (argv is
+  its only way), the CPU engine reads ``RELAX_ENGINE_API_KEY`` from its environment (not visible in ``ps``).
+  The key is masked in the launch line written to the engine log.
 * **Stop by PID.** Each engine runs in its own session (process group = its PID), so :meth:`EngineHandle.stop`
   signals exactly that group — SGLang's scheduler/detokenizer children included — and nothing else.
 """
@@ -34,6 +38,7 @@ from typing import Sequence
 from relax_hpc.rollout.client import EngineClient
 
 KINDS = ("sglang", "cpu")
+API_KEY_ENV = "RELAX_ENGINE_API_KEY"  # the CPU engine's API key (SGLang takes --api-key)
 _PORT_IN_USE = ("address already in use", "errno 98", "port is in use", "already in use")
 
 
@@ -53,10 +58,20 @@ def _advertised(host: str) -> str:
 
 
 def sglang_command(python: str, model_path: str, host: str, port: int, tp: int,
-                   extra_args: Sequence[str] = ()) -> list[str]:
+                   extra_args: Sequence[str] = (), api_key: str | None = None) -> list[str]:
     """The ``sglang.launch_server`` command line (extra_args from the recipe go last, so they can override)."""
+    key = ["--api-key", api_key] if api_key else []
     return [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
-            "--port", str(port), "--tp-size", str(tp), *extra_args]
+            "--port", str(port), "--tp-size", str(tp), *key, *extra_args]
+
+
+def _masked(command: Sequence[str]) -> str:
+    """The command line for the log, with the value after ``--api-key`` hidden."""
+    out = list(command)
+    for k in range(len(out) - 1):
+        if out[k] == "--api-key":
+            out[k + 1] = "***"
+    return " ".join(out)
 
 
 def cpu_engine_command(python: str, model_path: str, host: str, ready_file: str,
@@ -81,11 +96,15 @@ class EngineHandle:
     env: dict = field(default_factory=dict, repr=False)
     extra_args: tuple = ()
     ready_file: Path | None = None
+    api_key: str | None = field(default=None, repr=False)
     _proc: subprocess.Popen | None = field(default=None, repr=False)
     _log_offset: int = field(default=0, repr=False)
     _stopped: bool = field(default=False, repr=False)
 
     def client(self, **kwargs) -> EngineClient:
+        """A client for this engine, sending its API key unless ``api_key=`` says otherwise."""
+        if kwargs.get("api_key") is None:
+            kwargs["api_key"] = self.api_key
         return EngineClient(self.url, **kwargs)
 
     def alive(self) -> bool:
@@ -129,7 +148,7 @@ class EngineHandle:
                 if not self.url and self.ready_file is not None and self.ready_file.exists():
                     self.url = self.ready_file.read_text().strip()
                 if self.url:
-                    probe = probe or EngineClient(self.url, retries=0)
+                    probe = probe or EngineClient(self.url, retries=0, api_key=self.api_key)
                     if probe.is_healthy(timeout=max(1.0, min(30.0, deadline - time.monotonic()))):
                         return self
                 if time.monotonic() > deadline:
@@ -152,13 +171,14 @@ class EngineHandle:
 
     def _spawn(self, port: int | None = None) -> None:
         if self.kind == "sglang":
-            self.command = sglang_command(self.python, self.model_path, self.host, port, self.tp, self.extra_args)
+            self.command = sglang_command(self.python, self.model_path, self.host, port, self.tp, self.extra_args,
+                                          self.api_key)
             self.url = f"http://{_advertised(self.host)}:{port}"
         env = {**os.environ, **self.env}
         with open(self.log_path, "ab") as log:
             self._log_offset = log.tell()
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            log.write(f"\n==== relax_hpc launch {stamp}: {' '.join(self.command)}\n".encode())
+            log.write(f"\n==== relax_hpc launch {stamp}: {_masked(self.command)}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           env=env, start_new_session=True)
@@ -191,8 +211,11 @@ class EngineHandle:
 
 def start_engine(kind: str, model_path: str | os.PathLike, *, python: str | None = None, tp: int = 1,
                  host: str = "127.0.0.1", env: dict | None = None, log_path: str | os.PathLike | None = None,
-                 extra_args: Sequence[str] = ()) -> EngineHandle:
+                 extra_args: Sequence[str] = (), api_key: str | None = None) -> EngineHandle:
     """Start an engine process and return at once (call :meth:`EngineHandle.wait_ready`).
+
+    ``api_key``: the engine then refuses (HTTP 401) requests without ``Authorization: Bearer KEY``; the
+    handle's :meth:`~EngineHandle.client` sends it.
 
     kind: ``"sglang"`` (``python`` must be an interpreter with SGLang; ``tp`` GPUs per engine, which ones via
     ``env={"CUDA_VISIBLE_DEVICES": ...}``) or ``"cpu"`` (TP must be 1; ``python`` defaults to this one).
@@ -224,15 +247,19 @@ def start_engine(kind: str, model_path: str | os.PathLike, *, python: str | None
         pkg_root = str(Path(__file__).resolve().parents[2])  # importable even when relax_hpc is not installed
         old = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, old) if p)
+        if api_key:
+            env[API_KEY_ENV] = api_key
     h = EngineHandle(kind=kind, model_path=str(model_path), url="", pid=-1, log_path=log_path, command=command,
-                     host=host, tp=tp, python=python, env=env, extra_args=tuple(extra_args), ready_file=ready_file)
+                     host=host, tp=tp, python=python, env=env, extra_args=tuple(extra_args), ready_file=ready_file,
+                     api_key=api_key)
     h._spawn(free_port(host if host not in ("0.0.0.0", "::") else "") if kind == "sglang" else None)
     return h
 
 
 def launch_engine(kind: str, model_path: str | os.PathLike, *, python: str | None = None, tp: int = 1,
                   host: str = "127.0.0.1", env: dict | None = None, log_path: str | os.PathLike | None = None,
-                  extra_args: Sequence[str] = (), ready_timeout: float = 600.0) -> EngineHandle:
+                  extra_args: Sequence[str] = (), ready_timeout: float = 600.0,
+                  api_key: str | None = None) -> EngineHandle:
     """Start an engine and wait until it answers ``/health_generate``; see :func:`start_engine`."""
     return start_engine(kind, model_path, python=python, tp=tp, host=host, env=env, log_path=log_path,
-                        extra_args=extra_args).wait_ready(ready_timeout)
+                        extra_args=extra_args, api_key=api_key).wait_ready(ready_timeout)

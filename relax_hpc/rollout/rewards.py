@@ -15,7 +15,8 @@ The contract is Relax's (``--custom-rm-path``, ``--reward-key``, ``--group-rm``,
   built-in: ``math``, ``exact_match``, ``f1``, ``dummy``; ``boxed_<type>`` first extracts the last
   ``\\boxed{...}`` of the response.
 
-A reward that raises (or returns something that is not a number / has no ``reward_key``) is a
+A reward that raises, runs longer than ``rollout.reward_timeout_s``, or returns something that is not a
+finite number (None, NaN, a string such as "0.5", a bool) or has no ``reward_key`` is a
 :class:`RewardFailure`: the sample's index, group, prompt, response and label with the exception and its
 traceback. ``rollout.reward_error_policy`` decides what follows: ``fail`` raises :class:`RewardError` with the
 report (the run stops), ``skip`` logs it, sets the sample's reward to 0.0 and status FAILED (its error in
@@ -32,7 +33,9 @@ import importlib
 import inspect
 import logging
 import math
+import numbers
 import re
+import threading
 import traceback as tb
 from dataclasses import dataclass
 from fractions import Fraction
@@ -42,6 +45,9 @@ from typing import Any, Callable
 from relax_hpc.rollout.sample import Sample, SampleStatus, reward_value
 
 log = logging.getLogger(__name__)
+
+DEFAULT_REWARD_TIMEOUT_S = 300.0  # rollout.reward_timeout_s
+DEFAULT_REQUEST_TIMEOUT_S = 600.0  # rollout.request_timeout_s (read by the driver; here for build_args)
 
 # --------------------------------------------------------------------------------------------------
 # Answer extraction and comparison
@@ -318,6 +324,8 @@ def build_args(recipe: Any = None, *, data: Any = None, rollout: Any = None, alg
             eval_reward_key=g("eval_reward_key") if g("eval_reward_key") is not None else g("reward_key"),
             group_rm=g("group_rm", False), reward_max_concurrency=g("reward_max_concurrency", 64),
             reward_error_policy=g("reward_error_policy", "fail"), custom_config_path=g("custom_config_path"),
+            reward_timeout_s=g("reward_timeout_s", DEFAULT_REWARD_TIMEOUT_S),
+            request_timeout_s=g("request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S),
             log_passrate=g("log_passrate", False), eval_interval=g("eval_interval"),
             skip_eval_before_train=g("skip_eval_before_train", False),
             n_samples_per_eval_prompt=g("n_samples_per_eval_prompt", 1),
@@ -385,8 +393,13 @@ class RewardFailure:
                 "traceback": self.traceback, "source": self.source}
 
 
+class RewardTimeout(TimeoutError):
+    """A reward call ran longer than ``rollout.reward_timeout_s``."""
+
+
 class RewardError(RuntimeError):
-    """Rewards failed and ``reward_error_policy`` is ``fail``; ``failures`` has the report of each sample."""
+    """Rewards failed and ``reward_error_policy`` is ``fail``; ``failures`` has the report of each sample, in
+    sample order (the order the caller gives, never the order the reward calls happened to finish in)."""
 
     def __init__(self, failures: list[RewardFailure]) -> None:
         self.failures = list(failures)
@@ -409,10 +422,12 @@ class RewardRunner:
     """Scores samples with the custom reward function or a built-in, bounded to ``max_concurrency`` calls.
 
     ``args``: the namespace from :func:`build_args` (reads ``custom_rm_path``, ``rm_type``, ``reward_key``,
-    ``eval_reward_key``, ``group_rm``, ``reward_max_concurrency``, ``reward_error_policy``).
+    ``eval_reward_key``, ``group_rm``, ``reward_max_concurrency``, ``reward_error_policy``,
+    ``reward_timeout_s``).
     """
 
-    def __init__(self, args: Any, *, policy: str | None = None, max_concurrency: int | None = None) -> None:
+    def __init__(self, args: Any, *, policy: str | None = None, max_concurrency: int | None = None,
+                 timeout_s: float | None = None) -> None:
         self.args = args
         self.custom_rm_path: str | None = getattr(args, "custom_rm_path", None)
         self.rm_type: str | None = getattr(args, "rm_type", None)
@@ -421,6 +436,11 @@ class RewardRunner:
         if self.policy not in ("skip", "fail"):
             raise ValueError(f"reward_error_policy must be 'skip' or 'fail', got {self.policy!r}")
         self.max_concurrency = max_concurrency or getattr(args, "reward_max_concurrency", 64) or 64
+        t = timeout_s if timeout_s is not None else getattr(args, "reward_timeout_s", DEFAULT_REWARD_TIMEOUT_S)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or not math.isfinite(t):
+            raise ValueError(f"rollout.reward_timeout_s = {t!r}: must be a positive number of seconds "
+                             f"(default {DEFAULT_REWARD_TIMEOUT_S:g})")
+        self.timeout_s = float(t)
         self.fn = load_function(self.custom_rm_path) if self.custom_rm_path else None
         self.fn_is_async = self.fn is not None and _is_async(self.fn)
         self._sem: asyncio.Semaphore | None = None
@@ -442,12 +462,21 @@ class RewardRunner:
 
     # --- one call ------------------------------------------------------------------------------------
     async def _call_custom(self, payload: Sample | list[Sample], **kwargs: Any) -> Any:
-        if self.fn_is_async:
-            return await self.fn(self.args, payload, **kwargs)
-        result = await asyncio.to_thread(self.fn, self.args, payload, **kwargs)
-        if inspect.isawaitable(result):
-            result = await result
-        return result
+        """The custom function under ``reward_timeout_s``. A sync one runs in its own daemon thread: a call
+        stuck there cannot be killed, so on timeout it is abandoned (it never holds up the loop's or the
+        interpreter's shutdown, as asyncio.to_thread's executor would)."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                if self.fn_is_async:
+                    return await self.fn(self.args, payload, **kwargs)
+                result = await _in_daemon_thread(self.fn, self.args, payload, **kwargs)
+                if inspect.isawaitable(result):
+                    result = await result
+                return result
+        except TimeoutError:
+            raise RewardTimeout(
+                f"timed out after {self.timeout_s:g} s (rollout.reward_timeout_s = {self.timeout_s:g}; raise it "
+                f"if the reward legitimately takes longer, or find why it hangs)") from None
 
     async def _score_one(self, sample: Sample, reward_key: str | None, **kwargs: Any) -> Any:
         if self.fn is not None:
@@ -475,61 +504,97 @@ class RewardRunner:
 
     @staticmethod
     def _check(value: Any, reward_key: str | None) -> None:
-        v = reward_value(value, reward_key)
-        if not math.isfinite(v):
-            raise ValueError(f"the reward is {v}, not a finite number")
+        """A reward is a finite real number, or a dict holding one under ``reward_key``. Strictly: "0.5" and
+        True would pass ``float()``, but a reward function returning them has a bug the run must not hide."""
+        where = "the reward"
+        if isinstance(value, dict):
+            if not reward_key or reward_key not in value:
+                reward_value(value, reward_key)  # raises, naming the missing key or the unset rollout.reward_key
+            value, where = value[reward_key], f"the reward[{reward_key!r}] (rollout.reward_key)"
+        if isinstance(value, (bool, str, bytes)):
+            ok = False
+        elif isinstance(value, numbers.Real):
+            ok = True
+        else:  # torch / numpy 0-d values: their item() must be a real, non-bool number
+            item = getattr(value, "item", None)
+            try:
+                inner = item() if callable(item) and getattr(value, "ndim", 0) == 0 else None
+            except (TypeError, ValueError, RuntimeError):
+                inner = None
+            ok = isinstance(inner, numbers.Real) and not isinstance(inner, bool)
+        if not ok:
+            raise TypeError(f"{where} must be a finite number (int or float), got {type(value).__name__} "
+                            f"{_clip(repr(value))}")
+        if not math.isfinite(float(value)):
+            raise ValueError(f"{where} is {float(value)}, not a finite number")
 
     # --- public --------------------------------------------------------------------------------------
-    async def score_group(self, samples: list[Sample], *, evaluation: bool = False, **kwargs: Any) -> list[RewardFailure]:
-        """Set ``reward`` on every sample of one group; returns this group's failures (see the policy)."""
+    async def score_group(self, samples: list[Sample], *, evaluation: bool = False, apply_policy: bool = True,
+                          **kwargs: Any) -> list[RewardFailure]:
+        """Set ``reward`` on every sample of one group; returns this group's failures in sample order. With
+        ``apply_policy`` (default) the policy is applied here; a caller scoring many groups passes False and
+        calls :meth:`apply_policy` once over all of them, so a ``fail`` report lists them in sample order."""
         key = self.reward_key(evaluation)
-        failures: list[RewardFailure] = []
         if self.group_rm and self.fn is not None:
+            failures = await self._score_as_group(samples, key, **kwargs)
+        else:
+            failures = await self._score_each(samples, key, **kwargs)
+        if apply_policy:
+            self.apply_policy(failures)
+        return failures
+
+    async def _score_as_group(self, samples: list[Sample], key: str | None, **kwargs: Any) -> list[RewardFailure]:
+        try:
+            async with self._semaphore():
+                values = await self._call_custom(list(samples), **kwargs)
+            if not isinstance(values, (list, tuple)) or len(values) != len(samples):
+                got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+                raise TypeError(f"with rollout.group_rm the reward function must return a list of one reward "
+                                f"per sample ({len(samples)}), got {got}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            trace = tb.format_exc()
+            return [self._fail(s, e, trace) for s in samples]
+        failures = []
+        for s, v in zip(samples, values):
+            try:
+                self._check(v, key)
+                s.reward = v
+            except Exception as e:
+                failures.append(self._fail(s, e, tb.format_exc()))
+        return failures
+
+    async def _score_each(self, samples: list[Sample], key: str | None, **kwargs: Any) -> list[RewardFailure]:
+        async def one(s: Sample) -> RewardFailure | None:
+            if s.reward is not None:  # a custom generate function scored it already (Relax's rule)
+                return None
             try:
                 async with self._semaphore():
-                    values = await self._call_custom(list(samples), **kwargs)
-                if not isinstance(values, (list, tuple)) or len(values) != len(samples):
-                    got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
-                    raise TypeError(f"with rollout.group_rm the reward function must return a list of one reward "
-                                    f"per sample ({len(samples)}), got {got}")
+                    v = await self._score_one(s, key, **kwargs)
+                self._check(v, key)
+                s.reward = v
+                return None
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                trace = tb.format_exc()
-                failures = [self._fail(s, e, trace) for s in samples]
-            else:
-                for s, v in zip(samples, values):
-                    try:
-                        self._check(v, key)
-                        s.reward = v
-                    except Exception as e:
-                        failures.append(self._fail(s, e, tb.format_exc()))
-        else:
-            async def one(s: Sample) -> RewardFailure | None:
-                if s.reward is not None:  # a custom generate function scored it already (Relax's rule)
-                    return None
-                try:
-                    async with self._semaphore():
-                        v = await self._score_one(s, key, **kwargs)
-                    self._check(v, key)
-                    s.reward = v
-                    return None
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:
-                    return self._fail(s, e, tb.format_exc())
+                return self._fail(s, e, tb.format_exc())
 
-            failures = [f for f in await asyncio.gather(*(one(s) for s in samples)) if f is not None]
-        self._apply_policy(samples, failures)
-        return failures
+        return [f for f in await asyncio.gather(*(one(s) for s in samples)) if f is not None]  # gather keeps order
 
     async def score_groups(self, groups: list[list[Sample]], *, evaluation: bool = False,
                            **kwargs: Any) -> list[RewardFailure]:
-        """:meth:`score_group` for every group, concurrently (under ``fail`` the first failing group raises)."""
-        results = await asyncio.gather(*(self.score_group(g, evaluation=evaluation, **kwargs) for g in groups))
-        return [f for r in results for f in r]
+        """:meth:`score_group` for every group, concurrently; the policy is applied once to all failures, in
+        sample order (under ``fail``, :class:`RewardError` reports every failing sample of every group)."""
+        results = await asyncio.gather(*(self.score_group(g, evaluation=evaluation, apply_policy=False, **kwargs)
+                                         for g in groups))
+        failures = [f for r in results for f in r]
+        self.apply_policy(failures)
+        return failures
 
-    def _apply_policy(self, samples: list[Sample], failures: list[RewardFailure]) -> None:
+    def apply_policy(self, failures: list[RewardFailure]) -> None:
+        """``fail``: raise :class:`RewardError` listing ``failures`` in the order given; ``skip``: reward 0 and
+        status FAILED for each, logged."""
         if not failures:
             return
         if self.policy == "fail":
@@ -541,3 +606,27 @@ class RewardRunner:
         for f in failures:
             log.warning("reward failed, sample gets reward 0 and status FAILED (reward_error_policy = skip): %s\n%s",
                         f, f.traceback)
+
+
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future:
+    """``fn(*args, **kwargs)`` in a new daemon thread, as a future of the running loop. Unlike
+    ``asyncio.to_thread``, nobody ever joins the thread: a call that never returns is simply left behind."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def deliver(ok: bool, value: Any) -> None:
+        if not fut.done():  # cancelled (timed out) meanwhile: nobody wants the answer any more
+            fut.set_result(value) if ok else fut.set_exception(value)
+
+    def run() -> None:
+        try:
+            out = (True, fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            out = (False, e)
+        try:
+            loop.call_soon_threadsafe(deliver, *out)
+        except RuntimeError:  # the loop is closed: the rollout moved on long ago
+            pass
+
+    threading.Thread(target=run, name=f"reward {getattr(fn, '__name__', fn)}", daemon=True).start()
+    return fut

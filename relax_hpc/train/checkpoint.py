@@ -6,7 +6,8 @@ Layout of a checkpoint root::
         .metadata, __*_*.distcp, common.pt, metadata.json   model + optimizer (dist_checkpointing)
         rng/rank_00000.pt ...      per-rank python/numpy/torch RNG states
         meta.json                  step, extra_state, layout; written after everything above
-    ROOT/latest                    "step_00000012": written last, atomically (tmp + fsync + rename)
+    ROOT/latest                    "step_00000012": written last, atomically (tmp + fsync + rename), once
+                                   every file and directory of the step dir is fsynced (:func:`fsync_tree`)
 
 Why these choices:
 * The DistributedOptimizer state is saved ``fully_reshardable`` (not ``dp_reshardable``): a TP=2
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.rundir import fsync_dir as _fsync_dir
-from relax_hpc.train.latest import LATEST, resolve, step_dir_name  # noqa: F401 - the layout, shared
+from relax_hpc.train.latest import LATEST, complete, resolve, step_dir_name  # noqa: F401 - the layout, shared
 
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -130,6 +131,9 @@ def save(root: str | os.PathLike, model: list, optimizer, *, step: int, extra_st
     (out / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), out / "rng" / f"rank_{rank:05d}.pt")
     dist.barrier()
+    if rank == 0 or _local_rank() == 0:  # one rank per node: every file written there is durable before latest
+        fsync_tree(out)
+    dist.barrier()
     if rank == 0:
         extra = dict(extra_state or {})
         meta = {"step": step, "layout": _layout(), "time": time.time()}
@@ -151,10 +155,38 @@ def save(root: str | os.PathLike, model: list, optimizer, *, step: int, extra_st
     return out
 
 
+def _local_rank() -> int | None:
+    for var in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
+
+
+def fsync_tree(path: str | os.PathLike) -> int:
+    """fsync every file and directory under ``path`` (``path`` included): dist_checkpointing writes its files
+    itself, without fsync. Returns how many files were synced."""
+    n = 0
+    for d, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            n += 1
+        _fsync_dir(d)
+    return n
+
+
 def _prune(root: Path, keep: int) -> None:
-    done = sorted(p for p in root.glob("step_*") if (p / "meta.json").exists())
+    """Keep the ``keep`` newest complete checkpoints up to the one ``latest`` names, which is never deleted.
+    Ones after it (an earlier life of a run resumed from an older checkpoint) are left for the resumed run to
+    overwrite as it reaches their steps."""
+    target = (root / LATEST).read_text().strip() if (root / LATEST).exists() else None
+    done = [p for p in complete(root) if target is None or p.name <= target]
     for p in done[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
+        if p.name != target:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def load(path: str | os.PathLike, model: list, optimizer, *, load_optimizer: bool = True) -> tuple[int, dict]:

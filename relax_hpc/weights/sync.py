@@ -4,7 +4,7 @@
 bridge's TP/PP gather). One sync looks like this (``docs/weights.md`` has the why of each step)::
 
     sender = WeightSender(bucket_bytes=512 * MiB, pause_mode="retract")
-    sender.connect([EngineClient(u) for u in urls], master_address=socket.gethostname())   # once
+    sender.connect([EngineClient(u, api_key=key) for u in urls], master_address=socket.gethostname())   # once
     metrics = sender.push(actor.named_hf_weights(), version="12")                           # every step
 
 * ``connect``: a ``TCPStore`` on a kernel-chosen port (port 0) hosted here, then one group of
@@ -51,6 +51,8 @@ _group_seq = itertools.count()
 
 class WeightSyncError(RuntimeError):
     """A weight-sync step failed. ``engines`` lists the URLs of the engines that failed (may be empty)."""
+
+    restartable = True  # engines or the group broke, not the recipe: a restart from the checkpoint may succeed
 
     def __init__(self, message: str, engines: Sequence[str] = ()):
         super().__init__(message)
@@ -213,7 +215,8 @@ class WeightSender:
     def __init__(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause_mode: str = "retract",
                  mode: str = "bucketed", backend: str | None = None, device: str | torch.device | None = None,
                  group_name: str | None = None, timeout: float = 600.0, connect_timeout: float = 120.0,
-                 control_timeout: float = 60.0, reuse_buffers: bool | None = None):
+                 control_timeout: float = 60.0, reuse_buffers: bool | None = None, api_key: str | None = None):
+        """``api_key``: the run's engine key (``RunDir.api_key()``), sent with every call to an engine given by URL."""
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
         if mode not in MODES:
@@ -230,6 +233,7 @@ class WeightSender:
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
         self.control_timeout = float(control_timeout)
+        self.api_key = api_key
         if reuse_buffers is None:  # on GPU the caching allocator already recycles bucket memory
             reuse_buffers = self.device.type == "cpu"
         self.ring = BufferRing(2, self.device) if reuse_buffers else None
@@ -265,7 +269,7 @@ class WeightSender:
         ``/server_info``; this also fails fast, by URL, for an engine that is not answering)."""
         if self.pg is not None:
             raise WeightSyncError(f"already connected ({self!r}); call close() or reconnect()")
-        engines = [e if isinstance(e, EngineClient) else EngineClient(str(e)) for e in engines]
+        engines = [e if isinstance(e, EngineClient) else EngineClient(str(e), api_key=self.api_key) for e in engines]
         if not engines:
             raise ValueError("connect needs at least one engine")
         if tp_sizes is None:
@@ -459,11 +463,11 @@ class WeightSender:
 
 
 def load_from_disk(engine: EngineClient | str, hf_dir: str | os.PathLike, version: str | int, *,
-                   timeout: float = 1800.0) -> dict:
+                   timeout: float = 1800.0, api_key: str | None = None) -> dict:
     """Bring a late-joining (new or restarted) engine to the latest weights: ``/update_weights_from_disk`` of
     the last HF export, tagged ``version``. Afterwards the actor includes it in the next group
     (``WeightSender.reconnect``). Raises WeightSyncError naming the engine."""
-    c = engine if isinstance(engine, EngineClient) else EngineClient(str(engine))
+    c = engine if isinstance(engine, EngineClient) else EngineClient(str(engine), api_key=api_key)
     try:
         return c.update_weights_from_disk(str(hf_dir), weight_version=str(version), timeout=timeout)
     except EngineError as e:

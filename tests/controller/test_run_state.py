@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ctl_helpers import make_run
+from ctl_helpers import TINY, make_run
 from relax_hpc.controller.state import RunState
 from relax_hpc.recipe import load_recipe, role_steps
 
@@ -112,3 +112,97 @@ def test_write_is_atomic_private_json(state):
     path = state.run.state
     assert json.loads(path.read_text())["state"] == "RUNNING"
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+# ------------------------------------------------------------------------------------------ hung tasks ---
+
+@pytest.fixture
+def hung_state(tmp_path):
+    """The tiny run with logging.task_timeout_s = 100 (heartbeat_timeout_s stays 60)."""
+    return _state_with(tmp_path, task_timeout_s=100)
+
+
+def _state_with(tmp_path, **logging):
+    recipe = {**TINY, "logging": {**TINY["logging"], **logging}}
+    run = make_run(tmp_path, recipe)
+    loaded = load_recipe(run.recipe)
+    st = RunState(run, loaded, role_steps(loaded), "local", env={})
+    for role in st.ranks:
+        st.step_started(role, 100.0)
+    ready_all(st)
+    return st
+
+
+def task(progress, id=3, kind="generate", step=7):
+    return {"id": id, "kind": kind, "step": step, "progress": progress}
+
+
+def beat(st, t, rollout_task="unchanged"):
+    """Every rank heartbeats at ``t`` (none is silent); rollout rank 0 shows ``rollout_task`` if given."""
+    for role, ranks in st.ranks.items():
+        for i in range(len(ranks)):
+            info = {"task": rollout_task} if (role, i) == ("rollout", 0) and rollout_task != "unchanged" else {}
+            st.apply(t, hb(role, i, "ready", **info))
+    st.check_silence(t, timeout_s=60)
+
+
+def test_a_task_that_keeps_progressing_is_never_hung(hung_state):
+    for n, t in enumerate(range(110, 1000, 50)):  # 900 s in one task, progress every 50 s
+        beat(hung_state, t, task(n))
+    assert hung_state.running
+
+
+def test_a_task_without_progress_past_the_timeout_fails_the_role_naming_the_task(hung_state):
+    beat(hung_state, 110, task(0))
+    beat(hung_state, 160, task(1))  # progressed at 160
+    beat(hung_state, 210, task(1))  # heartbeats go on: not silent, but not progressing either
+    beat(hung_state, 260, task(1))
+    assert hung_state.running  # 100 s without progress is still within the timeout
+    beat(hung_state, 261, task(1))
+    assert hung_state.doc["state"] == "FAILED"
+    f = hung_state.failure
+    assert (f.role, f.rank, f.kind) == ("rollout", 0, "role")  # role: restarted in place from the checkpoint
+    assert hung_state.doc["reason"].startswith("rollout rank 0 on n0 failed: task generate (step 7) made no "
+                                               "progress for 101s (logging.task_timeout_s=100)")
+
+
+def test_a_new_task_is_progress_and_a_task_without_step_is_named_by_its_id(hung_state):
+    beat(hung_state, 110, task(5, id=3))
+    beat(hung_state, 200, task(5, id=4, kind="sync", step=None))  # the next task, same counter
+    beat(hung_state, 290, task(5, id=4, kind="sync", step=None))
+    assert hung_state.running
+    beat(hung_state, 301, task(5, id=4, kind="sync", step=None))
+    assert "task sync (id 4) made no progress for 101s" in hung_state.doc["reason"]
+
+
+def test_a_role_with_no_task_never_times_out(hung_state):
+    beat(hung_state, 110, task(0))
+    beat(hung_state, 150, None)  # the task ended: idle, long-polling for the next
+    for t in range(200, 5000, 50):
+        beat(hung_state, t)
+    assert hung_state.running
+
+
+def test_task_timeout_zero_turns_the_check_off(tmp_path):
+    st = _state_with(tmp_path, task_timeout_s=0)
+    beat(st, 110, task(0))
+    for t in range(150, 5000, 50):
+        beat(st, t)
+    assert st.running
+
+
+def test_the_default_task_timeout_is_half_an_hour(state):
+    assert state.task_timeout_s == 1800
+
+
+@pytest.mark.parametrize("info", [
+    {"cross_group": "x"}, {"cross_group": {"ok": "yes"}}, {"collective_ok": "true"}, {"nodes": 5},
+    {"nodes": [1, None]}, {"task": "generate"}, {"task": {"id": [], "progress": {}}},
+])
+def test_wrong_typed_info_that_got_through_is_ignored_never_raised_on(state, info):
+    ready_all(state)
+    state.apply(102, hb("actor", 0, "ready", **info))
+    state.check_silence(103, timeout_s=60)
+    d = state.doc
+    assert state.running and d["roles"]["actor"]["nodes"] == ["n0", "n1"]
+    assert d["roles"]["actor"]["collective_ok"] in (True, None) and d["cross_group"]["ok"] in (True, None)

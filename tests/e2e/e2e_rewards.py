@@ -8,3 +8,32 @@ async def raise_on_ones(args, sample, **kwargs):
     if str(sample.prompt).startswith("1+"):
         raise ValueError(f"test reward refuses {sample.prompt!r}")
     return score(sample.response, sample.label)
+
+
+_killed: set[str] = set()
+
+
+def _kill_engine(name: str) -> None:
+    """SIGKILL a rollout engine by the PID the controller recorded (this runs inside the rollout role, whose
+    argv[1] is the run directory)."""
+    import json
+    import os
+    import signal
+    import sys
+    from pathlib import Path
+
+    st = json.loads((Path(sys.argv[1]) / "state.json").read_text())
+    os.kill(int(st["engines"][name]["pid"]), signal.SIGKILL)
+    _killed.add(name)
+
+
+async def raise_on_ones_killing_engines(args, sample, **kwargs):
+    """``raise_on_ones``, and the first reward of step 2 kills engine1, the first of step 4 engine0. The kills
+    come from inside the step's rollout (colocate: step N is generated with weights N-1), so they always land
+    during that step, whatever the machine's speed."""
+    version = sample.weight_versions[-1] if sample.weight_versions else "0"
+    step = int(version) + 1 if str(version).isdigit() else 1
+    for name, at in (("engine1", 2), ("engine0", 4)):
+        if step >= at and name not in _killed:
+            _kill_engine(name)
+    return await raise_on_ones(args, sample, **kwargs)

@@ -23,13 +23,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from relax_hpc.controller import run_controller
 from relax_hpc.exchange.audit import audit, exactly_once
-from relax_hpc.launch.cancel import cancel
+from relax_hpc.launch.cancel import CancelError, cancel, checkpoint_then_stop
 from relax_hpc.rundir import RunDir
 
 from .conftest import (QUICKSTART, REPO, make_run, metrics, quickstart_overrides, state, submit_slurm,
@@ -62,6 +63,17 @@ def same_steps(run: RunDir, want: dict[int, dict]) -> None:
     assert [s for s, _ in tags["train/loss"]] == list(range(1, STEPS + 1))
     assert [v for _, v in tags["train/loss"]] == pytest.approx([want[s]["train/loss"] for s in range(1, STEPS + 1)],
                                                                abs=1e-6)
+
+
+def hold(run: RunDir, step: int) -> None:
+    """RUN_DIR/pause: no rollout step after ``step`` starts (the controller's pause file), so a fault lands at a
+    known point instead of racing the run."""
+    (run.path / "pause").write_text(f"{step}\n")
+
+
+def held_at(run: RunDir, step: int) -> bool:
+    st = state(run)
+    return st.get("state") == "RUNNING" and st.get("step") == step and st.get("phase") == "paused"
 
 
 class Inbox(http.server.BaseHTTPRequestHandler):
@@ -98,23 +110,26 @@ def test_an_interrupted_run_ends_as_if_never_interrupted(reference, tmp_path, ti
     assert out.returncode == 0, out.stderr
     run = RunDir(Path(json.loads(out.stdout)["run_dir"]))
     try:
-        # 1. the time-limit warning, once a step is done
-        wait_until(lambda: state(run).get("step", 0) >= 1, 300, every=0.05, what="step 1 done")
+        # 1. the time-limit warning, once step 1 is done (RUN_DIR/pause "1": no step after 1 starts)
+        hold(run, 1)
+        wait_until(lambda: held_at(run, 1), 300, every=0.05, what="step 1 done, the run held")
         ctl = run.read_json(run.controller_addr)
         os.kill(ctl["pid"], signal.SIGUSR2)
-        wait_until(lambda: state(run).get("attempt") == 1 and state(run).get("state") == "RUNNING", 300,
-                   what="attempt 1 running")
+        wait_until(lambda: state(run).get("attempt") == 1 and held_at(run, 1), 300, what="attempt 1 running")
         st = state(run)
         first = st["history"][-1]
         assert first["state"] == "REQUEUED" and "SIGUSR2" in first["reason"]
         resumed_at = st["last_checkpoint"]["step"]
-        assert resumed_at >= 1
+        assert resumed_at == 1
 
-        # 2. kill -9 of the actor rank, a step or more after the next periodic checkpoint
-        wait_until(lambda: (state(run).get("last_checkpoint") or {}).get("step", 0) > resumed_at, 300, every=0.05,
-                   what="a periodic checkpoint in attempt 1")
+        # 2. kill -9 of the actor rank at step 5, a step after the periodic checkpoint of step 4
+        hold(run, 5)
+        wait_until(lambda: held_at(run, 5), 300, every=0.05, what="step 5 done, the run held")
+        assert state(run)["last_checkpoint"]["step"] == 4
         actor_pid = state(run)["roles"]["actor"]["pids"][0]
         os.kill(actor_pid, signal.SIGKILL)
+        wait_until(lambda: state(run).get("restarts") == 1 and held_at(run, 5), 300, what="the restart, held")
+        (run.path / "pause").unlink()
         wait_until(lambda: state(run).get("state") not in (None, "RUNNING", "REQUEUED")
                    and state(run)["events"][-1]["event"] in ("finished", "failed", "cancelled"), 600, every=0.5,
                    what="the run's end")
@@ -153,18 +168,21 @@ def test_a_requeued_slurm_job_resumes_and_ends_as_if_never_interrupted(reference
     recipe = REPO / "recipes" / "quickstart-slurm-colocate.yaml"
     sub = submit_slurm(recipe, tmp_path, slurm_cluster.env, quickstart_overrides(tiny_model, tmp_path / "runs", *SMALL))
     run = RunDir(Path(sub["run_dir"]))
+    hold(run, 1)  # before the job has even started its engines
     try:
-        wait_until(lambda: state(run).get("step", 0) >= 1, 600, every=0.05, what="step 1 done")
+        wait_until(lambda: held_at(run, 1), 600, every=0.2, what="step 1 done, the run held")
         subprocess.run(["scancel", "-b", "-s", "USR2", sub["job_id"]], check=True, env=slurm_cluster.env)
-        wait_until(lambda: state(run).get("attempt") == 1 and state(run).get("state") == "RUNNING", 600,
-                   every=0.5, what="attempt 1 running")
-        resumed_at = state(run)["last_checkpoint"]["step"]
-        wait_until(lambda: (state(run).get("last_checkpoint") or {}).get("step", 0) > resumed_at, 600, every=0.05,
-                   what="a periodic checkpoint in attempt 1")
+        wait_until(lambda: state(run).get("attempt") == 1 and held_at(run, 1), 600, every=0.5,
+                   what="attempt 1 running")
+        hold(run, 3)  # the periodic checkpoint of step 2, then step 3 (lost to the preemption, done again)
+        wait_until(lambda: held_at(run, 3), 600, every=0.2, what="step 3 done, the run held")
+        assert state(run)["last_checkpoint"]["step"] == 2
         subprocess.run(["sbatch", "-p", "urgent", "-N", "4", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 2"],
                        check=True, env=slurm_cluster.env, capture_output=True)
-        wait_until(lambda: state(run).get("attempt") == 2 and state(run).get("state") == "COMPLETED", 900,
-                   every=1.0, what="attempt 2 completed")
+        wait_until(lambda: state(run).get("attempt") == 2 and held_at(run, 3), 900, every=0.5,
+                   what="attempt 2 running, held")
+        (run.path / "pause").unlink()
+        wait_until(lambda: state(run).get("state") == "COMPLETED", 900, every=1.0, what="attempt 2 completed")
     finally:
         if state(run).get("state") != "COMPLETED":
             subprocess.run(["scancel", sub["job_id"]], env=slurm_cluster.env)
@@ -178,28 +196,86 @@ def test_a_requeued_slurm_job_resumes_and_ends_as_if_never_interrupted(reference
     assert exactly_once(run.path / "exchange" / "journal.jsonl", ["train"]) == []
 
 
+def stop_with_a_checkpoint(run: RunDir, after_step: int, timeout: float = 900) -> dict:
+    """``relax-cancel --checkpoint`` once the run has trained past ``after_step``; returns the final state.
+    A time-limit warning may win the race for the attempt in flight (it ends REQUEUED instead): ask the next
+    attempt again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        wait_until(lambda: state(run).get("state") == "RUNNING" and state(run).get("step", 0) > after_step,
+                   max(1.0, deadline - time.monotonic()), every=0.5, what=f"a step after {after_step}")
+        try:
+            out = checkpoint_then_stop(run, "checkpoint_cancel", wait_s=max(1.0, deadline - time.monotonic()))
+        except CancelError:  # the attempt ended between our look and the message: ask the next one
+            continue
+        if out["state"] == "CANCELLED":
+            return state(run)
+        after_step = state(run).get("step", 0)
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_a_time_limited_job_checkpoints_before_the_kill_and_goes_on(slurm_cluster, tmp_path, tiny_model):
     """A real time limit (slurm.time 2 min, the warning 80 s before it; Slurm sends it early by up to a
     minute): every attempt checkpoints on the warning and requeues itself before the limit kills it (a
-    TIMEOUT is never requeued by Slurm), until the run is done; no step is lost or logged twice."""
-    steps = 40  # ~70 s of work: longer than an attempt lasts before the warning (40 s after the start, give or take 30)
+    TIMEOUT is never requeued by Slurm). The run has more steps than it will ever do, so the warning always
+    comes first; once an attempt after a requeue has trained a step, relax-cancel --checkpoint ends it. No
+    step is lost or logged twice."""
     recipe = REPO / "recipes" / "quickstart-slurm-colocate.yaml"
     sub = submit_slurm(recipe, tmp_path, slurm_cluster.env, quickstart_overrides(
-        tiny_model, tmp_path / "runs", f"run.steps={steps}", "slurm.time=00:02:00", "slurm.signal_lead_s=80",
+        tiny_model, tmp_path / "runs", "run.steps=100000", "slurm.time=00:02:00", "slurm.signal_lead_s=80",
         "slurm.max_requeues=15", "rollout.rollout_batch_size=8"))
     run = RunDir(Path(sub["run_dir"]))
     try:
-        wait_until(lambda: state(run).get("state") not in (None, "RUNNING", "REQUEUED")
-                   and state(run)["events"][-1]["event"] in ("finished", "failed", "cancelled"), 900, every=1.0,
-                   what="the run's end")
+        wait_until(lambda: state(run).get("attempt", 0) >= 1, 600, every=1.0, what="a requeued attempt")
+        st = stop_with_a_checkpoint(run, after_step=state(run)["history"][-1]["step"])
     finally:
-        if state(run).get("state") != "COMPLETED":
+        if state(run).get("state") in ("RUNNING", "REQUEUED"):
             subprocess.run(["scancel", sub["job_id"]], env=slurm_cluster.env)
-    st = state(run)
-    assert st["state"] == "COMPLETED", st.get("reason")
+    assert st["state"] == "CANCELLED" and "relax-cancel --checkpoint" in st["reason"], st.get("reason")
     assert st["attempt"] >= 1 and st["slurm_restart_count"] == st["attempt"]
     assert all(h["state"] == "REQUEUED" and "SIGUSR2" in h["reason"] for h in st["history"])
-    assert [r["step"] for r in metrics(run)] == list(range(1, steps + 1))
+    assert st["last_checkpoint"]["step"] == st["step"]
+    assert [r["step"] for r in metrics(run)] == list(range(1, st["step"] + 1))
+    assert exactly_once(run.path / "exchange" / "journal.jsonl", ["train"]) == []
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_requeue_refused_cancel_and_resume_on_slurm(slurm_cluster, tmp_path, tiny_model):
+    """The recovery paths an operator drives, on the dev cluster, in one run that would train for ever:
+    ``relax-cancel --requeue`` on a job Slurm will not requeue (``--no-requeue``): a continuation job takes the
+    run on; ``relax-cancel --checkpoint`` ends it CANCELLED; ``relax-submit --resume`` brings it back as a
+    new job, from the checkpoint. No step is lost or logged twice."""
+    recipe = REPO / "recipes" / "quickstart-slurm-colocate.yaml"
+    sub = submit_slurm(recipe, tmp_path, slurm_cluster.env, quickstart_overrides(
+        tiny_model, tmp_path / "runs", "run.steps=100000", "rollout.rollout_batch_size=8",
+        "slurm.sbatch_extra=[--no-requeue]"))
+    run = RunDir(Path(sub["run_dir"]))
+    jobs = [sub["job_id"]]
+    try:
+        wait_until(lambda: state(run).get("step", 0) >= 2, 600, every=0.5, what="step 2")
+        out = checkpoint_then_stop(run, "checkpoint_requeue", wait_s=300)
+        assert out["state"] == "REQUEUED", out
+        job = wait_until(lambda: run.read_json(run.job, {}).get("previous_job_ids") and run.read_json(run.job), 120,
+                         what="the continuation job")
+        jobs.append(job["job_id"])
+        assert job["previous_job_ids"] == [sub["job_id"]]
+        wait_until(lambda: state(run).get("attempt") == 1, 600, every=0.5, what="attempt 1")
+        st = stop_with_a_checkpoint(run, after_step=out["step"])
+        cancelled_at = st["step"]
+        p = subprocess.run([str(REPO / ".venv" / "bin" / "relax-submit"), "--json", "--resume", str(run.path)],
+                           capture_output=True, text=True, cwd=tmp_path, env=slurm_cluster.env, timeout=120)
+        assert p.returncode == 0, p.stderr
+        jobs.append(json.loads(p.stdout)["job_id"])
+        wait_until(lambda: state(run).get("attempt") == 2, 600, every=0.5, what="the resumed attempt")
+        st = stop_with_a_checkpoint(run, after_step=cancelled_at)
+    finally:
+        if state(run).get("state") in ("RUNNING", "REQUEUED"):
+            subprocess.run(["scancel", *jobs], env=slurm_cluster.env)
+    assert "scontrol requeue" in (run.logs / "controller.log").read_text()  # it was asked, and refused
+    assert [h["state"] for h in st["history"]] == ["REQUEUED", "CANCELLED"]
+    assert st["job_id"] == jobs[2] and len(set(jobs)) == 3
+    assert [e["event"] for e in st["events"]].count("resumed") == 2
+    assert [r["step"] for r in metrics(run)] == list(range(1, st["step"] + 1))
     assert exactly_once(run.path / "exchange" / "journal.jsonl", ["train"]) == []

@@ -82,12 +82,20 @@ def test_batches_are_fifo_prefixes_bounded_by_batch_size(xroot):
 
 
 def test_request_waits_for_an_announce(xroot):
+    """A request with a timeout blocks until an announce wakes it: the chunk is put only once the consumer is
+    seen waiting on the broker's condition (no timer races the request)."""
     b = broker(xroot)
     b.start_step(0)
-    threading.Timer(0.2, lambda: put(b, xroot, 0, [1])).start()
-    t0 = time.monotonic()
-    lease = b.request("fwd", batch_size=1, timeout=10)
-    assert lease is not None and 0.1 < time.monotonic() - t0 < 5
+    got = []
+    consumer = threading.Thread(target=lambda: got.append(b.request("fwd", batch_size=1, timeout=60)))
+    consumer.start()
+    deadline = time.monotonic() + 30
+    while not b._cond._waiters and time.monotonic() < deadline:  # the request found nothing and waits
+        time.sleep(0.001)
+    assert b._cond._waiters, "the request never waited"
+    ref = put(b, xroot, 0, [1])
+    consumer.join(30)
+    assert not consumer.is_alive() and [c.id for c in got[0].chunks] == [ref.id]
 
 
 def test_ack_release_and_lost_leases(xroot):
@@ -351,3 +359,64 @@ def test_rewind_voids_later_partitions_across_a_restart_and_the_audit_counts_onc
     assert {s: (x.samples, x.consumed, x.cleared, x.rewinds) for s, x in a.items()} == {
         1: (2, {"train": 2}, True, 0), 2: (1, {"train": 1}, True, 1), 3: (1, {"train": 1}, True, 1)}
     assert exactly_once(xroot / "journal.jsonl", ["train"]) == []
+
+
+def test_a_damaged_step_is_regenerated_and_the_audit_counts_it_once(xroot):
+    """Step 2's chunk is truncated after its announce: the train request quarantines it at hand-out, which
+    empties (and auto-clears) the step; regenerate voids it (journaled), the step starts again and is
+    produced and consumed anew. The reference had consumed the damaged chunk before: the audit counts that
+    consumption neither, and exactly_once holds across a broker restart."""
+    from relax_hpc.exchange.audit import audit, exactly_once
+
+    tasks = {"ref": ["tokens"], "train": ["tokens"]}
+    b = broker(xroot, tasks=tasks, max_staleness=1)
+    b.start_step(1)
+    put(b, xroot, 1, [10, 11])
+    b.end_step(1)
+    b.start_step(2)
+    bad = put(b, xroot, 2, [20, 21])
+    b.end_step(2)
+    b.ack(b.request("ref", batch_size=10, step=2).id)  # the reference read it while it was sound
+    truncate(bad.path, bad.size - 7)
+    assert b.request("train", batch_size=10, step=2) is None
+    assert [d["chunk"] for d in b.quarantined(2)] == [bad.id] and 2 not in b.uncleared()  # emptied, cleared
+    assert b.quarantined(1) == []
+    with pytest.raises(Exception, match="no quarantined chunk"):
+        b.regenerate(1, "sound steps are never produced twice")
+    assert b.regenerate(2, "damaged") == [bad.id]
+    assert b.quarantined(2) == [] and not partition_dir(xroot, 2).exists()
+    assert (xroot / "quarantine" / "step_2" / os.path.basename(bad.path)).exists()  # kept for post-mortem
+    b.close()
+    b = broker(xroot, tasks=tasks, max_staleness=1)  # the void survives a restart
+    assert b.uncleared() == [1] and b.start_step(2)
+    for step, sids in ((1, None), (2, [22, 23])):
+        if sids:
+            put(b, xroot, 2, sids)
+            b.end_step(2)
+        for task in ("ref", "train"):
+            b.ack(b.request(task, batch_size=10, step=step).id)
+    assert b.uncleared() == []
+    b.close()
+    a = audit(xroot / "journal.jsonl")
+    assert (a[2].samples, a[2].consumed, a[2].quarantined, a[2].regenerated, a[2].lost) == \
+        (2, {"ref": 2, "train": 2}, [bad.id], 1, 0)
+    assert exactly_once(xroot / "journal.jsonl", ["ref", "train"]) == []
+
+
+def test_audit_reports_quarantined_samples_never_produced_again(xroot):
+    from relax_hpc.exchange.audit import audit, exactly_once
+
+    b = broker(xroot, tasks={"train": ["tokens"]})
+    b.start_step(1)
+    ok, bad = put(b, xroot, 1, [1]), put(b, xroot, 1, [2, 3])
+    b.end_step(1)
+    flip_byte(bad.path, bad.size // 2)
+    assert b.report_damaged(bad.id, "reader: checksum") is True
+    b.ack(b.request("train", batch_size=10, step=1).id)
+    assert [c.id for c in b.chunks()] == [] and 1 not in b.uncleared()  # complete: consumed or quarantined
+    b.close()
+    a = audit(xroot / "journal.jsonl")[1]
+    assert (a.samples, a.consumed, a.quarantined, a.lost) == (1, {"train": 1}, [bad.id], 2)
+    assert exactly_once(xroot / "journal.jsonl", ["train"]) == [
+        "step 1: 2 samples of quarantined chunks were never produced again"]
+    assert ok.id not in a.quarantined

@@ -39,17 +39,20 @@ def test_audit_agrees_with_the_rule(events, k):
 
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_rollout_never_runs_more_than_k_steps_ahead(xroot, k):
-    """Rollout produces a step in milliseconds, training takes 60 ms per step: the gate is what holds
-    rollout back. From the journal: with k=0 every step starts with nothing uncleared (strictly
-    on-policy); with k, no start is more than k steps past the oldest uncleared one, and k is reached."""
+    """Rollout produces as fast as the gate lets it; the trainer acks step s only once rollout has started
+    step s+k (an event, not a timer), so the gate is what holds rollout back and the lead k is reached on
+    every run. From the journal: with k=0 every step starts with nothing uncleared (strictly on-policy);
+    with k, no start is more than k steps past the oldest uncleared one, and k is reached."""
     b = Broker(xroot, tasks={"train": ["tokens"]}, max_staleness=k)
     errors = []
+    started = [threading.Event() for _ in range(STEPS)]
 
     def rollout():
         try:
             p = Producer(b, xroot, "rollout")
             for s in range(STEPS):
                 assert p.start_step(s, timeout=30), f"step {s} never started"
+                started[s].set()
                 for _ in range(2):
                     p.put(s, {"tokens": [[s, 1, 2]] * 2, "step": [s, s]})
                 p.end_step(s)
@@ -70,7 +73,8 @@ def test_rollout_never_runs_more_than_k_steps_ahead(xroot, k):
                             batches.append(batch)
                     else:
                         time.sleep(0.005)
-                time.sleep(0.06)  # the optimizer step
+                # the optimizer step lasts until rollout is as far ahead as the gate allows
+                assert started[min(s + k, STEPS - 1)].wait(30), f"rollout never started step {min(s + k, STEPS - 1)}"
                 for batch in batches:
                     c.ack(batch)  # the last ack of an ended step clears it (auto_clear)
         except Exception as e:  # noqa: BLE001

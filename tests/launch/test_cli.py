@@ -203,3 +203,36 @@ def test_sbatch_refusal_leaves_nothing_behind(slurm_cluster, tmp_path):
     assert p.returncode == 1
     assert "Invalid node name" in p.stderr and json.loads(p.stdout)["error"] == "submission failed"
     assert no_run_dirs(tmp_path)
+
+
+def test_resume_refuses_a_latest_naming_no_complete_checkpoint(no_slurm_env, tmp_path, capsys):
+    """``latest`` names a checkpoint that is gone: relax-submit --resume refuses (exit 1, the file and the fix
+    named) before anything is submitted or changed; metrics.jsonl keeps its 100 rows."""
+    from relax_hpc.launch.cli import submit_main
+    from relax_hpc.launch.submit import resume
+    from relax_hpc.recipe import dump_recipe, recipe_from_dict
+    from relax_hpc.rundir import create_run_dir, write_json, write_private
+    from relax_hpc.train.latest import BrokenLatest
+
+    rd = create_run_dir(tmp_path / "runs", "broken")
+    write_private(rd.recipe, dump_recipe(recipe_from_dict({"run": {"name": "broken"}})))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    write_json(rd.job, {"run": rd.name, "run_dir": str(rd.path), "executor": "local", "job_id": str(dead.pid),
+                        "pid": dead.pid, "pgid": dead.pid, "pid_start": 1, "submitted_at": time.time()})
+    write_json(rd.state, {"run": rd.name, "state": "CANCELLED", "reason": "relax-cancel", "roles": {}})
+    rows = "".join(json.dumps({"step": s, "rollout/raw_reward": 0.5}) + "\n" for s in range(1, 101))
+    (rd.path / "metrics.jsonl").write_text(rows)
+    ck = rd.path / "checkpoints"
+    (ck / "step_00000090").mkdir(parents=True)
+    (ck / "step_00000090" / "meta.json").write_text('{"step": 90}')
+    (ck / "latest").write_text("step_00000100\n")  # pruned away, or never completed
+    before = {p: p.read_bytes() for p in (rd.job, rd.state, ck / "latest")}
+
+    with pytest.raises(BrokenLatest, match=r"checkpoints/latest names 'step_00000100', which does not exist"):
+        resume(rd.path, "local")
+    assert submit_main(["--resume", str(rd.path), "--local"]) == 1
+    err = capsys.readouterr().err
+    assert "latest names 'step_00000100'" in err and "echo step_00000090 >" in err, err
+    assert (rd.path / "metrics.jsonl").read_text() == rows
+    assert {p: p.read_bytes() for p in before} == before and not (rd.path / "submitit").exists()

@@ -115,3 +115,38 @@ def test_het_components_never_share_nodes():
         "actor": {"nodes": 2}, "rollout": {"nodes": 1}, "reference": {"enabled": True, "nodes": 1},
         "actor_fwd": {"enabled": True, "nodes": 1, "share_with": "actor"}}})
     assert check_slurm(rec, NODES, None) == []
+
+
+def test_preflight_checks_the_files_first_and_reports_everything_at_once(tmp_path, monkeypatch):
+    """Missing prompts and a too-long generation are refused by preflight, with the machine's problems."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"max_position_embeddings": 128}')
+    rec = recipe_from_dict({"data": {"path": "missing.jsonl"}, "model": {"path": "model"},
+                            "rollout": {"max_response_len": 256},
+                            "roles": {"actor": {"gpus_per_node": 1, "tasks_per_node": 1}}})
+    with pytest.raises(RecipeError) as e:
+        preflight(rec, "local")
+    keys = {k: v for k, v, _ in e.value.problems}
+    assert keys.get("data.path") == "missing.jsonl" and keys.get("rollout.max_response_len") == 256
+    assert "nothing was submitted" in str(e.value)
+
+
+def test_dry_run_refuses_a_bad_recipe_and_creates_nothing(tmp_path, monkeypatch, capsys):
+    """``relax-submit --dry-run`` goes through the same plan() as a submission: the checks refuse it there."""
+    from relax_hpc.launch.cli import EXIT_REFUSED, submit_main
+
+    monkeypatch.chdir(tmp_path)
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text("run: {steps: 1}\n")
+    bad = ["rollout.rm_type=dapo", "slurm.env.SUBMITIT_LOCAL_NTASKS=2", "run.runs_root=runs-%j"]
+    assert submit_main(["--local", "--dry-run", str(recipe_file), *bad]) == EXIT_REFUSED
+    err = capsys.readouterr().err
+    for text in ("rollout.rm_type = 'dapo'", "slurm.env.SUBMITIT_LOCAL_NTASKS = '2'", "run.runs_root = 'runs-%j'"):
+        assert text in err
+    for override, text in (("num_rollout=10", "Relax's --num-rollout is `run.steps` here"),
+                           ("data.path=prompts.jsonl", "data.path = 'prompts.jsonl': "),
+                           ("slurm.partition=|\n  debug\n", "slurm.partition = 'debug\\n': ends in a newline")):
+        assert submit_main(["--local", "--dry-run", str(recipe_file), override]) == EXIT_REFUSED
+        assert text in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]  # no run directory, no runs root

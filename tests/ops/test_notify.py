@@ -84,29 +84,27 @@ def test_env_urls_are_merged_and_deduplicated():
     assert notify_urls([], environ={"RELAX_NOTIFY_URLS": "  "}) == []
 
 
-def test_unreachable_url_returns_false_quickly_and_logs_only_the_scheme(caplog):
+def test_unreachable_url_returns_false_and_logs_only_the_scheme(caplog):
     port = _free_port()
     url = f"json://127.0.0.1:{port}/"
     n = Notifier([url], "r", timeout_s=3)
     with caplog.at_level(logging.WARNING, logger="relax_hpc.notify"):
-        t0 = time.monotonic()
         assert n.send("checkpoint", "step 10") is False
-        assert time.monotonic() - t0 < 3.5
     ours = [r.getMessage() for r in caplog.records if r.name == "relax_hpc.notify"]
     assert ours and "json://" in ours[0]
     assert all(f"127.0.0.1:{port}" not in m and str(port) not in m for m in ours)
 
 
 def test_a_hanging_service_costs_the_caller_at_most_timeout_s(slow_server, caplog):
+    """The service holds every request until the test ends: send() can only return (False, with the
+    timeout in the warning) if its own timeout cut the call short."""
     url, received = slow_server
     with caplog.at_level(logging.WARNING, logger="relax_hpc.notify"):
-        t0 = time.monotonic()
         assert Notifier([url], "r", timeout_s=0.3).send("requeued", "job 42") is False
-        assert time.monotonic() - t0 < 1.0
-    deadline = time.monotonic() + 2
-    while not received and time.monotonic() < deadline:  # it reached the service, which never answered in time
+    deadline = time.monotonic() + 30  # the server thread records the request; wait for that, not for a time
+    while not received and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert received
+    assert received  # it reached the service, which never answered: the timeout, not a refusal
     assert any("within" in r.getMessage() for r in caplog.records if r.name == "relax_hpc.notify")
 
 

@@ -1,8 +1,14 @@
 """Validation: every bad value is refused with its key, its value and a fix, all problems at once."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from relax_hpc.recipe import RecipeError, recipe_from_dict
+from relax_hpc.recipe.relax_names import RELAX_NAMES
+from relax_hpc.recipe.validate import check_files, schema_keys
+from relax_hpc.rollout.rewards import BUILTIN_REWARDS
 
 
 def problems(data) -> dict[str, str]:
@@ -63,7 +69,7 @@ def test_metacharacters_in_lists_and_names():
 
 def test_env_values_may_hold_spaces_but_not_newlines():
     assert recipe_from_dict({"slurm": {"env": {"X": "a b; c"}}}).slurm.env["X"] == "a b; c"
-    assert "newlines" in problems({"slurm": {"env": {"X": "a\nb"}}})["slurm.env.X"]
+    assert "contains a newline" in problems({"slurm": {"env": {"X": "a\nb"}}})["slurm.env.X"]
 
 
 def test_tp_pp_must_divide_actor_ranks():
@@ -103,3 +109,221 @@ def test_survival_knobs_and_notification_urls():
                   "logging": {"notify_urls": ["json://127.0.0.1:9/", "nonsense://token@host"]}})
     assert {"checkpoint.keep", "checkpoint.max_restarts", "slurm.max_requeues"} <= set(p)
     assert "Apprise" in p["logging.notify_urls[1]"] and "logging.notify_urls[0]" not in p
+
+
+
+def error(data) -> RecipeError:
+    with pytest.raises(RecipeError) as e:
+        recipe_from_dict(data)
+    return e.value
+
+
+def line(err: RecipeError, key: str) -> str:
+    """The rendered line of ``key``: what the user reads, with the key, the value and the message."""
+    found = [ln for ln in str(err).splitlines() if ln.startswith(f"  - {key} = ") or ln.startswith(f"  - {key}: ")]
+    assert len(found) == 1, str(err)
+    return found[0]
+
+
+# --- 1. newlines in strings that reach the sbatch script ------------------------------------------------
+
+@pytest.mark.parametrize("data,key", [
+    ({"slurm": {"partition": "debug\n"}}, "slurm.partition"),
+    ({"slurm": {"account": "proj\n"}}, "slurm.account"),
+    ({"slurm": {"job_name": "x\n"}}, "slurm.job_name"),
+    ({"slurm": {"time": "01:00:00\n"}}, "slurm.time"),
+    ({"slurm": {"sbatch_extra": ["--exclusive\n"]}}, "slurm.sbatch_extra[0]"),
+    ({"slurm": {"srun_args": ["--overlap\n"]}}, "slurm.srun_args[0]"),
+    ({"slurm": {"env": {"FOO": "1\n"}}}, "slurm.env.FOO"),
+    ({"run": {"name": "exp1\n"}}, "run.name"),
+    ({"run": {"runs_root": "/scratch/runs\n"}}, "run.runs_root"),
+    ({"roles": {"actor": {"mem": "16G\n"}}}, "roles.actor.mem"),
+])
+def test_trailing_newline_is_refused_naming_the_key(data, key):
+    """`$` matches before a final newline, so these passed and sbatch's renderer refused them later, keyless."""
+    (k, value, msg), = [p for p in error(data).problems if p[0] == key]
+    assert value.endswith("\n") and "ends in a newline" in msg and "Fix:" in msg
+    assert repr(value.rstrip("\n")) in msg  # the fix shows the value without it
+
+
+def test_newline_in_an_env_name_is_refused_and_shown_escaped():
+    err = error({"slurm": {"env": {"FOO\n": "1"}}})
+    assert "  - slurm.env['FOO\\n'] = '1': the variable name 'FOO\\n' must be letters" in str(err)
+
+
+def test_inner_newline_is_said_to_be_inside():
+    (_, value, msg), = error({"slurm": {"qos": "a\nb"}}).problems
+    assert value == "a\nb" and "contains a newline" in msg
+
+
+def test_yaml_block_scalar_partition_is_refused_at_load(tmp_path):
+    """The way a trailing newline gets in: a YAML '|' block."""
+    from relax_hpc.recipe import load_recipe
+
+    r = tmp_path / "r.yaml"
+    r.write_text("slurm:\n  partition: |\n    debug\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(r)
+    assert "slurm.partition = 'debug\\n': ends in a newline" in str(e.value)
+
+
+# --- 3. Slurm filename patterns in runs_root --------------------------------------------------------------
+
+@pytest.mark.parametrize("root", ["/scratch/%u/runs", "runs-%j", "a\\b"])
+def test_runs_root_with_slurm_patterns_is_refused(root):
+    msg = problems({"run": {"runs_root": root}})["run.runs_root"]
+    assert "'%'" in msg and "filename pattern" in msg and "Fix: a plain directory path" in msg
+    assert f"run.runs_root = {root!r}" in str(error({"run": {"runs_root": root}}))
+
+
+def test_plain_runs_root_passes():
+    assert recipe_from_dict({"run": {"runs_root": "~/scratch/runs-1"}}).run.runs_root == "~/scratch/runs-1"
+
+
+# --- 5. unknown rm_type ------------------------------------------------------------------------------------
+
+def test_unknown_rm_type_is_refused_listing_the_known_ones():
+    err = error({"rollout": {"rm_type": "dapo"}})
+    text = line(err, "rollout.rm_type")
+    assert "rollout.rm_type = 'dapo'" in text and "Fix: use one of" in text
+    assert all(name in text for name in BUILTIN_REWARDS) and "boxed_" in text and "custom_rm_path" in text
+
+
+@pytest.mark.parametrize("rm", [*BUILTIN_REWARDS, "boxed_math", "boxed_exact_match", "boxed_boxed_f1"])
+def test_builtin_rm_types_pass(rm):
+    assert recipe_from_dict({"rollout": {"rm_type": rm}}).rollout.rm_type == rm
+
+
+def test_boxed_of_an_unknown_type_is_refused():
+    assert "Fix: use one of" in problems({"rollout": {"rm_type": "boxed_dapo"}})["rollout.rm_type"]
+
+
+def test_rm_type_is_free_with_a_custom_reward_function():
+    """The custom function receives args.rm_type and may give it its own meaning."""
+    r = recipe_from_dict({"rollout": {"rm_type": "dapo", "custom_rm_path": "pkg.mod.reward"}})
+    assert r.rollout.rm_type == "dapo"
+
+
+# --- 6. slurm.env overriding the launcher's variables ------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["SUBMITIT_LOCAL_NTASKS", "SUBMITIT_EXECUTOR", "RELAX_RUN_DIR", "RELAX_RANK",
+                                  "RELAX_EXECUTOR", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS",
+                                  "SLURM_HET_SIZE", "SLURM_JOB_NODELIST_HET_GROUP_0", "SLURM_RESTART_COUNT",
+                                  "SLURM_LOCALID", "SLURMD_NODENAME", "PMIX_RANK"])
+def test_launcher_variables_in_slurm_env_are_refused(name):
+    text = line(error({"slurm": {"env": {name: "2"}}}), f"slurm.env.{name}")
+    assert f"slurm.env.{name} = '2'" in text and "launcher" in text and "Fix: remove it from slurm.env" in text
+
+
+@pytest.mark.parametrize("name", ["SLURM_CONF", "SLURM_MPI_TYPE", "SBATCH_PARTITION", "RELAX_SGLANG_PYTHON",
+                                  "RELAX_NOTIFY_URLS", "OMPI_MCA_btl", "NCCL_DEBUG"])
+def test_user_variables_in_slurm_env_pass(name):
+    assert recipe_from_dict({"slurm": {"env": {name: "x"}}}).slurm.env[name] == "x"
+
+
+# --- 7. Relax's flag names ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("data,key,hint", [
+    ({"run": {"num_rollout": 100}}, "run.num_rollout",
+     "Relax's --num-rollout is `run.steps` here. Fix: set run.steps: 100"),
+    ({"num-rollout": 100}, "num-rollout", "Relax's --num-rollout is `run.steps` here"),
+    ({"rollout": {"prompt_data": "d.jsonl"}}, "rollout.prompt_data", "`data.path` here. Fix: set data.path: d.jsonl"),
+    ({"hf_checkpoint": "/m"}, "hf_checkpoint", "Relax's --hf-checkpoint is `model.path` here"),
+    ({"rollout": {"rollout_max_response_len": 64}}, "rollout.rollout_max_response_len", "`rollout.max_response_len`"),
+    ({"rollout": {"rollout-temperature": 0.7}}, "rollout.rollout-temperature",
+     "Relax's --rollout-temperature is `rollout.temperature`"),
+    ({"data": {"rollout_shuffle": True}}, "data.rollout_shuffle", "`data.shuffle` here. Fix: set data.shuffle: true"),
+    ({"data": {"rollout_seed": 7}}, "data.rollout_seed", "`data.seed`"),
+    ({"rollout": {"global_batch_size": 64}}, "rollout.global_batch_size", "`train.global_batch_size`"),
+    ({"lr": 1e-6}, "lr", "Relax's --lr is `train.lr` here"),
+    ({"checkpoint": {"save_interval": 5}}, "checkpoint.save_interval", "`checkpoint.interval`"),
+    ({"train": {"advantage_estimator": "gspo"}}, "train.advantage_estimator", "`algorithm.advantage_estimator`"),
+    ({"eps_clip": 0.2}, "eps_clip", "Relax's --eps-clip is `algorithm.eps_clip`"),
+    ({"train": {"tensor_model_parallel_size": 2}}, "train.tensor_model_parallel_size", "`train.tp`"),
+    ({"fully_async": True}, "fully_async", "`mode: fully_async` here. Fix: set mode: fully_async instead"),
+    ({"rollout": {"input_key": "q", "label_key": "a"}}, "rollout.input_key", "`data.input_key`"),
+])
+def test_relax_flag_names_point_at_the_relax_hpc_key(data, key, hint):
+    msg = problems(data)[key]
+    assert hint in msg and "did you mean" not in msg
+
+
+def test_relax_flag_hint_shows_the_value():
+    assert "run.num_rollout = 100: unknown key; Relax's --num-rollout" in str(error({"run": {"num_rollout": 100}}))
+
+
+@pytest.mark.parametrize("name", ["num_epoch", "partial-rollout", "rollout_max_context_len", "use_wandb"])
+def test_relax_flags_without_a_home_say_so(name):
+    msg = problems({"rollout": {name: 1}})[f"rollout.{name}"]
+    assert f"Relax's --{name.replace('_', '-')} has no equivalent in relax_hpc yet" in msg and "Fix: remove it" in msg
+
+
+def test_every_relax_name_maps_to_an_existing_key():
+    bad = {n: t for n, t in RELAX_NAMES.items() if t is not None and t.split(":")[0] not in schema_keys()}
+    assert bad == {}
+
+
+def test_same_name_in_another_section_is_pointed_at():
+    msg = problems({"rollout": {"tp": 2}})["rollout.tp"]
+    assert "train.tp" in msg and "Fix: set train.tp: 2 instead" in msg
+
+
+def test_typos_still_get_a_spelling_hint():
+    assert "did you mean 'runs_root'" in problems({"run": {"runs_rot": "x"}})["run.runs_rot"]
+
+
+# --- 2. and 4. files the run opens (relax-submit calls these through preflight) -------------------------
+
+def model_dir(tmp_path: Path, **config) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def file_problems(data, cwd) -> dict[str, tuple[object, str]]:
+    return {k: (v, m) for k, v, m in check_files(recipe_from_dict(data), cwd)}
+
+
+def test_missing_data_path_is_refused(tmp_path):
+    (value, msg), = file_problems({"data": {"path": "prompts/train.jsonl"}}, tmp_path).values()
+    assert value == "prompts/train.jsonl" and "no such file or directory" in msg
+    assert str(tmp_path) in msg and "Fix: give an existing JSONL/Parquet file" in msg
+
+
+def test_relative_data_path_is_resolved_against_the_submit_directory(tmp_path):
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "train.jsonl").write_text('{"prompt": "1+1"}\n')
+    assert file_problems({"data": {"path": "prompts/train.jsonl"}}, tmp_path) == {}
+    assert file_problems({"data": {"path": "prompts"}}, tmp_path) == {}  # a directory of files
+    assert "data.path" in file_problems({"data": {"path": "prompts/train.jsonl"}}, tmp_path / "prompts")
+
+
+def test_empty_data_directory_and_missing_eval_set_are_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    p = file_problems({"data": {"path": str(tmp_path / "empty"), "eval_prompt_data": {"aime": "nope.jsonl"}}}, tmp_path)
+    assert "no .jsonl" in p["data.path"][1] and p["data.eval_prompt_data.aime"][0] == "nope.jsonl"
+
+
+def test_prompt_plus_response_longer_than_the_context_is_refused(tmp_path):
+    model_dir(tmp_path, max_position_embeddings=2048)
+    data = {"model": {"path": "model"}, "rollout": {"max_prompt_len": 1024, "max_response_len": 1536}}
+    (value, msg), = file_problems(data, tmp_path).values()
+    assert value == 1536 and "1024 + 1536 = 2560" in msg and "max_position_embeddings = 2048" in msg
+    assert "Fix: lower either so that their sum is at most 2048" in msg
+    data["rollout"]["max_response_len"] = 1024
+    assert file_problems(data, tmp_path) == {}
+
+
+def test_response_alone_longer_than_the_context_is_refused(tmp_path):
+    model_dir(tmp_path, text_config={"max_position_embeddings": 512})
+    (value, msg), = file_problems({"model": {"path": "model"}, "rollout": {"max_response_len": 600}}, tmp_path).values()
+    assert value == 600 and "max_position_embeddings = 512" in msg and "Fix: at most 512" in msg
+    assert file_problems({"model": {"path": "model"}, "rollout": {"max_response_len": 512}}, tmp_path) == {}
+
+
+def test_context_is_not_checked_without_a_model_config(tmp_path):
+    long = {"rollout": {"max_response_len": 10 ** 6}}
+    assert file_problems({**long, "model": {"path": "absent"}}, tmp_path) == {}
+    model_dir(tmp_path, hidden_size=8)
+    assert file_problems({**long, "model": {"path": "model"}}, tmp_path) == {}

@@ -87,3 +87,41 @@ def test_a_rank_exits_when_the_controller_is_gone(run):
 
 def _package_root():
     return str(Path(relax_hpc.__file__).resolve().parents[1])
+
+
+def test_heartbeats_show_the_task_in_hand_and_its_progress(run, monkeypatch):
+    """serve() shows each task in ctx.info while it runs (the controller's hung-task check reads it), the
+    controller accepts what it shows, and "no task" afterwards is an explicit None (info is merged)."""
+    from relax_hpc.roles.runtime import RoleContext
+    from relax_hpc.roles.tasks import serve
+
+    ch = Channel(run.token(), "127.0.0.1")
+    write_json(run.controller_addr, {"host": "127.0.0.1", "port": ch.port})
+    monkeypatch.setenv("RELAX_RANK", "0")
+    monkeypatch.setenv("RELAX_WORLD_SIZE", "1")
+    ctx = RoleContext("rollout", run.path)
+    shown = []
+
+    def generate(task):
+        shown.append(ctx.info["task"])
+        ctx.progress()
+        ctx.progress(2)
+        shown.append(ctx.info["task"])
+        ctx.report("ready")  # a heartbeat now, with what the task shows
+        return {}
+
+    ch.assign("rollout", {"id": 1, "kind": "generate", "step": 7, "engines": {}})
+    ch.assign("rollout", {"id": 2, "kind": "stop"})
+    try:
+        serve(ctx, None, {"generate": generate, "stop": lambda task: None})
+        p = shown[0]["progress"]
+        assert shown == [{"id": 1, "kind": "generate", "step": 7, "progress": p},
+                         {"id": 1, "kind": "generate", "step": 7, "progress": p + 3}]
+        assert ctx.info["task"] is None
+        beats = [m for _, m in ch.drain(1.0) if m["type"] == "heartbeat"]
+        assert [m["info"]["task"] for m in beats] == [shown[1]]  # validated and queued for the loop
+        ctx.report("ready")
+        assert [m["info"]["task"] for _, m in ch.drain(1.0) if m["type"] == "heartbeat"] == [None]
+    finally:
+        ctx.close()
+        ch.close()

