@@ -341,6 +341,8 @@ class TrainingLoop:
             if name in self.engine_info and not self.engine_info[name]["dead"]:
                 self.engine_info[name]["dead"] = why
                 self.state.progress(engines=self.engine_info)
+        # the run's count (an engine found dead at a sync is no longer in the driver's set)
+        self.cur[n]["rollout/engines_dead"] = float(sum(1 for i in self.engine_info.values() if i["dead"]))
         for f in res.get("reward_failures", []):
             log.warning("step %d: reward failed for sample index=%s group_index=%s (prompt %r, response %r, label %r): "
                         "%s", n, f.get("index"), f.get("group_index"), f.get("prompt"), f.get("response"),

@@ -26,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from relax_hpc.controller import run_controller
@@ -255,6 +256,11 @@ def test_requeue_refused_cancel_and_resume_on_slurm(slurm_cluster, tmp_path, tin
     jobs = [sub["job_id"]]
     try:
         wait_until(lambda: state(run).get("step", 0) >= 2, 600, every=0.5, what="step 2")
+        # the engine on the cluster serves only callers with the run's API key
+        url = state(run)["engines"]["engine0"]["url"]
+        assert httpx.get(f"{url}/server_info", timeout=30).status_code == 401
+        assert httpx.get(f"{url}/server_info", timeout=30,
+                         headers={"Authorization": f"Bearer {run.api_key()}"}).status_code == 200
         out = checkpoint_then_stop(run, "checkpoint_requeue", wait_s=300)
         assert out["state"] == "REQUEUED", out
         job = wait_until(lambda: run.read_json(run.job, {}).get("previous_job_ids") and run.read_json(run.job), 120,
