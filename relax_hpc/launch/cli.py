@@ -127,6 +127,7 @@ def submit_main(argv: list[str] | None = None) -> int:
 
 def _resume(args: argparse.Namespace, console: Console) -> int:
     from relax_hpc.launch.submit import resume
+    from relax_hpc.train.latest import BrokenLatest, read_latest
 
     try:
         rd = find_run(args.recipe)
@@ -135,6 +136,11 @@ def _resume(args: argparse.Namespace, console: Console) -> int:
         return EXIT_FAILED
     if args.overrides:
         _err("relax-submit --resume: a resumed run keeps its recipe (RUN_DIR/recipe.yaml); overrides are refused")
+        return EXIT_FAILED
+    try:  # a broken `latest` first: whatever the run's state, it is the news the user needs
+        read_latest(rd.path / "checkpoints")
+    except BrokenLatest as e:
+        _err(f"relax-submit --resume: {e}")
         return EXIT_FAILED
     info = collect(rd)
     if not is_final(info) or info["state"] == "COMPLETED":

@@ -146,7 +146,9 @@ def test_local_smoke_run_without_slurm(no_slurm_env, tmp_path):
 
 @pytest.mark.slow
 def test_local_detach_then_cancel(no_slurm_env, tmp_path):
-    p = cli("relax-submit", "--local", "--detach", "--json", str(SMOKE), cwd=tmp_path, env=no_slurm_env)
+    # the rollout role is held ready in the first attempt: the cancel always finds the run going
+    env = dict(no_slurm_env, RELAX_TEST_HOLD_ROLE="rollout")
+    p = cli("relax-submit", "--local", "--detach", "--json", str(SMOKE), cwd=tmp_path, env=env)
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     assert {"run", "run_dir", "job_id", "pid"} <= set(d)
