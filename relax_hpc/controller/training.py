@@ -131,7 +131,7 @@ class TrainingLoop:
             log.info("resuming from %s (step %d of %d)", self.resume_path, k, self.total)
             state.event("resumed", f"from the checkpoint of step {k}")
         state.progress(step=k, generated=k, phase="starting engines", reward=None, engines={}, mode=recipe.mode)
-        self._assign("rollout", "start_engines", k, data_state=self.data_states[k])
+        self._assign("rollout", "start_engines", k)  # generate(n) carries the cursor (data_states[n-1])
         for r in self.fwd:  # a resumed actor_fwd follows the checkpoint; a refreshed reference too (the latest)
             if latest and (r == "actor_fwd" or recipe.algorithm.ref_update_interval):
                 self._assign(r, "load", k, path=self.resume_path)

@@ -5,8 +5,8 @@ Every rank launches one engine on its node (the CPU engine where there is no CUD
 the number of engines. Rank 0 gathers their URLs and drives them; the other ranks keep their engine alive
 until ``stop``. Tasks (:mod:`relax_hpc.roles.tasks`):
 
-- ``start_engines {data_state}``: restores the data cursor if given (a resumed run); returns ``{"engines":
-  {name: url}, "pids": {...}, "nodes": {...}, "data_state"}`` (names ``engine0``, ``engine1``, ... by rank).
+- ``start_engines``: returns ``{"engines": {name: url}, "pids": {...}, "nodes": {...}, "data_state"}`` (names
+  ``engine0``, ``engine1``, ... by rank; the data cursor at the start, which a fresh run's step 1 starts from).
 - ``generate {step, engines, data_state}``: from the data cursor after step−1 (so a step generated again, e.g.
   after a damaged chunk, gets the same prompts), the next ``rollout_batch_size`` prompt groups from ``data.path``, generated
   with :class:`~relax_hpc.rollout.driver.RolloutDriver` on the live engines (a dead one is reported by
@@ -109,8 +109,6 @@ def work(ctx: RoleContext, comm: Any) -> None:
             gen.set_engines({n: u for n, u, _, _ in everyone})
 
         def start_engines(task: dict) -> dict:
-            if gen is not None and task.get("data_state"):
-                gen.data.load_state_dict(task["data_state"])
             return {"engines": {n: u for n, u, _, _ in everyone}, "pids": {n: p for n, _, p, _ in everyone},
                     "nodes": {n: node for n, _, _, node in everyone},
                     "data_state": gen.data.state_dict() if gen is not None else None}

@@ -46,7 +46,7 @@ from relax_hpc.algo.advantages import postprocess_rewards
 from relax_hpc.algo.config import AlgorithmConfig
 from relax_hpc.rollout.client import GENERATE_TIMEOUT, Backoff, EngineClient, EngineError, Generation, SamplingParams
 from relax_hpc.rollout.eval import sample_metrics
-from relax_hpc.rollout.rewards import RewardFailure, RewardRunner
+from relax_hpc.rollout.rewards import RewardFailure, RewardRunner, positive_seconds
 from relax_hpc.rollout.sample import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -222,11 +222,9 @@ class RolloutDriver:
         self.per_engine = int(getattr(args, "sglang_server_concurrency", 512) or 512)
         self.max_retries = int(getattr(args, "max_retries", 3))
         timeout = getattr(args, "request_timeout_s", None)
-        timeout = GENERATE_TIMEOUT if timeout is None else timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            raise ValueError(f"rollout.request_timeout_s = {timeout!r}: must be a positive number of seconds "
-                             f"(the total deadline of one generate request; default {GENERATE_TIMEOUT:g})")
-        self.client_kwargs: dict[str, Any] = {"generate_timeout": float(timeout), "retries": self.max_retries,
+        timeout = positive_seconds("rollout.request_timeout_s", GENERATE_TIMEOUT if timeout is None else timeout,
+                                   GENERATE_TIMEOUT, "the total deadline of one generate request; ")
+        self.client_kwargs: dict[str, Any] = {"generate_timeout": timeout, "retries": self.max_retries,
                                               "api_key": api_key, "backoff": backoff}
         self.engine_failures: list[EngineFailure] = []
         self.set_engines(engines)
@@ -413,8 +411,9 @@ class RolloutDriver:
             raise _first_error(eg) from None
         rollout_time = time.monotonic() - t0
         samples = [s for g in groups for s in g]
-        reward_failures = _in_sample_order([f for t in tasks for f in t.result()], samples)
-        self.reward.apply_policy(reward_failures)  # once for the batch: a fail report reads in sample order
+        # tasks are in group order and each group's failures in sample order: the batch's, in sample order
+        reward_failures = [f for t in tasks for f in t.result()]
+        self.reward.apply_policy(reward_failures)  # once for the batch, not per group as each finishes
         key = self.reward.reward_key(evaluation)
         raw = [s.get_reward_value(reward_key=key) for s in samples]
         if evaluation:
@@ -446,12 +445,6 @@ class RolloutDriver:
         tokens = sum(s.response_length for s in samples)
         out["perf/tokens_per_sec"] = tokens / rollout_time if rollout_time > 0 else 0.0
         return out
-
-
-def _in_sample_order(failures: list[RewardFailure], samples: list[Sample]) -> list[RewardFailure]:
-    """Failures sorted by their sample's position in the batch, whatever order the groups finished in."""
-    pos = {id(s): k for k, s in enumerate(samples)}
-    return sorted(failures, key=lambda f: pos.get(id(f.sample), len(pos)))
 
 
 def _first_error(eg: BaseExceptionGroup) -> BaseException:

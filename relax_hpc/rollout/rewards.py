@@ -393,6 +393,13 @@ class RewardFailure:
                 "traceback": self.traceback, "source": self.source}
 
 
+def positive_seconds(key: str, value: Any, default: float, what: str = "") -> float:
+    """``value`` as a positive, finite number of seconds, or ValueError naming ``key`` and its default."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{key} = {value!r}: must be a positive number of seconds ({what}default {default:g})")
+    return float(value)
+
+
 class RewardTimeout(TimeoutError):
     """A reward call ran longer than ``rollout.reward_timeout_s``."""
 
@@ -437,10 +444,7 @@ class RewardRunner:
             raise ValueError(f"reward_error_policy must be 'skip' or 'fail', got {self.policy!r}")
         self.max_concurrency = max_concurrency or getattr(args, "reward_max_concurrency", 64) or 64
         t = timeout_s if timeout_s is not None else getattr(args, "reward_timeout_s", DEFAULT_REWARD_TIMEOUT_S)
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or not math.isfinite(t):
-            raise ValueError(f"rollout.reward_timeout_s = {t!r}: must be a positive number of seconds "
-                             f"(default {DEFAULT_REWARD_TIMEOUT_S:g})")
-        self.timeout_s = float(t)
+        self.timeout_s = positive_seconds("rollout.reward_timeout_s", t, DEFAULT_REWARD_TIMEOUT_S)
         self.fn = load_function(self.custom_rm_path) if self.custom_rm_path else None
         self.fn_is_async = self.fn is not None and _is_async(self.fn)
         self._sem: asyncio.Semaphore | None = None
