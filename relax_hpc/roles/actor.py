@@ -46,11 +46,13 @@ def work(ctx: RoleContext, comm: Any) -> None:
     from relax_hpc.roles import samples as S
     from relax_hpc.roles.tasks import serve
     from relax_hpc.roles.weight_sync import ROWS, EngineChecker
+    from relax_hpc.train.logprobs import set_progress_hook
     from relax_hpc.weights import WeightSender, WeightSyncError
 
     r = ctx.recipe
     rank = ctx.ident.rank
     actor = build_megatron(r, ROLE, forward_only=False)
+    set_progress_hook(ctx.progress)  # each micro-batch counts as progress for logging.task_timeout_s
     ctx.report("ready", model=resolve(r.model.path))
     st: dict[str, Any] = {"sender": None, "engines": {}}
     checker = EngineChecker(ctx.run.api_key())
@@ -108,6 +110,7 @@ def work(ctx: RoleContext, comm: Any) -> None:
         def stream():  # every rank walks the collective gather; rank 0 keeps each tensor's first rows
             for name, t in actor.named_hf_weights():
                 heads[name] = t[:ROWS].detach().clone()
+                ctx.progress()
                 yield name, t
 
         out: dict[str, Any] = dict(push_from_actor_stream(stream(), st["sender"] if rank == 0 else None, version))

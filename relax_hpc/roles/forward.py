@@ -81,9 +81,11 @@ def work_forward(ctx: RoleContext, comm: Any, field: str) -> None:
         return
     from relax_hpc.roles.model import build_megatron, resolve
     from relax_hpc.roles.tasks import serve
+    from relax_hpc.train.logprobs import set_progress_hook
 
     role, rank = ctx.ident.role, ctx.ident.rank
     actor = build_megatron(ctx.recipe, role, forward_only=True)
+    set_progress_hook(ctx.progress)
     ctx.report("ready", model=resolve(ctx.recipe.model.path))
 
     def logprobs(task: dict) -> dict:

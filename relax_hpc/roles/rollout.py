@@ -137,6 +137,7 @@ class Generator:
         self.data = data_source_from_config(dataset, r.data, r.rollout, run_seed=r.run.seed)
         # loads the reward function (fails early); its engine clients send the run's API key
         self.driver = build_driver(r, {}, tokenizer=self.tokenizer, api_key=ctx.run.api_key())
+        self.driver.on_progress = ctx.progress
         self.engines: dict[str, str] = {}
 
     def set_engines(self, engines: dict[str, str]) -> None:

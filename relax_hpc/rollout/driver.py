@@ -219,6 +219,8 @@ class RolloutDriver:
         self.reward = reward if reward is not None else RewardRunner(args)
         self.algorithm = algorithm if algorithm is not None else _algorithm_from_args(args)
         self.on_engine_dead = on_engine_dead
+        # called as groups are generated and scored: the rollout role passes ctx.progress (logging.task_timeout_s)
+        self.on_progress: Callable[[int], None] | None = None
         self.per_engine = int(getattr(args, "sglang_server_concurrency", 512) or 512)
         self.max_retries = int(getattr(args, "max_retries", 3))
         timeout = getattr(args, "request_timeout_s", None)
@@ -378,7 +380,14 @@ class RolloutDriver:
                      seeds: list[int | None]) -> list[RewardFailure]:
         await asyncio.gather(*(self.generate_sample(s, sp, evaluation=evaluation, batch=batch, seed=seed)
                                for s, seed in zip(group, seeds)))
-        return await self.reward.score_group(group, evaluation=evaluation, apply_policy=False)
+        self._progressed(len(group))
+        failures = await self.reward.score_group(group, evaluation=evaluation, apply_policy=False)
+        self._progressed(1)
+        return failures
+
+    def _progressed(self, n: int) -> None:
+        if self.on_progress is not None:
+            self.on_progress(n)
 
     async def generate_rollout(self, groups: Iterable[list[Sample]], *, evaluation: bool = False,
                                seed: int | None = None) -> RolloutResult:

@@ -72,8 +72,20 @@ def response_logprobs(output: torch.Tensor, mb: B.MicroBatch, *, temperature: fl
     return lp, ent
 
 
+_on_micro_batch: Callable[[], None] | None = None
+
+
+def set_progress_hook(fn: Callable[[], None] | None) -> None:
+    """Call ``fn`` before each micro-batch's forward: a role passes ``ctx.progress`` so a long train step or
+    log-prob pass keeps showing progress (``logging.task_timeout_s`` restarts a role whose task does not)."""
+    global _on_micro_batch
+    _on_micro_batch = fn
+
+
 def _forward_step(loss_fn: Callable, data_iterator, model):
     mb = next(data_iterator)
+    if _on_micro_batch is not None:
+        _on_micro_batch()
     dev = next(model.parameters()).device
     out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None)
     return out, partial(loss_fn, mb)

@@ -90,9 +90,12 @@ def test_batch_of_groups(cpu_engine, client, dataset, tokenizer, reward_mod):
                      rollout_batch_size=3)
     src = RolloutDataSource(dataset, rollout_batch_size=3, n_samples_per_prompt=4)
     driver = RolloutDriver(args, {"engine-a": cpu_engine}, tokenizer=tokenizer)
+    seen: list[int] = []
+    driver.on_progress = seen.append  # the rollout role's heartbeat progress (logging.task_timeout_s)
     res = driver.generate_rollout_sync(src.get_samples())
 
     assert len(res.samples) == 12 and res.group_size == 4 and len(res.groups()) == 3
+    assert sorted(seen) == [1, 1, 1, 4, 4, 4]  # each group once generated (its samples) and once scored
     for gi, group in enumerate(res.groups()):
         assert [s.group_index for s in group] == [gi] * 4
         assert len({s.prompt for s in group}) == 1 and group[0].label == str(2 * gi + 1)

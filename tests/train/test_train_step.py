@@ -25,6 +25,8 @@ def test_grpo_lowers_loss_and_follows_advantages(single_run):
     for adv, change in zip(r["advantage"], r["logprob_change"]):
         assert change * adv > 0, (adv, change)  # up for positive advantages, down for negative
     assert all(s["grad_norm"] > 0 for s in r["steps"])
+    n = len(r["advantage"])  # micro_batch_size 2: each step shows progress once per micro-batch
+    assert r["progress_calls"] == len(r["steps"]) * -(-n // 2), r["progress_calls"]
 
 
 @pytest.mark.slow

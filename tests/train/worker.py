@@ -134,6 +134,7 @@ def job_train(args: dict, out: Path) -> dict:
     import torch
 
     from relax_hpc.train import MegatronActor, init_parallel
+    from relax_hpc.train.logprobs import set_progress_hook
     from relax_hpc.train.parallel import destroy_parallel
 
     res = {}
@@ -147,13 +148,15 @@ def job_train(args: dict, out: Path) -> dict:
         old = actor.compute_log_probs(batch)
         for s, o in zip(batch, old):
             s["old_log_probs"] = o
-        steps, t0 = [], time.time()
+        steps, t0, calls = [], time.time(), []
+        set_progress_hook(lambda: calls.append(1))  # a role's ctx.progress: once per micro-batch
         for _ in range(args["steps"]):
             m = actor.train_step(batch)
             steps.append({k: m[k] for k in ("loss", "pg_loss", "grad_norm", "pg_clipfrac", "ppo_kl", "entropy_loss")})
         step_s = (time.time() - t0) / args["steps"]
+        set_progress_hook(None)
         new = actor.compute_log_probs(batch)
-        res[key] = {"steps": steps, "step_s": step_s,
+        res[key] = {"steps": steps, "step_s": step_s, "progress_calls": len(calls),
                     "advantage": [s["advantage"] for s in batch],
                     "logprob_change": [(n - o).mean().item() for n, o in zip(new, old)]}
         del actor
@@ -166,6 +169,7 @@ def job_resume(args: dict, out: Path) -> dict:
     import torch
 
     from relax_hpc.train import MegatronActor, init_parallel
+    from relax_hpc.train.logprobs import set_progress_hook
     from relax_hpc.train.parallel import destroy_parallel
 
     res = {}
