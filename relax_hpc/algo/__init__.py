@@ -6,7 +6,8 @@ Why pure torch: the same code runs in the Megatron actor on GPUs, in the CPU pat
 - :mod:`.config`: the recipe's ``algorithm:`` section (:class:`AlgorithmConfig`) and its ``check``.
 - :mod:`.advantages`: rewards → group-normalized rewards → per-token advantages.
 - :mod:`.kl`: k1/k2/k3/low_var_kl estimators.
-- :mod:`.losses`: per-token policy losses (grpo/gspo/sapo/cispo) and :func:`policy_loss`, the trainer's entry.
+- :mod:`.losses`: the table of per-token policy losses (:data:`~.losses.LOSSES`: grpo/gspo/sapo/cispo, or the
+  user's ``custom_loss_path``) and :func:`policy_loss`, the trainer's entry.
 - :mod:`.tis`: truncated importance sampling against the rollout engine's log-probs.
 - :mod:`.reductions`: per-sample token-mean and per-token reductions.
 """
@@ -22,8 +23,12 @@ _LAZY = {
     "masked_whiten": "advantages",
     "postprocess_rewards": "advantages",
     "approx_kl": "kl",
+    "LOSSES": "losses",
+    "LossInputs": "losses",
     "cispo_loss": "losses",
+    "loss_function": "losses",
     "policy_loss": "losses",
+    "register_loss": "losses",
     "ppo_clip_loss": "losses",
     "sapo_loss": "losses",
     "sequence_log_ratio": "losses",
@@ -52,6 +57,8 @@ __all__ = [
     "AlgorithmConfig",
     "ESTIMATORS",
     "KL_TYPES",
+    "LOSSES",
+    "LossInputs",
     "approx_kl",
     "broadcast_advantages",
     "check",
@@ -61,12 +68,14 @@ __all__ = [
     "group_normalize",
     "icepop_function",
     "load_tis_function",
+    "loss_function",
     "masked_whiten",
     "per_sample_mean",
     "policy_loss",
     "postprocess_rewards",
     "ppo_clip_loss",
     "reduce",
+    "register_loss",
     "sample_mean",
     "sapo_loss",
     "sequence_log_ratio",

@@ -1,14 +1,14 @@
 """From scalar rewards to per-token advantages, as Relax does for its GRPO family.
 
-Why two steps: Relax normalizes rewards on the rollout side (``post_process_rewards``: the sample keeps
-``raw_reward`` = R and ``rewards`` = R̃) and broadcasts R̃ over the response tokens later, in the
-advantages step. relax_hpc keeps that split so the exchange carries the same fields:
+Two steps, as Relax has them (``post_process_rewards``, then the advantages step); Relax runs the first on
+the rollout side, relax_hpc runs both on the training side (:func:`relax_hpc.roles.samples.train_batch`), so
+the exchange carries the raw reward R and a reward that a later role adds can take part:
 
-- :func:`postprocess_rewards` (rollout role): R → R̃. For every estimator here (grpo, gspo, sapo, cispo),
+- :func:`postprocess_rewards`: R → R̃. For every estimator here (grpo, gspo, sapo, cispo),
   unless ``disable_rewards_normalization``: subtract the mean of each group of ``n_samples_per_prompt``
   consecutive samples, then, unless ``disable_grpo_std_normalization`` (Dr.GRPO), divide by that group's
   unbiased std + 1e-6.
-- :func:`broadcast_advantages` (advantages role): A_{i,t} = R̃_i on every response token (0 where the loss
+- :func:`broadcast_advantages`: A_{i,t} = R̃_i on every response token (0 where the loss
   mask is 0), then, if ``normalize_advantages``, whiten A over all valid tokens (of the data-parallel
   group when a process group is given).
 - :func:`compute_advantages` does both, from raw rewards: the one-call form for tests and local runs.
@@ -57,7 +57,7 @@ def group_normalize(
 
 
 def postprocess_rewards(cfg: AlgorithmConfig, raw_rewards: torch.Tensor, n_samples_per_prompt: int) -> torch.Tensor:
-    """The rollout side's R → R̃ under ``cfg`` (see the module docstring); a float copy when off."""
+    """R → R̃ under ``cfg`` (see the module docstring); a float copy when off."""
     raw = _as_float(raw_rewards).reshape(-1)
     if cfg.disable_rewards_normalization or cfg.advantage_estimator not in ESTIMATORS:
         return raw.clone()
@@ -90,8 +90,7 @@ def compute_advantages(
 ) -> torch.Tensor:
     """A[B, T] from RAW per-sample rewards R[B]: :func:`postprocess_rewards` then :func:`broadcast_advantages`.
 
-    Do not pass rewards that were already normalized (a sample's ``rewards`` field): use
-    :func:`broadcast_advantages` for those.
+    Do not pass rewards that were already normalized (R̃): use :func:`broadcast_advantages` for those.
     """
     return broadcast_advantages(
         cfg, postprocess_rewards(cfg, rewards, n_samples_per_prompt), loss_mask, process_group=process_group

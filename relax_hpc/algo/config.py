@@ -20,6 +20,13 @@ ESTIMATORS = ("grpo", "gspo", "sapo", "cispo")
 
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
+PLUGIN_CALLS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "custom_tis_function_path": (("cfg",), ("pg_loss", "train_log_probs", "rollout_log_probs", "loss_mask")),
+    "custom_loss_path": (("batch", "cfg"), ()),
+}
+"""How relax_hpc calls the function each key names: (positional, keyword) arguments. Here, torch-free, so
+the recipe validator checks a function's signature against the very call the trainer makes."""
+
 
 @dataclass
 class AlgorithmConfig:
@@ -33,6 +40,7 @@ class AlgorithmConfig:
     sapo_tau_neg: float = 1.05  # SAPO gate temperature for tokens with A ≤ 0 (higher: damps negative updates)
     entropy_coef: float = 0.0  # entropy bonus: loss −= entropy_coef · mean entropy (0: entropy only logged)
     calculate_per_token_loss: bool = False  # False: mean over samples of per-sample token means; True: token mean
+    custom_loss_path: str | None = None  # your per-token pg loss replacing the estimator's: file.py:fn or pkg.mod.fn
     # --- KL ----------------------------------------------------------------------------------------------
     kl_coef: float = 0.0  # KL reward shaping (PPO-only in Relax: no effect on these estimators' returns)
     use_kl_loss: bool = False  # add kl_loss_coef · KL(π_θ ‖ π_ref) to the loss (needs a reference role)
@@ -50,8 +58,8 @@ class AlgorithmConfig:
     use_tis: bool = False  # truncated IS: pg loss × clamp(π_old/π_rollout, tis_clip_low, tis_clip)
     tis_clip: float = 2.0  # upper bound of the TIS weight
     tis_clip_low: float = 0.0  # lower bound of the TIS weight
-    custom_tis_function_path: str | None = None  # "pkg.module.function" replacing TIS, e.g. ...tis.icepop_function
-    get_mismatch_metrics: bool = False  # log tis/ois/train-vs-rollout metrics (needs rollout log-probs); loss as is
+    custom_tis_function_path: str | None = None  # function replacing TIS: pkg.module.fn, pkg.module:fn or file.py:fn
+    get_mismatch_metrics: bool = False  # log tis/ois metrics and, as Relax, apply custom_tis_function_path (required)
     use_opsm: bool = False  # off-policy sequence masking: drop A < 0 tokens of sequences with δ_seq > opsm_delta
     opsm_delta: float = 1e-4  # OPSM threshold on the sequence mean of log π_old − log π_θ
 
@@ -100,10 +108,26 @@ def check(cfg: AlgorithmConfig) -> list[tuple[str, object, str]]:
     need(not (cfg.use_tis and cfg.use_rollout_logprobs), "use_tis",
          "cannot be on together with algorithm.use_rollout_logprobs (π_old would be π_rollout: the TIS weight is 1). "
          "Fix: turn one of them off")
-    if cfg.custom_tis_function_path is not None:
-        path = cfg.custom_tis_function_path
-        need(("." in path.strip(".") or ":" in path.strip(":")) and " " not in path,
-             "custom_tis_function_path", "must be a path 'package.module.function' (or 'package.module:function'). "
-             "Fix: e.g. relax_hpc.algo.tis.icepop_function")
+    for key in ("custom_tis_function_path", "custom_loss_path"):
+        out += _plugin_form(key, getattr(cfg, key))
+    need(not cfg.get_mismatch_metrics or cfg.custom_tis_function_path is not None, "get_mismatch_metrics",
+         "needs algorithm.custom_tis_function_path: Relax applies that function's weights and mask to the pg loss "
+         "whenever get_mismatch_metrics is on, and refuses the flag without one. Fix: set "
+         "algorithm.custom_tis_function_path (relax_hpc.algo.tis.vanilla_tis_function trains with the truncated "
+         "IS weights, as Relax would), or turn get_mismatch_metrics off (use_tis: true logs the same metrics)")
     need(cfg.opsm_delta >= 0, "opsm_delta", "must be 0 or more. Fix: e.g. 1e-4")
     return out
+
+
+def _plugin_form(key: str, value: str | None) -> list[tuple[str, object, str]]:
+    """The form of a function reference, without importing it: the roles reload the recipe where the user's
+    module may not import (the validator loads it before submit, ``relax_hpc.recipe.validate.check_files``)."""
+    if value is None:
+        return []
+    from relax_hpc.plugins import PluginError, parse_spec
+
+    try:
+        parse_spec(value, f"algorithm.{key}")
+    except PluginError as e:
+        return [(key, value, e.message)]
+    return []

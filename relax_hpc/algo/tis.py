@@ -8,17 +8,22 @@ A TIS function has the form
 ``fn(cfg, *, pg_loss, train_log_probs, rollout_log_probs, loss_mask) -> (pg_loss, loss_mask, metrics)``
 on ``[B, T]`` tensors: it returns the weighted per-token pg loss, the mask the loss is reduced with (it may
 drop tokens), and per-token metric tensors (reduced by the caller with the original mask).
-``algorithm.custom_tis_function_path`` names one by dotted path; :func:`vanilla_tis_function` is the
-default and :func:`icepop_function` (zero weight outside the band instead of clamping) ships as Relax's
-alternative.
+``algorithm.custom_tis_function_path`` names one (``pkg.module.fn``, ``pkg.module:fn`` or ``file.py:fn``,
+see :mod:`relax_hpc.plugins`); :func:`vanilla_tis_function` is the default and :func:`icepop_function`
+(zero weight outside the band instead of clamping) ships as Relax's alternative.
+
+When the weights apply (:func:`weights_the_loss`): with ``use_tis``, and, as in Relax, with
+``get_mismatch_metrics`` and a ``custom_tis_function_path`` (Relax requires the function with that flag).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 import torch
+
+from relax_hpc.algo.config import PLUGIN_CALLS
+from relax_hpc.plugins import load_plugin
 
 TisFunction = Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -57,14 +62,29 @@ def icepop_function(cfg, *, pg_loss, train_log_probs, rollout_log_probs, loss_ma
     return pg_loss * weight, loss_mask, metrics
 
 
-def load_tis_function(path: str | None) -> TisFunction:
-    """The function named by ``path`` ("pkg.module.function" or "pkg.module:function"); vanilla if None."""
+TIS_PARAMS, TIS_KEYWORDS = PLUGIN_CALLS["custom_tis_function_path"]
+"""How a TIS function is called: ``fn(cfg, pg_loss=..., train_log_probs=..., rollout_log_probs=..., loss_mask=...)``."""
+
+
+def load_tis_function(path: str | None, key: str = "algorithm.custom_tis_function_path") -> TisFunction:
+    """The function ``path`` names (any form :func:`relax_hpc.plugins.load_plugin` takes); vanilla if None.
+
+    The signature is checked against the call above, so a function written for Relax's call (``args``,
+    ``loss_masks``) is refused with the fix instead of failing inside the first training step.
+    """
     if path is None:
         return vanilla_tis_function
-    module, sep, name = path.partition(":") if ":" in path else path.rpartition(".")
-    if not module or not name:
-        raise ValueError(f"custom_tis_function_path {path!r} is not 'package.module.function'")
-    fn = getattr(importlib.import_module(module), name, None)
-    if not callable(fn):
-        raise ValueError(f"custom_tis_function_path {path!r}: {module} has no function {name!r}")
-    return fn
+    return load_plugin(path, key, params=TIS_PARAMS, keywords=TIS_KEYWORDS)
+
+
+def weights_the_loss(cfg) -> bool:
+    """Whether the TIS function's weights and mask replace the pg loss and its reduction mask.
+
+    Relax applies the TIS function whenever ``use_tis`` or ``get_mismatch_metrics`` is on (``loss.py``:
+    ``if args.get_mismatch_metrics or args.use_tis: pg_loss, masks, metrics = tis_func(...)``), and refuses
+    ``get_mismatch_metrics`` without ``custom_tis_function_path`` (``arguments.py``), so with the flag the
+    custom function's weights and mask always train. relax_hpc does the same; the one combination Relax
+    refuses (``get_mismatch_metrics`` alone, vanilla function), which the recipe validator refuses too, only
+    logs vanilla's metrics when a config built by hand reaches :func:`relax_hpc.algo.losses.policy_loss`.
+    """
+    return bool(cfg.use_tis or (cfg.get_mismatch_metrics and cfg.custom_tis_function_path is not None))

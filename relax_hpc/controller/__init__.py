@@ -9,10 +9,10 @@ the role steps, serves the control socket, watches heartbeats and exits, and wri
 from __future__ import annotations
 
 
-def run_controller(run_dir):  # noqa: ANN001, ANN201 - see relax_hpc.controller.loop.run_controller
+def run_controller(run_dir, **kw):  # noqa: ANN001, ANN003, ANN201 - see relax_hpc.controller.loop.run_controller
     from relax_hpc.controller.loop import run_controller as _run
 
-    return _run(run_dir)
+    return _run(run_dir, **kw)
 
 
 def __getattr__(name: str):

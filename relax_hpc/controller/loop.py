@@ -30,10 +30,10 @@ from pathlib import Path
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.training import TrainingLoop
 from relax_hpc.controller.procs import StepProcess, stop_steps
-from relax_hpc.controller.requeue import come_back
+from relax_hpc.controller.requeue import RequeueJob, Resubmit, come_back
 from relax_hpc.controller.signals import Signals
 from relax_hpc.controller.state import COMPLETED, FAILED, REQUEUED, RunState
-from relax_hpc.launch.steps import executor_from_env, step_commands
+from relax_hpc.controller.steps import executor_from_env, step_commands
 from relax_hpc.ops.notify import EVENTS, Notifier, notify_urls
 from relax_hpc.recipe import Recipe, load_recipe, role_steps
 from relax_hpc.rundir import RunDir, write_json
@@ -49,19 +49,23 @@ class RunFailed(RuntimeError):
     """The run ended FAILED or CANCELLED; the message is state.json's reason."""
 
 
-def run_controller(run_dir: str | os.PathLike) -> dict:
-    """Run the job's roles to the end; return the final state. Raises :class:`RunFailed` with the reason."""
+def run_controller(run_dir: str | os.PathLike, *, requeue_job: RequeueJob | None = None,
+                   resubmit: Resubmit | None = None) -> dict:
+    """Run the job's roles to the end; return the final state. Raises :class:`RunFailed` with the reason.
+
+    ``requeue_job`` and ``resubmit``: how a REQUEUED attempt comes back under Slurm, from the launcher
+    (:mod:`.requeue`)."""
     run = RunDir(Path(run_dir).resolve())
     handlers = _log_to(run.logs / "controller.log")
     try:
-        return _run(run)
+        return _run(run, requeue_job, resubmit)
     finally:
         for h in handlers:
             logging.getLogger("relax_hpc").removeHandler(h)
             h.close()
 
 
-def _run(run: RunDir) -> dict:
+def _run(run: RunDir, requeue_job: RequeueJob | None, resubmit: Resubmit | None) -> dict:
     recipe, executor = load_recipe(run.recipe), executor_from_env()
     notifier = Notifier(notify_urls(recipe.logging.notify_urls), run.name)
     restart = False
@@ -91,7 +95,8 @@ def _run(run: RunDir) -> dict:
             state.event("requeued", doc["reason"])
             state.write()
             try:
-                state.doc["requeue"] = come_back(run, recipe, executor)  # locally, and mostly on Slurm, no return
+                # locally, and mostly on Slurm, this does not return
+                state.doc["requeue"] = come_back(run, recipe, executor, requeue_job, resubmit)
                 state.write()
                 return state.doc
             except Exception as e:  # neither requeue nor a continuation: say so instead of waiting for ever

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from relax_hpc.launch.steps import StepCommand, task_log_pattern
+from relax_hpc.controller.steps import StepCommand, task_log_pattern
 
 
 class StepProcess:

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relax_hpc.controller.protocol import PHASES
+from relax_hpc.identity import cross_members
 from relax_hpc.recipe import Recipe, RoleStep
-from relax_hpc.roles.runtime import cross_members
 from relax_hpc.rundir import RunDir, write_json
 
 ORDER = {p: i for i, p in enumerate(PHASES)}

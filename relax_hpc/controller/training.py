@@ -1,8 +1,9 @@
 """The training loop: rollout step N is generated → trained on → its weights synced, in both modes.
 
 A state machine the controller loop feeds with ``task_done`` messages. It hands out tasks through the
-channel (the roles' rank 0 long-poll for them, see :mod:`relax_hpc.roles.tasks`), at most one in flight per
-role, and decides what each idle role does next in one place, :meth:`TrainingLoop._pump`:
+channel (the roles' rank 0 long-poll for them, see :mod:`relax_hpc.roles.tasks`; each task and each result
+is a class of :mod:`relax_hpc.controller.messages`), at most one in flight per role, and decides what each
+idle role does next in one place, :meth:`TrainingLoop._pump`:
 
 - rollout, when idle: ``generate(N+1)`` as soon as the exchange's staleness gate lets partition N+1 start;
 - reference (with ``algorithm.use_kl_loss``), when idle: ``logprobs`` of the next step's chunks
@@ -59,16 +60,17 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from relax_hpc.controller import messages as M
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.state import RunState
 from relax_hpc.exchange.broker import Broker
 from relax_hpc.exchange.chunk import ChunkRef, SideRef
+from relax_hpc.exchange.fields import LOGPROB_FIELDS, PRODUCER, SIDE_FIELD, task_fields
 from relax_hpc.ops.metrics import REWARD, RunMetrics
 from relax_hpc.recipe import Recipe
-from relax_hpc.roles.samples import PRODUCER, TRAIN_FIELDS
 from relax_hpc.rundir import RunDir
 from relax_hpc.train.latest import read_latest
 
@@ -92,14 +94,15 @@ class TrainingLoop:
             raise ValueError("algorithm.use_kl_loss needs reference log-probs. Fix: set roles.reference.enabled: true")
         self.recipe, self.run, self.state, self.channel = recipe, run, state, channel
         # the forward roles with work to do, and the field each adds to every chunk
-        self.fwd = {r: f for r, f, on in (("reference", "ref_log_probs", recipe.algorithm.use_kl_loss),
-                                          ("actor_fwd", "log_probs", recipe.roles.actor_fwd.enabled)) if on}
+        self.fwd = {r: SIDE_FIELD[r] for r, on in (("reference", recipe.algorithm.use_kl_loss),
+                                                   ("actor_fwd", recipe.roles.actor_fwd.enabled)) if on}
         self.total = recipe.run.steps
         latest = read_latest(run.path / "checkpoints")
         self.resume_path = str(latest[0]) if latest else None
         self.last_ckpt_step = int(latest[1]["step"]) if latest else None
         k = self.last_ckpt_step or 0
-        tasks = {"train": [*TRAIN_FIELDS, *self.fwd.values()], **{r: ["tokens"] for r in self.fwd}}
+        # what each consuming task reads: train the rollout's fields and the enabled forward roles' side fields
+        tasks = {"train": task_fields("train", (PRODUCER, *self.fwd)), **{r: LOGPROB_FIELDS for r in self.fwd}}
         self.broker = Broker(run.path / "exchange", tasks=tasks,
                              max_staleness=recipe.max_staleness if recipe.mode == "fully_async" else 0)
         if self.broker.rewind(k):  # steps an earlier attempt did after its last checkpoint
@@ -131,10 +134,10 @@ class TrainingLoop:
             log.info("resuming from %s (step %d of %d)", self.resume_path, k, self.total)
             state.event("resumed", f"from the checkpoint of step {k}")
         state.progress(step=k, generated=k, phase="starting engines", reward=None, engines={}, mode=recipe.mode)
-        self._assign("rollout", "start_engines", k)  # generate(n) carries the cursor (data_states[n-1])
+        self._assign("rollout", k, M.StartEnginesTask())  # generate(n) carries the cursor (data_states[n-1])
         for r in self.fwd:  # a resumed actor_fwd follows the checkpoint; a refreshed reference too (the latest)
             if latest and (r == "actor_fwd" or recipe.algorithm.ref_update_interval):
-                self._assign(r, "load", k, path=self.resume_path)
+                self._assign(r, k, M.LoadTask(path=self.resume_path))
 
     def request_stop(self, outcome: str, why: str) -> None:
         """No new generation; the actor's step finishes, a checkpoint, then stop with ``outcome``."""
@@ -145,11 +148,11 @@ class TrainingLoop:
             self._pump()
 
     # -- tasks out
-    def _assign(self, role: str, kind: str, at: int, /, **fields: Any) -> None:
-        """Queue task ``kind`` for ``role``, as part of step ``at`` (a role does its tasks in order)."""
+    def _assign(self, role: str, at: int, task: M.TaskMessage) -> None:
+        """Queue ``task`` for ``role``, as part of step ``at`` (a role does its tasks in order); gives it its id."""
         tid = next(self._ids)
-        self.pending[tid] = Task(role, kind, at, self.lives.get(at, 0))
-        self.channel.assign(role, {"id": tid, "kind": kind, **fields})
+        self.pending[tid] = Task(role, task.kind, at, self.lives.get(at, 0))
+        self.channel.assign(role, replace(task, id=tid).to_dict())
 
     def _idle(self, role: str) -> bool:
         return not any(t.role == role for t in self.pending.values())
@@ -170,7 +173,7 @@ class TrainingLoop:
             if self.step >= self.total:
                 self.state.progress(phase="stopping")
                 for role in self.roles:
-                    self._assign(role, "stop", self.step)
+                    self._assign(role, self.step, M.StopTask())
                 self.started = False
                 return
             n = self.step + 1
@@ -182,7 +185,7 @@ class TrainingLoop:
                 lease = self._lease(r, n, holder=r)
                 if lease is not None:
                     self.leases[(r, n)] = lease
-                    self._assign(r, "logprobs", n, chunks=[c.to_dict() for c in lease.chunks])
+                    self._assign(r, n, M.LogprobsTask(chunks=[c.to_dict() for c in lease.chunks]))
         if self._idle("rollout") and self.stop_request is None and (self.regen or self.generated < self.total):
             n = min(self.regen) if self.regen else self.generated + 1  # a step voided for damage comes first
             if self.state.running and not self._paused(n) and self.broker.start_step(n):  # the staleness gate
@@ -191,8 +194,9 @@ class TrainingLoop:
                 self.cur.setdefault(n, {}).setdefault("exchange/quarantined", 0.0)
                 self.t0.setdefault(n, time.monotonic())
                 # data_state: the cursor after step n-1, so that step n (also when generated again) gets its prompts
-                self._assign("rollout", "generate", n, step=n, engines=self._live(), seq=self.broker.next_seq(PRODUCER),
-                             data_state=self.data_states.get(n - 1))
+                self._assign("rollout", n, M.GenerateTask(step=n, engines=self._live(),
+                                                          seq=self.broker.next_seq(PRODUCER),
+                                                          data_state=self.data_states.get(n - 1)))
         self.state.progress(phase=self._phase(), generated=self.generated)
 
     def _phase(self) -> str:
@@ -226,7 +230,7 @@ class TrainingLoop:
         if lease is not None:
             del self.ready[n]
             self.leases[n] = lease
-            self._assign("actor", "train", n, step=n, chunks=[c.to_dict() for c in lease.chunks])
+            self._assign("actor", n, M.TrainTask(step=n, chunks=[c.to_dict() for c in lease.chunks]))
 
     # -- damaged chunks
     def _lease(self, task: str, n: int, holder: str) -> Any:
@@ -281,7 +285,7 @@ class TrainingLoop:
         self.regen.add(n)
 
     def _checkpoint(self, n: int) -> None:
-        self._assign("actor", "checkpoint", n, extra={"step": n, "data": self.data_states.get(n)})
+        self._assign("actor", n, M.CheckpointTask(extra={"step": n, "data": self.data_states.get(n)}))
 
     # -- results in
     def on_message(self, msg: dict) -> None:
@@ -297,18 +301,23 @@ class TrainingLoop:
         task = self.pending.pop(msg["task_id"], None)
         if task is None or not self.state.running:
             return
-        res = msg["result"]
         if task.kind in ("logprobs", "train") and task.life != self.lives.get(task.step, 0):
             return self._pump()  # its step was voided (damaged chunks) since: it is generated again, this is void
-        if "error" in res and task.kind in ("logprobs", "train") and self._read_failed(task, res["error"]):
-            return self._pump()
-        if "error" in res:  # the task's verdict ends the run, unless the machinery broke (a restart may help)
-            at = f"step {task.step} {task.kind}" if task.kind not in ("start_engines", "connect") else task.kind
-            self.state.fail(task.role, msg["rank"], self._node(task.role), f"{at}: {res['error']}",
-                            kind="role" if res.get("restartable") else "task")
+        at = f"step {task.step} {task.kind}" if task.kind not in ("start_engines", "connect") else task.kind
+        try:
+            res = M.decode_result(task.kind, msg["result"])
+        except M.MessageError as e:  # controller and role disagree about the protocol: no restart helps
+            self.state.fail(task.role, msg["rank"], self._node(task.role), f"{at}: {e}", kind="task")
             return
-        if task.kind in ("generate", "logprobs", "train", "sync") and task.step in self.cur:  # a step's own metrics
-            self.cur[task.step].update(res.get("metrics") or {})
+        if isinstance(res, M.TaskError):
+            if task.kind in ("logprobs", "train") and self._read_failed(task, res.error):
+                return self._pump()
+            # the task's verdict ends the run, unless the machinery broke (a restart may help)
+            self.state.fail(task.role, msg["rank"], self._node(task.role), f"{at}: {res.error}",
+                            kind="role" if res.restartable else "task")
+            return
+        if isinstance(res, (M.GenerateResult, M.LogprobsResult, M.TrainResult, M.SyncResult)) and task.step in self.cur:
+            self.cur[task.step].update(res.metrics)  # a step's own metrics
         getattr(self, f"_{task.kind}_done")(task, res)
         self._pump()
 
@@ -316,64 +325,64 @@ class TrainingLoop:
         nodes = self.state.doc["roles"].get(role, {}).get("nodes") or [None]
         return nodes[0]
 
-    def _start_engines_done(self, task: Task, res: dict) -> None:
-        if self.data_states.get(self.step) is None and res.get("data_state"):  # the cursor step k+1 starts from
-            self.data_states[self.step] = res["data_state"]
-        self.engines = dict(res["engines"])
-        self.engine_info = {n: {"url": u, "pid": res.get("pids", {}).get(n), "node": res.get("nodes", {}).get(n),
-                                "dead": None} for n, u in self.engines.items()}
+    def _start_engines_done(self, task: Task, res: M.StartEnginesResult) -> None:
+        if self.data_states.get(self.step) is None and res.data_state:  # the cursor step k+1 starts from
+            self.data_states[self.step] = res.data_state
+        self.engines = dict(res.engines)
+        self.engine_info = {n: {"url": u, "pid": res.pids.get(n), "node": res.nodes.get(n), "dead": None}
+                            for n, u in self.engines.items()}
         log.info("engines: %s", ", ".join(f"{n} {u}" for n, u in self.engines.items()))
         self.state.progress(engines=self.engine_info, phase="connecting weight sync")
-        self._assign("actor", "connect", self.step, engines=self.engines, load=self.resume_path)
+        self._assign("actor", self.step, M.ConnectTask(engines=self.engines, load=self.resume_path))
 
-    def _connect_done(self, task: Task, res: dict) -> None:
+    def _connect_done(self, task: Task, res: M.ConnectResult) -> None:
         if self.resume_path is None:
             self.started = True
         else:  # the engines serve the model on disk: give them the checkpoint's weights first
-            self._assign("actor", "sync", self.step, version=str(self.step), engines=self._live())
+            self._assign("actor", self.step, M.SyncTask(version=str(self.step), engines=self._live()))
 
-    def _generate_done(self, task: Task, res: dict) -> None:
+    def _generate_done(self, task: Task, res: M.GenerateResult) -> None:
         n = task.step
-        for f in res.get("engine_failures", []):
+        for f in res.engine_failures:
             log.error("step %d: rollout engine %s (%s) died: %s; its requests went to the other engines",
                       n, f["name"], f["url"], f["error"])
-        for name, why in (res.get("dead_engines") or {}).items():
+        for name, why in res.dead_engines.items():
             if name in self.engine_info and not self.engine_info[name]["dead"]:
                 self.engine_info[name]["dead"] = why
                 self.state.progress(engines=self.engine_info)
         # the run's count (an engine found dead at a sync is no longer in the driver's set)
         self.cur[n]["rollout/engines_dead"] = float(sum(1 for i in self.engine_info.values() if i["dead"]))
-        for f in res.get("reward_failures", []):
+        for f in res.reward_failures:
             log.warning("step %d: reward failed for sample index=%s group_index=%s (prompt %r, response %r, label %r): "
                         "%s", n, f.get("index"), f.get("group_index"), f.get("prompt"), f.get("response"),
                         f.get("label"), f.get("error"))
-        versions = [int(v) for v in res.get("weight_versions", []) if str(v).isdigit()]
+        versions = [int(v) for v in res.weight_versions if str(v).isdigit()]
         if versions:
             self.cur[n]["rollout/weight_version"] = float(max(versions))
             self.cur[n]["rollout/weight_version_min"] = float(min(versions))
-        self.data_states[n] = res.get("data_state")
-        refs = [ChunkRef.from_dict(c) for c in res["chunks"]]
+        self.data_states[n] = res.data_state
+        refs = [ChunkRef.from_dict(c) for c in res.chunks]
         for ref in refs:
             self.broker.announce(ref)
         _test_damage(self.broker, n, refs)
         self.broker.end_step(n)
         self.ready[n] = set()
 
-    def _logprobs_done(self, task: Task, res: dict) -> None:
-        for side in res.get("sides", []):
+    def _logprobs_done(self, task: Task, res: M.LogprobsResult) -> None:
+        for side in res.sides:
             self.broker.add_fields(SideRef.from_dict(side))
         self.broker.ack(self.leases.pop((task.role, task.step)).id)
         self.ready[task.step].add(task.role)
 
-    def _load_done(self, task: Task, res: dict) -> None:
-        self.fwd_weights[task.role] = int(res.get("step", task.step))
+    def _load_done(self, task: Task, res: M.LoadResult) -> None:
+        self.fwd_weights[task.role] = res.step
 
-    def _train_done(self, task: Task, res: dict) -> None:
-        self._assign("actor", "sync", task.step, version=str(task.step), engines=self._live())
+    def _train_done(self, task: Task, res: M.TrainResult) -> None:
+        self._assign("actor", task.step, M.SyncTask(version=str(task.step), engines=self._live()))
 
-    def _sync_done(self, task: Task, res: dict) -> None:
+    def _sync_done(self, task: Task, res: M.SyncResult) -> None:
         n = task.step
-        for name, why in (res.get("dead_engines") or {}).items():  # found dead at the sync: left out from now on
+        for name, why in res.dead_engines.items():  # found dead at the sync: left out from now on
             if name in self.engine_info and not self.engine_info[name]["dead"]:
                 log.error("rollout engine %s (%s) died: %s; the sync went to the other engines", name,
                           self.engine_info[name]["url"], why)
@@ -382,7 +391,7 @@ class TrainingLoop:
         if not self.started:  # the resume sync
             self.started = True
             return
-        bad = {e: v for e, v in (res.get("engine_versions") or {}).items() if v != str(n)}
+        bad = {e: v for e, v in res.engine_versions.items() if v != str(n)}
         if bad:
             log.warning("step %d: engines report other weight versions than %d after the sync: %s", n, n, bad)
         self.broker.ack(self.leases.pop(n).id)  # consumed by every task: the step is cleared; the gate moves
@@ -402,16 +411,16 @@ class TrainingLoop:
         for old in [s for s in self.data_states if s < n - 1 and s != (self.last_ckpt_step or 0)]:
             del self.data_states[old]
 
-    def _checkpoint_done(self, task: Task, res: dict) -> None:
+    def _checkpoint_done(self, task: Task, res: M.CheckpointResult) -> None:
         self.last_ckpt_step = task.step
         every = self.recipe.algorithm.ref_update_interval
         for r in self.fwd:
             if r == "actor_fwd" or (every and task.step % every == 0):
-                self._assign(r, "load", task.step, path=res.get("path"))
-        self.state.progress(last_checkpoint={"step": task.step, "path": res.get("path"), "time": time.time()})
-        self.state.event("checkpoint", f"step {task.step}: {res.get('path')}")
+                self._assign(r, task.step, M.LoadTask(path=res.path))
+        self.state.progress(last_checkpoint={"step": task.step, "path": res.path, "time": time.time()})
+        self.state.event("checkpoint", f"step {task.step}: {res.path}")
 
-    def _stop_done(self, task: Task, res: dict) -> None:
+    def _stop_done(self, task: Task, res: M.StopResult) -> None:
         pass  # the role ends; the loop sees it done
 
     # -- the end

@@ -4,8 +4,10 @@
 - :mod:`.journal` — the broker's append-only, fsynced journal;
 - :mod:`.broker` — the state machine (partitions, fields, leases and consumption per task, quarantine,
   clearing, the staleness gate), rebuilt from its journal;
-- :mod:`.staleness` — the gate rule and its audit from a journal;
-- :mod:`.client` — role-side helpers (producer, field writer, consumer).
+- :mod:`.staleness` — the gate rule and its audit from a journal.
+
+Roles write chunks and side files with :mod:`.chunk` (through :mod:`relax_hpc.roles.samples` and
+:mod:`relax_hpc.roles.forward`); the controller owns the broker and announces, adds fields, leases and acks.
 
 See ``docs/exchange.md``.
 """
@@ -36,12 +38,11 @@ from relax_hpc.exchange.chunk import (
     write_chunk,
     write_fields,
 )
-from relax_hpc.exchange.client import Batch, Consumer, FieldWriter, Producer
 from relax_hpc.exchange.journal import JournalCorrupt, JournalLocked, replay
 
 __all__ = [
-    "Batch", "Broker", "ChunkExists", "ChunkQuarantined", "ChunkRef", "Consumer", "DamagedChunk", "ExchangeError",
-    "FieldConflict", "FieldWriter", "JournalCorrupt", "JournalLocked", "Lease", "LeaseLost", "Producer", "Ragged",
+    "Broker", "ChunkExists", "ChunkQuarantined", "ChunkRef", "DamagedChunk", "ExchangeError",
+    "FieldConflict", "JournalCorrupt", "JournalLocked", "Lease", "LeaseLost", "Ragged",
     "SideRef", "StepCleared", "StepEnded", "StepNotComplete", "StepNotStarted", "UnknownChunk", "UnknownTask",
     "columns_to_samples", "read_chunk", "replay", "samples_to_columns", "write_chunk", "write_fields",
 ]

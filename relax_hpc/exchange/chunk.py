@@ -176,8 +176,11 @@ class Ragged:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def __iter__(self):  # explicit: the __getitem__ fallback would run one past the end
+        return (self[i] for i in range(len(self)))
+
     def to_list(self) -> list[np.ndarray]:
-        return [self[i] for i in range(len(self))]
+        return list(self)
 
     @classmethod
     def from_list(cls, arrays: Sequence[np.ndarray]) -> "Ragged":

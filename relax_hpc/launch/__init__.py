@@ -12,6 +12,7 @@ Modules, one job each:
   cancel     scancel, or stop a local run's process group
   localproc  local process identity (PID + start time) and group stop
   cli        the relax-submit / relax-status / relax-cancel entry points
-  steps      (the controller's) role step command lines
+The role steps' command lines are the controller's (:mod:`relax_hpc.controller.steps`); launch imports the
+controller (to run it, to talk to it), never the other way round.
 Nothing here imports Megatron or SGLang.
 """

@@ -10,6 +10,8 @@ template, and :class:`HetSlurmInfoWatcher` folds component rows into one state.
 
 What runs is always :class:`ControllerTask`, i.e. ``relax_hpc.controller.run_controller(run_dir)``: in the
 batch script (``exec``-ed, so it is the batch shell and gets ``--signal=B:USR2``), or in a local child process.
+It hands the controller the launcher's ways back for a requeued attempt (``scontrol requeue``, a continuation
+job): the controller never imports launch.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from submitit.core import utils as submitit_utils
 from submitit.local.local import LocalExecutor, LocalJob
 from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
 
-from relax_hpc.launch.slurm import aggregate_state
+from relax_hpc.launch.slurm import aggregate_state, scontrol_requeue
 
 
 class ControllerTask:
@@ -35,18 +37,25 @@ class ControllerTask:
     It is checkpointable in submitit's sense: if submitit's own USR2 handler is the one that fires (the
     controller did not install its own), the job is requeued and this same task runs again; the controller
     then resumes from the run directory's ``latest`` checkpoint. The controller is imported when the task
-    runs, not when it is pickled, so submitting never imports training code."""
+    runs, not when it is pickled, so submitting never imports training code.
 
-    def __init__(self, run_dir: str | Path):
+    ``resubmit`` (``launch.submit.resubmit`` for Slurm runs, pickled by reference) submits a continuation job
+    when Slurm refuses to requeue; with ``scontrol requeue`` it is how the controller comes back
+    (:mod:`relax_hpc.controller.requeue`)."""
+
+    resubmit: Callable[[Path], dict] | None = None  # also for a task pickled before this attribute existed
+
+    def __init__(self, run_dir: str | Path, resubmit: Callable[[Path], dict] | None = None):
         self.run_dir = str(run_dir)
+        self.resubmit = resubmit
 
     def __call__(self) -> Any:
         from relax_hpc.controller import run_controller
 
-        return run_controller(self.run_dir)
+        return run_controller(self.run_dir, requeue_job=scontrol_requeue, resubmit=self.resubmit)
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit_utils.DelayedSubmission:
-        return submitit_utils.DelayedSubmission(ControllerTask(self.run_dir))
+        return submitit_utils.DelayedSubmission(ControllerTask(self.run_dir, self.resubmit))
 
     def __repr__(self) -> str:
         return f"ControllerTask({self.run_dir!r})"

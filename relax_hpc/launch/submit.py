@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relax_hpc.controller.steps import describe_steps, step_commands
 from relax_hpc.launch import localproc
 from relax_hpc.launch.executors import ControllerTask, HetSlurmExecutor, RelaxLocalExecutor, runner_argv
 from relax_hpc.launch.preflight import preflight
@@ -77,11 +78,9 @@ def would_be_run_dir(p: Plan) -> Path:
 
 
 def step_lines(p: Plan, run_dir: Path) -> list[str]:
-    """The role steps' command lines, from the controller's own builder (``relax_hpc.launch.steps``)."""
+    """The role steps' command lines, from the controller's own builder (:mod:`relax_hpc.controller.steps`)."""
     try:
         if p.executor == "local":
-            from relax_hpc.launch.steps import step_commands
-
             lines = []
             for sc in step_commands(p.recipe, run_dir, "local", p.python):
                 for proc in sc.procs:
@@ -89,8 +88,6 @@ def step_lines(p: Plan, run_dir: Path) -> list[str]:
                                    if k.startswith("RELAX_") and k not in ("RELAX_LAUNCH_ID",))
                     lines.append(f"{env} {shlex.join(proc.argv)}".strip())
             return lines
-        from relax_hpc.launch.steps import describe_steps
-
         return list(describe_steps(p.recipe, run_dir, p.python))
     except Exception as e:  # the step builder belongs to the controller; a dry run should still print the script
         return [f"# (step commands unavailable: {type(e).__name__}: {e})"]
@@ -115,7 +112,7 @@ def _submit_slurm(p: Plan, rd: RunDir, script: str):
 
     ex = HetSlurmExecutor(rd.path / "submitit", render, _timeout_min(p.recipe), p.recipe.slurm.max_requeues,
                           python=p.python)
-    return ex.submit(ControllerTask(rd.path))
+    return ex.submit(ControllerTask(rd.path, resubmit))  # resubmit: for a controller whose requeue is refused
 
 
 def _submit_local(p: Plan, rd: RunDir):

@@ -3,6 +3,8 @@
 Two passes: ``build`` checks shape and types against the dataclasses (unknown keys with a "did you mean");
 ``check`` checks meaning (resources that fit together, strings safe for Slurm). Both report
 (key, value, message) triples so the user sees the key, the value and the fix in one error.
+``check_files`` (run by relax-submit, not by the roles) reads what the run will open: data, the model's
+config, and the user functions the recipe names (loaded with :func:`relax_hpc.plugins.load_plugin`).
 """
 
 from __future__ import annotations
@@ -11,21 +13,25 @@ import dataclasses
 import difflib
 import functools
 import json
+import logging
 import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from relax_hpc.algo.config import check as check_algorithm
+from relax_hpc.algo.config import PLUGIN_CALLS, check as check_algorithm
+from relax_hpc.plugins import PluginError, load_plugin
 from relax_hpc.recipe.errors import _MISSING
 from relax_hpc.recipe.relax_names import RELAX_NAMES, cli_flag, relax_flag
 from relax_hpc.recipe.schema import ROLE_NAMES, Recipe
 from relax_hpc.rollout.data import DataError, check_config as check_data, expand_paths
-from relax_hpc.rollout.rewards import BUILTIN_REWARDS
+from relax_hpc.rollout.rewards import BUILTIN_REWARDS, REWARD_PARAMS
 from relax_hpc.train.config import check as check_train
 
 Problem = tuple[str, object, str]
+
+log = logging.getLogger(__name__)
 
 # Strings that become Slurm arguments: a conservative set Slurm itself accepts in names and lists.
 # Always used with ``fullmatch``: ``$`` also matches before a trailing newline, so "debug\n" passed a ``^...$``
@@ -397,6 +403,7 @@ def check_files(recipe: Recipe, cwd: str | Path | None = None) -> list[Problem]:
     base = Path.cwd() if cwd is None else Path(cwd)
     problems = _check_data_paths(recipe, base)
     problems += _check_context(recipe, base)
+    problems += _check_plugins(recipe, base)
     return problems
 
 
@@ -419,6 +426,30 @@ def _check_data_paths(r: Recipe, base: Path) -> list[Problem]:
             out.append((key, val, f"{e} (relative paths are relative to the directory you submit from, {base}). "
                                   "Fix: give an existing JSONL/Parquet file or a directory of them, "
                                   "as an absolute path or relative to where you run relax-submit"))
+    return out
+
+
+def _check_plugins(r: Recipe, base: Path) -> list[Problem]:
+    """A function reference that does not load (a typo, a missing file, a wrong signature) failed only when a
+    role first called it: at the first reward or the first training step, after the job had queued and the
+    engines had started. Load each one here as the roles will (relative to the submit directory, which is their
+    working directory) and check it accepts the call they make.
+
+    Not refused: a module that exists but imports a package missing on this machine (the job may run in a
+    container or another environment); that is logged. Bad forms were already refused by :func:`check`."""
+    refs = [("rollout.custom_rm_path", r.rollout.custom_rm_path, REWARD_PARAMS, ())]
+    refs += [(f"algorithm.{k}", getattr(r.algorithm, k), params, kw) for k, (params, kw) in PLUGIN_CALLS.items()]
+    out: list[Problem] = []
+    for key, spec, params, keywords in refs:
+        if spec is None:
+            continue
+        try:
+            load_plugin(spec, key, params=params, keywords=keywords, base=base)
+        except PluginError as e:
+            if e.kind == "dependency":
+                log.warning("not checked here: %s", e)
+            elif e.kind != "syntax":
+                out.append((key, spec, e.message))
     return out
 
 

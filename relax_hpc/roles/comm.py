@@ -19,13 +19,16 @@ import datetime
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from relax_hpc.roles.runtime import RoleContext, cross_members, reachable_host
+from relax_hpc.identity import cross_members, reachable_host
 from relax_hpc.rundir import write_json
+
+if TYPE_CHECKING:  # runtime.main imports this module (after its hello); this one needs the class for hints only
+    from relax_hpc.roles.runtime import RoleContext
 
 CROSS_KEY = "cross_group"
 

@@ -8,7 +8,7 @@ exchange as a side file of each chunk (:func:`relax_hpc.exchange.chunk.write_fie
 its initial weights (π_ref, ``ref_log_probs``); actor_fwd follows the actor (π_old, ``log_probs``). There is
 one weight source, the actor's checkpoints (``load``): no second path to keep in step with training.
 
-Tasks (:mod:`relax_hpc.roles.tasks`):
+Tasks (:mod:`relax_hpc.roles.tasks`; their fields and results: :mod:`relax_hpc.controller.messages`):
 
 - ``logprobs {chunks: [ChunkRef dicts], field?}``: every rank reads the samples (checksums verified) and
   runs the forward (a collective); rank 0 writes ``field`` (default: the role's) for each chunk that lacks
@@ -32,26 +32,19 @@ from relax_hpc.roles.runtime import RoleContext
 if TYPE_CHECKING:
     from relax_hpc.exchange.chunk import ChunkRef
 
-READ_FIELDS = ("tokens", "response_length")
-
-
 def compute_and_write(actor: Any, refs: Sequence[dict | ChunkRef], field: str, writer: str, rank: int) -> list[dict]:
     """Log-probs of every response token of these chunks as side field ``field`` (ragged float32).
 
     Collective (every rank calls it with the same refs); rank 0 writes the side files and returns their
     :class:`~relax_hpc.exchange.chunk.SideRef` dicts in the order of ``refs``, the other ranks ``[]``."""
     import numpy as np  # here, not at the top: a role imports numpy, h5py and torch after its hello
-    import torch
 
     from relax_hpc.exchange.chunk import ChunkRef, write_fields
-    from relax_hpc.roles.samples import read_samples
+    from relax_hpc.roles.samples import LOGPROB_FIELDS, logprob_batch, read_columns
 
     chunks = [r if isinstance(r, ChunkRef) else ChunkRef.from_dict(r) for r in refs]
     todo = [c for c in chunks if field not in c.all_fields]
-    batch = []  # the minimal batch items compute_log_probs needs
-    for s in read_samples(todo, READ_FIELDS, agree=True):
-        tokens = torch.as_tensor(np.asarray(s["tokens"], dtype=np.int64))
-        batch.append({"tokens": tokens, "response_start": int(tokens.numel() - int(s["response_length"]))})
+    batch = logprob_batch(read_columns(todo, LOGPROB_FIELDS, agree=True)) if todo else []
     lps = actor.compute_log_probs(batch) if batch else []
     if rank != 0:
         return []
@@ -79,6 +72,7 @@ def work_forward(ctx: RoleContext, comm: Any, field: str) -> None:
     """The role's work: build the model, then serve ``logprobs``/``load``/``stop`` until ``stop``."""
     if ctx.recipe.model.path is None:
         return
+    from relax_hpc.controller import messages as M
     from relax_hpc.roles.model import build_megatron, resolve
     from relax_hpc.roles.tasks import serve
     from relax_hpc.train.logprobs import set_progress_hook
@@ -88,12 +82,14 @@ def work_forward(ctx: RoleContext, comm: Any, field: str) -> None:
     set_progress_hook(ctx.progress)
     ctx.report("ready", model=resolve(ctx.recipe.model.path))
 
-    def logprobs(task: dict) -> dict:
+    def logprobs(task: M.LogprobsTask) -> M.LogprobsResult:
         t0 = time.monotonic()
-        sides = compute_and_write(actor, task["chunks"], task.get("field") or field, role, rank)
+        sides = compute_and_write(actor, task.chunks, task.field or field, role, rank)
         if rank != 0:
-            return {}
-        return {"sides": sides, "metrics": {f"perf/{role}_time": time.monotonic() - t0}}
+            return M.LogprobsResult()
+        return M.LogprobsResult(sides=sides, metrics={f"perf/{role}_time": time.monotonic() - t0})
 
-    serve(ctx, comm, {"logprobs": logprobs, "load": lambda task: {"step": load_weights(actor, task["path"])},
-                      "stop": lambda task: {}})
+    def load(task: M.LoadTask) -> M.LoadResult:
+        return M.LoadResult(step=load_weights(actor, task.path))
+
+    serve(ctx, comm, {"logprobs": logprobs, "load": load, "stop": lambda task: M.StopResult()})

@@ -3,11 +3,11 @@
 Every rank launches one engine on its node (the CPU engine where there is no CUDA; SGLang from
 ``RELAX_SGLANG_PYTHON`` on GPU nodes), so the role's size (``roles.rollout``: nodes × tasks_per_node) is
 the number of engines. Rank 0 gathers their URLs and drives them; the other ranks keep their engine alive
-until ``stop``. Tasks (:mod:`relax_hpc.roles.tasks`):
+until ``stop``. Tasks (:mod:`relax_hpc.roles.tasks`; their fields and results: :mod:`relax_hpc.controller.messages`):
 
 - ``start_engines``: returns ``{"engines": {name: url}, "pids": {...}, "nodes": {...}, "data_state"}`` (names
   ``engine0``, ``engine1``, ... by rank; the data cursor at the start, which a fresh run's step 1 starts from).
-- ``generate {step, engines, data_state}``: from the data cursor after step−1 (so a step generated again, e.g.
+- ``generate {step, engines, seq, data_state}``: from the data cursor after step−1 (so a step generated again, e.g.
   after a damaged chunk, gets the same prompts), the next ``rollout_batch_size`` prompt groups from ``data.path``, generated
   with :class:`~relax_hpc.rollout.driver.RolloutDriver` on the live engines (a dead one is reported by
   name and its requests go to the others), scored by the reward (``rollout.custom_rm_path`` / ``rm_type``),
@@ -28,10 +28,13 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relax_hpc.roles.model import resolve
 from relax_hpc.roles.runtime import RoleContext, main
+
+if TYPE_CHECKING:
+    from relax_hpc.controller.messages import GenerateResult, GenerateTask
 
 ROLE = "rollout"
 ENGINE_READY_S = 900.0
@@ -92,6 +95,7 @@ def work(ctx: RoleContext, comm: Any) -> None:
     _sniffio_shim()
     import torch.distributed as dist
 
+    from relax_hpc.controller import messages as M
     from relax_hpc.roles.tasks import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [rollout] %(levelname)s %(name)s: %(message)s")
@@ -108,15 +112,16 @@ def work(ctx: RoleContext, comm: Any) -> None:
         if gen is not None:
             gen.set_engines({n: u for n, u, _, _ in everyone})
 
-        def start_engines(task: dict) -> dict:
-            return {"engines": {n: u for n, u, _, _ in everyone}, "pids": {n: p for n, _, p, _ in everyone},
-                    "nodes": {n: node for n, _, _, node in everyone},
-                    "data_state": gen.data.state_dict() if gen is not None else None}
+        def start_engines(task: M.StartEnginesTask) -> M.StartEnginesResult:
+            return M.StartEnginesResult(engines={n: u for n, u, _, _ in everyone},
+                                        pids={n: p for n, _, p, _ in everyone},
+                                        nodes={n: node for n, _, _, node in everyone},
+                                        data_state=gen.data.state_dict() if gen is not None else None)
 
-        def generate(task: dict) -> dict | None:
+        def generate(task: M.GenerateTask) -> M.GenerateResult | None:
             return gen.generate(task) if gen is not None else None
 
-        serve(ctx, comm, {"start_engines": start_engines, "generate": generate, "stop": lambda task: {}})
+        serve(ctx, comm, {"start_engines": start_engines, "generate": generate, "stop": lambda task: M.StopResult()})
     finally:
         engine.stop()
 
@@ -144,16 +149,17 @@ class Generator:
         self.engines = dict(engines)
         self.driver.set_engines(self.engines)
 
-    def generate(self, task: dict) -> dict:
+    def generate(self, task: GenerateTask) -> GenerateResult:
+        from relax_hpc.controller.messages import GenerateResult
         from relax_hpc.roles import samples as S
         from relax_hpc.rollout.rewards import RewardError
 
-        step = int(task["step"])
-        live = dict(task.get("engines") or self.engines)
+        step = task.step
+        live = dict(task.engines or self.engines)
         if set(live) != set(self.driver.live_engines):  # the controller's view of which engines are alive wins
             self.driver.set_engines(live)
-        if task.get("data_state"):  # the cursor after step-1: a step generated again gets the same prompts
-            self.data.load_state_dict(task["data_state"])
+        if task.data_state:  # the cursor after step-1: a step generated again gets the same prompts
+            self.data.load_state_dict(task.data_state)
         groups = self.data.get_samples()
         t0 = time.monotonic()
         try:
@@ -165,21 +171,21 @@ class Generator:
             raise
         t_gen = time.monotonic() - t0
         t1 = time.monotonic()
-        ref = S.write_step(self.ctx.run.path, step, result, seq=int(task.get("seq", 0)))
+        ref = S.write_step(self.ctx.run.path, step, result, seq=task.seq)
         metrics = dict(result.metrics)
         metrics["perf/exchange_write_time"] = time.monotonic() - t1
         metrics["perf/rollout_time"] = metrics.get("perf/rollout_time", t_gen)
         versions = sorted({str(s.weight_version) for s in result.samples})
-        return {
-            "metrics": metrics,
-            "chunks": [ref.to_dict()],
-            "n": len(result.samples),
-            "weight_versions": versions,
-            "data_state": self.data.state_dict(),
-            "reward_failures": [_short_failure(f) for f in result.reward_failures[:20]],
-            "engine_failures": [{"name": f.name, "url": f.url, "error": f.error} for f in result.engine_failures],
-            "dead_engines": self.driver.dead_engines,
-        }
+        return GenerateResult(
+            metrics=metrics,
+            chunks=[ref.to_dict()],
+            n=len(result.samples),
+            weight_versions=versions,
+            data_state=self.data.state_dict(),
+            reward_failures=[_short_failure(f) for f in result.reward_failures[:20]],
+            engine_failures=[{"name": f.name, "url": f.url, "error": f.error} for f in result.engine_failures],
+            dead_engines=self.driver.dead_engines,
+        )
 
 
 def _short_failure(f: Any) -> dict:

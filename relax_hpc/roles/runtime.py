@@ -8,65 +8,28 @@ A rank that loses the controller for longer than the heartbeat timeout exits too
 What a role started outside its own process (the rollout role's engines) is registered with
 :meth:`RoleContext.add_cleanup` and stopped on every way out: a normal end, an exception, SIGTERM (the
 controller stopping the steps), and the lost-controller exit.
+
+Who a rank is (:class:`~relax_hpc.identity.Identity`) and the cross-role group's members live in the leaf
+:mod:`relax_hpc.identity`, which the controller reads too; they are re-exported here.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from relax_hpc.controller.protocol import PHASES, Client, ProtocolError
-from relax_hpc.recipe import Recipe, load_recipe, role_steps
+from relax_hpc.identity import Identity
+from relax_hpc.recipe import Recipe, load_recipe
 from relax_hpc.rundir import RunDir
 
 CONTROLLER_LOST_EXIT = 75  # exit code of a rank that stopped hearing from the controller
-
-
-@dataclass(frozen=True)
-class Identity:
-    role: str
-    rank: int
-    world: int
-    local_rank: int
-    node: str
-
-    @classmethod
-    def from_env(cls, role: str, env: dict[str, str] | None = None) -> "Identity":
-        """The local launcher's ``RELAX_*`` variables win over Slurm's (a local run may sit inside an allocation)."""
-        env = os.environ if env is None else env
-
-        def pick(*names: str, default: str) -> str:
-            return next((env[n] for n in names if env.get(n)), default)
-
-        return cls(role=role,
-                   rank=int(pick("RELAX_RANK", "SLURM_PROCID", default="0")),
-                   world=int(pick("RELAX_WORLD_SIZE", "SLURM_NTASKS", default="1")),
-                   local_rank=int(pick("RELAX_LOCAL_RANK", "SLURM_LOCALID", default="0")),
-                   node=pick("RELAX_NODE", "SLURMD_NODENAME", default=socket.gethostname()))
-
-
-def cross_members(recipe: Recipe) -> list[str]:
-    """Ranks of the cross-role group, in order: the actor (its rank 0), then rank 0 of every other role."""
-    return ["actor", *[s.role for s in role_steps(recipe) if s.role != "actor"]]
-
-
-def reachable_host(ident: Identity) -> str:
-    """The address other processes use to reach a listener here: the node's name where it resolves."""
-    if ident.node == "localhost":
-        return "127.0.0.1"
-    try:
-        socket.getaddrinfo(ident.node, None)
-        return ident.node
-    except OSError:
-        return socket.getfqdn()
 
 
 def _whole(v: Any) -> bool:

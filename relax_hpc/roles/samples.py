@@ -1,96 +1,123 @@
-"""Rollout samples ↔ chunk files ↔ the actor's training batch (colocate mode).
+"""Rollout samples ↔ chunk files ↔ the actor's training batch.
 
 The rollout role writes one step's samples as one chunk (:mod:`relax_hpc.exchange.chunk`) in
 ``RUN_DIR/exchange/step_<N>/``; the chunk's ref (path, checksum, size, ...) travels to the actor in its
 ``train`` task through the controller, and the actor reads it back, checksum verified, into the batch
-format of :mod:`relax_hpc.train.batch`. Only this module knows which sample fields make the trip.
+format of :mod:`relax_hpc.train.batch`. Which fields make the trip, their dtypes and who writes them is
+:mod:`relax_hpc.exchange.fields`; this module only converts.
 
-Fields (one value per sample; Relax's names where Relax has them):
+Rewards travel raw (``raw_reward`` = R): group normalization and advantages (R → R̃ → A,
+:mod:`relax_hpc.algo.advantages`) run here, on the training side, so a reward field can come from a role
+that runs after the rollout.
 
-=====================  ========  ==========================================================================
-``tokens``             ragged    prompt + response token ids (int64)
-``response_length``    fixed     response tokens (the last ones of ``tokens``)
-``loss_mask``          ragged    over the response (0/1)
-``rollout_log_probs``  ragged    the engine's log-prob of each response token (float32)
-``rewards``            fixed     R̃: the reward after group normalization (the advantage before broadcast)
-``raw_reward``         fixed     R: the scalar reward
-``index``              fixed     ``sample.index`` (group_index in ``group_index``)
-``weight_version``     json      the engine's weight version when it finished the sample
-``status``             json      completed / truncated / aborted / failed
-``prompt``, ``response``, ``label``  json  for people reading the files
-``ref_log_probs``      ragged    side file of the reference role: π_ref of each response token (float32)
-``log_probs``          ragged    side file of the actor_fwd role: π_old of each response token (float32)
-=====================  ========  ==========================================================================
-
-The last two are optional (:data:`FORWARD_FIELDS`): a chunk has them once those roles added them
-(:mod:`relax_hpc.roles.forward`), and a caller that wants them passes them in ``read_samples``'s ``fields``.
+Representations of one sample on the way to the loss: the engine's response → :class:`Sample` → columns
+(one numpy array per field) → the HDF5 chunk → flat columns read back (views into the verified bytes) →
+per-sample tensors (views again, no copies) → the padded micro-batch of :mod:`relax_hpc.train.batch`.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 from typing import Any, Sequence
 
 import numpy as np
 
-from relax_hpc.exchange.chunk import ChunkRef, DamagedChunk, read_chunk, write_chunk
+from relax_hpc.exchange.chunk import ChunkRef, DamagedChunk, Ragged, columns_to_samples, read_chunk, write_chunk
+from relax_hpc.exchange.fields import BY_NAME, FORWARD_FIELDS, LOGPROB_FIELDS, PRODUCER, TRAIN_FIELDS, rollout_fields
 
-PRODUCER = "rollout"
-TRAIN_FIELDS = ("tokens", "response_length", "loss_mask", "rollout_log_probs", "rewards", "raw_reward", "index",
-                "weight_version")
-FORWARD_FIELDS = ("ref_log_probs", "log_probs")  # optional side fields: to_train_batch → ref_/old_log_probs
+__all__ = ["FORWARD_FIELDS", "LOGPROB_FIELDS", "PRODUCER", "TRAIN_FIELDS", "exchange_root", "write_step",
+           "read_columns", "read_samples", "logprob_batch", "train_batch", "read_train_batch"]
 
 
 def exchange_root(run_path: str | os.PathLike) -> str:
     return os.path.join(str(run_path), "exchange")
 
 
-def write_step(run_path: str | os.PathLike, step: int, result: Any, seq: int = 0) -> ChunkRef:
-    """Write a :class:`~relax_hpc.rollout.driver.RolloutResult` as the chunk of rollout step ``step``."""
-    s = result.samples
-    root = exchange_root(run_path)
-    os.makedirs(os.path.join(root, f"step_{int(step)}"), exist_ok=True)
-    fields = {
-        "tokens": [np.asarray(x.tokens, dtype=np.int64) for x in s],
-        "response_length": np.asarray([x.response_length for x in s], dtype=np.int64),
-        "loss_mask": [np.asarray(x.loss_mask if x.loss_mask is not None else [1] * x.response_length,
-                                 dtype=np.float32) for x in s],
-        "rollout_log_probs": [np.asarray(x.rollout_log_probs or [], dtype=np.float32) for x in s],
-        "rewards": np.asarray(result.rewards, dtype=np.float32),
-        "raw_reward": np.asarray(result.raw_rewards, dtype=np.float32),
-        "index": np.asarray([-1 if x.index is None else x.index for x in s], dtype=np.int64),
-        "group_index": np.asarray([-1 if x.group_index is None else x.group_index for x in s], dtype=np.int64),
+def _rollout_values(s: Any) -> dict[str, list]:
+    """Each rollout field's per-sample values (the names and order of :func:`rollout_fields`)."""
+    return {
+        "tokens": [x.tokens for x in s],
+        "response_length": [x.response_length for x in s],
+        "loss_mask": [x.loss_mask if x.loss_mask is not None else [1] * x.response_length for x in s],
+        "rollout_log_probs": [x.rollout_log_probs or [] for x in s],
+        "raw_reward": None,  # the result's, set by write_step
+        "index": [-1 if x.index is None else x.index for x in s],
+        "group_index": [-1 if x.group_index is None else x.group_index for x in s],
         "weight_version": [x.weight_version for x in s],
         "status": [x.status.value for x in s],
         "prompt": [x.prompt for x in s],
         "response": [x.response for x in s],
         "label": [x.label for x in s],
     }
+
+
+def _column(name: str, values: list) -> Any:
+    """One field's values as the column its schema says: ndarray, :class:`Ragged`, or a JSON list."""
+    f = BY_NAME[name]
+    if f.kind == "fixed":
+        return np.asarray(values, dtype=f.dtype)
+    if f.kind == "ragged":
+        return Ragged.from_list([np.asarray(v, dtype=f.dtype) for v in values])
+    return list(values)
+
+
+def write_step(run_path: str | os.PathLike, step: int, result: Any, seq: int = 0) -> ChunkRef:
+    """Write a :class:`~relax_hpc.rollout.driver.RolloutResult` as the chunk of rollout step ``step``."""
+    values = _rollout_values(result.samples)
+    values["raw_reward"] = list(result.raw_rewards)
+    names = rollout_fields()
+    assert set(values) == set(names), sorted(set(values) ^ set(names))  # the schema and this writer agree
+    root = exchange_root(run_path)
+    os.makedirs(os.path.join(root, f"step_{int(step)}"), exist_ok=True)
+    fields = {name: _column(name, values[name]) for name in names}
     return write_chunk(root, step, PRODUCER, seq, fields, attrs={"group_size": result.group_size})
+
+
+def _ref(r: dict | ChunkRef) -> ChunkRef:
+    return r if isinstance(r, ChunkRef) else ChunkRef.from_dict(r)
+
+
+def read_columns(refs: Sequence[dict | ChunkRef], fields: Sequence[str] = TRAIN_FIELDS, *,
+                 agree: bool = False) -> dict[str, Any]:
+    """The ``fields`` of these chunks (samples in order) as columns: ``fixed`` → ndarray, ``ragged`` → one
+    flat :class:`Ragged`, ``json`` → list. Raises DamagedChunk on a bad file.
+
+    ``agree``: a collective of the role's ranks (each reads the same chunks): if any rank could not read, every
+    rank raises DamagedChunk, so none goes on into a collective that the others never join."""
+    parts: list[dict[str, Any]] = []
+    damage = None
+    try:
+        parts = [read_chunk(_ref(r), list(fields), ragged="flat") for r in refs]
+    except DamagedChunk as e:
+        damage = e
+    if agree and _any_rank(damage is not None) and damage is None:
+        path = _ref(refs[0]).path if refs else "?"
+        damage = DamagedChunk(path, "another rank of this role could not read this task's chunks")
+    if damage is not None:
+        raise damage
+    return {name: _concat([p[name] for p in parts]) for name in fields}
+
+
+def _concat(cols: list) -> Any:
+    if len(cols) == 1:
+        return cols[0]
+    if cols and isinstance(cols[0], Ragged):
+        lengths = np.concatenate([c.lengths() for c in cols])
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return Ragged(np.concatenate([c.data for c in cols]), offsets)
+    if cols and isinstance(cols[0], np.ndarray):
+        return np.concatenate(cols)
+    return [v for c in cols for v in c]
 
 
 def read_samples(refs: Sequence[dict | ChunkRef], fields: Sequence[str] = TRAIN_FIELDS, *,
                  agree: bool = False) -> list[dict[str, Any]]:
-    """The samples of these chunks (in order) as dicts of ``fields``; raises DamagedChunk on a bad file.
-
-    ``agree``: a collective of the role's ranks (each reads the same chunks): if any rank could not read, every
-    rank raises DamagedChunk, so none goes on into a collective that the others never join."""
-    out: list[dict[str, Any]] = []
-    damage = None
-    try:
-        for r in refs:
-            ref = r if isinstance(r, ChunkRef) else ChunkRef.from_dict(r)
-            cols = read_chunk(ref, list(fields))
-            out += [{k: cols[k][i] for k in fields} for i in range(ref.n)]
-    except DamagedChunk as e:
-        damage = e
-    if agree and _any_rank(damage is not None) and damage is None:
-        first = refs[0] if refs else None
-        path = (first.path if isinstance(first, ChunkRef) else (first or {}).get("path")) if first else "?"
-        damage = DamagedChunk(path, "another rank of this role could not read this task's chunks")
-    if damage is not None:
-        raise damage
-    return out
+    """The samples of these chunks (in order) as dicts of ``fields``, for readers that walk samples one by
+    one (the forward roles, people); the actor reads columns (:func:`read_train_batch`)."""
+    cols = read_columns(refs, fields, agree=agree)
+    return columns_to_samples({k: v.to_list() if isinstance(v, Ragged) else v for k, v in cols.items()})
 
 
 def _any_rank(flag: bool) -> bool:
@@ -105,33 +132,61 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-def to_train_batch(samples: list[dict[str, Any]], algo_cfg: Any, process_group: Any = None) -> list[dict[str, Any]]:
-    """The actor's batch (:mod:`relax_hpc.train.batch`): tokens, response_start, per-token advantages
-    (R̃ broadcast over the loss mask, whitened if ``algorithm.normalize_advantages``), loss_mask and
-    rollout_log_probs; ``ref_log_probs`` and ``old_log_probs`` from a sample's ``ref_log_probs`` and
-    ``log_probs`` when it has them."""
+def logprob_batch(cols: dict[str, Any]) -> list[dict[str, Any]]:
+    """What a forward pass needs of each sample, from the ``tokens`` and ``response_length`` columns:
+    ``tokens`` (a view) and ``response_start`` (the response is the last ``response_length`` tokens)."""
     import torch
 
-    from relax_hpc.algo.advantages import broadcast_advantages
+    out = []
+    for tok, r in zip(cols["tokens"], cols["response_length"]):
+        t = torch.from_numpy(tok)
+        out.append({"tokens": t, "response_start": int(t.numel() - int(r))})
+    return out
 
-    lens = [int(s["response_length"]) for s in samples]
-    T = max(lens)
-    mask = torch.zeros(len(samples), T)
-    for i, s in enumerate(samples):
-        mask[i, : lens[i]] = torch.as_tensor(np.asarray(s["loss_mask"], dtype=np.float32))
-    rewards = torch.as_tensor(np.asarray([float(s["rewards"]) for s in samples], dtype=np.float32))
-    adv = broadcast_advantages(algo_cfg, rewards, mask, process_group=process_group)
-    batch = []
-    for i, s in enumerate(samples):
-        tokens = torch.as_tensor(np.asarray(s["tokens"], dtype=np.int64))
-        r = lens[i]
-        item = {"tokens": tokens, "response_start": int(tokens.numel() - r), "advantages": adv[i, :r].clone(),
-                "loss_mask": mask[i, :r].clone()}
-        lp = np.asarray(s["rollout_log_probs"], dtype=np.float32)
+
+def train_batch(cols: dict[str, Any], algo_cfg: Any, group_size: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """The actor's batch (:mod:`relax_hpc.train.batch`) from the columns of :func:`read_columns`, and the
+    reward metrics of the step.
+
+    Per sample: tokens, response_start, loss_mask and rollout_log_probs (views into the columns), the
+    per-token advantages A (R̃ on the loss-mask tokens, 0 elsewhere, whitened if
+    ``algorithm.normalize_advantages``), and ``ref_log_probs`` / ``old_log_probs`` from the ``ref_log_probs``
+    / ``log_probs`` columns when present. R̃ is the group-normalized ``raw_reward``
+    (:func:`~relax_hpc.algo.advantages.postprocess_rewards`, groups of ``group_size`` consecutive samples);
+    the metrics carry its mean as ``rollout/rewards``."""
+    import torch
+
+    from relax_hpc.algo.advantages import masked_whiten, postprocess_rewards
+
+    raw = torch.from_numpy(np.asarray(cols["raw_reward"], dtype=np.float32))
+    rewards = postprocess_rewards(algo_cfg, raw, group_size)
+    lens = [int(n) for n in cols["response_length"]]
+    mask = cols["loss_mask"]
+    batch = logprob_batch(cols)
+    for i, (item, r) in enumerate(zip(batch, lens)):
+        m = torch.from_numpy(mask[i])
+        if m.numel() != r:
+            raise ValueError(f"sample {i}: loss_mask has {m.numel()} values for a response of {r} tokens")
+        item["loss_mask"] = m
+        item["advantages"] = torch.where(m.bool(), rewards[i], torch.zeros((), dtype=rewards.dtype))
+        lp = cols["rollout_log_probs"][i]
         if lp.size == r:
-            item["rollout_log_probs"] = torch.as_tensor(lp)
+            item["rollout_log_probs"] = torch.from_numpy(lp)
         for name, key in (("ref_log_probs", "ref_log_probs"), ("log_probs", "old_log_probs")):
-            if name in s and np.size(s[name]) == r:
-                item[key] = torch.as_tensor(np.asarray(s[name], dtype=np.float32))
-        batch.append(item)
-    return batch
+            if name in cols and cols[name][i].size == r:
+                item[key] = torch.from_numpy(cols[name][i])
+    if algo_cfg.normalize_advantages and batch:
+        flat_adv = torch.cat([b["advantages"] for b in batch])
+        white = masked_whiten(flat_adv, torch.cat([b["loss_mask"] for b in batch]).bool())
+        for b, a in zip(batch, torch.split(white, lens)):
+            b["advantages"] = a
+    return batch, {"rollout/rewards": statistics.fmean(rewards.tolist())}
+
+
+def read_train_batch(refs: Sequence[dict | ChunkRef], algo_cfg: Any, group_size: int, *,
+                     agree: bool = True) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """:func:`read_columns` of the train fields (and the forward roles' side fields every chunk has), then
+    :func:`train_batch`."""
+    chunks = [_ref(r) for r in refs]
+    extra = [f for f in FORWARD_FIELDS if all(f in c.all_fields for c in chunks)]
+    return train_batch(read_columns(chunks, (*TRAIN_FIELDS, *extra), agree=agree), algo_cfg, group_size)

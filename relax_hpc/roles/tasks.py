@@ -5,9 +5,11 @@ by a poll) and passes each task to the other ranks of its role with a broadcast 
 group. While no task comes it broadcasts ``None`` every poll (at most :data:`MAX_TASK_WAIT_S`), so the
 other ranks never sit in a collective longer than that (the role group's timeout is the heartbeat timeout).
 
-A task is a dict ``{"id": int, "kind": str, ...}``; the stream ends after ``kind == "stop"``. Rank 0
+On the wire a task is a dict ``{"id": int, "kind": str, ...}``; the stream ends after ``kind == "stop"``.
+:func:`serve` decodes each into its kind's class (:mod:`relax_hpc.controller.messages`, the one description
+of every task and result) before the role's handler sees it, and sends the handler's typed result. Rank 0
 answers each task with :meth:`TaskStream.done` (its result dict) or :meth:`TaskStream.failed` (the error
-text, which fails the run with that report). See ``docs/controller.md`` for the tasks each role gets.
+text, which fails the run with that report). See ``docs/controller.md`` for what each role does with its tasks.
 
 While a task runs, every heartbeat shows it (``info["task"]``: id, kind, step, progress; see
 :meth:`RoleContext.begin_task`), and the controller fails a role whose task stops progressing for
@@ -19,6 +21,7 @@ from __future__ import annotations
 import traceback
 from typing import Any, Callable, Iterator
 
+from relax_hpc.controller.messages import ResultMessage, TaskError, TaskMessage, decode_task, encode_result
 from relax_hpc.controller.protocol import MAX_TASK_WAIT_S, Client
 from relax_hpc.exchange.chunk import DamagedChunk
 from relax_hpc.roles.runtime import RoleContext
@@ -62,6 +65,11 @@ class TaskStream:
             if task.get("kind") == "stop":
                 return
 
+    @property
+    def reports(self) -> bool:
+        """Whether this rank reports the outcomes (rank 0)."""
+        return self._client is not None
+
     def done(self, task: dict, result: dict) -> None:
         if self._client is not None:
             self._client.task_done(self.ctx.ident.role, 0, int(task["id"]), result)
@@ -73,7 +81,7 @@ class TaskStream:
         if self._client is None:
             return
         text = getattr(error, "report", None) or describe(error)
-        result = {"error": text[:MAX_REPORT], "restartable": bool(getattr(error, "restartable", False))}
+        result = TaskError(error=text[:MAX_REPORT], restartable=bool(getattr(error, "restartable", False))).to_dict()
         try:
             self._client.task_done(self.ctx.ident.role, 0, int(task["id"]), result)
         except Exception:  # the error path in runtime.main reports it again through `error`
@@ -90,8 +98,13 @@ def describe(error: BaseException) -> str:
     return text or "".join(traceback.format_exception_only(type(error), error)).strip()
 
 
-def serve(ctx: RoleContext, comm: Any, handlers: dict[str, Callable[[dict], dict | None]]) -> None:
+def serve(ctx: RoleContext, comm: Any, handlers: dict[str, Callable[[Any], ResultMessage | None]]) -> None:
     """Run tasks until ``stop``: ``handlers[kind](task)`` on every rank; rank 0 reports its result.
+
+    The handler gets the task decoded into its kind's class (:func:`~relax_hpc.controller.messages.decode_task`;
+    a malformed task fails with the :class:`~relax_hpc.controller.messages.MessageError` text) and returns
+    the kind's result class (None: its empty result, for kinds whose result has no required field; ranks
+    other than 0 report nothing, so what they return is not looked at).
 
     A handler that raises reports the error as the task's outcome and re-raises (the role then fails),
     except :class:`~relax_hpc.exchange.chunk.DamagedChunk` (a chunk that cannot be read: the controller
@@ -106,7 +119,9 @@ def serve(ctx: RoleContext, comm: Any, handlers: dict[str, Callable[[dict], dict
             try:
                 if kind not in handlers:
                     raise RuntimeError(f"{ctx.ident.role} got a task of unknown kind {kind!r}: {task}")
-                result = handlers[kind](task) or {}
+                typed: TaskMessage = decode_task(task)
+                out = handlers[kind](typed)
+                result = encode_result(kind, out) if stream.reports else {}
             except DamagedChunk as e:  # the controller quarantines the chunk and has the step made again
                 stream.failed(task, e)
                 continue

@@ -478,9 +478,15 @@ def check_config(data_cfg: Any, rollout_cfg: Any) -> list[tuple[str, object, str
         need(r.max_retries >= 0, "rollout.max_retries", r.max_retries, "must be 0 or more")
     path = getattr(r, "custom_rm_path", None)
     if path is not None:
-        ok = "." in path.strip(".") and ":" not in path and not any(c.isspace() for c in path)
+        from relax_hpc.plugins import FORMS, PluginError, parse_spec
+
+        try:
+            parse_spec(path, "rollout.custom_rm_path")
+            ok = True
+        except PluginError:
+            ok = False
         need(ok, "rollout.custom_rm_path", path,
-             "must be Relax's dotted form 'package.module.function'. Fix: e.g. examples.my_algo.reward_my_algo.reward_func")
+             f"must be {FORMS}. Fix: e.g. examples.my_algo.reward_my_algo.reward_func (Relax's form)")
     if path is None and getattr(r, "rm_type", None) is None:
         pass  # rm_type may come per sample from metadata["rm_type"]; checked when a sample has neither
     if hasattr(r, "eval_interval") and r.eval_interval is not None:

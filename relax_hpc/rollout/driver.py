@@ -1,4 +1,4 @@
-"""The rollout driver: one rollout batch from prompt groups, across engines, with rewards and normalization.
+"""The rollout driver: one rollout batch from prompt groups, across engines, with rewards.
 
 :meth:`RolloutDriver.generate_rollout` takes groups of samples (from
 :meth:`relax_hpc.rollout.data.RolloutDataSource.get_samples`: ``n_samples_per_prompt`` copies of one prompt
@@ -11,8 +11,8 @@ per group) and, as Relax's default ``generate_rollout`` does:
    ``response_length``, ``loss_mask`` (ones; zeros for ``remove_sample``), ``rollout_log_probs``,
    ``weight_versions`` (SGLang's ``meta_info["weight_version"]``) and ``status`` from ``finish_reason``;
 3. scores each group as soon as it is complete (:class:`~relax_hpc.rollout.rewards.RewardRunner`);
-4. normalizes the rewards per group with :func:`relax_hpc.algo.advantages.postprocess_rewards`
-   (``raw_rewards`` keeps R, ``rewards`` R̃), and computes Relax's ``rollout/...`` metrics.
+4. computes Relax's ``rollout/...`` metrics. Rewards stay raw (R): group normalization and advantages run on
+   the training side (:func:`relax_hpc.roles.samples.train_batch`), which also reports ``rollout/rewards``.
 
 Engine failures: a request that fails without an HTTP answer (connection refused or closed, timeout) makes
 the driver probe that engine's ``/health_generate``; if the probe fails too the engine is declared dead —
@@ -40,10 +40,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-import torch
-
-from relax_hpc.algo.advantages import postprocess_rewards
-from relax_hpc.algo.config import AlgorithmConfig
 from relax_hpc.rollout.client import GENERATE_TIMEOUT, Backoff, EngineClient, EngineError, Generation, SamplingParams
 from relax_hpc.rollout.eval import sample_metrics
 from relax_hpc.rollout.rewards import RewardFailure, RewardRunner, positive_seconds
@@ -143,8 +139,7 @@ class RolloutResult:
     """One rollout batch: samples (groups consecutive, in the order given), rewards and metrics."""
 
     samples: list[Sample]
-    raw_rewards: list[float]  # scalar reward per sample (through reward_key)
-    rewards: list[float]  # after group normalization (= raw_rewards for eval or with normalization off)
+    raw_rewards: list[float]  # scalar reward per sample (through reward_key); normalized on the training side
     metrics: dict[str, float]
     group_size: int
     reward_failures: list[RewardFailure] = field(default_factory=list)
@@ -154,24 +149,6 @@ class RolloutResult:
     def groups(self) -> list[list[Sample]]:
         n = self.group_size
         return [self.samples[i:i + n] for i in range(0, len(self.samples), n)]
-
-    def to_train_data(self) -> dict[str, list]:
-        """Per-sample fields under Relax's train-data names, one list entry per sample."""
-        s = self.samples
-        return {
-            "tokens": [x.tokens for x in s],
-            "response_lengths": [x.response_length for x in s],
-            "total_lengths": [len(x.tokens) for x in s],
-            "rewards": list(self.rewards),
-            "raw_reward": list(self.raw_rewards),
-            "truncated": [int(x.status is SampleStatus.TRUNCATED) for x in s],
-            "loss_masks": [x.loss_mask if x.loss_mask is not None else [1] * x.response_length for x in s],
-            "rollout_log_probs": [x.rollout_log_probs for x in s],
-            "sample_indices": [x.index for x in s],
-            "group_indices": [x.group_index for x in s],
-            "weight_versions": [x.weight_version for x in s],
-            "status": [x.status.value for x in s],
-        }
 
 
 @dataclass
@@ -206,18 +183,16 @@ class RolloutDriver:
     deadline ``request_timeout_s`` per generate, ``max_retries`` retries with ``backoff``, ``api_key`` (the
     run's engine key) on every call. A given EngineClient is used as it is. ``tokenizer``: turns prompts without token ids into ids
     (``encode(prompt, add_special_tokens=False)``) and decodes responses the engine sent no text for.
-    ``algorithm``: the normalization settings (defaults: GRPO's). ``on_engine_dead(name, reason)`` is called
-    once per engine declared dead.
+    ``on_engine_dead(name, reason)`` is called once per engine declared dead.
     """
 
     def __init__(self, args: Any, engines: Sequence[EngineLike] | dict[str, EngineLike], *, tokenizer: Any = None,
-                 reward: RewardRunner | None = None, algorithm: AlgorithmConfig | None = None,
+                 reward: RewardRunner | None = None,
                  on_engine_dead: Callable[[str, str], None] | None = None, api_key: str | None = None,
                  backoff: Backoff | None = None) -> None:
         self.args = args
         self.tokenizer = tokenizer
         self.reward = reward if reward is not None else RewardRunner(args)
-        self.algorithm = algorithm if algorithm is not None else _algorithm_from_args(args)
         self.on_engine_dead = on_engine_dead
         # called as groups are generated and scored: the rollout role passes ctx.progress (logging.task_timeout_s)
         self.on_progress: Callable[[int], None] | None = None
@@ -391,7 +366,7 @@ class RolloutDriver:
 
     async def generate_rollout(self, groups: Iterable[list[Sample]], *, evaluation: bool = False,
                                seed: int | None = None) -> RolloutResult:
-        """Generate, score and (unless ``evaluation``) normalize one batch of groups; see the module docstring.
+        """Generate and score one batch of groups (rewards stay raw); see the module docstring.
 
         With ``seed``, the k-th sample of the batch is requested with ``sampling_seed`` derived from
         (seed, k): its tokens then depend on the weights and the prompt only, not on which engine serves it
@@ -425,12 +400,8 @@ class RolloutDriver:
         self.reward.apply_policy(reward_failures)  # once for the batch, not per group as each finishes
         key = self.reward.reward_key(evaluation)
         raw = [s.get_reward_value(reward_key=key) for s in samples]
-        if evaluation:
-            rewards = list(raw)
-        else:
-            rewards = postprocess_rewards(self.algorithm, torch.tensor(raw, dtype=torch.float32), n).tolist()
-        metrics = self._metrics(samples, raw, rewards, n, rollout_time, evaluation, batch)
-        return RolloutResult(samples=samples, raw_rewards=raw, rewards=rewards, metrics=metrics, group_size=n,
+        metrics = self._metrics(samples, raw, n, rollout_time, evaluation, batch)
+        return RolloutResult(samples=samples, raw_rewards=raw, metrics=metrics, group_size=n,
                              reward_failures=reward_failures, engine_failures=batch.engine_failures,
                              retries=batch.retries)
 
@@ -439,12 +410,11 @@ class RolloutDriver:
         """:meth:`generate_rollout` from synchronous code (runs its own event loop)."""
         return asyncio.run(self.generate_rollout(groups, evaluation=evaluation, seed=seed))
 
-    def _metrics(self, samples: list[Sample], raw: list[float], rewards: list[float], n: int, rollout_time: float,
+    def _metrics(self, samples: list[Sample], raw: list[float], n: int, rollout_time: float,
                  evaluation: bool, batch: _Batch) -> dict[str, float]:
         base = sample_metrics(samples, raw, reward_key=self.reward.reward_key(evaluation), group_size=n,
                               log_passrate=bool(getattr(self.args, "log_passrate", False)))
         out = {f"rollout/{k}": v for k, v in base.items()}
-        out["rollout/rewards"] = statistics.fmean(rewards)
         out["rollout/response_lengths"] = statistics.fmean(s.response_length for s in samples)
         out["rollout/total_lengths"] = statistics.fmean(len(s.tokens) for s in samples)
         out["rollout/truncated"] = out["rollout/truncated_ratio"]
@@ -474,23 +444,15 @@ def _first_error(eg: BaseExceptionGroup) -> BaseException:
     return flat[0]
 
 
-def _algorithm_from_args(args: Any) -> AlgorithmConfig:
-    import dataclasses
-
-    names = {f.name for f in dataclasses.fields(AlgorithmConfig)}
-    return AlgorithmConfig(**{k: getattr(args, k) for k in names if hasattr(args, k)})
-
-
 def build_driver(recipe: Any, engines: Sequence[EngineLike] | dict[str, EngineLike], *, tokenizer: Any = None,
                  on_engine_dead: Callable[[str, str], None] | None = None, api_key: str | None = None,
                  **extra_args: Any) -> RolloutDriver:
     """A driver from a recipe: ``args`` from :func:`~relax_hpc.rollout.rewards.build_args` (the engine
-    clients' deadline and retries come from ``rollout.request_timeout_s`` / ``max_retries``), its algorithm
-    section; ``api_key``: the run's engine key (:meth:`relax_hpc.rundir.RunDir.api_key`)."""
+    clients' deadline and retries come from ``rollout.request_timeout_s`` / ``max_retries``); ``api_key``: the run's engine key (:meth:`relax_hpc.rundir.RunDir.api_key`)."""
     from relax_hpc.rollout.rewards import build_args
 
     args = build_args(recipe, **extra_args)
-    return RolloutDriver(args, engines, tokenizer=tokenizer, algorithm=recipe.algorithm, on_engine_dead=on_engine_dead,
+    return RolloutDriver(args, engines, tokenizer=tokenizer, on_engine_dead=on_engine_dead,
                          api_key=api_key)
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import inspect
 import logging
 import math
@@ -40,8 +39,9 @@ import traceback as tb
 from dataclasses import dataclass
 from fractions import Fraction
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+from relax_hpc.plugins import load_plugin
 from relax_hpc.rollout.sample import Sample, SampleStatus, reward_value
 
 log = logging.getLogger(__name__)
@@ -241,29 +241,19 @@ def builtin_reward(rm_type: str, response: str, label: Any, metadata: dict | Non
 # --------------------------------------------------------------------------------------------------
 
 
-def load_function(path: str, what: str = "rollout.custom_rm_path") -> Callable[..., Any]:
-    """The function at Relax's dotted path ``package.module.function`` (module part imported, last part looked up)."""
-    if not isinstance(path, str) or ":" in path or "." not in path.strip(".") or any(c.isspace() for c in path):
-        raise ValueError(f"{what} = {path!r} is not a dotted path. Fix: use Relax's form 'package.module.function', "
-                         "e.g. examples.my_algo.reward_my_algo.reward_func")
-    module_path, _, attr = path.rpartition(".")
-    try:
-        module = importlib.import_module(module_path)
-    except ModuleNotFoundError as e:
-        hint = ""
-        if e.name and (e.name == "relax" or e.name.startswith("relax.")):
-            hint = (" Relax reward modules that import relax.utils.types.Sample need that import changed to "
-                    "relax_hpc.rollout.sample.Sample (or dropped: the sample is passed in).")
-        raise ImportError(f"{what} = {path!r}: cannot import module {module_path!r} ({e}). Fix: make sure it is "
-                          f"importable from the rollout role (PYTHONPATH, or the run's working directory).{hint}") from e
-    try:
-        fn = getattr(module, attr)
-    except AttributeError:
-        raise ImportError(f"{what} = {path!r}: module {module_path!r} ({getattr(module, '__file__', '?')}) has no "
-                          f"attribute {attr!r}") from None
-    if not callable(fn):
-        raise TypeError(f"{what} = {path!r} is not callable (it is a {type(fn).__name__})")
-    return fn
+REWARD_PARAMS = ("args", "sample")
+"""How a reward function is called: ``reward_func(args, sample)`` (``samples``, a list, with ``group_rm``)."""
+
+
+def load_function(path: str, what: str = "rollout.custom_rm_path", *,
+                  params: Sequence[str] | None = REWARD_PARAMS) -> Callable[..., Any]:
+    """The reward function at ``path`` (:func:`~relax_hpc.plugins.load_plugin`): Relax's dotted form
+    ``package.module.function`` (``--custom-rm-path``), ``package.module:function`` or
+    ``path/to/file.py:function`` (relative to the directory the run was submitted from). Errors are
+    :class:`~relax_hpc.plugins.PluginError` (ImportError for a missing module or name, TypeError for a
+    non-callable or a wrong signature), each naming ``what``, the value and the fix.
+    """
+    return load_plugin(path, what, params=params)
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:

@@ -466,7 +466,9 @@ def load_from_disk(engine: EngineClient | str, hf_dir: str | os.PathLike, versio
                    timeout: float = 1800.0, api_key: str | None = None) -> dict:
     """Bring a late-joining (new or restarted) engine to the latest weights: ``/update_weights_from_disk`` of
     the last HF export, tagged ``version``. Afterwards the actor includes it in the next group
-    (``WeightSender.reconnect``). Raises WeightSyncError naming the engine."""
+    (``WeightSender.reconnect``). Raises WeightSyncError naming the engine.
+
+    Not called by a run yet: the engines issue (#11) wires it into the late-joining engine's start."""
     c = engine if isinstance(engine, EngineClient) else EngineClient(str(engine), api_key=api_key)
     try:
         return c.update_weights_from_disk(str(hf_dir), weight_version=str(version), timeout=timeout)
@@ -474,11 +476,12 @@ def load_from_disk(engine: EngineClient | str, hf_dir: str | os.PathLike, versio
         raise WeightSyncError(f"loading weights from {hf_dir} failed on engine {c.url}: {e}", [c.url]) from e
 
 
-def push_from_actor(actor, sender: WeightSender | None, version: str | int, **kw) -> dict[str, float]:
-    """Collective over the actor's ranks: every rank iterates ``actor.named_hf_weights()`` (the bridge gathers
-    TP/PP shards collectively); rank 0, the one holding ``sender``, sends. Other ranks pass ``sender=None``
-    and get ``{}``."""
-    named = actor.named_hf_weights()
+def push_from_actor(named: Iterable[tuple[str, torch.Tensor]], sender: WeightSender | None, version: str | int,
+                    **kw: Any) -> dict[str, float]:
+    """Collective over the actor's ranks: every rank walks ``named``, the (HF name, tensor) stream of
+    ``actor.named_hf_weights()`` (the bridge gathers TP/PP shards collectively, so every rank must walk it to the
+    end); rank 0, the one holding ``sender``, pushes it (:meth:`WeightSender.push`, ``kw`` passed on) and gets
+    its ``perf/weight_sync_*`` metrics. Other ranks pass ``sender=None`` and get ``{}``."""
     if sender is None:
         for _ in named:
             pass

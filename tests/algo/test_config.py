@@ -49,6 +49,10 @@ def test_field_types_are_ones_the_recipe_validator_supports():
         ({"tis_clip": 0.5, "tis_clip_low": 1.0}, "tis_clip"),
         ({"use_tis": True, "use_rollout_logprobs": True}, "use_tis"),
         ({"custom_tis_function_path": "icepop"}, "custom_tis_function_path"),
+        ({"custom_tis_function_path": "tis.py"}, "custom_tis_function_path"),
+        ({"custom_loss_path": "my_loss"}, "custom_loss_path"),
+        ({"custom_loss_path": "losses/my:fn"}, "custom_loss_path"),
+        ({"get_mismatch_metrics": True}, "get_mismatch_metrics"),
         ({"ref_update_interval": 0}, "ref_update_interval"),
         ({"opsm_delta": -1.0}, "opsm_delta"),
     ],
@@ -70,4 +74,10 @@ def test_fragments_select_their_estimator_and_are_valid(name, estimator):
     assert set(section) <= {f.name for f in dataclasses.fields(AlgorithmConfig)}
     cfg = AlgorithmConfig(**section)
     assert cfg.advantage_estimator == estimator
+    assert check(cfg) == []
+
+
+@pytest.mark.parametrize("path", ["pkg.mod.fn", "pkg.mod:fn", "losses/my_loss.py:fn", "/abs/x.py:fn", "x.py:fn"])
+def test_every_plugin_form_passes_the_form_check_without_importing(path):
+    cfg = dataclasses.replace(AlgorithmConfig(), custom_loss_path=path, custom_tis_function_path=path)
     assert check(cfg) == []

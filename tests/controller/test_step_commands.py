@@ -5,7 +5,7 @@ import shlex
 import pytest
 
 from ctl_helpers import TINY, make_run
-from relax_hpc.launch.steps import describe_steps, executor_from_env, step_commands
+from relax_hpc.controller.steps import describe_steps, executor_from_env, step_commands
 from relax_hpc.recipe import load_recipe
 
 

@@ -78,7 +78,7 @@ def main(model: str, out: str) -> None:
         result = driver.generate_rollout_sync(src.get_samples())
         res["sample_versions"] = sorted({s.weight_version for s in result.samples})
         ref = S.write_step(Path(out).parent / "run", 1, result)  # the same path the run takes: chunk → batch
-        train_batch = S.to_train_batch(S.read_samples([ref.to_dict()]), algo)
+        train_batch, _ = S.read_train_batch([ref.to_dict()], algo, result.group_size)
         lps = actor.compute_log_probs(train_batch)
         diffs = [float((lp - s["rollout_log_probs"]).abs().max()) for s, lp in zip(train_batch, lps)]
         res["n_samples"] = len(diffs)

@@ -12,13 +12,11 @@ import pytest
 
 from relax_hpc.exchange import (
     Broker,
+    ChunkExists,
     ChunkQuarantined,
-    Consumer,
     DamagedChunk,
     FieldConflict,
-    FieldWriter,
     LeaseLost,
-    Producer,
     StepCleared,
     StepEnded,
     StepNotComplete,
@@ -32,7 +30,7 @@ from relax_hpc.exchange import (
 )
 from relax_hpc.exchange.chunk import partition_dir
 
-from .helpers import flip_byte, sample_fields, tokens_for, truncate
+from .helpers import add_fields, flip_byte, produce, sample_fields, tokens_for, truncate
 
 TASKS = {"fwd": ["tokens"], "train": ["tokens", "log_probs"]}
 
@@ -42,7 +40,7 @@ def broker(root, **kw) -> Broker:
 
 
 def put(b, root, step, sids, producer="p"):
-    return Producer(b, root, producer).put(step, sample_fields(sids, [3] * len(sids)))
+    return produce(b, root, producer, step, sample_fields(sids, [3] * len(sids)))
 
 
 def lp_for(ref):
@@ -57,7 +55,7 @@ def test_a_consumer_gets_only_chunks_with_all_its_fields(xroot):
     lease = b.request("fwd", batch_size=10, holder="fwd0")
     assert [c.id for c in lease.chunks] == [r0.id, r1.id] and lease.n == 3
     assert b.request("fwd", batch_size=10) is None  # leased: not handed out twice
-    assert FieldWriter(b, "actor_fwd").add(lease.chunks[1], lp_for(r1))
+    assert add_fields(b, lease.chunks[1], "actor_fwd", lp_for(r1))
     got = b.request("train", batch_size=10, holder="a0")
     assert [c.id for c in got.chunks] == [r1.id] and "log_probs" in got.chunks[0].all_fields
     data = read_chunk(got.chunks[0], got.fields)
@@ -128,15 +126,16 @@ def test_leases_survive_a_broker_restart(xroot):
     assert [x.id for x in b.outstanding(holder="fwd-0")] == [l1.id]
     l2 = b.request("fwd", holder="fwd-1")
     assert l2.chunks[0].id != l1.chunks[0].id  # still leased: not handed out twice
-    resumed = Consumer(b, "fwd", "fwd-0").resume()
-    assert [x.lease.id for x in resumed] == [l1.id] and resumed[0].samples()[0]["tokens"].tolist() == tokens_for(1, 3).tolist()
+    resumed = b.outstanding(holder="fwd-0", task="fwd")  # the restarted consumer takes its leases back
+    assert [x.id for x in resumed] == [l1.id]
+    assert read_chunk(resumed[0].chunks[0], resumed[0].fields)["tokens"][0].tolist() == tokens_for(1, 3).tolist()
     b.ack(l1.id)
     # a consumer that died: the controller releases what it held
     assert b.release_holder("fwd-1") == [l2.id]
     assert b.request("fwd", holder="fwd-2").chunks == l2.chunks
 
 
-def test_the_same_seq_is_never_reused_after_a_restart(xroot):
+def test_an_orphans_name_is_never_replaced_after_a_restart(xroot):
     b = broker(xroot)
     b.start_step(0)
     put(b, xroot, 0, [1], producer="roll")
@@ -145,10 +144,10 @@ def test_the_same_seq_is_never_reused_after_a_restart(xroot):
     b.close()
     b = broker(xroot)
     assert b.next_seq("roll") == 1 and b.orphans() == [partition_dir(xroot, 0) / "chunk_roll_1.h5"]
-    p = Producer(b, xroot, "roll")
-    ref = p.put(0, sample_fields([2], [3]))
-    assert ref.name == "chunk_roll_2"  # skipped the orphan's name rather than replace it
+    with pytest.raises(ChunkExists):  # the seq the controller hands out next: the orphan's file is not replaced
+        write_chunk(xroot, 0, "roll", b.next_seq("roll"), sample_fields([2], [3]))
     assert read_chunk(orphan)["sid"].tolist() == [99]
+    assert b.rewind(-1) == [0] and not partition_dir(xroot, 0).exists()  # a resumed run removes it with its step
 
 
 def test_announce_checks(xroot):
@@ -179,9 +178,10 @@ def test_field_writes_first_wins_and_are_idempotent(xroot):
     other = write_fields(ref, "actor_fwd-1", {"log_probs": [np.zeros(3, np.float32)] * 2})
     with pytest.raises(FieldConflict):
         b.add_fields(other)
-    assert FieldWriter(b, "actor_fwd-1").add(ref, {"log_probs": [np.ones(3, np.float32)] * 2}) is False
+    current = next(r for r in b.chunks(0) if r.id == ref.id)  # what a lease shows a writer now
+    assert add_fields(b, current, "actor_fwd-1", {"log_probs": [np.ones(3, np.float32)] * 2}) is False
     files = sorted(os.listdir(ref.dir))
-    assert files == sorted(["chunk_p_0.h5", side.file, other.file])  # FieldWriter removed its losing file
+    assert files == sorted(["chunk_p_0.h5", side.file, other.file])  # a writer that sees the field writes nothing
     got = b.request("train", batch_size=2)
     assert read_chunk(got.chunks[0], ["log_probs"])["log_probs"][0].tolist() == [0.5] * 3
 
@@ -204,11 +204,18 @@ def test_altered_file_is_reported_reverified_and_quarantined(xroot):
     b.start_step(0)
     r0, r1 = put(b, xroot, 0, [1]), put(b, xroot, 0, [2])
     flip_byte(r0.path, r0.size - 10)  # same size: only a full read can tell
-    c = Consumer(b, "fwd", "fwd0")
-    batch = c.get(5)
-    assert [x.id for x in batch.chunks] == [r1.id]  # the damaged one was dropped from the batch
+    lease = b.request("fwd", batch_size=5, holder="fwd0")
+    assert [x.id for x in lease.chunks] == [r0.id, r1.id]  # same size: the hand-out stat cannot tell
+    read = []
+    for ref in lease.chunks:
+        try:
+            read_chunk(ref, lease.fields)
+            read.append(ref.id)
+        except DamagedChunk as e:  # the consumer reports it; the broker re-verifies and quarantines
+            assert b.report_damaged(ref.id, e.reason) is True
+    assert read == [r1.id]
     assert [d["chunk"] for d in b.damaged()] == [r0.id] and "altered" in b.damaged()[0]["reason"]
-    c.ack(batch)
+    b.ack(lease.id)
     # a consumer's report alone does not quarantine a sound chunk: the broker checks for itself
     assert b.report_damaged(r1.id, "my NFS mount is flaky") is False
     assert b.damaged()[-1]["chunk"] == r0.id
@@ -235,7 +242,7 @@ def test_clear_when_complete_or_forced(xroot):
         b.clear(0)
     for task in ("fwd", "train"):
         if task == "train":
-            FieldWriter(b, "actor_fwd").add(ref, lp_for(ref))
+            add_fields(b, ref, "actor_fwd", lp_for(ref))
         b.ack(b.request(task).id)
     assert not b.complete(0)  # not ended: more chunks may come
     b.end_step(0)
@@ -258,7 +265,7 @@ def test_auto_clear_and_crash_between_journal_and_delete(xroot):
     ref = put(b, xroot, 0, [1])
     b.end_step(0)
     b.ack(b.request("fwd").id)
-    FieldWriter(b, "actor_fwd").add(ref, lp_for(ref))
+    add_fields(b, ref, "actor_fwd", lp_for(ref))
     b.ack(b.request("train").id)
     assert b.uncleared() == [] and not partition_dir(xroot, 0).exists()
     b.close()
@@ -289,7 +296,7 @@ def test_progress_and_stats(xroot):
     b.start_step(0)
     r0, _r1 = put(b, xroot, 0, [1, 2]), put(b, xroot, 0, [3])
     b.request("fwd", batch_size=2)
-    FieldWriter(b, "actor_fwd").add(r0, lp_for(r0))
+    add_fields(b, r0, "actor_fwd", lp_for(r0))
     p = b.progress("train", 0)
     assert (p["samples"], p["ready"], p["waiting"], p["drained"]) == (3, 2, 1, False)
     assert b.progress("fwd", 0)["leased"] == 2
@@ -316,7 +323,7 @@ def test_wire_forms_and_status_are_json(xroot):
     b = broker(xroot)
     b.start_step(0)
     ref = put(b, xroot, 0, [1, 2])
-    FieldWriter(b, "actor_fwd").add(ref, lp_for(ref))
+    add_fields(b, ref, "actor_fwd", lp_for(ref))
     lease = b.request("train", batch_size=4, holder="a0")
     again = Lease.from_dict(json.loads(json.dumps(lease.to_dict())))
     assert again == lease and again.chunks[0].sides == lease.chunks[0].sides

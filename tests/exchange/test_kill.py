@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from relax_hpc.exchange import Broker, Producer
+from relax_hpc.exchange import Broker
 from relax_hpc.exchange.chunk import is_tmp, partition_dir, read_header, sweep_tmp, verify_file, visible_chunks
+
+from .helpers import produce
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,11 +96,11 @@ def test_killed_mid_write_leaves_no_visible_chunk(xroot, tmp_path, mode):
     names = os.listdir(partition_dir(xroot, 0))
     assert visible_chunks(xroot, 0) == [], names
     assert len(names) == 1 and is_tmp(names[0]), names  # only the hidden temporary file
-    # a broker restarted on this exchange sees nothing; the producer that replaces the dead one resumes
+    # a broker restarted on this exchange sees nothing; the producer that replaces the dead one gets its seq back
     with Broker(xroot, tasks={"train": ["tokens"]}) as b:
         b.start_step(0)
         assert b.chunks() == [] and b.orphans() == []
-        ref = Producer(b, xroot, "rollout").put(0, {"tokens": [[1, 2, 3]]})
+        ref = produce(b, xroot, "rollout", 0, {"tokens": [[1, 2, 3]]})
         assert ref.name == "chunk_rollout_0"
         assert [p.name for p in b.sweep(older_than_s=0)] == names
     assert os.listdir(partition_dir(xroot, 0)) == ["chunk_rollout_0.h5"]

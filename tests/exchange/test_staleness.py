@@ -9,8 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relax_hpc.exchange import Broker, Consumer, Producer, replay
+from relax_hpc.exchange import Broker, read_chunk, replay
 from relax_hpc.exchange.staleness import audit, satisfies
+
+from .helpers import produce
 
 STEPS = 6
 
@@ -49,34 +51,33 @@ def test_rollout_never_runs_more_than_k_steps_ahead(xroot, k):
 
     def rollout():
         try:
-            p = Producer(b, xroot, "rollout")
             for s in range(STEPS):
-                assert p.start_step(s, timeout=30), f"step {s} never started"
+                assert b.start_step(s, timeout=30), f"step {s} never started"
                 started[s].set()
                 for _ in range(2):
-                    p.put(s, {"tokens": [[s, 1, 2]] * 2, "step": [s, s]})
-                p.end_step(s)
+                    produce(b, xroot, "rollout", s, {"tokens": [[s, 1, 2]] * 2, "step": [s, s]})
+                b.end_step(s)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     def train():
         try:
-            c = Consumer(b, "train", "actor-0", fields=["tokens", "step"])
             deadline = time.monotonic() + 30
             for s in range(STEPS):  # the actor trains on step s's partition: 4 samples in 2 chunks
-                batches = []
-                while sum(x.n for x in batches) < 4 and time.monotonic() < deadline:
+                leases = []
+                while sum(x.n for x in leases) < 4 and time.monotonic() < deadline:
                     if s in b.uncleared():
-                        batch = c.get(4, step=s, timeout=0.1)
-                        if batch is not None:
-                            assert {int(x) for d in batch.data for x in d["step"]} == {s}
-                            batches.append(batch)
+                        lease = b.request("train", ["tokens", "step"], 4, step=s, holder="actor-0", timeout=0.1)
+                        if lease is not None:
+                            steps = {int(x) for ref in lease.chunks for x in read_chunk(ref, lease.fields)["step"]}
+                            assert steps == {s}
+                            leases.append(lease)
                     else:
                         time.sleep(0.005)
                 # the optimizer step lasts until rollout is as far ahead as the gate allows
                 assert started[min(s + k, STEPS - 1)].wait(30), f"rollout never started step {min(s + k, STEPS - 1)}"
-                for batch in batches:
-                    c.ack(batch)  # the last ack of an ended step clears it (auto_clear)
+                for lease in leases:
+                    b.ack(lease.id)  # the last ack of an ended step clears it (auto_clear)
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 

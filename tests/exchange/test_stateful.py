@@ -20,11 +20,11 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from relax_hpc.exchange import Broker, ChunkQuarantined, DamagedChunk, FieldWriter, Producer, read_chunk, replay
+from relax_hpc.exchange import Broker, ChunkQuarantined, DamagedChunk, read_chunk, replay
 from relax_hpc.exchange.chunk import partition_dir
 from relax_hpc.exchange.staleness import audit, satisfies
 
-from .helpers import bump_byte, fresh_dir, sample_fields, tokens_for, truncate
+from .helpers import add_fields, bump_byte, fresh_dir, produce, sample_fields, tokens_for, truncate
 
 TASKS = {
     "fwd": ("tokens",),  # actor_fwd → log_probs
@@ -64,7 +64,6 @@ class Exchange(RuleBasedStateMachine):
         self.root = fresh_dir("relax-xchg-sm-")
         self.k, self.auto = k, auto
         self.b = self._broker()
-        self.producers = {name: Producer(self.b, self.root, name) for name in ("roll-a", "roll-b")}
         self.steps: dict[int, dict] = {}  # uncleared: {"ended": bool, "chunks": [ids]}
         self.cleared: set[int] = set()
         self.next_step = 0
@@ -155,7 +154,7 @@ class Exchange(RuleBasedStateMachine):
                 writer, fields = WRITES[task]
                 cols = {f: [derived(f, s, n) for s, n in zip(c.sids, c.lens)] for f in fields}
                 try:
-                    added = FieldWriter(self.b, writer).add(ref, cols)
+                    added = add_fields(self.b, ref, writer, cols)
                 except ChunkQuarantined:
                     added = False
                     self._sync()
@@ -214,7 +213,7 @@ class Exchange(RuleBasedStateMachine):
     def _produce(self, step, producer, lens):
         sids = list(range(self.next_sid, self.next_sid + len(lens)))
         self.next_sid += len(lens)
-        ref = self.producers[producer].put(step, sample_fields(sids, lens))
+        ref = produce(self.b, self.root, producer, step, sample_fields(sids, lens))
         self.chunks[ref.id] = MChunk(ref, sids, lens, self.order)
         self.order += 1
         self.steps[step]["chunks"].append(ref.id)
@@ -310,7 +309,6 @@ class Exchange(RuleBasedStateMachine):
             with open(self.root / "journal.jsonl", "ab") as f:
                 f.write(b'{"op":"leased","t":1,"lease":"L')
         self.b = self._broker()
-        self.producers = {name: Producer(self.b, self.root, name) for name in self.producers}
         self._check_broker_matches_model()
 
     def _check_broker_matches_model(self):

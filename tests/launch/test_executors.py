@@ -72,6 +72,51 @@ def test_controller_task_is_checkpointable_and_picklable(tmp_path):
     assert isinstance(again.function, ControllerTask) and again.function.run_dir == str(tmp_path)
     clone = pickle.loads(cloudpickle.dumps(task))
     assert clone.run_dir == str(tmp_path)
+    from relax_hpc.launch.submit import resubmit
+
+    task = ControllerTask(tmp_path, resubmit)
+    assert task.checkpoint().function.resubmit is resubmit  # a requeued task can still resubmit
+    assert pickle.loads(cloudpickle.dumps(task)).resubmit is resubmit  # pickled by reference
+    legacy = ControllerTask.__new__(ControllerTask)
+    legacy.__dict__.update(run_dir=str(tmp_path))  # pickled before the attribute existed
+    assert legacy.resubmit is None
+
+
+def test_controller_task_hands_the_controller_the_launchers_ways_back(tmp_path, monkeypatch):
+    """The controller never imports launch: ControllerTask injects scontrol requeue and resubmit."""
+    from relax_hpc.launch import slurm
+
+    got = {}
+    monkeypatch.setattr("relax_hpc.controller.loop.run_controller", lambda run_dir, **kw: got.update(kw, run_dir=run_dir))
+    resubmit = object()
+    ControllerTask(tmp_path, resubmit)()
+    assert got == {"run_dir": str(tmp_path), "requeue_job": slurm.scontrol_requeue, "resubmit": resubmit}
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_come_back_on_slurm_uses_the_injected_requeue_then_resubmit(tmp_path, monkeypatch, refused):
+    from relax_hpc.controller.requeue import come_back
+    from relax_hpc.launch.slurm import SlurmError
+    from relax_hpc.rundir import RunDir
+
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    calls = []
+
+    def requeue_job(job_id):
+        calls.append(("requeue", job_id))
+        if refused:
+            raise SlurmError("scontrol requeue 77 failed (exit 1): Requested operation is presently disabled")
+
+    def resubmit(path):
+        calls.append(("resubmit", path))
+        return {"job_id": "78"}
+
+    run, recipe = RunDir(tmp_path), recipe_from_dict({})
+    out = come_back(run, recipe, "slurm", requeue_job, resubmit)
+    assert out == ("continuation job 78" if refused else "requeued job 77")
+    assert calls == [("requeue", "77")] + ([("resubmit", tmp_path)] if refused else [])
+    with pytest.raises(RuntimeError, match="cannot come back by itself"):
+        come_back(run, recipe, "slurm")  # python -m relax_hpc.controller: no launcher, no way back
 
 
 def local_executor(tmp_path, **env) -> RelaxLocalExecutor:

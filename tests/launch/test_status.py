@@ -156,28 +156,33 @@ def audited_run(tmp_path, finish: bool = True):
     """A run whose journal a real Broker wrote, with the training loop's tasks (train + reference, from the
     recipe): step 1 clean; step 2's first chunk truncated after its announce, quarantined at hand-out,
     the step regenerated and (with ``finish``) consumed by both tasks."""
-    from relax_hpc.exchange import Broker, Producer
+    from relax_hpc.exchange import Broker, write_chunk
 
     rd = run_dir(tmp_path)
     write_private(rd.recipe, dump_recipe(recipe_from_dict(AUDIT_RECIPE)))
     root = rd.path / "exchange"
     b = Broker(root, tasks={"train": ["tokens"], "reference": ["tokens"]})
-    p = Producer(b, root, "rollout")
     fields = {"tokens": [[1, 2, 3], [4, 5]]}
+
+    def put(step):  # as in a run: the rollout role writes at the seq the controller gave it, the controller announces
+        ref = write_chunk(root, step, "rollout", b.next_seq("rollout"), fields)
+        b.announce(ref)
+        return ref
+
     b.start_step(1)
-    p.put(1, fields)
+    put(1)
     b.end_step(1)
     for task in ("reference", "train"):
         b.ack(b.request(task, step=1, batch_size=10).id)
     b.start_step(2)
-    bad = p.put(2, fields)
+    bad = put(2)
     b.end_step(2)
     with open(bad.path, "r+b") as f:
         f.truncate(bad.size // 2)
     assert b.request("reference", step=2, batch_size=10) is None  # quarantined at hand-out
     b.regenerate(2, "quarantined")
     b.start_step(2)
-    p.put(2, fields)
+    put(2)
     b.end_step(2)
     for task in ("reference", "train") if finish else ("reference",):
         b.ack(b.request(task, step=2, batch_size=10).id)

@@ -1,6 +1,7 @@
 """Validation: every bad value is refused with its key, its value and a fix, all problems at once."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -327,3 +328,78 @@ def test_context_is_not_checked_without_a_model_config(tmp_path):
     assert file_problems({**long, "model": {"path": "absent"}}, tmp_path) == {}
     model_dir(tmp_path, hidden_size=8)
     assert file_problems({**long, "model": {"path": "model"}}, tmp_path) == {}
+
+
+# --- 7. user functions the recipe names (relax-submit loads them through check_files) ----------------------
+
+LOSS_FILE = "def my_loss(batch, cfg):\n    return batch.log_probs, {}\n\ndef one_arg(batch):\n    return batch\n"
+
+
+def test_custom_loss_file_relative_to_the_submit_directory_is_loaded(tmp_path):
+    (tmp_path / "losses").mkdir()
+    (tmp_path / "losses" / "mine.py").write_text(LOSS_FILE)
+    assert file_problems({"algorithm": {"custom_loss_path": "losses/mine.py:my_loss"}}, tmp_path) == {}
+    p = file_problems({"algorithm": {"custom_loss_path": "losses/mine.py:my_loss"}}, tmp_path / "losses")
+    assert "there is no file" in p["algorithm.custom_loss_path"][1]
+
+
+@pytest.mark.parametrize("spec, text", [
+    ("losses/mine.py:nope", "has no attribute 'nope'"),
+    ("losses/mine.py:one_arg", "one_arg(batch) cannot be called as one_arg(batch, cfg)"),
+    ("losses/absent.py:my_loss", "there is no file"),
+    ("no_such_pkg_for_tests.losses.my_loss", "cannot import module 'no_such_pkg_for_tests.losses'"),
+])
+def test_bad_custom_loss_path_is_refused_before_submit(tmp_path, spec, text):
+    (tmp_path / "losses").mkdir()
+    (tmp_path / "losses" / "mine.py").write_text(LOSS_FILE)
+    (value, msg), = file_problems({"algorithm": {"custom_loss_path": spec}}, tmp_path).values()
+    assert value == spec and text in msg and "Fix:" in msg
+
+
+def test_custom_tis_function_signature_is_checked_before_submit(tmp_path):
+    (tmp_path / "relax_tis.py").write_text(  # written for Relax's call: args, loss_masks
+        "def mis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks):\n    return pg_loss\n")
+    data = {"algorithm": {"use_tis": True, "custom_tis_function_path": "relax_tis.py:mis"}}
+    (value, msg), = file_problems(data, tmp_path).values()
+    assert "loss_mask" in msg and "Fix: define it as def mis(cfg, *, pg_loss" in msg
+    data["algorithm"]["custom_tis_function_path"] = "relax_hpc.algo.tis.icepop_function"
+    assert file_problems(data, tmp_path) == {}
+
+
+def test_reward_module_in_the_submit_directory_is_found_like_the_roles_find_it(tmp_path):
+    """The roles run ``python -m`` in the submit directory, so a module there is importable; relax-submit's own
+    sys.path does not hold that directory, so check_files puts it there while importing."""
+    (tmp_path / "my_rewards_for_validate.py").write_text("async def reward(args, sample, **kw):\n    return 1.0\n")
+    try:
+        assert file_problems({"rollout": {"custom_rm_path": "my_rewards_for_validate.reward"}}, tmp_path) == {}
+        p = file_problems({"rollout": {"custom_rm_path": "my_rewards_for_validate.rewrad"}}, tmp_path)
+        assert "did you mean 'reward'?" in p["rollout.custom_rm_path"][1]
+    finally:
+        sys.modules.pop("my_rewards_for_validate", None)
+
+
+def test_a_dependency_missing_on_the_submit_machine_is_not_refused(tmp_path, caplog):
+    """The job may run in a container holding packages this machine lacks: logged, not refused."""
+    (tmp_path / "needs_gpu_pkg.py").write_text("import not_installed_here_xyz\ndef my_loss(batch, cfg):\n    pass\n")
+    assert file_problems({"algorithm": {"custom_loss_path": "needs_gpu_pkg.py:my_loss"}}, tmp_path) == {}
+    assert "not_installed_here_xyz" in caplog.text
+
+
+def test_get_mismatch_metrics_needs_a_tis_function():
+    msg = problems({"algorithm": {"get_mismatch_metrics": True}})["algorithm.get_mismatch_metrics"]
+    assert "algorithm.custom_tis_function_path" in msg and "Fix:" in msg
+    r = recipe_from_dict({"algorithm": {"get_mismatch_metrics": True,
+                                        "custom_tis_function_path": "relax_hpc.algo.tis.vanilla_tis_function"}})
+    assert r.algorithm.get_mismatch_metrics
+
+
+def test_custom_loss_path_reaches_the_algorithm_config():
+    r = recipe_from_dict({"algorithm": {"custom_loss_path": "recipes/examples/custom_loss.py:my_loss"}})
+    assert r.algorithm.custom_loss_path == "recipes/examples/custom_loss.py:my_loss"
+    assert "algorithm.custom_loss_path" in schema_keys()
+
+
+def test_example_custom_loss_validates_from_the_repository_root():
+    repo = Path(__file__).resolve().parents[2]
+    data = {"algorithm": {"custom_loss_path": "recipes/examples/custom_loss.py:my_loss"}}
+    assert file_problems(data, repo) == {}

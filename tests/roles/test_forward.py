@@ -31,7 +31,6 @@ def _chunk_fields(samples=SAMPLES) -> dict:
         "response_length": np.asarray([len(r) for _, r in samples], dtype=np.int64),
         "loss_mask": [np.ones(len(r), dtype=np.float32) for _, r in samples],
         "rollout_log_probs": [np.full(len(r), -1.0, dtype=np.float32) for _, r in samples],
-        "rewards": np.asarray([1.0, -1.0, 0.5, -0.5], dtype=np.float32)[: len(samples)],
         "raw_reward": np.asarray([1.0, 0.0, 1.0, 0.0], dtype=np.float32)[: len(samples)],
         "index": np.arange(len(samples), dtype=np.int64),
         "weight_version": ["0"] * len(samples),
@@ -45,7 +44,7 @@ def _write_chunk(root: Path, step: int = 1):
     return write_chunk(root, step, "rollout", 0, _chunk_fields())
 
 
-def test_to_train_batch_picks_up_forward_log_probs(tmp_path):
+def test_train_batch_picks_up_forward_log_probs(tmp_path):
     import torch
 
     from relax_hpc.algo import AlgorithmConfig
@@ -58,13 +57,12 @@ def test_to_train_batch_picks_up_forward_log_probs(tmp_path):
     old = [np.arange(n, dtype=np.float32) - 7.0 for n in lens]
     ref = ref.with_side(write_fields(ref, "reference", {"ref_log_probs": refl}))
     ref = ref.with_side(write_fields(ref, "actor_fwd", {"log_probs": old[:3] + [np.zeros(1, np.float32)]}))
-    rows = S.read_samples([ref.to_dict()], S.TRAIN_FIELDS + S.FORWARD_FIELDS)
-    batch = S.to_train_batch(rows, AlgorithmConfig())
+    batch, _ = S.read_train_batch([ref.to_dict()], AlgorithmConfig(), group_size=1)  # picks up the side fields
     for i, b in enumerate(batch):
         assert b["ref_log_probs"].dtype == torch.float32 and torch.equal(b["ref_log_probs"], torch.as_tensor(refl[i]))
     assert all(torch.equal(batch[i]["old_log_probs"], torch.as_tensor(old[i])) for i in range(3))
     assert "old_log_probs" not in batch[3]  # not the response's length: left out, as rollout_log_probs is
-    plain = S.to_train_batch(S.read_samples([ref]), AlgorithmConfig())  # not asked for: not on the batch
+    plain, _ = S.train_batch(S.read_columns([ref]), AlgorithmConfig(), 1)  # not asked for: not on the batch
     assert not any("ref_log_probs" in b or "old_log_probs" in b for b in plain)
 
 

@@ -12,7 +12,8 @@ import relax_hpc
 
 from relax_hpc.controller.channel import Channel
 from relax_hpc.recipe import dump_recipe, load_recipe
-from relax_hpc.roles.runtime import CONTROLLER_LOST_EXIT, Identity, cross_members, reachable_host
+from relax_hpc.identity import Identity, cross_members, reachable_host
+from relax_hpc.roles.runtime import CONTROLLER_LOST_EXIT
 from relax_hpc.rundir import create_run_dir, write_json
 
 
@@ -92,6 +93,7 @@ def _package_root():
 def test_heartbeats_show_the_task_in_hand_and_its_progress(run, monkeypatch):
     """serve() shows each task in ctx.info while it runs (the controller's hung-task check reads it), the
     controller accepts what it shows, and "no task" afterwards is an explicit None (info is merged)."""
+    from relax_hpc.controller.messages import GenerateResult, GenerateTask, StopTask
     from relax_hpc.roles.runtime import RoleContext
     from relax_hpc.roles.tasks import serve
 
@@ -103,15 +105,16 @@ def test_heartbeats_show_the_task_in_hand_and_its_progress(run, monkeypatch):
     shown = []
 
     def generate(task):
+        assert isinstance(task, GenerateTask) and task.step == 7  # the handler gets the typed task
         shown.append(ctx.info["task"])
         ctx.progress()
         ctx.progress(2)
         shown.append(ctx.info["task"])
         ctx.report("ready")  # a heartbeat now, with what the task shows
-        return {}
+        return GenerateResult(chunks=[])
 
-    ch.assign("rollout", {"id": 1, "kind": "generate", "step": 7, "engines": {}})
-    ch.assign("rollout", {"id": 2, "kind": "stop"})
+    ch.assign("rollout", GenerateTask(id=1, step=7, engines={}, seq=0, data_state=None).to_dict())
+    ch.assign("rollout", StopTask(id=2).to_dict())
     try:
         serve(ctx, None, {"generate": generate, "stop": lambda task: None})
         p = shown[0]["progress"]
@@ -125,3 +128,59 @@ def test_heartbeats_show_the_task_in_hand_and_its_progress(run, monkeypatch):
     finally:
         ctx.close()
         ch.close()
+
+
+def _serve_once(run, monkeypatch, task: dict, handler):
+    """serve() one ``task`` (then stop) with ``handler`` for its kind; the task_done results the controller got and
+    what serve raised."""
+    from relax_hpc.controller.messages import StopTask
+    from relax_hpc.roles.runtime import RoleContext
+    from relax_hpc.roles.tasks import serve
+
+    ch = Channel(run.token(), "127.0.0.1")
+    write_json(run.controller_addr, {"host": "127.0.0.1", "port": ch.port})
+    monkeypatch.setenv("RELAX_RANK", "0")
+    monkeypatch.setenv("RELAX_WORLD_SIZE", "1")
+    ctx = RoleContext("actor", run.path)
+    ch.assign("actor", task)
+    ch.assign("actor", StopTask(id=99).to_dict())
+    raised = None
+    try:
+        serve(ctx, None, {task["kind"]: handler, "stop": lambda t: None})
+    except Exception as e:
+        raised = e
+    finally:
+        ctx.close()
+        done = [m for _, m in ch.drain(1.0) if m["type"] == "task_done"]
+        ch.close()
+    return {m["task_id"]: m["result"] for m in done}, raised
+
+
+def test_serve_sends_the_typed_result_as_its_dict(run, monkeypatch):
+    from relax_hpc.controller.messages import TrainResult, TrainTask
+
+    got = []
+    task = TrainTask(id=1, step=3, chunks=[{"path": "x"}])
+    done, raised = _serve_once(run, monkeypatch, task.to_dict(),
+                               lambda t: got.append(t) or TrainResult(metrics={"train/loss": 0.5}))
+    assert raised is None and got == [task]
+    assert done == {1: {"metrics": {"train/loss": 0.5}}, 99: {}}
+
+
+def test_a_malformed_task_fails_with_the_message_error(run, monkeypatch):
+    from relax_hpc.controller.messages import MessageError
+
+    called = []
+    done, raised = _serve_once(run, monkeypatch, {"id": 1, "kind": "train", "step": "3", "chunks": []}, called.append)
+    assert isinstance(raised, MessageError) and not called  # the handler never sees it; the role fails
+    assert done[1]["error"].startswith("MessageError: malformed train task: field 'step': expected int, got str '3'")
+    assert done[1]["restartable"] is False
+
+
+def test_a_result_of_the_wrong_type_fails_the_task(run, monkeypatch):
+    from relax_hpc.controller.messages import TrainTask
+
+    done, raised = _serve_once(run, monkeypatch, TrainTask(id=1, step=3, chunks=[]).to_dict(),
+                               lambda t: {"metrics": {}})  # a plain dict: not the train result
+    assert raised is not None
+    assert "malformed train result" in done[1]["error"] and "expected TrainResult, got dict" in done[1]["error"]

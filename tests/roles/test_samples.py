@@ -1,7 +1,6 @@
 """Rollout samples → chunk file → the actor's batch: the fields survive the trip, checksums guard it, and
-advantages are the normalized rewards over the response tokens."""
+advantages are the rewards, group-normalized on the training side, over the response tokens."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -22,8 +21,7 @@ def result() -> RolloutResult:
         s.status = SampleStatus.COMPLETED
         samples.append(s)
     samples[3].loss_mask = [1, 1, 0]
-    return RolloutResult(samples=samples, raw_rewards=[1.0, 0.0, 0.5, 0.5], rewards=[0.7, -0.7, 0.0, 0.0],
-                         metrics={}, group_size=2)
+    return RolloutResult(samples=samples, raw_rewards=[1.0, 0.0, 0.5, 0.5], metrics={}, group_size=2)
 
 
 def test_chunk_round_trip_and_train_batch(tmp_path):
@@ -32,9 +30,13 @@ def test_chunk_round_trip_and_train_batch(tmp_path):
     rows = S.read_samples([ref.to_dict()])
     assert [list(r["tokens"]) for r in rows] == [[5, 6, 7, 8], [5, 6, 7, 9, 2], [3, 4, 1], [3, 4, 1, 2, 2]]
     assert [r["weight_version"] for r in rows] == ["7"] * 4 and [int(r["index"]) for r in rows] == [0, 1, 2, 3]
-    batch = S.to_train_batch(rows, AlgorithmConfig())
+    assert "rewards" not in ref.all_fields and "raw_reward" in ref.all_fields  # R travels, R̃ is computed by the actor
+    batch, metrics = S.read_train_batch([ref.to_dict()], AlgorithmConfig(), group_size=2)
     assert [b["response_start"] for b in batch] == [3, 3, 2, 2]
-    assert torch.allclose(batch[1]["advantages"], torch.tensor([-0.7, -0.7]))
+    # group (1, 0): mean 0.5, unbiased std of (0.5, -0.5) = √0.5, so R̃ = ±0.5/√0.5 = ±0.7071; group (0.5, 0.5): 0
+    assert torch.allclose(batch[0]["advantages"], torch.tensor([0.70711]), atol=1e-5)
+    assert torch.allclose(batch[1]["advantages"], torch.tensor([-0.70711, -0.70711]), atol=1e-5)
+    assert metrics["rollout/rewards"] == pytest.approx(0.0, abs=1e-6)
     assert torch.equal(batch[3]["loss_mask"], torch.tensor([1.0, 1.0, 0.0]))
     assert torch.allclose(batch[3]["advantages"], torch.zeros(3))  # A = R̃ on valid tokens, 0 under the mask
     assert torch.allclose(batch[1]["rollout_log_probs"], torch.tensor([-1.0, -0.1]))
@@ -47,3 +49,42 @@ def test_a_damaged_chunk_is_never_read(tmp_path):
     open(ref.path, "wb").write(bytes(data))
     with pytest.raises(DamagedChunk):
         S.read_samples([ref])
+
+
+def test_normalization_settings_reach_the_training_side(tmp_path):
+    """Dr.GRPO (no std) and no normalization at all: R̃ computed from the raw rewards in the chunk."""
+    ref = S.write_step(tmp_path, 1, result())
+    drgrpo, m = S.read_train_batch([ref], AlgorithmConfig(disable_grpo_std_normalization=True), group_size=2)
+    assert [float(b["advantages"][0]) for b in drgrpo] == pytest.approx([0.5, -0.5, 0.0, 0.0])
+    assert m["rollout/rewards"] == pytest.approx(0.0)
+    raw, m = S.read_train_batch([ref], AlgorithmConfig(disable_rewards_normalization=True), group_size=2)
+    assert [float(b["advantages"][0]) for b in raw] == pytest.approx([1.0, 0.0, 0.5, 0.5])
+    assert m["rollout/rewards"] == pytest.approx(0.5)
+
+
+def test_whitened_advantages_match_the_padded_computation(tmp_path):
+    """``normalize_advantages`` whitens over the loss-mask tokens of the batch, as the padded [B, T] form does."""
+    from relax_hpc.algo.advantages import compute_advantages
+
+    ref = S.write_step(tmp_path, 1, result())
+    cfg = AlgorithmConfig(normalize_advantages=True)
+    batch, _ = S.read_train_batch([ref], cfg, group_size=2)
+    lens = [1, 2, 1, 3]
+    mask = torch.zeros(4, 3)
+    for i, n in enumerate(lens):
+        mask[i, :n] = 1.0
+    mask[3, 2] = 0.0
+    want = compute_advantages(cfg, torch.tensor([1.0, 0.0, 0.5, 0.5]), 2, mask)
+    for i, b in enumerate(batch):
+        assert torch.allclose(b["advantages"], want[i, : lens[i]], atol=1e-6)
+
+
+def test_two_chunks_read_as_one_batch(tmp_path):
+    """A train task over several chunks: columns concatenate in order, ragged offsets included."""
+    a = S.write_step(tmp_path, 1, result(), seq=0)
+    b = S.write_step(tmp_path, 1, result(), seq=1)
+    batch, _ = S.read_train_batch([a, b], AlgorithmConfig(), group_size=2)
+    assert len(batch) == 8
+    assert [b["tokens"].tolist() for b in batch[4:]] == [b["tokens"].tolist() for b in batch[:4]]
+    rows = S.read_samples([a, b], ("tokens", "index"))
+    assert [int(r["index"]) for r in rows] == [0, 1, 2, 3] * 2 and list(rows[5]["tokens"]) == [5, 6, 7, 9, 2]

@@ -208,7 +208,7 @@ def test_check_config():
     assert check_config(DataConfig(), RolloutConfig()) == []
     bad = check_config(
         DataConfig(apply_chat_template_kwargs="{nope"),
-        RolloutConfig(n_samples_per_prompt=0, custom_rm_path="my_mod:reward", eval_interval=5, top_p=0.0),
+        RolloutConfig(n_samples_per_prompt=0, custom_rm_path="my_mod reward", eval_interval=5, top_p=0.0),
     )
     keys = {k for k, _, _ in bad}
     assert keys == {"rollout.n_samples_per_prompt", "rollout.custom_rm_path", "data.eval_prompt_data",

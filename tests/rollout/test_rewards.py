@@ -235,8 +235,9 @@ def test_reward_concurrency_bound(reward_pkg):
 
 def test_load_function_errors(reward_pkg):
     assert callable(load_function(f"{reward_pkg}.reward_func"))
+    assert load_function(f"{reward_pkg}:reward_func") is load_function(f"{reward_pkg}.reward_func")  # one loader
     with pytest.raises(ValueError, match="package.module.function"):
-        load_function(f"{reward_pkg}:reward_func")
+        load_function("reward_func")
     with pytest.raises(ImportError, match="cannot import module 'no_such_pkg.mod'"):
         load_function("no_such_pkg.mod.fn")
     with pytest.raises(ImportError, match="has no attribute 'nope'"):

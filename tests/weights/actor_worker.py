@@ -42,7 +42,7 @@ def main() -> int:
         sender = WeightSender(bucket_bytes=64 * 1024, timeout=120, connect_timeout=60)
         sender.connect([EngineClient(url)], "127.0.0.1")
         t0 = time.time()
-        res["metrics"] = push_from_actor(actor, sender, "actor-1")
+        res["metrics"] = push_from_actor(actor.named_hf_weights(), sender, "actor-1")
         res["push_s"] = time.time() - t0
         sender.close()
         named = dict(actor.named_hf_weights())

@@ -5,7 +5,7 @@
                             [--latency-n 200] [--poll-ms 10 100] [--no-append]
 
 Samples look like Relax's rollout rows: ``tokens`` (int32, ragged), ``loss_masks`` (uint8, ragged over the
-response), ``rollout_log_probs`` (float32, ragged over the response), ``rewards`` (float32), ``response_lengths``
+response), ``rollout_log_probs`` (float32, ragged over the response), ``raw_reward`` (float32), ``response_lengths``
 (int32). Lengths are uniform in [mean/2, 3·mean/2], the response half of each.
 
 1. **Throughput**, per directory (a filesystem): ``--chunks`` chunks of ``--samples`` samples
@@ -57,7 +57,7 @@ def make_chunks(n_chunks: int, samples: int, mean_len: int, seed: int = 0) -> li
             "tokens": [rng.integers(0, 151_000, size=int(k), dtype=np.int32) for k in lens],
             "loss_masks": [np.ones(int(r), dtype=np.uint8) for r in resp],
             "rollout_log_probs": [rng.standard_normal(int(r), dtype=np.float32) for r in resp],
-            "rewards": rng.random(samples, dtype=np.float32),
+            "raw_reward": rng.random(samples, dtype=np.float32),
             "response_lengths": resp.astype(np.int32),
         })
     return chunks
@@ -101,7 +101,7 @@ def run_exchange(root: Path, chunks: list[dict]) -> tuple[float, float, float]:
         b.ack(lease.id)
     t2 = time.perf_counter()
     cpu = time.process_time() - c0
-    assert got == sum(len(c["rewards"]) for c in chunks)
+    assert got == sum(len(c["raw_reward"]) for c in chunks)
     b.close()
     return t1 - t0, t2 - t1, cpu
 
@@ -132,7 +132,7 @@ def run_raw(root: Path, chunks: list[dict]) -> tuple[float, float, float]:
 
 
 def throughput(base: Path, chunks: list[dict], reps: int) -> list[dict]:
-    samples = sum(len(c["rewards"]) for c in chunks)
+    samples = sum(len(c["raw_reward"]) for c in chunks)
     mb = sum(nbytes(c) for c in chunks) / 1e6
     times = {"exchange": [], "raw": []}
     for _ in range(reps):
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     lines = [f"\n### Sample exchange: chunks vs raw files, announce vs polling ({when})\n",
              f"Machine: {where}.",
              f"Throughput: {a.chunks} chunks × {a.samples} samples, mean {a.mean_len} tokens "
-             f"(tokens int32, loss_masks uint8 and rollout_log_probs float32 over the response half, rewards, "
+             f"(tokens int32, loss_masks uint8 and rollout_log_probs float32 over the response half, raw_reward, "
              f"response_lengths): {per_chunk_mb:.2f} MB of arrays per chunk; exchange and raw interleaved, "
              f"{a.reps} reps: write s, read s, samples/s, MB/s from the medians, best = the fastest rep end to end; CPU ms/chunk = this process's CPU time (write + read, median) per chunk, which contention for the CPU does not inflate. exchange = write_chunk ({CHECKSUM_ALGO}, tmp + fsync + link + dir fsync) + announce "
              f"(journal fdatasync), then request + read_chunk (checksum verified) + ack; raw = the same bytes, "

@@ -1,0 +1,69 @@
+"""The one schema of a sample's fields in the exchange: name, dtype, shape, who writes it, which tasks read it.
+
+Every place that writes or reads chunk fields takes its lists from here: the rollout role's chunk writer
+(:func:`relax_hpc.roles.samples.write_step`), the chunk reader, the broker's per-task field lists (a task
+is ready once its chunks carry the fields it reads), the forward roles (which add a side field) and the
+actor's batch builder. Names are Relax's where Relax has one.
+
+Kinds: ``fixed`` is one number per sample (a 1-D column), ``ragged`` a variable-length array per sample
+(flat data plus offsets in the file), ``json`` one JSON value per sample (for people reading the files and
+for metrics, never for the loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROLLOUT, REFERENCE, ACTOR_FWD = "rollout", "reference", "actor_fwd"
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    kind: str  # fixed | ragged | json
+    dtype: str  # numpy dtype name; "json" for json fields
+    writer: str  # the role that writes it (a side file for every writer but rollout)
+    read_by: tuple[str, ...]  # the tasks that read it: train, logprobs
+    doc: str
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("tokens", "ragged", "int64", ROLLOUT, ("train", "logprobs"), "prompt + response token ids"),
+    Field("response_length", "fixed", "int64", ROLLOUT, ("train", "logprobs"),
+          "response tokens (the last ones of tokens)"),
+    Field("loss_mask", "ragged", "float32", ROLLOUT, ("train",), "over the response (0/1)"),
+    Field("rollout_log_probs", "ragged", "float32", ROLLOUT, ("train",),
+          "the engine's log-prob of each response token"),
+    Field("raw_reward", "fixed", "float32", ROLLOUT, ("train",),
+          "R: the scalar reward; group normalization (R → R̃) and advantages happen on the training side"),
+    Field("index", "fixed", "int64", ROLLOUT, ("train",), "sample.index"),
+    Field("group_index", "fixed", "int64", ROLLOUT, (), "the sample's group (its prompt) in the step"),
+    Field("weight_version", "json", "json", ROLLOUT, ("train",),
+          "the engine's weight version when it finished the sample"),
+    Field("status", "json", "json", ROLLOUT, (), "completed / truncated / aborted / failed"),
+    Field("prompt", "json", "json", ROLLOUT, (), "for people reading the files"),
+    Field("response", "json", "json", ROLLOUT, (), "for people reading the files"),
+    Field("label", "json", "json", ROLLOUT, (), "for people reading the files"),
+    Field("ref_log_probs", "ragged", "float32", REFERENCE, ("train",), "π_ref of each response token"),
+    Field("log_probs", "ragged", "float32", ACTOR_FWD, ("train",), "π_old of each response token"),
+)
+BY_NAME = {f.name: f for f in FIELDS}
+
+PRODUCER = ROLLOUT  # the writer of a step's main chunk file
+# side fields another role adds after the rollout wrote the chunk; the writer's role names its side file
+FORWARD_FIELDS = tuple(f.name for f in FIELDS if f.writer in (REFERENCE, ACTOR_FWD))
+SIDE_FIELD = {REFERENCE: "ref_log_probs", ACTOR_FWD: "log_probs"}
+
+
+def rollout_fields() -> tuple[str, ...]:
+    """Every field the rollout role writes, in schema order."""
+    return tuple(f.name for f in FIELDS if f.writer == ROLLOUT)
+
+
+def task_fields(task: str, writers: tuple[str, ...] = (ROLLOUT,)) -> tuple[str, ...]:
+    """The fields task ``task`` reads that these writers provide (the run's roles decide which side fields exist)."""
+    return tuple(f.name for f in FIELDS if task in f.read_by and f.writer in writers)
+
+
+TRAIN_FIELDS = task_fields("train")  # what the actor reads from the rollout's chunk
+LOGPROB_FIELDS = task_fields("logprobs")  # what reference/actor_fwd read to compute their side field

@@ -1,0 +1,211 @@
+"""The task and result messages: every kind round-trips through its dict (the wire keys), and a missing field, a
+field the kind does not have or a value of the wrong type is a MessageError naming the message and the field."""
+
+import json
+
+import pytest
+
+from relax_hpc.controller import messages as M
+
+CHUNK = {"path": "/run/exchange/step_3/rollout-0.h5", "step": 3, "n": 4, "fields": ["tokens"], "checksum": "ab",
+         "size": 100, "attrs": {}, "sides": []}
+SIDE = {"chunk": "3/rollout-0", "writer": "reference", "file": "x.h5", "fields": ["ref_log_probs"], "checksum": "cd",
+        "size": 10}
+ENGINES = {"engine0": "http://127.0.0.1:8000", "engine1": "http://127.0.0.1:8001"}
+
+# one instance of every kind, with every field set (and the wire dict it must give)
+TASKS = [
+    (M.StartEnginesTask(id=1), {"id": 1, "kind": "start_engines"}),
+    (M.ConnectTask(id=2, engines=ENGINES, load=None), {"id": 2, "kind": "connect", "engines": ENGINES, "load": None}),
+    (M.GenerateTask(id=3, step=3, engines=ENGINES, seq=2, data_state={"epoch": 0, "offset": 8}),
+     {"id": 3, "kind": "generate", "step": 3, "engines": ENGINES, "seq": 2, "data_state": {"epoch": 0, "offset": 8}}),
+    (M.LogprobsTask(id=4, chunks=[CHUNK]), {"id": 4, "kind": "logprobs", "chunks": [CHUNK]}),
+    (M.LogprobsTask(id=4, chunks=[CHUNK], field="log_probs"),
+     {"id": 4, "kind": "logprobs", "chunks": [CHUNK], "field": "log_probs"}),
+    (M.LoadTask(id=5, path="/run/checkpoints"), {"id": 5, "kind": "load", "path": "/run/checkpoints"}),
+    (M.TrainTask(id=6, step=3, chunks=[CHUNK]), {"id": 6, "kind": "train", "step": 3, "chunks": [CHUNK]}),
+    (M.SyncTask(id=7, version="3", engines=ENGINES), {"id": 7, "kind": "sync", "version": "3", "engines": ENGINES}),
+    (M.CheckpointTask(id=8, extra={"step": 3, "data": None}),
+     {"id": 8, "kind": "checkpoint", "extra": {"step": 3, "data": None}}),
+    (M.StopTask(id=9), {"id": 9, "kind": "stop"}),
+]
+RESULTS = [
+    (M.StartEnginesResult(engines=ENGINES, pids={"engine0": 11, "engine1": 12},
+                          nodes={"engine0": "n1", "engine1": "n2"}, data_state={"epoch": 0}),
+     {"engines": ENGINES, "pids": {"engine0": 11, "engine1": 12}, "nodes": {"engine0": "n1", "engine1": "n2"},
+      "data_state": {"epoch": 0}}),
+    (M.ConnectResult(engines=["engine0", "engine1"], loaded_step=4),
+     {"engines": ["engine0", "engine1"], "loaded_step": 4}),
+    (M.GenerateResult(metrics={"rollout/raw_reward": 0.5}, chunks=[CHUNK], n=4, weight_versions=["2"],
+                      data_state={"epoch": 0}, reward_failures=[{"index": 1, "error": "boom"}],
+                      engine_failures=[{"name": "engine1", "url": "http://x", "error": "gone"}],
+                      dead_engines={"engine1": "gone"}),
+     {"chunks": [CHUNK], "metrics": {"rollout/raw_reward": 0.5}, "n": 4, "weight_versions": ["2"],
+      "data_state": {"epoch": 0}, "reward_failures": [{"index": 1, "error": "boom"}],
+      "engine_failures": [{"name": "engine1", "url": "http://x", "error": "gone"}],
+      "dead_engines": {"engine1": "gone"}}),
+    (M.LogprobsResult(sides=[SIDE], metrics={"perf/reference_time": 1.5}),
+     {"sides": [SIDE], "metrics": {"perf/reference_time": 1.5}}),
+    (M.LoadResult(step=4), {"step": 4}),
+    (M.TrainResult(metrics={"train/loss": 0.25, "perf/train_time": 3}),
+     {"metrics": {"train/loss": 0.25, "perf/train_time": 3}}),
+    (M.SyncResult(metrics={"weights/versions_ok": 1.0}, engine_versions={"engine0": "3", "engine1": None},
+                  checks={"engine0": {"fingerprint_equal": True}}, dead_engines={}),
+     {"metrics": {"weights/versions_ok": 1.0}, "engine_versions": {"engine0": "3", "engine1": None},
+      "checks": {"engine0": {"fingerprint_equal": True}}, "dead_engines": {}}),
+    (M.CheckpointResult(path="/run/checkpoints/step_3", metrics={"perf/save_time": 0.1}),
+     {"path": "/run/checkpoints/step_3", "metrics": {"perf/save_time": 0.1}}),
+    (M.StopResult(), {}),
+]
+
+
+def test_every_kind_has_a_task_and_a_result():
+    assert set(M.TASKS) == set(M.RESULTS) == {"generate", "logprobs", "train", "sync", "checkpoint", "load", "connect",
+                                              "start_engines", "stop"}
+    assert {type(t).kind for t, _ in TASKS} == set(M.TASKS)
+    assert {type(r).kind for r, _ in RESULTS} == set(M.RESULTS)
+
+
+@pytest.mark.parametrize("task,wire", TASKS, ids=lambda x: getattr(x, "kind", ""))
+def test_tasks_round_trip_through_their_wire_dict(task, wire):
+    assert task.to_dict() == wire
+    assert list(task.to_dict())[:2] == ["id", "kind"]
+    back = json.loads(json.dumps(task.to_dict()))  # what the role's next_task gets
+    assert M.decode_task(back) == task
+    assert type(task).from_dict(back) == task
+
+
+@pytest.mark.parametrize("result,wire", RESULTS, ids=lambda x: getattr(x, "kind", ""))
+def test_results_round_trip_through_their_wire_dict(result, wire):
+    kind = type(result).kind
+    assert result.to_dict() == wire
+    assert M.encode_result(kind, result) == wire
+    back = json.loads(json.dumps(wire))  # what the controller's task_done gets
+    assert M.decode_result(kind, back) == result
+
+
+def test_an_error_result_decodes_as_task_error_whatever_the_kind():
+    for kind in M.RESULTS:
+        assert M.decode_result(kind, {"error": "RuntimeError: boom", "restartable": True}) == \
+            M.TaskError(error="RuntimeError: boom", restartable=True)
+    assert M.decode_result("train", {"error": "X: y"}).restartable is False
+    with pytest.raises(M.MessageError, match="'restartable': expected bool, got str"):
+        M.decode_result("train", {"error": "X: y", "restartable": "yes"})
+
+
+def _fields(cls):
+    import dataclasses
+
+    return [f for f in dataclasses.fields(cls) if f.name != "id"]
+
+
+def _required(cls):
+    import dataclasses
+
+    return [f.name for f in _fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+
+
+WITH_REQUIRED = [(m, w) for m, w in TASKS + RESULTS if _required(type(m))]
+
+
+@pytest.mark.parametrize("msg,wire", WITH_REQUIRED, ids=lambda x: getattr(x, "kind", ""))
+def test_a_missing_field_names_the_message_and_the_field(msg, wire):
+    cls = type(msg)
+    for name in _required(cls):
+        bad = {k: v for k, v in wire.items() if k != name}
+        with pytest.raises(M.MessageError) as e:
+            cls.from_dict(bad)
+        assert (e.value.message, e.value.field) == (f"{cls.kind} {cls.what}", name)
+        assert f"malformed {cls.kind} {cls.what}: field {name!r}" in str(e.value) and "missing" in str(e.value)
+
+
+def test_a_missing_task_id_or_kind():
+    with pytest.raises(M.MessageError, match="malformed train task: field 'id': expected int, got nothing"):
+        M.decode_task({"kind": "train", "step": 3, "chunks": []})
+    with pytest.raises(M.MessageError, match="malformed task: field 'kind': expected one of start_engines, .*got null"):
+        M.decode_task({"id": 1, "step": 3, "chunks": []})
+    with pytest.raises(M.MessageError, match="field 'kind': expected one of .*got str 'fly'"):
+        M.decode_task({"id": 1, "kind": "fly"})
+    with pytest.raises(M.MessageError, match="malformed sync task: field 'kind': expected 'sync', got str 'train'"):
+        M.SyncTask.from_dict({"id": 1, "kind": "train", "version": "1", "engines": {}})
+    with pytest.raises(M.MessageError, match="malformed task: .*expected a JSON object, got list"):
+        M.decode_task([1, 2])
+
+
+@pytest.mark.parametrize("msg,wire", TASKS + RESULTS, ids=lambda x: getattr(x, "kind", ""))
+def test_an_unknown_field_names_the_message_and_the_field(msg, wire):
+    cls = type(msg)
+    with pytest.raises(M.MessageError) as e:
+        cls.from_dict({**wire, "stepp": 3})
+    assert (e.value.message, e.value.field) == (f"{cls.kind} {cls.what}", "stepp")
+    assert "no such field" in str(e.value) and "got int 3" in str(e.value)
+
+
+def _wrong_value(tp):
+    """A JSON value that is not of annotation ``tp`` (every field's annotation has one)."""
+    for candidate in ("x", 1.5, [], {}, True, None, 7):
+        if not M._fits(candidate, tp):
+            return candidate
+    raise AssertionError(tp)
+
+
+@pytest.mark.parametrize("msg,wire", [(m, w) for m, w in TASKS + RESULTS if _fields(type(m))],
+                         ids=lambda x: getattr(x, "kind", ""))
+def test_a_wrong_type_names_the_message_the_field_and_the_expected_type(msg, wire):
+    import typing
+
+    cls = type(msg)
+    hints = typing.get_type_hints(cls)
+    for f in _fields(cls):
+        if hints[f.name] is typing.Any:
+            continue
+        value = _wrong_value(hints[f.name])
+        with pytest.raises(M.MessageError) as e:
+            cls.from_dict({**wire, f.name: value})
+        assert (e.value.message, e.value.field) == (f"{cls.kind} {cls.what}", f.name)
+        assert e.value.got.startswith("null" if value is None else type(value).__name__)
+        with pytest.raises(M.MessageError):  # made in code: the same check
+            cls(**{**{k: v for k, v in wire.items() if k not in ("kind",)}, f.name: value})
+
+
+def test_wrong_types_inside_containers_and_bools_for_ints():
+    good = M.GenerateTask(id=1, step=2, engines=ENGINES, seq=0, data_state=None).to_dict()
+    with pytest.raises(M.MessageError, match=r"field 'engines': expected dict\[str, str\], got dict"):
+        M.decode_task({**good, "engines": {"engine0": 8000}})
+    with pytest.raises(M.MessageError, match="field 'step': expected int, got bool True"):
+        M.decode_task({**good, "step": True})
+    with pytest.raises(M.MessageError, match=r"field 'data_state': expected dict \| None, got str"):
+        M.decode_task({**good, "data_state": "cursor"})
+    with pytest.raises(M.MessageError, match=r"'chunks': expected list\[dict\], got list \['a'\]"):
+        M.decode_result("generate", {"chunks": ["a"]})
+    assert M.decode_result("train", {"metrics": {"train/loss": 1}}) == M.TrainResult(metrics={"train/loss": 1})
+
+
+def test_message_error_is_a_value_error_with_a_clear_text():
+    with pytest.raises(ValueError) as e:
+        M.decode_task({"id": 1, "kind": "load", "path": None})
+    assert str(e.value).startswith("malformed load task: field 'path': expected str, got null")
+    assert e.value.expected == "str" and e.value.got == "null"
+
+
+def test_optional_fields_may_be_absent_and_omit_none_ones_are_not_sent():
+    assert M.decode_result("start_engines", {"engines": ENGINES}) == M.StartEnginesResult(engines=ENGINES)
+    assert M.decode_result("connect", {"engines": []}).loaded_step is None
+    assert "field" not in M.LogprobsTask(id=1, chunks=[]).to_dict()  # sent only when set
+    assert M.decode_task({"id": 1, "kind": "logprobs", "chunks": []}).field is None
+    # nullable but always sent: the controller's generate and connect carry an explicit null
+    assert M.GenerateTask(id=1, step=1, engines={}, seq=0, data_state=None).to_dict()["data_state"] is None
+    with pytest.raises(M.MessageError, match="'data_state'.*missing"):
+        M.decode_task({"id": 1, "kind": "generate", "step": 1, "engines": {}, "seq": 0})
+
+
+def test_encode_result_checks_the_kind_and_fills_the_empty_result():
+    assert M.encode_result("stop", None) == {}
+    assert M.encode_result("logprobs", None) == {"sides": [], "metrics": {}}
+    with pytest.raises(M.MessageError, match="malformed load result: .*expected LoadResult, got None"):
+        M.encode_result("load", None)  # a result with a required field must be returned
+    with pytest.raises(M.MessageError, match="malformed train result: .*expected TrainResult, got SyncResult"):
+        M.encode_result("train", M.SyncResult())
+    with pytest.raises(M.MessageError, match="expected TrainResult, got dict"):
+        M.encode_result("train", {"metrics": {}})

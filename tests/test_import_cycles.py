@@ -1,0 +1,146 @@
+"""No import cycles between relax_hpc's subpackages.
+
+Every module under ``relax_hpc`` is parsed with ``ast``; every import counts, module-level or function-local
+(a lazy import only hides a cycle, it does not remove it), relative ones resolved. A node is the first component
+under ``relax_hpc`` (``controller``, ``launch``, ...; a top-level module such as ``rundir.py`` is its own node, and
+``relax_hpc/__init__.py`` is ``relax_hpc``). The test fails on any cycle in that graph and prints the edges, with
+file:line, that form it.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import relax_hpc
+
+PKG = "relax_hpc"
+ROOT = Path(relax_hpc.__file__).resolve().parent
+
+
+def _module_name(path: Path) -> tuple[str, bool]:
+    """Dotted name of a file under ROOT, and whether it is a package ``__init__``."""
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    is_pkg = parts[-1] == "__init__"
+    if is_pkg:
+        parts = parts[:-1]
+    return ".".join(parts), is_pkg
+
+
+def _node(dotted: str) -> str | None:
+    """The graph node of a dotted module name, or None when it is not ours."""
+    parts = dotted.split(".")
+    if parts[0] != PKG:
+        return None
+    return parts[1] if len(parts) > 1 else PKG
+
+
+def _imported(tree: ast.AST, module: str, is_pkg: bool) -> list[tuple[str, int]]:
+    """(absolute dotted target, line) for every import in a module, nested ones included."""
+    package = module if is_pkg else module.rpartition(".")[0]
+    out: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.extend((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            # ``from X import y`` may name a submodule y: count X.y. Its node is X's, except for
+            # ``from relax_hpc import y``, whose node is y (``__version__`` would be a node of its own: harmless).
+            for alias in node.names:
+                out.append((f"{prefix}.{alias.name}" if alias.name != "*" else prefix, node.lineno))
+    return out
+
+
+def import_graph() -> dict[tuple[str, str], list[str]]:
+    """(from node, to node) -> the places ("path:line  import target") that make the edge."""
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for path in sorted(ROOT.rglob("*.py")):
+        module, is_pkg = _module_name(path)
+        src = _node(module)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for target, line in _imported(tree, module, is_pkg):
+            dst = _node(target)
+            if dst is None or dst == src:
+                continue
+            where = f"{path.relative_to(ROOT.parent)}:{line}  {target}"
+            edges[(src, dst)].append(where)
+    return edges
+
+
+def find_cycles(edges) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for a, b in edges:
+        graph[a].add(b)
+        graph.setdefault(b, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    sccs: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                sccs.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sccs
+
+
+def report(edges, sccs) -> str:
+    lines = []
+    for comp in sccs:
+        lines.append(f"import cycle among: {', '.join(comp)}")
+        members = set(comp)
+        for (a, b), places in sorted(edges.items()):
+            if a in members and b in members:
+                lines.append(f"  {a} -> {b}")
+                lines.extend(f"      {p}" for p in places)
+    return "\n".join(lines)
+
+
+def test_graph_sees_lazy_and_relative_imports():
+    """The parser resolves relative imports and counts function-local ones."""
+    src = "from . import a\nfrom ..b import c\ndef f():\n    from relax_hpc.d import e\n    import relax_hpc.f.g\n"
+    got = {t for t, _ in _imported(ast.parse(src), "relax_hpc.x.y", False)}
+    assert got == {"relax_hpc.x.a", "relax_hpc.b.c", "relax_hpc.d.e", "relax_hpc.f.g"}
+    got = {t for t, _ in _imported(ast.parse("from . import a\n"), "relax_hpc.x", True)}
+    assert got == {"relax_hpc.x.a"}
+
+
+def test_no_cycle_detected_in_a_chain_and_one_in_a_loop():
+    assert find_cycles({("a", "b"): [], ("b", "c"): []}) == []
+    assert find_cycles({("a", "b"): [], ("b", "c"): [], ("c", "a"): []}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles_between_subpackages():
+    edges = import_graph()
+    assert edges, "no imports found: is the package root right?"
+    sccs = find_cycles(edges)
+    assert not sccs, "\n" + report(edges, sccs)
