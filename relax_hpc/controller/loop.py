@@ -20,12 +20,15 @@ Surviving the cluster (``docs/controller.md``, "Surviving the cluster"):
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import socket
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.training import TrainingLoop
@@ -49,6 +52,32 @@ class RunFailed(RuntimeError):
     """The run ended FAILED or CANCELLED; the message is state.json's reason."""
 
 
+class RunLocked(RuntimeError):
+    """Another controller is running this run; this one touched nothing."""
+
+
+@contextlib.contextmanager
+def _only_controller(run: RunDir) -> Iterator[None]:
+    """An exclusive ``flock`` on ``RUN_DIR/controller.lock`` for the life of this controller, taken before
+    anything is written: a second controller of the same run (a job Slurm requeued while its continuation job
+    runs, a ``--resume`` of a live run) stops at once instead of overwriting ``state.json`` and
+    ``controller.json`` under the live one. Best effort where the filesystem has no flock."""
+    fd = os.open(run.path / "controller.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            live = run.read_json(run.controller_addr, {}) or {}
+            raise RunLocked(f"another controller is running {run.path} (pid {live.get('pid')} on "
+                            f"{live.get('host')}, see controller.json); this one stops without touching the run. "
+                            f"Fix: relax-status {run.name}; relax-cancel it first if it should not run") from None
+        except OSError:
+            pass  # no flock here (some network filesystems): the journal's own lock still guards the data
+        yield
+    finally:
+        os.close(fd)
+
+
 def run_controller(run_dir: str | os.PathLike, *, requeue_job: RequeueJob | None = None,
                    resubmit: Resubmit | None = None) -> dict:
     """Run the job's roles to the end; return the final state. Raises :class:`RunFailed` with the reason.
@@ -58,7 +87,8 @@ def run_controller(run_dir: str | os.PathLike, *, requeue_job: RequeueJob | None
     run = RunDir(Path(run_dir).resolve())
     handlers = _log_to(run.logs / "controller.log")
     try:
-        return _run(run, requeue_job, resubmit)
+        with _only_controller(run):
+            return _run(run, requeue_job, resubmit)
     finally:
         for h in handlers:
             logging.getLogger("relax_hpc").removeHandler(h)

@@ -12,6 +12,7 @@ timeout, stderr in the error), and the quirks of Slurm 22.05 are handled once, h
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -28,7 +29,12 @@ FINISHED_STATES = frozenset(FINISHED_BY_SEVERITY)
 
 
 class SlurmError(RuntimeError):
-    """A Slurm client failed or printed something we cannot read."""
+    """A Slurm client failed or printed something we cannot read; ``returncode``: the client's exit status
+    (negative: killed by that signal), None when it never ran or answered."""
+
+    def __init__(self, msg: str, returncode: int | None = None):
+        super().__init__(msg)
+        self.returncode = returncode
 
 
 def have_sbatch() -> bool:
@@ -45,7 +51,7 @@ def run(argv: list[str], timeout: float = 60) -> str:
         raise SlurmError(f"{' '.join(argv)}: no answer in {timeout:.0f} s (is slurmctld up?)") from None
     if p.returncode != 0:
         msg = (p.stderr or p.stdout).strip()
-        raise SlurmError(f"{' '.join(argv)} failed (exit {p.returncode}): {msg}")
+        raise SlurmError(f"{' '.join(argv)} failed (exit {p.returncode}): {msg}", p.returncode)
     return p.stdout
 
 
@@ -316,6 +322,27 @@ def scancel(job_id: int | str, signal: str | None = None) -> None:
     run(argv)
 
 
-def scontrol_requeue(job_id: int | str) -> None:
-    """Requeue a job (a het job: all its components, same id). Slurm kills the calling batch script at once."""
-    run(["scontrol", "requeue", str(job_id)])
+def scontrol_requeue(job_id: int | str, restart_count: int | None = None) -> None:
+    """Requeue a job (a het job: all its components, same id). Slurm kills the calling batch script at once.
+
+    Called from inside the job, scontrol can be killed by the very teardown its request started (it is a
+    process of the job) and then reports failure for a requeue Slurm accepted; a continuation job submitted
+    on that report would run the run twice. So a failure counts only if the job's ``Restarts`` did not grow
+    past ``restart_count`` (default: this job's ``SLURM_RESTART_COUNT``)."""
+    try:
+        run(["scontrol", "requeue", str(job_id)])
+    except SlurmError:
+        before = int(os.environ.get("SLURM_RESTART_COUNT") or 0) if restart_count is None else restart_count
+        if job_restarts(job_id) > before:
+            return
+        raise
+
+
+def job_restarts(job_id: int | str) -> int:
+    """How many times Slurm requeued ``job_id`` (``scontrol show job``'s ``Restarts``; -1 if unknown)."""
+    try:
+        out = run(["scontrol", "show", "job", "-o", str(job_id)], timeout=30)
+    except SlurmError:
+        return -1
+    counts = [int(m) for m in re.findall(r"\bRestarts=(\d+)", out)]
+    return max(counts) if counts else -1

@@ -189,3 +189,22 @@ def test_past_max_requeues_the_run_fails_and_says_how_to_go_on(tmp_path):
     assert state["state"] == "FAILED" and "relax-submit --resume" in state["reason"]
     assert state["events"][-1]["event"] == "failed"
     no_descendants_left(all_pids(state))
+
+
+def test_a_second_controller_of_a_live_run_stops_without_touching_it(tmp_path):
+    """A requeued job and its continuation, or a --resume of a live run: the second controller finds the run's
+    lock held and stops before writing anything, so the live run's state.json and controller.json stay its own."""
+    import fcntl
+
+    from relax_hpc.controller.loop import RunLocked
+
+    run = make_run(tmp_path)
+    run.state.write_text('{"state": "RUNNING", "attempt": 4}')
+    run.controller_addr.write_text('{"host": "node7", "port": 1234, "pid": 4321}')
+    before = (run.state.read_bytes(), run.controller_addr.read_bytes())
+    with open(run.path / "controller.lock", "a+") as live:  # the live controller's lock
+        fcntl.flock(live, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(RunLocked, match=r"another controller is running .* \(pid 4321 on node7"):
+            run_controller(run.path)
+    assert (run.state.read_bytes(), run.controller_addr.read_bytes()) == before
+    assert psutil.Process().children(recursive=True) == []

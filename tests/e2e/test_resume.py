@@ -248,8 +248,10 @@ def test_a_time_limited_job_checkpoints_before_the_kill_and_goes_on(slurm_cluste
         if state(run).get("state") in ("RUNNING", "REQUEUED"):
             subprocess.run(["scancel", sub["job_id"]], env=slurm_cluster.env)
     assert st["state"] == "CANCELLED" and "relax-cancel --checkpoint" in st["reason"], st.get("reason")
-    assert st["attempt"] >= 1 and st["slurm_restart_count"] == st["attempt"]
-    assert all(h["state"] == "REQUEUED" and "SIGUSR2" in h["reason"] for h in st["history"])
+    assert st["attempt"] >= 1 and st["slurm_restart_count"] == st["attempt"]  # requeued by Slurm, no continuation
+    ends = {h["attempt"]: h for h in st["history"]}  # each earlier attempt's last entry: how it ended
+    assert sorted(ends) == list(range(st["attempt"]))
+    assert all(h["state"] == "REQUEUED" and "SIGUSR2" in h["reason"] for h in ends.values()), st["history"]
     assert st["last_checkpoint"]["step"] == st["step"]
     assert [r["step"] for r in metrics(run)] == list(range(1, st["step"] + 1))
     assert trained_exactly_once(run, st["step"]) == []

@@ -181,7 +181,8 @@ def test_local_json_foreground_reports_final_state(no_slurm_env, tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_in_foreground_cancels_the_run(no_slurm_env, tmp_path):
     code = "import sys; from relax_hpc.launch.cli import submit_main; sys.exit(submit_main(sys.argv[1:]))"
-    p = subprocess.Popen([sys.executable, "-c", code, "--local", str(SMOKE)], cwd=tmp_path, env=no_slurm_env,
+    env = dict(no_slurm_env, RELAX_TEST_HOLD_ROLE="rollout")  # held ready: Ctrl-C always finds the run going
+    p = subprocess.Popen([sys.executable, "-c", code, "--local", str(SMOKE)], cwd=tmp_path, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not list((tmp_path / "runs").glob("*/job.json")):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from relax_hpc.launch import slurm
@@ -128,3 +130,30 @@ def test_dev_cluster_nodes(slurm_cluster):
     debug = [n for n in nodes if "debug" in n.partitions]
     assert len(debug) == 4 and all(n.gpus == 4 and n.cpus == 4 for n in debug)
     assert slurm.default_partition() == "debug"
+
+
+@pytest.mark.slurm
+def test_a_requeue_that_slurm_accepted_is_not_reported_as_refused(slurm_cluster, tmp_path):
+    """scontrol can be killed by the teardown of the job that calls it (exit -15) after Slurm accepted the
+    requeue; a continuation job on that report would run the run twice. A failed ``scontrol requeue`` counts
+    only when the job's Restarts did not grow."""
+    import subprocess
+
+    job = subprocess.run(["sbatch", "--parsable", "--requeue", "-o", "/dev/null", "--wrap", "sleep 600"],
+                         capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip()
+    try:
+        deadline = time.monotonic() + 60
+        while slurm.run(["squeue", "-j", job, "-h", "-o", "%T"]).strip() != "RUNNING":
+            assert time.monotonic() < deadline, "the job never started"
+            time.sleep(0.2)
+        assert slurm.job_restarts(job) == 0
+        slurm.scontrol_requeue(job, restart_count=0)  # a real requeue: the job goes back to PENDING
+        assert slurm.job_restarts(job) == 1
+        # scontrol now fails (the job is pending), but Restarts grew past what the caller had: done
+        slurm.scontrol_requeue(job, restart_count=0)
+        with pytest.raises(slurm.SlurmError, match="pending") as e:  # nothing grew since 1: a real refusal
+            slurm.scontrol_requeue(job, restart_count=1)
+        assert e.value.returncode == 1
+    finally:
+        subprocess.run(["scancel", job], check=False)
+    assert slurm.job_restarts("999999") == -1
