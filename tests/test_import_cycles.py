@@ -1,7 +1,9 @@
 """No import cycles between relax_hpc's subpackages.
 
-Every module under ``relax_hpc`` is parsed with ``ast``; every import counts, module-level or function-local
-(a lazy import only hides a cycle, it does not remove it), relative ones resolved. A node is the first component
+Every module under ``relax_hpc`` is parsed with ``ast``; every executed import counts, module-level or
+function-local (a lazy import only hides a cycle, it does not remove it), relative ones resolved. Imports under
+``if TYPE_CHECKING:`` do not: they never run, and naming a config dataclass in an annotation (the rollout code
+annotating ``Recipe``, which the recipe validator's checks import back) is not a dependency of the code. A node is the first component
 under ``relax_hpc`` (``controller``, ``launch``, ...; a top-level module such as ``rundir.py`` is its own node, and
 ``relax_hpc/__init__.py`` is ``relax_hpc``). The test fails on any cycle in that graph and prints the edges, with
 file:line, that form it.
@@ -41,7 +43,7 @@ def _imported(tree: ast.AST, module: str, is_pkg: bool) -> list[tuple[str, int]]
     """(absolute dotted target, line) for every import in a module, nested ones included."""
     package = module if is_pkg else module.rpartition(".")[0]
     out: list[tuple[str, int]] = []
-    for node in ast.walk(tree):
+    for node in _executed(tree):
         if isinstance(node, ast.Import):
             out.extend((alias.name, node.lineno) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -56,6 +58,23 @@ def _imported(tree: ast.AST, module: str, is_pkg: bool) -> list[tuple[str, int]]
             for alias in node.names:
                 out.append((f"{prefix}.{alias.name}" if alias.name != "*" else prefix, node.lineno))
     return out
+
+
+def _executed(tree: ast.AST):
+    """ast.walk, without the bodies of ``if TYPE_CHECKING:`` (their ``else`` runs, and is walked)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def import_graph() -> dict[tuple[str, str], list[str]]:
@@ -132,6 +151,8 @@ def test_graph_sees_lazy_and_relative_imports():
     assert got == {"relax_hpc.x.a", "relax_hpc.b.c", "relax_hpc.d.e", "relax_hpc.f.g"}
     got = {t for t, _ in _imported(ast.parse("from . import a\n"), "relax_hpc.x", True)}
     assert got == {"relax_hpc.x.a"}
+    src = "if TYPE_CHECKING:\n    from relax_hpc.r import R\nelse:\n    import relax_hpc.s\nif typing.TYPE_CHECKING:\n    import relax_hpc.t\n"
+    assert {t for t, _ in _imported(ast.parse(src), "relax_hpc.x.y", False)} == {"relax_hpc.s"}  # annotations only
 
 
 def test_no_cycle_detected_in_a_chain_and_one_in_a_loop():

@@ -26,7 +26,7 @@ from relax_hpc.recipe.errors import _MISSING
 from relax_hpc.recipe.relax_names import RELAX_NAMES, cli_flag, relax_flag
 from relax_hpc.recipe.schema import ROLE_NAMES, Recipe
 from relax_hpc.rollout.data import DataError, check_config as check_data, expand_paths
-from relax_hpc.rollout.rewards import BUILTIN_REWARDS, REWARD_PARAMS
+from relax_hpc.rollout.rewards import BUILTIN_REWARDS, REWARD_PARAMS, relax_args
 from relax_hpc.train.config import check as check_train
 
 Problem = tuple[str, object, str]
@@ -404,7 +404,22 @@ def check_files(recipe: Recipe, cwd: str | Path | None = None) -> list[Problem]:
     problems = _check_data_paths(recipe, base)
     problems += _check_context(recipe, base)
     problems += _check_plugins(recipe, base)
+    problems += _check_custom_config(recipe, base)
     return problems
+
+
+def _check_custom_config(r: Recipe, base: Path) -> list[Problem]:
+    """``rollout.custom_config_path`` is read as the rollout role reads it (relax_args): an unreadable file or
+    a key that contradicts the recipe is refused here instead of when the role starts, after the queue."""
+    path = r.rollout.custom_config_path
+    if not path or any(c in path for c in "\n\r\0"):
+        return []
+    resolved = dataclasses.replace(r, rollout=dataclasses.replace(r.rollout, custom_config_path=str(_resolve(path, base))))
+    try:
+        relax_args(resolved)
+    except ValueError as e:
+        return [("rollout.custom_config_path", path, str(e))]
+    return []
 
 
 def _resolve(path: str, base: Path) -> Path:

@@ -131,7 +131,7 @@ class Generator:
 
     def __init__(self, ctx: RoleContext):
         from relax_hpc.rollout.data import data_source_from_config, dataset_from_config, load_tokenizer
-        from relax_hpc.rollout.driver import build_driver
+        from relax_hpc.rollout.driver import RolloutDriver
 
         r = ctx.recipe
         self.ctx, self.recipe = ctx, r
@@ -141,7 +141,7 @@ class Generator:
         dataset = dataset_from_config(r.data, r.rollout, tokenizer=self.tokenizer, path=resolve(r.data.path))
         self.data = data_source_from_config(dataset, r.data, r.rollout, run_seed=r.run.seed)
         # loads the reward function (fails early); its engine clients send the run's API key
-        self.driver = build_driver(r, {}, tokenizer=self.tokenizer, api_key=ctx.run.api_key())
+        self.driver = RolloutDriver(r, {}, tokenizer=self.tokenizer, api_key=ctx.run.api_key())
         self.driver.on_progress = ctx.progress
         self.engines: dict[str, str] = {}
 

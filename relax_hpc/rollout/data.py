@@ -28,9 +28,12 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from relax_hpc.rollout.sample import Sample
+
+if TYPE_CHECKING:  # relax_hpc.recipe imports this module (validate: check_config), so only for annotations
+    from relax_hpc.recipe.schema import DataConfig, RolloutConfig
 
 
 class DataError(ValueError):
@@ -407,14 +410,14 @@ def parse_chat_template_kwargs(value: str | dict | None) -> dict[str, Any]:
     return out
 
 
-def dataset_from_config(data_cfg: Any, rollout_cfg: Any, *, tokenizer: Any = None, path: Any = None,
+def dataset_from_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig, *, tokenizer: Any = None, path: Any = None,
                         input_key: str | None = None, label_key: str | None = None) -> PromptDataset:
     """A :class:`PromptDataset` from the recipe's ``data``/``rollout`` sections (``path`` etc. override them)."""
     keys = DataKeys(
         input_key=input_key or data_cfg.input_key,
         label_key=label_key if label_key is not None else data_cfg.label_key,
         metadata_key=data_cfg.metadata_key,
-        tool_key=getattr(data_cfg, "tool_key", "tools"),
+        tool_key=data_cfg.tool_key,
     )
     path = path if path is not None else data_cfg.path
     if path is None:
@@ -422,33 +425,33 @@ def dataset_from_config(data_cfg: Any, rollout_cfg: Any, *, tokenizer: Any = Non
     return PromptDataset(
         path, keys=keys, tokenizer=tokenizer,
         apply_chat_template=data_cfg.apply_chat_template,
-        apply_chat_template_kwargs=parse_chat_template_kwargs(getattr(data_cfg, "apply_chat_template_kwargs", None)),
-        system_prompt=getattr(data_cfg, "system_prompt", None),
-        max_prompt_len=getattr(rollout_cfg, "max_prompt_len", None),
+        apply_chat_template_kwargs=parse_chat_template_kwargs(data_cfg.apply_chat_template_kwargs),
+        system_prompt=data_cfg.system_prompt,
+        max_prompt_len=rollout_cfg.max_prompt_len,
     )
 
 
-def eval_datasets_from_config(data_cfg: Any, rollout_cfg: Any, *, tokenizer: Any = None) -> dict[str, PromptDataset]:
+def eval_datasets_from_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig, *,
+                              tokenizer: Any = None) -> dict[str, PromptDataset]:
     """``data.eval_prompt_data`` (name → path) as datasets, read with ``eval_input_key``/``eval_label_key``."""
     return {
         name: dataset_from_config(data_cfg, rollout_cfg, tokenizer=tokenizer, path=path,
-                                  input_key=getattr(data_cfg, "eval_input_key", None),
-                                  label_key=getattr(data_cfg, "eval_label_key", None))
-        for name, path in (getattr(data_cfg, "eval_prompt_data", None) or {}).items()
+                                  input_key=data_cfg.eval_input_key, label_key=data_cfg.eval_label_key)
+        for name, path in data_cfg.eval_prompt_data.items()
     }
 
 
-def data_source_from_config(dataset: PromptDataset, data_cfg: Any, rollout_cfg: Any,
+def data_source_from_config(dataset: PromptDataset, data_cfg: DataConfig, rollout_cfg: RolloutConfig,
                             run_seed: int = 1234) -> RolloutDataSource:
-    seed = data_cfg.seed if getattr(data_cfg, "seed", None) is not None else run_seed
+    seed = data_cfg.seed if data_cfg.seed is not None else run_seed
     return RolloutDataSource(
         dataset, rollout_batch_size=rollout_cfg.rollout_batch_size,
         n_samples_per_prompt=rollout_cfg.n_samples_per_prompt,
-        shuffle=getattr(data_cfg, "shuffle", False), seed=seed,
+        shuffle=data_cfg.shuffle, seed=seed,
     )
 
 
-def check_config(data_cfg: Any, rollout_cfg: Any) -> list[tuple[str, object, str]]:
+def check_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig) -> list[tuple[str, object, str]]:
     """Meaning checks of the ``data``/``rollout`` sections: (key, value, "problem. Fix: ...") triples.
 
     Pure Python (no torch, no file access) so the recipe validator can run it on a login node.
@@ -466,17 +469,14 @@ def check_config(data_cfg: Any, rollout_cfg: Any) -> list[tuple[str, object, str
     need(r.temperature >= 0, "rollout.temperature", r.temperature, "must be 0 or more")
     need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
     need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", r.top_k, "must be -1 (off) or at least 1")
-    if getattr(r, "max_prompt_len", None) is not None:
+    if r.max_prompt_len is not None:
         need(r.max_prompt_len >= 1, "rollout.max_prompt_len", r.max_prompt_len, "must be at least 1 or null")
-    if hasattr(r, "sglang_server_concurrency"):
-        need(r.sglang_server_concurrency >= 1, "rollout.sglang_server_concurrency", r.sglang_server_concurrency,
-             "must be at least 1 request per engine")
-    if hasattr(r, "reward_max_concurrency"):
-        need(r.reward_max_concurrency >= 1, "rollout.reward_max_concurrency", r.reward_max_concurrency,
-             "must be at least 1")
-    if hasattr(r, "max_retries"):
-        need(r.max_retries >= 0, "rollout.max_retries", r.max_retries, "must be 0 or more")
-    path = getattr(r, "custom_rm_path", None)
+    need(r.sglang_server_concurrency >= 1, "rollout.sglang_server_concurrency", r.sglang_server_concurrency,
+         "must be at least 1 request per engine")
+    need(r.reward_max_concurrency >= 1, "rollout.reward_max_concurrency", r.reward_max_concurrency,
+         "must be at least 1")
+    need(r.max_retries >= 0, "rollout.max_retries", r.max_retries, "must be 0 or more")
+    path = r.custom_rm_path
     if path is not None:
         from relax_hpc.plugins import FORMS, PluginError, parse_spec
 
@@ -487,23 +487,21 @@ def check_config(data_cfg: Any, rollout_cfg: Any) -> list[tuple[str, object, str
             ok = False
         need(ok, "rollout.custom_rm_path", path,
              f"must be {FORMS}. Fix: e.g. examples.my_algo.reward_my_algo.reward_func (Relax's form)")
-    if path is None and getattr(r, "rm_type", None) is None:
-        pass  # rm_type may come per sample from metadata["rm_type"]; checked when a sample has neither
-    if hasattr(r, "eval_interval") and r.eval_interval is not None:
+    # no custom_rm_path and no rm_type is fine here: rm_type may come per sample from metadata["rm_type"]
+    # (a sample with neither is a reward failure)
+    if r.eval_interval is not None:
         need(r.eval_interval >= 1, "rollout.eval_interval", r.eval_interval, "must be at least 1 or null (no eval)")
-        need(bool(getattr(data_cfg, "eval_prompt_data", None)), "data.eval_prompt_data",
-             getattr(data_cfg, "eval_prompt_data", None),
+        need(bool(data_cfg.eval_prompt_data), "data.eval_prompt_data", data_cfg.eval_prompt_data,
              f"is empty but rollout.eval_interval = {r.eval_interval}. Fix: add name: path entries, "
              "or set rollout.eval_interval to null")
-    if hasattr(r, "n_samples_per_eval_prompt"):
-        need(r.n_samples_per_eval_prompt >= 1, "rollout.n_samples_per_eval_prompt", r.n_samples_per_eval_prompt,
-             "must be at least 1")
-    kwargs = getattr(data_cfg, "apply_chat_template_kwargs", None)
+    need(r.n_samples_per_eval_prompt >= 1, "rollout.n_samples_per_eval_prompt", r.n_samples_per_eval_prompt,
+         "must be at least 1")
+    kwargs = data_cfg.apply_chat_template_kwargs
     if kwargs:
         try:
             parse_chat_template_kwargs(kwargs)
         except DataError as e:
             out.append(("data.apply_chat_template_kwargs", kwargs, str(e).split(": ", 1)[-1]))
-    if getattr(data_cfg, "seed", None) is not None:
+    if data_cfg.seed is not None:
         need(data_cfg.seed >= 0, "data.seed", data_cfg.seed, "must be 0 or more, or null for run.seed")
     return out

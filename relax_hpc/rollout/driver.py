@@ -38,12 +38,15 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from relax_hpc.rollout.client import GENERATE_TIMEOUT, Backoff, EngineClient, EngineError, Generation, SamplingParams
+from relax_hpc.rollout.client import Backoff, EngineClient, EngineError, Generation, SamplingParams
 from relax_hpc.rollout.eval import sample_metrics
 from relax_hpc.rollout.rewards import RewardFailure, RewardRunner, positive_seconds
 from relax_hpc.rollout.sample import Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from relax_hpc.recipe.schema import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +179,10 @@ def _as_client(e: Any, **client_kwargs: Any) -> EngineClient:
 class RolloutDriver:
     """Generates rollout batches over a set of engines. See the module docstring for the behaviour.
 
-    ``args``: :func:`relax_hpc.rollout.rewards.build_args` of the recipe (Relax's names: sampling
-    ``rollout_*``, ``eval_*``, ``n_samples_per_prompt``, ``sglang_server_concurrency``, reward settings, and
-    ``max_retries``, ``request_timeout_s``). ``engines``: a list of :class:`EngineClient`/``EngineHandle``/URLs
+    ``recipe``: the run's :class:`~relax_hpc.recipe.schema.Recipe`; the driver's settings are its ``rollout``
+    section (:attr:`cfg`: sampling, ``eval_*``, ``sglang_server_concurrency``, ``max_retries``,
+    ``request_timeout_s``, ``log_passrate``), the reward's are read by the :class:`RewardRunner` made from it
+    (or ``reward``, given). ``engines``: a list of :class:`EngineClient`/``EngineHandle``/URLs
     (named by URL) or a ``{name: engine}`` mapping; for handles and URLs the driver builds the clients: total
     deadline ``request_timeout_s`` per generate, ``max_retries`` retries with ``backoff``, ``api_key`` (the
     run's engine key) on every call. A given EngineClient is used as it is. ``tokenizer``: turns prompts without token ids into ids
@@ -186,21 +190,20 @@ class RolloutDriver:
     ``on_engine_dead(name, reason)`` is called once per engine declared dead.
     """
 
-    def __init__(self, args: Any, engines: Sequence[EngineLike] | dict[str, EngineLike], *, tokenizer: Any = None,
-                 reward: RewardRunner | None = None,
+    def __init__(self, recipe: Recipe, engines: Sequence[EngineLike] | dict[str, EngineLike], *,
+                 tokenizer: Any = None, reward: RewardRunner | None = None,
                  on_engine_dead: Callable[[str, str], None] | None = None, api_key: str | None = None,
                  backoff: Backoff | None = None) -> None:
-        self.args = args
+        self.recipe = recipe
+        self.cfg = recipe.rollout
         self.tokenizer = tokenizer
-        self.reward = reward if reward is not None else RewardRunner(args)
+        self.reward = reward if reward is not None else RewardRunner(recipe)  # loads the reward function: fails early
         self.on_engine_dead = on_engine_dead
         # called as groups are generated and scored: the rollout role passes ctx.progress (logging.task_timeout_s)
         self.on_progress: Callable[[int], None] | None = None
-        self.per_engine = int(getattr(args, "sglang_server_concurrency", 512) or 512)
-        self.max_retries = int(getattr(args, "max_retries", 3))
-        timeout = getattr(args, "request_timeout_s", None)
-        timeout = positive_seconds("rollout.request_timeout_s", GENERATE_TIMEOUT if timeout is None else timeout,
-                                   GENERATE_TIMEOUT, "the total deadline of one generate request; ")
+        self.per_engine = self.cfg.sglang_server_concurrency
+        self.max_retries = self.cfg.max_retries
+        timeout = positive_seconds(self.cfg, "request_timeout_s", "the total deadline of one generate request; ")
         self.client_kwargs: dict[str, Any] = {"generate_timeout": timeout, "retries": self.max_retries,
                                               "api_key": api_key, "backoff": backoff}
         self.engine_failures: list[EngineFailure] = []
@@ -234,29 +237,25 @@ class RolloutDriver:
 
     # --- sampling parameters -------------------------------------------------------------------------
     def sampling_params(self, evaluation: bool = False) -> SamplingParams:
-        """Relax's sampling parameters (``eval_*`` override the ``rollout_*`` ones for eval)."""
-        a = self.args
+        """Relax's sampling parameters from ``rollout``; for eval, each ``eval_*`` that is set overrides its own."""
+        c = self.cfg
 
-        def pick(eval_name: str, name: str, default: Any) -> Any:
-            if evaluation and getattr(a, eval_name, None) is not None:
-                return getattr(a, eval_name)
-            v = getattr(a, name, None)
-            return default if v is None else v
+        def pick(eval_value: Any, value: Any) -> Any:
+            return eval_value if evaluation and eval_value is not None else value
 
         extra: dict[str, Any] = {
-            "skip_special_tokens": bool(getattr(a, "rollout_skip_special_tokens", False)),
+            "skip_special_tokens": c.skip_special_tokens,
             "no_stop_trim": True,
             "spaces_between_special_tokens": False,
         }
-        stop = list(getattr(a, "rollout_stop", None) or [])
-        if stop:
-            extra["stop"] = stop
+        if c.stop:
+            extra["stop"] = list(c.stop)
         return SamplingParams(
-            max_new_tokens=int(pick("eval_max_response_len", "rollout_max_response_len", 128)),
-            temperature=float(pick("eval_temperature", "rollout_temperature", 1.0)),
-            top_p=float(pick("eval_top_p", "rollout_top_p", 1.0)),
-            top_k=int(pick("eval_top_k", "rollout_top_k", -1)),
-            stop_token_ids=list(getattr(a, "rollout_stop_token_ids", None) or []) or None,
+            max_new_tokens=int(pick(c.eval_max_response_len, c.max_response_len)),
+            temperature=float(pick(c.eval_temperature, c.temperature)),
+            top_p=float(pick(c.eval_top_p, c.top_p)),
+            top_k=int(pick(c.eval_top_k, c.top_k)),
+            stop_token_ids=list(c.stop_token_ids) or None,
             extra=extra,
         )
 
@@ -342,8 +341,7 @@ class RolloutDriver:
         sample.reset_response(prompt_ids)
         text = gen.text
         if text is None and self.tokenizer is not None:
-            text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=bool(
-                getattr(self.args, "rollout_skip_special_tokens", False)))
+            text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=self.cfg.skip_special_tokens)
         sample.append_response(gen.output_ids, text or "", gen.output_logprobs,
                                loss_mask_value=0 if sample.remove_sample else 1)
         sample.update_from_meta_info(gen.meta_info)
@@ -413,7 +411,7 @@ class RolloutDriver:
     def _metrics(self, samples: list[Sample], raw: list[float], n: int, rollout_time: float,
                  evaluation: bool, batch: _Batch) -> dict[str, float]:
         base = sample_metrics(samples, raw, reward_key=self.reward.reward_key(evaluation), group_size=n,
-                              log_passrate=bool(getattr(self.args, "log_passrate", False)))
+                              log_passrate=self.cfg.log_passrate)
         out = {f"rollout/{k}": v for k, v in base.items()}
         out["rollout/response_lengths"] = statistics.fmean(s.response_length for s in samples)
         out["rollout/total_lengths"] = statistics.fmean(len(s.tokens) for s in samples)
@@ -442,18 +440,6 @@ def _first_error(eg: BaseExceptionGroup) -> BaseException:
         if not isinstance(e, asyncio.CancelledError):
             return e
     return flat[0]
-
-
-def build_driver(recipe: Any, engines: Sequence[EngineLike] | dict[str, EngineLike], *, tokenizer: Any = None,
-                 on_engine_dead: Callable[[str, str], None] | None = None, api_key: str | None = None,
-                 **extra_args: Any) -> RolloutDriver:
-    """A driver from a recipe: ``args`` from :func:`~relax_hpc.rollout.rewards.build_args` (the engine
-    clients' deadline and retries come from ``rollout.request_timeout_s`` / ``max_retries``); ``api_key``: the run's engine key (:meth:`relax_hpc.rundir.RunDir.api_key`)."""
-    from relax_hpc.rollout.rewards import build_args
-
-    args = build_args(recipe, **extra_args)
-    return RolloutDriver(args, engines, tokenizer=tokenizer, on_engine_dead=on_engine_dead,
-                         api_key=api_key)
 
 
 def sample_seed(seed: int, k: int) -> int:

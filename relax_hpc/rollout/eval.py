@@ -156,9 +156,10 @@ async def run_eval(driver: Any, datasets: dict[str, Iterable[Sample]], *, n_samp
 
     ``driver`` is a :class:`relax_hpc.rollout.driver.RolloutDriver`: eval uses its eval sampling
     parameters (``eval_temperature`` etc., falling back to the rollout ones), ``eval_reward_key``, no
-    log-probs and no reward normalization.
+    log-probs and no reward normalization; ``n_samples_per_eval_prompt`` defaults to the recipe's
+    (``driver.cfg``).
     """
-    n = n_samples_per_eval_prompt or getattr(driver.args, "n_samples_per_eval_prompt", 1) or 1
+    n = n_samples_per_eval_prompt or driver.cfg.n_samples_per_eval_prompt
     metrics: dict[str, float] = {}
     results: dict[str, Any] = {}
     t0 = time.monotonic()

@@ -9,8 +9,9 @@ The contract is Relax's (``--custom-rm-path``, ``--reward-key``, ``--group-rm``,
 - ``rollout.group_rm: true``: ``reward_func(args, samples, **kwargs)`` gets a whole group (the
   ``n_samples_per_prompt`` samples of one prompt) and returns one float or dict per sample, in order.
 - ``args`` is a namespace with Relax's flag names (``args.reward_key``, ``args.n_samples_per_prompt``,
-  ``args.rollout_max_response_len``, ...; see :func:`build_args`) plus every key of
-  ``rollout.custom_config_path`` (Relax's ``--custom-config-path``).
+  ``args.rollout_max_response_len``, ...; see :func:`relax_args`) plus every key of
+  ``rollout.custom_config_path`` (Relax's ``--custom-config-path``). It is made for the user's function
+  only: relax_hpc reads its own settings from the typed recipe.
 - Without a custom function, ``rollout.rm_type`` (or ``sample.metadata["rm_type"]``, which wins) picks a
   built-in: ``math``, ``exact_match``, ``f1``, ``dummy``; ``boxed_<type>`` first extracts the last
   ``\\boxed{...}`` of the response.
@@ -39,15 +40,15 @@ import traceback as tb
 from dataclasses import dataclass
 from fractions import Fraction
 from types import SimpleNamespace
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from relax_hpc.plugins import load_plugin
 from relax_hpc.rollout.sample import Sample, SampleStatus, reward_value
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:  # relax_hpc.recipe imports this module (validate: BUILTIN_REWARDS), so only for annotations
+    from relax_hpc.recipe.schema import Recipe, RolloutConfig
 
-DEFAULT_REWARD_TIMEOUT_S = 300.0  # rollout.reward_timeout_s
-DEFAULT_REQUEST_TIMEOUT_S = 600.0  # rollout.request_timeout_s (read by the driver; here for build_args)
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------------
 # Answer extraction and comparison
@@ -272,59 +273,53 @@ def _is_async(fn: Callable[..., Any]) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
-def build_args(recipe: Any = None, *, data: Any = None, rollout: Any = None, algorithm: Any = None,
-               **extra: Any) -> SimpleNamespace:
-    """The ``args`` a Relax reward/generate function receives: Relax's flag names from the recipe sections.
+def relax_args(recipe: Recipe) -> SimpleNamespace:
+    """The ``args`` a Relax reward/generate function receives, built from the typed recipe (the one place).
 
-    Every field of ``algorithm`` is copied under its own name (they are Relax's names already); the data
-    and rollout fields are mapped to Relax's names (``rollout.max_response_len`` →
-    ``args.rollout_max_response_len``, ``data.path`` → ``args.prompt_data``...). Then the keys of
-    ``rollout.custom_config_path`` (a YAML mapping) are set, then ``extra``.
+    Every field of ``algorithm`` under its own name (they are Relax's names already); the ``data`` and
+    ``rollout`` fields under Relax's names (``rollout.max_response_len`` → ``args.rollout_max_response_len``,
+    ``data.path`` → ``args.prompt_data``, ...); then every key of ``rollout.custom_config_path`` (a YAML
+    mapping, Relax's ``--custom-config-path``). relax_hpc itself never reads settings from this namespace:
+    they come from the recipe. So a YAML key that names one of the attributes above with another value is
+    refused (it would reach the reward function but not the run): set it in the recipe instead.
     """
-    if recipe is not None:
-        data = data if data is not None else recipe.data
-        rollout = rollout if rollout is not None else recipe.rollout
-        algorithm = algorithm if algorithm is not None else recipe.algorithm
-    a: dict[str, Any] = {}
-    if algorithm is not None:
-        a.update(dataclasses.asdict(algorithm))
-    if data is not None:
-        a.update(
-            prompt_data=data.path, input_key=data.input_key, label_key=data.label_key,
-            metadata_key=data.metadata_key, tool_key=getattr(data, "tool_key", None),
-            apply_chat_template=data.apply_chat_template,
-            apply_chat_template_kwargs=getattr(data, "apply_chat_template_kwargs", None),
-            system_prompt=getattr(data, "system_prompt", None),
-            rollout_shuffle=getattr(data, "shuffle", False),
-            rollout_seed=getattr(data, "seed", None) if getattr(data, "seed", None) is not None
-            else getattr(getattr(recipe, "run", None), "seed", 42),
-            eval_prompt_data=dict(getattr(data, "eval_prompt_data", {}) or {}),
-            eval_input_key=getattr(data, "eval_input_key", None), eval_label_key=getattr(data, "eval_label_key", None),
-        )
-    if rollout is not None:
-        g = lambda k, d=None: getattr(rollout, k, d)  # noqa: E731
-        a.update(
-            n_samples_per_prompt=rollout.n_samples_per_prompt, rollout_batch_size=rollout.rollout_batch_size,
-            rollout_max_response_len=rollout.max_response_len, rollout_max_prompt_len=g("max_prompt_len"),
-            rollout_temperature=rollout.temperature, rollout_top_p=rollout.top_p, rollout_top_k=rollout.top_k,
-            rollout_stop=list(g("stop", []) or []), rollout_stop_token_ids=list(g("stop_token_ids", []) or []),
-            rollout_skip_special_tokens=g("skip_special_tokens", False),
-            sglang_server_concurrency=g("sglang_server_concurrency", 512), max_retries=g("max_retries", 3),
-            rm_type=g("rm_type"), custom_rm_path=g("custom_rm_path"), reward_key=g("reward_key"),
-            eval_reward_key=g("eval_reward_key") if g("eval_reward_key") is not None else g("reward_key"),
-            group_rm=g("group_rm", False), reward_max_concurrency=g("reward_max_concurrency", 64),
-            reward_error_policy=g("reward_error_policy", "fail"), custom_config_path=g("custom_config_path"),
-            reward_timeout_s=g("reward_timeout_s", DEFAULT_REWARD_TIMEOUT_S),
-            request_timeout_s=g("request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S),
-            log_passrate=g("log_passrate", False), eval_interval=g("eval_interval"),
-            skip_eval_before_train=g("skip_eval_before_train", False),
-            n_samples_per_eval_prompt=g("n_samples_per_eval_prompt", 1),
-            eval_temperature=g("eval_temperature"), eval_top_p=g("eval_top_p"), eval_top_k=g("eval_top_k"),
-            eval_max_response_len=g("eval_max_response_len"),
-        )
-        if g("custom_config_path"):
-            a.update(load_custom_config(g("custom_config_path")))
-    a.update(extra)
+    d, r = recipe.data, recipe.rollout
+    a: dict[str, Any] = dataclasses.asdict(recipe.algorithm)
+    a.update(
+        prompt_data=d.path, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
+        tool_key=d.tool_key, apply_chat_template=d.apply_chat_template,
+        apply_chat_template_kwargs=d.apply_chat_template_kwargs, system_prompt=d.system_prompt,
+        rollout_shuffle=d.shuffle, rollout_seed=d.seed if d.seed is not None else recipe.run.seed,
+        eval_prompt_data=dict(d.eval_prompt_data), eval_input_key=d.eval_input_key, eval_label_key=d.eval_label_key,
+    )
+    a.update(
+        n_samples_per_prompt=r.n_samples_per_prompt, rollout_batch_size=r.rollout_batch_size,
+        rollout_max_response_len=r.max_response_len, rollout_max_prompt_len=r.max_prompt_len,
+        rollout_temperature=r.temperature, rollout_top_p=r.top_p, rollout_top_k=r.top_k,
+        rollout_stop=list(r.stop), rollout_stop_token_ids=list(r.stop_token_ids),
+        rollout_skip_special_tokens=r.skip_special_tokens,
+        sglang_server_concurrency=r.sglang_server_concurrency, max_retries=r.max_retries,
+        rm_type=r.rm_type, custom_rm_path=r.custom_rm_path, reward_key=r.reward_key,
+        eval_reward_key=r.eval_reward_key if r.eval_reward_key is not None else r.reward_key,
+        group_rm=r.group_rm, reward_max_concurrency=r.reward_max_concurrency,
+        reward_error_policy=r.reward_error_policy, custom_config_path=r.custom_config_path,
+        reward_timeout_s=r.reward_timeout_s, request_timeout_s=r.request_timeout_s,
+        log_passrate=r.log_passrate, eval_interval=r.eval_interval,
+        skip_eval_before_train=r.skip_eval_before_train, n_samples_per_eval_prompt=r.n_samples_per_eval_prompt,
+        eval_temperature=r.eval_temperature, eval_top_p=r.eval_top_p, eval_top_k=r.eval_top_k,
+        eval_max_response_len=r.eval_max_response_len,
+    )
+    if r.custom_config_path:
+        custom = load_custom_config(r.custom_config_path)
+        clash = {k: (a[k], v) for k, v in custom.items() if k in a and a[k] != v}
+        if clash:
+            shown = "; ".join(f"{k}: {v!r} (the recipe gives {was!r})" for k, (was, v) in clash.items())
+            raise ValueError(f"rollout.custom_config_path = {r.custom_config_path!r} sets args the recipe already "
+                             f"sets, to other values: {shown}. relax_hpc runs with the recipe's values, so your "
+                             "reward function would see settings the run does not use. Fix: set them in the "
+                             "recipe (docs/rollout.md lists where each Relax flag lives) and drop them from the "
+                             "YAML, or rename the keys")
+        a.update(custom)
     return SimpleNamespace(**a)
 
 
@@ -383,10 +378,13 @@ class RewardFailure:
                 "traceback": self.traceback, "source": self.source}
 
 
-def positive_seconds(key: str, value: Any, default: float, what: str = "") -> float:
-    """``value`` as a positive, finite number of seconds, or ValueError naming ``key`` and its default."""
+def positive_seconds(cfg: RolloutConfig, name: str, what: str = "") -> float:
+    """``rollout.<name>`` as a positive, finite number of seconds, or ValueError naming it and its default."""
+    value = getattr(cfg, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(f"{key} = {value!r}: must be a positive number of seconds ({what}default {default:g})")
+        default = {f.name: f.default for f in dataclasses.fields(cfg)}[name]  # the schema's, stated there only
+        raise ValueError(f"rollout.{name} = {value!r}: must be a positive number of seconds "
+                         f"({what}default {default:g})")
     return float(value)
 
 
@@ -416,42 +414,35 @@ class RewardError(RuntimeError):
 
 
 class RewardRunner:
-    """Scores samples with the custom reward function or a built-in, bounded to ``max_concurrency`` calls.
+    """Scores samples with the custom reward function or a built-in, ``reward_max_concurrency`` calls at a time.
 
-    ``args``: the namespace from :func:`build_args` (reads ``custom_rm_path``, ``rm_type``, ``reward_key``,
+    Its settings are the recipe's ``rollout`` section (``custom_rm_path``, ``rm_type``, ``reward_key``,
     ``eval_reward_key``, ``group_rm``, ``reward_max_concurrency``, ``reward_error_policy``,
-    ``reward_timeout_s``).
+    ``reward_timeout_s``); ``args`` (:func:`relax_args` of the recipe) is what the custom function receives.
     """
 
-    def __init__(self, args: Any, *, policy: str | None = None, max_concurrency: int | None = None,
-                 timeout_s: float | None = None) -> None:
-        self.args = args
-        self.custom_rm_path: str | None = getattr(args, "custom_rm_path", None)
-        self.rm_type: str | None = getattr(args, "rm_type", None)
-        self.group_rm: bool = bool(getattr(args, "group_rm", False))
-        self.policy = policy or getattr(args, "reward_error_policy", "fail")
-        if self.policy not in ("skip", "fail"):
-            raise ValueError(f"reward_error_policy must be 'skip' or 'fail', got {self.policy!r}")
-        self.max_concurrency = max_concurrency or getattr(args, "reward_max_concurrency", 64) or 64
-        t = timeout_s if timeout_s is not None else getattr(args, "reward_timeout_s", DEFAULT_REWARD_TIMEOUT_S)
-        self.timeout_s = positive_seconds("rollout.reward_timeout_s", t, DEFAULT_REWARD_TIMEOUT_S)
-        self.fn = load_function(self.custom_rm_path) if self.custom_rm_path else None
+    def __init__(self, recipe: Recipe) -> None:
+        self.cfg = cfg = recipe.rollout
+        self.args = relax_args(recipe)  # for the user's function only
+        if cfg.reward_error_policy not in ("skip", "fail"):
+            raise ValueError(f"rollout.reward_error_policy must be 'skip' or 'fail', got {cfg.reward_error_policy!r}")
+        self.timeout_s = positive_seconds(cfg, "reward_timeout_s")
+        self.fn = load_function(cfg.custom_rm_path) if cfg.custom_rm_path else None
         self.fn_is_async = self.fn is not None and _is_async(self.fn)
         self._sem: asyncio.Semaphore | None = None
         self._sem_loop: Any = None
         self.failures: list[RewardFailure] = []  # every failure seen by this runner (skip policy keeps going)
 
     def reward_key(self, evaluation: bool = False) -> str | None:
-        if evaluation:
-            k = getattr(self.args, "eval_reward_key", None)
-            if k is not None:
-                return k
-        return getattr(self.args, "reward_key", None)
+        """``rollout.reward_key``; for eval ``rollout.eval_reward_key`` when it is set."""
+        if evaluation and self.cfg.eval_reward_key is not None:
+            return self.cfg.eval_reward_key
+        return self.cfg.reward_key
 
     def _semaphore(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
         if self._sem is None or self._sem_loop is not loop:
-            self._sem, self._sem_loop = asyncio.Semaphore(self.max_concurrency), loop
+            self._sem, self._sem_loop = asyncio.Semaphore(self.cfg.reward_max_concurrency), loop
         return self._sem
 
     # --- one call ------------------------------------------------------------------------------------
@@ -476,7 +467,7 @@ class RewardRunner:
         if self.fn is not None:
             return await self._call_custom(sample, **kwargs)
         meta = sample.metadata if isinstance(sample.metadata, dict) else {}
-        rm_type = meta.get("rm_type") or self.rm_type
+        rm_type = meta.get("rm_type") or self.cfg.rm_type
         if not rm_type:
             raise ValueError("no reward is configured: set rollout.custom_rm_path or rollout.rm_type "
                              "(or give this record a metadata.rm_type)")
@@ -484,10 +475,10 @@ class RewardRunner:
         return {reward_key: value} if reward_key else value
 
     def _source(self, sample: Sample | None = None) -> str:
-        if self.custom_rm_path:
-            return self.custom_rm_path
+        if self.cfg.custom_rm_path:
+            return self.cfg.custom_rm_path
         meta = sample.metadata if sample is not None and isinstance(sample.metadata, dict) else {}
-        return f"rm_type {meta.get('rm_type') or self.rm_type!r}"
+        return f"rm_type {meta.get('rm_type') or self.cfg.rm_type!r}"
 
     def _fail(self, sample: Sample, error: BaseException, trace: str) -> RewardFailure:
         f = RewardFailure(index=sample.index, group_index=sample.group_index, prompt=sample.prompt,
@@ -529,7 +520,7 @@ class RewardRunner:
         ``apply_policy`` (default) the policy is applied here; a caller scoring many groups passes False and
         calls :meth:`apply_policy` once over all of them, so a ``fail`` report lists them in sample order."""
         key = self.reward_key(evaluation)
-        if self.group_rm and self.fn is not None:
+        if self.cfg.group_rm and self.fn is not None:
             failures = await self._score_as_group(samples, key, **kwargs)
         else:
             failures = await self._score_each(samples, key, **kwargs)
@@ -591,7 +582,7 @@ class RewardRunner:
         status FAILED for each, logged."""
         if not failures:
             return
-        if self.policy == "fail":
+        if self.cfg.reward_error_policy == "fail":
             raise RewardError(failures)
         for f in failures:
             f.sample.reward = 0.0

@@ -27,7 +27,7 @@ def main(model: str, out: str) -> None:
     from relax_hpc.algo import AlgorithmConfig
     from relax_hpc.recipe import load_recipe
     from relax_hpc.rollout.data import data_source_from_config, dataset_from_config, load_tokenizer
-    from relax_hpc.rollout.driver import build_driver
+    from relax_hpc.rollout.driver import RolloutDriver
     from relax_hpc.rollout.engines import launch_engine
     from relax_hpc.roles import samples as S
     from relax_hpc.train.actor import MegatronActor
@@ -74,7 +74,7 @@ def main(model: str, out: str) -> None:
         tok = load_tokenizer(model)
         ds = dataset_from_config(recipe.data, recipe.rollout, tokenizer=tok, path=recipe.data.path)
         src = data_source_from_config(ds, recipe.data, recipe.rollout, run_seed=0)
-        driver = build_driver(recipe, {"engine0": engine.url}, tokenizer=tok)
+        driver = RolloutDriver(recipe, {"engine0": engine.url}, tokenizer=tok)
         result = driver.generate_rollout_sync(src.get_samples())
         res["sample_versions"] = sorted({s.weight_version for s in result.samples})
         ref = S.write_step(Path(out).parent / "run", 1, result)  # the same path the run takes: chunk → batch

@@ -292,6 +292,18 @@ def test_missing_data_path_is_refused(tmp_path):
     assert str(tmp_path) in msg and "Fix: give an existing JSONL/Parquet file" in msg
 
 
+def test_custom_config_is_read_at_submit(tmp_path):
+    """Relax's --custom-config-path: its own keys are fine; one that contradicts the recipe, or a missing file,
+    is refused before submit (the rollout role would refuse it only after the queue)."""
+    (tmp_path / "cfg.yaml").write_text("judge_url: http://judge\nn_samples_per_prompt: 8\n")
+    assert file_problems({"rollout": {"custom_config_path": "cfg.yaml", "n_samples_per_prompt": 8}}, tmp_path) == {}
+    (value, msg), = file_problems({"rollout": {"custom_config_path": "cfg.yaml", "n_samples_per_prompt": 4}},
+                                  tmp_path).values()
+    assert value == "cfg.yaml" and "n_samples_per_prompt: 8 (the recipe gives 4)" in msg and "Fix:" in msg
+    (value, msg), = file_problems({"rollout": {"custom_config_path": "nope.yaml"}}, tmp_path).values()
+    assert value == "nope.yaml" and "cannot read" in msg
+
+
 def test_relative_data_path_is_resolved_against_the_submit_directory(tmp_path):
     (tmp_path / "prompts").mkdir()
     (tmp_path / "prompts" / "train.jsonl").write_text('{"prompt": "1+1"}\n')

@@ -13,13 +13,12 @@ import textwrap
 
 import pytest
 
-from relax_hpc.algo import AlgorithmConfig
-from relax_hpc.recipe.schema import DataConfig, RolloutConfig
+from relax_hpc.recipe.schema import Recipe, RolloutConfig
 from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, load_tokenizer
 from relax_hpc.rollout.driver import NoEngineError, RolloutDriver, RolloutError
 from relax_hpc.rollout.engines import free_port, launch_engine
 from relax_hpc.rollout.eval import compute_pass_rate, pass_at_k, run_eval, should_eval, should_eval_before_train
-from relax_hpc.rollout.rewards import RewardError, build_args
+from relax_hpc.rollout.rewards import RewardError
 from relax_hpc.rollout.sample import SampleStatus
 
 REWARD_MODULE = '''
@@ -73,21 +72,39 @@ def dataset(tmp_path, tokenizer):
                          apply_chat_template=True)
 
 
-def make_args(**rollout):
+def make_recipe(**rollout):
     rollout.setdefault("max_response_len", 12)
-    return build_args(data=DataConfig(), rollout=RolloutConfig(**rollout), algorithm=AlgorithmConfig())
+    return Recipe(rollout=RolloutConfig(**rollout))
 
 
 def dead_url() -> str:
     return f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nobody listens there
 
 
+def test_sampling_params_come_from_the_recipe():
+    """rollout.* for training; each eval_* that is set overrides its own for eval, the others fall back."""
+    recipe = make_recipe(rm_type="math", temperature=0.7, top_p=0.9, top_k=5, stop=["\n\n"], stop_token_ids=[2],
+                         skip_special_tokens=True, eval_temperature=0.0, eval_max_response_len=3,
+                         sglang_server_concurrency=7, max_retries=1, request_timeout_s=30.0)
+    driver = RolloutDriver(recipe, [])
+    extra = {"skip_special_tokens": True, "no_stop_trim": True, "spaces_between_special_tokens": False,
+             "stop": ["\n\n"]}
+    sp = driver.sampling_params()
+    assert (sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, sp.stop_token_ids, sp.extra) == (
+        12, 0.7, 0.9, 5, [2], extra)
+    ev = driver.sampling_params(evaluation=True)
+    assert (ev.max_new_tokens, ev.temperature, ev.top_p, ev.top_k) == (3, 0.0, 0.9, 5)
+    assert (driver.per_engine, driver.max_retries, driver.client_kwargs["generate_timeout"]) == (7, 1, 30.0)
+    with pytest.raises(ValueError, match=r"rollout.request_timeout_s = 0: .*\(the total deadline .*default 600\)"):
+        RolloutDriver(make_recipe(rm_type="math", request_timeout_s=0), [])
+
+
 def test_batch_of_groups(cpu_engine, client, dataset, tokenizer, reward_mod):
     client.update_weight_version("v7")
-    args = make_args(custom_rm_path=f"{reward_mod}.reward_func", reward_key="score", n_samples_per_prompt=4,
-                     rollout_batch_size=3)
+    recipe = make_recipe(custom_rm_path=f"{reward_mod}.reward_func", reward_key="score", n_samples_per_prompt=4,
+                         rollout_batch_size=3)
     src = RolloutDataSource(dataset, rollout_batch_size=3, n_samples_per_prompt=4)
-    driver = RolloutDriver(args, {"engine-a": cpu_engine}, tokenizer=tokenizer)
+    driver = RolloutDriver(recipe, {"engine-a": cpu_engine}, tokenizer=tokenizer)
     seen: list[int] = []
     driver.on_progress = seen.append  # the rollout role's heartbeat progress (logging.task_timeout_s)
     res = driver.generate_rollout_sync(src.get_samples())
@@ -128,16 +145,16 @@ def test_a_seeded_batch_samples_the_same_tokens_whatever_the_concurrency(cpu_eng
     groups = lambda: RolloutDataSource(dataset, rollout_batch_size=4, n_samples_per_prompt=4).get_samples()
     runs = []
     for conc, seed in ((1, 77), (4, 77), (4, 78)):
-        driver = RolloutDriver(make_args(rm_type="math", sglang_server_concurrency=conc, max_response_len=6,
-                                         temperature=1.0), [cpu_engine], tokenizer=tokenizer)
+        driver = RolloutDriver(make_recipe(rm_type="math", sglang_server_concurrency=conc, max_response_len=6,
+                                           temperature=1.0), [cpu_engine], tokenizer=tokenizer)
         runs.append([s.tokens for s in driver.generate_rollout_sync(groups(), seed=seed).samples])
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
 
 
 def test_concurrency_bound_per_engine(cpu_engine, dataset, tokenizer):
-    args = make_args(rm_type="math", sglang_server_concurrency=3, max_response_len=4)
-    driver = RolloutDriver(args, [cpu_engine], tokenizer=tokenizer)
+    recipe = make_recipe(rm_type="math", sglang_server_concurrency=3, max_response_len=4)
+    driver = RolloutDriver(recipe, [cpu_engine], tokenizer=tokenizer)
     groups = RolloutDataSource(dataset, rollout_batch_size=4, n_samples_per_prompt=4).get_samples()
     res = driver.generate_rollout_sync(groups)
     (stats,) = driver.engine_stats().values()
@@ -150,8 +167,8 @@ def test_engine_killed_mid_batch_is_reported_and_requests_retried(cpu_engine, ti
                            extra_args=["--threads", "1", "--seed", "1"])
     try:
         dead_seen = []
-        args = make_args(rm_type="math", sglang_server_concurrency=2, max_response_len=48)
-        driver = RolloutDriver(args, {"survivor": cpu_engine, "victim": victim}, tokenizer=tokenizer,
+        recipe = make_recipe(rm_type="math", sglang_server_concurrency=2, max_response_len=48)
+        driver = RolloutDriver(recipe, {"survivor": cpu_engine, "victim": victim}, tokenizer=tokenizer,
                                on_engine_dead=lambda name, why: dead_seen.append((name, why)))
         groups = RolloutDataSource(dataset, rollout_batch_size=6, n_samples_per_prompt=4).get_samples()
 
@@ -185,8 +202,8 @@ def test_engine_killed_mid_batch_is_reported_and_requests_retried(cpu_engine, ti
 
 
 def test_no_engine_left_names_every_dead_engine(dataset, tokenizer):
-    args = make_args(rm_type="math")
-    driver = RolloutDriver(args, {"gpu-node-3": dead_url(), "gpu-node-4": dead_url()}, tokenizer=tokenizer)
+    recipe = make_recipe(rm_type="math")
+    driver = RolloutDriver(recipe, {"gpu-node-3": dead_url(), "gpu-node-4": dead_url()}, tokenizer=tokenizer)
     groups = RolloutDataSource(dataset, rollout_batch_size=2, n_samples_per_prompt=2).get_samples()
     with pytest.raises(NoEngineError) as ei:
         driver.generate_rollout_sync(groups)
@@ -196,7 +213,7 @@ def test_no_engine_left_names_every_dead_engine(dataset, tokenizer):
 
 
 def test_refused_request_names_the_sample(cpu_engine, dataset, tokenizer):
-    driver = RolloutDriver(make_args(rm_type="math"), [cpu_engine], tokenizer=tokenizer)
+    driver = RolloutDriver(make_recipe(rm_type="math"), [cpu_engine], tokenizer=tokenizer)
     groups = RolloutDataSource(dataset, rollout_batch_size=1, n_samples_per_prompt=1).get_samples()
     groups[0][0].tokens = [5] * 600  # longer than the tiny model's 512-token context
     with pytest.raises(RolloutError, match=r"refused the request of sample index=0 .*600 prompt tokens.*context"):
@@ -205,8 +222,8 @@ def test_refused_request_names_the_sample(cpu_engine, dataset, tokenizer):
 
 def test_reward_error_policy_in_a_batch(cpu_engine, dataset, tokenizer, reward_mod):
     groups = lambda: RolloutDataSource(dataset, rollout_batch_size=2, n_samples_per_prompt=3).get_samples()  # noqa: E731
-    skip = RolloutDriver(make_args(custom_rm_path=f"{reward_mod}.raising_reward", reward_error_policy="skip",
-                                   max_response_len=4), [cpu_engine], tokenizer=tokenizer)
+    skip = RolloutDriver(make_recipe(custom_rm_path=f"{reward_mod}.raising_reward", reward_error_policy="skip",
+                                     max_response_len=4), [cpu_engine], tokenizer=tokenizer)
     res = skip.generate_rollout_sync(groups())
     failed = [s for s in res.samples if s.status is SampleStatus.FAILED]
     assert [s.index for s in failed] == [1, 4] and all(s.reward == 0.0 for s in failed)
@@ -214,8 +231,8 @@ def test_reward_error_policy_in_a_batch(cpu_engine, dataset, tokenizer, reward_m
     assert "judge unavailable for sample 1" in res.reward_failures[0].error_text
     assert res.reward_failures[0].response == failed[0].response
 
-    fail = RolloutDriver(make_args(custom_rm_path=f"{reward_mod}.raising_reward", reward_error_policy="fail",
-                                   max_response_len=4), [cpu_engine], tokenizer=tokenizer)
+    fail = RolloutDriver(make_recipe(custom_rm_path=f"{reward_mod}.raising_reward", reward_error_policy="fail",
+                                     max_response_len=4), [cpu_engine], tokenizer=tokenizer)
     with pytest.raises(RewardError) as ei:
         fail.generate_rollout_sync(groups())
     assert [f.index for f in ei.value.failures] == [1, 4]  # sample order, though 4 failed first
@@ -226,9 +243,9 @@ def test_reward_error_policy_in_a_batch(cpu_engine, dataset, tokenizer, reward_m
 
 
 def test_eval_with_pass_at_k(cpu_engine, dataset, tokenizer, reward_mod, tmp_path):
-    args = make_args(custom_rm_path=f"{reward_mod}.digit_reward", n_samples_per_eval_prompt=4,
-                     eval_max_response_len=6, eval_temperature=1.0, eval_interval=2)
-    driver = RolloutDriver(args, [cpu_engine], tokenizer=tokenizer)
+    recipe = make_recipe(custom_rm_path=f"{reward_mod}.digit_reward", n_samples_per_eval_prompt=4,
+                         eval_max_response_len=6, eval_temperature=1.0, eval_interval=2)
+    driver = RolloutDriver(recipe, [cpu_engine], tokenizer=tokenizer)
     sets = {"tiny": list(dataset)[:3], "tinier": list(dataset)[3:5]}
     metrics, results = asyncio.run(run_eval(driver, sets, step=4))
     for name, n_prompts in (("tiny", 3), ("tinier", 2)):

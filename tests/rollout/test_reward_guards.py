@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from relax_hpc.recipe.schema import DataConfig, RolloutConfig
-from relax_hpc.rollout.rewards import RewardError, RewardRunner, RewardTimeout, build_args
+from relax_hpc.recipe.schema import Recipe, RolloutConfig
+from relax_hpc.rollout.rewards import RewardError, RewardRunner, RewardTimeout
 from relax_hpc.rollout.sample import Sample, SampleStatus
 
 MODULE = '''
@@ -61,8 +61,8 @@ def mod(tmp_path, monkeypatch):
     guard_rewards.HANG.set()
 
 
-def _args(**rollout):
-    return build_args(data=DataConfig(), rollout=RolloutConfig(**rollout))
+def _recipe(**rollout):
+    return Recipe(rollout=RolloutConfig(**rollout))
 
 
 def _samples(values, group_index=0, start=0):
@@ -84,7 +84,7 @@ BAD = [
 
 @pytest.mark.parametrize("value, want", BAD, ids=[repr(v) for v, _ in BAD])
 def test_a_value_that_is_not_a_reward_fails(mod, value, want):
-    runner = RewardRunner(_args(custom_rm_path="guard_rewards.value_reward", reward_error_policy="skip"))
+    runner = RewardRunner(_recipe(custom_rm_path="guard_rewards.value_reward", reward_error_policy="skip"))
     group = _samples([1.0, value])
     (f,) = asyncio.run(runner.score_group(group))
     assert f.index == 1 and want in f.error_text and "finite number" in f.error_text
@@ -93,7 +93,7 @@ def test_a_value_that_is_not_a_reward_fails(mod, value, want):
 
 @pytest.mark.parametrize("value, want", BAD, ids=[repr(v) for v, _ in BAD])
 def test_a_value_that_is_not_a_reward_fails_under_reward_key(mod, value, want):
-    runner = RewardRunner(_args(custom_rm_path="guard_rewards.value_reward", reward_key="score",
+    runner = RewardRunner(_recipe(custom_rm_path="guard_rewards.value_reward", reward_key="score",
                                 reward_error_policy="fail"))
     with pytest.raises(RewardError) as ei:
         asyncio.run(runner.score_group(_samples([{"score": 1.0}, {"score": value, "other": 2.0}])))
@@ -103,7 +103,7 @@ def test_a_value_that_is_not_a_reward_fails_under_reward_key(mod, value, want):
 
 @pytest.mark.parametrize("value, want", BAD[:5], ids=[repr(v) for v, _ in BAD[:5]])
 def test_a_value_that_is_not_a_reward_fails_with_group_rm(mod, value, want):
-    runner = RewardRunner(_args(custom_rm_path="guard_rewards.value_group_reward", group_rm=True,
+    runner = RewardRunner(_recipe(custom_rm_path="guard_rewards.value_group_reward", group_rm=True,
                                 reward_error_policy="skip"))
     group = _samples([0.25, value, 1])
     (f,) = asyncio.run(runner.score_group(group))
@@ -113,14 +113,14 @@ def test_a_value_that_is_not_a_reward_fails_with_group_rm(mod, value, want):
 
 @pytest.mark.parametrize("value", [0, 1, -2.5, 0.5, torch.tensor(0.75), torch.tensor(3)], ids=repr)
 def test_real_numbers_are_rewards(mod, value):
-    runner = RewardRunner(_args(custom_rm_path="guard_rewards.value_reward"))
+    runner = RewardRunner(_recipe(custom_rm_path="guard_rewards.value_reward"))
     group = _samples([value])
     assert asyncio.run(runner.score_group(group)) == []
     assert group[0].get_reward_value(None) == pytest.approx(float(value))
 
 
 def test_missing_reward_key_is_named(mod):
-    runner = RewardRunner(_args(custom_rm_path="guard_rewards.value_reward", reward_key="score",
+    runner = RewardRunner(_recipe(custom_rm_path="guard_rewards.value_reward", reward_key="score",
                                 reward_error_policy="skip"))
     (f,) = asyncio.run(runner.score_group(_samples([{"acc": 1.0}])))
     assert "no key 'score'" in f.error_text and "acc" in f.error_text
@@ -129,7 +129,7 @@ def test_missing_reward_key_is_named(mod):
 @pytest.mark.parametrize("fn, group_rm", [("sync_hang", False), ("async_hang", False), ("group_hang", True)])
 def test_a_reward_that_never_returns_times_out(mod, fn, group_rm):
     """A sync reward stuck in its thread is abandoned: asyncio.run returns without joining it."""
-    runner = RewardRunner(_args(custom_rm_path=f"guard_rewards.{fn}", group_rm=group_rm, reward_timeout_s=0.2,
+    runner = RewardRunner(_recipe(custom_rm_path=f"guard_rewards.{fn}", group_rm=group_rm, reward_timeout_s=0.2,
                                 reward_error_policy="fail"))
     t0 = time.monotonic()
     with pytest.raises(RewardError) as ei:
@@ -143,7 +143,7 @@ def test_a_reward_that_never_returns_times_out(mod, fn, group_rm):
 
 
 def test_only_the_stuck_call_fails_under_skip(mod):
-    runner = RewardRunner(_args(custom_rm_path="guard_rewards.sync_ok_or_hang", reward_timeout_s=0.2,
+    runner = RewardRunner(_recipe(custom_rm_path="guard_rewards.sync_ok_or_hang", reward_timeout_s=0.2,
                                 reward_error_policy="skip"))
     group = _samples([1.0, 1.0, 1.0])
     (f,) = asyncio.run(runner.score_group(group))
@@ -154,7 +154,7 @@ def test_only_the_stuck_call_fails_under_skip(mod):
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "300"])
 def test_reward_timeout_must_be_positive(mod, bad):
     with pytest.raises(ValueError, match=r"rollout.reward_timeout_s = .*positive number of seconds \(default 300\)"):
-        RewardRunner(_args(custom_rm_path="guard_rewards.value_reward", reward_timeout_s=bad))
+        RewardRunner(_recipe(custom_rm_path="guard_rewards.value_reward", reward_timeout_s=bad))
 
 
 def test_score_groups_reports_in_sample_order_whatever_finishes_first(mod, tmp_path, monkeypatch):
@@ -175,7 +175,7 @@ def test_score_groups_reports_in_sample_order_whatever_finishes_first(mod, tmp_p
             raise RuntimeError(f"early failure of sample {sample.index}")
     '''))
     monkeypatch.delitem(sys.modules, "order_rewards", raising=False)
-    runner = RewardRunner(_args(custom_rm_path="order_rewards.reverse_order", reward_error_policy="fail"))
+    runner = RewardRunner(_recipe(custom_rm_path="order_rewards.reverse_order", reward_error_policy="fail"))
     groups = [_samples([1.0, 1.0]), _samples([1.0, 1.0], group_index=1, start=2)]
     with pytest.raises(RewardError) as ei:
         asyncio.run(runner.score_groups(groups))

@@ -5,16 +5,17 @@ import textwrap
 
 import pytest
 
-from relax_hpc.recipe.schema import DataConfig, RolloutConfig
+from relax_hpc.algo import AlgorithmConfig
+from relax_hpc.recipe.schema import DataConfig, Recipe, RolloutConfig, RunConfig
 from relax_hpc.rollout.rewards import (
     RewardError,
     RewardRunner,
-    build_args,
     builtin_reward,
     extract_answer,
     load_function,
     math_equal,
     math_reward,
+    relax_args,
 )
 from relax_hpc.rollout.sample import Sample, SampleStatus
 
@@ -103,6 +104,14 @@ RELAX_STYLE_MODULE = '''
         return {"score": 1.0}
 
 
+    SEEN_ARGS = []
+
+
+    def args_reward(args, sample, **kwargs):
+        SEEN_ARGS.append(args)
+        return {"score": 1.0}
+
+
     IN_FLIGHT = [0, 0]  # now, max
 
 
@@ -136,33 +145,62 @@ def _samples(responses, label="3", metadata=None):
                    metadata=dict(metadata or {})) for i, r in enumerate(responses)]
 
 
-def _args(**rollout):
-    return build_args(data=DataConfig(), rollout=RolloutConfig(**rollout))
+def _recipe(**rollout):
+    return Recipe(rollout=RolloutConfig(**rollout))
 
 
 def test_custom_reward_relax_form_dict_through_reward_key(reward_pkg):
-    args = _args(custom_rm_path=f"{reward_pkg}.reward_func", reward_key="score")
-    runner = RewardRunner(args)
+    runner = RewardRunner(_recipe(custom_rm_path=f"{reward_pkg}.reward_func", reward_key="score"))
     group = _samples(["It is 3.", "It is 4.", "3"], metadata={"bonus": 0.0})
     assert asyncio.run(runner.score_group(group)) == []
     assert group[0].reward == {"score": 1.0, "acc": 1.0, "format": 1.0}
-    assert [s.get_reward_value(args) for s in group] == [pytest.approx(1.0), pytest.approx(0.2), pytest.approx(0.8)]
+    assert [s.get_reward_value(runner.args) for s in group] == [pytest.approx(1.0), pytest.approx(0.2), pytest.approx(0.8)]
     assert all(s.status is SampleStatus.PENDING for s in group)  # rewards do not touch the generation status
 
 
+def test_the_reward_function_gets_relax_args_from_the_recipe(reward_pkg, tmp_path):
+    """relax_hpc reads the typed recipe; what the user's function receives is still Relax's ``args``."""
+    import importlib
+
+    (tmp_path / "cfg.yaml").write_text("judge_url: http://judge:8000\nmax_turns: 3\nn_samples_per_prompt: 4\n")
+    recipe = Recipe(run=RunConfig(seed=9), data=DataConfig(path="prompts.jsonl"),
+                    algorithm=AlgorithmConfig(eps_clip=0.3),
+                    rollout=RolloutConfig(custom_rm_path=f"{reward_pkg}.args_reward", reward_key="score",
+                                          n_samples_per_prompt=4, max_response_len=77, temperature=0.5,
+                                          custom_config_path=str(tmp_path / "cfg.yaml")))
+    runner = RewardRunner(recipe)
+    assert asyncio.run(runner.score_group(_samples(["3", "4"]))) == []
+    seen = importlib.import_module(reward_pkg).SEEN_ARGS
+    assert len(seen) == 2 and all(a is runner.args for a in seen)  # one namespace, every call
+    a = seen[0]
+    assert (a.n_samples_per_prompt, a.rollout_max_response_len, a.rollout_temperature) == (4, 77, 0.5)
+    assert (a.reward_key, a.eval_reward_key, a.custom_rm_path) == ("score", "score", f"{reward_pkg}.args_reward")
+    assert (a.prompt_data, a.rollout_seed, a.eps_clip, a.advantage_estimator) == ("prompts.jsonl", 9, 0.3, "grpo")
+    assert (a.judge_url, a.max_turns) == ("http://judge:8000", 3)  # rollout.custom_config_path keys
+
+
+def test_custom_config_cannot_contradict_the_recipe(tmp_path):
+    """A YAML key naming a recipe setting would reach the reward function but not the run: refused."""
+    (tmp_path / "cfg.yaml").write_text("reward_key: acc\nn_samples_per_prompt: 8\nscale: 2\n")
+    with pytest.raises(ValueError, match=r"reward_key: 'acc' \(the recipe gives 'score'\)"):
+        relax_args(Recipe(rollout=RolloutConfig(reward_key="score", custom_config_path=str(tmp_path / "cfg.yaml"))))
+    args = relax_args(Recipe(rollout=RolloutConfig(reward_key="acc", custom_config_path=str(tmp_path / "cfg.yaml"))))
+    assert (args.reward_key, args.n_samples_per_prompt, args.scale) == ("acc", 8, 2)  # the same values: fine
+
+
 def test_dict_reward_without_reward_key_is_a_reported_failure(reward_pkg):
-    runner = RewardRunner(_args(custom_rm_path=f"{reward_pkg}.dict_reward"))
+    runner = RewardRunner(_recipe(custom_rm_path=f"{reward_pkg}.dict_reward"))
     with pytest.raises(RewardError, match="no reward_key is set"):
         asyncio.run(runner.score_group(_samples(["x"])))
 
 
 def test_sync_custom_reward_and_metadata_rm_type(reward_pkg):
-    runner = RewardRunner(_args(custom_rm_path=f"{reward_pkg}.sync_reward"))
+    runner = RewardRunner(_recipe(custom_rm_path=f"{reward_pkg}.sync_reward"))
     group = _samples(["3", "4"])
     asyncio.run(runner.score_group(group))
     assert [s.reward for s in group] == [1.0, 0.0]
     # built-ins: metadata.rm_type wins over rollout.rm_type
-    runner = RewardRunner(_args(rm_type="exact_match"))
+    runner = RewardRunner(_recipe(rm_type="exact_match"))
     group = _samples(["\\boxed{3}", "\\boxed{3}"])
     group[1].metadata["rm_type"] = "math"
     asyncio.run(runner.score_group(group))
@@ -174,26 +212,27 @@ def test_sync_custom_reward_and_metadata_rm_type(reward_pkg):
     assert group[0].reward == 0.25
 
 
-def test_group_rm_gets_the_whole_group_and_args(reward_pkg, tmp_path):
+def test_group_rm_gets_the_whole_group_and_recipe(reward_pkg, tmp_path):
     (tmp_path / "cfg.yaml").write_text("scale: 2.0\n")
-    args = _args(custom_rm_path=f"{reward_pkg}.group_reward_func", group_rm=True,
+    recipe = _recipe(custom_rm_path=f"{reward_pkg}.group_reward_func", group_rm=True,
                  custom_config_path=str(tmp_path / "cfg.yaml"))
-    assert args.scale == 2.0 and args.group_rm is True  # custom_config keys become args attributes
+    runner = RewardRunner(recipe)
+    assert runner.args.scale == 2.0 and runner.args.group_rm is True  # custom_config keys become args attributes
     group = _samples(["ccc", "a", "bb"])
-    asyncio.run(RewardRunner(args).score_group(group))
+    asyncio.run(runner.score_group(group))
     assert [s.reward for s in group] == [2.0, 0.0, 1.0]
 
 
 def test_group_rm_wrong_length_fails_the_whole_group(reward_pkg):
-    args = _args(custom_rm_path=f"{reward_pkg}.short_group_reward", group_rm=True, reward_error_policy="skip")
+    recipe = _recipe(custom_rm_path=f"{reward_pkg}.short_group_reward", group_rm=True, reward_error_policy="skip")
     group = _samples(["3", "4"])
-    failures = asyncio.run(RewardRunner(args).score_group(group))
+    failures = asyncio.run(RewardRunner(recipe).score_group(group))
     assert len(failures) == 2 and "must return a list of one reward per sample" in failures[0].error_text
     assert all(s.status is SampleStatus.FAILED and s.reward == 0.0 for s in group)
 
 
 def test_raising_reward_skip_policy_reports_and_goes_on(reward_pkg, caplog):
-    runner = RewardRunner(_args(custom_rm_path=f"{reward_pkg}.flaky_reward", reward_error_policy="skip"))
+    runner = RewardRunner(_recipe(custom_rm_path=f"{reward_pkg}.flaky_reward", reward_error_policy="skip"))
     group = _samples(["ok", "boom here", "fine!"])
     failures = asyncio.run(runner.score_group(group))
     assert [s.reward for s in group] == [2.0, 0.0, 5.0]
@@ -210,7 +249,7 @@ def test_raising_reward_skip_policy_reports_and_goes_on(reward_pkg, caplog):
 
 
 def test_raising_reward_fail_policy_stops_with_the_report(reward_pkg):
-    runner = RewardRunner(_args(custom_rm_path=f"{reward_pkg}.flaky_reward", reward_error_policy="fail"))
+    runner = RewardRunner(_recipe(custom_rm_path=f"{reward_pkg}.flaky_reward", reward_error_policy="fail"))
     groups = [_samples(["ok", "boom 1"]), _samples(["boom 2", "ok"])]
     for g in groups[1]:
         g.group_index = 1
@@ -227,7 +266,7 @@ def test_reward_concurrency_bound(reward_pkg):
     import importlib
 
     mod = importlib.import_module(reward_pkg)
-    runner = RewardRunner(_args(custom_rm_path=f"{reward_pkg}.slow_reward", reward_max_concurrency=3))
+    runner = RewardRunner(_recipe(custom_rm_path=f"{reward_pkg}.slow_reward", reward_max_concurrency=3))
     groups = [_samples(["a"] * 4) for _ in range(5)]
     asyncio.run(runner.score_groups(groups))
     assert mod.IN_FLIGHT[1] == 3
@@ -245,6 +284,6 @@ def test_load_function_errors(reward_pkg):
 
 
 def test_no_reward_configured_is_reported():
-    runner = RewardRunner(_args(reward_error_policy="skip"))
+    runner = RewardRunner(_recipe(reward_error_policy="skip"))
     (f,) = asyncio.run(runner.score_group(_samples(["3"])))
     assert "set rollout.custom_rm_path or rollout.rm_type" in f.error_text

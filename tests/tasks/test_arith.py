@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from relax_hpc.rollout.rewards import RewardRunner, build_args
+from relax_hpc.recipe.schema import Recipe, RolloutConfig
+from relax_hpc.rollout.rewards import RewardRunner
 from relax_hpc.rollout.sample import Sample
 from relax_hpc.tasks import arith
 
@@ -28,11 +29,9 @@ def test_score(response, label, want):
 
 
 def test_reward_func_works_unchanged_through_relax_custom_rm_path():
-    args = build_args(rollout=type("R", (), {"custom_rm_path": "relax_hpc.tasks.arith.reward_func",
-                                             "n_samples_per_prompt": 2, "rollout_batch_size": 1,
-                                             "max_response_len": 1, "temperature": 1.0, "top_p": 1.0,
-                                             "top_k": -1})())
-    runner = RewardRunner(args)
+    recipe = Recipe(rollout=RolloutConfig(custom_rm_path="relax_hpc.tasks.arith.reward_func", n_samples_per_prompt=2,
+                                          rollout_batch_size=1, max_response_len=1))
+    runner = RewardRunner(recipe)
     group = [Sample(prompt="3+4=", label="7", response="7"), Sample(prompt="3+4=", label="7", response="1")]
     failures = asyncio.run(runner.score_group(group))
     assert failures == [] and [s.reward for s in group] == [1.0, pytest.approx(0.5 * (1 - 6 / 9))]
