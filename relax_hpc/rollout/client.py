@@ -61,6 +61,14 @@ class EngineError(RuntimeError):
         self.engine_url, self.call, self.cause, self.status, self.body = engine_url, call, cause, status, body
         super().__init__(f"engine {engine_url}: {call} failed: {cause}")
 
+    @property
+    def restartable(self) -> bool:
+        """An engine that stopped answering (no HTTP status: it died, e.g. between the sync's health check and
+        its fingerprint check) or failed inside (5xx) is the machinery, not the recipe: a task failing with it
+        restarts the steps from the checkpoint (:mod:`relax_hpc.roles.tasks`). A 4xx, a request the engine
+        refuses, would fail again: the run fails with it."""
+        return self.status is None or self.status >= 500
+
 
 @dataclass(frozen=True)
 class FinishReason:

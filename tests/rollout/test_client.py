@@ -218,3 +218,11 @@ def test_http_400_error_names_engine_call_and_body(client):
     err = e.value
     assert err.status == 400 and err.call == "/generate" and err.engine_url == client.url
     assert client.url in str(err) and "/generate" in str(err) and "HTTP 400" in str(err) and "bogus_knob" in str(err)
+
+
+def test_which_engine_errors_restart_the_run():
+    """A dead or failing engine is the machinery (the steps restart from the checkpoint); a refusal is the recipe."""
+    assert EngineError("http://e", "/get_weights_by_name", "connection refused").restartable
+    assert EngineError("http://e", "/generate", "HTTP 503", status=503).restartable
+    assert not EngineError("http://e", "/generate", "HTTP 400: prompt too long", status=400).restartable
+    assert not EngineError("http://e", "/generate", "HTTP 401", status=401).restartable
