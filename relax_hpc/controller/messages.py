@@ -239,6 +239,15 @@ class CheckpointTask(TaskMessage):
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalTask(TaskMessage):
+    """rollout: generate and score every ``data.eval_prompt_data`` set with the engines' current weights (those
+    synced after step ``step``; 0: the model on disk, before training); no chunk is written."""
+
+    kind: ClassVar[str] = "eval"
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class StopTask(TaskMessage):
     """every role: leave the task loop (the rollout stops its engines)."""
 
@@ -335,16 +344,22 @@ class CheckpointResult(ResultMessage):
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalResult(ResultMessage):
+    kind: ClassVar[str] = "eval"
+    metrics: dict[str, float] = field(default_factory=dict)  # eval/<name>, eval/<name>-pass@k, ..., perf/eval_time
+
+
+@dataclass(frozen=True, kw_only=True)
 class StopResult(ResultMessage):
     kind: ClassVar[str] = "stop"
 
 
 TASKS: dict[str, type[TaskMessage]] = {c.kind: c for c in (
     StartEnginesTask, ConnectTask, GenerateTask, LogprobsTask, LoadTask, TrainTask, SyncTask, CheckpointTask,
-    StopTask)}
+    EvalTask, StopTask)}
 RESULTS: dict[str, type[ResultMessage]] = {c.kind: c for c in (
     StartEnginesResult, ConnectResult, GenerateResult, LogprobsResult, LoadResult, TrainResult, SyncResult,
-    CheckpointResult, StopResult)}
+    CheckpointResult, EvalResult, StopResult)}
 
 
 def decode_task(d: Any) -> TaskMessage:

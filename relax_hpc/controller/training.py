@@ -16,6 +16,13 @@ idle role does next in one place, :meth:`TrainingLoop._pump`:
 - actor, when idle: ``train(N)`` once step N's chunks have every field it needs, then ``sync(N)``
   (weights → engines, version ``"N"``), then ``checkpoint(N)`` every ``checkpoint.interval`` steps and
   after the last.
+- eval (``rollout.eval_interval``; Relax's schedule): ``eval(N)`` goes to rollout once ``sync(N)`` is done, after
+  every ``eval_interval``-th step and after the last, and ``eval(0)`` before training unless
+  ``rollout.skip_eval_before_train``. Rollout does it before its next ``generate`` (it is idle then in
+  colocate; in fully_async it finishes the generate in flight first), so the eval runs on the weights of step
+  N; the actor may train on meanwhile, but ``sync(N+1)`` waits until ``eval(N)`` is done (Relax's
+  ``_wait_for_previous_eval``), and the run stops only after the last step's eval. The metrics (``eval/<name>``,
+  ``eval/<name>-pass@k``, ...) join step N's row (:meth:`RunMetrics.amend`; step 0's is a row of its own).
 
 Step N's lease of task ``train`` is acked when ``sync(N)`` is done, so with ``max_staleness: k`` rollout
 starts step N+1 only while ``N+1 − (oldest step not yet synced) ≤ k``. The modes differ only in k:
@@ -51,7 +58,9 @@ loads it in ``connect``, a sync puts it on the engines (version ``"K"``), partit
 (``Broker.rewind``) and produced again; generation is seeded by (run seed, step), so a colocate run
 resumes exactly as if never stopped. Stop with a checkpoint (:meth:`request_stop`): no new generation,
 the actor finishes its step, checkpoints unless the last checkpoint is of this step, and ``outcome``
-becomes ``"requeue"`` or ``"cancel"``.
+becomes ``"requeue"`` or ``"cancel"``. An eval is never logged twice: the checkpoint of step K may be saved
+before ``eval(K)`` is done; a resume from it runs ``eval(K)`` again (the engines have K's weights after the
+resume sync) only when K's row in ``metrics.jsonl`` has no ``eval/*`` yet, and adds it to that row.
 """
 
 from __future__ import annotations
@@ -71,6 +80,7 @@ from relax_hpc.exchange.chunk import ChunkRef, SideRef
 from relax_hpc.exchange.fields import LOGPROB_FIELDS, PRODUCER, SIDE_FIELD, task_fields
 from relax_hpc.ops.metrics import REWARD, RunMetrics
 from relax_hpc.recipe import Recipe
+from relax_hpc.rollout.eval import should_eval, should_eval_before_train
 from relax_hpc.rundir import RunDir
 from relax_hpc.train.latest import read_latest
 
@@ -130,6 +140,13 @@ class TrainingLoop:
         self.outcome: str | None = None  # "requeue" or "cancel" once a requested stop is done
         self.engines: dict[str, str] = {}
         self.engine_info: dict[str, dict] = {}
+        self.evals: list[int] = []  # steps whose eval is due, not yet handed to rollout (ascending)
+        self.evaluating: int | None = None  # the step whose eval rollout is doing
+        self.held_sync: int | None = None  # a trained step whose sync waits for an earlier step's eval
+        if self._eval_due(k) and k not in self.metrics.evaluated:  # step 0's, or K's when its eval was cut off
+            self.evals.append(k)
+            if k:
+                log.info("eval: step %d's eval did not finish before the attempt ended; it runs again", k)
         if latest:
             log.info("resuming from %s (step %d of %d)", self.resume_path, k, self.total)
             state.event("resumed", f"from the checkpoint of step {k}")
@@ -164,21 +181,23 @@ class TrainingLoop:
         """Give each idle role its next task (the one place that decides)."""
         if not self.started or self.outcome is not None or not self.state.running:
             return
-        if self._idle("actor"):
+        if self._idle("actor") and self.held_sync is None:  # a held sync: the actor's step is not done yet
             if self.stop_request is not None:
                 if self.step > (self.last_ckpt_step or 0):
                     return self._checkpoint(self.step)
                 self.outcome = self.stop_request[0]
                 return
             if self.step >= self.total:
-                self.state.progress(phase="stopping")
-                for role in self.roles:
-                    self._assign(role, self.step, M.StopTask())
-                self.started = False
-                return
-            n = self.step + 1
-            if n in self.ready and self.ready[n].issuperset(self.fwd):
-                self._train(n)
+                if not self._eval_outstanding():  # the last step's eval comes first
+                    self.state.progress(phase="stopping")
+                    for role in self.roles:
+                        self._assign(role, self.step, M.StopTask())
+                    self.started = False
+                    return
+            else:
+                n = self.step + 1
+                if n in self.ready and self.ready[n].issuperset(self.fwd):
+                    self._train(n)
         for r in self.fwd:
             n = min((s for s, done in self.ready.items() if r not in done), default=None)
             if n is not None and self._idle(r) and (r != "actor_fwd" or self.fwd_weights[r] == n - 1):
@@ -186,6 +205,10 @@ class TrainingLoop:
                 if lease is not None:
                     self.leases[(r, n)] = lease
                     self._assign(r, n, M.LogprobsTask(chunks=[c.to_dict() for c in lease.chunks]))
+        if self._idle("rollout") and self.evals:  # a due eval before the next generate: the weights it is due on
+            n = self.evals.pop(0)
+            self.evaluating = n
+            self._assign("rollout", n, M.EvalTask(step=n))
         if self._idle("rollout") and self.stop_request is None and (self.regen or self.generated < self.total):
             n = min(self.regen) if self.regen else self.generated + 1  # a step voided for damage comes first
             if self.state.running and not self._paused(n) and self.broker.start_step(n):  # the staleness gate
@@ -198,6 +221,20 @@ class TrainingLoop:
                                                           seq=self.broker.next_seq(PRODUCER),
                                                           data_state=self.data_states.get(n - 1)))
         self.state.progress(phase=self._phase(), generated=self.generated)
+
+    def _eval_due(self, n: int) -> bool:
+        """Whether step ``n`` is evaluated (after its sync; ``n`` = 0: before training). Relax's rule on its 0-based
+        rollout id ``n - 1``: every ``rollout.eval_interval`` steps and after the last; before training unless
+        ``rollout.skip_eval_before_train``."""
+        ro = self.recipe.rollout
+        if n == 0:
+            return should_eval_before_train(ro.eval_interval, ro.skip_eval_before_train)
+        return should_eval(n - 1, ro.eval_interval, num_steps=self.total)
+
+    def _eval_outstanding(self, before: int | None = None) -> bool:
+        """An eval due or running (of a step before ``before``, if given)."""
+        steps = self.evals + ([self.evaluating] if self.evaluating is not None else [])
+        return any(before is None or s < before for s in steps)
 
     def _phase(self) -> str:
         kinds = sorted({t.kind for t in self.pending.values()})
@@ -378,7 +415,20 @@ class TrainingLoop:
         self.fwd_weights[task.role] = res.step
 
     def _train_done(self, task: Task, res: M.TrainResult) -> None:
+        if self._eval_outstanding(before=task.step):  # fully_async: the engines keep the weights an eval runs on
+            self.held_sync = task.step                  # until it is done; _eval_done sends the sync
+            return
         self._assign("actor", task.step, M.SyncTask(version=str(task.step), engines=self._live()))
+
+    def _eval_done(self, task: Task, res: M.EvalResult) -> None:
+        n = task.step
+        self.evaluating = None
+        vals = self.metrics.amend(n, res.metrics)  # into step n's row (step 0: a row of its own)
+        names = [f"eval/{name}" for name in self.recipe.data.eval_prompt_data if f"eval/{name}" in vals]
+        log.info("step %d eval: %s", n, ", ".join(f"{k} {vals[k]:.3f}" for k in names) or "no eval set")
+        if self.held_sync is not None and not self._eval_outstanding(before=self.held_sync):
+            m, self.held_sync = self.held_sync, None
+            self._assign("actor", m, M.SyncTask(version=str(m), engines=self._live()))
 
     def _sync_done(self, task: Task, res: M.SyncResult) -> None:
         n = task.step
@@ -403,6 +453,8 @@ class TrainingLoop:
         cur["perf/controller_time"], self.ctl_s = self.ctl_s, 0.0
         self.last_sync, self.step = now, n
         vals = self.metrics.log(n, cur)
+        if self._eval_due(n):  # on the weights just synced; the pump hands it to rollout before its next generate
+            self.evals.append(n)
         first, _ = self.metrics.reward_ends()
         self.state.progress(step=n, reward=vals.get(REWARD), reward_first10=first)
         every = 1 if "actor_fwd" in self.fwd else self.recipe.checkpoint.interval  # 0: only after the last step

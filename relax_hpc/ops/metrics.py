@@ -6,6 +6,10 @@ Every metric a role returns for a step goes to TensorBoard under the name it cam
 ``eval/...``), with the rollout step as TensorBoard's step, into ``RUN_DIR/tensorboard``; and as one JSON
 line per step into ``RUN_DIR/metrics.jsonl`` (what tests and the summary read; no TensorBoard needed).
 
+Eval results (``eval/...``) come after their step's row is written (the eval runs on the weights the step's sync
+put on the engines): :meth:`RunMetrics.amend` adds them to that row, so a step keeps one row. The eval before
+training is step 0's row (``eval/*`` only, no reward: the summary does not count it as a step).
+
 At the end of a run :meth:`RunMetrics.finish` writes ``summary.json`` (mean reward of the first and of the
 last 10 steps, steps done, wall time, final state) and ``reward.png`` (mean raw reward per step, matplotlib
 with the Agg backend: no display needed). The writer is TensorBoard's own event-file writer (the package
@@ -87,6 +91,7 @@ class RunMetrics:
                  started: float | None = None):
         self.dir = Path(run_dir)
         self.rewards: dict[int, float] = {}
+        self.evaluated: set[int] = set()  # steps whose row has eval/* metrics (kept from an earlier attempt too)
         self.started = started or time.time()
         earlier = self._keep_until(start_step)
         self._tb: TensorBoardWriter | None = None
@@ -114,6 +119,8 @@ class RunMetrics:
                 kept.append(line)
                 if REWARD in row:
                     self.rewards[int(row["step"])] = float(row[REWARD])
+                if any(k.startswith("eval/") for k in row):
+                    self.evaluated.add(int(row["step"]))
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
         os.replace(tmp, path)
@@ -129,6 +136,44 @@ class RunMetrics:
         self._jsonl.flush()
         if REWARD in vals:
             self.rewards[int(step)] = vals[REWARD]
+        if any(k.startswith("eval/") for k in vals):
+            self.evaluated.add(int(step))
+        return vals
+
+    def amend(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
+        """Add ``metrics`` to step ``step``'s row (eval results, which come after the row was written): TensorBoard
+        gets them at ``step``; ``metrics.jsonl`` is rewritten (tmp + rename: a reader sees the old file or the new
+        one) with them merged into the step's last row, or with a new row in step order when the step has none
+        (step 0's eval). Returns the numeric ones."""
+        vals = numeric(metrics)
+        if self._tb is not None:
+            self._tb.scalars(step, vals, time.time())
+        path = self.dir / "metrics.jsonl"
+        self._jsonl.close()
+        lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+        rows: list[Any] = []
+        for line in lines:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a line cut by a kill: dropped, as _keep_until does
+                continue
+        at = next((i for i in range(len(rows) - 1, -1, -1) if int(rows[i].get("step", -1)) == int(step)), None)
+        if at is None:  # a row of its own, before any later step's
+            where = next((i for i, r in enumerate(rows) if int(r.get("step", 0)) > int(step)), len(rows))
+            rows.insert(where, {"step": int(step), "time": time.time(), **vals})
+        else:
+            rows[at] = {**rows[at], **vals}
+        tmp = path.with_suffix(".jsonl.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self._jsonl = open(path, "a", encoding="utf-8")
+        if REWARD in vals:
+            self.rewards[int(step)] = vals[REWARD]
+        if any(k.startswith("eval/") for k in vals):
+            self.evaluated.add(int(step))
         return vals
 
     def reward_ends(self) -> tuple[float | None, float | None]:

@@ -14,6 +14,13 @@ until ``stop``. Tasks (:mod:`relax_hpc.roles.tasks`; their fields and results: :
   group-normalized, written as one chunk in ``RUN_DIR/exchange/step_<N>/``. Returns the chunk ref,
   Relax's ``rollout/*`` metrics, the data cursor, the weight versions the samples carry, reward failures
   (with their samples) and engine failures.
+- ``eval {step}``: every ``data.eval_prompt_data`` set (loaded once, at start; relative paths as ``data.path``'s),
+  ``rollout.n_samples_per_eval_prompt`` samples per prompt, generated with the engines' current weights and the
+  eval sampling parameters, scored with ``eval_reward_key`` (:func:`~relax_hpc.rollout.eval.run_eval`). Requests
+  are seeded by (run seed, step), apart from the training ones (which are seeded per sample anyway), and the data
+  cursor is not touched: eval never changes what training samples. Nothing goes to the exchange. Returns
+  ``eval/<name>``, ``eval/<name>-pass@k``, ``eval/<name>-truncated_ratio``, ``eval/<name>/response_len/*``,
+  ``eval/step`` and ``perf/eval_time``.
 - ``stop``: engines are stopped (by PID) on the way out, whatever happened.
 
 Engines are started with the run's API key (:meth:`relax_hpc.rundir.RunDir.api_key`) and the driver's clients
@@ -24,7 +31,10 @@ Without ``model.path`` the role only bootstraps (the launch smoke tests).
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
+import math
 import os
 import sys
 import time
@@ -34,7 +44,7 @@ from relax_hpc.roles.model import resolve
 from relax_hpc.roles.runtime import RoleContext, main
 
 if TYPE_CHECKING:
-    from relax_hpc.controller.messages import GenerateResult, GenerateTask
+    from relax_hpc.controller.messages import EvalResult, EvalTask, GenerateResult, GenerateTask
 
 ROLE = "rollout"
 ENGINE_READY_S = 900.0
@@ -121,16 +131,22 @@ def work(ctx: RoleContext, comm: Any) -> None:
         def generate(task: M.GenerateTask) -> M.GenerateResult | None:
             return gen.generate(task) if gen is not None else None
 
-        serve(ctx, comm, {"start_engines": start_engines, "generate": generate, "stop": lambda task: M.StopResult()})
+        def evaluate(task: M.EvalTask) -> M.EvalResult | None:
+            return gen.evaluate(task) if gen is not None else None
+
+        serve(ctx, comm, {"start_engines": start_engines, "generate": generate, "eval": evaluate,
+                          "stop": lambda task: M.StopResult()})
     finally:
         engine.stop()
 
 
 class Generator:
-    """Rank 0's half: data, tokenizer, reward, driver; one :meth:`generate` per rollout step."""
+    """Rank 0's half: data, eval sets, tokenizer, reward, driver; one :meth:`generate` per rollout step, one
+    :meth:`evaluate` per scheduled eval."""
 
     def __init__(self, ctx: RoleContext):
-        from relax_hpc.rollout.data import data_source_from_config, dataset_from_config, load_tokenizer
+        from relax_hpc.rollout.data import (data_source_from_config, dataset_from_config, eval_datasets_from_config,
+                                            load_tokenizer)
         from relax_hpc.rollout.driver import RolloutDriver
 
         r = ctx.recipe
@@ -140,6 +156,13 @@ class Generator:
             raise ValueError("data.path is not set: the rollout role needs prompts (a JSONL or Parquet file)")
         dataset = dataset_from_config(r.data, r.rollout, tokenizer=self.tokenizer, path=resolve(r.data.path))
         self.data = data_source_from_config(dataset, r.data, r.rollout, run_seed=r.run.seed)
+        # the eval sets, loaded once (only when an eval is scheduled: the controller sends none otherwise)
+        self.eval_sets: dict[str, Any] = {}
+        if r.rollout.eval_interval is not None:
+            eval_data = dataclasses.replace(r.data, eval_prompt_data={name: resolve(path) for name, path
+                                                                      in r.data.eval_prompt_data.items()})
+            self.eval_sets = eval_datasets_from_config(eval_data, r.rollout, tokenizer=self.tokenizer)
+            log.info("eval sets: %s", ", ".join(f"{n} ({len(ds)} prompts)" for n, ds in self.eval_sets.items()))
         # loads the reward function (fails early); its engine clients send the run's API key
         self.driver = RolloutDriver(r, {}, tokenizer=self.tokenizer, api_key=ctx.run.api_key())
         self.driver.on_progress = ctx.progress
@@ -186,6 +209,30 @@ class Generator:
             engine_failures=[{"name": f.name, "url": f.url, "error": f.error} for f in result.engine_failures],
             dead_engines=self.driver.dead_engines,
         )
+
+    def evaluate(self, task: EvalTask) -> EvalResult:
+        from relax_hpc.controller.messages import EvalResult
+        from relax_hpc.rollout.driver import sample_seed
+        from relax_hpc.rollout.eval import run_eval
+        from relax_hpc.rollout.rewards import RewardError
+
+        step = task.step
+        if not self.eval_sets:
+            raise ValueError(f"step {step}: an eval task came, but there is no eval set (data.eval_prompt_data is "
+                             f"empty or rollout.eval_interval is null)")
+        # seeded by (run.seed, step), so a re-run eval (a resume) samples alike, from a seed of its own (the hash
+        # of key -1, which no training sample has): no request seed in common with training; the data cursor is
+        # untouched
+        seed = sample_seed(self.recipe.run.seed * 1_000_003 + step, -1)
+        try:
+            metrics, _ = asyncio.run(run_eval(self.driver, self.eval_sets, step=step, seed=seed))
+        except RewardError as e:  # as in generate: the full report to this log, the short one to the run's reason
+            log.error("step %d eval: %s", step, e)
+            e.report = f"{type(e).__name__}: {str(e).split(chr(10) + 'Traceback of the first failure:')[0]}"
+            raise
+        scores = ", ".join(f"{n} {metrics[f'eval/{n}']:.3f}" for n in self.eval_sets)
+        log.info("step %d eval: %s (%.1f s)", step, scores, metrics.get("perf/eval_time", 0.0))
+        return EvalResult(metrics={k: float(v) for k, v in metrics.items() if math.isfinite(v)})
 
 
 def _short_failure(f: Any) -> dict:

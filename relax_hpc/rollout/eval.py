@@ -151,20 +151,20 @@ def eval_metrics(name: str, samples: list[Sample], rewards: list[float], group_s
 
 
 async def run_eval(driver: Any, datasets: dict[str, Iterable[Sample]], *, n_samples_per_eval_prompt: int | None = None,
-                   step: int | None = None) -> tuple[dict[str, float], dict[str, Any]]:
+                   step: int | None = None, seed: int | None = None) -> tuple[dict[str, float], dict[str, Any]]:
     """Generate and score every eval set with the driver's eval settings; returns (metrics, results by name).
 
     ``driver`` is a :class:`relax_hpc.rollout.driver.RolloutDriver`: eval uses its eval sampling
     parameters (``eval_temperature`` etc., falling back to the rollout ones), ``eval_reward_key``, no
     log-probs and no reward normalization; ``n_samples_per_eval_prompt`` defaults to the recipe's
-    (``driver.cfg``).
+    (``driver.cfg``). ``seed`` seeds each set's requests as ``generate_rollout(seed=)`` does (None: unseeded).
     """
     n = n_samples_per_eval_prompt or driver.cfg.n_samples_per_eval_prompt
     metrics: dict[str, float] = {}
     results: dict[str, Any] = {}
     t0 = time.monotonic()
     for name, ds in datasets.items():
-        result = await driver.generate_rollout(eval_groups(ds, n), evaluation=True)
+        result = await driver.generate_rollout(eval_groups(ds, n), evaluation=True, seed=seed)
         results[name] = result
         metrics |= eval_metrics(name, result.samples, result.raw_rewards, n)
     metrics["perf/eval_time"] = time.monotonic() - t0

@@ -27,6 +27,7 @@ TASKS = [
     (M.SyncTask(id=7, version="3", engines=ENGINES), {"id": 7, "kind": "sync", "version": "3", "engines": ENGINES}),
     (M.CheckpointTask(id=8, extra={"step": 3, "data": None}),
      {"id": 8, "kind": "checkpoint", "extra": {"step": 3, "data": None}}),
+    (M.EvalTask(id=10, step=4), {"id": 10, "kind": "eval", "step": 4}),
     (M.StopTask(id=9), {"id": 9, "kind": "stop"}),
 ]
 RESULTS = [
@@ -55,13 +56,15 @@ RESULTS = [
       "checks": {"engine0": {"fingerprint_equal": True}}, "dead_engines": {}}),
     (M.CheckpointResult(path="/run/checkpoints/step_3", metrics={"perf/save_time": 0.1}),
      {"path": "/run/checkpoints/step_3", "metrics": {"perf/save_time": 0.1}}),
+    (M.EvalResult(metrics={"eval/arith": 0.5, "eval/arith-pass@2": 0.75, "perf/eval_time": 2}),
+     {"metrics": {"eval/arith": 0.5, "eval/arith-pass@2": 0.75, "perf/eval_time": 2}}),
     (M.StopResult(), {}),
 ]
 
 
 def test_every_kind_has_a_task_and_a_result():
     assert set(M.TASKS) == set(M.RESULTS) == {"generate", "logprobs", "train", "sync", "checkpoint", "load", "connect",
-                                              "start_engines", "stop"}
+                                              "start_engines", "eval", "stop"}
     assert {type(t).kind for t, _ in TASKS} == set(M.TASKS)
     assert {type(r).kind for r, _ in RESULTS} == set(M.RESULTS)
 
@@ -180,6 +183,10 @@ def test_wrong_types_inside_containers_and_bools_for_ints():
     with pytest.raises(M.MessageError, match=r"'chunks': expected list\[dict\], got list \['a'\]"):
         M.decode_result("generate", {"chunks": ["a"]})
     assert M.decode_result("train", {"metrics": {"train/loss": 1}}) == M.TrainResult(metrics={"train/loss": 1})
+    with pytest.raises(M.MessageError, match=r"malformed eval result: field 'metrics': expected dict\[str, float\]"):
+        M.decode_result("eval", {"metrics": {"eval/arith": "high"}})  # eval metrics are numbers
+    with pytest.raises(M.MessageError, match="malformed eval task: field 'step': expected int, got float"):
+        M.decode_task({"id": 1, "kind": "eval", "step": 2.0})
 
 
 def test_message_error_is_a_value_error_with_a_clear_text():
@@ -202,6 +209,7 @@ def test_optional_fields_may_be_absent_and_omit_none_ones_are_not_sent():
 
 def test_encode_result_checks_the_kind_and_fills_the_empty_result():
     assert M.encode_result("stop", None) == {}
+    assert M.encode_result("eval", None) == {"metrics": {}}
     assert M.encode_result("logprobs", None) == {"sides": [], "metrics": {}}
     with pytest.raises(M.MessageError, match="malformed load result: .*expected LoadResult, got None"):
         M.encode_result("load", None)  # a result with a required field must be returned
