@@ -223,7 +223,21 @@ def check(recipe: Recipe) -> list[Problem]:
     problems += [(f"train.{k}", v, m) for k, v, m in check_train(recipe.train)]
     problems += check_data(recipe.data, recipe.rollout)  # keys already carry their section
     problems += _check_rm_type(recipe)
+    problems += _check_batch(recipe)
     return problems
+
+
+def _check_batch(r: Recipe) -> list[Problem]:
+    """One optimizer step trains one rollout step's samples (mini-batch updates are #13's): a
+    ``train.global_batch_size`` of anything else validated but failed at step 1, after the queue."""
+    gbs, ro = r.train.global_batch_size, r.rollout
+    samples = ro.rollout_batch_size * ro.n_samples_per_prompt
+    if gbs is None or gbs < 1 or gbs == samples:
+        return []
+    return [("train.global_batch_size", gbs, f"must equal the samples of one rollout step, rollout.rollout_batch_size "
+             f"× rollout.n_samples_per_prompt = {ro.rollout_batch_size} × {ro.n_samples_per_prompt} = {samples}: "
+             "relax_hpc makes one optimizer step per rollout step (several mini-batch steps per rollout are not "
+             f"built yet). Fix: set train.global_batch_size to {samples} or null")]
 
 
 def known_rm_type(name: str) -> bool:

@@ -415,3 +415,12 @@ def test_example_custom_loss_validates_from_the_repository_root():
     repo = Path(__file__).resolve().parents[2]
     data = {"algorithm": {"custom_loss_path": "recipes/examples/custom_loss.py:my_loss"}}
     assert file_problems(data, repo) == {}
+
+
+def test_a_global_batch_that_is_not_one_rollout_step_is_refused():
+    """train_step raised at step 1 for train.global_batch_size != the step's samples; now the recipe is refused."""
+    ok = {"rollout": {"rollout_batch_size": 4, "n_samples_per_prompt": 8}}
+    recipe_from_dict({**ok, "train": {"global_batch_size": 32, "micro_batch_size": 8}})
+    with pytest.raises(RecipeError) as e:
+        recipe_from_dict({**ok, "train": {"global_batch_size": 64, "micro_batch_size": 8}})
+    assert "train.global_batch_size" in str(e.value) and "4 × 8 = 32" in str(e.value) and "Fix:" in str(e.value)
