@@ -70,7 +70,7 @@ RELAX_NAMES: dict[str, str | None] = {
     "group_rm": "rollout.group_rm",
     "reward_max_concurrency": "rollout.reward_max_concurrency",
     "custom_config_path": "rollout.custom_config_path",
-    "rm_url": None,
+    "rm_url": "rollout.rm_url",
     "rm_type_fallback": None,
     "custom_reward_post_process_path": None,
     "genrm_model_path": None,

@@ -109,7 +109,8 @@ class RolloutConfig:
     max_retries: int = 3  # times one request is retried after an error on an engine that is still alive (with exponential backoff and jitter)
     request_timeout_s: float = 600.0  # total deadline of one generate request (connect, send, whole answer, retries)
     # --- rewards -------------------------------------------------------------------------------------
-    rm_type: str | None = None  # built-in reward: math, exact_match, f1, dummy, boxed_<type>; sample.metadata["rm_type"] wins
+    rm_type: str | None = None  # built-in reward: math, exact_match, f1, dummy, dapo, deepscaler, multiple_choice, gpqa, random, remote_rm, boxed_<type>; sample.metadata["rm_type"] wins
+    rm_url: str | None = None  # remote_rm's reward server, http(s)://...: gets POST {prompt, response, label}, answers a JSON number or object (Relax --rm-url)
     custom_rm_path: str | None = None  # your reward function, 'package.module.function' (Relax --custom-rm-path)
     reward_key: str | None = None  # key of the scalar reward when the reward function returns a dict
     eval_reward_key: str | None = None  # reward_key for eval; null = reward_key

@@ -42,6 +42,7 @@ _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}|\d+-\d+")
 _MEM = re.compile(r"\d+[KMGT]?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_HTTP_URL = re.compile(r"https?://[^\s/?#]+[^\s]*")
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _SHELL_META = set(";&|<>`$()\\\"'*?[]{}~!#\n\r\t ")
 
@@ -250,13 +251,28 @@ def known_rm_type(name: str) -> bool:
 def _check_rm_type(r: Recipe) -> list[Problem]:
     """An unknown built-in reward failed only at the first reward call (step 1, after the engines started).
     With ``custom_rm_path`` set, rm_type is only passed to that function, which may use names of its own."""
-    rm = r.rollout.rm_type
-    if rm is None or r.rollout.custom_rm_path is not None or known_rm_type(rm):
-        return []
+    rm, url = r.rollout.rm_type, r.rollout.rm_url
+    out: list[Problem] = []
+    if url is not None and not _HTTP_URL.fullmatch(url):
+        out.append(("rollout.rm_url", url, "is not an http(s) URL. Fix: the reward server's address, e.g. "
+                    "'http://rm-host:8000/score'"))
+    if rm is None or r.rollout.custom_rm_path is not None:
+        return out
+    if rm == "remote_rm":
+        if url is None:
+            out.append(("rollout.rm_url", url, "is required with rollout.rm_type remote_rm (Relax --rm-url): each "
+                        "sample is POSTed there as {prompt, response, label}. Fix: set rollout.rm_url to the reward "
+                        "server's http(s) URL"))
+        return out
+    if known_rm_type(rm) and not rm.endswith("_remote_rm"):
+        return out
     known = ", ".join(BUILTIN_REWARDS)
-    return [("rollout.rm_type", rm, f"is not a built-in reward of relax_hpc (Relax's other types such as dapo or "
-             f"deepscaler are not built in). Fix: use one of {known}, or boxed_<one of them> (e.g. boxed_math), "
-             "or write your reward function and set rollout.custom_rm_path")]
+    what = ("is refused: remote_rm sends the server the whole response, so it has no boxed_ form"
+            if rm.endswith("_remote_rm") and known_rm_type(rm) else
+            "is not a built-in reward of relax_hpc (Relax's ifbench, openr1mm, geo3k, mopd and dapo-genrm are not "
+            "built in)")
+    return out + [("rollout.rm_type", rm, f"{what}. Fix: use one of {known}, or boxed_<one of them> (e.g. "
+                   "boxed_math), or write your reward function and set rollout.custom_rm_path")]
 
 
 def _check_strings(r: Recipe) -> list[Problem]:

@@ -13,8 +13,9 @@ The contract is Relax's (``--custom-rm-path``, ``--reward-key``, ``--group-rm``,
   ``rollout.custom_config_path`` (Relax's ``--custom-config-path``). It is made for the user's function
   only: relax_hpc reads its own settings from the typed recipe.
 - Without a custom function, ``rollout.rm_type`` (or ``sample.metadata["rm_type"]``, which wins) picks a
-  built-in: ``math``, ``exact_match``, ``f1``, ``dummy``; ``boxed_<type>`` first extracts the last
-  ``\\boxed{...}`` of the response.
+  built-in: ``math``, ``exact_match``, ``f1``, ``dummy``, and Relax's ``dapo``, ``deepscaler``,
+  ``multiple_choice``, ``gpqa``, ``random``, ``remote_rm`` (:mod:`relax_hpc.rollout.builtin_rewards`);
+  ``boxed_<type>`` first extracts the last ``\\boxed{...}`` of the response.
 
 A reward that raises, runs longer than ``rollout.reward_timeout_s``, or returns something that is not a
 finite number (None, NaN, a string such as "0.5", a bool) or has no ``reward_key`` is a
@@ -43,6 +44,9 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from relax_hpc.plugins import load_plugin
+from relax_hpc.rollout.builtin_rewards import (dapo_reward, deepscaler_reward, f1_reward, gpqa_reward,
+                                               multiple_choice_reward, random_reward, remote_rm,
+                                               remote_rm_unawaited)
 from relax_hpc.rollout.sample import Sample, SampleStatus, reward_value
 
 if TYPE_CHECKING:  # relax_hpc.recipe imports this module (validate: BUILTIN_REWARDS), so only for annotations
@@ -190,38 +194,23 @@ def exact_match_reward(response: str, label: Any, metadata: dict | None = None) 
     return 1.0 if label is not None and (response or "").strip() == str(label).strip() else 0.0
 
 
-def f1_reward(response: str, label: Any, metadata: dict | None = None) -> float:
-    """Token F1 of the response against the label (lowercased, whitespace tokens, punctuation dropped)."""
-    def toks(s: Any) -> list[str]:
-        return re.sub(r"[^\w\s]", " ", str(s or "").lower()).split()
-
-    pred, gold = toks(response), toks(label)
-    if not pred or not gold:
-        return float(pred == gold)
-    common: dict[str, int] = {}
-    for t in gold:
-        common[t] = common.get(t, 0) + 1
-    same = 0
-    for t in pred:
-        if common.get(t, 0) > 0:
-            same += 1
-            common[t] -= 1
-    if same == 0:
-        return 0.0
-    p, r = same / len(pred), same / len(gold)
-    return 2 * p * r / (p + r)
-
-
 def dummy_reward(response: str, label: Any, metadata: dict | None = None) -> float:
     """0.0 for everything (the real score comes later, e.g. from a post-process step)."""
     return 0.0
 
 
-BUILTIN_REWARDS: dict[str, Callable[[str, Any, dict | None], float]] = {
+BUILTIN_REWARDS: dict[str, Callable[[str, Any, dict | None], Any]] = {
     "math": math_reward,
     "exact_match": exact_match_reward,
     "f1": f1_reward,
     "dummy": dummy_reward,
+    # Relax's others, by Relax's rules (relax_hpc.rollout.builtin_rewards)
+    "dapo": dapo_reward,  # a dict {score, acc, pred}: use rollout.reward_key: score
+    "deepscaler": deepscaler_reward,
+    "multiple_choice": multiple_choice_reward,
+    "gpqa": gpqa_reward,
+    "random": random_reward,
+    "remote_rm": remote_rm_unawaited,  # awaited by RewardRunner (POST to rollout.rm_url)
 }
 
 
@@ -471,8 +460,13 @@ class RewardRunner:
         if not rm_type:
             raise ValueError("no reward is configured: set rollout.custom_rm_path or rollout.rm_type "
                              "(or give this record a metadata.rm_type)")
-        value = builtin_reward(rm_type, sample.response, sample.label, meta)
-        return {reward_key: value} if reward_key else value
+        if rm_type == "remote_rm":  # Relax's async built-in: the server gets the whole sample
+            value = await remote_rm(self.cfg.rm_url, sample.prompt, sample.response, sample.label,
+                                    timeout_s=self.timeout_s)
+        else:
+            value = builtin_reward(rm_type, sample.response, sample.label, meta)
+        # a dict (dapo's {score, acc, pred}, a remote server's object) is read through reward_key as it is
+        return {reward_key: value} if reward_key and not isinstance(value, dict) else value
 
     def _source(self, sample: Sample | None = None) -> str:
         if self.cfg.custom_rm_path:

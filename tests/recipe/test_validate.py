@@ -184,25 +184,61 @@ def test_plain_runs_root_passes():
 # --- 5. unknown rm_type ------------------------------------------------------------------------------------
 
 def test_unknown_rm_type_is_refused_listing_the_known_ones():
-    err = error({"rollout": {"rm_type": "dapo"}})
+    err = error({"rollout": {"rm_type": "ifbench"}})
     text = line(err, "rollout.rm_type")
-    assert "rollout.rm_type = 'dapo'" in text and "Fix: use one of" in text
+    assert "rollout.rm_type = 'ifbench'" in text and "Fix: use one of" in text
     assert all(name in text for name in BUILTIN_REWARDS) and "boxed_" in text and "custom_rm_path" in text
 
 
-@pytest.mark.parametrize("rm", [*BUILTIN_REWARDS, "boxed_math", "boxed_exact_match", "boxed_boxed_f1"])
+LOCAL = sorted(set(BUILTIN_REWARDS) - {"remote_rm"})
+
+
+@pytest.mark.parametrize("rm", [*LOCAL, "boxed_math", "boxed_exact_match", "boxed_boxed_f1", "boxed_dapo"])
 def test_builtin_rm_types_pass(rm):
     assert recipe_from_dict({"rollout": {"rm_type": rm}}).rollout.rm_type == rm
 
 
+@pytest.mark.parametrize("rm", ["dapo", "deepscaler", "multiple_choice", "gpqa", "f1", "random", "remote_rm"])
+def test_relax_builtin_names_are_accepted(rm):
+    """Relax's built-ins are in BUILTIN_REWARDS, so the validator knows them without a list of its own."""
+    r = recipe_from_dict({"rollout": {"rm_type": rm, "rm_url": "http://rm-host:8000/score"}})
+    assert r.rollout.rm_type == rm
+
+
 def test_boxed_of_an_unknown_type_is_refused():
-    assert "Fix: use one of" in problems({"rollout": {"rm_type": "boxed_dapo"}})["rollout.rm_type"]
+    assert "Fix: use one of" in problems({"rollout": {"rm_type": "boxed_ifbench"}})["rollout.rm_type"]
+
+
+def test_remote_rm_needs_rm_url():
+    text = line(error({"rollout": {"rm_type": "remote_rm"}}), "rollout.rm_url")
+    assert "is required with rollout.rm_type remote_rm" in text and "Fix: set rollout.rm_url" in text
+
+
+@pytest.mark.parametrize("url", ["https://rm.example.org/v1/score", "http://10.0.0.5:8000"])
+def test_remote_rm_with_an_http_url_passes(url):
+    assert recipe_from_dict({"rollout": {"rm_type": "remote_rm", "rm_url": url}}).rollout.rm_url == url
+
+
+@pytest.mark.parametrize("url", ["rm-host:8000/score", "ftp://rm-host/score", "http://", "http://a b/score", ""])
+def test_rm_url_must_be_http(url):
+    text = problems({"rollout": {"rm_type": "remote_rm", "rm_url": url}})["rollout.rm_url"]
+    assert "is not an http(s) URL" in text
+
+
+def test_boxed_remote_rm_is_refused():
+    text = problems({"rollout": {"rm_type": "boxed_remote_rm", "rm_url": "http://h/s"}})["rollout.rm_type"]
+    assert "has no boxed_ form" in text
+
+
+def test_relax_rm_url_flag_maps_to_the_recipe_key():
+    from relax_hpc.recipe.relax_names import RELAX_NAMES
+    assert RELAX_NAMES["rm_url"] == "rollout.rm_url"
 
 
 def test_rm_type_is_free_with_a_custom_reward_function():
     """The custom function receives args.rm_type and may give it its own meaning."""
-    r = recipe_from_dict({"rollout": {"rm_type": "dapo", "custom_rm_path": "pkg.mod.reward"}})
-    assert r.rollout.rm_type == "dapo"
+    r = recipe_from_dict({"rollout": {"rm_type": "ifbench", "custom_rm_path": "pkg.mod.reward"}})
+    assert r.rollout.rm_type == "ifbench"
 
 
 # --- 6. slurm.env overriding the launcher's variables ------------------------------------------------------
