@@ -181,7 +181,7 @@ class EngineHandle:
             log.write(f"\n==== relax_hpc launch {stamp}: {_masked(self.command)}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=env, start_new_session=True)
+                                          env=env, start_new_session=True, preexec_fn=_dies_with(os.getpid()))
         self.pid = self._proc.pid
         self._stopped = False
 
@@ -207,6 +207,30 @@ class EngineHandle:
         except (ProcessLookupError, PermissionError):
             pass
         return self._proc.poll()
+
+
+def _dies_with(parent: int):
+    """For Popen's ``preexec_fn``: the engine gets SIGTERM when the process that started it dies (Linux's
+    ``PR_SET_PDEATHSIG``). The engine has a session of its own (so a signal to the rank's group does not reach it),
+    and without this a rank killed with ``kill -9`` left its engine running, holding its port and its GPU, after
+    the run had restarted or ended. SIGTERM, not SIGKILL: SGLang then stops the processes it started itself.
+    Linux sends it when the *thread* that started the engine ends, so start engines from a thread that lives as
+    long as they do (the roles and the tests use the main thread). Elsewhere (no prctl) a no-op;
+    :meth:`EngineHandle.stop` remains the normal way out."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def arm() -> None:  # runs in the child between fork and exec: no allocation-heavy work, no imports of ours
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the parent died before the prctl: nothing will send the signal
+            os._exit(1)
+
+    return arm
 
 
 def start_engine(kind: str, model_path: str | os.PathLike, *, python: str | None = None, tp: int = 1,

@@ -115,3 +115,30 @@ def test_real_sglang_engine(tiny_llama, tmp_path):
         t = time.monotonic()
         h.stop()
         assert time.monotonic() - t < 30 and not h.alive()
+
+
+def test_an_engine_dies_with_the_rank_that_started_it(tiny_llama, tmp_path):
+    """A rollout rank killed with kill -9 (a crash, the OOM killer, tools/chaos) must not leave its engine running:
+    the engine has a session of its own, so only the parent-death signal reaches it."""
+    import signal as sig
+    import subprocess
+
+    import psutil
+
+    code = ("import sys, time; from relax_hpc.rollout.engines import start_engine; "
+            "h = start_engine('cpu', sys.argv[1], log_path=sys.argv[2], extra_args=['--threads', '1']).wait_ready(300); "
+            "print(h.pid, flush=True); time.sleep(600)")
+    rank = subprocess.Popen([sys.executable, "-c", code, str(tiny_llama), str(tmp_path / "engine.log")],
+                            stdout=subprocess.PIPE, text=True)
+    engine = None
+    try:
+        engine = psutil.Process(int(rank.stdout.readline()))  # the engine is up and serving
+        assert engine.is_running() and engine.ppid() == rank.pid
+        rank.send_signal(sig.SIGKILL)
+        rank.wait(30)
+        _, alive = psutil.wait_procs([engine], timeout=60)
+        assert not alive, f"engine {engine.pid} outlived the rank that started it"
+    finally:
+        rank.kill()
+        if engine is not None and engine.is_running():  # a failed test leaves nothing behind either
+            engine.kill()
