@@ -376,7 +376,7 @@ class TrainingLoop:
         if self.resume_path is None:
             self.started = True
         else:  # the engines serve the model on disk: give them the checkpoint's weights first
-            self._assign("actor", self.step, M.SyncTask(version=str(self.step), engines=self._live()))
+            self._sync(self.step)
 
     def _generate_done(self, task: Task, res: M.GenerateResult) -> None:
         n = task.step
@@ -418,7 +418,7 @@ class TrainingLoop:
         if self._eval_outstanding(before=task.step):  # fully_async: the engines keep the weights an eval runs on
             self.held_sync = task.step                  # until it is done; _eval_done sends the sync
             return
-        self._assign("actor", task.step, M.SyncTask(version=str(task.step), engines=self._live()))
+        self._sync(task.step)
 
     def _eval_done(self, task: Task, res: M.EvalResult) -> None:
         n = task.step
@@ -428,7 +428,11 @@ class TrainingLoop:
         log.info("step %d eval: %s", n, ", ".join(f"{k} {vals[k]:.3f}" for k in names) or "no eval set")
         if self.held_sync is not None and not self._eval_outstanding(before=self.held_sync):
             m, self.held_sync = self.held_sync, None
-            self._assign("actor", m, M.SyncTask(version=str(m), engines=self._live()))
+            self._sync(m)
+
+    def _sync(self, n: int) -> None:
+        """The actor puts step ``n``'s weights on the live engines, as version ``"n"``."""
+        self._assign("actor", n, M.SyncTask(version=str(n), engines=self._live()))
 
     def _sync_done(self, task: Task, res: M.SyncResult) -> None:
         n = task.step

@@ -39,10 +39,10 @@ def compute_and_write(actor: Any, refs: Sequence[dict | ChunkRef], field: str, w
     :class:`~relax_hpc.exchange.chunk.SideRef` dicts in the order of ``refs``, the other ranks ``[]``."""
     import numpy as np  # here, not at the top: a role imports numpy, h5py and torch after its hello
 
-    from relax_hpc.exchange.chunk import ChunkRef, write_fields
-    from relax_hpc.roles.samples import LOGPROB_FIELDS, logprob_batch, read_columns
+    from relax_hpc.exchange.chunk import write_fields
+    from relax_hpc.roles.samples import LOGPROB_FIELDS, as_ref, logprob_batch, read_columns
 
-    chunks = [r if isinstance(r, ChunkRef) else ChunkRef.from_dict(r) for r in refs]
+    chunks = [as_ref(r) for r in refs]
     todo = [c for c in chunks if field not in c.all_fields]
     batch = logprob_batch(read_columns(todo, LOGPROB_FIELDS, agree=True)) if todo else []
     lps = actor.compute_log_probs(batch) if batch else []

@@ -74,7 +74,8 @@ def write_step(run_path: str | os.PathLike, step: int, result: Any, seq: int = 0
     return write_chunk(root, step, PRODUCER, seq, fields, attrs={"group_size": result.group_size})
 
 
-def _ref(r: dict | ChunkRef) -> ChunkRef:
+def as_ref(r: dict | ChunkRef) -> ChunkRef:
+    """A chunk ref as tasks carry it (a dict) or already decoded."""
     return r if isinstance(r, ChunkRef) else ChunkRef.from_dict(r)
 
 
@@ -88,11 +89,11 @@ def read_columns(refs: Sequence[dict | ChunkRef], fields: Sequence[str] = TRAIN_
     parts: list[dict[str, Any]] = []
     damage = None
     try:
-        parts = [read_chunk(_ref(r), list(fields), ragged="flat") for r in refs]
+        parts = [read_chunk(as_ref(r), list(fields), ragged="flat") for r in refs]
     except DamagedChunk as e:
         damage = e
     if agree and _any_rank(damage is not None) and damage is None:
-        path = _ref(refs[0]).path if refs else "?"
+        path = as_ref(refs[0]).path if refs else "?"
         damage = DamagedChunk(path, "another rank of this role could not read this task's chunks")
     if damage is not None:
         raise damage
@@ -187,6 +188,6 @@ def read_train_batch(refs: Sequence[dict | ChunkRef], algo_cfg: Any, group_size:
                      agree: bool = True) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """:func:`read_columns` of the train fields (and the forward roles' side fields every chunk has), then
     :func:`train_batch`."""
-    chunks = [_ref(r) for r in refs]
+    chunks = [as_ref(r) for r in refs]
     extra = [f for f in FORWARD_FIELDS if all(f in c.all_fields for c in chunks)]
     return train_batch(read_columns(chunks, (*TRAIN_FIELDS, *extra), agree=agree), algo_cfg, group_size)
