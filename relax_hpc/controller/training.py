@@ -82,7 +82,7 @@ from relax_hpc.ops.metrics import REWARD, RunMetrics
 from relax_hpc.recipe import Recipe
 from relax_hpc.rollout.eval import should_eval, should_eval_before_train
 from relax_hpc.rundir import RunDir
-from relax_hpc.train.latest import read_latest
+from relax_hpc.train.latest import read_latest, run_step
 
 log = logging.getLogger("relax_hpc.controller")
 
@@ -109,7 +109,7 @@ class TrainingLoop:
         self.total = recipe.run.steps
         latest = read_latest(run.path / "checkpoints")
         self.resume_path = str(latest[0]) if latest else None
-        self.last_ckpt_step = int(latest[1]["step"]) if latest else None
+        self.last_ckpt_step = run_step(latest[1]) if latest else None
         k = self.last_ckpt_step or 0
         # what each consuming task reads: train the rollout's fields and the enabled forward roles' side fields
         tasks = {"train": task_fields("train", (PRODUCER, *self.fwd)), **{r: LOGPROB_FIELDS for r in self.fwd}}

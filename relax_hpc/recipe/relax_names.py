@@ -116,7 +116,7 @@ RELAX_NAMES: dict[str, str | None] = {
     "tensor_model_parallel_size": "train.tp",
     "pipeline_model_parallel_size": "train.pp",
     "context_parallel_size": None, "expert_model_parallel_size": None, "sequence_parallel": None,
-    "num_steps_per_rollout": None, "use_dynamic_batch_size": None, "max_tokens_per_gpu": None,
+    "num_steps_per_rollout": "train.num_steps_per_rollout", "use_dynamic_batch_size": None, "max_tokens_per_gpu": None,
     "log_probs_max_tokens_per_gpu": None,
     # --- async -----------------------------------------------------------------------------------------
     "max_staleness": "max_staleness",

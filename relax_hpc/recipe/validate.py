@@ -27,7 +27,7 @@ from relax_hpc.recipe.relax_names import RELAX_NAMES, cli_flag, relax_flag
 from relax_hpc.recipe.schema import ROLE_NAMES, Recipe
 from relax_hpc.rollout.data import DataError, check_config as check_data, expand_paths
 from relax_hpc.rollout.rewards import BUILTIN_REWARDS, REWARD_PARAMS, relax_args
-from relax_hpc.train.config import check as check_train
+from relax_hpc.train.config import check as check_train, steps_per_rollout
 
 Problem = tuple[str, object, str]
 
@@ -229,16 +229,33 @@ def check(recipe: Recipe) -> list[Problem]:
 
 
 def _check_batch(r: Recipe) -> list[Problem]:
-    """One optimizer step trains one rollout step's samples (mini-batch updates are #13's): a
-    ``train.global_batch_size`` of anything else validated but failed at step 1, after the queue."""
-    gbs, ro = r.train.global_batch_size, r.rollout
+    """Mini-batch updates split a rollout step's samples into k equal global batches
+    (``train.num_steps_per_rollout`` = k, or ``train.global_batch_size`` = samples / k): a size that does not
+    divide the samples, or two keys that disagree, would fail at step 1, after the queue."""
+    gbs, k, ro = r.train.global_batch_size, r.train.num_steps_per_rollout, r.rollout
     samples = ro.rollout_batch_size * ro.n_samples_per_prompt
-    if gbs is None or gbs < 1 or gbs == samples:
-        return []
-    return [("train.global_batch_size", gbs, f"must equal the samples of one rollout step, rollout.rollout_batch_size "
-             f"× rollout.n_samples_per_prompt = {ro.rollout_batch_size} × {ro.n_samples_per_prompt} = {samples}: "
-             "relax_hpc makes one optimizer step per rollout step (several mini-batch steps per rollout are not "
-             f"built yet). Fix: set train.global_batch_size to {samples} or null")]
+    what = (f"the samples of one rollout step, rollout.rollout_batch_size × rollout.n_samples_per_prompt = "
+            f"{ro.rollout_batch_size} × {ro.n_samples_per_prompt} = {samples}")
+    if gbs is not None and gbs >= 1 and samples % gbs:
+        return [("train.global_batch_size", gbs, f"must divide {what}: each optimizer step trains one equal "
+                 f"share of them. Fix: set it to {samples} (one step) or a divisor of {samples}, or null and "
+                 "set train.num_steps_per_rollout")]
+    if k is not None and k >= 1 and samples % k:
+        return [("train.num_steps_per_rollout", k, f"must divide {what}: the step's samples are split into "
+                 f"that many equal global batches. Fix: use a divisor of {samples}, e.g. 1, 2 or 4")]
+    if k is not None and k >= 1 and gbs is not None and gbs >= 1 and gbs * k != samples:
+        return [("train.num_steps_per_rollout", k, f"disagrees with train.global_batch_size = {gbs}: "
+                 f"{k} steps of {gbs} samples is not {what}. Fix: set one of them (the other to null), or "
+                 f"make global_batch_size = {samples} / num_steps_per_rollout")]
+    a, mp = r.roles.actor, r.train.tp * r.train.pp
+    world = a.nodes * a.tasks_per_node
+    k = steps_per_rollout(r.train, samples)
+    if mp >= 1 and world % mp == 0 and k >= 1 and samples // k < world // mp:
+        return [("train.num_steps_per_rollout" if r.train.num_steps_per_rollout else "train.global_batch_size",
+                 r.train.num_steps_per_rollout or gbs, f"leaves {samples // k} samples per optimizer step for "
+                 f"{world // mp} data-parallel actor ranks: every rank needs at least one. Fix: fewer steps "
+                 "per rollout, or more samples per rollout step")]
+    return []
 
 
 def known_rm_type(name: str) -> bool:

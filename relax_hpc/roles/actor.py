@@ -9,11 +9,13 @@ the controller's tasks (:mod:`relax_hpc.roles.tasks`; every task's fields and it
   rank 0 builds the weight-sync group with the engines (:mod:`.weight_sync`).
 - ``train {step, chunks}``: read the step's samples from the exchange (checksums verified; with the side
   fields ``ref_log_probs``/``log_probs`` when the reference/actor_fwd roles added them), broadcast the
-  normalized rewards over the response tokens (advantages), take π_old from actor_fwd's ``log_probs`` or
-  recompute it with a forward pass (or use the engine's log-probs with ``algorithm.use_rollout_logprobs``),
-  one ``train_step``. Returns Relax's
-  ``train/*`` metrics, ``train/train_rollout_logprob_abs_diff`` (mean |actor − engine| log-prob over the
-  response tokens; with identical weights this is the numerical gap, ~1e-7 on CPU) and ``perf/train_time``.
+  normalized rewards over the response tokens (advantages), split the samples into k mini-batches
+  (``train.num_steps_per_rollout``, shuffled with the run's seed and the step) and build tensors only for
+  this DP rank's share of each, take π_old for all of them before the first update from actor_fwd's
+  ``log_probs`` or a forward pass (or the engine's log-probs with ``algorithm.use_rollout_logprobs``), then
+  k ``train_step``\ s. Returns Relax's ``train/*`` metrics (means over the k steps; ``train/num_steps`` = k),
+  ``train/train_rollout_logprob_abs_diff`` (mean |π_old − engine| log-prob over the response tokens; with
+  identical weights this is the numerical gap, ~1e-7 on CPU) and ``perf/train_time``.
 - ``sync {version, engines}``: every rank walks ``named_hf_weights`` (a collective); rank 0 pushes them with
   :class:`relax_hpc.weights.WeightSender` (a new group first if the engine set changed) and, with
   ``logging.check_weight_sync``, checks a spot fingerprint against each engine (:mod:`.weight_sync`).
@@ -49,7 +51,8 @@ def work(ctx: RoleContext, comm: Any) -> None:
     from relax_hpc.roles import samples as S
     from relax_hpc.roles.tasks import serve
     from relax_hpc.roles.weight_sync import ROWS, EngineChecker
-    from relax_hpc.train.logprobs import set_progress_hook
+    from relax_hpc.train.config import steps_per_rollout
+    from relax_hpc.train.logprobs import rollout_logprob_gap, set_progress_hook
     from relax_hpc.weights import WeightSender, WeightSyncError, push_from_actor
 
     r = ctx.recipe
@@ -78,22 +81,26 @@ def work(ctx: RoleContext, comm: Any) -> None:
     def train(task: M.TrainTask) -> M.TrainResult:
         t0 = time.monotonic()
         refs = [ChunkRef.from_dict(c) for c in task.chunks]
-        # every rank reads the whole batch (train_step shards it), so reward normalization and advantage
-        # whitening need no process group; the forward roles' side fields come along when every chunk has them
-        batch, reward_metrics = S.read_train_batch(refs, r.algorithm, r.rollout.n_samples_per_prompt, agree=True)
+        cols = S.read_train_columns(refs, agree=True)  # the forward roles' side fields too, when every chunk has them
+        p = actor.parallel
+        n = len(cols["raw_reward"])
+        plan = S.train_plan(cols, r.algorithm, r.rollout.n_samples_per_prompt, k=steps_per_rollout(r.train, n),
+                            seed=r.run.seed, step=task.step, dp=p.dp, dp_rank=p.dp_rank)
+        mine = plan.samples  # this rank's samples of every mini-batch: only these become tensors
         t_read = time.monotonic() - t0
-        diff = {}
-        if batch and all("old_log_probs" in s for s in batch):  # π_old from actor_fwd, with the weights held now
-            diff = _logprob_gap(batch, [s["old_log_probs"] for s in batch])
-        elif not r.algorithm.use_rollout_logprobs:
-            old = actor.compute_log_probs(batch)
-            for s, lp in zip(batch, old):
+        if mine and all("old_log_probs" in s for s in mine):  # π_old from actor_fwd, with the weights held now
+            old = [s["old_log_probs"] for s in mine]
+        elif not r.algorithm.use_rollout_logprobs:  # π_old: this actor before the step's first update
+            old = actor.compute_log_probs(mine, share=True)
+            for s, lp in zip(mine, old):
                 s["old_log_probs"] = lp
-            diff = _logprob_gap(batch, old)
-        metrics = actor.train_step(batch)
-        out = {f"train/{k}": v for k, v in metrics.items()}
+        else:
+            old = None
+        diff = rollout_logprob_gap(mine, old) if old is not None else {}
+        steps = [actor.train_step(share) for share in plan.shares]
+        out = {f"train/{k}": v for k, v in _over_steps(steps).items()}
         out.update(diff)
-        out.update(reward_metrics)  # rollout/rewards: the mean R̃ this step trains on
+        out.update(plan.metrics)  # rollout/rewards: the mean R̃ this step trains on
         out["perf/train_time"] = time.monotonic() - t0
         out["perf/exchange_read_time"] = t_read
         return M.TrainResult(metrics=out)
@@ -143,16 +150,16 @@ def work(ctx: RoleContext, comm: Any) -> None:
             st["sender"].close(destroy_on_engines=False)
 
 
-def _logprob_gap(batch: list[dict], old: list) -> dict[str, float]:
-    """Mean and max |actor − engine| log-prob over the response tokens that have engine log-probs."""
-    import torch
-
-    diffs = [(lp - s["rollout_log_probs"]).abs() for s, lp in zip(batch, old) if "rollout_log_probs" in s]
-    if not diffs:
-        return {}
-    d = torch.cat(diffs)
-    return {"train/train_rollout_logprob_abs_diff": float(d.mean()),
-            "train/train_rollout_logprob_abs_diff_max": float(d.max())}
+def _over_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The step's metrics from its k optimizer steps' (mini-batch updates): the mean of each, but the counts
+    (``num_samples``, ``num_loss_tokens``) summed and ``step`` the last; ``num_steps`` is k."""
+    out = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
+    for k in ("num_samples", "num_loss_tokens"):
+        if k in out:
+            out[k] = sum(m[k] for m in steps)
+    out["step"] = steps[-1]["step"]
+    out["num_steps"] = float(len(steps))
+    return out
 
 
 if __name__ == "__main__":

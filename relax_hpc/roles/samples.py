@@ -12,13 +12,15 @@ that runs after the rollout.
 
 Representations of one sample on the way to the loss: the engine's response → :class:`Sample` → columns
 (one numpy array per field) → the HDF5 chunk → flat columns read back (views into the verified bytes) →
-per-sample tensors (views again, no copies) → the padded micro-batch of :mod:`relax_hpc.train.batch`.
+per-sample tensors of this DP rank's share only (views again, no copies) → the padded micro-batch of
+:mod:`relax_hpc.train.batch`.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -27,7 +29,8 @@ from relax_hpc.exchange.chunk import ChunkRef, DamagedChunk, Ragged, columns_to_
 from relax_hpc.exchange.fields import BY_NAME, FORWARD_FIELDS, LOGPROB_FIELDS, PRODUCER, TRAIN_FIELDS, rollout_fields
 
 __all__ = ["FORWARD_FIELDS", "LOGPROB_FIELDS", "PRODUCER", "TRAIN_FIELDS", "exchange_root", "write_step",
-           "read_columns", "read_samples", "logprob_batch", "train_batch", "read_train_batch"]
+           "read_columns", "read_samples", "logprob_batch", "mini_batch_order", "TrainPlan", "train_plan", "train_batch",
+           "read_train_columns", "read_train_batch"]
 
 
 def exchange_root(run_path: str | os.PathLike) -> str:
@@ -145,49 +148,108 @@ def logprob_batch(cols: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def train_batch(cols: dict[str, Any], algo_cfg: Any, group_size: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """The actor's batch (:mod:`relax_hpc.train.batch`) from the columns of :func:`read_columns`, and the
-    reward metrics of the step.
+def _row_sums(r: Ragged) -> np.ndarray:
+    """Each sample's sum of a ragged column (float64: exact for 0/1 masks)."""
+    cs = np.zeros(len(r.data) + 1, dtype=np.float64)
+    np.cumsum(r.data, dtype=np.float64, out=cs[1:])
+    return cs[r.offsets[1:]] - cs[r.offsets[:-1]]
 
-    Per sample: tokens, response_start, loss_mask and rollout_log_probs (views into the columns), the
-    per-token advantages A (R̃ on the loss-mask tokens, 0 elsewhere, whitened if
-    ``algorithm.normalize_advantages``), and ``ref_log_probs`` / ``old_log_probs`` from the ``ref_log_probs``
-    / ``log_probs`` columns when present. R̃ is the group-normalized ``raw_reward``
-    (:func:`~relax_hpc.algo.advantages.postprocess_rewards`, groups of ``group_size`` consecutive samples);
-    the metrics carry its mean as ``rollout/rewards``."""
+
+def mini_batch_order(n: int, k: int, seed: int, step: int) -> list[np.ndarray]:
+    """The sample indices of each of the ``k`` mini-batches of a step: the step's samples shuffled with
+    (``seed``, ``step``), so a step redone after a requeue splits the same way, then cut into k parts (sizes
+    differ by at most one). ``k == 1``: the samples in order, as one batch."""
+    if k <= 1:
+        return [np.arange(n)]
+    order = np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(step)])).permutation(n)
+    return np.array_split(order, k)
+
+
+@dataclass
+class TrainPlan:
+    """The step's training data as this DP rank sees it: one :class:`~relax_hpc.train.batch.Share` per
+    mini-batch (this rank's samples and the whole mini-batch's statistics) and the step's reward metrics."""
+
+    shares: list
+    metrics: dict[str, float]
+
+    @property
+    def samples(self) -> list[dict[str, Any]]:
+        """Every sample this rank trains on, in order: π_old is computed for all of them before the first update."""
+        return [s for sh in self.shares for s in sh.samples]
+
+
+def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int = 1, seed: int = 0,
+               step: int = 0, dp: int = 1, dp_rank: int = 0) -> TrainPlan:
+    """The actor's batch (:mod:`relax_hpc.train.batch`) from the columns of :func:`read_columns`: the
+    step's samples split into ``k`` mini-batches (:func:`mini_batch_order`), each cut into ``dp`` shares.
+
+    Statistics that span the step come from the columns (every rank has them: the chunk is verified whole):
+    R̃ is the group-normalized ``raw_reward`` (:func:`~relax_hpc.algo.advantages.postprocess_rewards`,
+    groups of ``group_size`` consecutive samples; ``rollout/rewards`` is its mean); the per-token advantages
+    A are R̃ on the loss-mask tokens, 0 elsewhere, whitened over the whole step if
+    ``algorithm.normalize_advantages``, built as one flat tensor over the ragged layout. Only this rank's
+    samples become tensors: tokens, response_start, loss_mask, advantages and rollout_log_probs as views,
+    plus ``ref_log_probs`` / ``old_log_probs`` from the ``ref_log_probs`` / ``log_probs`` columns."""
     import torch
 
     from relax_hpc.algo.advantages import masked_whiten, postprocess_rewards
+    from relax_hpc.train.batch import GlobalStats, Share, dp_shard
 
     raw = torch.from_numpy(np.asarray(cols["raw_reward"], dtype=np.float32))
     rewards = postprocess_rewards(algo_cfg, raw, group_size)
-    lens = [int(n) for n in cols["response_length"]]
-    mask = cols["loss_mask"]
-    batch = logprob_batch(cols)
-    for i, (item, r) in enumerate(zip(batch, lens)):
-        m = torch.from_numpy(mask[i])
-        if m.numel() != r:
-            raise ValueError(f"sample {i}: loss_mask has {m.numel()} values for a response of {r} tokens")
-        item["loss_mask"] = m
-        item["advantages"] = torch.where(m.bool(), rewards[i], torch.zeros((), dtype=rewards.dtype))
+    n = len(raw)
+    lens = np.asarray(cols["response_length"], dtype=np.int64)
+    mask: Ragged = cols["loss_mask"]
+    bad = np.flatnonzero(mask.lengths() != lens)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"sample {i}: loss_mask has {mask.lengths()[i]} values for a response of {lens[i]} tokens")
+    flat_mask = torch.from_numpy(mask.data)
+    zero = torch.zeros((), dtype=rewards.dtype)
+    adv = torch.where(flat_mask.bool(), torch.repeat_interleave(rewards, torch.from_numpy(lens)), zero)
+    if algo_cfg.normalize_advantages and n:
+        adv = masked_whiten(adv, flat_mask.bool())
+    loss_tokens = _row_sums(mask)
+    seq_lens = cols["tokens"].lengths()
+    sides = [(name, key) for name, key in (("ref_log_probs", "ref_log_probs"), ("log_probs", "old_log_probs"))
+             if name in cols]
+
+    def sample(i: int) -> dict[str, Any]:
+        r, o = int(lens[i]), int(mask.offsets[i])
+        t = torch.from_numpy(cols["tokens"][i])
+        item = {"tokens": t, "response_start": int(t.numel() - r), "loss_mask": flat_mask[o: o + r],
+                "advantages": adv[o: o + r]}
         lp = cols["rollout_log_probs"][i]
         if lp.size == r:
             item["rollout_log_probs"] = torch.from_numpy(lp)
-        for name, key in (("ref_log_probs", "ref_log_probs"), ("log_probs", "old_log_probs")):
-            if name in cols and cols[name][i].size == r:
+        for name, key in sides:
+            if cols[name][i].size == r:
                 item[key] = torch.from_numpy(cols[name][i])
-    if algo_cfg.normalize_advantages and batch:
-        flat_adv = torch.cat([b["advantages"] for b in batch])
-        white = masked_whiten(flat_adv, torch.cat([b["loss_mask"] for b in batch]).bool())
-        for b, a in zip(batch, torch.split(white, lens)):
-            b["advantages"] = a
-    return batch, {"rollout/rewards": statistics.fmean(rewards.tolist())}
+        return item
+
+    shares = []
+    for part in mini_batch_order(n, k, seed, step):
+        stats = GlobalStats(n=len(part), loss_tokens=float(loss_tokens[part].sum()),
+                            max_seq_len=int(seq_lens[part].max()) if len(part) else 0)
+        shares.append(Share([sample(int(i)) for i in dp_shard(part, dp, dp_rank)], stats))
+    return TrainPlan(shares, {"rollout/rewards": statistics.fmean(rewards.tolist())})
+
+
+def train_batch(cols: dict[str, Any], algo_cfg: Any, group_size: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """:func:`train_plan` for one process holding the whole step as one batch: (samples, reward metrics)."""
+    plan = train_plan(cols, algo_cfg, group_size)
+    return plan.samples, plan.metrics
+
+
+def read_train_columns(refs: Sequence[dict | ChunkRef], *, agree: bool = True) -> dict[str, Any]:
+    """:func:`read_columns` of the train fields and of the forward roles' side fields every chunk has."""
+    chunks = [as_ref(r) for r in refs]
+    extra = [f for f in FORWARD_FIELDS if all(f in c.all_fields for c in chunks)]
+    return read_columns(chunks, (*TRAIN_FIELDS, *extra), agree=agree)
 
 
 def read_train_batch(refs: Sequence[dict | ChunkRef], algo_cfg: Any, group_size: int, *,
                      agree: bool = True) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """:func:`read_columns` of the train fields (and the forward roles' side fields every chunk has), then
-    :func:`train_batch`."""
-    chunks = [as_ref(r) for r in refs]
-    extra = [f for f in FORWARD_FIELDS if all(f in c.all_fields for c in chunks)]
-    return train_batch(read_columns(chunks, (*TRAIN_FIELDS, *extra), agree=agree), algo_cfg, group_size)
+    """:func:`read_train_columns`, then :func:`train_batch`."""
+    return train_batch(read_train_columns(refs, agree=agree), algo_cfg, group_size)

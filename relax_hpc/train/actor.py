@@ -10,7 +10,8 @@ Usage (every rank of the role, after the role's bootstrap made the default proce
     extra = actor.load_checkpoint(ckpt_root)                               # at any TP/PP
     actor.export_hf(out_dir); for name, t in actor.named_hf_weights(): ...
 
-Batch format (the same list on every rank; the actor takes each DP rank's share itself): a list of
+Batch format (the same list on every rank, and the actor takes each DP rank's share itself; or each rank's
+:class:`~relax_hpc.train.batch.Share`, so a rank builds only its own samples' tensors): a list of
 samples, each a mapping or object with ``tokens`` LongTensor[L] (prompt + response), ``response_start``
 int (first response index; response R = L − response_start tokens), ``advantage`` float or
 ``advantages`` [R], ``old_log_probs`` [R] (if absent and not ``use_rollout_logprobs``: π_old = this
@@ -28,6 +29,7 @@ import torch
 
 from relax_hpc.train import checkpoint as ckpt
 from relax_hpc.train import export as hf_export
+from relax_hpc.train.batch import Share, share_of
 from relax_hpc.train.config import TrainConfig
 from relax_hpc.train.logprobs import compute_log_probs
 from relax_hpc.train.model import build_model, wrap_ddp_and_optimizer
@@ -78,16 +80,21 @@ class MegatronActor:
     def parallel(self) -> ParallelInfo:
         return info()
 
-    def compute_log_probs(self, batch: Sequence) -> list[torch.Tensor]:
-        """Forward only: per-sample log-probs of the response tokens ([R_i] float32, CPU), on every rank."""
+    def compute_log_probs(self, batch: Sequence, *, share: bool = False) -> list[torch.Tensor]:
+        """Forward only: per-sample log-probs of the response tokens ([R_i] float32, CPU). ``batch`` is the
+        global batch (every rank gets all log-probs) or, with ``share``, this DP rank's share (its own only)."""
         mbs = self.train_cfg.logprob_micro_batch_size or self.train_cfg.micro_batch_size
         return compute_log_probs(self.model, batch, mbs=mbs, pad_id=self.pad_id, temperature=self.temperature,
-                                 max_seq_len=self.train_cfg.max_seq_len)
+                                 max_seq_len=self.train_cfg.max_seq_len, share=share)
 
-    def train_step(self, batch: Sequence) -> dict[str, float]:
-        """One optimizer step on the global batch; metrics (same on every rank) incl. loss, pg_loss, grad_norm."""
+    def train_step(self, batch: Sequence | Share) -> dict[str, float]:
+        """One optimizer step; metrics (same on every rank) incl. loss, pg_loss, grad_norm. ``batch``: the
+        global batch (the same list on every rank; each takes its share) or this rank's :class:`Share` of it."""
         if self.optimizer is None:
             raise RuntimeError("this MegatronActor was built forward_only: it cannot train")
+        if not isinstance(batch, Share):
+            p = self.parallel
+            batch = share_of(batch, p.dp, p.dp_rank)
         metrics = train_step(self.model, self.optimizer, batch, train_cfg=self.train_cfg, algo_cfg=self.algo_cfg,
                              step=self.step, pad_id=self.pad_id, temperature=self.temperature)
         self.step += 1

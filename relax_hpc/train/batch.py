@@ -142,6 +142,37 @@ def make_micro_batch(samples: Sequence, *, pad_id: int, train: bool, seq_len: in
     return mb
 
 
+@dataclass(frozen=True)
+class GlobalStats:
+    """What a train step needs of the whole global batch when each DP rank holds only its share: the loss
+    weights divide by ``n`` (or ``loss_tokens``), and with PP every micro-batch is padded to ``max_seq_len``."""
+
+    n: int  # samples in the global batch
+    loss_tokens: float  # loss-mask tokens in the global batch
+    max_seq_len: int  # longest prompt + response in the global batch
+
+
+@dataclass
+class Share:
+    """One DP rank's samples of a global batch, with the global batch's :class:`GlobalStats`."""
+
+    samples: list
+    stats: GlobalStats
+
+
+def loss_tokens(sample) -> float:
+    _, r = response_bounds(sample)
+    m = field(sample, "loss_mask")
+    return float(r if m is None else torch.as_tensor(m, dtype=torch.float32).sum())
+
+
+def share_of(samples: Sequence, dp: int, dp_rank: int) -> Share:
+    """This rank's :class:`Share` of a global batch that every rank holds whole."""
+    stats = GlobalStats(n=len(samples), loss_tokens=sum(loss_tokens(s) for s in samples),
+                        max_seq_len=max((tokens_of(s).numel() for s in samples), default=0))
+    return Share(dp_shard(samples, dp, dp_rank), stats)
+
+
 def dp_shard(samples: Sequence, dp: int, dp_rank: int) -> list:
     """This data-parallel rank's contiguous share of the global batch (sizes differ by at most one)."""
     n = len(samples)

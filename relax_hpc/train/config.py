@@ -16,7 +16,8 @@ class TrainConfig:
     tp: int = 1  # tensor-parallel size (Megatron tensor_model_parallel_size)
     pp: int = 1  # pipeline-parallel size; data parallel = world / (tp × pp)
     micro_batch_size: int = 1  # samples per forward/backward pass on one data-parallel rank
-    global_batch_size: int | None = None  # samples per optimizer step across all DP ranks; None: one step per batch given
+    global_batch_size: int | None = None  # samples per optimizer step across all DP ranks; None: the rollout step / num_steps_per_rollout
+    num_steps_per_rollout: int | None = None  # optimizer steps (mini-batches) per rollout step; None: from global_batch_size, else 1
     lr: float = 1e-6  # peak learning rate (Relax default 1e-6)
     min_lr: float = 0.0  # floor of the cosine decay; unused with lr_decay: constant
     lr_warmup_steps: int = 0  # linear warmup from 0 to lr over this many optimizer steps
@@ -51,6 +52,8 @@ def check(cfg: TrainConfig) -> list[tuple[str, object, str]]:
             need(cfg.global_batch_size % cfg.micro_batch_size == 0, "global_batch_size",
                  f"is not a multiple of train.micro_batch_size = {cfg.micro_batch_size}. "
                  "Fix: make it micro_batch_size × data-parallel size × a whole number of micro-batches")
+    if cfg.num_steps_per_rollout is not None:
+        need(cfg.num_steps_per_rollout >= 1, "num_steps_per_rollout", "must be at least 1 or null. Fix: use null")
     if cfg.logprob_micro_batch_size is not None:
         need(cfg.logprob_micro_batch_size >= 1, "logprob_micro_batch_size", "must be at least 1 or null. Fix: use null")
     need(cfg.lr > 0, "lr", "must be positive. Fix: e.g. 1e-6")
@@ -64,3 +67,14 @@ def check(cfg: TrainConfig) -> list[tuple[str, object, str]]:
     need(cfg.clip_grad >= 0, "clip_grad", "must be 0 (off) or positive. Fix: e.g. 1.0")
     need(cfg.max_seq_len >= 2, "max_seq_len", "must be at least 2 tokens (one prompt, one response). Fix: e.g. 4096")
     return out
+
+
+def steps_per_rollout(cfg: TrainConfig, samples: int) -> int:
+    """k, the optimizer steps per rollout step of ``samples`` samples (Relax's ``--num-steps-per-rollout``, verl's
+    ``ppo_mini_batch_size``): ``num_steps_per_rollout``, else samples / ``global_batch_size``, else 1. The
+    recipe validator checks that the two agree and divide ``samples``."""
+    if cfg.num_steps_per_rollout is not None:
+        return cfg.num_steps_per_rollout
+    if cfg.global_batch_size:
+        return max(1, samples // cfg.global_batch_size)
+    return 1

@@ -63,6 +63,13 @@ def read_latest(root: str | os.PathLike) -> tuple[Path, dict] | None:
         raise BrokenLatest(_broken(latest, f"names {name!r}, whose meta.json cannot be read ({e})", root)) from None
 
 
+def run_step(meta: dict) -> int:
+    """The run's step a checkpoint was taken after: the controller saves it in ``extra_state["step"]``; the
+    checkpoint's own ``step`` counts optimizer steps, which differ with ``train.num_steps_per_rollout`` > 1."""
+    extra = meta.get("extra_state") or {}
+    return int(extra["step"] if extra.get("step") is not None else meta["step"])
+
+
 def _broken(latest: Path, what: str, root: Path) -> str:
     done = [p.name for p in complete(root)]
     fix = (f"write the name of a complete one into {latest} (complete here: {', '.join(done)}; e.g. "

@@ -118,26 +118,16 @@ def run_forward(model: list, micro_batches: list[B.MicroBatch], loss_fn: Callabl
     )
 
 
-def compute_log_probs(model: list, samples: Sequence, *, mbs: int, pad_id: int, temperature: float = 1.0,
-                      max_seq_len: int | None = None) -> list[torch.Tensor]:
-    """Forward-only response log-probs for the global batch ``samples``; every rank gets all of them.
-
-    Each DP rank computes its share; results are gathered over DP and broadcast from the last pipeline
-    stage, so the caller sees one list in the order of ``samples`` whatever the layout.
-    """
+def _forward_log_probs(model: list, samples: Sequence, *, mbs: int, pad_id: int, temperature: float,
+                       max_seq_len: int | None, rows: int, T: int, global_seq_len: int) -> torch.Tensor:
+    """Forward-only log-probs of ``samples`` (this DP rank's) as ``[rows, T]`` on every stage of the pipeline."""
     from megatron.core import parallel_state as ps
 
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     pp = ps.get_pipeline_model_parallel_world_size()
-    lens = [B.response_bounds(s)[1] for s in samples]
-    T = max(lens)
-    per_rank = -(-len(samples) // dp)
-    mine = B.dp_shard(samples, dp, dp_rank)
-    out = torch.zeros(per_rank, T, dtype=torch.float32, device=cpu_compat.device())  # NCCL needs device tensors
-    if mine:
-        S = max(B.tokens_of(s).numel() for s in samples)
-        mbs_list = plan_micro_batches(mine, mbs, pad_id=pad_id, train=False, pp=pp, max_seq_len=max_seq_len,
-                                      global_seq_len=S)
+    out = torch.zeros(rows, T, dtype=torch.float32, device=cpu_compat.device())  # NCCL needs device tensors
+    if samples:
+        mbs_list = plan_micro_batches(samples, mbs, pad_id=pad_id, train=False, pp=pp, max_seq_len=max_seq_len,
+                                      global_seq_len=global_seq_len)
 
         def loss_fn(mb, output):
             lp, _ = response_logprobs(output, mb, temperature=temperature)
@@ -158,6 +148,33 @@ def compute_log_probs(model: list, samples: Sequence, *, mbs: int, pad_id: int, 
     if pp > 1:
         src = ps.get_pipeline_model_parallel_last_rank()
         dist.broadcast(out, src=src, group=ps.get_pipeline_model_parallel_group())
+    return out
+
+
+def compute_log_probs(model: list, samples: Sequence, *, mbs: int, pad_id: int, temperature: float = 1.0,
+                      max_seq_len: int | None = None, share: bool = False) -> list[torch.Tensor]:
+    """Forward-only response log-probs, one ``[R_i]`` tensor per sample, in the order of ``samples``.
+
+    ``share=False``: ``samples`` is the global batch (the same on every rank); each DP rank computes its
+    share and the results are gathered over DP, so every rank gets all of them whatever the layout.
+    ``share=True``: ``samples`` is this DP rank's share (the actor's π_old): no gather, each rank keeps its own.
+    Either way the last pipeline stage's results are broadcast to the other stages.
+    """
+    from megatron.core import parallel_state as ps
+
+    lens = [B.response_bounds(s)[1] for s in samples]
+    if share:
+        if not samples:
+            return []
+        out = _forward_log_probs(model, samples, mbs=mbs, pad_id=pad_id, temperature=temperature,
+                                 max_seq_len=max_seq_len, rows=len(samples), T=max(lens),
+                                 global_seq_len=max(B.tokens_of(s).numel() for s in samples))
+        return [row[:n].cpu().clone() for row, n in zip(out, lens)]
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = B.dp_shard(samples, dp, dp_rank)
+    out = _forward_log_probs(model, mine, mbs=mbs, pad_id=pad_id, temperature=temperature, max_seq_len=max_seq_len,
+                             rows=-(-len(samples) // dp), T=max(lens),
+                             global_seq_len=max(B.tokens_of(s).numel() for s in samples))
     if dp > 1:
         gathered = [torch.empty_like(out) for _ in range(dp)]
         dist.all_gather(gathered, out, group=ps.get_data_parallel_group())
@@ -168,3 +185,24 @@ def compute_log_probs(model: list, samples: Sequence, *, mbs: int, pad_id: int, 
         n = len(B.dp_shard(samples, dp, r))
         rows.extend(gathered[r][:n].cpu())
     return [row[:n].clone() for row, n in zip(rows, lens)]
+
+
+def rollout_logprob_gap(samples: Sequence, log_probs: Sequence[torch.Tensor]) -> dict[str, float]:
+    """Mean and max |actor − engine| log-prob over the response tokens with engine log-probs
+    (``rollout_log_probs``), over the whole global batch: ``samples`` is this DP rank's share, and the sums
+    are all-reduced over the DP group (a collective: every rank calls it). Empty when no token has them."""
+    from megatron.core import parallel_state as ps
+
+    diffs = [(lp - B.field(s, "rollout_log_probs")).abs() for s, lp in zip(samples, log_probs)
+             if B.field(s, "rollout_log_probs") is not None]
+    d = torch.cat(diffs) if diffs else torch.zeros(0)
+    sums = torch.tensor([float(d.sum()), float(d.numel())], dtype=torch.float64, device=cpu_compat.device())
+    top = torch.tensor([float(d.max()) if d.numel() else 0.0], dtype=torch.float64, device=cpu_compat.device())
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(sums, group=ps.get_data_parallel_group())
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+    total, count = sums.tolist()
+    if count == 0:
+        return {}
+    return {"train/train_rollout_logprob_abs_diff": total / count,
+            "train/train_rollout_logprob_abs_diff_max": float(top.item())}

@@ -12,7 +12,6 @@ whole-batch value, whatever the layout.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,16 +31,12 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr
 
 
-def _loss_tokens(sample) -> float:
-    _, r = B.response_bounds(sample)
-    m = B.field(sample, "loss_mask")
-    return float(r if m is None else torch.as_tensor(m, dtype=torch.float32).sum())
-
-
-def train_step(model: list, optimizer, samples: Sequence, *, train_cfg: TrainConfig, algo_cfg, step: int,
+def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig, algo_cfg, step: int,
                pad_id: int, temperature: float = 1.0) -> dict[str, float]:
-    """Forward/backward over ``samples`` (the global batch, the same list on every rank) and one optimizer step.
+    """Forward/backward over this DP rank's ``share`` of a global batch and one optimizer step.
 
+    Every rank of a DP group passes the same share (:func:`relax_hpc.train.batch.dp_shard`); the share's
+    :class:`~relax_hpc.train.batch.GlobalStats` give the loss weights of the whole global batch.
     Returns float metrics, the same on every rank: Relax's ``loss``, ``pg_loss``, ``pg_clipfrac``,
     ``ppo_kl``, ``entropy_loss`` (+ ``kl_loss``, ``tis``... as configured), plus ``grad_norm``, ``lr``,
     ``update_successful``, ``num_samples``, ``num_loss_tokens``.
@@ -50,20 +45,17 @@ def train_step(model: list, optimizer, samples: Sequence, *, train_cfg: TrainCon
 
     from relax_hpc.algo import policy_loss
 
-    n = len(samples)
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    n = share.stats.n
+    dp = ps.get_data_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     if train_cfg.global_batch_size is not None and n != train_cfg.global_batch_size:
         raise ValueError(f"train_step got {n} samples but train.global_batch_size = {train_cfg.global_batch_size}")
-    if n < dp:
+    if n < dp or not share.samples:
         raise ValueError(f"train_step got {n} samples for {dp} data-parallel ranks: every rank needs at least one")
     per_token = bool(algo_cfg.calculate_per_token_loss)
-    total = sum(_loss_tokens(s) for s in samples) if per_token else float(n)
-    total = max(total, 1.0)
-    mine = B.dp_shard(samples, dp, dp_rank)
-    S = max(B.tokens_of(s).numel() for s in samples)
-    mbs = plan_micro_batches(mine, train_cfg.micro_batch_size, pad_id=pad_id, train=True, pp=pp,
-                             max_seq_len=train_cfg.max_seq_len, global_seq_len=S)
+    total = max(share.stats.loss_tokens if per_token else float(n), 1.0)
+    mbs = plan_micro_batches(share.samples, train_cfg.micro_batch_size, pad_id=pad_id, train=True, pp=pp,
+                             max_seq_len=train_cfg.max_seq_len, global_seq_len=share.stats.max_seq_len)
     M = len(mbs)
     for mb in mbs:
         mb.weight = (mb.num_loss_tokens if per_token else mb.n_real) / total
@@ -118,6 +110,6 @@ def train_step(model: list, optimizer, samples: Sequence, *, train_cfg: TrainCon
     metrics.update(
         grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
         lr=lr, update_successful=float(bool(ok)), num_samples=float(n),
-        num_loss_tokens=float(sum(_loss_tokens(s) for s in samples)),
+        num_loss_tokens=float(share.stats.loss_tokens),
     )
     return metrics

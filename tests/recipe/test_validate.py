@@ -453,10 +453,31 @@ def test_example_custom_loss_validates_from_the_repository_root():
     assert file_problems(data, repo) == {}
 
 
-def test_a_global_batch_that_is_not_one_rollout_step_is_refused():
-    """train_step raised at step 1 for train.global_batch_size != the step's samples; now the recipe is refused."""
+def test_mini_batch_sizes_that_do_not_split_the_step_are_refused():
+    """The step's 32 samples split into k equal global batches: sizes that do not divide 32, keys that
+    disagree, or fewer samples per step than data-parallel ranks fail at validation, not at step 1."""
     ok = {"rollout": {"rollout_batch_size": 4, "n_samples_per_prompt": 8}}
-    recipe_from_dict({**ok, "train": {"global_batch_size": 32, "micro_batch_size": 8}})
-    with pytest.raises(RecipeError) as e:
-        recipe_from_dict({**ok, "train": {"global_batch_size": 64, "micro_batch_size": 8}})
-    assert "train.global_batch_size" in str(e.value) and "4 × 8 = 32" in str(e.value) and "Fix:" in str(e.value)
+    for train in ({"global_batch_size": 32}, {"global_batch_size": 8}, {"num_steps_per_rollout": 4},
+                  {"global_batch_size": 8, "num_steps_per_rollout": 4}):
+        recipe_from_dict({**ok, "train": train})
+    bad = [({"global_batch_size": 64}, "train.global_batch_size", "4 × 8 = 32"),
+           ({"global_batch_size": 12}, "train.global_batch_size", "divide"),
+           ({"num_steps_per_rollout": 3}, "train.num_steps_per_rollout", "divide"),
+           ({"global_batch_size": 8, "num_steps_per_rollout": 2}, "train.num_steps_per_rollout", "disagrees"),
+           ({"num_steps_per_rollout": 0}, "train.num_steps_per_rollout", "at least 1")]
+    for train, key, why in bad:
+        with pytest.raises(RecipeError) as e:
+            recipe_from_dict({**ok, "train": train})
+        assert key in str(e.value) and why in str(e.value) and "Fix:" in str(e.value), (train, str(e.value))
+    many = {**ok, "roles": {"actor": {"tasks_per_node": 4}}, "train": {"num_steps_per_rollout": 16}}
+    with pytest.raises(RecipeError) as e:  # 2 samples per step for 4 DP ranks
+        recipe_from_dict(many)
+    assert "4 data-parallel actor ranks" in str(e.value)
+
+
+def test_steps_per_rollout_reads_either_key():
+    from relax_hpc.train.config import TrainConfig, steps_per_rollout
+
+    assert steps_per_rollout(TrainConfig(), 32) == 1
+    assert steps_per_rollout(TrainConfig(global_batch_size=8), 32) == 4
+    assert steps_per_rollout(TrainConfig(num_steps_per_rollout=2), 32) == 2

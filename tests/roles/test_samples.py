@@ -88,3 +88,39 @@ def test_two_chunks_read_as_one_batch(tmp_path):
     assert [b["tokens"].tolist() for b in batch[4:]] == [b["tokens"].tolist() for b in batch[:4]]
     rows = S.read_samples([a, b], ("tokens", "index"))
     assert [int(r["index"]) for r in rows] == [0, 1, 2, 3] * 2 and list(rows[5]["tokens"]) == [5, 6, 7, 9, 2]
+
+
+def _bigger(n_groups: int = 6, g: int = 2) -> RolloutResult:
+    samples, rewards = [], []
+    for i in range(n_groups * g):
+        s = Sample(group_index=i // g, index=i, prompt=f"p{i // g}", label="x", tokens=[3, 4 + i % 5])
+        s.append_response([1 + (i % 3)] * (1 + i % 4), "r", [-0.1] * (1 + i % 4))
+        s.status = SampleStatus.COMPLETED
+        samples.append(s)
+        rewards.append(float((i * 7) % 3))
+    return RolloutResult(samples=samples, raw_rewards=rewards, metrics={}, group_size=g)
+
+
+def test_train_plan_splits_the_step_into_mini_batches_and_dp_shares(tmp_path):
+    """k mini-batches × dp shares cover every sample exactly once; every rank sees the same global statistics;
+    the split is a function of (seed, step) only; advantages are normalized over the whole step, not per share."""
+    ref = S.write_step(tmp_path, 1, _bigger())
+    cols = S.read_train_columns([ref])
+    cfg = AlgorithmConfig(normalize_advantages=True)
+    whole, _ = S.train_batch(cols, cfg, 2)
+    key = [(tuple(b["tokens"].tolist()), tuple(b["advantages"].tolist())) for b in whole]
+    plans = [S.train_plan(cols, cfg, 2, k=3, seed=9, step=4, dp=2, dp_rank=r) for r in (0, 1)]
+    assert [len(p.shares) for p in plans] == [3, 3]
+    for j in range(3):
+        a, b = plans[0].shares[j], plans[1].shares[j]
+        assert a.stats == b.stats and a.stats.n == 4 and len(a.samples) == len(b.samples) == 2
+        want = sum(float(s["loss_mask"].sum()) for s in a.samples + b.samples)
+        assert a.stats.loss_tokens == want
+        assert a.stats.max_seq_len == max(s["tokens"].numel() for s in a.samples + b.samples)
+    seen = [(tuple(s["tokens"].tolist()), tuple(s["advantages"].tolist())) for p in plans for s in p.samples]
+    assert sorted(seen) == sorted(key)  # each sample once, with the advantages the whole-step batch gives it
+    order = [int(i) for part in S.mini_batch_order(12, 3, 9, 4) for i in part]
+    assert order == [int(i) for part in S.mini_batch_order(12, 3, 9, 4) for i in part]  # a redone step splits alike
+    assert order != list(range(12)) and sorted(order) == list(range(12))
+    assert order != [int(i) for part in S.mini_batch_order(12, 3, 9, 5) for i in part]
+    assert [list(p) for p in S.mini_batch_order(5, 1, 9, 4)] == [[0, 1, 2, 3, 4]]  # k = 1: in order, unshuffled

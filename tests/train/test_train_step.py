@@ -1,5 +1,6 @@
 """Must-show 2: GRPO on a fixed batch lowers the loss and moves log-probs the way the advantages point;
-TP=2, DP=2 (DistributedOptimizer over two ranks) and PP=2 give TP=1's losses within 1e-5."""
+TP=2, DP=2 (DistributedOptimizer over two ranks) and PP=2 give TP=1's losses within 1e-5, also when each DP
+rank builds only its share of the batch (the actor role's path)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,8 @@ def test_layouts_match_tp1(single_run, multi_run, layout):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= TOL * max(1.0, a["grad_norm"]), (layout, a, b)
     for a, b in zip(ref["logprob_change"], got["logprob_change"]):
         assert abs(a - b) <= TOL
+    # the actor role's DP-share path: π_old of its own share equals the gathered global pass, and the
+    # engine gap all-reduced over DP equals one process's over the whole batch
+    assert got["share_max_diff"] <= TOL and got["share_n"] == (4 if layout.endswith("dp2") else 8)
+    assert got["gap_mean"] == pytest.approx(ref["gap_mean"], abs=1e-6)
+    assert got["gap_max"] == pytest.approx(ref["gap_max"], abs=1e-6) and ref["gap_max"] == pytest.approx(0.008, abs=1e-5)

@@ -129,6 +129,24 @@ def job_parity(args: dict, out: Path) -> dict:
     return res
 
 
+def _share_checks(actor, batch: list, old: list) -> dict:
+    """What the actor role does with its DP share: π_old of its own samples only (``share=True``: no gather), and
+    the |π_old − engine| gap all-reduced over DP. Engine log-probs here are π_old + 0.001·(i+1) for sample i,
+    so every layout must find the same gap as one process over the whole batch."""
+    from relax_hpc.train.batch import dp_shard
+    from relax_hpc.train.logprobs import rollout_logprob_gap
+
+    p = actor.parallel
+    with_engine = [dict(s, rollout_log_probs=o + 0.001 * (i + 1)) for i, (s, o) in enumerate(zip(batch, old))]
+    pairs = dp_shard(list(zip(with_engine, old)), p.dp, p.dp_rank)
+    mine = [s for s, _ in pairs]
+    own = actor.compute_log_probs(mine, share=True)
+    gap = rollout_logprob_gap(mine, own)
+    return {"share_max_diff": max((a - o).abs().max().item() for a, (_, o) in zip(own, pairs)),
+            "share_n": len(mine), "gap_mean": gap["train/train_rollout_logprob_abs_diff"],
+            "gap_max": gap["train/train_rollout_logprob_abs_diff_max"]}
+
+
 def job_train(args: dict, out: Path) -> dict:
     """For each layout: fixed batch, old log-probs from the initial model, GRPO steps; losses and log-prob moves."""
     import torch
@@ -146,6 +164,7 @@ def job_train(args: dict, out: Path) -> dict:
                                       _algo(**args.get("algo", {})))
         batch = make_batch(args["n"], seed=11)
         old = actor.compute_log_probs(batch)
+        share = _share_checks(actor, batch, old)
         for s, o in zip(batch, old):
             s["old_log_probs"] = o
         steps, t0, calls = [], time.time(), []
@@ -157,7 +176,7 @@ def job_train(args: dict, out: Path) -> dict:
         set_progress_hook(None)
         new = actor.compute_log_probs(batch)
         res[key] = {"steps": steps, "step_s": step_s, "progress_calls": len(calls),
-                    "advantage": [s["advantage"] for s in batch],
+                    "advantage": [s["advantage"] for s in batch], **share,
                     "logprob_change": [(n - o).mean().item() for n, o in zip(new, old)]}
         del actor
         destroy_parallel()
