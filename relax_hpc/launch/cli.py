@@ -51,7 +51,8 @@ def _submit_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="relax-submit",
         description="Submit a recipe as one Slurm heterogeneous job (or run it locally).",
-        epilog="Overrides: key.sub=value, e.g. run.steps=20 roles.rollout.nodes=2. See docs/cli.md.")
+        epilog="Overrides: key.sub=value, e.g. run.steps=20 roles.rollout.nodes=2. See docs/cli.md. "
+               "relax-submit --from-relax-args ARGS... prints the recipe for a Relax launch script's flags.")
     ap.add_argument("recipe", help="recipe YAML file (with --resume: the run's name or directory)")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
     ap.add_argument("--local", action="store_true", help="run on this machine (the default without sbatch on PATH)")
@@ -72,7 +73,27 @@ def _next_commands(record: dict, named_by_path: bool) -> list[str]:
     return cmds
 
 
+def _from_relax_args(argv: list[str]) -> int:
+    """``relax-submit --from-relax-args ARGS...``: print the recipe YAML for a Relax launch script's flags."""
+    from relax_hpc.recipe import recipe_from_dict
+    from relax_hpc.recipe.from_relax import convert, to_yaml
+
+    try:
+        data, notes = convert(argv)
+        recipe_from_dict(data, source="relax-submit --from-relax-args")
+    except ValueError as e:
+        _err(f"relax-submit --from-relax-args: {e}")
+        return EXIT_REFUSED
+    except RecipeError as e:
+        return _refused(e, False)
+    print(to_yaml(data, notes, argv), end="")
+    return EXIT_OK
+
+
 def submit_main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--from-relax-args"]:  # the rest are Relax's flags, not ours
+        return _from_relax_args(argv[1:])
     args = _submit_parser().parse_intermixed_args(argv)
     console = Console(stderr=args.json)
     executor = "local" if args.local or not slurm.have_sbatch() else "slurm"

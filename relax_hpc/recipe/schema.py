@@ -104,6 +104,14 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)  # stop strings
     stop_token_ids: list[int] = field(default_factory=list)  # stop token ids besides EOS
     skip_special_tokens: bool = False  # drop special tokens from the response text
+    # --- dynamic sampling (DAPO; see relax_hpc/rollout/dynamic.py) ---------------------------------------
+    dynamic_sampling_filter_path: str | None = None  # group filter fn(args, samples) -> bool | .keep, e.g. relax_hpc.rollout.dynamic.check_reward_nonzero_std; draw groups until rollout_batch_size pass
+    over_sampling_batch_size: int | None = None  # groups drawn per dynamic sampling round (>= rollout_batch_size); null = rollout_batch_size
+    dynamic_sampling_max_rounds: int = 8  # rounds per step before the run stops with a clear error (the filter drops almost everything); 0 = no limit
+    partial_rollout: bool = False  # fully_async: abort the groups still running once a step has enough, continue them next step (needs over_sampling_batch_size > rollout_batch_size)
+    partial_rollout_max_aborted_count: int | None = None  # a sample aborted this often is left to finish; null = no limit
+    mask_offpolicy_in_partial_rollout: bool = False  # loss mask 0 on the tokens a sample had when it was aborted
+    sample_filter_path: str | None = None  # fn(args, groups) called once per step; may set sample.remove_sample (zero loss mask, still normalized)
     # --- engines -------------------------------------------------------------------------------------
     sglang_server_concurrency: int = 512  # max in-flight generate requests per engine
     max_retries: int = 3  # times one request is retried after an error on an engine that is still alive (with exponential backoff and jitter)

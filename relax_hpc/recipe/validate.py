@@ -225,7 +225,43 @@ def check(recipe: Recipe) -> list[Problem]:
     problems += check_data(recipe.data, recipe.rollout)  # keys already carry their section
     problems += _check_rm_type(recipe)
     problems += _check_batch(recipe)
+    problems += _check_dynamic_sampling(recipe.rollout, recipe.mode)
     return problems
+
+
+def _check_dynamic_sampling(ro: Any, mode: str) -> list[Problem]:
+    """Over-sampling without a filter or partial rollout would draw more groups and keep the first ones, and
+    partial rollout without over-sampling never aborts anything: knobs that do nothing are refused."""
+    out: list[Problem] = []
+    osb = ro.over_sampling_batch_size
+    if ro.partial_rollout and mode != "fully_async":
+        out.append(("rollout.partial_rollout", True, "needs mode: fully_async: which groups finish first depends "
+                    "on timing, and colocate mode promises steps that come out the same on a resume. Fix: set "
+                    "mode: fully_async, or remove this key"))
+    elif ro.partial_rollout and (osb is None or osb <= ro.rollout_batch_size):
+        out.append(("rollout.partial_rollout", True, f"needs rollout.over_sampling_batch_size above "
+                    f"rollout.rollout_batch_size = {ro.rollout_batch_size}: the groups beyond it are the ones "
+                    f"aborted at the step's end. Fix: e.g. over_sampling_batch_size: {2 * ro.rollout_batch_size}"))
+    if not ro.partial_rollout:
+        for key in ("partial_rollout_max_aborted_count", "mask_offpolicy_in_partial_rollout"):
+            if getattr(ro, key) not in (None, False):
+                out.append((f"rollout.{key}", getattr(ro, key), "only acts with rollout.partial_rollout: true. "
+                            "Fix: set that too, or remove this key"))
+    if ro.partial_rollout_max_aborted_count is not None and ro.partial_rollout_max_aborted_count < 1:
+        out.append(("rollout.partial_rollout_max_aborted_count", ro.partial_rollout_max_aborted_count,
+                    "must be at least 1 or null (no limit). Fix: e.g. 3"))
+    if osb is not None and ro.dynamic_sampling_filter_path is None and not ro.partial_rollout:
+        out.append(("rollout.over_sampling_batch_size", osb, "only acts with rollout.dynamic_sampling_filter_path "
+                    "or rollout.partial_rollout (it is the number of groups drawn per round). Fix: set the filter, "
+                    "e.g. relax_hpc.rollout.dynamic.check_reward_nonzero_std, or remove this key"))
+    elif osb is not None and osb < ro.rollout_batch_size:
+        out.append(("rollout.over_sampling_batch_size", osb, f"must be at least rollout.rollout_batch_size = "
+                    f"{ro.rollout_batch_size} (groups drawn per round; Relax's rule). Fix: e.g. "
+                    f"{2 * ro.rollout_batch_size}, or null for rollout_batch_size"))
+    if ro.dynamic_sampling_max_rounds < 0:
+        out.append(("rollout.dynamic_sampling_max_rounds", ro.dynamic_sampling_max_rounds,
+                    "must be 0 (no limit) or more. Fix: e.g. 8"))
+    return out
 
 
 def _check_batch(r: Recipe) -> list[Problem]:
@@ -499,7 +535,9 @@ def _check_plugins(r: Recipe, base: Path) -> list[Problem]:
 
     Not refused: a module that exists but imports a package missing on this machine (the job may run in a
     container or another environment); that is logged. Bad forms were already refused by :func:`check`."""
-    refs = [("rollout.custom_rm_path", r.rollout.custom_rm_path, REWARD_PARAMS, ())]
+    refs = [("rollout.custom_rm_path", r.rollout.custom_rm_path, REWARD_PARAMS, ()),
+            ("rollout.dynamic_sampling_filter_path", r.rollout.dynamic_sampling_filter_path, ("args", "samples"), ()),
+            ("rollout.sample_filter_path", r.rollout.sample_filter_path, ("args", "groups"), ())]
     refs += [(f"algorithm.{k}", getattr(r.algorithm, k), params, kw) for k, (params, kw) in PLUGIN_CALLS.items()]
     out: list[Problem] = []
     for key, spec, params, keywords in refs:

@@ -52,7 +52,7 @@ def work(ctx: RoleContext, comm: Any) -> None:
     from relax_hpc.roles.tasks import serve
     from relax_hpc.roles.weight_sync import ROWS, EngineChecker
     from relax_hpc.train.config import steps_per_rollout
-    from relax_hpc.train.logprobs import rollout_logprob_gap, set_progress_hook
+    from relax_hpc.train.logprobs import rollout_logprob_gap, sample_means, set_progress_hook
     from relax_hpc.weights import WeightSender, WeightSyncError, push_from_actor
 
     r = ctx.recipe
@@ -97,10 +97,20 @@ def work(ctx: RoleContext, comm: Any) -> None:
         else:
             old = None
         diff = rollout_logprob_gap(mine, old) if old is not None else {}
+        means = sample_means(mine, list(ROLLOUT_MEANS))  # before the updates: π_old as the step saw it
+        t_train = time.monotonic()
         steps = [actor.train_step(share) for share in plan.shares]
+        t_train = time.monotonic() - t_train
         out = {f"train/{k}": v for k, v in _over_steps(steps).items()}
         out.update(diff)
         out.update(plan.metrics)  # rollout/rewards: the mean R̃ this step trains on
+        out.update({ROLLOUT_MEANS[k]: v for k, v in means.items()})
+        if "rollout/advantages" in out:  # outcome rewards, no critic: the return is the advantage (Relax's GRPO)
+            out["rollout/returns"] = out["rollout/advantages"]
+        lengths = cols["tokens"].lengths()
+        out["perf/actor_train_time"] = t_train
+        out["perf/tokens_per_gpu_per_sec"] = float(lengths.sum()) / t_train / p.world if t_train > 0 else 0.0
+        out["perf/longest_sample_tokens_per_sec"] = float(lengths.max()) / t_train if t_train > 0 else 0.0
         out["perf/train_time"] = time.monotonic() - t0
         out["perf/exchange_read_time"] = t_read
         return M.TrainResult(metrics=out)
@@ -148,6 +158,11 @@ def work(ctx: RoleContext, comm: Any) -> None:
         checker.close()
         if st["sender"] is not None:  # the engines are going away too: leave without asking them
             st["sender"].close(destroy_on_engines=False)
+
+
+# Relax's rollout/* per-sample means of the per-token fields the step trains on (relax_hpc.train.logprobs.sample_means)
+ROLLOUT_MEANS = {"old_log_probs": "rollout/log_probs", "ref_log_probs": "rollout/ref_log_probs",
+                 "rollout_log_probs": "rollout/rollout_log_probs", "advantages": "rollout/advantages"}
 
 
 def _over_steps(steps: list[dict[str, float]]) -> dict[str, float]:

@@ -8,10 +8,11 @@ until ``stop``. Tasks (:mod:`relax_hpc.roles.tasks`; their fields and results: :
 - ``start_engines``: returns ``{"engines": {name: url}, "pids": {...}, "nodes": {...}, "data_state"}`` (names
   ``engine0``, ``engine1``, ... by rank; the data cursor at the start, which a fresh run's step 1 starts from).
 - ``generate {step, engines, seq, data_state}``: from the data cursor after step−1 (so a step generated again, e.g.
-  after a damaged chunk, gets the same prompts), the next ``rollout_batch_size`` prompt groups from ``data.path``, generated
-  with :class:`~relax_hpc.rollout.driver.RolloutDriver` on the live engines (a dead one is reported by
-  name and its requests go to the others), scored by the reward (``rollout.custom_rm_path`` / ``rm_type``),
-  group-normalized, written as one chunk in ``RUN_DIR/exchange/step_<N>/``. Returns the chunk ref,
+  after a damaged chunk, gets the same prompts), the next ``rollout_batch_size`` prompt groups from ``data.path``
+  (with ``rollout.dynamic_sampling_filter_path``: drawn in rounds until that many pass the filter,
+  :mod:`relax_hpc.rollout.dynamic`), generated with :class:`~relax_hpc.rollout.driver.RolloutDriver` on the live
+  engines (a dead one is reported by name and its requests go to the others), scored by the reward
+  (``rollout.custom_rm_path`` / ``rm_type``), written as one chunk in ``RUN_DIR/exchange/step_<N>/``. Returns the chunk ref,
   Relax's ``rollout/*`` metrics, the data cursor, the weight versions the samples carry, reward failures
   (with their samples) and engine failures.
 - ``eval {step}``: every ``data.eval_prompt_data`` set (loaded once, at start; relative paths as ``data.path``'s),
@@ -147,7 +148,9 @@ class Generator:
     def __init__(self, ctx: RoleContext):
         from relax_hpc.rollout.data import (data_source_from_config, dataset_from_config, eval_datasets_from_config,
                                             load_tokenizer)
+        from relax_hpc.plugins import load_plugin
         from relax_hpc.rollout.driver import RolloutDriver
+        from relax_hpc.rollout.dynamic import PartialRollout
 
         r = ctx.recipe
         self.ctx, self.recipe = ctx, r
@@ -166,6 +169,14 @@ class Generator:
         # loads the reward function (fails early); its engine clients send the run's API key
         self.driver = RolloutDriver(r, {}, tokenizer=self.tokenizer, api_key=ctx.run.api_key())
         self.driver.on_progress = ctx.progress
+        ro = r.rollout  # DAPO dynamic sampling and the per-step sample filter (relax_hpc.rollout.dynamic)
+        self.group_filter = (load_plugin(ro.dynamic_sampling_filter_path, "rollout.dynamic_sampling_filter_path")
+                             if ro.dynamic_sampling_filter_path else None)
+        self.sample_filter = (load_plugin(ro.sample_filter_path, "rollout.sample_filter_path")
+                              if ro.sample_filter_path else None)
+        # partial rollout's buffer lives here, in memory: a restarted role starts with none (Relax's doesn't persist)
+        self.partial = (PartialRollout(mask_offpolicy=ro.mask_offpolicy_in_partial_rollout,
+                                       max_aborted=ro.partial_rollout_max_aborted_count) if ro.partial_rollout else None)
         self.engines: dict[str, str] = {}
 
     def set_engines(self, engines: dict[str, str]) -> None:
@@ -175,6 +186,7 @@ class Generator:
     def generate(self, task: GenerateTask) -> GenerateResult:
         from relax_hpc.controller.messages import GenerateResult
         from relax_hpc.roles import samples as S
+        from relax_hpc.rollout.dynamic import generate_step
         from relax_hpc.rollout.rewards import RewardError
 
         step = task.step
@@ -183,11 +195,15 @@ class Generator:
             self.driver.set_engines(live)
         if task.data_state:  # the cursor after step-1: a step generated again gets the same prompts
             self.data.load_state_dict(task.data_state)
-        groups = self.data.get_samples()
+        ro = self.recipe.rollout
         t0 = time.monotonic()
         try:
             # seeded by (run.seed, step): a resumed run samples what the uninterrupted one would have
-            result = self.driver.generate_rollout_sync(groups, seed=self.recipe.run.seed * 1_000_003 + step)
+            result = generate_step(self.driver, self.data, target=ro.rollout_batch_size,
+                                   seed=self.recipe.run.seed * 1_000_003 + step, group_filter=self.group_filter,
+                                   args=self.driver.reward.args, over_sampling=ro.over_sampling_batch_size,
+                                   max_rounds=ro.dynamic_sampling_max_rounds, sample_filter=self.sample_filter,
+                                   partial=self.partial)
         except RewardError as e:  # the full report (tracebacks too) goes to this log; the run's reason gets
             log.error("step %d: %s", step, e)  # the samples and the errors, without the tracebacks
             e.report = f"{type(e).__name__}: {str(e).split(chr(10) + 'Traceback of the first failure:')[0]}"

@@ -186,7 +186,8 @@ def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int =
 
     Statistics that span the step come from the columns (every rank has them: the chunk is verified whole):
     R̃ is the group-normalized ``raw_reward`` (:func:`~relax_hpc.algo.advantages.postprocess_rewards`,
-    groups of ``group_size`` consecutive samples; ``rollout/rewards`` is its mean); the per-token advantages
+    groups of ``group_size`` consecutive samples; ``rollout/rewards`` is its mean, and
+    ``rollout/zero_std_group_ratio`` the share of groups whose raw rewards are all equal); the per-token advantages
     A are R̃ on the loss-mask tokens, 0 elsewhere, whitened over the whole step if
     ``algorithm.normalize_advantages``, built as one flat tensor over the ragged layout. Only this rank's
     samples become tensors: tokens, response_start, loss_mask, advantages and rollout_log_probs as views,
@@ -233,7 +234,11 @@ def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int =
         stats = GlobalStats(n=len(part), loss_tokens=float(loss_tokens[part].sum()),
                             max_seq_len=int(seq_lens[part].max()) if len(part) else 0)
         shares.append(Share([sample(int(i)) for i in dp_shard(part, dp, dp_rank)], stats))
-    return TrainPlan(shares, {"rollout/rewards": statistics.fmean(rewards.tolist())})
+    metrics = {"rollout/rewards": statistics.fmean(rewards.tolist())}
+    if group_size >= 1 and n % group_size == 0:  # groups GRPO learns nothing from: all rewards equal
+        groups = np.asarray(cols["raw_reward"], dtype=np.float64).reshape(-1, group_size)
+        metrics["rollout/zero_std_group_ratio"] = float(np.mean(groups.max(axis=1) == groups.min(axis=1)))
+    return TrainPlan(shares, metrics)
 
 
 def train_batch(cols: dict[str, Any], algo_cfg: Any, group_size: int) -> tuple[list[dict[str, Any]], dict[str, float]]:

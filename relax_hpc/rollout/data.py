@@ -476,17 +476,20 @@ def check_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig) -> list[tuple
     need(r.reward_max_concurrency >= 1, "rollout.reward_max_concurrency", r.reward_max_concurrency,
          "must be at least 1")
     need(r.max_retries >= 0, "rollout.max_retries", r.max_retries, "must be 0 or more")
-    path = r.custom_rm_path
-    if path is not None:
-        from relax_hpc.plugins import FORMS, PluginError, parse_spec
+    from relax_hpc.plugins import FORMS, PluginError, parse_spec
 
+    for key, example in (("custom_rm_path", "examples.my_algo.reward_my_algo.reward_func (Relax's form)"),
+                         ("dynamic_sampling_filter_path", "relax_hpc.rollout.dynamic.check_reward_nonzero_std"),
+                         ("sample_filter_path", "my_filters.py:drop_long")):
+        path = getattr(r, key)
+        if path is None:
+            continue
         try:
-            parse_spec(path, "rollout.custom_rm_path")
+            parse_spec(path, f"rollout.{key}")
             ok = True
         except PluginError:
             ok = False
-        need(ok, "rollout.custom_rm_path", path,
-             f"must be {FORMS}. Fix: e.g. examples.my_algo.reward_my_algo.reward_func (Relax's form)")
+        need(ok, f"rollout.{key}", path, f"must be {FORMS}. Fix: e.g. {example}")
     # no custom_rm_path and no rm_type is fine here: rm_type may come per sample from metadata["rm_type"]
     # (a sample with neither is a reward failure)
     if r.eval_interval is not None:

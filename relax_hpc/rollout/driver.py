@@ -207,6 +207,7 @@ class RolloutDriver:
         self.client_kwargs: dict[str, Any] = {"generate_timeout": timeout, "retries": self.max_retries,
                                               "api_key": api_key, "backoff": backoff}
         self.engine_failures: list[EngineFailure] = []
+        self._inflight: dict[str, _Engine] = {}  # rid -> engine, for requests abort_inflight may abort
         self.set_engines(engines)
 
     # --- engines -------------------------------------------------------------------------------------
@@ -295,19 +296,43 @@ class RolloutDriver:
                 self.on_engine_dead(engine.name, reason)
 
     async def generate_sample(self, sample: Sample, sp: SamplingParams, *, evaluation: bool = False,
-                              batch: _Batch | None = None, seed: int | None = None) -> Sample:
+                              batch: _Batch | None = None, seed: int | None = None,
+                              stop: asyncio.Event | None = None) -> Sample:
         """Generate ``sample``'s response (retrying as the module docstring says); fills the sample in place.
-        ``seed`` becomes the request's ``sampling_seed`` (the same on a retry, so a retry samples alike)."""
+        ``seed`` becomes the request's ``sampling_seed`` (the same on a retry, so a retry samples alike).
+
+        Partial rollout (:mod:`relax_hpc.rollout.dynamic`): with ``stop``, the request carries a ``rid`` that
+        :meth:`abort_inflight` can abort; once ``stop`` is set, an aborted request keeps the tokens it had
+        (status ABORTED, ``abort_count`` + 1) instead of being retried, and a request not yet sent is not sent.
+        A sample that already has a partial response continues it: the engine gets prompt + partial response
+        and the tokens left of ``max_new_tokens``."""
         batch = batch if batch is not None else _Batch()
         if seed is not None:
             sp = dataclasses.replace(sp, sampling_seed=seed)
-        prompt_ids = self._prompt_ids(sample)
+        resumed = sample.response_length > 0
+        if resumed:
+            prompt_ids = list(sample.tokens)
+            left = (sp.max_new_tokens or 0) - sample.response_length
+            if sp.max_new_tokens is not None and left <= 0:  # cut at the very end: nothing left to generate
+                sample.status = SampleStatus.TRUNCATED
+                return sample
+            sp = dataclasses.replace(sp, max_new_tokens=left if sp.max_new_tokens is not None else None)
+        else:
+            prompt_ids = self._prompt_ids(sample)
         attempts = 0
         avoid: set[str] = set()
         while True:
+            if stop is not None and stop.is_set():
+                sample.status = SampleStatus.ABORTED if resumed else SampleStatus.PENDING
+                return sample
             engine = await self.pool.acquire(avoid)
+            rid = f"relax-{id(sample):x}-{attempts}" if stop is not None else None
             try:
-                gen = await engine.client.agenerate(prompt_ids, sp, return_logprob=not evaluation)
+                if rid is not None:
+                    if stop.is_set():
+                        continue
+                    self._inflight[rid] = engine
+                gen = await engine.client.agenerate(prompt_ids, sp, return_logprob=not evaluation, rid=rid)
             except EngineError as err:
                 if await self._engine_is_dead(engine, err):
                     await self._declare_dead(engine, err, batch)
@@ -327,18 +352,35 @@ class RolloutDriver:
                 batch.retries += 1
                 continue
             finally:
+                self._inflight.pop(rid, None)
                 await self.pool.release(engine)
+            if gen.aborted and stop is not None and stop.is_set():  # aborted by abort_inflight: keep the tokens
+                self._fill(sample, prompt_ids, gen, resumed=resumed)
+                sample.status = SampleStatus.ABORTED
+                sample.abort_count += 1
+                return sample
             if gen.aborted and attempts < self.max_retries:
                 attempts += 1
                 batch.retries += 1
                 log.warning("engine %s aborted sample index=%s (%s); retry %d/%d", engine.name, sample.index,
                             gen.finish_reason.message, attempts, self.max_retries)
                 continue
-            self._fill(sample, prompt_ids, gen)
+            self._fill(sample, prompt_ids, gen, resumed=resumed)
             return sample
 
-    def _fill(self, sample: Sample, prompt_ids: list[int], gen: Generation) -> None:
-        sample.reset_response(prompt_ids)
+    async def abort_inflight(self) -> int:
+        """Abort every request sent with a ``stop`` event (partial rollout); returns how many were asked."""
+        rids = list(self._inflight.items())
+        for rid, engine in rids:
+            try:
+                await engine.client.aabort_request(rid)
+            except EngineError as e:  # the request finishes anyway (or its engine is dead: handled there)
+                log.warning("abort of %s on engine %s failed: %s", rid, engine.name, e.cause)
+        return len(rids)
+
+    def _fill(self, sample: Sample, prompt_ids: list[int], gen: Generation, *, resumed: bool = False) -> None:
+        if not resumed:  # a retry starts over; a partial sample (partial rollout) grows
+            sample.reset_response(prompt_ids)
         text = gen.text
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=self.cfg.skip_special_tokens)
@@ -398,7 +440,7 @@ class RolloutDriver:
         self.reward.apply_policy(reward_failures)  # once for the batch, not per group as each finishes
         key = self.reward.reward_key(evaluation)
         raw = [s.get_reward_value(reward_key=key) for s in samples]
-        metrics = self._metrics(samples, raw, n, rollout_time, evaluation, batch)
+        metrics = self.batch_metrics(samples, raw, n, rollout_time, evaluation=evaluation, retries=batch.retries)
         return RolloutResult(samples=samples, raw_rewards=raw, metrics=metrics, group_size=n,
                              reward_failures=reward_failures, engine_failures=batch.engine_failures,
                              retries=batch.retries)
@@ -408,15 +450,17 @@ class RolloutDriver:
         """:meth:`generate_rollout` from synchronous code (runs its own event loop)."""
         return asyncio.run(self.generate_rollout(groups, evaluation=evaluation, seed=seed))
 
-    def _metrics(self, samples: list[Sample], raw: list[float], n: int, rollout_time: float,
-                 evaluation: bool, batch: _Batch) -> dict[str, float]:
+    def batch_metrics(self, samples: list[Sample], raw: list[float], n: int, rollout_time: float, *,
+                      evaluation: bool = False, retries: int = 0) -> dict[str, float]:
+        """The ``rollout/*`` and ``perf/*`` metrics of a batch of groups of ``n`` (dynamic sampling calls it for
+        the groups it kept, out of several batches)."""
         base = sample_metrics(samples, raw, reward_key=self.reward.reward_key(evaluation), group_size=n,
                               log_passrate=self.cfg.log_passrate)
         out = {f"rollout/{k}": v for k, v in base.items()}
         out["rollout/response_lengths"] = statistics.fmean(s.response_length for s in samples)
         out["rollout/total_lengths"] = statistics.fmean(len(s.tokens) for s in samples)
         out["rollout/truncated"] = out["rollout/truncated_ratio"]
-        out["rollout/engine_retries"] = float(batch.retries)
+        out["rollout/engine_retries"] = float(retries)
         out["rollout/engines_dead"] = float(len(self.dead_engines))
         out["perf/rollout_time"] = rollout_time
         tokens = sum(s.response_length for s in samples)

@@ -206,3 +206,29 @@ def rollout_logprob_gap(samples: Sequence, log_probs: Sequence[torch.Tensor]) ->
         return {}
     return {"train/train_rollout_logprob_abs_diff": total / count,
             "train/train_rollout_logprob_abs_diff_max": float(top.item())}
+
+
+def sample_means(samples: Sequence, names: Sequence[str]) -> dict[str, float]:
+    """Relax's ``rollout/*`` per-sample means: for each per-token field in ``names``, the mean over the global
+    batch's samples that have it of each sample's mean over its loss tokens (0 for a sample with none).
+    ``samples`` is this DP rank's share; sums and counts are all-reduced over the DP group (a collective: every
+    rank calls it with the same ``names``). A field no sample has is left out."""
+    from megatron.core import parallel_state as ps
+
+    k = len(names)
+    acc = torch.zeros(2 * k, dtype=torch.float64)  # [sums..., counts...]
+    for s in samples:
+        m = B.field(s, "loss_mask")
+        for j, n in enumerate(names):
+            v = B.field(s, n)
+            if v is None:
+                continue
+            v = torch.as_tensor(v).float()
+            w = torch.ones_like(v) if m is None else torch.as_tensor(m).float()
+            acc[j] += float((v * w).sum()) / max(float(w.sum()), 1.0)
+            acc[k + j] += 1.0
+    acc = acc.to(cpu_compat.device())
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(acc, group=ps.get_data_parallel_group())
+    acc = acc.cpu().tolist()
+    return {n: acc[j] / acc[k + j] for j, n in enumerate(names) if acc[k + j] > 0}

@@ -289,7 +289,7 @@ def test_relax_flag_hint_shows_the_value():
     assert "run.num_rollout = 100: unknown key; Relax's --num-rollout" in str(error({"run": {"num_rollout": 100}}))
 
 
-@pytest.mark.parametrize("name", ["num_epoch", "partial-rollout", "rollout_max_context_len", "use_wandb"])
+@pytest.mark.parametrize("name", ["num_epoch", "update-weights-interval", "rollout_max_context_len", "use_wandb"])
 def test_relax_flags_without_a_home_say_so(name):
     msg = problems({"rollout": {name: 1}})[f"rollout.{name}"]
     assert f"Relax's --{name.replace('_', '-')} has no equivalent in relax_hpc yet" in msg and "Fix: remove it" in msg
@@ -481,3 +481,41 @@ def test_steps_per_rollout_reads_either_key():
     assert steps_per_rollout(TrainConfig(), 32) == 1
     assert steps_per_rollout(TrainConfig(global_batch_size=8), 32) == 4
     assert steps_per_rollout(TrainConfig(num_steps_per_rollout=2), 32) == 2
+
+
+def test_dynamic_sampling_keys_are_checked_before_submission(tmp_path):
+    ok = {"rollout": {"rollout_batch_size": 4, "dynamic_sampling_filter_path":
+                      "relax_hpc.rollout.dynamic.check_reward_nonzero_std", "over_sampling_batch_size": 8}}
+    recipe_from_dict(ok)
+    bad = [({"over_sampling_batch_size": 8}, "rollout.over_sampling_batch_size", "only acts with"),
+           ({**ok["rollout"], "over_sampling_batch_size": 2}, "rollout.over_sampling_batch_size", "at least"),
+           ({**ok["rollout"], "dynamic_sampling_max_rounds": -1}, "rollout.dynamic_sampling_max_rounds", "0 (no limit)"),
+           ({"dynamic_sampling_filter_path": "not a path"}, "rollout.dynamic_sampling_filter_path", "must be")]
+    for rollout, key, why in bad:
+        with pytest.raises(RecipeError) as e:
+            recipe_from_dict({"rollout": {"rollout_batch_size": 4, **rollout}})
+        assert key in str(e.value) and why in str(e.value), (rollout, str(e.value))
+    # a filter that does not load, or takes another call, is refused at submit with the key named
+    (tmp_path / "f.py").write_text("def one(samples):\n    return True\n")
+    problems = file_problems({"rollout": {"dynamic_sampling_filter_path": "f.py:one"}}, tmp_path)
+    assert "rollout.dynamic_sampling_filter_path" in problems
+    problems = file_problems({"rollout": {"sample_filter_path": "f.py:nosuch"}}, tmp_path)
+    assert "rollout.sample_filter_path" in problems
+
+
+def test_partial_rollout_keys_are_checked_before_submission():
+    ok = {"mode": "fully_async", "max_staleness": 1,
+          "rollout": {"rollout_batch_size": 4, "partial_rollout": True, "over_sampling_batch_size": 8,
+                      "partial_rollout_max_aborted_count": 2, "mask_offpolicy_in_partial_rollout": True}}
+    recipe_from_dict(ok)
+    bad = [({"mode": "colocate", "max_staleness": 0}, "rollout.partial_rollout", "fully_async"),
+           ({"rollout": {**ok["rollout"], "over_sampling_batch_size": 4}}, "rollout.partial_rollout", "above"),
+           ({"rollout": {**ok["rollout"], "over_sampling_batch_size": None}}, "rollout.partial_rollout", "above"),
+           ({"rollout": {"rollout_batch_size": 4, "mask_offpolicy_in_partial_rollout": True}},
+            "rollout.mask_offpolicy_in_partial_rollout", "only acts with"),
+           ({"rollout": {**ok["rollout"], "partial_rollout_max_aborted_count": 0}},
+            "rollout.partial_rollout_max_aborted_count", "at least 1")]
+    for change, key, why in bad:
+        with pytest.raises(RecipeError) as e:
+            recipe_from_dict({**ok, **change})
+        assert key in str(e.value) and why in str(e.value), (change, str(e.value))

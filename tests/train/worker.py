@@ -134,7 +134,7 @@ def _share_checks(actor, batch: list, old: list) -> dict:
     the |π_old − engine| gap all-reduced over DP. Engine log-probs here are π_old + 0.001·(i+1) for sample i,
     so every layout must find the same gap as one process over the whole batch."""
     from relax_hpc.train.batch import dp_shard
-    from relax_hpc.train.logprobs import rollout_logprob_gap
+    from relax_hpc.train.logprobs import rollout_logprob_gap, sample_means
 
     p = actor.parallel
     with_engine = [dict(s, rollout_log_probs=o + 0.001 * (i + 1)) for i, (s, o) in enumerate(zip(batch, old))]
@@ -142,7 +142,10 @@ def _share_checks(actor, batch: list, old: list) -> dict:
     mine = [s for s, _ in pairs]
     own = actor.compute_log_probs(mine, share=True)
     gap = rollout_logprob_gap(mine, own)
+    means = sample_means([dict(s, old_log_probs=o) for s, o in zip(mine, own)], ["old_log_probs", "nosuch"])
     return {"share_max_diff": max((a - o).abs().max().item() for a, (_, o) in zip(own, pairs)),
+            "mean_lp": means["old_log_probs"], "mean_keys": sorted(means),
+            "mean_lp_want": sum(float(o.mean()) for o in old) / len(old),
             "share_n": len(mine), "gap_mean": gap["train/train_rollout_logprob_abs_diff"],
             "gap_max": gap["train/train_rollout_logprob_abs_diff_max"]}
 

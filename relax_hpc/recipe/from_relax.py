@@ -1,0 +1,135 @@
+"""``relax-submit --from-relax-args ARGS...``: a Relax launch script's flags, as a recipe.
+
+Why: a team moving from Relax has working launch scripts (``python train.py --hf-checkpoint ... --rollout-batch-size
+32 ...``). Typing each flag into a recipe by hand is where values get lost, so this turns the flags into the
+recipe's YAML, using the same table the recipe's errors use (:mod:`relax_hpc.recipe.relax_names`). Flags that have
+no home yet, or that relax_hpc describes differently (GPU counts become role sizes), are listed as comments at the
+top of the YAML, never silently dropped. The result is validated like any recipe before it is printed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+import yaml
+
+from relax_hpc.recipe.relax_names import RELAX_NAMES, relax_flag
+from relax_hpc.recipe.schema import Recipe
+
+# Relax's own functions that relax_hpc ships under another path
+FUNCTION_PATHS = {
+    "relax.engine.filters.dynamic_sampling_filters.check_reward_nonzero_std":
+        "relax_hpc.rollout.dynamic.check_reward_nonzero_std",
+}
+# Relax's defaults where relax_hpc's differ and the difference changes what is read: written out unless given
+RELAX_DEFAULTS = {"data.input_key": "input", "data.label_key": None}
+
+
+def split_flags(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """``--flag v1 v2 --other=x --switch`` → [("--flag", ["v1", "v2"]), ("--other", ["x"]), ("--switch", [])]."""
+    out: list[tuple[str, list[str]]] = []
+    for tok in argv:
+        if tok.startswith("--"):
+            flag, eq, value = tok.partition("=")
+            out.append((flag, [value] if eq else []))
+        elif out:
+            out[-1][1].append(tok)
+        else:
+            raise ValueError(f"{tok!r} comes before any --flag: give Relax's flags, e.g. --rollout-batch-size 32")
+    return out
+
+
+def _leaf_type(key: str) -> Any:
+    """The schema type of recipe key ``a.b.c``, or None when it names a section (or nothing)."""
+    cls: Any = Recipe
+    hint: Any = None
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return None
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return None
+        hint = hints[part]
+        cls = hint
+    return None if dataclasses.is_dataclass(hint) else hint
+
+
+def _scalar(text: str, hint: Any) -> Any:
+    v = yaml.safe_load(text) if text.strip() else ""
+    want = {int: int, float: float}.get(hint) or next(
+        (t for t in (float, int) if t in typing.get_args(hint)), None)
+    if isinstance(v, str) and want is not None:  # YAML 1.1 reads 1e-6 as a string
+        try:
+            return want(v)
+        except ValueError:
+            return v
+    if isinstance(v, str):
+        return FUNCTION_PATHS.get(v, v)
+    return v
+
+
+def _value(values: list[str], hint: Any) -> Any:
+    parsed = [_scalar(v, hint) for v in values]
+    is_list = typing.get_origin(hint) is list
+    if not parsed:
+        return [] if is_list else True  # a switch: Relax's store_true
+    if is_list:
+        return parsed
+    return parsed[0] if len(parsed) == 1 else parsed
+
+
+def _put(data: dict, key: str, value: Any) -> None:
+    node = data
+    *path, last = key.split(".")
+    for part in path:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+def convert(argv: list[str]) -> tuple[dict, list[str]]:
+    """(recipe data, notes): the recipe's keys for the flags that have one; a note for every flag that does not."""
+    data: dict = {}
+    notes: list[str] = []
+    given: set[str] = set()
+    for flag, values in split_flags(argv):
+        name = relax_flag(flag)
+        shown = " ".join([flag, *values])
+        if name not in RELAX_NAMES:
+            notes.append(f"{shown}: not in relax_hpc's table of Relax flags; left out")
+            continue
+        home = RELAX_NAMES[name]
+        if home is None:
+            notes.append(f"{shown}: not supported yet; left out (docs/migrating-from-relax.md)")
+            continue
+        if ": " in home:  # a flag that is a value of one key: --fully-async is mode: fully_async
+            key, value = home.split(": ", 1)
+            if values and not _value(values, bool):
+                continue
+            _put(data, key, yaml.safe_load(value))
+            given.add(key)
+            continue
+        hint = _leaf_type(home)
+        if hint is None:
+            notes.append(f"{shown}: set {home} by hand (relax_hpc sizes it differently: docs/migrating-from-relax.md)")
+            continue
+        _put(data, home, _value(values, hint))
+        given.add(home)
+    for role, group in (data.get("roles") or {}).items():  # Relax runs one rank per GPU; relax_hpc says so
+        if isinstance(group, dict) and group.get("gpus_per_node") and "tasks_per_node" not in group:
+            group["tasks_per_node"] = group["gpus_per_node"]
+            notes.append(f"roles.{role}.tasks_per_node: {group['gpus_per_node']}, one rank per GPU as in Relax")
+    for key, value in RELAX_DEFAULTS.items():
+        if key not in given:
+            _put(data, key, value)
+            notes.append(f"{key}: {value!r} is Relax's default (relax_hpc's differs), written out")
+    return data, notes
+
+
+def to_yaml(data: dict, notes: list[str], argv: list[str]) -> str:
+    head = ["# recipe made by relax-submit --from-relax-args from:", "#   " + " ".join(argv)]
+    if notes:
+        head.append("# not carried over, or worth a look:")
+        head += [f"#   {n}" for n in notes]
+    return "\n".join(head) + "\n" + yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
