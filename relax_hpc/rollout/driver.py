@@ -155,7 +155,7 @@ class RolloutResult:
 
 
 @dataclass
-class _Batch:
+class BatchCounters:
     """Per-batch counters (several batches may run at once on one driver, e.g. eval beside training)."""
 
     retries: int = 0
@@ -283,7 +283,7 @@ class RolloutDriver:
         except EngineError:
             return True
 
-    async def _declare_dead(self, engine: _Engine, err: EngineError, batch: _Batch) -> None:
+    async def _declare_dead(self, engine: _Engine, err: EngineError, batch: BatchCounters) -> None:
         reason = err.cause
         if await self.pool.mark_dead(engine, reason):
             fail = EngineFailure(name=engine.name, url=engine.client.url, error=str(err), time=time.time())
@@ -296,7 +296,7 @@ class RolloutDriver:
                 self.on_engine_dead(engine.name, reason)
 
     async def generate_sample(self, sample: Sample, sp: SamplingParams, *, evaluation: bool = False,
-                              batch: _Batch | None = None, seed: int | None = None,
+                              batch: BatchCounters | None = None, seed: int | None = None,
                               stop: asyncio.Event | None = None) -> Sample:
         """Generate ``sample``'s response (retrying as the module docstring says); fills the sample in place.
         ``seed`` becomes the request's ``sampling_seed`` (the same on a retry, so a retry samples alike).
@@ -306,7 +306,7 @@ class RolloutDriver:
         (status ABORTED, ``abort_count`` + 1) instead of being retried, and a request not yet sent is not sent.
         A sample that already has a partial response continues it: the engine gets prompt + partial response
         and the tokens left of ``max_new_tokens``."""
-        batch = batch if batch is not None else _Batch()
+        batch = batch if batch is not None else BatchCounters()
         if seed is not None:
             sp = dataclasses.replace(sp, sampling_seed=seed)
         resumed = sample.response_length > 0
@@ -391,7 +391,7 @@ class RolloutDriver:
             sample.status = SampleStatus.COMPLETED
 
     # --- a batch -------------------------------------------------------------------------------------
-    async def _group(self, group: list[Sample], sp: SamplingParams, evaluation: bool, batch: _Batch,
+    async def _group(self, group: list[Sample], sp: SamplingParams, evaluation: bool, batch: BatchCounters,
                      seeds: list[int | None]) -> list[RewardFailure]:
         await asyncio.gather(*(self.generate_sample(s, sp, evaluation=evaluation, batch=batch, seed=seed)
                                for s, seed in zip(group, seeds)))
@@ -422,7 +422,7 @@ class RolloutDriver:
         if len(sizes) != 1 or 0 in sizes:
             raise ValueError(f"all groups must have the same, non-zero size (n_samples_per_prompt), got sizes {sorted(sizes)}")
         n = sizes.pop()
-        batch = _Batch()
+        batch = BatchCounters()
         sp = self.sampling_params(evaluation)
         t0 = time.monotonic()
         try:
@@ -432,7 +432,7 @@ class RolloutDriver:
                                                      for j in range(n)]))
                          for i, g in enumerate(groups)]
         except BaseExceptionGroup as eg:
-            raise _first_error(eg) from None
+            raise first_error(eg) from None
         rollout_time = time.monotonic() - t0
         samples = [s for g in groups for s in g]
         # tasks are in group order and each group's failures in sample order: the batch's, in sample order
@@ -468,7 +468,7 @@ class RolloutDriver:
         return out
 
 
-def _first_error(eg: BaseExceptionGroup) -> BaseException:
+def first_error(eg: BaseExceptionGroup) -> BaseException:
     """The error to raise from a failed batch: prefer a real error over the cancellations it caused."""
     flat: list[BaseException] = []
 

@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from relax_hpc.rollout.driver import RolloutDriver, RolloutResult, _Batch, _first_error, sample_seed
+from relax_hpc.rollout.driver import RolloutDriver, RolloutResult, BatchCounters, first_error, sample_seed
 from relax_hpc.rollout.sample import Sample, SampleStatus
 
 
@@ -49,6 +49,23 @@ def check_reward_nonzero_std(args: Any, samples: list[Sample], **kwargs: Any) ->
 
 class DynamicSamplingError(RuntimeError):
     pass
+
+
+def _out_of_rounds(what: str, kept: int, target: int, max_rounds: int, per_round: int, generated: int,
+                   drops: Counter) -> DynamicSamplingError:
+    return DynamicSamplingError(
+        f"{what} kept {kept} of rollout.rollout_batch_size = {target} groups after "
+        f"rollout.dynamic_sampling_max_rounds = {max_rounds} rounds of {per_round} groups ({generated} generated; "
+        f"dropped: {dict(drops)}). The filter drops almost everything: the data may be too easy or too hard for "
+        "the model now. Fix: raise over_sampling_batch_size or dynamic_sampling_max_rounds (0: no limit), or "
+        "change the data or the filter")
+
+
+def _filter_metrics(generated: int, dropped: Counter) -> dict[str, float]:
+    out = {"rollout/dynamic_sampling_generated_groups": float(generated),
+           "rollout/dynamic_sampling_filtered_ratio": sum(dropped.values()) / generated if generated else 0.0}
+    out.update({f"rollout/dynamic_filter/drop_{reason}": float(n) for reason, n in dropped.items()})
+    return out
 
 
 def round_seed(base: int, round_no: int) -> int:
@@ -98,12 +115,7 @@ def generate_step(driver: RolloutDriver, data: Any, *, target: int, seed: int, g
     generated = rounds = 0
     while len(kept) < target:
         if max_rounds and rounds >= max_rounds:
-            raise DynamicSamplingError(
-                f"dynamic sampling kept {len(kept)} of rollout.rollout_batch_size = {target} groups after "
-                f"rollout.dynamic_sampling_max_rounds = {max_rounds} rounds of {per_round} groups "
-                f"({generated} generated; dropped: {dict(drops)}). The filter drops almost everything: the "
-                "data may be too easy or too hard for the model now. Fix: raise over_sampling_batch_size or "
-                "dynamic_sampling_max_rounds (0: no limit), or change the data or the filter")
+            raise _out_of_rounds("dynamic sampling", len(kept), target, max_rounds, per_round, generated, drops)
         start = data.state_dict()
         res = driver.generate_rollout_sync(data.get_samples(per_round), seed=round_seed(seed, rounds))
         rounds += 1
@@ -130,10 +142,7 @@ def generate_step(driver: RolloutDriver, data: Any, *, target: int, seed: int, g
     metrics = driver.batch_metrics(samples, raw, results[0].group_size, rollout_time,
                                    retries=sum(r.retries for r in results))
     metrics["rollout/dynamic_sampling_rounds"] = float(rounds)
-    metrics["rollout/dynamic_sampling_generated_groups"] = float(generated)
-    metrics["rollout/dynamic_sampling_filtered_ratio"] = (generated - len(kept)) / generated if generated else 0.0
-    for reason, count in drops.items():
-        metrics[f"rollout/dynamic_filter/drop_{reason}"] = float(count)
+    metrics.update(_filter_metrics(generated, drops))
     out = RolloutResult(samples=samples, raw_rewards=raw, metrics=metrics, group_size=results[0].group_size,
                         reward_failures=[f for r in results for f in r.reward_failures],
                         engine_failures=[f for r in results for f in r.engine_failures],
@@ -149,7 +158,7 @@ async def _partial_step(driver: RolloutDriver, data: Any, partial: PartialRollou
     needed; the next step continues them first. Which groups finish first depends on timing, so unlike the rest
     of this module a step is not reproducible: it is for ``fully_async`` runs only."""
     sp = driver.sampling_params()
-    batch = _Batch()
+    batch = BatchCounters()
     kept: list[list[Sample]] = []
     leftover: list[list[Sample]] = []
     failures: list = []
@@ -185,11 +194,7 @@ async def _partial_step(driver: RolloutDriver, data: Any, partial: PartialRollou
 
     while len(kept) < target:
         if max_rounds and rounds >= max_rounds:
-            raise DynamicSamplingError(
-                f"partial rollout kept {len(kept)} of rollout.rollout_batch_size = {target} groups after "
-                f"rollout.dynamic_sampling_max_rounds = {max_rounds} rounds ({generated} finished; dropped: "
-                f"{dict(drops)}). Fix: raise over_sampling_batch_size or dynamic_sampling_max_rounds (0: no limit), "
-                "or change the data or the filter")
+            raise _out_of_rounds("partial rollout", len(kept), target, max_rounds, per_round, generated, drops)
         groups = partial.buffer[:per_round]
         del partial.buffer[:len(groups)]
         groups += data.get_samples(per_round - len(groups)) if len(groups) < per_round else []
@@ -199,7 +204,7 @@ async def _partial_step(driver: RolloutDriver, data: Any, partial: PartialRollou
                 for g in groups:
                     tg.create_task(one(g))
         except BaseExceptionGroup as eg:
-            raise _first_error(eg) from None
+            raise first_error(eg) from None
         driver.reward.apply_policy(failures)
         failures = []
     aborted = 0
@@ -217,10 +222,7 @@ async def _partial_step(driver: RolloutDriver, data: Any, partial: PartialRollou
                     "rollout/partial_resumed_groups": float(sum(any(s.abort_count for s in g) for g in kept)),
                     "rollout/partial_buffer_groups": float(len(partial.buffer))})
     if group_filter is not None:
-        metrics["rollout/dynamic_sampling_generated_groups"] = float(generated)
-        metrics["rollout/dynamic_sampling_filtered_ratio"] = sum(drops.values()) / generated if generated else 0.0
-        for reason, count in drops.items():
-            metrics[f"rollout/dynamic_filter/drop_{reason}"] = float(count)
+        metrics.update(_filter_metrics(generated, drops))
     return RolloutResult(samples=samples, raw_rewards=raw, metrics=metrics, group_size=len(kept[0]),
                          engine_failures=batch.engine_failures, retries=batch.retries)
 
