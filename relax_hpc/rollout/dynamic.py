@@ -162,6 +162,7 @@ async def _partial_step(driver: RolloutDriver, data: Any, partial: PartialRollou
     kept: list[list[Sample]] = []
     leftover: list[list[Sample]] = []
     failures: list = []
+    reported: list = []
     drops: Counter[str] = Counter()
     generated = rounds = 0
     t0 = time.monotonic()
@@ -205,7 +206,8 @@ async def _partial_step(driver: RolloutDriver, data: Any, partial: PartialRollou
                     tg.create_task(one(g))
         except BaseExceptionGroup as eg:
             raise first_error(eg) from None
-        driver.reward.apply_policy(failures)
+        driver.reward.apply_policy(failures)  # once per round, in the order groups finished
+        reported += failures
         failures = []
     aborted = 0
     for g in leftover:
@@ -224,7 +226,7 @@ async def _partial_step(driver: RolloutDriver, data: Any, partial: PartialRollou
     if group_filter is not None:
         metrics.update(_filter_metrics(generated, drops))
     return RolloutResult(samples=samples, raw_rewards=raw, metrics=metrics, group_size=len(kept[0]),
-                         engine_failures=batch.engine_failures, retries=batch.retries)
+                         reward_failures=reported, engine_failures=batch.engine_failures, retries=batch.retries)
 
 
 def _sample_filtered(result: RolloutResult, sample_filter: Callable | None, args: Any) -> RolloutResult:
