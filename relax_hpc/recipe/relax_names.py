@@ -57,7 +57,7 @@ RELAX_NAMES: dict[str, str | None] = {
     "rollout_skip_special_tokens": "rollout.skip_special_tokens",
     "sglang_server_concurrency": "rollout.sglang_server_concurrency",
     "rollout_function_path": None,
-    "custom_generate_function_path": None,
+    "custom_generate_function_path": "rollout.custom_generate_function_path",
     "partial_rollout": "rollout.partial_rollout",
     "partial_rollout_max_aborted_count": "rollout.partial_rollout_max_aborted_count",
     "mask_offpolicy_in_partial_rollout": "rollout.mask_offpolicy_in_partial_rollout",

@@ -104,6 +104,7 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)  # stop strings
     stop_token_ids: list[int] = field(default_factory=list)  # stop token ids besides EOS
     skip_special_tokens: bool = False  # drop special tokens from the response text
+    custom_generate_function_path: str | None = None  # Relax's generate(args, sample, sampling_params[, evaluation]) -> Sample, talking to args.sglang_router_ip:port (docs/agentic.md)
     # --- dynamic sampling (DAPO; see relax_hpc/rollout/dynamic.py) ---------------------------------------
     dynamic_sampling_filter_path: str | None = None  # group filter fn(args, samples) -> bool | .keep, e.g. relax_hpc.rollout.dynamic.check_reward_nonzero_std; draw groups until rollout_batch_size pass
     over_sampling_batch_size: int | None = None  # groups drawn per dynamic sampling round (>= rollout_batch_size); null = rollout_batch_size

@@ -26,7 +26,7 @@ from relax_hpc.recipe.errors import _MISSING
 from relax_hpc.recipe.relax_names import RELAX_NAMES, cli_flag, relax_flag
 from relax_hpc.recipe.schema import ROLE_NAMES, Recipe
 from relax_hpc.rollout.data import DataError, check_config as check_data, expand_paths
-from relax_hpc.rollout.rewards import BUILTIN_REWARDS, REWARD_PARAMS, relax_args
+from relax_hpc.rollout.rewards import BUILTIN_REWARDS, GENERATE_PARAMS, REWARD_PARAMS, relax_args
 from relax_hpc.train.config import check as check_train, steps_per_rollout
 
 Problem = tuple[str, object, str]
@@ -247,6 +247,9 @@ def _check_dynamic_sampling(ro: Any, mode: str) -> list[Problem]:
             if getattr(ro, key) not in (None, False):
                 out.append((f"rollout.{key}", getattr(ro, key), "only acts with rollout.partial_rollout: true. "
                             "Fix: set that too, or remove this key"))
+    if ro.partial_rollout and ro.custom_generate_function_path:
+        out.append(("rollout.partial_rollout", True, "does not work with rollout.custom_generate_function_path yet "
+                    "(a custom function cannot be aborted and continued). Fix: use one of the two"))
     if ro.partial_rollout_max_aborted_count is not None and ro.partial_rollout_max_aborted_count < 1:
         out.append(("rollout.partial_rollout_max_aborted_count", ro.partial_rollout_max_aborted_count,
                     "must be at least 1 or null (no limit). Fix: e.g. 3"))
@@ -537,7 +540,8 @@ def _check_plugins(r: Recipe, base: Path) -> list[Problem]:
     container or another environment); that is logged. Bad forms were already refused by :func:`check`."""
     refs = [("rollout.custom_rm_path", r.rollout.custom_rm_path, REWARD_PARAMS, ()),
             ("rollout.dynamic_sampling_filter_path", r.rollout.dynamic_sampling_filter_path, ("args", "samples"), ()),
-            ("rollout.sample_filter_path", r.rollout.sample_filter_path, ("args", "groups"), ())]
+            ("rollout.sample_filter_path", r.rollout.sample_filter_path, ("args", "groups"), ()),
+            ("rollout.custom_generate_function_path", r.rollout.custom_generate_function_path, GENERATE_PARAMS, ())]
     refs += [(f"algorithm.{k}", getattr(r.algorithm, k), params, kw) for k, (params, kw) in PLUGIN_CALLS.items()]
     out: list[Problem] = []
     for key, spec, params, keywords in refs:

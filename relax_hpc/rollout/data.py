@@ -480,7 +480,8 @@ def check_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig) -> list[tuple
 
     for key, example in (("custom_rm_path", "examples.my_algo.reward_my_algo.reward_func (Relax's form)"),
                          ("dynamic_sampling_filter_path", "relax_hpc.rollout.dynamic.check_reward_nonzero_std"),
-                         ("sample_filter_path", "my_filters.py:drop_long")):
+                         ("sample_filter_path", "my_filters.py:drop_long"),
+                         ("custom_generate_function_path", "examples.my_agent.rollout.generate")):
         path = getattr(r, key)
         if path is None:
             continue

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import inspect
 import logging
 import statistics
 import time
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from relax_hpc.rollout.client import Backoff, EngineClient, EngineError, Generation, SamplingParams
 from relax_hpc.rollout.eval import sample_metrics
-from relax_hpc.rollout.rewards import RewardFailure, RewardRunner, positive_seconds
+from relax_hpc.rollout.rewards import GENERATE_PARAMS, RewardFailure, RewardRunner, positive_seconds
 from relax_hpc.rollout.sample import Sample, SampleStatus
 
 if TYPE_CHECKING:
@@ -208,6 +209,8 @@ class RolloutDriver:
                                               "api_key": api_key, "backoff": backoff}
         self.engine_failures: list[EngineFailure] = []
         self._inflight: dict[str, _Engine] = {}  # rid -> engine, for requests abort_inflight may abort
+        self._generate_fns: dict[str, Callable] = {}  # custom generate functions, loaded once
+        self.router: Any = None  # the EngineRouter custom generate functions call, started on first use
         self.set_engines(engines)
 
     # --- engines -------------------------------------------------------------------------------------
@@ -368,6 +371,48 @@ class RolloutDriver:
             self._fill(sample, prompt_ids, gen, resumed=resumed)
             return sample
 
+    # --- custom generate functions (Relax's --custom-generate-function-path) ---------------------------------
+    def generate_function(self, sample: Sample) -> tuple[str, Callable] | None:
+        """The custom generate function for ``sample``: its own ``generate_function_path``, else
+        ``rollout.custom_generate_function_path``; None for the built-in path."""
+        path = sample.generate_function_path or self.cfg.custom_generate_function_path
+        if not path:
+            return None
+        if path not in self._generate_fns:
+            from relax_hpc.plugins import load_plugin
+
+            key = "sample.generate_function_path" if sample.generate_function_path else "rollout.custom_generate_function_path"
+            self._generate_fns[path] = load_plugin(path, key, params=GENERATE_PARAMS)
+        return path, self._generate_fns[path]
+
+    async def _generate_one(self, sample: Sample, sp: SamplingParams, evaluation: bool, batch: BatchCounters,
+                            seed: int | None) -> Sample:
+        custom = self.generate_function(sample)
+        if custom is None:
+            return await self.generate_sample(sample, sp, evaluation=evaluation, batch=batch, seed=seed)
+        path, fn = custom
+        args = self.reward.args
+        if self.router is None:  # where a Relax function finds "SGLang's router": this driver's engines
+            from relax_hpc.rollout.router import EngineRouter
+
+            self.router = EngineRouter(self)
+        args.sglang_router_ip, args.sglang_router_port = "127.0.0.1", self.router.port
+        params = (dataclasses.replace(sp, sampling_seed=seed) if seed is not None else sp).to_json()
+        kwargs = {"evaluation": evaluation} if _takes(fn, "evaluation") else {}
+        out = fn(args, sample, params, **kwargs)
+        if inspect.isawaitable(out):
+            out = await out
+        if isinstance(out, list):
+            raise RolloutError(f"{path} returned a list of {len(out)} samples for sample index={sample.index}: "
+                               "segments of one rollout are not supported yet. Fix: return the one Sample")
+        if not isinstance(out, Sample):
+            raise RolloutError(f"{path} returned {type(out).__name__} for sample index={sample.index}: a custom "
+                               "generate function returns the Sample it was given, filled in")
+        check_generated(out, path)
+        if out.status is SampleStatus.PENDING:
+            out.status = SampleStatus.COMPLETED
+        return out
+
     async def abort_inflight(self) -> int:
         """Abort every request sent with a ``stop`` event (partial rollout); returns how many were asked."""
         rids = list(self._inflight.items())
@@ -393,8 +438,8 @@ class RolloutDriver:
     # --- a batch -------------------------------------------------------------------------------------
     async def _group(self, group: list[Sample], sp: SamplingParams, evaluation: bool, batch: BatchCounters,
                      seeds: list[int | None]) -> list[RewardFailure]:
-        await asyncio.gather(*(self.generate_sample(s, sp, evaluation=evaluation, batch=batch, seed=seed)
-                               for s, seed in zip(group, seeds)))
+        group[:] = await asyncio.gather(*(self._generate_one(s, sp, evaluation, batch, seed)
+                                          for s, seed in zip(group, seeds)))
         self._progressed(len(group))
         failures = await self.reward.score_group(group, evaluation=evaluation, apply_policy=False)
         self._progressed(1)
@@ -484,6 +529,29 @@ def first_error(eg: BaseExceptionGroup) -> BaseException:
         if not isinstance(e, asyncio.CancelledError):
             return e
     return flat[0]
+
+
+def _takes(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def check_generated(s: Sample, path: str) -> None:
+    """What the exchange and the loss need of a sample a custom generate function filled in, checked here, so
+    a mistake names the function instead of failing in the actor (relax_hpc is stricter than Relax here)."""
+    where = f"{path} returned sample index={s.index}"
+    if not isinstance(s.tokens, list) or not all(isinstance(t, int) for t in s.tokens):
+        raise RolloutError(f"{where} with tokens that are not a list of ints")
+    if not 1 <= s.response_length < len(s.tokens):
+        raise RolloutError(f"{where} with response_length = {s.response_length} for {len(s.tokens)} tokens: it must "
+                           "be at least 1 and leave at least one prompt token (tokens = prompt + response ids)")
+    for name in ("loss_mask", "rollout_log_probs"):
+        v = getattr(s, name)
+        if v is not None and len(v) != s.response_length:
+            raise RolloutError(f"{where} with {len(v)} {name} values for a response of {s.response_length} tokens")
 
 
 def sample_seed(seed: int, k: int) -> int:

@@ -233,6 +233,8 @@ def builtin_reward(rm_type: str, response: str, label: Any, metadata: dict | Non
 
 REWARD_PARAMS = ("args", "sample")
 """How a reward function is called: ``reward_func(args, sample)`` (``samples``, a list, with ``group_rm``)."""
+GENERATE_PARAMS = ("args", "sample", "sampling_params")
+"""How a custom generate function is called (plus ``evaluation=`` when it takes it), as Relax calls it."""
 
 
 def load_function(path: str, what: str = "rollout.custom_rm_path", *,
@@ -296,7 +298,8 @@ def relax_args(recipe: Recipe) -> SimpleNamespace:
         log_passrate=r.log_passrate, eval_interval=r.eval_interval,
         skip_eval_before_train=r.skip_eval_before_train, n_samples_per_eval_prompt=r.n_samples_per_eval_prompt,
         eval_temperature=r.eval_temperature, eval_top_p=r.eval_top_p, eval_top_k=r.eval_top_k,
-        eval_max_response_len=r.eval_max_response_len,
+        eval_max_response_len=r.eval_max_response_len, custom_generate_function_path=r.custom_generate_function_path,
+        hf_checkpoint=recipe.model.path,
     )
     if r.custom_config_path:
         custom = load_custom_config(r.custom_config_path)

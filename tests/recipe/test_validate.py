@@ -519,3 +519,16 @@ def test_partial_rollout_keys_are_checked_before_submission():
         with pytest.raises(RecipeError) as e:
             recipe_from_dict({**ok, **change})
         assert key in str(e.value) and why in str(e.value), (change, str(e.value))
+
+
+def test_a_custom_generate_function_is_loaded_and_checked_before_submission(tmp_path):
+    (tmp_path / "g.py").write_text("async def generate(args, sample, sampling_params, evaluation=False):\n"
+                                   "    return sample\n\ndef two(args, sample):\n    return sample\n")
+    assert file_problems({"rollout": {"custom_generate_function_path": "g.py:generate"}}, tmp_path) == {}
+    problems = file_problems({"rollout": {"custom_generate_function_path": "g.py:two"}}, tmp_path)
+    assert "rollout.custom_generate_function_path" in problems
+    with pytest.raises(RecipeError) as e:
+        recipe_from_dict({"mode": "fully_async", "max_staleness": 1,
+                          "rollout": {"rollout_batch_size": 2, "partial_rollout": True, "over_sampling_batch_size": 4,
+                                      "custom_generate_function_path": "g.generate"}})
+    assert "rollout.partial_rollout" in str(e.value) and "custom_generate_function_path" in str(e.value)

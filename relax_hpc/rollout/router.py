@@ -1,0 +1,96 @@
+"""A local router in front of the rollout engines, for custom generate functions written against Relax.
+
+Why: a Relax generate function (``--custom-generate-function-path``) talks HTTP to SGLang's router at
+``http://{args.sglang_router_ip}:{args.sglang_router_port}/generate`` and never imports Relax. To run such a
+function unchanged, the rollout role serves that address itself: ``POST /generate`` (SGLang's body and answer,
+passed through untouched, so token ids and ``output_token_logprobs`` are the engine's) goes to the least-busy
+live engine of the driver, with the run's API key and the clients' retries and total deadline; an engine that
+stops answering is skipped for the next one. ``GET /health`` answers 200. It listens on 127.0.0.1 only.
+
+The stdlib's threading HTTP server on purpose: each request blocks its own thread while the engine client
+(thread-safe, on its own event loop) does the call, so a generate function awaiting the router never waits on
+the event loop it runs in.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from relax_hpc.rollout.client import EngineError
+
+if TYPE_CHECKING:
+    from relax_hpc.rollout.driver import RolloutDriver
+
+log = logging.getLogger(__name__)
+
+
+class EngineRouter:
+    """``POST /generate`` on 127.0.0.1:``port``, spread over ``driver``'s live engines."""
+
+    def __init__(self, driver: RolloutDriver) -> None:
+        self.driver = driver
+        self._busy: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.requests = 0
+        router = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self, status: int, payload: Any) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._answer(200 if self.path == "/health" else 404, {"ok": self.path == "/health"})
+
+            def do_POST(self) -> None:
+                if self.path != "/generate":
+                    return self._answer(404, {"error": f"this router serves POST /generate, not {self.path}"})
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                except ValueError as e:
+                    return self._answer(400, {"error": f"the body is not JSON: {e}"})
+                status, payload = router.generate(body)
+                self._answer(status, payload)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="engine-router", daemon=True)
+        self._thread.start()
+
+    def generate(self, body: dict) -> tuple[int, Any]:
+        tried: set[str] = set()
+        while True:
+            with self._lock:
+                alive = [e for e in self.driver.pool.alive() if e.name not in tried]
+                if not alive:
+                    return 503, {"error": f"no rollout engine answered ({self.driver.pool.dead_report()})"}
+                engine = min(alive, key=lambda e: self._busy.get(e.name, 0))
+                self._busy[engine.name] = self._busy.get(engine.name, 0) + 1
+                self.requests += 1
+            try:
+                r = engine.client.request("POST", "/generate", body, timeout=self.driver.client_kwargs["generate_timeout"])
+                return 200, r.json()
+            except EngineError as e:
+                if e.status is not None and e.status < 500:
+                    return e.status, {"error": e.cause}
+                log.warning("router: engine %s failed (%s); trying another", engine.name, e.cause)
+                tried.add(engine.name)
+            finally:
+                with self._lock:
+                    self._busy[engine.name] -= 1
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

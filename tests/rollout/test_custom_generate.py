@@ -1,0 +1,119 @@
+"""A custom generate function written exactly in Relax's form (no relax_hpc import; it talks HTTP to
+``args.sglang_router_ip:args.sglang_router_port`` and fills the Sample itself) runs unchanged through
+``rollout.custom_generate_function_path`` and per sample through ``sample.generate_function_path``; the token
+ids and log-probs are the engine's; a function that fills a sample wrongly is named in the error."""
+
+import sys
+import textwrap
+
+import pytest
+
+from relax_hpc.recipe.schema import ModelConfig, Recipe, RolloutConfig
+from relax_hpc.rollout.data import RolloutDataSource
+from relax_hpc.rollout.driver import RolloutDriver, RolloutError
+from relax_hpc.rollout.sample import SampleStatus
+
+RELAX_GENERATE = '''
+    import httpx
+    from transformers import AutoTokenizer
+
+    TOKENIZERS = {}
+    CALLS = []
+
+
+    async def generate(args, sample, sampling_params, evaluation=False):
+        """Relax's contract: fill in the sample from SGLang's /generate, behind args.sglang_router_ip:port."""
+        tok = TOKENIZERS.setdefault(args.hf_checkpoint, AutoTokenizer.from_pretrained(args.hf_checkpoint))
+        url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+        ids = list(sample.tokens) or tok.encode(sample.prompt, add_special_tokens=False)
+        payload = {"input_ids": ids, "sampling_params": sampling_params, "return_logprob": not evaluation}
+        async with httpx.AsyncClient() as client:
+            out = (await client.post(url, json=payload, timeout=60)).json()
+        CALLS.append((sample.index, evaluation, sampling_params.get("sampling_seed")))
+        pairs = out["meta_info"].get("output_token_logprobs") or [[0.0, t] for t in out["output_ids"]]
+        new = [int(p[1]) for p in pairs]
+        sample.tokens = ids + new
+        sample.response = out["text"]
+        sample.response_length = len(new)
+        sample.rollout_log_probs = [float(p[0]) for p in pairs]
+        sample.loss_mask = [1] * len(new)
+        reason = out["meta_info"]["finish_reason"]["type"]
+        sample.status = sample.Status.TRUNCATED if reason == "length" else sample.Status.COMPLETED
+        sample.weight_versions.append(out["meta_info"]["weight_version"])
+        return sample
+
+
+    async def broken(args, sample, sampling_params):
+        sample.tokens = [1, 2, 3]
+        sample.response_length = 2
+        sample.rollout_log_probs = [0.0]
+        return sample
+
+
+    def reward(args, sample, **kwargs):
+        return float(len(sample.response))
+'''
+
+
+@pytest.fixture
+def mod(tmp_path, monkeypatch):
+    (tmp_path / "relax_gen.py").write_text(textwrap.dedent(RELAX_GENERATE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "relax_gen", raising=False)
+    import relax_gen
+
+    return relax_gen
+
+
+def _driver(tiny_llama, cpu_engine, path):
+    from relax_hpc.rollout.data import load_tokenizer
+
+    recipe = Recipe(model=ModelConfig(path=str(tiny_llama)),
+                    rollout=RolloutConfig(custom_generate_function_path=path, custom_rm_path="relax_gen.reward",
+                                          n_samples_per_prompt=2, rollout_batch_size=2, max_response_len=5))
+    return RolloutDriver(recipe, {"e0": cpu_engine}, tokenizer=load_tokenizer(tiny_llama))
+
+
+def _groups(tmp_path, tokenizer):
+    import json
+
+    from relax_hpc.rollout.data import DataKeys, PromptDataset
+
+    with open(tmp_path / "p.jsonl", "w") as f:
+        for i in range(2):
+            f.write(json.dumps({"q": f"{i}+2=", "a": str(i + 2)}) + "\n")
+    ds = PromptDataset(tmp_path / "p.jsonl", keys=DataKeys("q", "a"), tokenizer=tokenizer, apply_chat_template=False)
+    return RolloutDataSource(ds, rollout_batch_size=2, n_samples_per_prompt=2).get_samples()
+
+
+def test_a_relax_generate_function_runs_unchanged(tmp_path, tiny_llama, cpu_engine, mod):
+    driver = _driver(tiny_llama, cpu_engine, "relax_gen.generate")
+    res = driver.generate_rollout_sync(_groups(tmp_path, driver.tokenizer), seed=11)
+    assert len(res.samples) == 4 and len(mod.CALLS) == 4 and driver.router.requests == 4
+    assert {c[1] for c in mod.CALLS} == {False} and all(c[2] is not None for c in mod.CALLS)  # seeded per sample
+    for s in res.samples:
+        prompt = driver.tokenizer.encode(s.prompt, add_special_tokens=False)
+        assert s.tokens[:len(prompt)] == prompt and 1 <= s.response_length <= 5
+        assert len(s.rollout_log_probs) == s.response_length and all(lp <= 0 for lp in s.rollout_log_probs)
+        assert s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED) and s.weight_version is not None
+        assert s.reward == float(len(s.response))
+    # the engine's ids as sampled, not re-tokenized: the built-in path with the same seeds gives the same tokens
+    plain = RolloutDriver(Recipe(rollout=RolloutConfig(custom_rm_path="relax_gen.reward", max_response_len=5)),
+                          {"e0": cpu_engine}, tokenizer=driver.tokenizer)
+    again = plain.generate_rollout_sync(_groups(tmp_path, driver.tokenizer), seed=11)
+    assert [s.tokens for s in again.samples] == [s.tokens for s in res.samples]
+    driver.router.close()
+
+
+def test_per_sample_function_and_a_wrongly_filled_sample(tmp_path, tiny_llama, cpu_engine, mod):
+    driver = _driver(tiny_llama, cpu_engine, None)
+    groups = _groups(tmp_path, driver.tokenizer)
+    for s in groups[0]:
+        s.generate_function_path = "relax_gen.generate"  # Relax's per-sample choice; group 1 takes the built-in path
+    driver.generate_rollout_sync(groups, seed=3)
+    assert sorted(c[0] for c in mod.CALLS) == sorted(s.index for s in groups[0])
+    groups = _groups(tmp_path, driver.tokenizer)
+    groups[1][0].generate_function_path = "relax_gen.broken"
+    with pytest.raises(RolloutError, match=r"relax_gen.broken returned sample index=\d+ with 1 rollout_log_probs"):
+        driver.generate_rollout_sync(groups)
+    driver.router.close()
