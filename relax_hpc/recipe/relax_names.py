@@ -51,7 +51,7 @@ RELAX_NAMES: dict[str, str | None] = {
     "rollout_top_k": "rollout.top_k",
     "rollout_max_response_len": "rollout.max_response_len",
     "rollout_max_prompt_len": "rollout.max_prompt_len",
-    "rollout_max_context_len": None,
+    "rollout_max_context_len": "rollout.max_context_len",
     "rollout_stop": "rollout.stop",
     "rollout_stop_token_ids": "rollout.stop_token_ids",
     "rollout_skip_special_tokens": "rollout.skip_special_tokens",

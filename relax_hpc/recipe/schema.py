@@ -105,6 +105,11 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)  # stop token ids besides EOS
     skip_special_tokens: bool = False  # drop special tokens from the response text
     custom_generate_function_path: str | None = None  # Relax's generate(args, sample, sampling_params[, evaluation]) -> Sample, talking to args.sglang_router_ip:port (docs/agentic.md)
+    interaction_env_path: str | None = None  # multi-turn: a module with build_env(sample, args) (Relax's BaseInteractionEnv); null = Relax's rollout_interaction_env_path from custom_config_path, else single-turn
+    max_turns: int | None = None  # multi-turn: model turns per rollout; null = max_turns from custom_config_path
+    max_context_len: int | None = None  # multi-turn: prompt + every turn, in tokens (Relax --rollout-max-context-len); null = no total budget
+    turn_truncation: Literal["stop", "continue"] = "stop"  # multi-turn: a turn cut at max_response_len stops the rollout (Relax) or goes to the env like any turn
+    env_step_timeout_s: float = 60.0  # multi-turn: a build_env/reset/step/close call running longer fails its sample
     # --- dynamic sampling (DAPO; see relax_hpc/rollout/dynamic.py) ---------------------------------------
     dynamic_sampling_filter_path: str | None = None  # group filter fn(args, samples) -> bool | .keep, e.g. relax_hpc.rollout.dynamic.check_reward_nonzero_std; draw groups until rollout_batch_size pass
     over_sampling_batch_size: int | None = None  # groups drawn per dynamic sampling round (>= rollout_batch_size); null = rollout_batch_size

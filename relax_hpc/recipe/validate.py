@@ -27,6 +27,7 @@ from relax_hpc.recipe.relax_names import RELAX_NAMES, cli_flag, relax_flag
 from relax_hpc.recipe.schema import ROLE_NAMES, Recipe
 from relax_hpc.rollout.data import DataError, check_config as check_data, expand_paths
 from relax_hpc.rollout.rewards import BUILTIN_REWARDS, GENERATE_PARAMS, REWARD_PARAMS, relax_args
+from relax_hpc.rollout.multiturn import env_factory
 from relax_hpc.train.config import check as check_train, steps_per_rollout
 
 Problem = tuple[str, object, str]
@@ -247,6 +248,18 @@ def _check_dynamic_sampling(ro: Any, mode: str) -> list[Problem]:
             if getattr(ro, key) not in (None, False):
                 out.append((f"rollout.{key}", getattr(ro, key), "only acts with rollout.partial_rollout: true. "
                             "Fix: set that too, or remove this key"))
+    if ro.max_turns is not None and ro.max_turns < 1:
+        out.append(("rollout.max_turns", ro.max_turns, "must be at least 1 model turn. Fix: e.g. 2"))
+    if ro.max_turns is not None and ro.interaction_env_path is None and ro.custom_config_path is None:
+        out.append(("rollout.max_turns", ro.max_turns, "only acts with rollout.interaction_env_path (a multi-turn "
+                    "environment). Fix: set that too, or remove this key"))
+    if ro.max_context_len is not None and ro.max_context_len < 2:
+        out.append(("rollout.max_context_len", ro.max_context_len, "must be at least 2 tokens or null. Fix: e.g. 4096"))
+    if ro.env_step_timeout_s <= 0:
+        out.append(("rollout.env_step_timeout_s", ro.env_step_timeout_s, "must be positive. Fix: e.g. 60"))
+    if ro.partial_rollout and ro.interaction_env_path:
+        out.append(("rollout.partial_rollout", True, "does not work with rollout.interaction_env_path yet (a "
+                    "multi-turn rollout is not aborted and continued). Fix: use one of the two"))
     if ro.partial_rollout and ro.custom_generate_function_path:
         out.append(("rollout.partial_rollout", True, "does not work with rollout.custom_generate_function_path yet "
                     "(a custom function cannot be aborted and continued). Fix: use one of the two"))
@@ -541,7 +554,9 @@ def _check_plugins(r: Recipe, base: Path) -> list[Problem]:
     refs = [("rollout.custom_rm_path", r.rollout.custom_rm_path, REWARD_PARAMS, ()),
             ("rollout.dynamic_sampling_filter_path", r.rollout.dynamic_sampling_filter_path, ("args", "samples"), ()),
             ("rollout.sample_filter_path", r.rollout.sample_filter_path, ("args", "groups"), ()),
-            ("rollout.custom_generate_function_path", r.rollout.custom_generate_function_path, GENERATE_PARAMS, ())]
+            ("rollout.custom_generate_function_path", r.rollout.custom_generate_function_path, GENERATE_PARAMS, ()),
+            ("rollout.interaction_env_path", r.rollout.interaction_env_path and env_factory(r.rollout.interaction_env_path),
+             (), ("sample", "args"))]
     refs += [(f"algorithm.{k}", getattr(r.algorithm, k), params, kw) for k, (params, kw) in PLUGIN_CALLS.items()]
     out: list[Problem] = []
     for key, spec, params, keywords in refs:

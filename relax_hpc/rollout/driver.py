@@ -211,6 +211,7 @@ class RolloutDriver:
         self._inflight: dict[str, _Engine] = {}  # rid -> engine, for requests abort_inflight may abort
         self._generate_fns: dict[str, Callable] = {}  # custom generate functions, loaded once
         self.router: Any = None  # the EngineRouter custom generate functions call, started on first use
+        self.multiturn = multiturn_from(recipe, self.reward.args)  # None: one /generate per sample
         self.set_engines(engines)
 
     # --- engines -------------------------------------------------------------------------------------
@@ -322,14 +323,32 @@ class RolloutDriver:
             sp = dataclasses.replace(sp, max_new_tokens=left if sp.max_new_tokens is not None else None)
         else:
             prompt_ids = self._prompt_ids(sample)
+        gen = await self.request(prompt_ids, sp, evaluation=evaluation, batch=batch, stop=stop,
+                                 who=f"sample index={sample.index} group_index={sample.group_index}")
+        if gen is None:  # the step ended before it was sent
+            sample.status = SampleStatus.ABORTED if resumed else SampleStatus.PENDING
+            return sample
+        self._fill(sample, prompt_ids, gen, resumed=resumed)
+        if gen.aborted and stop is not None and stop.is_set():  # aborted by abort_inflight: keep the tokens
+            sample.status = SampleStatus.ABORTED
+            sample.abort_count += 1
+        return sample
+
+    async def request(self, prompt_ids: list[int], sp: SamplingParams, *, evaluation: bool = False,
+                      batch: BatchCounters | None = None, stop: asyncio.Event | None = None,
+                      who: str = "a request") -> Generation | None:
+        """One ``/generate`` on the least-loaded live engine, with the driver's handling (module docstring):
+        dead engines left out, 5xx and aborts retried up to ``max_retries``, a 4xx a :class:`RolloutError` naming
+        ``who``. With ``stop`` (partial rollout): None if ``stop`` is set before it is sent, and an abort after
+        ``stop`` returns the partial generation instead of a retry. The multi-turn loop calls this per turn."""
+        batch = batch if batch is not None else BatchCounters()
         attempts = 0
         avoid: set[str] = set()
         while True:
             if stop is not None and stop.is_set():
-                sample.status = SampleStatus.ABORTED if resumed else SampleStatus.PENDING
-                return sample
+                return None
             engine = await self.pool.acquire(avoid)
-            rid = f"relax-{id(sample):x}-{attempts}" if stop is not None else None
+            rid = f"relax-{id(prompt_ids):x}-{attempts}" if stop is not None else None
             try:
                 if rid is not None:
                     if stop.is_set():
@@ -342,13 +361,12 @@ class RolloutDriver:
                     batch.retries += 1
                     continue
                 if err.status is not None and 400 <= err.status < 500 and err.status not in (408, 429):
-                    raise RolloutError(f"engine {engine.name} refused the request of sample index={sample.index} "
-                                       f"group_index={sample.group_index} ({len(prompt_ids)} prompt tokens): "
-                                       f"{err.cause}") from err
+                    raise RolloutError(f"engine {engine.name} refused the request of {who} ({len(prompt_ids)} "
+                                       f"prompt tokens): {err.cause}") from err
                 attempts += 1
                 if attempts > self.max_retries:
-                    raise RolloutError(f"sample index={sample.index}: generation failed {attempts} times, last on "
-                                       f"engine {engine.name}: {err.cause} (rollout.max_retries = {self.max_retries})") from err
+                    raise RolloutError(f"{who}: generation failed {attempts} times, last on engine {engine.name}: "
+                                       f"{err.cause} (rollout.max_retries = {self.max_retries})") from err
                 log.warning("generate failed on engine %s (%s); retry %d/%d", engine.name, err.cause, attempts,
                             self.max_retries)
                 avoid = {engine.name}
@@ -357,19 +375,15 @@ class RolloutDriver:
             finally:
                 self._inflight.pop(rid, None)
                 await self.pool.release(engine)
-            if gen.aborted and stop is not None and stop.is_set():  # aborted by abort_inflight: keep the tokens
-                self._fill(sample, prompt_ids, gen, resumed=resumed)
-                sample.status = SampleStatus.ABORTED
-                sample.abort_count += 1
-                return sample
+            if gen.aborted and stop is not None and stop.is_set():
+                return gen
             if gen.aborted and attempts < self.max_retries:
                 attempts += 1
                 batch.retries += 1
-                log.warning("engine %s aborted sample index=%s (%s); retry %d/%d", engine.name, sample.index,
-                            gen.finish_reason.message, attempts, self.max_retries)
+                log.warning("engine %s aborted %s (%s); retry %d/%d", engine.name, who, gen.finish_reason.message,
+                            attempts, self.max_retries)
                 continue
-            self._fill(sample, prompt_ids, gen, resumed=resumed)
-            return sample
+            return gen
 
     # --- custom generate functions (Relax's --custom-generate-function-path) ---------------------------------
     def generate_function(self, sample: Sample) -> tuple[str, Callable] | None:
@@ -388,6 +402,11 @@ class RolloutDriver:
     async def _generate_one(self, sample: Sample, sp: SamplingParams, evaluation: bool, batch: BatchCounters,
                             seed: int | None) -> Sample:
         custom = self.generate_function(sample)
+        if custom is None and self.multiturn is not None:
+            from relax_hpc.rollout.multiturn import generate_multiturn
+
+            return await generate_multiturn(self, self.multiturn, sample, sp, evaluation=evaluation, batch=batch,
+                                            seed=seed)
         if custom is None:
             return await self.generate_sample(sample, sp, evaluation=evaluation, batch=batch, seed=seed)
         path, fn = custom
@@ -507,6 +526,7 @@ class RolloutDriver:
         out["rollout/truncated"] = out["rollout/truncated_ratio"]
         out["rollout/engine_retries"] = float(retries)
         out["rollout/engines_dead"] = float(len(self.dead_engines))
+        out.update(_multiturn_metrics(samples))
         out["perf/rollout_time"] = rollout_time
         tokens = sum(s.response_length for s in samples)
         out["perf/tokens_per_sec"] = tokens / rollout_time if rollout_time > 0 else 0.0
@@ -537,6 +557,47 @@ def _takes(fn: Callable, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _multiturn_metrics(samples: list[Sample]) -> dict[str, float]:
+    """``rollout/turns`` (mean), ``rollout/env_tokens_ratio`` (response tokens the env wrote, not the model),
+    ``rollout/env_failures`` and ``rollout/truncated_by/{turns,context,response}`` (share of samples stopped by
+    each limit), for samples of the multi-turn loop."""
+    multi = [s for s in samples if "rollout_turns" in s.metadata]
+    if not multi:
+        return {}
+    model = sum(len(t.get("output_ids", ())) for s in multi for t in s.metadata["rollout_traces"])
+    total = sum(s.response_length for s in multi)
+    why = [s.metadata.get("rollout_stop_reason") for s in multi]
+    out = {"rollout/turns": statistics.fmean(s.metadata["rollout_turns"] for s in multi),
+           "rollout/env_tokens_ratio": (total - model) / total if total else 0.0,
+           "rollout/env_failures": float(why.count("env_error")),
+           "rollout/truncated_turns": float(sum(bool(t.get("truncated")) for s in multi
+                                                for t in s.metadata["rollout_traces"]))}
+    out.update({f"rollout/truncated_by/{k}": why.count(k) / len(multi) for k in ("turns", "context", "response")})
+    return out
+
+
+def multiturn_from(recipe: Recipe, args: Any) -> Any:
+    """The multi-turn settings (:class:`~relax_hpc.rollout.multiturn.MultiTurn`) when an environment is named:
+    ``rollout.interaction_env_path``, else Relax's ``rollout_interaction_env_path`` from ``custom_config_path``;
+    ``max_turns`` likewise."""
+    ro = recipe.rollout
+    path = ro.interaction_env_path or getattr(args, "rollout_interaction_env_path", None)
+    if not path:
+        return None
+    from relax_hpc.plugins import load_plugin
+    from relax_hpc.rollout.multiturn import MultiTurn, env_factory
+
+    key = "rollout.interaction_env_path" if ro.interaction_env_path else "rollout_interaction_env_path (custom_config_path)"
+    turns = ro.max_turns if ro.max_turns is not None else getattr(args, "max_turns", None)
+    if not isinstance(turns, int) or turns < 1:
+        raise ValueError(f"{key} = {path!r} needs max_turns, at least 1: set rollout.max_turns (or max_turns in "
+                         f"the custom_config_path YAML, Relax's way); got {turns!r}")
+    build_env = load_plugin(env_factory(path), key)
+    return MultiTurn(build_env=build_env, args=args, max_turns=turns, max_context_len=ro.max_context_len,
+                     step_timeout_s=ro.env_step_timeout_s, chat=bool(recipe.data.apply_chat_template),
+                     continue_truncated=ro.turn_truncation == "continue")
 
 
 def check_generated(s: Sample, path: str) -> None:

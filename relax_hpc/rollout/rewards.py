@@ -301,6 +301,10 @@ def relax_args(recipe: Recipe) -> SimpleNamespace:
         eval_max_response_len=r.eval_max_response_len, custom_generate_function_path=r.custom_generate_function_path,
         hf_checkpoint=recipe.model.path,
     )
+    if r.max_turns is not None:  # Relax's multi-turn code reads args.max_turns (from its custom config)
+        a["max_turns"] = r.max_turns
+    if r.interaction_env_path is not None:
+        a["rollout_interaction_env_path"] = r.interaction_env_path
     if r.custom_config_path:
         custom = load_custom_config(r.custom_config_path)
         clash = {k: (a[k], v) for k, v in custom.items() if k in a and a[k] != v}

@@ -289,7 +289,7 @@ def test_relax_flag_hint_shows_the_value():
     assert "run.num_rollout = 100: unknown key; Relax's --num-rollout" in str(error({"run": {"num_rollout": 100}}))
 
 
-@pytest.mark.parametrize("name", ["num_epoch", "update-weights-interval", "rollout_max_context_len", "use_wandb"])
+@pytest.mark.parametrize("name", ["num_epoch", "update-weights-interval", "sglang_config", "use_wandb"])
 def test_relax_flags_without_a_home_say_so(name):
     msg = problems({"rollout": {name: 1}})[f"rollout.{name}"]
     assert f"Relax's --{name.replace('_', '-')} has no equivalent in relax_hpc yet" in msg and "Fix: remove it" in msg
@@ -532,3 +532,19 @@ def test_a_custom_generate_function_is_loaded_and_checked_before_submission(tmp_
                           "rollout": {"rollout_batch_size": 2, "partial_rollout": True, "over_sampling_batch_size": 4,
                                       "custom_generate_function_path": "g.generate"}})
     assert "rollout.partial_rollout" in str(e.value) and "custom_generate_function_path" in str(e.value)
+
+
+def test_multi_turn_keys_are_checked_before_submission(tmp_path):
+    (tmp_path / "env_x.py").write_text("def build_env(sample=None, args=None, **_):\n    return None\n")
+    (tmp_path / "env_bad.py").write_text("def make_env():\n    return None\n")
+    ok = {"rollout": {"interaction_env_path": "env_x.py", "max_turns": 2}}
+    assert file_problems(ok, tmp_path) == {}
+    assert "rollout.interaction_env_path" in file_problems({"rollout": {"interaction_env_path": "env_bad.py"}},
+                                                           tmp_path)
+    for rollout, key in (({"interaction_env_path": "env_x.py", "max_turns": 0}, "rollout.max_turns"),
+                         ({"max_turns": 2}, "rollout.max_turns"),
+                         ({"env_step_timeout_s": 0}, "rollout.env_step_timeout_s"),
+                         ({"turn_truncation": "maybe"}, "rollout.turn_truncation")):
+        with pytest.raises(RecipeError) as e:
+            recipe_from_dict({"rollout": rollout})
+        assert key in str(e.value), (rollout, str(e.value))

@@ -1,0 +1,210 @@
+"""Multi-turn rollouts against an environment written to Relax's ``BaseInteractionEnv`` contract.
+
+``rollout.interaction_env_path`` (or Relax's ``rollout_interaction_env_path`` in the ``custom_config_path`` YAML)
+names a module with ``build_env(sample=None, args=None, **_)``. The env it builds has ``reset() -> (obs, info)``,
+``step(response_text) -> (obs, done, info)``, ``close()`` and optionally ``format_observation(obs)``; sync or async.
+Observations are Relax's dicts ``{"obs_str": str, "role": "user", ...}``.
+
+One rollout, turn by turn (Relax's reference loop, ``examples/deepeyes/rollout.py``):
+
+1. ``/generate`` with the tokens so far (prompt, then every turn), through the driver (routing, retries, dead
+   engines, weight versions), at most ``max_response_len`` new tokens and never past the context budget;
+2. the engine's output ids are appended as they are, with loss mask 1 and their log-probs: tokens in, tokens out,
+   never re-tokenized;
+3. ``env.step(text)`` under ``rollout.env_step_timeout_s``;
+4. unless done, the observation is encoded as a continuation (:func:`encode_observation`, the one place that knows
+   the chat template's turn boundary) and appended with loss mask 0 and log-prob 0.
+
+It stops on the engine's length limit (``truncated_by: response``; with ``rollout.turn_truncation: continue`` such a
+turn goes to the env like any other, for tasks whose answers are exactly ``max_response_len`` tokens), the context budget ``rollout.max_context_len``
+(``context``), ``max_turns`` (``turns``), the env's ``done``, or an abort. Every stop is recorded in
+``metadata["rollout_stop_reason"]``, with ``rollout_turns`` and per-turn ``rollout_traces``. An env that raises,
+times out or returns something malformed fails only its sample: status FAILED, loss mask all 0, reward 0, the
+reason logged and in ``metadata["env_error"]``; under ``reward_error_policy: fail`` it fails the step instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+from relax_hpc.rollout.sample import Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from relax_hpc.rollout.client import SamplingParams
+    from relax_hpc.rollout.driver import BatchCounters, RolloutDriver
+
+log = logging.getLogger(__name__)
+
+_DUMMY = [{"role": "system", "content": "x"}, {"role": "user", "content": "x"}]
+
+
+def env_factory(path: str) -> str:
+    """The ``build_env`` of an env module named as Relax names it (``examples.x.env_x``) or as a file."""
+    return f"{path}:build_env" if path.endswith(".py") else f"{path}.build_env"
+
+
+class EnvError(RuntimeError):
+    """The environment raised, timed out or broke its contract, for one sample."""
+
+
+def _in_thread(fn: Callable, *args: Any) -> asyncio.Future:
+    """``fn(*args)`` on a daemon thread of its own: a sync env call that hangs past its timeout is abandoned
+    there, where asyncio's default executor would make the batch (and the process) wait for it at the end."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not fut.done():
+            fut.set_exception(error) if error is not None else fut.set_result(value)
+
+    def run() -> None:
+        try:
+            value, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            value, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the loop is gone: nobody waits for this call any more
+            pass
+
+    threading.Thread(target=run, name="env-call", daemon=True).start()
+    return fut
+
+
+async def _call(fn: Callable, *args: Any, timeout: float | None) -> Any:
+    """Call a sync or async env method under ``timeout`` seconds (a sync one runs on a thread of its own)."""
+    coro = fn(*args) if inspect.iscoroutinefunction(fn) else _in_thread(fn, *args)
+    name = getattr(fn, "__name__", "env call")
+    try:
+        return await asyncio.wait_for(coro, timeout)
+    except TimeoutError:
+        raise EnvError(f"{name}() took longer than {timeout} s (rollout.env_step_timeout_s)") from None
+    except Exception as e:  # the env's own code: it fails its sample, not the step
+        raise EnvError(f"{name}() raised {type(e).__name__}: {e}") from e
+
+
+def encode_observation(tokenizer: Any, obs: dict, env: Any, chat: bool) -> tuple[list[int], str]:
+    """An observation's tokens as a continuation of the conversation: with a chat template, the dummy-prefix trick
+    (render DUMMY + [message] with the generation prompt, keep what comes after DUMMY, drop a leading BOS), so the
+    turn boundary is the template's; without one, the text's own tokens."""
+    message = env.format_observation(obs) if hasattr(env, "format_observation") else \
+        {"role": obs.get("role", "user"), "content": obs["obs_str"]}
+    text = obs["obs_str"]
+    if not chat:
+        return list(tokenizer.encode(text, add_special_tokens=False)), text
+    base = tokenizer.apply_chat_template(_DUMMY, tokenize=True)
+    full = tokenizer.apply_chat_template(_DUMMY + [message], tokenize=True, add_generation_prompt=True)
+    ids = list(full[len(base):])
+    if ids and tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id:
+        ids = ids[1:]
+    return ids, tokenizer.decode(ids)
+
+
+def _check_obs(obs: Any, where: str) -> dict:
+    if not isinstance(obs, dict) or not isinstance(obs.get("obs_str"), str):
+        raise EnvError(f"{where} returned {type(obs).__name__} as the observation: Relax's form is a dict "
+                       "{'obs_str': str, 'role': 'user'}")
+    return obs
+
+
+@dataclasses.dataclass
+class MultiTurn:
+    """What the loop needs besides the driver: the env factory and the limits."""
+
+    build_env: Callable
+    args: Any
+    max_turns: int
+    max_context_len: int | None
+    step_timeout_s: float
+    chat: bool  # data.apply_chat_template: observations follow the chat template
+    continue_truncated: bool = False  # rollout.turn_truncation = continue: a turn cut at max_response_len is a turn
+
+
+async def generate_multiturn(driver: RolloutDriver, mt: MultiTurn, sample: Sample, sp: SamplingParams, *,
+                             evaluation: bool, batch: BatchCounters, seed: int | None) -> Sample:
+    """One multi-turn rollout of ``sample`` (see the module docstring); the sample is filled in place."""
+    from relax_hpc.rollout.driver import sample_seed
+
+    prompt_ids = driver._prompt_ids(sample)
+    sample.reset_response(prompt_ids)
+    traces: list[dict] = []
+    md = sample.metadata
+    env = None
+    try:
+        env = await _call(lambda: mt.build_env(sample=sample, args=mt.args), timeout=mt.step_timeout_s)
+        await _call(env.reset, timeout=mt.step_timeout_s)
+        turn = 0
+        while True:
+            budget = None if mt.max_context_len is None else mt.max_context_len - len(sample.tokens)
+            if budget is not None and budget <= 0:
+                sample.status, md["rollout_stop_reason"] = SampleStatus.TRUNCATED, "context"
+                break
+            new = sp.max_new_tokens if budget is None else min(sp.max_new_tokens or budget, budget)
+            turn_sp = dataclasses.replace(sp, max_new_tokens=new,
+                                          sampling_seed=None if seed is None else sample_seed(seed, turn))
+            gen = await driver.request(list(sample.tokens), turn_sp, evaluation=evaluation, batch=batch,
+                                       who=f"sample index={sample.index} turn {turn + 1}")
+            text = gen.text if gen.text is not None else driver.tokenizer.decode(gen.output_ids)
+            sample.append_response(gen.output_ids, text, gen.output_logprobs,
+                                   loss_mask_value=0 if sample.remove_sample else 1)
+            sample.update_from_meta_info(gen.meta_info)
+            turn += 1
+            trace = {"turn": turn, "response": text, "output_ids": list(gen.output_ids)}
+            traces.append(trace)
+            if gen.aborted:
+                sample.status, md["rollout_stop_reason"] = SampleStatus.ABORTED, "abort"
+                break
+            if gen.truncated:
+                hit_budget = budget is not None and new == budget
+                trace["truncated"] = True
+                if hit_budget or not mt.continue_truncated:
+                    sample.status = SampleStatus.TRUNCATED
+                    md["rollout_stop_reason"] = "context" if hit_budget else "response"
+                    break
+            out = await _call(env.step, text, timeout=mt.step_timeout_s)
+            if not isinstance(out, tuple) or len(out) != 3:
+                raise EnvError(f"env.step returned {type(out).__name__}: Relax's form is (obs, done, info)")
+            obs, done, info = out
+            trace["info"] = info if isinstance(info, dict) else {}
+            if done:
+                sample.status, md["rollout_stop_reason"] = SampleStatus.COMPLETED, "done"
+                break
+            if turn >= mt.max_turns:
+                sample.status, md["rollout_stop_reason"] = SampleStatus.COMPLETED, "turns"
+                break
+            ids, obs_text = encode_observation(driver.tokenizer, _check_obs(obs, "env.step"), env, mt.chat)
+            trace["obs"] = obs_text
+            sample.append_response(ids, obs_text, [0.0] * len(ids), loss_mask_value=0)
+    except EnvError as e:
+        _env_failed(sample, str(e), driver)
+    finally:
+        md["rollout_turns"] = len(traces)
+        md["rollout_traces"] = traces
+        if env is not None and hasattr(env, "close"):
+            try:
+                await _call(env.close, timeout=mt.step_timeout_s)
+            except EnvError as e:  # a close that fails changes nothing of the sample
+                log.warning("sample index=%s: %s", sample.index, e)
+    return sample
+
+
+def _env_failed(sample: Sample, why: str, driver: RolloutDriver) -> None:
+    from relax_hpc.rollout.driver import RolloutError
+
+    if driver.cfg.reward_error_policy == "fail":
+        raise RolloutError(f"sample index={sample.index}: the environment failed: {why} "
+                           "(rollout.reward_error_policy = fail; 'skip' fails only the sample)")
+    log.error("sample index=%s: the environment failed, the sample is FAILED with loss mask 0: %s", sample.index, why)
+    sample.metadata["env_error"] = why
+    sample.metadata["rollout_stop_reason"] = "env_error"
+    if sample.response_length == 0:
+        pad = getattr(driver.tokenizer, "eos_token_id", None) or 0
+        sample.append_response([int(pad)], "", [0.0], loss_mask_value=0)
+    sample.loss_mask = [0] * sample.response_length
+    sample.status = SampleStatus.FAILED
+    sample.reward = 0.0
