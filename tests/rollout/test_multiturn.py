@@ -122,3 +122,20 @@ def test_by_default_a_turn_cut_at_max_response_len_stops_the_rollout(cpu_engine,
     res = RolloutDriver(recipe, [cpu_engine], tokenizer=tok).generate_rollout_sync(groups(), seed=21)
     assert all(s.status is SampleStatus.TRUNCATED and s.metadata["rollout_turns"] == 1 for s in res.samples)
     assert res.metrics["rollout/truncated_by/response"] == 1.0 and res.metrics["rollout/turns"] == 1.0
+
+
+def test_an_observation_is_encoded_as_a_chat_continuation(tiny_llama):
+    """With a chat template, the observation's tokens are exactly what the template adds for that message after the
+    conversation so far, generation prompt included (the dummy-prefix trick); without one, the text's own ids."""
+    from relax_hpc.rollout.multiturn import encode_observation
+
+    tok = load_tokenizer(tiny_llama)
+
+    class Env:
+        pass
+
+    ids, text = encode_observation(tok, {"obs_str": "no", "role": "user"}, Env(), chat=True)
+    assert text == "<|im_start|>user\nno<|im_end|>\n<|im_start|>assistant\n"
+    assert ids == tok.encode(text, add_special_tokens=False)
+    ids, text = encode_observation(tok, {"obs_str": " no=", "role": "user"}, Env(), chat=False)
+    assert (ids, text) == (tok.encode(" no=", add_special_tokens=False), " no=")
