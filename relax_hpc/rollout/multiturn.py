@@ -177,7 +177,12 @@ async def generate_multiturn(driver: RolloutDriver, mt: MultiTurn, sample: Sampl
             if turn >= mt.max_turns:
                 sample.status, md["rollout_stop_reason"] = SampleStatus.COMPLETED, "turns"
                 break
-            ids, obs_text = encode_observation(driver.tokenizer, _check_obs(obs, "env.step"), env, mt.chat)
+            try:
+                ids, obs_text = encode_observation(driver.tokenizer, _check_obs(obs, "env.step"), env, mt.chat)
+            except EnvError:
+                raise
+            except Exception as e:  # format_observation is the env's code too
+                raise EnvError(f"the observation could not be encoded: {type(e).__name__}: {e}") from e
             trace["obs"] = obs_text
             sample.append_response(ids, obs_text, [0.0] * len(ids), loss_mask_value=0)
     except EnvError as e:
