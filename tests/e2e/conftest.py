@@ -91,3 +91,28 @@ def tensorboard_tags(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def reference_rows(tmp_dir: Path, model: Path, *overrides: str, name: str, steps: int) -> dict[int, dict]:
+    """Per-step metrics of the quickstart with ``overrides`` run straight through locally: what an interrupted run
+    must end equal to. For module-scoped fixtures (pytest's ``monkeypatch`` fixture is function-scoped)."""
+    from relax_hpc.controller import run_controller
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RELAX_EXECUTOR", "local")
+        run = make_run(tmp_dir, model, *overrides, name=name)
+        assert run_controller(run.path)["state"] == "COMPLETED"
+    rows = {r["step"]: r for r in metrics(run)}
+    assert sorted(rows) == list(range(1, steps + 1))
+    return rows
+
+
+def hold(run: RunDir, step: int) -> None:
+    """RUN_DIR/pause: no rollout step after ``step`` starts (the controller's pause file), so a fault lands at a
+    known point instead of racing the run."""
+    (run.path / "pause").write_text(f"{step}\n")
+
+
+def held_at(run: RunDir, step: int) -> bool:
+    st = state(run)
+    return st.get("state") == "RUNNING" and st.get("step") == step and st.get("phase") == "paused"

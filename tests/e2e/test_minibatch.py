@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from relax_hpc.controller import run_controller
 from relax_hpc.exchange.audit import exactly_once
 from relax_hpc.launch.cancel import cancel
 from relax_hpc.rundir import RunDir
 
-from .conftest import QUICKSTART, REPO, make_run, metrics, quickstart_overrides, state, wait_until
+from .conftest import QUICKSTART, REPO, held_at, hold, metrics, quickstart_overrides, reference_rows, state, wait_until
 
 STEPS = 6
 K = 4
@@ -29,13 +28,7 @@ SMALL = (f"run.steps={STEPS}", f"train.num_steps_per_rollout={K}", "rollout.roll
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_model) -> dict[int, dict]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RELAX_EXECUTOR", "local")
-        ref = make_run(tmp_path_factory.mktemp("mb"), tiny_model, *SMALL, name="mb")
-        assert run_controller(ref.path)["state"] == "COMPLETED"
-    rows = {r["step"]: r for r in metrics(ref)}
-    assert sorted(rows) == list(range(1, STEPS + 1))
-    return rows
+    return reference_rows(tmp_path_factory.mktemp("mb"), tiny_model, *SMALL, name="mb", steps=STEPS)
 
 
 def test_k_updates_per_rollout_step_move_the_ratio_off_one(reference):
@@ -63,15 +56,11 @@ def test_a_requeued_mini_batch_run_matches_the_uninterrupted_one(reference, tmp_
     assert out.returncode == 0, out.stderr
     run = RunDir(Path(json.loads(out.stdout)["run_dir"]))
 
-    def held_at(step: int) -> bool:
-        st = state(run)
-        return st.get("state") == "RUNNING" and st.get("step") == step and st.get("phase") == "paused"
-
     try:
-        (run.path / "pause").write_text("3\n")  # no step after 3 starts: SIGUSR2 lands between steps
-        wait_until(lambda: held_at(3), 300, every=0.05, what="step 3 done, the run held")
+        hold(run, 3)  # no step after 3 starts: SIGUSR2 lands between steps
+        wait_until(lambda: held_at(run, 3), 300, every=0.05, what="step 3 done, the run held")
         os.kill(run.read_json(run.controller_addr)["pid"], signal.SIGUSR2)
-        wait_until(lambda: state(run).get("attempt") == 1 and held_at(3), 300, what="attempt 1 running")
+        wait_until(lambda: state(run).get("attempt") == 1 and held_at(run, 3), 300, what="attempt 1 running")
         assert state(run)["last_checkpoint"]["step"] == 3
         (run.path / "pause").unlink()
         wait_until(lambda: state(run).get("state") not in (None, "RUNNING", "REQUEUED"), 600, every=0.5,

@@ -29,14 +29,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from relax_hpc.controller import run_controller
 from relax_hpc.exchange.audit import audit, exactly_once
 from relax_hpc.launch.cancel import CancelError, cancel, checkpoint_then_stop
 from relax_hpc.launch.status import collect, is_final
 from relax_hpc.rundir import RunDir
 
-from .conftest import (QUICKSTART, REPO, make_run, metrics, quickstart_overrides, state, submit_slurm,
-                       tensorboard_tags, wait_until)
+from .conftest import (QUICKSTART, REPO, held_at, hold, metrics, quickstart_overrides, reference_rows, state,
+                       submit_slurm, tensorboard_tags, wait_until)
 
 STEPS = 10
 KEYS = ("train/loss", "train/pg_loss", "train/grad_norm", "rollout/raw_reward")
@@ -46,13 +45,7 @@ SMALL = (f"run.steps={STEPS}", "checkpoint.interval=2", "checkpoint.keep=3", "ro
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_model) -> dict[int, dict]:
     """Per-step metrics of the run uninterrupted."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RELAX_EXECUTOR", "local")
-        ref = make_run(tmp_path_factory.mktemp("ref"), tiny_model, *SMALL, name="ref")
-        assert run_controller(ref.path)["state"] == "COMPLETED"
-    want = {r["step"]: r for r in metrics(ref)}
-    assert sorted(want) == list(range(1, STEPS + 1))
-    return want
+    return reference_rows(tmp_path_factory.mktemp("ref"), tiny_model, *SMALL, name="ref", steps=STEPS)
 
 
 def same_steps(run: RunDir, want: dict[int, dict]) -> None:
@@ -65,17 +58,6 @@ def same_steps(run: RunDir, want: dict[int, dict]) -> None:
     assert [s for s, _ in tags["train/loss"]] == list(range(1, STEPS + 1))
     assert [v for _, v in tags["train/loss"]] == pytest.approx([want[s]["train/loss"] for s in range(1, STEPS + 1)],
                                                                abs=1e-6)
-
-
-def hold(run: RunDir, step: int) -> None:
-    """RUN_DIR/pause: no rollout step after ``step`` starts (the controller's pause file), so a fault lands at a
-    known point instead of racing the run."""
-    (run.path / "pause").write_text(f"{step}\n")
-
-
-def held_at(run: RunDir, step: int) -> bool:
-    st = state(run)
-    return st.get("state") == "RUNNING" and st.get("step") == step and st.get("phase") == "paused"
 
 
 class Inbox(http.server.BaseHTTPRequestHandler):
