@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -116,3 +117,14 @@ def hold(run: RunDir, step: int) -> None:
 def held_at(run: RunDir, step: int) -> bool:
     st = state(run)
     return st.get("state") == "RUNNING" and st.get("step") == step and st.get("phase") == "paused"
+
+
+def submit_detached(tmp_path: Path, model: Path, *overrides: str) -> RunDir:
+    """``relax-submit --local --detach`` of the quickstart with ``overrides``: the real local path, whose runner
+    starts the controller again when it asks to be requeued. The run directory."""
+    out = subprocess.run(
+        [sys.executable, "-m", "relax_hpc.launch.cli", "--local", "--detach", "--json", str(QUICKSTART),
+         *quickstart_overrides(model, tmp_path / "runs", *overrides)],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return RunDir(Path(json.loads(out.stdout)["run_dir"]))

@@ -4,20 +4,15 @@ the first, so from the second update on the ratio moves off 1 and clipping acts;
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from relax_hpc.exchange.audit import exactly_once
 from relax_hpc.launch.cancel import cancel
-from relax_hpc.rundir import RunDir
 
-from .conftest import QUICKSTART, REPO, held_at, hold, metrics, quickstart_overrides, reference_rows, state, wait_until
+from .conftest import held_at, hold, metrics, reference_rows, state, submit_detached, wait_until
 
 STEPS = 6
 K = 4
@@ -49,12 +44,7 @@ def test_k_updates_per_rollout_step_move_the_ratio_off_one(reference):
 
 @pytest.mark.slow
 def test_a_requeued_mini_batch_run_matches_the_uninterrupted_one(reference, tmp_path, tiny_model, local_executor):
-    out = subprocess.run(
-        [sys.executable, "-m", "relax_hpc.launch.cli", "--local", "--detach", "--json", str(QUICKSTART),
-         *quickstart_overrides(tiny_model, tmp_path / "runs", *SMALL)],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    run = RunDir(Path(json.loads(out.stdout)["run_dir"]))
+    run = submit_detached(tmp_path, tiny_model, *SMALL)
 
     try:
         hold(run, 3)  # no step after 3 starts: SIGUSR2 lands between steps

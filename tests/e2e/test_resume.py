@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -34,8 +33,8 @@ from relax_hpc.launch.cancel import CancelError, cancel, checkpoint_then_stop
 from relax_hpc.launch.status import collect, is_final
 from relax_hpc.rundir import RunDir
 
-from .conftest import (QUICKSTART, REPO, held_at, hold, metrics, quickstart_overrides, reference_rows, state,
-                       submit_slurm, tensorboard_tags, wait_until)
+from .conftest import (REPO, held_at, hold, metrics, quickstart_overrides, reference_rows, state,
+                       submit_detached, submit_slurm, tensorboard_tags, wait_until)
 
 STEPS = 10
 KEYS = ("train/loss", "train/pg_loss", "train/grad_norm", "rollout/raw_reward")
@@ -87,12 +86,7 @@ def inbox(monkeypatch):
 def test_an_interrupted_run_ends_as_if_never_interrupted(reference, tmp_path, tiny_model, local_executor, inbox):
     want = reference
 
-    out = subprocess.run(
-        [sys.executable, "-m", "relax_hpc.launch.cli", "--local", "--detach", "--json", str(QUICKSTART),
-         *quickstart_overrides(tiny_model, tmp_path / "runs", *SMALL)],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    run = RunDir(Path(json.loads(out.stdout)["run_dir"]))
+    run = submit_detached(tmp_path, tiny_model, *SMALL)
     try:
         # 1. the time-limit warning, once step 1 is done (RUN_DIR/pause "1": no step after 1 starts)
         hold(run, 1)
