@@ -170,7 +170,8 @@ class TaskMessage(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class StartEnginesTask(TaskMessage):
-    """rollout: report the engines (started before the bootstrap, one per rank) and the data cursor."""
+    """rollout: report the engines (started before the bootstrap, one per rank) and the data cursor;
+    genrm: report the judge engines (no cursor)."""
 
     kind: ClassVar[str] = "start_engines"
 
@@ -193,6 +194,7 @@ class GenerateTask(TaskMessage):
     engines: dict[str, str]  # the live ones, {name: url}
     seq: int  # the producer's chunk sequence number (the broker's next_seq)
     data_state: dict | None  # the data cursor after step−1; None: where the data source stands
+    judges: dict[str, str] = field(default_factory=dict)  # the genrm role's engines {name: url}, if it runs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,6 +247,7 @@ class EvalTask(TaskMessage):
 
     kind: ClassVar[str] = "eval"
     step: int
+    judges: dict[str, str] = field(default_factory=dict)  # as GenerateTask's
 
 
 @dataclass(frozen=True, kw_only=True)

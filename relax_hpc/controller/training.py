@@ -16,6 +16,8 @@ idle role does next in one place, :meth:`TrainingLoop._pump`:
 - actor, when idle: ``train(N)`` once step N's chunks have every field it needs, then ``sync(N)``
   (weights → engines, version ``"N"``), then ``checkpoint(N)`` every ``checkpoint.interval`` steps and
   after the last.
+- genrm (``roles.genrm``): ``start_engines`` only; its judges' URLs go with every ``generate`` and ``eval``, and
+  rollout starts none before they are known.
 - eval (``rollout.eval_interval``; Relax's schedule): ``eval(N)`` goes to rollout once ``sync(N)`` is done, after
   every ``eval_interval``-th step and after the last, and ``eval(0)`` before training unless
   ``rollout.skip_eval_before_train``. Rollout does it before its next ``generate`` (it is idle then in
@@ -122,7 +124,7 @@ class TrainingLoop:
         self.pending: dict[int, Task] = {}
         self.fwd_weights = {r: 0 for r in self.fwd}  # the step whose weights it holds (0: the model on disk)
         # enabled forward roles serve tasks until told to stop, work or not
-        self.roles = ["rollout", "actor"] + [r for r in ("reference", "actor_fwd") if recipe.role(r).enabled]
+        self.roles = ["rollout", "actor"] + [r for r in ("reference", "actor_fwd", "genrm") if recipe.role(r).enabled]
         self.started = False  # engines up, weights connected (and resynced on a resume)
         self.step = self.generated = k  # synced steps; steps generated
         self.ready: dict[int, set[str]] = {}  # steps generated (chunks announced), not yet trained -> the
@@ -140,6 +142,8 @@ class TrainingLoop:
         self.outcome: str | None = None  # "requeue" or "cancel" once a requested stop is done
         self.engines: dict[str, str] = {}
         self.engine_info: dict[str, dict] = {}
+        # the GenRM judges (roles.genrm): rollout gets them with every generate and eval, so none starts before
+        self.judges: dict[str, str] | None = None if recipe.roles.genrm.enabled else {}
         self.evals: list[int] = []  # steps whose eval is due, not yet handed to rollout (ascending)
         self.evaluating: int | None = None  # the step whose eval rollout is doing
         self.held_sync: int | None = None  # a trained step whose sync waits for an earlier step's eval
@@ -152,6 +156,8 @@ class TrainingLoop:
             state.event("resumed", f"from the checkpoint of step {k}")
         state.progress(step=k, generated=k, phase="starting engines", reward=None, engines={}, mode=recipe.mode)
         self._assign("rollout", k, M.StartEnginesTask())  # generate(n) carries the cursor (data_states[n-1])
+        if self.judges is None:
+            self._assign("genrm", k, M.StartEnginesTask())
         for r in self.fwd:  # a resumed actor_fwd follows the checkpoint; a refreshed reference too (the latest)
             if latest and (r == "actor_fwd" or recipe.algorithm.ref_update_interval):
                 self._assign(r, k, M.LoadTask(path=self.resume_path))
@@ -179,7 +185,7 @@ class TrainingLoop:
 
     def _pump(self) -> None:
         """Give each idle role its next task (the one place that decides)."""
-        if not self.started or self.outcome is not None or not self.state.running:
+        if not self.started or self.judges is None or self.outcome is not None or not self.state.running:
             return
         if self._idle("actor") and self.held_sync is None:  # a held sync: the actor's step is not done yet
             if self.stop_request is not None:
@@ -208,7 +214,7 @@ class TrainingLoop:
         if self._idle("rollout") and self.evals:  # a due eval before the next generate: the weights it is due on
             n = self.evals.pop(0)
             self.evaluating = n
-            self._assign("rollout", n, M.EvalTask(step=n))
+            self._assign("rollout", n, M.EvalTask(step=n, judges=self.judges))
         if self._idle("rollout") and self.stop_request is None and (self.regen or self.generated < self.total):
             n = min(self.regen) if self.regen else self.generated + 1  # a step voided for damage comes first
             if self.state.running and not self._paused(n) and self.broker.start_step(n):  # the staleness gate
@@ -219,7 +225,8 @@ class TrainingLoop:
                 # data_state: the cursor after step n-1, so that step n (also when generated again) gets its prompts
                 self._assign("rollout", n, M.GenerateTask(step=n, engines=self._live(),
                                                           seq=self.broker.next_seq(PRODUCER),
-                                                          data_state=self.data_states.get(n - 1)))
+                                                          data_state=self.data_states.get(n - 1),
+                                                          judges=self.judges))
         self.state.progress(phase=self._phase(), generated=self.generated)
 
     def _eval_due(self, n: int) -> bool:
@@ -363,6 +370,12 @@ class TrainingLoop:
         return nodes[0]
 
     def _start_engines_done(self, task: Task, res: M.StartEnginesResult) -> None:
+        if task.role == "genrm":  # judges: frozen, no weight sync; rollout gets them with its tasks
+            self.judges = dict(res.engines)
+            log.info("genrm judges: %s", ", ".join(f"{n} {u}" for n, u in self.judges.items()))
+            self.state.progress(judges={n: {"url": u, "pid": res.pids.get(n), "node": res.nodes.get(n)}
+                                        for n, u in self.judges.items()})
+            return
         if self.data_states.get(self.step) is None and res.data_state:  # the cursor step k+1 starts from
             self.data_states[self.step] = res.data_state
         self.engines = dict(res.engines)

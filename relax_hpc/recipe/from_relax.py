@@ -120,6 +120,9 @@ def convert(argv: list[str]) -> tuple[dict, list[str]]:
         if isinstance(group, dict) and group.get("gpus_per_node") and "tasks_per_node" not in group:
             group["tasks_per_node"] = group["gpus_per_node"]
             notes.append(f"roles.{role}.tasks_per_node: {group['gpus_per_node']}, one rank per GPU as in Relax")
+    if (data.get("genrm") or {}).get("model_path") and "genrm" not in (data.get("roles") or {}):
+        _put(data, "roles.genrm.enabled", True)  # Relax's --genrm-model-path enables the judge
+        notes.append("roles.genrm.enabled: true, as --genrm-model-path enables Relax's judge (size it: roles.genrm)")
     for key, value in RELAX_DEFAULTS.items():
         if key not in given:
             _put(data, key, value)

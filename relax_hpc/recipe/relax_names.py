@@ -77,7 +77,12 @@ RELAX_NAMES: dict[str, str | None] = {
     "rm_url": "rollout.rm_url",
     "rm_type_fallback": None,
     "custom_reward_post_process_path": None,
-    "genrm_model_path": None,
+    "genrm_model_path": "genrm.model_path",
+    "genrm_num_gpus": "roles.genrm",
+    "genrm_num_gpus_per_engine": None,
+    "genrm_engine_config": None,
+    "genrm_sampling_config": "genrm.sampling",
+    "defer_reward_to_post_process": None,
     # --- eval ------------------------------------------------------------------------------------------
     "eval_interval": "rollout.eval_interval",
     "eval_prompt_data": "data.eval_prompt_data",

@@ -9,12 +9,12 @@ are imported here so that one place lists everything a recipe may say. Field typ
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from relax_hpc.algo.config import AlgorithmConfig
 from relax_hpc.train.config import TrainConfig
 
-ROLE_NAMES = ("actor", "rollout", "reference", "actor_fwd")
+ROLE_NAMES = ("actor", "rollout", "reference", "actor_fwd", "genrm")
 """Roles that run as Slurm job steps, in het-group order. ``advantages`` runs beside the controller."""
 
 
@@ -45,6 +45,30 @@ class Roles:
     rollout: RoleGroup = field(default_factory=RoleGroup)
     reference: RoleGroup = field(default_factory=lambda: RoleGroup(enabled=False))
     actor_fwd: RoleGroup = field(default_factory=lambda: RoleGroup(enabled=False))
+    genrm: RoleGroup = field(default_factory=lambda: RoleGroup(enabled=False))  # judge engines (GenRMConfig)
+
+
+@dataclass
+class GenRMSampling:
+    """The judge's sampling defaults (Relax's ``--genrm-sampling-config``, with its service's fallbacks);
+    a reward function's ``sampling_params`` override them per call."""
+
+    temperature: float = 0.2
+    top_p: float = 1.0
+    top_k: int = -1
+    max_response_len: int = 1024
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenRMConfig:
+    """A generative reward model (LLM judge) on engines of its own (``roles.genrm``): frozen weights, never synced.
+    Reward functions call :func:`relax_hpc.rollout.genrm.generate`; ``rollout.rm_type: dapo-genrm`` uses it."""
+
+    model_path: str | None = None  # Relax's --genrm-model-path; setting it needs roles.genrm.enabled
+    sampling: GenRMSampling = field(default_factory=GenRMSampling)
+    request_timeout_s: float = 600.0  # one judge call, retries included
+    retries: int = 3  # attempts on a transport error or 5xx, each on the next live judge (Relax: 3)
 
 
 @dataclass
@@ -172,6 +196,7 @@ class Recipe:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     roles: Roles = field(default_factory=Roles)
+    genrm: GenRMConfig = field(default_factory=GenRMConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -26,7 +26,7 @@ from relax_hpc.recipe.errors import _MISSING
 from relax_hpc.recipe.relax_names import RELAX_NAMES, cli_flag, relax_flag
 from relax_hpc.recipe.schema import ROLE_NAMES, Recipe
 from relax_hpc.rollout.data import DataError, check_config as check_data, expand_paths
-from relax_hpc.rollout.rewards import BUILTIN_REWARDS, GENERATE_PARAMS, REWARD_PARAMS, relax_args
+from relax_hpc.rollout.rewards import AWAITED_REWARDS, BUILTIN_REWARDS, GENERATE_PARAMS, REWARD_PARAMS, relax_args
 from relax_hpc.rollout.multiturn import env_factory
 from relax_hpc.train.config import check as check_train, steps_per_rollout
 
@@ -227,7 +227,35 @@ def check(recipe: Recipe) -> list[Problem]:
     problems += _check_rm_type(recipe)
     problems += _check_batch(recipe)
     problems += _check_dynamic_sampling(recipe.rollout, recipe.mode)
+    problems += _check_genrm(recipe)
     return problems
+
+
+def _check_genrm(r: Recipe) -> list[Problem]:
+    """A judge role without a model, or a model without judge engines, would validate and do nothing."""
+    g, on = r.genrm, r.roles.genrm.enabled
+    out: list[Problem] = []
+    if on and g.model_path is None:
+        out.append(("genrm.model_path", None, "is required with roles.genrm.enabled: true (Relax --genrm-model-path). "
+                    "Fix: the judge model's directory, or disable roles.genrm"))
+    if g.model_path is not None and not on:
+        out.append(("roles.genrm.enabled", False, f"genrm.model_path is set ({g.model_path!r}) but no judge engines "
+                    "would run. Fix: set roles.genrm.enabled: true (and its nodes), or remove genrm.model_path"))
+    if r.rollout.rm_type == "dapo-genrm" and r.rollout.custom_rm_path is None and not on:
+        out.append(("rollout.rm_type", "dapo-genrm", "asks a GenRM judge, and the recipe has none. Fix: set "
+                    "genrm.model_path and roles.genrm.enabled: true"))
+    if r.roles.genrm.share_with is not None:
+        out.append(("roles.genrm.share_with", r.roles.genrm.share_with, "the judge engines need nodes of their own "
+                    "here. Fix: remove it and give roles.genrm its own nodes"))
+    for key, val in (("request_timeout_s", g.request_timeout_s), ("sampling.max_response_len", g.sampling.max_response_len),
+                     ("sampling.top_p", g.sampling.top_p)):
+        if val <= 0:
+            out.append((f"genrm.{key}", val, "must be more than 0"))
+    if g.retries < 1:
+        out.append(("genrm.retries", g.retries, "must be at least 1 (the number of attempts of one judge call)"))
+    if g.sampling.temperature < 0:
+        out.append(("genrm.sampling.temperature", g.sampling.temperature, "must be 0 or more"))
+    return out
 
 
 def _check_dynamic_sampling(ro: Any, mode: str) -> list[Problem]:
@@ -333,13 +361,13 @@ def _check_rm_type(r: Recipe) -> list[Problem]:
                         "sample is POSTed there as {prompt, response, label}. Fix: set rollout.rm_url to the reward "
                         "server's http(s) URL"))
         return out
-    if known_rm_type(rm) and not rm.endswith("_remote_rm"):
+    boxed_awaited = rm.startswith("boxed_") and rm.split("boxed_")[-1] in AWAITED_REWARDS
+    if known_rm_type(rm) and not boxed_awaited:
         return out
     known = ", ".join(BUILTIN_REWARDS)
-    what = ("is refused: remote_rm sends the server the whole response, so it has no boxed_ form"
-            if rm.endswith("_remote_rm") and known_rm_type(rm) else
-            "is not a built-in reward of relax_hpc (Relax's ifbench, openr1mm, geo3k, mopd and dapo-genrm are not "
-            "built in)")
+    what = (f"is refused: {rm.split('boxed_')[-1]} reads the whole response itself, so it has no boxed_ form"
+            if boxed_awaited and known_rm_type(rm) else
+            "is not a built-in reward of relax_hpc (Relax's ifbench, openr1mm, geo3k and mopd are not built in)")
     return out + [("rollout.rm_type", rm, f"{what}. Fix: use one of {known}, or boxed_<one of them> (e.g. "
                    "boxed_math), or write your reward function and set rollout.custom_rm_path")]
 

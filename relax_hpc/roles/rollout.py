@@ -14,7 +14,8 @@ until ``stop``. Tasks (:mod:`relax_hpc.roles.tasks`; their fields and results: :
   engines (a dead one is reported by name and its requests go to the others), scored by the reward
   (``rollout.custom_rm_path`` / ``rm_type``), written as one chunk in ``RUN_DIR/exchange/step_<N>/``. Returns the chunk ref,
   Relax's ``rollout/*`` metrics, the data cursor, the weight versions the samples carry, reward failures
-  (with their samples) and engine failures.
+  (with their samples) and engine failures. With ``judges`` (the genrm role's engines), reward functions reach them
+  through :mod:`relax_hpc.rollout.genrm`, and the step's ``genrm/*`` counts join the metrics.
 - ``eval {step}``: every ``data.eval_prompt_data`` set (loaded once, at start; relative paths as ``data.path``'s),
   ``rollout.n_samples_per_eval_prompt`` samples per prompt, generated with the engines' current weights and the
   eval sampling parameters, scored with ``eval_reward_key`` (:func:`~relax_hpc.rollout.eval.run_eval`). Requests
@@ -36,11 +37,11 @@ import asyncio
 import dataclasses
 import logging
 import math
-import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from relax_hpc.roles.engine_host import gather_engines, start_rank_engine
 from relax_hpc.roles.model import resolve
 from relax_hpc.roles.runtime import RoleContext, main
 
@@ -48,42 +49,15 @@ if TYPE_CHECKING:
     from relax_hpc.controller.messages import EvalResult, EvalTask, GenerateResult, GenerateTask
 
 ROLE = "rollout"
-ENGINE_READY_S = 900.0
 log = logging.getLogger("relax_hpc.rollout")
 
 
 def _start_engine(ctx: RoleContext) -> Any:
-    """This rank's engine, started (not yet ready): SGLang on a GPU node with RELAX_SGLANG_PYTHON set, else
-    the CPU engine. Runs before the bootstrap (``prepare``), so the engine loads while torch is imported here;
-    registered for cleanup at once."""
-    if ctx.recipe.model.path is None:
+    """This rank's engine, started (not yet ready), seeded by (run seed, rank); None without ``model.path``."""
+    r = ctx.recipe
+    if r.model.path is None:
         return None
-    from relax_hpc.rollout.engines import start_engine
-
-    r, i = ctx.recipe, ctx.ident
-    local = i.node == "localhost"
-    host = "127.0.0.1" if local else "0.0.0.0"
-    logf = ctx.run.logs / f"engine{i.rank}.log"
-    key = ctx.run.api_key()  # every engine of the run answers only requests that carry it
-    if os.environ.get("RELAX_SGLANG_PYTHON") and _has_cuda():
-        gpus = max(1, r.roles.rollout.gpus_per_node // max(1, r.roles.rollout.tasks_per_node))
-        first = i.local_rank * gpus
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(str(first + k) for k in range(gpus))}
-        h = start_engine("sglang", resolve(r.model.path), tp=gpus, host=host, env=env, log_path=logf,
-                         api_key=key, extra_args=["--weight-version", "0", "--random-seed", str(r.run.seed + i.rank)])
-    else:
-        threads = max(1, r.roles.rollout.cpus_per_task)
-        h = start_engine("cpu", resolve(r.model.path), host=host, log_path=logf, api_key=key,
-                         extra_args=["--weight-version", "0", "--seed", str(r.run.seed + i.rank),
-                                     "--threads", str(threads)])
-    ctx.add_cleanup(lambda: h.stop(timeout=5.0))  # also on SIGTERM (the controller gives 10 s) and controller loss
-    return h
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    return start_rank_engine(ctx, r.roles.rollout, r.model.path, seed=r.run.seed + ctx.ident.rank, prefix="engine")
 
 
 def _sniffio_shim() -> None:
@@ -104,8 +78,6 @@ def work(ctx: RoleContext, comm: Any) -> None:
     if ctx.recipe.model.path is None:
         return
     _sniffio_shim()
-    import torch.distributed as dist
-
     from relax_hpc.controller import messages as M
     from relax_hpc.roles.tasks import serve
 
@@ -115,11 +87,7 @@ def work(ctx: RoleContext, comm: Any) -> None:
     engine = ctx.prepared
     try:
         gen = Generator(ctx) if i.rank == 0 else None  # tokenizer and data load while the engine does
-        engine.wait_ready(ENGINE_READY_S)
-        me = (f"engine{i.rank}", engine.url, engine.pid, i.node)
-        everyone: list[Any] = [None] * i.world
-        dist.all_gather_object(everyone, me)
-        ctx.report("ready", engine=engine.url)
+        everyone = gather_engines(ctx, engine, "engine")
         if gen is not None:
             gen.set_engines({n: u for n, u, _, _ in everyone})
 
@@ -190,6 +158,7 @@ class Generator:
         from relax_hpc.rollout.rewards import RewardError
 
         step = task.step
+        self._judges(task.judges)
         live = dict(task.engines or self.engines)
         if set(live) != set(self.driver.live_engines):  # the controller's view of which engines are alive wins
             self.driver.set_engines(live)
@@ -214,6 +183,10 @@ class Generator:
         metrics = dict(result.metrics)
         metrics["perf/exchange_write_time"] = time.monotonic() - t1
         metrics["perf/rollout_time"] = metrics.get("perf/rollout_time", t_gen)
+        if task.judges:
+            from relax_hpc.rollout import genrm
+
+            metrics.update(genrm.take_metrics())  # this step's judge calls
         versions = sorted({str(s.weight_version) for s in result.samples})
         return GenerateResult(
             metrics=metrics,
@@ -225,6 +198,14 @@ class Generator:
             engine_failures=[{"name": f.name, "url": f.url, "error": f.error} for f in result.engine_failures],
             dead_engines=self.driver.dead_engines,
         )
+
+    def _judges(self, judges: dict[str, str]) -> None:
+        """Point the GenRM client (reward functions' ``relax_hpc.rollout.genrm.generate``) at the run's judges."""
+        if judges:
+            from relax_hpc.rollout import genrm
+
+            genrm.configure(judges, self.recipe.genrm, api_key=self.ctx.run.api_key(),
+                            model_path=resolve(self.recipe.genrm.model_path))
 
     def evaluate(self, task: EvalTask) -> EvalResult:
         from relax_hpc.controller.messages import EvalResult
@@ -240,12 +221,17 @@ class Generator:
         # of key -1, which no training sample has): no request seed in common with training; the data cursor is
         # untouched
         seed = sample_seed(self.recipe.run.seed * 1_000_003 + step, -1)
+        self._judges(task.judges)
         try:
             metrics, _ = asyncio.run(run_eval(self.driver, self.eval_sets, step=step, seed=seed))
         except RewardError as e:  # as in generate: the full report to this log, the short one to the run's reason
             log.error("step %d eval: %s", step, e)
             e.report = f"{type(e).__name__}: {str(e).split(chr(10) + 'Traceback of the first failure:')[0]}"
             raise
+        if task.judges:  # the eval's judge calls, apart from the training steps'
+            from relax_hpc.rollout import genrm
+
+            metrics.update({f"eval/{k.replace('/', '_')}": v for k, v in genrm.take_metrics().items()})
         scores = ", ".join(f"{n} {metrics[f'eval/{n}']:.3f}" for n in self.eval_sets)
         log.info("step %d eval: %s (%.1f s)", step, scores, metrics.get("perf/eval_time", 0.0))
         return EvalResult(metrics={k: float(v) for k, v in metrics.items() if math.isfinite(v)})

@@ -2,7 +2,8 @@
 ``remote_rm``, scored by Relax's rules (``relax/engine/rewards/``); :data:`relax_hpc.rollout.rewards.BUILTIN_REWARDS`
 lists them. Each scorer is ``(response, label, metadata) -> float`` (``dapo``: a dict, read with
 ``rollout.reward_key: score``), except :func:`remote_rm`, which the :class:`~relax_hpc.rollout.rewards.RewardRunner`
-awaits itself (it needs the prompt and ``rollout.rm_url``).
+awaits itself (it needs the prompt and ``rollout.rm_url``), and :func:`dapo_genrm_reward`, which it awaits with the run's
+judge (:mod:`relax_hpc.rollout.genrm`).
 
 The math helpers come from :mod:`relax_hpc.rollout.rewards` inside the functions that use them: that module
 imports this one for its table. No torch here.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import re
 import string
@@ -20,6 +22,8 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from typing import Any
+
+_log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------------
 # dapo: DAPO's math verify (Minerva "Answer: ..." extraction, integer answers), as Relax's math_dapo_utils
@@ -313,3 +317,101 @@ async def remote_rm(url: str | None, prompt: Any, response: str, label: Any, *, 
     raise RemoteRewardError(f"remote_rm: POST {url} failed {attempts} times; last error: {_why(last)}. Fix: check "
                             f"the reward server at {url} (it must answer the JSON body {{prompt, response, label}} "
                             "with a JSON number or object)") from last
+
+
+# --------------------------------------------------------------------------------------------------
+# dapo-genrm: an LLM judge (the run's genrm role) compares the extracted answer with the label, Relax's rule
+# (relax/engine/rewards/dapo_genrm.py, the version with the format check)
+# --------------------------------------------------------------------------------------------------
+
+GENRM_MAX_ANSWER = 500  # a longer "answer" is refused without a call: stuffing the slot must not sway the judge
+GENRM_VERDICT_HEAD = 16  # the verdict is read from this many characters after any "Judgement:"
+_GENRM_ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*(.+?)(?:\n|$)")
+GENRM_JUDGE_PROMPT = (
+    "You compare two answers to one question. [Question] is the question, [Standard Answer] its correct answer, and "
+    "[Model_answer] the answer taken from a model's output. Decide whether the two answers agree: they agree when they "
+    "mean the same thing, whatever the notation (e.g. '\\frac{{1}}{{2}}' and '0.5', or '145' and 'the answer is 145').\n"
+    "Output only the Judgement: 1 if they agree, 0 if they differ.\n"
+    "\n[Question]: What is 3 + 4?\n[Standard Answer]: 7\n[Model_answer] : 7\nJudgement: 1\n"
+    "\n[Question]: Halve 3.\n[Standard Answer]: 3/2\n[Model_answer] : \\frac{{3}}{{2}}\nJudgement: 1\n"
+    "\n[Question]: Find $y$.\n[Standard Answer]: 5\n[Model_answer] : 6\nJudgement: 0\n"
+    "\n[Question]: {question}\n[Standard Answer]: {ground_truth}\n[Model_answer] : {answer}\nJudgement:")
+
+
+def dapo_genrm_unawaited(response: str, label: Any, metadata: dict | None = None) -> float:
+    """``BUILTIN_REWARDS["dapo-genrm"]``: the judge is asked by the reward runner (:func:`dapo_genrm_reward`), so
+    it cannot be a plain scorer, nor ``boxed_dapo-genrm``."""
+    raise TypeError("rm_type dapo-genrm is scored by the reward runner (it asks the run's judge, roles.genrm, and "
+                    "extracts the answer itself); it cannot be called as a plain scorer, nor as boxed_dapo-genrm. "
+                    "Fix: use rm_type dapo-genrm")
+
+
+def genrm_extract_answer(response: str | None) -> str | None:
+    """The answer a judge is shown: the last ``\\boxed{...}`` (braces balanced, non-empty), else what follows the
+    last ``Answer:`` on its line; None when there is neither, or that is blank (Relax sends a blank answer to the
+    judge; here it is missing, and costs no call)."""
+    text = response or ""
+    i = text.rfind("\\boxed{")
+    if i >= 0:
+        start, depth = i + len("\\boxed{"), 1
+        for j in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                if text[start:j].strip():
+                    return text[start:j].strip()
+                break
+    lines = _GENRM_ANSWER_LINE.findall(text)
+    return (lines[-1].strip() or None) if lines else None  # Relax would judge a blank "Answer:" as ""
+
+
+def genrm_verdict(judge_response: str) -> tuple[float | None, str]:
+    """``(1.0 | 0.0 | None, prediction)``: the text after any "Judgement:", then "1" anywhere in its first 16
+    characters is 1, else "0" there is 0, else None (unrecognized: scored 0)."""
+    pred = judge_response.strip()
+    if "Judgement:" in pred:
+        pred = pred.split("Judgement:")[-1].strip()
+    head = pred[:GENRM_VERDICT_HEAD]
+    return (1.0 if "1" in head else 0.0 if "0" in head else None), pred
+
+
+def _question_text(prompt: Any) -> str:
+    if isinstance(prompt, list):  # chat messages: the last user turn is the question
+        users = [m.get("content", "") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        return str(users[-1]) if users else ""
+    return "" if prompt is None else str(prompt)
+
+
+async def dapo_genrm_reward(prompt: Any, response: str, label: Any, metadata: dict | None, judge: Any) -> dict[str, Any]:
+    """``{score, acc, pred, judge_response, format_error}`` (use ``rollout.reward_key: score``), Relax's rule:
+
+    - the answer is :func:`genrm_extract_answer` of the response; none → ``format_error: answer_missing``, longer than
+      500 characters → ``answer_too_long``, both score 0 **without a judge call**;
+    - the judge (``judge(messages) -> str``, :func:`relax_hpc.rollout.genrm.generate`) gets the question
+      (``metadata["question"]``, else the prompt), the standard answer (``metadata["label"]``, else the label) and the
+      answer; a judge call that fails after the client's retries scores 0 with ``judge_transient_error`` (one flaky
+      judge must not fail the step), unless the judge refused it (4xx), which raises (stricter than Relax);
+    - the verdict is :func:`genrm_verdict`; an unrecognized one scores 0 (logged), ``format_error`` "".
+    ``acc`` is 1.0/0.0 (Relax's is an int) so it is logged as ``rollout/acc/mean``."""
+    from relax_hpc.rollout.genrm import GenRMError
+
+    meta = metadata if isinstance(metadata, dict) else {}
+    none = {"score": 0.0, "acc": 0.0, "pred": "", "judge_response": ""}
+    answer = genrm_extract_answer(response)
+    if answer is None:
+        return {**none, "format_error": "answer_missing"}
+    if len(answer) > GENRM_MAX_ANSWER:
+        return {**none, "format_error": "answer_too_long"}
+    question = meta.get("question", _question_text(prompt))
+    truth = meta.get("label", label)
+    content = GENRM_JUDGE_PROMPT.format(question=question, ground_truth=truth, answer=answer)
+    try:
+        judged = await judge([{"role": "user", "content": content}])
+    except GenRMError as e:
+        if not e.transient:  # a judge that refuses the request would refuse every one: a reward failure, not a 0
+            raise
+        _log.error("dapo-genrm: the judge call failed after its retries; the sample scores 0: %s", e)
+        return {**none, "format_error": "judge_transient_error"}
+    score, pred = genrm_verdict(judged)
+    if score is None:
+        _log.warning("dapo-genrm: the judge's answer %r has no 1 or 0 in its head; scored 0", pred[:80])
+    return {"score": score or 0.0, "acc": score or 0.0, "pred": pred, "judge_response": judged, "format_error": ""}

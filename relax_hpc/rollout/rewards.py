@@ -14,7 +14,8 @@ The contract is Relax's (``--custom-rm-path``, ``--reward-key``, ``--group-rm``,
   only: relax_hpc reads its own settings from the typed recipe.
 - Without a custom function, ``rollout.rm_type`` (or ``sample.metadata["rm_type"]``, which wins) picks a
   built-in: ``math``, ``exact_match``, ``f1``, ``dummy``, and Relax's ``dapo``, ``deepscaler``,
-  ``multiple_choice``, ``gpqa``, ``random``, ``remote_rm`` (:mod:`relax_hpc.rollout.builtin_rewards`);
+  ``multiple_choice``, ``gpqa``, ``random``, ``remote_rm``, ``dapo-genrm`` (the run's judge, ``roles.genrm``;
+  :mod:`relax_hpc.rollout.genrm`) (:mod:`relax_hpc.rollout.builtin_rewards`);
   ``boxed_<type>`` first extracts the last ``\\boxed{...}`` of the response.
 
 A reward that raises, runs longer than ``rollout.reward_timeout_s``, or returns something that is not a
@@ -44,8 +45,8 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from relax_hpc.plugins import load_plugin
-from relax_hpc.rollout.builtin_rewards import (dapo_reward, deepscaler_reward, f1_reward, gpqa_reward,
-                                               multiple_choice_reward, random_reward, remote_rm,
+from relax_hpc.rollout.builtin_rewards import (dapo_genrm_reward, dapo_genrm_unawaited, dapo_reward, deepscaler_reward, f1_reward,
+                                               gpqa_reward, multiple_choice_reward, random_reward, remote_rm,
                                                remote_rm_unawaited)
 from relax_hpc.rollout.sample import Sample, SampleStatus, reward_value
 
@@ -211,7 +212,9 @@ BUILTIN_REWARDS: dict[str, Callable[[str, Any, dict | None], Any]] = {
     "gpqa": gpqa_reward,
     "random": random_reward,
     "remote_rm": remote_rm_unawaited,  # awaited by RewardRunner (POST to rollout.rm_url)
+    "dapo-genrm": dapo_genrm_unawaited,  # awaited by RewardRunner (asks the run's judge, roles.genrm)
 }
+AWAITED_REWARDS = ("remote_rm", "dapo-genrm")  # scored by the runner itself, never as boxed_<name>
 
 
 def builtin_reward(rm_type: str, response: str, label: Any, metadata: dict | None = None) -> float:
@@ -470,6 +473,10 @@ class RewardRunner:
         if rm_type == "remote_rm":  # Relax's async built-in: the server gets the whole sample
             value = await remote_rm(self.cfg.rm_url, sample.prompt, sample.response, sample.label,
                                     timeout_s=self.timeout_s)
+        elif rm_type == "dapo-genrm":  # Relax's LLM judge rule, on the run's judge engines
+            from relax_hpc.rollout import genrm
+
+            value = await dapo_genrm_reward(sample.prompt, sample.response, sample.label, meta, genrm.generate)
         else:
             value = builtin_reward(rm_type, sample.response, sample.label, meta)
         # a dict (dapo's {score, acc, pred}, a remote server's object) is read through reward_key as it is

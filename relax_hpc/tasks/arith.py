@@ -48,6 +48,19 @@ async def multiturn_reward(args: Any, sample: Any, **kwargs: Any) -> float:
     return value if len(traces) <= 1 else 0.5 * value
 
 
+async def judged_reward(args: Any, sample: Any, **kwargs: Any) -> dict[str, float]:
+    """The arithmetic reward with the run's GenRM judge beside it (``recipes/genrm-slurm.yaml``): ``score`` is the
+    rule's (what trains), ``judge`` the judge's verdict on ``Answer: <the response>`` by the ``dapo-genrm`` rule, and
+    ``judge_agrees`` whether the judge called it right exactly when the rule did. The judge runs in shadow: its
+    verdicts are logged (``rollout/judge/mean``, ``rollout/judge_agrees/mean``) before a recipe trusts it."""
+    from relax_hpc.rollout import genrm
+    from relax_hpc.rollout.builtin_rewards import dapo_genrm_reward
+
+    rule = score(sample.response, sample.label)
+    judged = await dapo_genrm_reward(sample.prompt, f"Answer: {sample.response}", sample.label, {}, genrm.generate)
+    return {"score": rule, "judge": judged["score"], "judge_agrees": float((judged["score"] == 1.0) == (rule == 1.0))}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:

@@ -13,12 +13,15 @@ SIDE = {"chunk": "3/rollout-0", "writer": "reference", "file": "x.h5", "fields":
         "size": 10}
 ENGINES = {"engine0": "http://127.0.0.1:8000", "engine1": "http://127.0.0.1:8001"}
 
+JUDGES = {"judge0": "http://10.0.0.3:8002"}
+
 # one instance of every kind, with every field set (and the wire dict it must give)
 TASKS = [
     (M.StartEnginesTask(id=1), {"id": 1, "kind": "start_engines"}),
     (M.ConnectTask(id=2, engines=ENGINES, load=None), {"id": 2, "kind": "connect", "engines": ENGINES, "load": None}),
-    (M.GenerateTask(id=3, step=3, engines=ENGINES, seq=2, data_state={"epoch": 0, "offset": 8}),
-     {"id": 3, "kind": "generate", "step": 3, "engines": ENGINES, "seq": 2, "data_state": {"epoch": 0, "offset": 8}}),
+    (M.GenerateTask(id=3, step=3, engines=ENGINES, seq=2, data_state={"epoch": 0, "offset": 8}, judges=JUDGES),
+     {"id": 3, "kind": "generate", "step": 3, "engines": ENGINES, "seq": 2, "data_state": {"epoch": 0, "offset": 8},
+      "judges": JUDGES}),
     (M.LogprobsTask(id=4, chunks=[CHUNK]), {"id": 4, "kind": "logprobs", "chunks": [CHUNK]}),
     (M.LogprobsTask(id=4, chunks=[CHUNK], field="log_probs"),
      {"id": 4, "kind": "logprobs", "chunks": [CHUNK], "field": "log_probs"}),
@@ -27,7 +30,7 @@ TASKS = [
     (M.SyncTask(id=7, version="3", engines=ENGINES), {"id": 7, "kind": "sync", "version": "3", "engines": ENGINES}),
     (M.CheckpointTask(id=8, extra={"step": 3, "data": None}),
      {"id": 8, "kind": "checkpoint", "extra": {"step": 3, "data": None}}),
-    (M.EvalTask(id=10, step=4), {"id": 10, "kind": "eval", "step": 4}),
+    (M.EvalTask(id=10, step=4, judges=JUDGES), {"id": 10, "kind": "eval", "step": 4, "judges": JUDGES}),
     (M.StopTask(id=9), {"id": 9, "kind": "stop"}),
 ]
 RESULTS = [

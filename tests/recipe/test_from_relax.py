@@ -51,3 +51,10 @@ def test_the_command_prints_yaml_that_loads(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "relax_hpc.launch.cli", "--from-relax-args", "--rollout-batch-size",
                           "0"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "rollout.rollout_batch_size" in bad.stderr and not bad.stdout
+
+
+def test_genrm_flags_enable_the_judge_role():
+    data, notes = convert(["--rm-type", "dapo-genrm", "--genrm-model-path", "/m/judge", "--genrm-engine-config", "{}"])
+    assert data["genrm"] == {"model_path": "/m/judge"} and data["roles"]["genrm"] == {"enabled": True}
+    said = "\n".join(notes)
+    assert "roles.genrm.enabled: true" in said and "--genrm-engine-config {}: not supported yet" in said

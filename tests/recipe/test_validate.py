@@ -190,7 +190,7 @@ def test_unknown_rm_type_is_refused_listing_the_known_ones():
     assert all(name in text for name in BUILTIN_REWARDS) and "boxed_" in text and "custom_rm_path" in text
 
 
-LOCAL = sorted(set(BUILTIN_REWARDS) - {"remote_rm"})
+LOCAL = sorted(set(BUILTIN_REWARDS) - {"remote_rm", "dapo-genrm"})  # those two need a server or a judge
 
 
 @pytest.mark.parametrize("rm", [*LOCAL, "boxed_math", "boxed_exact_match", "boxed_boxed_f1", "boxed_dapo"])
@@ -548,3 +548,31 @@ def test_multi_turn_keys_are_checked_before_submission(tmp_path):
         with pytest.raises(RecipeError) as e:
             recipe_from_dict({"rollout": rollout})
         assert key in str(e.value), (rollout, str(e.value))
+
+
+def test_a_genrm_role_needs_its_model_and_a_model_needs_its_role():
+    assert "is required with roles.genrm.enabled" in problems({"roles": {"genrm": {"enabled": True}}})["genrm.model_path"]
+    text = problems({"genrm": {"model_path": "/m/judge"}})["roles.genrm.enabled"]
+    assert "'/m/judge'" in text and "no judge engines" in text
+    r = recipe_from_dict({"genrm": {"model_path": "/m/judge"}, "roles": {"genrm": {"enabled": True, "nodes": 2}}})
+    assert r.roles.genrm.nodes == 2 and r.genrm.sampling.temperature == 0.2 and r.genrm.sampling.max_response_len == 1024
+
+
+def test_dapo_genrm_needs_a_judge_and_has_no_boxed_form():
+    text = problems({"rollout": {"rm_type": "dapo-genrm"}})["rollout.rm_type"]
+    assert "asks a GenRM judge" in text and "roles.genrm.enabled" in text
+    judge = {"genrm": {"model_path": "/m/judge"}, "roles": {"genrm": {"enabled": True}}}
+    assert recipe_from_dict({**judge, "rollout": {"rm_type": "dapo-genrm"}}).rollout.rm_type == "dapo-genrm"
+    text = problems({**judge, "rollout": {"rm_type": "boxed_dapo-genrm"}})["rollout.rm_type"]
+    assert "has no boxed_ form" in text
+
+
+@pytest.mark.parametrize("data,key,text", [
+    ({"genrm": {"retries": 0}}, "genrm.retries", "at least 1"),
+    ({"genrm": {"request_timeout_s": 0}}, "genrm.request_timeout_s", "more than 0"),
+    ({"genrm": {"sampling": {"max_response_len": 0}}}, "genrm.sampling.max_response_len", "more than 0"),
+    ({"genrm": {"sampling": {"temperature": -1}}}, "genrm.sampling.temperature", "0 or more"),
+    ({"roles": {"genrm": {"share_with": "rollout"}}}, "roles.genrm.share_with", "nodes of their own"),
+])
+def test_genrm_values(data, key, text):
+    assert text in problems(data)[key]

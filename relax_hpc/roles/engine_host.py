@@ -1,0 +1,62 @@
+"""One inference engine per rank, for the roles that serve models over HTTP (rollout, genrm).
+
+Both roles start their rank's engine before the bootstrap (it loads while torch is imported), register it for
+cleanup at once, and after the bootstrap gather every rank's ``(name, url, pid, node)`` so rank 0 can report
+the whole set to the controller (task ``start_engines``). The engine is SGLang on a GPU node with
+``RELAX_SGLANG_PYTHON`` set, else relax_hpc's CPU engine; either answers only requests carrying the run's API key.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from relax_hpc.roles.model import resolve
+
+if TYPE_CHECKING:
+    from relax_hpc.recipe.schema import RoleGroup
+    from relax_hpc.roles.runtime import RoleContext
+
+ENGINE_READY_S = 900.0
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def start_rank_engine(ctx: RoleContext, group: RoleGroup, model_path: str, *, seed: int, prefix: str) -> Any:
+    """This rank's engine serving ``model_path``, started (not yet ready), its log ``RUN_DIR/logs/<prefix><rank>.log``.
+
+    ``seed``: the engine's sampling seed (requests that carry their own ``sampling_seed`` do not depend on it)."""
+    from relax_hpc.rollout.engines import start_engine
+
+    i = ctx.ident
+    host = "127.0.0.1" if i.node == "localhost" else "0.0.0.0"
+    logf = ctx.run.logs / f"{prefix}{i.rank}.log"
+    key = ctx.run.api_key()  # every engine of the run answers only requests that carry it
+    if os.environ.get("RELAX_SGLANG_PYTHON") and has_cuda():
+        gpus = max(1, group.gpus_per_node // max(1, group.tasks_per_node))
+        first = i.local_rank * gpus
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(str(first + k) for k in range(gpus))}
+        h = start_engine("sglang", resolve(model_path), tp=gpus, host=host, env=env, log_path=logf,
+                         api_key=key, extra_args=["--weight-version", "0", "--random-seed", str(seed)])
+    else:
+        h = start_engine("cpu", resolve(model_path), host=host, log_path=logf, api_key=key,
+                         extra_args=["--weight-version", "0", "--seed", str(seed),
+                                     "--threads", str(max(1, group.cpus_per_task))])
+    ctx.add_cleanup(lambda: h.stop(timeout=5.0))  # also on SIGTERM (the controller gives 10 s) and controller loss
+    return h
+
+
+def gather_engines(ctx: RoleContext, engine: Any, prefix: str) -> list[tuple[str, str, int, str]]:
+    """Wait for this rank's engine, then every rank's ``(name, url, pid, node)``, names ``<prefix><rank>``."""
+    import torch.distributed as dist
+
+    i = ctx.ident
+    engine.wait_ready(ENGINE_READY_S)
+    everyone: list[Any] = [None] * i.world
+    dist.all_gather_object(everyone, (f"{prefix}{i.rank}", engine.url, engine.pid, i.node))
+    ctx.report("ready", engine=engine.url)
+    return [tuple(e) for e in everyone]
