@@ -20,6 +20,9 @@ returns equal the advantages for these estimators (Relax stores both; no critic 
 
 from __future__ import annotations
 
+from typing import Sequence
+
+import numpy as np
 import torch
 
 from relax_hpc.algo.config import ESTIMATORS, AlgorithmConfig
@@ -56,12 +59,52 @@ def group_normalize(
     return centered.reshape(-1)
 
 
-def postprocess_rewards(cfg: AlgorithmConfig, raw_rewards: torch.Tensor, n_samples_per_prompt: int) -> torch.Tensor:
-    """R → R̃ under ``cfg`` (see the module docstring); a float copy when off."""
+def segment_group_normalize(rewards: torch.Tensor, group_ids: Sequence[int], rollout_ids: Sequence[int], *,
+                            std_normalization: bool = True, eps: float = REWARD_STD_EPS) -> torch.Tensor:
+    """R̃ when rollouts came back as segments (a custom generate function's list return): the statistics are the
+    group's *rollouts'* (one value each: the mean of its segments' rewards), so a rollout cut into many segments
+    weighs no more than one that was not. Each segment: (R − mean_group) [/ (std_group + eps)], the std unbiased
+    over the group's rollouts as in :func:`group_normalize`, which this equals when every rollout is one segment."""
+    r = _as_float(rewards).reshape(-1)
+    groups = torch.as_tensor(np.asarray(group_ids, dtype=np.int64))
+    rollouts = torch.as_tensor(np.asarray(rollout_ids, dtype=np.int64))
+    if not (len(groups) == len(rollouts) == r.numel()):
+        raise ValueError(f"{r.numel()} rewards, {len(groups)} group ids and {len(rollouts)} rollout ids: one each per sample")
+    out = torch.zeros_like(r)
+    for g in torch.unique(groups):
+        idx = torch.nonzero(groups == g).flatten()
+        ids, inv = torch.unique(rollouts[idx], return_inverse=True)
+        sums = torch.zeros(len(ids), dtype=r.dtype).index_add_(0, inv, r[idx])
+        counts = torch.zeros(len(ids), dtype=r.dtype).index_add_(0, inv, torch.ones_like(r[idx]))
+        values = sums / counts
+        centered = r[idx] - values.mean()
+        if std_normalization:
+            if len(ids) == 1:
+                continue  # one rollout has no spread: 0, as group_normalize
+            centered = centered / ((values - values.mean()).std() + eps)
+        out[idx] = centered
+    return out
+
+
+def postprocess_rewards(cfg: AlgorithmConfig, raw_rewards: torch.Tensor, n_samples_per_prompt: int, *,
+                        group_ids: Sequence[int] | None = None, rollout_ids: Sequence[int] | None = None) -> torch.Tensor:
+    """R → R̃ under ``cfg`` (see the module docstring); a float copy when off. With ``group_ids`` and
+    ``rollout_ids`` where some rollout has several segments: :func:`segment_group_normalize`."""
     raw = _as_float(raw_rewards).reshape(-1)
     if cfg.disable_rewards_normalization or cfg.advantage_estimator not in ESTIMATORS:
         return raw.clone()
-    return group_normalize(raw, n_samples_per_prompt, std_normalization=not cfg.disable_grpo_std_normalization)
+    std = not cfg.disable_grpo_std_normalization
+    if has_segments(rollout_ids) and group_ids is not None:
+        return segment_group_normalize(raw, group_ids, rollout_ids, std_normalization=std)
+    return group_normalize(raw, n_samples_per_prompt, std_normalization=std)
+
+
+def has_segments(rollout_ids: Sequence[int] | None) -> bool:
+    """Whether some rollout of the step came back as several samples (a rollout id seen twice)."""
+    if rollout_ids is None:
+        return False
+    ids = np.asarray(rollout_ids)
+    return len(np.unique(ids)) < len(ids)
 
 
 def broadcast_advantages(

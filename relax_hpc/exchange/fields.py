@@ -38,6 +38,8 @@ FIELDS: tuple[Field, ...] = (
           "R: the scalar reward; group normalization (R → R̃) and advantages happen on the training side"),
     Field("index", "fixed", "int64", ROLLOUT, ("train",), "sample.index"),
     Field("group_index", "fixed", "int64", ROLLOUT, (), "the sample's group (its prompt) in the step"),
+    Field("rollout_id", "fixed", "int64", ROLLOUT, (),
+          "the rollout a segment belongs to (the index of the sample it came from); a whole rollout: its index"),
     Field("weight_version", "json", "json", ROLLOUT, ("train",),
           "the engine's weight version when it finished the sample"),
     Field("status", "json", "json", ROLLOUT, (), "completed / truncated / aborted / failed"),
@@ -66,4 +68,7 @@ def task_fields(task: str, writers: tuple[str, ...] = (ROLLOUT,)) -> tuple[str, 
 
 
 TRAIN_FIELDS = task_fields("train")  # what the actor reads from the rollout's chunk
+# also read by the actor where the chunk has them (chunks written before rollout_id existed do not): with segments
+# (a rollout returned as several samples) group normalization goes by group and rollout
+SEGMENT_FIELDS = ("group_index", "rollout_id")
 LOGPROB_FIELDS = task_fields("logprobs")  # what reference/actor_fwd read to compute their side field

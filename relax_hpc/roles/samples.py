@@ -26,7 +26,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from relax_hpc.exchange.chunk import ChunkRef, DamagedChunk, Ragged, columns_to_samples, read_chunk, write_chunk
-from relax_hpc.exchange.fields import BY_NAME, FORWARD_FIELDS, LOGPROB_FIELDS, PRODUCER, TRAIN_FIELDS, rollout_fields
+from relax_hpc.exchange.fields import (BY_NAME, FORWARD_FIELDS, LOGPROB_FIELDS, PRODUCER, SEGMENT_FIELDS, TRAIN_FIELDS,
+                                      rollout_fields)
 
 __all__ = ["FORWARD_FIELDS", "LOGPROB_FIELDS", "PRODUCER", "TRAIN_FIELDS", "exchange_root", "write_step",
            "read_columns", "read_samples", "logprob_batch", "mini_batch_order", "TrainPlan", "train_plan", "train_batch",
@@ -47,6 +48,7 @@ def _rollout_values(s: Any) -> dict[str, list]:
         "raw_reward": None,  # the result's, set by write_step
         "index": [-1 if x.index is None else x.index for x in s],
         "group_index": [-1 if x.group_index is None else x.group_index for x in s],
+        "rollout_id": [x.rollout_id if x.rollout_id is not None else -1 if x.index is None else x.index for x in s],
         "weight_version": [x.weight_version for x in s],
         "status": [x.status.value for x in s],
         "prompt": [x.prompt for x in s],
@@ -186,7 +188,8 @@ def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int =
 
     Statistics that span the step come from the columns (every rank has them: the chunk is verified whole):
     R̃ is the group-normalized ``raw_reward`` (:func:`~relax_hpc.algo.advantages.postprocess_rewards`,
-    groups of ``group_size`` consecutive samples; ``rollout/rewards`` is its mean, and
+    groups of ``group_size`` consecutive samples, or by ``group_index`` over rollouts when some rollout came back
+    as several segments (``rollout_id`` repeats); ``rollout/rewards`` is its mean, and
     ``rollout/zero_std_group_ratio`` the share of groups whose raw rewards are all equal); the per-token advantages
     A are R̃ on the loss-mask tokens, 0 elsewhere, whitened over the whole step if
     ``algorithm.normalize_advantages``, built as one flat tensor over the ragged layout. Only this rank's
@@ -194,11 +197,12 @@ def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int =
     plus ``ref_log_probs`` / ``old_log_probs`` from the ``ref_log_probs`` / ``log_probs`` columns."""
     import torch
 
-    from relax_hpc.algo.advantages import masked_whiten, postprocess_rewards
+    from relax_hpc.algo.advantages import has_segments, masked_whiten, postprocess_rewards
     from relax_hpc.train.batch import GlobalStats, Share, dp_shard
 
     raw = torch.from_numpy(np.asarray(cols["raw_reward"], dtype=np.float32))
-    rewards = postprocess_rewards(algo_cfg, raw, group_size)
+    rewards = postprocess_rewards(algo_cfg, raw, group_size, group_ids=cols.get("group_index"),
+                                  rollout_ids=cols.get("rollout_id"))
     n = len(raw)
     lens = np.asarray(cols["response_length"], dtype=np.int64)
     mask: Ragged = cols["loss_mask"]
@@ -235,8 +239,12 @@ def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int =
                             max_seq_len=int(seq_lens[part].max()) if len(part) else 0)
         shares.append(Share([sample(int(i)) for i in dp_shard(part, dp, dp_rank)], stats))
     metrics = {"rollout/rewards": statistics.fmean(rewards.tolist())}
-    if group_size >= 1 and n % group_size == 0:  # groups GRPO learns nothing from: all rewards equal
-        groups = np.asarray(cols["raw_reward"], dtype=np.float64).reshape(-1, group_size)
+    raw64 = np.asarray(cols["raw_reward"], dtype=np.float64)
+    if has_segments(cols.get("rollout_id")):  # per group, over its segments: all equal, all advantages 0
+        flat = [raw64[np.asarray(cols["group_index"]) == g] for g in np.unique(cols["group_index"])]
+        metrics["rollout/zero_std_group_ratio"] = float(np.mean([g.max() == g.min() for g in flat]))
+    elif group_size >= 1 and n % group_size == 0:  # groups GRPO learns nothing from: all rewards equal
+        groups = raw64.reshape(-1, group_size)
         metrics["rollout/zero_std_group_ratio"] = float(np.mean(groups.max(axis=1) == groups.min(axis=1)))
     return TrainPlan(shares, metrics)
 
@@ -248,9 +256,10 @@ def train_batch(cols: dict[str, Any], algo_cfg: Any, group_size: int) -> tuple[l
 
 
 def read_train_columns(refs: Sequence[dict | ChunkRef], *, agree: bool = True) -> dict[str, Any]:
-    """:func:`read_columns` of the train fields and of the forward roles' side fields every chunk has."""
+    """:func:`read_columns` of the train fields, and of the segment fields and the forward roles' side fields
+    every chunk has."""
     chunks = [as_ref(r) for r in refs]
-    extra = [f for f in FORWARD_FIELDS if all(f in c.all_fields for c in chunks)]
+    extra = [f for f in (*SEGMENT_FIELDS, *FORWARD_FIELDS) if all(f in c.all_fields for c in chunks)]
     return read_columns(chunks, (*TRAIN_FIELDS, *extra), agree=agree)
 
 

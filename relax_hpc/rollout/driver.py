@@ -151,8 +151,45 @@ class RolloutResult:
     retries: int = 0  # requests sent again (dead engine, 5xx, abort)
 
     def groups(self) -> list[list[Sample]]:
-        n = self.group_size
-        return [self.samples[i:i + n] for i in range(0, len(self.samples), n)]
+        """The samples of each prompt group, in order (a group holds more than ``group_size`` when a custom
+        generate function returned segments)."""
+        return [[self.samples[i] for i in g] for g in group_spans(self.samples, self.group_size)]
+
+    def group_rewards(self) -> list[list[float]]:
+        """``raw_rewards`` cut as :meth:`groups` cuts the samples."""
+        return [[self.raw_rewards[i] for i in g] for g in group_spans(self.samples, self.group_size)]
+
+
+def group_spans(samples: Sequence[Sample], group_size: int) -> list[range]:
+    """Index ranges of the prompt groups of a batch laid out group after group: consecutive ``group_size``
+    samples, or, where segments make groups longer (samples with a ``rollout_id``), consecutive samples of one
+    ``group_index``."""
+    if not any(s.rollout_id is not None for s in samples):
+        return [range(i, min(i + group_size, len(samples))) for i in range(0, len(samples), group_size)]
+    spans, start = [], 0
+    for i in range(1, len(samples) + 1):
+        if i == len(samples) or samples[i].group_index != samples[start].group_index:
+            spans.append(range(start, i))
+            start = i
+    return spans
+
+
+def rollout_view(samples: Sequence[Sample], raw: Sequence[float]) -> tuple[list[Sample], list[float]]:
+    """One entry per rollout, for what counts rollouts (group statistics, pass@k, the reward mean): a rollout
+    returned as segments is its last segment, with the mean of its segments' rewards. Without segments: as given."""
+    if not any(s.rollout_id is not None for s in samples):
+        return list(samples), list(raw)
+    reps: list[Sample] = []
+    means: list[float] = []
+    i = 0
+    while i < len(samples):
+        j, key = i + 1, (samples[i].group_index, samples[i].rollout_id)
+        while key[1] is not None and j < len(samples) and (samples[j].group_index, samples[j].rollout_id) == key:
+            j += 1
+        reps.append(samples[j - 1])
+        means.append(statistics.fmean(raw[i:j]))
+        i = j
+    return reps, means
 
 
 @dataclass
@@ -400,7 +437,7 @@ class RolloutDriver:
         return path, self._generate_fns[path]
 
     async def _generate_one(self, sample: Sample, sp: SamplingParams, evaluation: bool, batch: BatchCounters,
-                            seed: int | None) -> Sample:
+                            seed: int | None) -> Sample | list[Sample]:
         custom = self.generate_function(sample)
         if custom is None and self.multiturn is not None:
             from relax_hpc.rollout.multiturn import generate_multiturn
@@ -421,15 +458,21 @@ class RolloutDriver:
         out = fn(args, sample, params, **kwargs)
         if inspect.isawaitable(out):
             out = await out
-        if isinstance(out, list):
-            raise RolloutError(f"{path} returned a list of {len(out)} samples for sample index={sample.index}: "
-                               "segments of one rollout are not supported yet. Fix: return the one Sample")
-        if not isinstance(out, Sample):
+        if isinstance(out, list):  # segments of one rollout: one group, one rollout_id, each trained as a sample
+            if not out or not all(isinstance(x, Sample) for x in out):
+                what = "an empty list" if not out else f"a list holding {sorted({type(x).__name__ for x in out})}"
+                raise RolloutError(f"{path} returned {what} for sample index={sample.index}: a custom generate "
+                                   "function returns the Sample it was given, or a non-empty list of Samples "
+                                   "(the segments of this rollout)")
+            for seg in out:
+                seg.group_index, seg.rollout_id = sample.group_index, sample.index
+        elif not isinstance(out, Sample):
             raise RolloutError(f"{path} returned {type(out).__name__} for sample index={sample.index}: a custom "
                                "generate function returns the Sample it was given, filled in")
-        check_generated(out, path)
-        if out.status is SampleStatus.PENDING:
-            out.status = SampleStatus.COMPLETED
+        for seg in out if isinstance(out, list) else [out]:
+            check_generated(seg, path)
+            if seg.status is SampleStatus.PENDING:
+                seg.status = SampleStatus.COMPLETED
         return out
 
     async def abort_inflight(self) -> int:
@@ -457,8 +500,9 @@ class RolloutDriver:
     # --- a batch -------------------------------------------------------------------------------------
     async def _group(self, group: list[Sample], sp: SamplingParams, evaluation: bool, batch: BatchCounters,
                      seeds: list[int | None]) -> list[RewardFailure]:
-        group[:] = await asyncio.gather(*(self._generate_one(s, sp, evaluation, batch, seed)
-                                          for s, seed in zip(group, seeds)))
+        outs = await asyncio.gather(*(self._generate_one(s, sp, evaluation, batch, seed)
+                                      for s, seed in zip(group, seeds)))
+        group[:] = [x for out in outs for x in (out if isinstance(out, list) else [out])]  # segments in place
         self._progressed(len(group))
         failures = await self.reward.score_group(group, evaluation=evaluation, apply_policy=False)
         self._progressed(1)
@@ -518,9 +562,12 @@ class RolloutDriver:
                       evaluation: bool = False, retries: int = 0) -> dict[str, float]:
         """The ``rollout/*`` and ``perf/*`` metrics of a batch of groups of ``n`` (dynamic sampling calls it for
         the groups it kept, out of several batches)."""
-        base = sample_metrics(samples, raw, reward_key=self.reward.reward_key(evaluation), group_size=n,
+        reps, per_rollout = rollout_view(samples, raw)  # group statistics count rollouts, not segments
+        base = sample_metrics(reps, per_rollout, reward_key=self.reward.reward_key(evaluation), group_size=n,
                               log_passrate=self.cfg.log_passrate)
         out = {f"rollout/{k}": v for k, v in base.items()}
+        if len(reps) != len(samples):
+            out["rollout/segments_per_rollout"] = len(samples) / len(reps)
         out["rollout/response_lengths"] = statistics.fmean(s.response_length for s in samples)
         out["rollout/total_lengths"] = statistics.fmean(len(s.tokens) for s in samples)
         out["rollout/truncated"] = out["rollout/truncated_ratio"]

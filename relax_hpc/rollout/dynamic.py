@@ -120,16 +120,15 @@ def generate_step(driver: RolloutDriver, data: Any, *, target: int, seed: int, g
         res = driver.generate_rollout_sync(data.get_samples(per_round), seed=round_seed(seed, rounds))
         rounds += 1
         results.append(res)
-        n = res.group_size
         last_used = -1
-        for i, group in enumerate(res.groups()):
+        for i, (group, rewards) in enumerate(zip(res.groups(), res.group_rewards())):
             if len(kept) == target:
                 break
             generated += 1
             keep, reason = _verdict(group_filter(args, group))
             if keep:
                 kept.append(group)
-                kept_rewards.append(res.raw_rewards[i * n:(i + 1) * n])
+                kept_rewards.append(rewards)
             else:
                 drops[reason or "filtered"] += 1
             last_used = i

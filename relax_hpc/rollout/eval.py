@@ -166,7 +166,9 @@ async def run_eval(driver: Any, datasets: dict[str, Iterable[Sample]], *, n_samp
     for name, ds in datasets.items():
         result = await driver.generate_rollout(eval_groups(ds, n), evaluation=True, seed=seed)
         results[name] = result
-        metrics |= eval_metrics(name, result.samples, result.raw_rewards, n)
+        from relax_hpc.rollout.driver import rollout_view  # the driver imports this module
+
+        metrics |= eval_metrics(name, *rollout_view(result.samples, result.raw_rewards), n)  # a rollout counts once
     metrics["perf/eval_time"] = time.monotonic() - t0
     if step is not None:
         metrics["eval/step"] = float(step)

@@ -28,6 +28,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class _Server(ThreadingHTTPServer):
+    # a step sends every sample's request at once (128 in the quickstart): the stdlib's listen backlog of 5 let
+    # connections overflow the accept queue, and their clients saw resets (ReadError) instead of answers
+    request_queue_size = 4096
+
+
 class EngineRouter:
     """``POST /generate`` on 127.0.0.1:``port``, spread over ``driver``'s live engines."""
 
@@ -63,7 +69,7 @@ class EngineRouter:
                 status, payload = router.generate(body)
                 self._answer(status, payload)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="engine-router", daemon=True)

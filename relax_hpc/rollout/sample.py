@@ -49,6 +49,7 @@ class Sample:
 
     group_index: int | None = None  # which prompt group (n_samples_per_prompt samples share it)
     index: int | None = None  # unique sample id within the run
+    rollout_id: int | None = None  # a segment's rollout: the index of the sample it came from (None: its own)
     # prompt
     prompt: str | list[dict[str, Any]] = ""  # the text sent to the engine (chat template applied), or messages
     tokens: list[int] = field(default_factory=list)  # prompt ids, then prompt + response ids once generated

@@ -14,6 +14,7 @@ from relax_hpc.algo.advantages import (
     group_normalize,
     masked_whiten,
     postprocess_rewards,
+    segment_group_normalize,
 )
 
 EPS = 1e-6
@@ -132,3 +133,31 @@ def test_group_property_mean_zero_std_one(n, groups, data):
             assert out[g].abs().max().item() == 0.0
         else:
             assert out[g].std().item() == pytest.approx(1.0, abs=1e-4)
+
+
+def test_segments_normalize_over_the_groups_rollouts():
+    # group 0: rollout 10 in two segments (rewards 1, 0: value 0.5), rollouts 11 (1) and 12 (0) whole:
+    # values [0.5, 1, 0], mean 0.5, unbiased std 0.5. group 1: rollouts 20 (3) and 21 in three segments (1, 1, 4: 2)
+    # values [3, 2], mean 2.5, std sqrt(0.5)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 3.0, 1.0, 1.0, 4.0])
+    groups = [0, 0, 0, 0, 1, 1, 1, 1]
+    rollouts = [10, 10, 11, 12, 20, 21, 21, 21]
+    s0, s1 = 0.5 + EPS, math.sqrt(0.5) + EPS
+    want = [0.5 / s0, -0.5 / s0, 0.5 / s0, -0.5 / s0, 0.5 / s1, -1.5 / s1, -1.5 / s1, 1.5 / s1]
+    close(segment_group_normalize(rewards, groups, rollouts), want, tol=1e-5)
+    close(segment_group_normalize(rewards, groups, rollouts, std_normalization=False),
+          [0.5, -0.5, 0.5, -0.5, 0.5, -1.5, -1.5, 1.5])
+    cfg = AlgorithmConfig(advantage_estimator="grpo")
+    close(postprocess_rewards(cfg, rewards, 4, group_ids=groups, rollout_ids=rollouts), want, tol=1e-5)
+
+
+def test_segments_without_segments_equal_plain_group_normalization():
+    ids = list(range(8))  # every rollout one sample: the same numbers as group_normalize
+    close(segment_group_normalize(RAW, [0] * 4 + [1] * 4, ids), GRPO, tol=1e-5)
+    cfg = AlgorithmConfig(advantage_estimator="grpo")
+    assert torch.equal(postprocess_rewards(cfg, RAW, 4, group_ids=[0] * 4 + [1] * 4, rollout_ids=ids),
+                       postprocess_rewards(cfg, RAW, 4))  # no repeated rollout id: the plain path, bit for bit
+
+
+def test_a_group_of_one_rollout_in_segments_has_no_spread():
+    close(segment_group_normalize(torch.tensor([1.0, 5.0]), [0, 0], [3, 3]), [0.0, 0.0])

@@ -37,3 +37,28 @@ async def raise_on_ones_killing_engines(args, sample, **kwargs):
         if step >= at and name not in _killed:
             _kill_engine(name)
     return await raise_on_ones(args, sample, **kwargs)
+
+
+async def generate_in_segments(args, sample, sampling_params, evaluation=False):
+    """A Relax-form generate function (no relax_hpc import) that returns every odd-indexed rollout as two segments:
+    the response as sampled, then the same tokens again with loss mask 0 (so nothing trains twice)."""
+    import copy
+
+    import httpx
+
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    ids = list(sample.tokens)
+    async with httpx.AsyncClient() as client:
+        out = (await client.post(url, json={"input_ids": ids, "sampling_params": sampling_params,
+                                            "return_logprob": True}, timeout=120)).json()
+    pairs = out["meta_info"]["output_token_logprobs"]
+    new = [int(p[1]) for p in pairs]
+    sample.tokens, sample.response, sample.response_length = ids + new, out["text"], len(new)
+    sample.rollout_log_probs, sample.loss_mask = [float(p[0]) for p in pairs], [1] * len(new)
+    sample.weight_versions.append(out["meta_info"]["weight_version"])
+    sample.status = sample.Status.COMPLETED
+    if sample.index % 2 == 0:
+        return sample
+    again = copy.deepcopy(sample)
+    again.loss_mask = [0] * len(new)
+    return [sample, again]

@@ -124,3 +124,25 @@ def test_train_plan_splits_the_step_into_mini_batches_and_dp_shares(tmp_path):
     assert order != list(range(12)) and sorted(order) == list(range(12))
     assert order != [int(i) for part in S.mini_batch_order(12, 3, 9, 5) for i in part]
     assert [list(p) for p in S.mini_batch_order(5, 1, 9, 4)] == [[0, 1, 2, 3, 4]]  # k = 1: in order, unshuffled
+
+
+def test_segments_travel_with_their_rollout_and_normalize_over_rollouts(tmp_path):
+    """A rollout returned as segments: each segment is a sample of its own in the chunk, with its rollout_id; R̃
+    takes the group's statistics over rollouts (segments of one rollout count once)."""
+    r = result()  # groups (0: samples 0, 1) and (1: samples 2, 3)
+    seg = Sample(group_index=0, index=1, rollout_id=1, prompt="p0", label="1", tokens=[5, 6, 7])
+    seg.append_response([4], "r1b", [-0.2])
+    seg.weight_versions.append("7")
+    seg.status = SampleStatus.COMPLETED
+    r.samples[1].rollout_id = 1
+    r.samples.insert(2, seg)  # rollout 1 = samples[1] and this segment
+    r.raw_rewards.insert(2, 1.0)  # rollout 1's segments score 0 and 1: its value 0.5
+    ref = S.write_step(tmp_path, 1, r)
+    cols = S.read_train_columns([ref])
+    assert list(cols["rollout_id"]) == [0, 1, 1, 2, 3] and list(cols["group_index"]) == [0, 0, 0, 1, 1]
+    batch, metrics = S.train_batch(cols, AlgorithmConfig(), group_size=2)
+    # group 0 over rollouts: values (1, 0.5), mean 0.75, std of (0.25, -0.25) = √0.125
+    s = 0.125 ** 0.5 + 1e-6
+    got = [float(b["advantages"][0]) for b in batch[:3]]
+    assert got == pytest.approx([0.25 / s, -0.75 / s, 0.25 / s], abs=1e-4)
+    assert metrics["rollout/zero_std_group_ratio"] == 0.5  # group 1's segments all score 0.5

@@ -50,6 +50,25 @@ RELAX_GENERATE = '''
         return sample
 
 
+    async def split(args, sample, sampling_params, evaluation=False):
+        """Relax's list return: the rollout as segments, the first of its first two tokens, the second of all of
+        them with the first two masked (trained in the first); a response shorter than 3 tokens stays whole."""
+        import copy
+
+        whole = await generate(args, sample, sampling_params, evaluation)
+        n = whole.response_length
+        if n < 3:
+            return [whole]
+        prompt = len(whole.tokens) - n
+        first = copy.deepcopy(whole)
+        first.tokens = whole.tokens[:prompt + 2]
+        first.response_length, first.loss_mask = 2, [1, 1]
+        first.rollout_log_probs = whole.rollout_log_probs[:2]
+        first.response = "first"
+        whole.loss_mask = [0, 0] + [1] * (n - 2)
+        return [first, whole]
+
+
     def reward(args, sample, **kwargs):
         return float(len(sample.response))
 '''
@@ -116,4 +135,42 @@ def test_per_sample_function_and_a_wrongly_filled_sample(tmp_path, tiny_llama, c
     groups[1][0].generate_function_path = "relax_gen.broken"
     with pytest.raises(RolloutError, match=r"relax_gen.broken returned sample index=\d+ with 1 rollout_log_probs"):
         driver.generate_rollout_sync(groups)
+    driver.router.close()
+
+
+def test_a_list_return_is_segments_of_one_rollout(tmp_path, tiny_llama, cpu_engine, mod):
+    """Each segment is a sample of its own, in its group, with the rollout's id; rewards and group statistics
+    count each rollout once (its segments' mean); the segments go through the exchange to the actor's batch."""
+    from relax_hpc.algo import AlgorithmConfig
+    from relax_hpc.roles import samples as S
+
+    driver = _driver(tiny_llama, cpu_engine, "relax_gen.split")
+    groups = _groups(tmp_path, driver.tokenizer)
+    origin = {s.index: s.group_index for g in groups for s in g}
+    res = driver.generate_rollout_sync(groups, seed=5)
+    rollouts = [s.rollout_id for s in res.samples]
+    assert sorted(set(rollouts)) == sorted(origin) and len(res.samples) > len(origin)  # some rollouts were split
+    for s in res.samples:
+        assert s.group_index == origin[s.rollout_id] and len(s.loss_mask) == s.response_length
+    assert [len(g) for g in res.groups()] == [sum(origin[r] == gi for r in rollouts) for gi in (0, 1)]
+    means = [sum(r for s, r in zip(res.samples, res.raw_rewards) if s.rollout_id == i) / rollouts.count(i)
+             for i in sorted(origin)]
+    assert res.metrics["rollout/raw_reward"] == pytest.approx(sum(means) / len(means))
+    assert res.metrics["rollout/segments_per_rollout"] == len(res.samples) / len(origin)
+    ref = S.write_step(tmp_path, 1, res)
+    batch, _ = S.train_batch(S.read_train_columns([ref]), AlgorithmConfig(), group_size=2)
+    assert len(batch) == len(res.samples)
+    split = next(i for i, s in enumerate(res.samples) if s.response == "first")
+    assert batch[split + 1]["loss_mask"][:2].tolist() == [0.0, 0.0]  # the tokens the first segment trains
+    driver.router.close()
+
+
+def test_a_list_holding_something_else_is_refused(tmp_path, tiny_llama, cpu_engine, mod):
+    async def empty(args, sample, sampling_params):
+        return []
+
+    mod.empty = empty
+    driver = _driver(tiny_llama, cpu_engine, "relax_gen.empty")
+    with pytest.raises(RolloutError, match="relax_gen.empty returned an empty list for sample index="):
+        driver.generate_rollout_sync(_groups(tmp_path, driver.tokenizer))
     driver.router.close()
