@@ -76,6 +76,7 @@ from typing import Any
 
 from relax_hpc.controller import messages as M
 from relax_hpc.controller.channel import Channel
+from relax_hpc.controller.engines import EngineRegistry
 from relax_hpc.controller.state import RunState
 from relax_hpc.exchange.broker import Broker
 from relax_hpc.exchange.chunk import ChunkRef, SideRef
@@ -140,8 +141,7 @@ class TrainingLoop:
         self.paused = False  # RUN_DIR/pause seen (see _paused)
         self.stop_request: tuple[str, str] | None = None  # (outcome, why) asked for by request_stop
         self.outcome: str | None = None  # "requeue" or "cancel" once a requested stop is done
-        self.engines: dict[str, str] = {}
-        self.engine_info: dict[str, dict] = {}
+        self.registry = EngineRegistry()  # the rollout engines: state, origin, weight version, where they run
         # the GenRM judges (roles.genrm): rollout gets them with every generate and eval, so none starts before
         self.judges: dict[str, str] | None = None if recipe.roles.genrm.enabled else {}
         self.evals: list[int] = []  # steps whose eval is due, not yet handed to rollout (ascending)
@@ -180,8 +180,13 @@ class TrainingLoop:
     def _idle(self, role: str) -> bool:
         return not any(t.role == role for t in self.pending.values())
 
-    def _live(self) -> dict[str, str]:
-        return {n: u for n, u in self.engines.items() if not self.engine_info[n].get("dead")}
+    def _routable(self, n: int) -> dict[str, str]:
+        """The engines generate(n) may use: ready, serving the weights of step n−1−k or newer (k: the staleness
+        bound; the exchange's gate already holds n back until those are synced)."""
+        return self.registry.routable(min_version=max(0, n - 1 - self.broker.max_staleness))
+
+    def _engines_changed(self) -> None:
+        self.state.progress(engines=self.registry.to_state())
 
     def _pump(self) -> None:
         """Give each idle role its next task (the one place that decides)."""
@@ -223,7 +228,7 @@ class TrainingLoop:
                 self.cur.setdefault(n, {}).setdefault("exchange/quarantined", 0.0)
                 self.t0.setdefault(n, time.monotonic())
                 # data_state: the cursor after step n-1, so that step n (also when generated again) gets its prompts
-                self._assign("rollout", n, M.GenerateTask(step=n, engines=self._live(),
+                self._assign("rollout", n, M.GenerateTask(step=n, engines=self._routable(n),
                                                           seq=self.broker.next_seq(PRODUCER),
                                                           data_state=self.data_states.get(n - 1),
                                                           judges=self.judges))
@@ -378,12 +383,14 @@ class TrainingLoop:
             return
         if self.data_states.get(self.step) is None and res.data_state:  # the cursor step k+1 starts from
             self.data_states[self.step] = res.data_state
-        self.engines = dict(res.engines)
-        self.engine_info = {n: {"url": u, "pid": res.pids.get(n), "node": res.nodes.get(n), "dead": None}
-                            for n, u in self.engines.items()}
-        log.info("engines: %s", ", ".join(f"{n} {u}" for n, u in self.engines.items()))
-        self.state.progress(engines=self.engine_info, phase="connecting weight sync")
-        self._assign("actor", self.step, M.ConnectTask(engines=self.engines, load=self.resume_path))
+        for name, url in res.engines.items():  # a resumed run's engines serve the model on disk until the resume sync
+            job, _, step = res.slurm_steps.get(name, "").partition(".")
+            self.registry.add(name, url, origin="initial", node=res.nodes.get(name), pid=res.pids.get(name),
+                              job_id=job or "local", step_id=step or None,
+                              state="syncing" if self.resume_path else "ready", weight_version="0")
+        log.info("engines: %s", ", ".join(f"{n} {u}" for n, u in res.engines.items()))
+        self.state.progress(engines=self.registry.to_state(), phase="connecting weight sync")
+        self._assign("actor", self.step, M.ConnectTask(engines=dict(res.engines), load=self.resume_path))
 
     def _connect_done(self, task: Task, res: M.ConnectResult) -> None:
         if self.resume_path is None:
@@ -396,12 +403,12 @@ class TrainingLoop:
         for f in res.engine_failures:
             log.error("step %d: rollout engine %s (%s) died: %s; its requests went to the other engines",
                       n, f["name"], f["url"], f["error"])
-        for name, why in res.dead_engines.items():
-            if name in self.engine_info and not self.engine_info[name]["dead"]:
-                self.engine_info[name]["dead"] = why
-                self.state.progress(engines=self.engine_info)
-        # the run's count (an engine found dead at a sync is no longer in the driver's set)
-        self.cur[n]["rollout/engines_dead"] = float(sum(1 for i in self.engine_info.values() if i["dead"]))
+        if any([self.registry.mark_dead(name, why) for name, why in res.dead_engines.items()]):
+            self._engines_changed()
+        # the run's counts (an engine found dead at a sync is no longer in the driver's set)
+        self.cur[n]["rollout/engines_dead"] = float(self.registry.count("dead"))
+        self.cur[n]["rollout/engines"] = float(self.registry.count("starting", "syncing", "ready", "draining"))
+        self.cur[n]["rollout/engines_ready"] = float(self.registry.count("ready"))
         for f in res.reward_failures:
             log.warning("step %d: reward failed for sample index=%s group_index=%s (prompt %r, response %r, label %r): "
                         "%s", n, f.get("index"), f.get("group_index"), f.get("prompt"), f.get("response"),
@@ -445,16 +452,16 @@ class TrainingLoop:
 
     def _sync(self, n: int) -> None:
         """The actor puts step ``n``'s weights on the live engines, as version ``"n"``."""
-        self._assign("actor", n, M.SyncTask(version=str(n), engines=self._live()))
+        self._assign("actor", n, M.SyncTask(version=str(n), engines=self.registry.live()))
 
     def _sync_done(self, task: Task, res: M.SyncResult) -> None:
         n = task.step
         for name, why in res.dead_engines.items():  # found dead at the sync: left out from now on
-            if name in self.engine_info and not self.engine_info[name]["dead"]:
+            if self.registry.mark_dead(name, why):
                 log.error("rollout engine %s (%s) died: %s; the sync went to the other engines", name,
-                          self.engine_info[name]["url"], why)
-                self.engine_info[name]["dead"] = why
-                self.state.progress(engines=self.engine_info)
+                          self.registry.engines[name].url, why)
+        self.registry.synced({e: v for e, v in res.engine_versions.items() if e not in res.dead_engines})
+        self._engines_changed()
         if not self.started:  # the resume sync
             self.started = True
             return
@@ -496,7 +503,7 @@ class TrainingLoop:
     def finish(self) -> dict:
         """summary.json and reward.png (whatever the run's outcome); returns the summary."""
         first, last = self.metrics.reward_ends()
-        summary = self.metrics.finish(self.state.doc, {"engines": self.engine_info, "mode": self.recipe.mode})
+        summary = self.metrics.finish(self.state.doc, {"engines": self.registry.to_state(), "mode": self.recipe.mode})
         if first is not None:
             log.info("mean reward: first %d steps %.3f, last %d steps %.3f (%d steps, %.0f s); summary %s",
                      summary["reward_window"], first, summary["reward_window"], last, summary["steps"],

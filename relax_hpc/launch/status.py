@@ -170,6 +170,8 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
         "time_left_s": time_left,
         "components": components,
         "roles": roles,
+        "engines": [{"name": name, **info} for name, info in (ctl.get("engines") or {}).items()],
+        "judges": [{"name": name, **info} for name, info in (ctl.get("judges") or {}).items()],
         "logs": str(rd.logs),
     }
 
@@ -221,8 +223,24 @@ def render(info: dict) -> RichGroup:
                       _cell(r.get("nodes") if r.get("nodes") else r.get("nodes_requested")),
                       _cell(r.get("ranks") if r.get("ranks") is not None else r.get("ntasks")),
                       "-" if hb is None else f"{hb:.0f}s ago", _cell(r.get("error")))
-    parts += [Text(""), comps, Text(""), roles, Text(f"logs: {info['logs']}", style="dim")]
+    parts += [Text(""), comps, Text(""), roles]
+    if info.get("engines"):
+        engines = Table(box=None, pad_edge=False, header_style="bold")
+        for col in ("engine", "state", "weights", "origin", "node", "job", "url"):
+            engines.add_column(col)
+        for e in info["engines"]:
+            where = f"{e.get('job_id')}.{e['step_id']}" if e.get("step_id") else e.get("job_id")
+            engines.add_row(e["name"], _styled_engine(e), _cell(e.get("weight_version")), _cell(e.get("origin")),
+                            _cell(e.get("node")), _cell(where), _cell(e.get("url")))
+        parts += [Text(""), engines]
+    parts.append(Text(f"logs: {info['logs']}", style="dim"))
     return RichGroup(*parts)
+
+
+def _styled_engine(e: dict) -> Text:
+    state = str(e.get("state") or ("dead" if e.get("dead") else "-"))
+    style = {"ready": "green", "dead": "red", "draining": "yellow", "syncing": "yellow", "starting": "yellow"}
+    return Text(state + (f" ({e['dead']})" if e.get("dead") else ""), style=style.get(state, ""))
 
 
 def _life_line(info: dict) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from relax_hpc.roles.engine_host import gather_engines, start_rank_engine
+from relax_hpc.roles.engine_host import gather_engines, start_engines_result, start_rank_engine
 from relax_hpc.roles.runtime import RoleContext, main
 
 ROLE = "genrm"
@@ -37,8 +37,7 @@ def work(ctx: RoleContext, comm: Any) -> None:
         everyone = gather_engines(ctx, engine, "judge")
 
         def start_engines(task: M.StartEnginesTask) -> M.StartEnginesResult:
-            return M.StartEnginesResult(engines={n: u for n, u, _, _ in everyone}, pids={n: p for n, _, p, _ in everyone},
-                                        nodes={n: node for n, _, _, node in everyone}, data_state=None)
+            return start_engines_result(everyone)
 
         serve(ctx, comm, {"start_engines": start_engines, "stop": lambda task: M.StopResult()})
     finally:

@@ -41,7 +41,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from relax_hpc.roles.engine_host import gather_engines, start_rank_engine
+from relax_hpc.roles.engine_host import gather_engines, start_engines_result, start_rank_engine
 from relax_hpc.roles.model import resolve
 from relax_hpc.roles.runtime import RoleContext, main
 
@@ -89,13 +89,10 @@ def work(ctx: RoleContext, comm: Any) -> None:
         gen = Generator(ctx) if i.rank == 0 else None  # tokenizer and data load while the engine does
         everyone = gather_engines(ctx, engine, "engine")
         if gen is not None:
-            gen.set_engines({n: u for n, u, _, _ in everyone})
+            gen.set_engines({n: u for n, u, *_ in everyone})
 
         def start_engines(task: M.StartEnginesTask) -> M.StartEnginesResult:
-            return M.StartEnginesResult(engines={n: u for n, u, _, _ in everyone},
-                                        pids={n: p for n, _, p, _ in everyone},
-                                        nodes={n: node for n, _, _, node in everyone},
-                                        data_state=gen.data.state_dict() if gen is not None else None)
+            return start_engines_result(everyone, gen.data.state_dict() if gen is not None else None)
 
         def generate(task: M.GenerateTask) -> M.GenerateResult | None:
             return gen.generate(task) if gen is not None else None

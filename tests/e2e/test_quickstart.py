@@ -47,6 +47,10 @@ def test_quickstart_learns_locally(tmp_path, tiny_model, local_executor):
     assert st["step"] == STEPS and st["total_steps"] == STEPS and st["phase"] == "finished"
     assert st["reward"] is not None and st["reward_first10"] == first and st["reward_last10"] == last
     assert st["last_checkpoint"]["step"] == STEPS and Path(st["last_checkpoint"]["path"]).is_dir()
+    # the engine registry: the run's one engine, started with it, ready, serving the last step's weights
+    [(name, engine)] = st["engines"].items()
+    assert name == "engine0" and engine["origin"] == "initial" and engine["state"] == "ready"
+    assert engine["weight_version"] == str(STEPS) and engine["job_id"] == "local" and engine["url"].startswith("http")
 
     tags = tensorboard_tags(run.path / "tensorboard")
     for tag in ("rollout/raw_reward", "rollout/response_len/mean", "train/pg_loss", "train/grad_norm", "train/loss",
@@ -97,6 +101,10 @@ def test_quickstart_learns_on_slurm_with_four_groups_at_once(slurm_cluster, tmp_
         time.sleep(3)
     assert st.get("state") == "COMPLETED", st
     assert seen == {f"{job}+{k}" for k in range(4)}, "the four components never ran at once"
+    # relax-status --json shows the engine registry: where the engine runs (the rollout component's job and step)
+    [engine] = st["engines"]
+    assert (engine["name"], engine["origin"], engine["state"]) == ("engine0", "initial", "ready")
+    assert engine["weight_version"] == str(STEPS) and engine["job_id"].isdigit() and engine["step_id"].isdigit()
     ctl = json.loads((run_dir / "state.json").read_text())
     assert ctl["executor"] == "slurm" and ctl["step"] == STEPS and ctl["mode"] == "fully_async"
     assert len({ctl["roles"][r]["het_group"] for r in ("actor", "rollout", "reference", "actor_fwd")}) == 4

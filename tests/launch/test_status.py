@@ -56,6 +56,27 @@ def test_slurm_running_joins_state_json(tmp_path, monkeypatch):
     assert "RUNNING" in out.getvalue() and "train" in out.getvalue()
 
 
+def test_the_engine_registry_is_shown_and_listed_in_json(tmp_path, monkeypatch):
+    from relax_hpc.controller.engines import EngineRegistry
+
+    reg = EngineRegistry()
+    reg.add("engine0", "http://node3:30000", node="node3", pid=5, job_id="8", step_id="0", state="ready",
+            weight_version="3")
+    reg.add("engine1", "http://node3:30001", node="node3", pid=6, job_id="8", step_id="0", state="ready")
+    reg.mark_dead("engine1", "connection refused")
+    rd = run_dir(tmp_path)
+    write_json(rd.state, {"state": "RUNNING", "step": 3, "engines": reg.to_state()})
+    with_comps(monkeypatch, comp(0, "RUNNING"), comp(1, "RUNNING"))
+    info = status.collect(rd)
+    assert [(e["name"], e["state"], e["weight_version"], e["origin"], e["job_id"]) for e in info["engines"]] == [
+        ("engine0", "ready", "3", "initial", "8"), ("engine1", "dead", None, "initial", "8")]
+    json.dumps(info)  # relax-status --json prints it
+    out = io.StringIO()
+    Console(file=out, width=160).print(status.render(info))
+    text = out.getvalue()
+    assert "engine0" in text and "8.0" in text and "dead (connection refused)" in text
+
+
 def test_pending_reason(tmp_path, monkeypatch):
     rd = run_dir(tmp_path)
     with_comps(monkeypatch, comp(0, "PENDING", "Resources", None), comp(1, "PENDING", "Resources", None))

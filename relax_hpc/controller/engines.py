@@ -1,0 +1,119 @@
+"""The controller's registry of inference engines: what each one is, where it lives, and whether it may serve.
+
+Why a registry: requests, weight syncs, ``state.json`` and ``relax-status`` must agree on which engines exist
+and which may take requests. One table, owned by the controller, is that agreement; the rollout role and the
+actor get their engine lists from it with each task.
+
+An engine is an :class:`Engine`: its name and URL, ``origin`` (``initial``: started with the run's rollout role;
+``step`` and ``attached``: added later as a job step or an attached job, for elastic rollout), the node, Slurm job
+and step it runs in, its ``weight_version`` (the step whose weights it serves; ``"0"``: the model on disk) and its
+``state``:
+
+    starting → syncing → ready → draining → gone
+         any state but gone → dead
+
+- ``syncing``: up, but its weights are not yet the run's (a resumed run's engines serve the model on disk until
+  the resume sync): no requests.
+- ``ready``: takes requests. :meth:`EngineRegistry.routable` is the set a generate task gets: ready engines whose
+  weight version is within the run's staleness bound of the trainer's.
+- ``draining`` / ``gone``: leaving on purpose (scale-in); ``dead``: found dead (a failed request or sync), with the
+  reason; it gets nothing any more.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+STATES = ("starting", "syncing", "ready", "draining", "gone", "dead")
+ORIGINS = ("initial", "step", "attached")
+_NEXT = {"starting": {"syncing", "ready"}, "syncing": {"ready"}, "ready": {"syncing", "draining"},
+         "draining": {"gone"}, "gone": set(), "dead": set()}
+
+
+@dataclass
+class Engine:
+    name: str
+    url: str
+    origin: str = "initial"
+    node: str | None = None
+    pid: int | None = None
+    job_id: str | None = None  # the Slurm job (the het job's id for a component), "local" without Slurm
+    step_id: str | None = None
+    state: str = "starting"
+    weight_version: str | None = None
+    dead: str | None = None  # why, once dead
+    since: float = field(default_factory=time.time)  # when it entered its state
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class EngineError(ValueError):
+    """A registry change that breaks the state machine (a bug in the controller, never the user's)."""
+
+
+class EngineRegistry:
+    def __init__(self) -> None:
+        self.engines: dict[str, Engine] = {}
+
+    def add(self, name: str, url: str, *, origin: str = "initial", state: str = "starting", **where: Any) -> Engine:
+        if origin not in ORIGINS:
+            raise EngineError(f"engine {name}: origin {origin!r} is not one of {ORIGINS}")
+        if name in self.engines and self.engines[name].state not in ("gone", "dead"):
+            raise EngineError(f"engine {name} is registered already ({self.engines[name].state})")
+        e = Engine(name, url, origin, **where)
+        self.engines[name] = e
+        if state != "starting":
+            self.move(name, state)
+        return e
+
+    def move(self, name: str, state: str, *, version: str | None = None) -> Engine:
+        """Engine ``name`` enters ``state`` (a :data:`STATES` transition), serving ``version`` if given."""
+        e = self.engines[name]
+        if state not in _NEXT.get(e.state, set()) and state != e.state:
+            raise EngineError(f"engine {name}: {e.state} → {state} is not a transition of {STATES}")
+        if state != e.state:
+            e.state, e.since = state, time.time()
+        if version is not None:
+            e.weight_version = str(version)
+        return e
+
+    def mark_dead(self, name: str, why: str) -> bool:
+        """Declare ``name`` dead with ``why``; False if it was dead or gone already."""
+        e = self.engines.get(name)
+        if e is None or e.state in ("dead", "gone"):
+            return False
+        e.state, e.dead, e.since = "dead", why, time.time()
+        return True
+
+    def synced(self, versions: dict[str, str | None]) -> None:
+        """After a sync: each engine's version as it reported it; a syncing engine with a version is ready."""
+        for name, v in versions.items():
+            e = self.engines.get(name)
+            if e is None or e.state in ("dead", "gone"):
+                continue
+            if v is not None:
+                e.weight_version = str(v)
+            if e.state == "syncing" and v is not None:
+                self.move(name, "ready")
+
+    def live(self) -> dict[str, str]:
+        """Engines a weight sync goes to: every one not dead, gone or draining ``{name: url}``."""
+        return {n: e.url for n, e in self.engines.items() if e.state in ("starting", "syncing", "ready")}
+
+    def routable(self, min_version: int | None = None) -> dict[str, str]:
+        """Engines a generate task may send requests to: ready, and (``min_version``) serving at least that step."""
+        def fresh(e: Engine) -> bool:
+            if min_version is None:
+                return True
+            return e.weight_version is not None and e.weight_version.isdigit() and int(e.weight_version) >= min_version
+        return {n: e.url for n, e in self.engines.items() if e.state == "ready" and fresh(e)}
+
+    def count(self, *states: str) -> int:
+        return sum(1 for e in self.engines.values() if e.state in states)
+
+    def to_state(self) -> dict[str, dict]:
+        """``state.json``'s ``engines``: ``{name: Engine fields}`` (``url``, ``pid``, ``node`` and ``dead`` as before)."""
+        return {n: e.to_dict() for n, e in self.engines.items()}
