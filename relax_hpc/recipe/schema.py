@@ -114,6 +114,15 @@ class DataConfig:
 
 
 @dataclass
+class EngineConfig:
+    """The inference servers' own settings."""
+
+    # extra sglang.launch_server arguments (e.g. ["--attention-backend", "fa3", "--mem-fraction-static", "0.8"]);
+    # the ones relax_hpc sets itself are refused (validate.ENGINE_ARGS_SET); the CPU engine has none to take
+    args: list[str] = field(default_factory=list)
+
+
+@dataclass
 class RolloutConfig:
     """Generation, rewards and eval (Relax's rollout/reward/eval flags; see docs/rollout.md)."""
 
@@ -146,6 +155,7 @@ class RolloutConfig:
     sglang_server_concurrency: int = 512  # max in-flight generate requests per engine
     max_retries: int = 3  # times one request is retried after an error on an engine that is still alive (with exponential backoff and jitter)
     request_timeout_s: float = 600.0  # total deadline of one generate request (connect, send, whole answer, retries)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     # --- rewards -------------------------------------------------------------------------------------
     rm_type: str | None = None  # built-in reward: math, exact_match, f1, dummy, dapo, deepscaler, multiple_choice, gpqa, random, remote_rm, boxed_<type>; sample.metadata["rm_type"] wins
     rm_url: str | None = None  # remote_rm's reward server, http(s)://...: gets POST {prompt, response, label}, answers a JSON number or object (Relax --rm-url)

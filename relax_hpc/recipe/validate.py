@@ -228,7 +228,32 @@ def check(recipe: Recipe) -> list[Problem]:
     problems += _check_batch(recipe)
     problems += _check_dynamic_sampling(recipe.rollout, recipe.mode)
     problems += _check_genrm(recipe)
+    problems += _check_engine_args(recipe)
     return problems
+
+
+# sglang.launch_server arguments relax_hpc sets itself (relax_hpc/rollout/engines.py and roles/engine_host.py): a
+# second value would fight the run's own (the model, where it listens, its key, TP from roles.rollout, the seed
+# and weight version the run's reproducibility rests on)
+ENGINE_ARGS_SET = {
+    "--model-path": "model.path", "--model": "model.path", "--tokenizer-path": "model.path",
+    "--host": "the node's address", "--port": "a free port the kernel picks", "--api-key": "the run's API key",
+    "--tp-size": "roles.rollout.gpus_per_node / tasks_per_node", "--tp": "roles.rollout.gpus_per_node / tasks_per_node",
+    "--tensor-parallel-size": "roles.rollout.gpus_per_node / tasks_per_node",
+    "--random-seed": "run.seed and the engine's rank", "--weight-version": "the run's weight versions",
+}
+
+
+def _check_engine_args(r: Recipe) -> list[Problem]:
+    out: list[Problem] = []
+    for i, arg in enumerate(r.rollout.engine.args):
+        key = f"rollout.engine.args[{i}]"
+        flag = arg.split("=", 1)[0]
+        if flag in ENGINE_ARGS_SET:
+            out.append((key, arg, f"relax_hpc sets {flag} itself (from {ENGINE_ARGS_SET[flag]}). Fix: remove it"))
+        elif any(c in arg for c in "\n\r\0"):
+            out.append((key, arg, "contains a line break or NUL. Fix: one argument per list item"))
+    return out
 
 
 def _check_genrm(r: Recipe) -> list[Problem]:

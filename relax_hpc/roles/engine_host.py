@@ -9,6 +9,7 @@ the whole set to the controller (task ``start_engines``). The engine is SGLang o
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from relax_hpc.roles.model import resolve
@@ -26,10 +27,13 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def start_rank_engine(ctx: RoleContext, group: RoleGroup, model_path: str, *, seed: int, prefix: str) -> Any:
+def start_rank_engine(ctx: RoleContext, group: RoleGroup, model_path: str, *, seed: int, prefix: str,
+                      sglang_args: list[str] | tuple[str, ...] = ()) -> Any:
     """This rank's engine serving ``model_path``, started (not yet ready), its log ``RUN_DIR/logs/<prefix><rank>.log``.
 
-    ``seed``: the engine's sampling seed (requests that carry their own ``sampling_seed`` do not depend on it)."""
+    ``seed``: the engine's sampling seed (requests that carry their own ``sampling_seed`` do not depend on it).
+    ``sglang_args``: extra ``sglang.launch_server`` arguments (``rollout.engine.args``); the CPU engine takes none
+    and says so in the role's log."""
     from relax_hpc.rollout.engines import start_engine
 
     i = ctx.ident
@@ -41,8 +45,11 @@ def start_rank_engine(ctx: RoleContext, group: RoleGroup, model_path: str, *, se
         first = i.local_rank * gpus
         env = {"CUDA_VISIBLE_DEVICES": ",".join(str(first + k) for k in range(gpus))}
         h = start_engine("sglang", resolve(model_path), tp=gpus, host=host, env=env, log_path=logf,
-                         api_key=key, extra_args=["--weight-version", "0", "--random-seed", str(seed)])
+                         api_key=key, extra_args=["--weight-version", "0", "--random-seed", str(seed), *sglang_args])
     else:
+        if sglang_args:
+            print(f"[{i.role}:{i.rank}] rollout.engine.args {list(sglang_args)} are SGLang's; the CPU engine on this "
+                  "node (no CUDA, or no RELAX_SGLANG_PYTHON) does not take them", file=sys.stderr, flush=True)
         h = start_engine("cpu", resolve(model_path), host=host, log_path=logf, api_key=key,
                          extra_args=["--weight-version", "0", "--seed", str(seed),
                                      "--threads", str(max(1, group.cpus_per_task))])

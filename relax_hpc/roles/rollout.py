@@ -57,7 +57,8 @@ def _start_engine(ctx: RoleContext) -> Any:
     r = ctx.recipe
     if r.model.path is None:
         return None
-    return start_rank_engine(ctx, r.roles.rollout, r.model.path, seed=r.run.seed + ctx.ident.rank, prefix="engine")
+    return start_rank_engine(ctx, r.roles.rollout, r.model.path, seed=r.run.seed + ctx.ident.rank, prefix="engine",
+                             sglang_args=r.rollout.engine.args)
 
 
 def _sniffio_shim() -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +53,25 @@ DEFAULT_TIMEOUT = 60.0
 GENERATE_TIMEOUT = 600.0
 WEIGHTS_TIMEOUT = 1800.0
 CONNECT_TIMEOUT = 10.0
+
+
+OLDEST_SGLANG = (0, 5, 15)  # the oldest release Relax pins; older ones answer the update calls differently
+SESSION_SGLANG = (0, 5, 23)  # from here, /update_weights_from_distributed only inside /begin…/end_weight_update
+
+
+def update_protocol(version: Any) -> str:
+    """How to update an engine's weights, from the ``version`` its ``/server_info`` reports: ``"session"``
+    (``/begin_weight_update`` … ``/end_weight_update`` around the updates: SGLang >= 0.5.23, and relax_hpc's CPU
+    engine) or ``"plain"`` (the updates alone: SGLang 0.5.15-0.5.22). An older SGLang is refused, naming it."""
+    text = str(version or "")
+    m = re.match(r"^v?(\d+)\.(\d+)\.(\d+)", text)
+    if m is None:  # not an SGLang release string (the CPU engine's "relax_hpc-cpu-engine/1"): the current protocol
+        return "session"
+    release = tuple(int(x) for x in m.groups())
+    if release < OLDEST_SGLANG:
+        raise ValueError(f"an engine runs SGLang {text}; relax_hpc updates weights on SGLang 0.5.15 or newer "
+                         "(the releases Relax pins). Fix: install a newer SGLang in RELAX_SGLANG_PYTHON's environment")
+    return "session" if release >= SESSION_SGLANG else "plain"
 
 
 class EngineError(RuntimeError):

@@ -513,7 +513,7 @@ class CPUEngine:
             "internal_states": [{"last_gen_throughput": self.scheduler.stats["last_gen_throughput"],
                                  "num_running_reqs": running, "num_waiting_reqs": waiting,
                                  "paused": self.scheduler.paused, **self.scheduler.stats}],
-            "version": ENGINE_VERSION, "engine": "relax_hpc-cpu", "frontend": "python",
+            "version": self.reported_version or ENGINE_VERSION, "engine": "relax_hpc-cpu", "frontend": "python",
         }
 
     def model_info(self) -> dict:
@@ -551,6 +551,10 @@ class CPUEngine:
         dist.destroy_process_group(pg)
         return True, "Succeeded to destroy custom process group."
 
+    # SGLang before 0.5.23 (``--sglang-version``): no update sessions; the updates come alone
+    legacy_updates = False
+    reported_version: str | None = None  # what /server_info says the version is (``--sglang-version``)
+
     def begin_weight_update(self) -> tuple[bool, str]:
         with self.session_lock:
             if self.session:
@@ -567,7 +571,7 @@ class CPUEngine:
 
     def update_weights_from_distributed(self, body: dict) -> tuple[bool, str]:
         import torch.distributed as dist
-        if not self.session:
+        if not self.session and not self.legacy_updates:
             return False, ("update_weights_from_distributed must run between begin_weight_update() and "
                            "end_weight_update().")
         group_name = body.get("group_name", "weight_update_group")
@@ -764,8 +768,9 @@ def _make_handler(engine: CPUEngine, api_key: str | None = None):
         "/flush_cache": flush, "/pause_generation": pause, "/continue_generation": cont, "/abort_request": abort,
         "/init_weights_update_group": result(engine.init_weights_update_group),
         "/destroy_weights_update_group": result(engine.destroy_weights_update_group),
-        "/begin_weight_update": result(lambda b: engine.begin_weight_update()),
-        "/end_weight_update": result(lambda b: engine.end_weight_update()),
+        **({} if engine.legacy_updates else {  # older SGLang has no such routes: 404, as there
+            "/begin_weight_update": result(lambda b: engine.begin_weight_update()),
+            "/end_weight_update": result(lambda b: engine.end_weight_update())}),
         "/update_weights_from_distributed": result(engine.update_weights_from_distributed),
         "/update_weights_from_disk": result(engine.update_weights_from_disk, num_paused_requests=0),
         "/update_weight_version": version,
@@ -854,6 +859,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None, help="seeds requests that carry no sampling_seed")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--sglang-version", default=None,
+                   help="answer as this SGLang release does: /server_info reports it, and before 0.5.23 there "
+                        "are no /begin_weight_update and /end_weight_update (updates come alone), so the tests "
+                        "cover both update protocols")
     p.add_argument("--api-key-file", default=None,
                    help=f"file holding the API key clients must send (default: ${API_KEY_ENV}; neither: no key)")
     a = p.parse_args(argv)
@@ -863,6 +872,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     engine = CPUEngine(a.model, a.dtype, a.max_batch_size, a.batch_wait_ms, a.seed, a.weight_version,
                        a.served_model_name)
+    if a.sglang_version:
+        from relax_hpc.rollout.client import update_protocol
+
+        engine.reported_version = a.sglang_version
+        try:
+            engine.legacy_updates = update_protocol(a.sglang_version) == "plain"
+        except ValueError:  # older than relax_hpc supports: answer as that release would; the sender refuses it
+            engine.legacy_updates = True
     server = serve(engine, a.host, a.port, api_key=api_key)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     if a.ready_file:

@@ -18,6 +18,8 @@ bridge's TP/PP gather). One sync looks like this (``docs/weights.md`` has the wh
   ``dist.broadcast``s the bucket's flat buffer → ``/update_weight_version`` once every bucket arrived →
   ``/end_weight_update`` → ``/continue_generation``. Packing bucket *i+1* overlaps the broadcast of bucket
   *i*. The end/continue calls run even when a step fails, so engines never stay paused or in a session.
+  The session calls (begin/end) go only to engines whose ``/server_info`` version needs them
+  (:func:`update_protocol`: SGLang >= 0.5.23 and the CPU engine); SGLang 0.5.15-0.5.22 take the updates alone.
 
 Every wait has a deadline; every failure is a :class:`WeightSyncError` that names the engine(s).
 """
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relax_hpc.rollout.client import EngineClient, EngineError
+from relax_hpc.rollout.client import EngineClient, EngineError, update_protocol
 from relax_hpc.weights.buckets import (DEFAULT_BUCKET_BYTES, Bucket, BufferRing, dtype_from_name, empty_flat, iter_buckets, plan,
                                        unpack)
 
@@ -238,6 +240,7 @@ class WeightSender:
             reuse_buffers = self.device.type == "cpu"
         self.ring = BufferRing(2, self.device) if reuse_buffers else None
         self.engines: list[EngineClient] = []
+        self.sessions: dict[str, bool] = {}  # by engine URL: wrap updates in /begin…/end_weight_update (update_protocol)
         self.tp_sizes: list[int] = []
         self.pg: dist.ProcessGroup | None = None
         self.master_address: str | None = None
@@ -272,10 +275,15 @@ class WeightSender:
         engines = [e if isinstance(e, EngineClient) else EngineClient(str(e), api_key=self.api_key) for e in engines]
         if not engines:
             raise ValueError("connect needs at least one engine")
+        self.sessions = {e.url: True for e in engines}
         if tp_sizes is None:
             infos = _wait_engines({_in_thread(e.server_info): e for e in engines}, self.control_timeout,
                                   "asking the engine's TP size (/server_info)")
             tp_sizes = [int(i.get("tp_size") or 1) for i in infos]
+            try:
+                self.sessions = {e.url: update_protocol(i.get("version")) == "session" for e, i in zip(engines, infos)}
+            except ValueError as e:
+                raise WeightSyncError(str(e), [u.url for u in engines]) from None
             for e, i in zip(engines, infos):  # SGLang DP replicas in one server would all claim ranks offset+0..tp-1
                 if int(i.get("dp_size") or 1) > 1 and not i.get("enable_dp_attention"):
                     raise WeightSyncError(f"engine {e.url} runs dp_size={i['dp_size']} replicas in one server; their "
@@ -379,8 +387,8 @@ class WeightSender:
             self._on_all(lambda e: e.pause_generation(pause_mode, timeout=self.control_timeout), "/pause_generation")
             if pause_mode != "in_place":  # KV built by the old weights must not be reused by new requests
                 self._on_all(lambda e: e.flush_cache(timeout=self.control_timeout), "/flush_cache")
-            in_session = True
-            self._on_all(lambda e: e.begin_weight_update(), "/begin_weight_update")
+            in_session = True  # SGLang >= 0.5.23 refuses updates outside a session; older releases have none
+            self._on_all(lambda e: e.begin_weight_update(), "/begin_weight_update", only=self._in_sessions())
             t_xfer0 = time.perf_counter()
             self._send_all(named_weights, mode, stats)
             t_xfer = time.perf_counter()
@@ -393,11 +401,11 @@ class WeightSender:
             raise
         finally:
             # always: no engine may stay in a session or paused, also when a step failed on some engine
-            cleanup = [(lambda e: e.end_weight_update(), "/end_weight_update")] if in_session else []
-            cleanup.append((lambda e: e.continue_generation(timeout=self.control_timeout), "/continue_generation"))
-            for fn, what in cleanup:
+            cleanup = [(lambda e: e.end_weight_update(), "/end_weight_update", self._in_sessions())] if in_session else []
+            cleanup.append((lambda e: e.continue_generation(timeout=self.control_timeout), "/continue_generation", None))
+            for fn, what, only in cleanup:
                 try:
-                    self._on_all(fn, what)
+                    self._on_all(fn, what, only=only)
                 except WeightSyncError as e:
                     if errors:
                         log.error("while cleaning up after a failed weight sync: %s", e)
@@ -445,9 +453,15 @@ class WeightSender:
             raise WeightSyncError(f"weight broadcast failed: {type(e).__name__}: {e}") from e
 
     # ------------------------------------------------------------------ helpers
-    def _on_all(self, fn: Callable[[EngineClient], Any], what: str) -> list[Any]:
-        """``fn(engine)`` on every engine at once; raises WeightSyncError naming every engine that failed."""
-        futs = {_in_thread(fn, e, name=f"weight-sync{what.replace('/', '-')}"): e for e in self.engines}
+    def _in_sessions(self) -> list[EngineClient]:
+        return [e for e in self.engines if self.sessions.get(e.url, True)]
+
+    def _on_all(self, fn: Callable[[EngineClient], Any], what: str, *,
+                only: Sequence[EngineClient] | None = None) -> list[Any]:
+        """``fn(engine)`` on every engine (or those ``only``) at once; raises WeightSyncError naming every engine
+        that failed."""
+        futs = {_in_thread(fn, e, name=f"weight-sync{what.replace('/', '-')}"): e
+                for e in (self.engines if only is None else only)}
         deadline = time.monotonic() + self.control_timeout + 5
         failed, results = [], []
         for f, e in futs.items():

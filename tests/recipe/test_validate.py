@@ -576,3 +576,11 @@ def test_dapo_genrm_needs_a_judge_and_has_no_boxed_form():
 ])
 def test_genrm_values(data, key, text):
     assert text in problems(data)[key]
+
+
+def test_engine_args_pass_except_the_ones_relax_hpc_sets():
+    ok = ["--attention-backend", "fa3", "--mem-fraction-static=0.8"]
+    assert recipe_from_dict({"rollout": {"engine": {"args": ok}}}).rollout.engine.args == ok
+    got = problems({"rollout": {"engine": {"args": ["--mem-fraction-static", "0.8", "--port=31000", "--api-key"]}}})
+    assert "sets --port itself" in got["rollout.engine.args[2]"] and "Fix: remove it" in got["rollout.engine.args[2]"]
+    assert "the run's API key" in got["rollout.engine.args[3]"] and "rollout.engine.args[0]" not in got

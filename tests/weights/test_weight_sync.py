@@ -249,3 +249,50 @@ def test_misuse():
         WeightSender(mode="fast")
     with pytest.raises(ValueError):
         s.connect([], "127.0.0.1")
+
+
+@pytest.mark.parametrize("version, protocol", [("0.5.23", "session"), ("0.5.23.post2", "session"),
+                                               ("0.5.30", "session"), ("0.5.22", "plain"), ("v0.5.15", "plain"),
+                                               ("relax_hpc-cpu-engine/1", "session"), (None, "session")])
+def test_the_update_protocol_follows_the_sglang_release(version, protocol):
+    from relax_hpc.rollout.client import update_protocol
+
+    assert update_protocol(version) == protocol
+
+
+def test_an_sglang_older_than_relax_pins_is_refused_at_connect(tiny_model, tmp_path):
+    from relax_hpc.rollout.engines import start_engine
+
+    h = start_engine("cpu", tiny_model, log_path=tmp_path / "old.log",
+                     extra_args=["--threads", "1", "--sglang-version", "0.5.14"]).wait_ready(180)
+    try:
+        with pytest.raises(WeightSyncError, match=r"SGLang 0\.5\.14.*0\.5\.15 or newer"):
+            WeightSender(timeout=60, connect_timeout=60).connect([h.url], "127.0.0.1")
+    finally:
+        h.stop()
+
+
+def test_one_group_with_an_older_and_a_current_sglang(clients, hf_model, tiny_model, tmp_path):
+    """An engine answering as SGLang 0.5.20 has no update sessions (begin/end answer 404 there, and its updates
+    come alone); one answering as the current release refuses updates outside a session. One push serves both."""
+    from relax_hpc.rollout.engines import start_engine
+
+    h = start_engine("cpu", tiny_model, log_path=tmp_path / "legacy.log",
+                     extra_args=["--threads", "1", "--sglang-version", "0.5.20"]).wait_ready(180)
+    legacy = EngineClient(h.url, timeout=60)
+    s = WeightSender(bucket_bytes=1 << 20, timeout=60, connect_timeout=60)
+    try:
+        assert legacy.server_info()["version"] == "0.5.20"
+        with pytest.raises(Exception, match="404"):
+            legacy.begin_weight_update()
+        s.connect([clients[1], legacy], "127.0.0.1")
+        assert s.sessions == {clients[1].url: True, legacy.url: False}
+        sd = perturb(hf_model, seed=10)
+        s.push(sd.items(), "mixed-1")
+        for c in (clients[1], legacy):
+            assert_engine_has(c, sd)
+            assert c.weight_version() == "mixed-1"
+    finally:
+        s.close()
+        legacy.close()
+        h.stop()
