@@ -44,6 +44,7 @@ class Engine:
     state: str = "starting"
     weight_version: str | None = None
     dead: str | None = None  # why, once dead
+    restarts: int = 0  # how often it was started again after it died (rollout.engine.max_restarts bounds it)
     since: float = field(default_factory=time.time)  # when it entered its state
 
     def to_dict(self) -> dict[str, Any]:

@@ -174,6 +174,7 @@ class StartEnginesTask(TaskMessage):
     genrm: report the judge engines (no cursor)."""
 
     kind: ClassVar[str] = "start_engines"
+    restart: list[str] = field(default_factory=list)  # rollout: engines found dead, to be started again first
 
 
 @dataclass(frozen=True, kw_only=True)

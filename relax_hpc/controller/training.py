@@ -99,6 +99,7 @@ class Task:
     kind: str
     step: int
     life: int = 0  # which life of the step's partition it works on (a step voided for damage starts a new one)
+    engines: dict[str, str] | None = None  # generate/sync: the engines it was given, so a death it reports is of those
 
 
 class TrainingLoop:
@@ -174,7 +175,7 @@ class TrainingLoop:
     def _assign(self, role: str, at: int, task: M.TaskMessage) -> None:
         """Queue ``task`` for ``role``, as part of step ``at`` (a role does its tasks in order); gives it its id."""
         tid = next(self._ids)
-        self.pending[tid] = Task(role, task.kind, at, self.lives.get(at, 0))
+        self.pending[tid] = Task(role, task.kind, at, self.lives.get(at, 0), getattr(task, "engines", None))
         self.channel.assign(role, replace(task, id=tid).to_dict())
 
     def _idle(self, role: str) -> bool:
@@ -209,6 +210,8 @@ class TrainingLoop:
                 n = self.step + 1
                 if n in self.ready and self.ready[n].issuperset(self.fwd):
                     self._train(n)
+            if self._idle("actor") and self.registry.count("syncing"):  # an engine started again: it gets the
+                self._sync(self.step)  # weights the actor holds (step self.step's) now, not at the next step's sync
         for r in self.fwd:
             n = min((s for s, done in self.ready.items() if r not in done), default=None)
             if n is not None and self._idle(r) and (r != "actor_fwd" or self.fwd_weights[r] == n - 1):
@@ -375,6 +378,8 @@ class TrainingLoop:
         return nodes[0]
 
     def _start_engines_done(self, task: Task, res: M.StartEnginesResult) -> None:
+        if task.role == "rollout" and self.registry.engines:  # engines started again after they died
+            return self._restarted(res)
         if task.role == "genrm":  # judges: frozen, no weight sync; rollout gets them with its tasks
             self.judges = dict(res.engines)
             log.info("genrm judges: %s", ", ".join(f"{n} {u}" for n, u in self.judges.items()))
@@ -392,6 +397,40 @@ class TrainingLoop:
         self.state.progress(engines=self.registry.to_state(), phase="connecting weight sync")
         self._assign("actor", self.step, M.ConnectTask(engines=dict(res.engines), load=self.resume_path))
 
+    def _died(self, task: Task, dead: dict[str, str]) -> None:
+        """Engines ``task`` found dead: marked, and started again while ``rollout.engine.max_restarts`` allows; a
+        new one starts from the model on disk and rejoins (``ready``) once the next sync has put the weights on it.
+        A report about an engine's earlier incarnation (the task had its old URL) is not about the new one."""
+        given = task.engines or {}
+        newly = [name for name, why in dead.items() if name in self.registry.engines
+                 and given.get(name, self.registry.engines[name].url) == self.registry.engines[name].url
+                 and self.registry.mark_dead(name, why)]
+        if not newly:
+            return
+        self._engines_changed()
+        limit = self.recipe.rollout.engine.max_restarts
+        again = [n for n in newly if self.registry.engines[n].restarts < limit]
+        for n in newly:
+            if n not in again:
+                log.error("rollout engine %s stays dead: started again %d times already (rollout.engine.max_restarts)",
+                          n, limit)
+        if again and self.state.running:
+            self.state.event("engine_restart", f"{', '.join(again)} dead; starting again")
+            self._assign("rollout", self.step, M.StartEnginesTask(restart=again))
+
+    def _restarted(self, res: M.StartEnginesResult) -> None:
+        for name, url in res.engines.items():
+            old = self.registry.engines.get(name)
+            if old is None or old.state != "dead":
+                continue
+            job, _, step = res.slurm_steps.get(name, "").partition(".")
+            e = self.registry.add(name, url, origin=old.origin, node=res.nodes.get(name), pid=res.pids.get(name),
+                                  job_id=job or "local", step_id=step or None, state="syncing", weight_version="0")
+            e.restarts = old.restarts + 1
+            log.info("rollout engine %s started again at %s (restart %d); it takes requests after the next sync",
+                     name, url, e.restarts)
+        self._engines_changed()
+
     def _connect_done(self, task: Task, res: M.ConnectResult) -> None:
         if self.resume_path is None:
             self.started = True
@@ -403,8 +442,7 @@ class TrainingLoop:
         for f in res.engine_failures:
             log.error("step %d: rollout engine %s (%s) died: %s; its requests went to the other engines",
                       n, f["name"], f["url"], f["error"])
-        if any([self.registry.mark_dead(name, why) for name, why in res.dead_engines.items()]):
-            self._engines_changed()
+        self._died(task, dict(res.dead_engines))
         # the run's counts (an engine found dead at a sync is no longer in the driver's set)
         self.cur[n]["rollout/engines_dead"] = float(self.registry.count("dead"))
         self.cur[n]["rollout/engines"] = float(self.registry.count("starting", "syncing", "ready", "draining"))
@@ -456,14 +494,20 @@ class TrainingLoop:
 
     def _sync_done(self, task: Task, res: M.SyncResult) -> None:
         n = task.step
-        for name, why in res.dead_engines.items():  # found dead at the sync: left out from now on
-            if self.registry.mark_dead(name, why):
+        for name, why in res.dead_engines.items():  # found dead at the sync: left out until started again
+            if self.registry.engines.get(name) is not None and self.registry.engines[name].state != "dead":
                 log.error("rollout engine %s (%s) died: %s; the sync went to the other engines", name,
                           self.registry.engines[name].url, why)
-        self.registry.synced({e: v for e, v in res.engine_versions.items() if e not in res.dead_engines})
+        self._died(task, dict(res.dead_engines))
+        given = task.engines or {}  # versions of the engines this sync went to (not of one started again since)
+        self.registry.synced({e: v for e, v in res.engine_versions.items() if e not in res.dead_engines
+                              and e in self.registry.engines and given.get(e) == self.registry.engines[e].url})
         self._engines_changed()
         if not self.started:  # the resume sync
             self.started = True
+            return
+        if n <= self.step:  # a catch-up sync for engines started again: the step was synced and logged already
+            log.info("engines %s caught up with step %d's weights", ", ".join(sorted(task.engines or {})), n)
             return
         bad = {e: v for e, v in res.engine_versions.items() if v != str(n)}
         if bad:

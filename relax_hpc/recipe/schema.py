@@ -120,6 +120,7 @@ class EngineConfig:
     # extra sglang.launch_server arguments (e.g. ["--attention-backend", "fa3", "--mem-fraction-static", "0.8"]);
     # the ones relax_hpc sets itself are refused (validate.ENGINE_ARGS_SET); the CPU engine has none to take
     args: list[str] = field(default_factory=list)
+    max_restarts: int = 2  # an engine found dead is started again this many times (it rejoins at the next sync)
 
 
 @dataclass

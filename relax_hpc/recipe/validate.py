@@ -246,6 +246,9 @@ ENGINE_ARGS_SET = {
 
 def _check_engine_args(r: Recipe) -> list[Problem]:
     out: list[Problem] = []
+    if r.rollout.engine.max_restarts < 0:
+        out.append(("rollout.engine.max_restarts", r.rollout.engine.max_restarts, "must be 0 or more (0: a dead "
+                    "engine stays dead)"))
     for i, arg in enumerate(r.rollout.engine.args):
         key = f"rollout.engine.args[{i}]"
         flag = arg.split("=", 1)[0]

@@ -7,6 +7,7 @@ until ``stop``. Tasks (:mod:`relax_hpc.roles.tasks`; their fields and results: :
 
 - ``start_engines``: returns ``{"engines": {name: url}, "pids": {...}, "nodes": {...}, "data_state"}`` (names
   ``engine0``, ``engine1``, ... by rank; the data cursor at the start, which a fresh run's step 1 starts from).
+  With ``restart: [names]`` (engines the controller found dead) the ranks that ran them start new ones first.
 - ``generate {step, engines, seq, data_state}``: from the data cursor after step−1 (so a step generated again, e.g.
   after a damaged chunk, gets the same prompts), the next ``rollout_batch_size`` prompt groups from ``data.path``
   (with ``rollout.dynamic_sampling_filter_path``: drawn in rounds until that many pass the filter,
@@ -93,6 +94,13 @@ def work(ctx: RoleContext, comm: Any) -> None:
             gen.set_engines({n: u for n, u, *_ in everyone})
 
         def start_engines(task: M.StartEnginesTask) -> M.StartEnginesResult:
+            nonlocal engine, everyone
+            if task.restart:  # engines found dead: the ranks that ran them start new ones, on the model on disk
+                if f"engine{i.rank}" in task.restart:
+                    log.warning("engine%d (pid %s) is dead; starting a new one", i.rank, engine.pid)
+                    engine.stop(timeout=5.0)
+                    engine = _start_engine(ctx)
+                everyone = gather_engines(ctx, engine, "engine")
             return start_engines_result(everyone, gen.data.state_dict() if gen is not None else None)
 
         def generate(task: M.GenerateTask) -> M.GenerateResult | None:
@@ -158,7 +166,8 @@ class Generator:
         step = task.step
         self._judges(task.judges)
         live = dict(task.engines or self.engines)
-        if set(live) != set(self.driver.live_engines):  # the controller's view of which engines are alive wins
+        mine = {e.name: e.client.url for e in self.driver.pool.alive()}
+        if live != mine:  # the controller's registry wins: engines dead, restarted (a new URL) or not yet synced
             self.driver.set_engines(live)
         if task.data_state:  # the cursor after step-1: a step generated again gets the same prompts
             self.data.load_state_dict(task.data_state)

@@ -17,7 +17,7 @@ JUDGES = {"judge0": "http://10.0.0.3:8002"}
 
 # one instance of every kind, with every field set (and the wire dict it must give)
 TASKS = [
-    (M.StartEnginesTask(id=1), {"id": 1, "kind": "start_engines"}),
+    (M.StartEnginesTask(id=1, restart=["engine1"]), {"id": 1, "kind": "start_engines", "restart": ["engine1"]}),
     (M.ConnectTask(id=2, engines=ENGINES, load=None), {"id": 2, "kind": "connect", "engines": ENGINES, "load": None}),
     (M.GenerateTask(id=3, step=3, engines=ENGINES, seq=2, data_state={"epoch": 0, "offset": 8}, judges=JUDGES),
      {"id": 3, "kind": "generate", "step": 3, "engines": ENGINES, "seq": 2, "data_state": {"epoch": 0, "offset": 8},

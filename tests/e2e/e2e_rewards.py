@@ -62,3 +62,11 @@ async def generate_in_segments(args, sample, sampling_params, evaluation=False):
     again = copy.deepcopy(sample)
     again.loss_mask = [0] * len(new)
     return [sample, again]
+
+
+async def kill_engine1_in_step_2(args, sample, **kwargs):
+    """The arithmetic reward; the first reward of step 2 kills engine1 (once: not the one started again)."""
+    version = sample.weight_versions[-1] if sample.weight_versions else "0"
+    if str(version).isdigit() and int(version) + 1 >= 2 and "engine1" not in _killed:
+        _kill_engine("engine1")
+    return score(sample.response, sample.label)

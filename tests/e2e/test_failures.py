@@ -23,8 +23,8 @@ def test_skipped_reward_failures_and_dying_engines(tmp_path, tiny_model, local_e
     during step 4's, engine0 (by the reward function, from inside the rollout: no race with the run's pace):
     the run fails with both engines named, without waiting for a timeout."""
     run = make_run(tmp_path, tiny_model, "run.steps=8", f"rollout.custom_rm_path={KILLING}", "checkpoint.max_restarts=0",
-                   "rollout.reward_error_policy=skip", "roles.rollout.tasks_per_node=2", "rollout.max_response_len=4",
-                   name="failures")
+                   "rollout.engine.max_restarts=0", "rollout.reward_error_policy=skip",
+                   "roles.rollout.tasks_per_node=2", "rollout.max_response_len=4", name="failures")
     with pytest.raises(RunFailed) as err:
         run_controller(run.path)
 
@@ -49,6 +49,28 @@ def test_skipped_reward_failures_and_dying_engines(tmp_path, tiny_model, local_e
     # the reward that raised: each failure is logged with its sample, counted, and the run went on
     assert sum(r["rollout/reward_failed"] for r in rows) > 0
     assert "reward failed for sample index=" in log and "prompt '1+" in log and "test reward refuses" in log
+
+
+@pytest.mark.slow
+def test_a_dead_engine_is_started_again_and_rejoins_with_the_current_weights(tmp_path, tiny_model, local_executor):
+    """kill -9 of engine1 during step 2 (from inside the rollout, so it lands in that step): its requests go to
+    engine0, the rollout rank that ran it starts a new one, which takes the weights at the next sync and takes
+    requests again; the run completes."""
+    run = make_run(tmp_path, tiny_model, "run.steps=6", "rollout.custom_rm_path=e2e_rewards.kill_engine1_in_step_2",
+                   "roles.rollout.tasks_per_node=2", "rollout.max_response_len=4", name="engine-restart")
+    assert run_controller(run.path)["state"] == "COMPLETED"
+    st = state(run)
+    e1, e0 = st["engines"]["engine1"], st["engines"]["engine0"]
+    assert (e1["state"], e1["restarts"], e1["weight_version"], e1["dead"]) == ("ready", 1, "6", None)
+    assert (e0["state"], e0["restarts"], e0["weight_version"]) == ("ready", 0, "6")
+    assert any(ev["event"] == "engine_restart" and ev["detail"].startswith("engine1 dead") for ev in st["events"])
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[-1]["rollout/engines_ready"] == 2 and rows[-1]["rollout/engines_dead"] == 0
+    for r in rows:  # every sync landed on every engine it went to, the new engine1 included
+        assert r["weights/fingerprint_match"] == 1.0 and r["weights/versions_ok"] == 1.0
+    log = (run.logs / "controller.log").read_text()
+    assert re.search(r"rollout engine engine1 started again at http://127\.0\.0\.1:\d+ \(restart 1\)", log), log[-3000:]
 
 
 @pytest.mark.slow
