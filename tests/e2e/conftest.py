@@ -58,6 +58,26 @@ def submit_slurm(recipe: Path, cwd: Path, env: dict, overrides: list[str]) -> di
     return json.loads(p.stdout)
 
 
+def follow_slurm(sub: dict, cwd: Path, env: dict, components: int, timeout_s: float) -> tuple[dict, set[str]]:
+    """Poll a submitted run until it ends: (its last ``relax-status --json``, the ids ``J+K`` of its components if
+    all ``components`` were once seen RUNNING together, else an empty set)."""
+    deadline = time.monotonic() + timeout_s
+    st: dict = {}
+    seen: set[str] = set()
+    while time.monotonic() < deadline:
+        out = subprocess.run(["squeue", "-h", "-j", sub["job_id"], "-t", "RUNNING", "-o", "%i"], capture_output=True,
+                             text=True, env=env).stdout.split()
+        if len(out) == components:
+            seen = set(out)
+        q = subprocess.run([str(REPO / ".venv" / "bin" / "relax-status"), "--json", sub["run"]], capture_output=True,
+                           text=True, cwd=cwd, env=env)
+        st = json.loads(q.stdout) if q.returncode == 0 else {}
+        if st.get("state") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            break
+        time.sleep(2)
+    return st, seen
+
+
 @pytest.fixture
 def local_executor(monkeypatch):
     monkeypatch.setenv("RELAX_EXECUTOR", "local")

@@ -4,15 +4,13 @@ about every answer, and the calls are counted per step (genrm/requests, genrm/er
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from relax_hpc.rundir import RunDir
 
-from .conftest import REPO, make_tiny_model, metrics, quickstart_overrides, submit_slurm
+from .conftest import REPO, follow_slurm, make_tiny_model, metrics, quickstart_overrides, submit_slurm
 
 STEPS = 3
 PROMPTS = 4  # rollout_batch_size: each step judges at most 4 × 8 answers
@@ -27,20 +25,7 @@ def test_genrm_recipe_on_slurm_counts_the_judge_calls(slurm_cluster, tmp_path, t
                        quickstart_overrides(tiny_model, tmp_path / "runs", f"run.steps={STEPS}",
                                             f"rollout.rollout_batch_size={PROMPTS}", f"genrm.model_path={judge}"))
     job, run_dir = sub["job_id"], Path(sub["run_dir"])
-    deadline = time.monotonic() + 600
-    st: dict = {}
-    seen: set[str] = set()
-    while time.monotonic() < deadline:
-        out = subprocess.run(["squeue", "-h", "-j", job, "-t", "RUNNING", "-o", "%i"], capture_output=True,
-                             text=True, env=slurm_cluster.env).stdout.split()
-        if len(out) == 3:
-            seen = set(out)
-        q = subprocess.run([str(REPO / ".venv" / "bin" / "relax-status"), "--json", sub["run"]], capture_output=True,
-                           text=True, cwd=tmp_path, env=slurm_cluster.env)
-        st = json.loads(q.stdout) if q.returncode == 0 else {}
-        if st.get("state") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-            break
-        time.sleep(2)
+    st, seen = follow_slurm(sub, tmp_path, slurm_cluster.env, 3, 600)
     assert st.get("state") == "COMPLETED", st
     assert seen == {f"{job}+{k}" for k in range(3)}, "actor, rollout and genrm never ran at once"
     ctl = json.loads((run_dir / "state.json").read_text())

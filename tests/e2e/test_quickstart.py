@@ -10,7 +10,6 @@ before, every sync lands (fingerprint), engine and actor log-probs agree.
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from relax_hpc.exchange.audit import exactly_once
 from relax_hpc.exchange.journal import iter_ops, replay
 from relax_hpc.rundir import RunDir
 
-from .conftest import REPO, metrics, quickstart_overrides, state, submit_slurm, tensorboard_tags
+from .conftest import REPO, follow_slurm, metrics, quickstart_overrides, state, submit_slurm, tensorboard_tags
 
 STEPS = 25
 RISE = 0.15
@@ -80,25 +79,11 @@ def test_quickstart_learns_on_slurm_with_four_groups_at_once(slurm_cluster, tmp_
     """relax-submit recipes/quickstart-slurm.yaml on the dev cluster: actor, rollout, reference and actor_fwd each
     in their own het component (one node each), fully async; the reward rises, and the journal shows every
     produced sample consumed exactly once by each task (train, reference, actor_fwd)."""
-    venv = REPO / ".venv" / "bin"
     recipe = REPO / "recipes" / "quickstart-slurm.yaml"
     sub = submit_slurm(recipe, tmp_path, slurm_cluster.env,
                        quickstart_overrides(tiny_model, tmp_path / "runs", f"run.steps={STEPS}"))
     job, run_dir = sub["job_id"], Path(sub["run_dir"])
-    deadline = time.monotonic() + 1200
-    st: dict = {}
-    seen: set[str] = set()
-    while time.monotonic() < deadline:
-        out = subprocess.run(["squeue", "-h", "-j", job, "-t", "RUNNING", "-o", "%i"], capture_output=True,
-                             text=True, env=slurm_cluster.env).stdout.split()
-        if len(out) == 4:
-            seen = set(out)
-        q = subprocess.run([str(venv / "relax-status"), "--json", sub["run"]], capture_output=True, text=True,
-                           cwd=tmp_path, env=slurm_cluster.env)
-        st = json.loads(q.stdout) if q.returncode == 0 else {}
-        if st.get("state") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-            break
-        time.sleep(3)
+    st, seen = follow_slurm(sub, tmp_path, slurm_cluster.env, 4, 1200)
     assert st.get("state") == "COMPLETED", st
     assert seen == {f"{job}+{k}" for k in range(4)}, "the four components never ran at once"
     # relax-status --json shows the engine registry: where the engine runs (the rollout component's job and step)
