@@ -143,6 +143,7 @@ class TrainingLoop:
         self.stop_request: tuple[str, str] | None = None  # (outcome, why) asked for by request_stop
         self.outcome: str | None = None  # "requeue" or "cancel" once a requested stop is done
         self.registry = EngineRegistry()  # the rollout engines: state, origin, weight version, where they run
+        self.catch_up: tuple | None = None  # (step, engines) of the last catch-up sync for engines started again
         # the GenRM judges (roles.genrm): rollout gets them with every generate and eval, so none starts before
         self.judges: dict[str, str] | None = None if recipe.roles.genrm.enabled else {}
         self.evals: list[int] = []  # steps whose eval is due, not yet handed to rollout (ascending)
@@ -210,8 +211,10 @@ class TrainingLoop:
                 n = self.step + 1
                 if n in self.ready and self.ready[n].issuperset(self.fwd):
                     self._train(n)
-            if self._idle("actor") and self.registry.count("syncing"):  # an engine started again: it gets the
-                self._sync(self.step)  # weights the actor holds (step self.step's) now, not at the next step's sync
+            syncing = frozenset(n for n, e in self.registry.engines.items() if e.state == "syncing")
+            if self._idle("actor") and syncing and self.catch_up != (self.step, syncing):  # an engine started again
+                self.catch_up = (self.step, syncing)  # gets the weights the actor holds (step self.step's) now, once
+                self._sync(self.step)
         for r in self.fwd:
             n = min((s for s, done in self.ready.items() if r not in done), default=None)
             if n is not None and self._idle(r) and (r != "actor_fwd" or self.fwd_weights[r] == n - 1):
@@ -225,7 +228,10 @@ class TrainingLoop:
             self._assign("rollout", n, M.EvalTask(step=n, judges=self.judges))
         if self._idle("rollout") and self.stop_request is None and (self.regen or self.generated < self.total):
             n = min(self.regen) if self.regen else self.generated + 1  # a step voided for damage comes first
-            if self.state.running and not self._paused(n) and self.broker.start_step(n):  # the staleness gate
+            # an engine to send to (none ready while the only ones left are catching up: wait for that sync;
+            # none alive at all: the generate fails naming them), then the staleness gate
+            serving = bool(self._routable(n)) or not self.registry.live()
+            if self.state.running and serving and not self._paused(n) and self.broker.start_step(n):
                 self.regen.discard(n)
                 self.generated = max(self.generated, n)
                 self.cur.setdefault(n, {}).setdefault("exchange/quarantined", 0.0)

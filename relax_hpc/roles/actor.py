@@ -143,8 +143,9 @@ def work(ctx: RoleContext, comm: Any) -> None:
             out["weights/fingerprint_match"] = float(all(c["fingerprint_equal"] for c in checks.values()))
             out["weights/engine_max_abs_diff"] = max(c["max_abs_diff"] for c in checks.values())
             out["weights/versions_ok"] = float(all(c["version_ok"] for c in checks.values()))
-        return M.SyncResult(metrics=out, engine_versions={n: c["version"] for n, c in checks.items()},
-                            checks=checks, dead_engines=dead)
+        # the versions the engines report (the check asks them); unchecked, the version every engine of the push got
+        versions = {n: c["version"] for n, c in checks.items()} if checks else {n: version for n in engines}
+        return M.SyncResult(metrics=out, engine_versions=versions, checks=checks, dead_engines=dead)
 
     def checkpoint(task: M.CheckpointTask) -> M.CheckpointResult:
         t0 = time.monotonic()
