@@ -1,8 +1,9 @@
 """One inference engine per rank, for the roles that serve models over HTTP (rollout, genrm).
 
 Both roles start their rank's engine before the bootstrap (it loads while torch is imported), register it for
-cleanup at once, and after the bootstrap gather every rank's ``(name, url, pid, node)`` so rank 0 can report
-the whole set to the controller (task ``start_engines``). The engine is SGLang on a GPU node with
+cleanup at once, and after the bootstrap gather every rank's ``(name, url, pid, node, slurm_step)`` so rank 0
+can report the whole set to the controller (task ``start_engines``, also after a rollout rank started its dead
+engine again). The engine is SGLang on a GPU node with
 ``RELAX_SGLANG_PYTHON`` set, else relax_hpc's CPU engine; either answers only requests carrying the run's API key.
 """
 
