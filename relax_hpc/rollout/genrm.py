@@ -36,7 +36,6 @@ runs elsewhere (a test, a tool) may call it too.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import statistics
 import threading
 import time
@@ -44,6 +43,7 @@ import zlib
 from typing import TYPE_CHECKING, Any, Sequence
 
 from relax_hpc.rollout.client import EngineClient, EngineError
+from relax_hpc.rollout.router import LeastBusy
 
 if TYPE_CHECKING:
     from relax_hpc.recipe.schema import GenRMConfig
@@ -70,9 +70,8 @@ class GenRMClient:
         self.cfg, self.tokenizer, self.api_key = cfg, tokenizer, api_key
         self._lock = threading.Lock()
         self._clients: dict[str, EngineClient] = {}
-        self._busy: dict[str, int] = {}
+        self._picker = LeastBusy()
         self._down: dict[str, float] = {}
-        self._turn = itertools.count()
         self._requests = self._errors = 0
         self._latencies: list[float] = []
         self.set_engines(engines)
@@ -88,7 +87,6 @@ class GenRMClient:
             self._clients = {n: keep.get(n) or EngineClient(u, retries=0, api_key=self.api_key,
                                                              generate_timeout=self.cfg.request_timeout_s)
                              for n, u in engines.items()}
-            self._busy = {n: self._busy.get(n, 0) for n in self._clients}
             self._down = {n: t for n, t in self._down.items() if n in self._clients}
 
     @property
@@ -118,22 +116,12 @@ class GenRMClient:
 
     # -- choosing a judge
     def _pick(self, tried: set[str]) -> str | None:
+        """The least busy judge not tried yet (all tried: any), passing over those down (all down: any)."""
         with self._lock:
             now = time.monotonic()
             names = [n for n in self._clients if n not in tried] or list(self._clients)
-            if not names:
-                return None
-            up = [n for n in names if self._down.get(n, 0.0) <= now] or names  # all down: try anyway
-            first = next(self._turn) % len(up)
-            order = up[first:] + up[:first]  # round-robin among the least busy
-            best = min(order, key=lambda n: self._busy[n])
-            self._busy[best] += 1
-            return best
-
-    def _release(self, name: str) -> None:
-        with self._lock:
-            if name in self._busy:
-                self._busy[name] -= 1
+            up = [n for n in names if self._down.get(n, 0.0) <= now] or names
+        return self._picker.acquire(up)
 
     # -- the call
     async def generate(self, messages: Sequence[dict], sampling_params: dict | None = None,
@@ -171,7 +159,7 @@ class GenRMClient:
                     await asyncio.sleep(min(BACKOFF_S * 2 ** attempt, max(deadline - time.monotonic(), 0.0)))
                 continue
             finally:
-                self._release(name)
+                self._picker.release(name)
             text = gen.text if gen.text is not None else self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
             with self._lock:
                 self._latencies.append(time.monotonic() - t0)

@@ -4,7 +4,7 @@ Why: a Relax generate function (``--custom-generate-function-path``) talks HTTP 
 ``http://{args.sglang_router_ip}:{args.sglang_router_port}/generate`` and never imports Relax. To run such a
 function unchanged, the rollout role serves that address itself: ``POST /generate`` (SGLang's body and answer,
 passed through untouched, so token ids and ``output_token_logprobs`` are the engine's) goes to the least-busy
-live engine of the driver, with the run's API key and the clients' retries and total deadline; an engine that
+live engine of the driver (:class:`LeastBusy`), with the run's API key and the clients' retries and total deadline; an engine that
 stops answering is skipped for the next one. ``GET /health`` answers 200. It listens on 127.0.0.1 only.
 
 The stdlib's threading HTTP server on purpose: each request blocks its own thread while the engine client
@@ -14,11 +14,12 @@ the event loop it runs in.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from relax_hpc.rollout.client import EngineError
 
@@ -26,6 +27,36 @@ if TYPE_CHECKING:
     from relax_hpc.rollout.driver import RolloutDriver
 
 log = logging.getLogger(__name__)
+
+
+class LeastBusy:
+    """Thread-safe choice of the engine with the fewest calls in flight, round-robin among equals: for callers on
+    threads or on event loops of their own (this router's handlers, the GenRM client), which the driver's pool,
+    bound to one event loop, cannot serve."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy: dict[str, int] = {}
+        self._turn = itertools.count()
+
+    def acquire(self, names: Sequence[str]) -> str | None:
+        """One of ``names`` (None if there are none), counted busy until :meth:`release`."""
+        with self._lock:
+            if not names:
+                return None
+            first = next(self._turn) % len(names)
+            order = [*names[first:], *names[:first]]
+            best = min(order, key=lambda n: self._busy.get(n, 0))
+            self._busy[best] = self._busy.get(best, 0) + 1
+            return best
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            self._busy[name] -= 1
+
+    def busy(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._busy)
 
 
 class _Server(ThreadingHTTPServer):
@@ -39,7 +70,7 @@ class EngineRouter:
 
     def __init__(self, driver: RolloutDriver) -> None:
         self.driver = driver
-        self._busy: dict[str, int] = {}
+        self._picker = LeastBusy()
         self._lock = threading.Lock()
         self.requests = 0
         router = self
@@ -78,12 +109,12 @@ class EngineRouter:
     def generate(self, body: dict) -> tuple[int, Any]:
         tried: set[str] = set()
         while True:
+            alive = {e.name: e for e in self.driver.pool.alive() if e.name not in tried}
+            name = self._picker.acquire(list(alive))
+            if name is None:
+                return 503, {"error": f"no rollout engine answered ({self.driver.pool.dead_report()})"}
+            engine = alive[name]
             with self._lock:
-                alive = [e for e in self.driver.pool.alive() if e.name not in tried]
-                if not alive:
-                    return 503, {"error": f"no rollout engine answered ({self.driver.pool.dead_report()})"}
-                engine = min(alive, key=lambda e: self._busy.get(e.name, 0))
-                self._busy[engine.name] = self._busy.get(engine.name, 0) + 1
                 self.requests += 1
             try:
                 r = engine.client.request("POST", "/generate", body, timeout=self.driver.client_kwargs["generate_timeout"])
@@ -94,8 +125,7 @@ class EngineRouter:
                 log.warning("router: engine %s failed (%s); trying another", engine.name, e.cause)
                 tried.add(engine.name)
             finally:
-                with self._lock:
-                    self._busy[engine.name] -= 1
+                self._picker.release(name)
 
     def close(self) -> None:
         self._server.shutdown()

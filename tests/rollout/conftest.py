@@ -35,6 +35,19 @@ def tiny_llama(tmp_path_factory) -> Path:
 ENGINE_ARGS = ["--threads", "1", "--seed", "0"]
 
 
+def import_source(tmp_path, monkeypatch, name: str, source: str):
+    """``source`` written as module ``name`` in ``tmp_path`` and imported afresh (a user's plugin file: reward,
+    generate function, filter), importable by path for this test only."""
+    import importlib
+    import sys
+    import textwrap
+
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return importlib.import_module(name)
+
+
 @pytest.fixture(scope="session")
 def _prestarted_engines(request, tiny_llama, tmp_path_factory):
     """Start the engine of every collected module that uses ``cpu_engine`` at once, without waiting.

@@ -3,8 +3,6 @@
 ``rollout.custom_generate_function_path`` and per sample through ``sample.generate_function_path``; the token
 ids and log-probs are the engine's; a function that fills a sample wrongly is named in the error."""
 
-import sys
-import textwrap
 
 import pytest
 
@@ -12,6 +10,7 @@ from relax_hpc.recipe.schema import ModelConfig, Recipe, RolloutConfig
 from relax_hpc.rollout.data import RolloutDataSource
 from relax_hpc.rollout.driver import RolloutDriver, RolloutError
 from relax_hpc.rollout.sample import SampleStatus
+from tests.rollout.conftest import import_source
 
 RELAX_GENERATE = '''
     import httpx
@@ -76,12 +75,7 @@ RELAX_GENERATE = '''
 
 @pytest.fixture
 def mod(tmp_path, monkeypatch):
-    (tmp_path / "relax_gen.py").write_text(textwrap.dedent(RELAX_GENERATE))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "relax_gen", raising=False)
-    import relax_gen
-
-    return relax_gen
+    return import_source(tmp_path, monkeypatch, "relax_gen", RELAX_GENERATE)
 
 
 def _driver(tiny_llama, cpu_engine, path):

@@ -3,8 +3,6 @@ the cursor left just after the last group used, the same groups again from the s
 the filter drops everything, and the per-step sample filter."""
 
 import json
-import sys
-import textwrap
 
 import pytest
 
@@ -12,6 +10,7 @@ from relax_hpc.recipe.schema import Recipe, RolloutConfig
 from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, load_tokenizer
 from relax_hpc.rollout.driver import RolloutDriver
 from relax_hpc.rollout.dynamic import DynamicSamplingError, check_reward_nonzero_std, generate_step
+from tests.rollout.conftest import import_source
 
 REWARDS = '''
     def reward_func(args, sample, **kwargs):
@@ -32,12 +31,7 @@ REWARDS = '''
 
 @pytest.fixture
 def mod(tmp_path, monkeypatch):
-    (tmp_path / "dyn_plugins.py").write_text(textwrap.dedent(REWARDS))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "dyn_plugins", raising=False)
-    import dyn_plugins
-
-    return dyn_plugins
+    return import_source(tmp_path, monkeypatch, "dyn_plugins", REWARDS)
 
 
 @pytest.fixture

@@ -188,7 +188,7 @@ def test_a_dead_judge_is_passed_over_and_the_call_goes_to_a_live_one(cpu_engine,
         m = c.take_metrics()
         assert m["genrm/requests"] == 6.0 and m["genrm/errors"] == 0.0
         assert c._down.get("judge0", 0) > 0 and "judge1" not in c._down
-        assert c._busy == {"judge0": 0, "judge1": 0}
+        assert set(c._picker.busy().values()) == {0}  # every call released its judge
     finally:
         c.close()
 
@@ -211,7 +211,7 @@ def test_a_4xx_is_not_retried(cpu_engine, tiny_llama, tmp_path, tokenizer):
                      extra_args=["--threads", "1"]).wait_ready(120)
     c = GenRMClient({"judge0": h.url, "judge1": cpu_engine.url}, cfg(), tokenizer, api_key="wrong")
     try:
-        c._turn = iter([0] * 10)  # judge0 first (the keyed one; the open one would answer)
+        c._picker._turn = iter([0] * 10)  # judge0 first (the keyed one; the open one would answer)
         with pytest.raises(GenRMError, match=r"1 attempt\(s\) on judge0.*401"):
             asyncio.run(c.generate(MSG))
     finally:

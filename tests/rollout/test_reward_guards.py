@@ -11,6 +11,7 @@ import torch
 from relax_hpc.recipe.schema import Recipe, RolloutConfig
 from relax_hpc.rollout.rewards import RewardError, RewardRunner, RewardTimeout
 from relax_hpc.rollout.sample import Sample, SampleStatus
+from tests.rollout.conftest import import_source
 
 MODULE = '''
     import asyncio
@@ -52,11 +53,7 @@ MODULE = '''
 
 @pytest.fixture
 def mod(tmp_path, monkeypatch):
-    (tmp_path / "guard_rewards.py").write_text(textwrap.dedent(MODULE))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "guard_rewards", raising=False)
-    import guard_rewards
-
+    guard_rewards = import_source(tmp_path, monkeypatch, "guard_rewards", MODULE)
     yield guard_rewards
     guard_rewards.HANG.set()
 
