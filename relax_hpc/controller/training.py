@@ -230,14 +230,15 @@ class TrainingLoop:
             n = min(self.regen) if self.regen else self.generated + 1  # a step voided for damage comes first
             # an engine to send to (none ready while the only ones left are catching up: wait for that sync;
             # none alive at all: the generate fails naming them), then the staleness gate
-            serving = bool(self._routable(n)) or not self.registry.live()
+            engines = self._routable(n)
+            serving = bool(engines) or not self.registry.live()
             if self.state.running and serving and not self._paused(n) and self.broker.start_step(n):
                 self.regen.discard(n)
                 self.generated = max(self.generated, n)
                 self.cur.setdefault(n, {}).setdefault("exchange/quarantined", 0.0)
                 self.t0.setdefault(n, time.monotonic())
                 # data_state: the cursor after step n-1, so that step n (also when generated again) gets its prompts
-                self._assign("rollout", n, M.GenerateTask(step=n, engines=self._routable(n),
+                self._assign("rollout", n, M.GenerateTask(step=n, engines=engines,
                                                           seq=self.broker.next_seq(PRODUCER),
                                                           data_state=self.data_states.get(n - 1),
                                                           judges=self.judges))

@@ -485,13 +485,16 @@ class RolloutDriver:
                 log.warning("abort of %s on engine %s failed: %s", rid, engine.name, e.cause)
         return len(rids)
 
+    def response_text(self, gen: Generation) -> str:
+        """The engine's text of ``gen``, or its ids decoded (``rollout.skip_special_tokens``) when it sent none."""
+        if gen.text is None and self.tokenizer is not None:
+            return self.tokenizer.decode(gen.output_ids, skip_special_tokens=self.cfg.skip_special_tokens)
+        return gen.text or ""
+
     def _fill(self, sample: Sample, prompt_ids: list[int], gen: Generation, *, resumed: bool = False) -> None:
         if not resumed:  # a retry starts over; a partial sample (partial rollout) grows
             sample.reset_response(prompt_ids)
-        text = gen.text
-        if text is None and self.tokenizer is not None:
-            text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=self.cfg.skip_special_tokens)
-        sample.append_response(gen.output_ids, text or "", gen.output_logprobs,
+        sample.append_response(gen.output_ids, self.response_text(gen), gen.output_logprobs,
                                loss_mask_value=0 if sample.remove_sample else 1)
         sample.update_from_meta_info(gen.meta_info)
         if sample.status is SampleStatus.PENDING:  # no/unknown finish reason: the engine finished the request

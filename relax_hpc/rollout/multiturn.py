@@ -149,7 +149,7 @@ async def generate_multiturn(driver: RolloutDriver, mt: MultiTurn, sample: Sampl
                                           sampling_seed=None if seed is None else sample_seed(seed, turn))
             gen = await driver.request(list(sample.tokens), turn_sp, evaluation=evaluation, batch=batch,
                                        who=f"sample index={sample.index} turn {turn + 1}")
-            text = gen.text if gen.text is not None else driver.tokenizer.decode(gen.output_ids)
+            text = driver.response_text(gen)
             sample.append_response(gen.output_ids, text, gen.output_logprobs,
                                    loss_mask_value=0 if sample.remove_sample else 1)
             sample.update_from_meta_info(gen.meta_info)
