@@ -50,6 +50,10 @@ class RunDir:
         return self.path / "controller.json"
 
     @property
+    def draining(self) -> Path:  # JSON list of the engines leaving (no new requests), by the controller
+        return self.path / "draining"
+
+    @property
     def logs(self) -> Path:
         return self.path / "logs"
 

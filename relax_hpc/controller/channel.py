@@ -16,7 +16,36 @@ import threading
 import time
 from typing import Any
 
-from relax_hpc.controller.protocol import MAX_TASK_WAIT_S, Server
+from relax_hpc.controller.protocol import ASKED, MAX_TASK_WAIT_S, Server
+
+ASK_WAIT_S = 8.0  # how long a question (ASKED) waits for the loop's answer: a few ticks, under the client's timeout
+
+
+class _Slot:
+    """Where the loop puts its answer to one question; the connection thread waits on it. A question the loop did
+    not take up in time is dropped whole (the asker is told nothing changed, and nothing does)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.reply: dict = {}
+        self._lock = threading.Lock()
+        self._state = "asked"  # → taken (the loop decides) | given_up (the asker was told no)
+
+    def take(self) -> bool:
+        with self._lock:
+            if self._state == "asked":
+                self._state = "taken"
+            return self._state == "taken"
+
+    def wait(self, wait_s: float) -> dict:
+        if not self.done.wait(wait_s):
+            with self._lock:
+                if self._state == "asked":
+                    self._state = "given_up"
+                    return {"accepted": False, "message": f"the controller did not take the request up within "
+                                                          f"{wait_s:g} s (busy, or stopping); nothing was changed"}
+            self.done.wait(wait_s)  # taken: the loop answers within its turn
+        return self.reply
 
 
 class Channel:
@@ -41,12 +70,30 @@ class Channel:
         elif kind == "next_task":
             self._events.put((time.time(), msg))  # a long poll is a sign of life too
             return {"task": self._head(msg["role"], min(float(msg["wait_s"]), MAX_TASK_WAIT_S))}
+        elif kind in ASKED:  # the loop owns the state it decides on: it answers (answer()) within a tick or two
+            slot = _Slot()
+            self._events.put((time.time(), {**msg, "reply_to": slot}))
+            return slot.wait(ASK_WAIT_S)
         elif kind == "task_done":
             with self._task_cond:
                 queue_ = self._tasks.get(msg["role"], [])
                 self._tasks[msg["role"]] = [t for t in queue_ if t.get("id") != msg["task_id"]]
         self._events.put((time.time(), msg))
         return {}
+
+    @staticmethod
+    def take(msg: dict) -> bool:
+        """Whether the loop may act on a question (a message of an ASKED type): False once its asker gave up."""
+        slot = msg.get("reply_to")
+        return isinstance(slot, _Slot) and slot.take()
+
+    @staticmethod
+    def answer(msg: dict, reply: dict) -> None:
+        """The loop's answer to a question it took."""
+        slot = msg.get("reply_to")
+        if isinstance(slot, _Slot):
+            slot.reply = reply
+            slot.done.set()
 
     def assign(self, role: str, task: dict) -> None:
         """Queue ``task`` for ``role``'s rank 0 (its next ``next_task`` gets it)."""

@@ -16,8 +16,9 @@ and step it runs in, its ``weight_version`` (the step whose weights it serves; `
   the resume sync): no requests.
 - ``ready``: takes requests. :meth:`EngineRegistry.routable` is the set a generate task gets: ready engines whose
   weight version is within the run's staleness bound of the trainer's.
-- ``draining`` / ``gone``: leaving on purpose (scale-in); ``dead``: found dead (a failed request or sync), with the
-  reason; it gets nothing any more.
+- ``draining`` / ``gone``: leaving (scale-in, or its job's time limit is near) / left (drained, or its capacity
+  went away: scancel, preemption, a dead node), with why; ``dead``: an engine of the run's own found dead (a failed
+  request or sync), with the reason, until it is started again; neither gets anything any more.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class Engine:
     state: str = "starting"
     weight_version: str | None = None
     dead: str | None = None  # why, once dead
+    left: str | None = None  # why, once gone (drained, or its capacity went away)
+    requests: int = 0  # generate requests it was sent (the rollout driver's count, per step)
+    first_step: int | None = None  # the first rollout step it served, and the weight version it had been given
+    first_version: str | None = None  # for it (within the staleness bound of that step, or it was not routable)
     restarts: int = 0  # how often it was started again after it died (rollout.engine.max_restarts bounds it)
     since: float = field(default_factory=time.time)  # when it entered its state
 
@@ -87,6 +92,15 @@ class EngineRegistry:
         if e is None or e.state in ("dead", "gone"):
             return False
         e.state, e.dead, e.since = "dead", why, time.time()
+        return True
+
+    def gone(self, name: str, why: str) -> bool:
+        """``name`` left the run (drained, or its job step or attached job ended): gone from any live state;
+        False if it was gone or dead already."""
+        e = self.engines.get(name)
+        if e is None or e.state in ("dead", "gone"):
+            return False
+        e.state, e.left, e.since = "gone", why, time.time()
         return True
 
     def synced(self, versions: dict[str, str | None]) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Iterator
 
 from relax_hpc.controller.channel import Channel
+from relax_hpc.controller.elastic import Capacity
 from relax_hpc.controller.training import TrainingLoop
 from relax_hpc.controller.procs import StepProcess, stop_steps
 from relax_hpc.controller.requeue import RequeueJob, Resubmit, come_back
@@ -45,6 +46,7 @@ log = logging.getLogger("relax_hpc.controller")
 TICK_S = 0.2  # how long the loop waits for messages before it checks exits, silence and signals
 STOP_GRACE_S = 10.0
 LEVELS = {"failed": "failure", "finished": "success", "preempted": "warning", "step_restarted": "warning",
+          "engine_gone": "warning",
           "cancelled": "warning"}
 
 
@@ -79,23 +81,24 @@ def _only_controller(run: RunDir) -> Iterator[None]:
 
 
 def run_controller(run_dir: str | os.PathLike, *, requeue_job: RequeueJob | None = None,
-                   resubmit: Resubmit | None = None) -> dict:
+                   resubmit: Resubmit | None = None, capacity: Capacity | None = None) -> dict:
     """Run the job's roles to the end; return the final state. Raises :class:`RunFailed` with the reason.
 
     ``requeue_job`` and ``resubmit``: how a REQUEUED attempt comes back under Slurm, from the launcher
-    (:mod:`.requeue`)."""
+    (:mod:`.requeue`). ``capacity``: how relax-scale's engines are started (``relax_hpc.launch.attach``, from the
+    launcher); without it the run cannot scale out."""
     run = RunDir(Path(run_dir).resolve())
     handlers = _log_to(run.logs / "controller.log")
     try:
         with _only_controller(run):
-            return _run(run, requeue_job, resubmit)
+            return _run(run, requeue_job, resubmit, capacity)
     finally:
         for h in handlers:
             logging.getLogger("relax_hpc").removeHandler(h)
             h.close()
 
 
-def _run(run: RunDir, requeue_job: RequeueJob | None, resubmit: Resubmit | None) -> dict:
+def _run(run: RunDir, requeue_job: RequeueJob | None, resubmit: Resubmit | None, capacity: Capacity | None) -> dict:
     recipe, executor = load_recipe(run.recipe), executor_from_env()
     notifier = Notifier(notify_urls(recipe.logging.notify_urls), run.name)
     restart = False
@@ -106,7 +109,7 @@ def _run(run: RunDir, requeue_job: RequeueJob | None, resubmit: Resubmit | None)
                 name, detail, LEVELS.get(name, "info"))
             if not restart:
                 state.event("started", f"attempt {state.doc['attempt']}, job {state.doc['job_id']} ({executor})")
-            _attempt(run, recipe, executor, state, sig)
+            _attempt(run, recipe, executor, state, sig, capacity)
             f = state.failure
             restart = (state.doc["state"] == FAILED and f is not None and f.kind == "role"
                        and state.doc["restarts"] < recipe.checkpoint.max_restarts)
@@ -142,7 +145,8 @@ def _run(run: RunDir, requeue_job: RequeueJob | None, resubmit: Resubmit | None)
     return doc
 
 
-def _attempt(run: RunDir, recipe: Recipe, executor: str, state: RunState, sig: Signals) -> None:
+def _attempt(run: RunDir, recipe: Recipe, executor: str, state: RunState, sig: Signals,
+             capacity: Capacity | None = None) -> None:
     """Start the steps, run until the state is final, stop the steps."""
     local = executor == "local"
     host = "127.0.0.1" if local else os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -152,7 +156,7 @@ def _attempt(run: RunDir, recipe: Recipe, executor: str, state: RunState, sig: S
     log.info("run %s: executor %s, control socket %s:%d", run.name, executor, host, channel.port)
     train = None
     try:
-        train = TrainingLoop(recipe, run, state, channel) if recipe.model.path else None
+        train = TrainingLoop(recipe, run, state, channel, executor, capacity) if recipe.model.path else None
         state.write()  # this attempt (and restart count) is on disk before any role can read it
         for s in steps:
             log.info("starting %s: %s", s.role, " ".join(s.cmd.procs[0].argv))
@@ -166,6 +170,9 @@ def _attempt(run: RunDir, recipe: Recipe, executor: str, state: RunState, sig: S
                     _on_stop(state, train, "requeue" if requeue else "cancel",
                              "relax-cancel --requeue" if requeue else "relax-cancel --checkpoint")
                     continue
+                if msg["type"] == "scale" and train is None and channel.take(msg):
+                    channel.answer(msg, {"accepted": False, "message": "this run has no training loop (no "
+                                         "model.path): nothing to scale"})
                 state.apply(now, msg)
                 if train is not None:
                     train.on_message(msg)

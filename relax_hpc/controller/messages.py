@@ -311,6 +311,7 @@ class GenerateResult(ResultMessage):
     reward_failures: list[dict] = field(default_factory=list)  # the first ones, with their samples
     engine_failures: list[dict] = field(default_factory=list)  # {"name", "url", "error"}
     dead_engines: dict[str, str] = field(default_factory=dict)  # {name: why}
+    engine_requests: dict[str, int] = field(default_factory=dict)  # {name: requests it was sent in this step}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,6 +29,15 @@ Request types (fields besides ``type`` and ``token``):
                                                            ``wait_s`` (at most :data:`MAX_TASK_WAIT_S`)
 - ``task_done`` role, rank, task_id, result (dict)         the task's outcome; ``result["error"]`` (a string)
                                                            fails the run with that report
+- ``control``   action                                     relax-cancel --checkpoint/--requeue (CONTROL_ACTIONS)
+- ``scale``     target, attach (dict), cancel, by          relax-scale (or the autoscaler's tools): answered by
+                                                           the controller's loop, reply ``accepted``, ``op``,
+                                                           ``message`` (:mod:`relax_hpc.controller.elastic`)
+- ``engine_join``  name, url, pid, node, origin, op, slurm_step
+                                                           an engine added by scale-out is up; it then long-polls
+                                                           ``next_task`` as role ``engine:<name>`` (its ``stop``)
+- ``engine_leave`` name, why, now (bool)                   its host was signalled: drain it (``now``: it is going
+                                                           this instant, e.g. SIGTERM: gone at once)
 """
 
 from __future__ import annotations
@@ -63,7 +72,12 @@ FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "next_task": {"role": str, "rank": int, "wait_s": (int, float)},
     "task_done": {"role": str, "rank": int, "task_id": int, "result": dict},
     "control": {"action": str},  # from relax-cancel: see CONTROL_ACTIONS
+    "scale": {"target": str, "attach": (dict, type(None)), "cancel": (str, type(None)), "by": str},
+    "engine_join": {"name": str, "url": str, "pid": int, "node": str, "origin": str, "op": str, "slurm_step": str},
+    "engine_leave": {"name": str, "why": str, "now": bool},
 }
+# answered by the controller's loop (it owns the state), not by the connection thread: see Channel
+ASKED = ("scale",)
 # what a user may ask of a running controller: checkpoint, then end the run (cancel) or this attempt (requeue)
 CONTROL_ACTIONS = ("checkpoint_cancel", "checkpoint_requeue")
 
@@ -415,6 +429,16 @@ class Client:
 
     def control(self, action: str) -> dict:
         return self.request("control", action=action)
+
+    def scale(self, target: str, attach: dict | None = None, cancel: str | None = None, by: str = "relax-scale") -> dict:
+        return self.request("scale", target=target, attach=attach, cancel=cancel, by=by)
+
+    def engine_join(self, name: str, url: str, pid: int, node: str, origin: str, op: str, slurm_step: str) -> dict:
+        return self.request("engine_join", name=name, url=url, pid=pid, node=node, origin=origin, op=op,
+                            slurm_step=slurm_step)
+
+    def engine_leave(self, name: str, why: str, now: bool) -> dict:
+        return self.request("engine_leave", name=name, why=why, now=now)
 
     def close(self) -> None:
         with self._lock:

@@ -76,6 +76,7 @@ from typing import Any
 
 from relax_hpc.controller import messages as M
 from relax_hpc.controller.channel import Channel
+from relax_hpc.controller.elastic import Capacity, Elastic
 from relax_hpc.controller.engines import EngineRegistry
 from relax_hpc.controller.state import RunState
 from relax_hpc.exchange.broker import Broker
@@ -100,10 +101,12 @@ class Task:
     step: int
     life: int = 0  # which life of the step's partition it works on (a step voided for damage starts a new one)
     engines: dict[str, str] | None = None  # generate/sync: the engines it was given, so a death it reports is of those
+    versions: dict[str, str | None] | None = None  # generate: their weight versions when it was given them
 
 
 class TrainingLoop:
-    def __init__(self, recipe: Recipe, run: RunDir, state: RunState, channel: Channel):
+    def __init__(self, recipe: Recipe, run: RunDir, state: RunState, channel: Channel, executor: str = "local",
+                 capacity: Capacity | None = None):
         if recipe.algorithm.use_kl_loss and not recipe.roles.reference.enabled:
             raise ValueError("algorithm.use_kl_loss needs reference log-probs. Fix: set roles.reference.enabled: true")
         self.recipe, self.run, self.state, self.channel = recipe, run, state, channel
@@ -144,6 +147,9 @@ class TrainingLoop:
         self.outcome: str | None = None  # "requeue" or "cancel" once a requested stop is done
         self.registry = EngineRegistry()  # the rollout engines: state, origin, weight version, where they run
         self.catch_up: tuple | None = None  # (step, engines) of the last catch-up sync for engines started again
+        # engines added and removed while the run goes (relax-scale): joins, drains, attached jobs
+        self.elastic = Elastic(recipe, run, self.registry, state, channel, executor, holds=self._holds,
+                               on_change=self._engines_changed, assign=channel.assign, capacity=capacity)
         # the GenRM judges (roles.genrm): rollout gets them with every generate and eval, so none starts before
         self.judges: dict[str, str] | None = None if recipe.roles.genrm.enabled else {}
         self.evals: list[int] = []  # steps whose eval is due, not yet handed to rollout (ascending)
@@ -176,7 +182,10 @@ class TrainingLoop:
     def _assign(self, role: str, at: int, task: M.TaskMessage) -> None:
         """Queue ``task`` for ``role``, as part of step ``at`` (a role does its tasks in order); gives it its id."""
         tid = next(self._ids)
-        self.pending[tid] = Task(role, task.kind, at, self.lives.get(at, 0), getattr(task, "engines", None))
+        engines = getattr(task, "engines", None)
+        versions = ({n: self.registry.engines[n].weight_version for n in engines if n in self.registry.engines}
+                    if engines else None)
+        self.pending[tid] = Task(role, task.kind, at, self.lives.get(at, 0), engines, versions)
         self.channel.assign(role, replace(task, id=tid).to_dict())
 
     def _idle(self, role: str) -> bool:
@@ -189,6 +198,10 @@ class TrainingLoop:
 
     def _engines_changed(self) -> None:
         self.state.progress(engines=self.registry.to_state())
+
+    def _holds(self, engine: str) -> bool:
+        """Whether a task in flight (a generate or a sync) was given ``engine``: a drain waits for it."""
+        return any(t.engines and engine in t.engines for t in self.pending.values())
 
     def _pump(self) -> None:
         """Give each idle role its next task (the one place that decides)."""
@@ -280,7 +293,10 @@ class TrainingLoop:
         return paused
 
     def tick(self) -> None:
-        """Every turn of the controller loop: a pause file removed or moved on lets the next step start."""
+        """Every turn of the controller loop: a pause file removed or moved on lets the next step start; drains,
+        joins and attached jobs move on."""
+        self.elastic.started = self.started
+        self.elastic.tick()
         if self.paused and self.started and not self._paused(min(self.regen) if self.regen else self.generated + 1):
             self._pump()
 
@@ -348,7 +364,17 @@ class TrainingLoop:
 
     # -- results in
     def on_message(self, msg: dict) -> None:
-        if msg.get("type") != "task_done":
+        kind = msg.get("type")
+        if kind == "scale":  # relax-scale: answered now (the connection thread waits for it)
+            if Channel.take(msg):
+                Channel.answer(msg, self.elastic.ask(msg))
+            return
+        if kind in ("engine_join", "engine_leave"):
+            self.elastic.joined(msg) if kind == "engine_join" else self.elastic.left(msg)
+            return self._pump()  # a new engine: a catch-up sync if the actor is idle
+        if str(msg.get("role", "")).startswith("engine:"):  # an engine host's poll, or its stop done
+            return self.elastic.on_message(msg)
+        if kind != "task_done":
             return
         t0 = time.perf_counter()
         try:
@@ -409,9 +435,15 @@ class TrainingLoop:
         new one starts from the model on disk and rejoins (``ready``) once the next sync has put the weights on it.
         A report about an engine's earlier incarnation (the task had its old URL) is not about the new one."""
         given = task.engines or {}
-        newly = [name for name, why in dead.items() if name in self.registry.engines
-                 and given.get(name, self.registry.engines[name].url) == self.registry.engines[name].url
-                 and self.registry.mark_dead(name, why)]
+        newly = []
+        for name, why in dead.items():
+            e = self.registry.engines.get(name)
+            if e is None or given.get(name, e.url) != e.url:
+                continue
+            if e.origin != "initial" or e.state == "draining":  # capacity that left, or a drain cut short
+                self.elastic.lost(name, f"found dead: {why}")
+            elif self.registry.mark_dead(name, why):
+                newly.append(name)
         if not newly:
             return
         self._engines_changed()
@@ -450,6 +482,12 @@ class TrainingLoop:
             log.error("step %d: rollout engine %s (%s) died: %s; its requests went to the other engines",
                       n, f["name"], f["url"], f["error"])
         self._died(task, dict(res.dead_engines))
+        for name, k in res.engine_requests.items():
+            e = self.registry.engines.get(name)
+            if e is not None and (task.engines or {}).get(name) == e.url:
+                e.requests += k
+                if e.first_step is None:
+                    e.first_step, e.first_version = n, (task.versions or {}).get(name)
         # the run's counts (an engine found dead at a sync is no longer in the driver's set)
         self.cur[n]["rollout/engines_dead"] = float(self.registry.count("dead"))
         self.cur[n]["rollout/engines"] = float(self.registry.count("starting", "syncing", "ready", "draining"))
@@ -560,6 +598,7 @@ class TrainingLoop:
                      summary["reward_window"], first, summary["reward_window"], last, summary["steps"],
                      summary["wall_time_s"], self.run.path / "summary.json")
         self.state.progress(reward_first10=first, reward_last10=last, phase="finished")
+        self.elastic.finish()
         self.broker.close()
         return summary
 

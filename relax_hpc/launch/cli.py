@@ -21,6 +21,7 @@ from relax_hpc.launch import slurm
 from relax_hpc.launch.cancel import CancelError, cancel, checkpoint_then_stop
 from relax_hpc.launch.follow import follow
 from relax_hpc.launch.runs import DEFAULT_RUNS_ROOT, RunNotFound, find_run
+from relax_hpc.launch.scale import ScaleError, scale
 from relax_hpc.launch.status import audit_run, collect, is_final, render, render_audit
 from relax_hpc.launch.submit import SubmitError, dry_run, plan, submit
 from relax_hpc.recipe import RecipeError
@@ -315,6 +316,58 @@ def cancel_main(argv: list[str] | None = None) -> int:
         print(f"{'Cancelled' if out['action'] != 'requeue' else 'Requeued'} run {out['run']} "
               f"({out['executor']} job {out['job_id']}: {out['action']}).")
     return EXIT_OK
+
+
+def _scale_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="relax-scale", description="Add or drain rollout engines of a running run (docs/elastic.md).",
+        epilog="Examples: relax-scale RUN rollout=+2 --attach --partition preempt --time 1:00:00;  "
+               "relax-scale RUN rollout=-1;  relax-scale RUN --cancel s3")
+    ap.add_argument("run", help="run name, run directory or job id")
+    ap.add_argument("target", nargs="?", help="rollout=+N (add N engines), rollout=-N (drain N), rollout=N (exactly N)")
+    ap.add_argument("--attach", action="store_true",
+                    help="add the engines as a separate Slurm job (any partition) instead of steps of the run's job")
+    for opt in ("partition", "time", "qos", "account", "constraint", "mem"):
+        ap.add_argument(f"--{opt}", help=f"with --attach: the attached job's --{opt} (default: rollout.elastic.attach, "
+                                         "then the run's slurm.*)")
+    ap.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                    help="with --attach: one more sbatch option, e.g. --sbatch=--reservation=r1 (repeatable)")
+    ap.add_argument("--cancel", metavar="OP", help="withdraw scale operation OP (an attached job still pending)")
+    ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the operation to finish (default 0)")
+    ap.add_argument("--runs-root", default=DEFAULT_RUNS_ROOT, help=f"where runs are (default {DEFAULT_RUNS_ROOT})")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    return ap
+
+
+def scale_main(argv: list[str] | None = None) -> int:
+    ap = _scale_parser()
+    args = ap.parse_args(argv)
+    if bool(args.target) == bool(args.cancel):
+        ap.error("give either a target (rollout=+N, -N, N) or --cancel OP")
+    opts = {k: getattr(args, k) for k in ("partition", "time", "qos", "account", "constraint", "mem")}
+    if not args.attach and (any(v is not None for v in opts.values()) or args.sbatch):
+        ap.error("--partition/--time/--qos/--account/--constraint/--mem/--sbatch need --attach")
+    attach = {**{k: v for k, v in opts.items() if v is not None}, "extra": args.sbatch} if args.attach else None
+    try:
+        rd = find_run(args.run, args.runs_root)
+    except RunNotFound as e:
+        _err(f"relax-scale: {e}")
+        return EXIT_REFUSED
+    try:
+        out = scale(rd, args.target, attach=attach, cancel=args.cancel, wait_s=args.wait)
+    except ScaleError as e:
+        _err(f"relax-scale: {e}")
+        return EXIT_REFUSED
+    if args.json:
+        _print_json(out)
+    else:
+        print(f"{'accepted' if out['accepted'] else 'refused'}: {out['message']}")
+        op = out.get("operation")
+        if op:
+            print(f"{op['id']}: {op['state']}: {op.get('detail', '')}")
+    if not out["accepted"]:
+        return EXIT_REFUSED
+    return EXIT_FAILED if out.get("operation") and out["operation"].get("state") == "failed" else EXIT_OK
 
 
 if __name__ == "__main__":  # pragma: no cover

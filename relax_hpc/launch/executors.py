@@ -51,8 +51,9 @@ class ControllerTask:
 
     def __call__(self) -> Any:
         from relax_hpc.controller import run_controller
+        from relax_hpc.launch import attach
 
-        return run_controller(self.run_dir, requeue_job=scontrol_requeue, resubmit=self.resubmit)
+        return run_controller(self.run_dir, requeue_job=scontrol_requeue, resubmit=self.resubmit, capacity=attach)
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit_utils.DelayedSubmission:
         return submitit_utils.DelayedSubmission(ControllerTask(self.run_dir, self.resubmit))

@@ -172,6 +172,7 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
         "roles": roles,
         "engines": [{"name": name, **info} for name, info in (ctl.get("engines") or {}).items()],
         "judges": [{"name": name, **info} for name, info in (ctl.get("judges") or {}).items()],
+        "scale": list(ctl.get("scale") or []),  # relax-scale's operations, the newest last
         "logs": str(rd.logs),
     }
 
@@ -233,6 +234,10 @@ def render(info: dict) -> RichGroup:
             engines.add_row(e["name"], _styled_engine(e), _cell(e.get("weight_version")), _cell(e.get("origin")),
                             _cell(e.get("node")), _cell(where), _cell(e.get("url")))
         parts += [Text(""), engines]
+    for op in info.get("scale", [])[-3:]:
+        job = f", job {op['job_id']}" if op.get("job_id") else ""
+        parts.append(Text(f"scale {op['id']} {op['spec']} ({op['origin']}{job}): {op['state']}: {op.get('detail', '')}",
+                          style="yellow" if op["state"] == "running" else "dim"))
     parts.append(Text(f"logs: {info['logs']}", style="dim"))
     return RichGroup(*parts)
 
@@ -240,7 +245,8 @@ def render(info: dict) -> RichGroup:
 def _styled_engine(e: dict) -> Text:
     state = str(e.get("state") or ("dead" if e.get("dead") else "-"))
     style = {"ready": "green", "dead": "red", "draining": "yellow", "syncing": "yellow", "starting": "yellow"}
-    return Text(state + (f" ({e['dead']})" if e.get("dead") else ""), style=style.get(state, ""))
+    why = e.get("dead") or (e.get("left") if state == "gone" else None)
+    return Text(state + (f" ({why})" if why else ""), style=style.get(state, ""))
 
 
 def _life_line(info: dict) -> str:

@@ -17,7 +17,7 @@ from typing import Mapping
 log = logging.getLogger("relax_hpc.notify")
 
 EVENTS = ("started", "checkpoint", "preempted", "requeued", "resumed", "step_restarted", "failed", "finished",
-          "cancelled")
+          "cancelled", "scale", "scale_done", "engine_gone")
 ENV = "RELAX_NOTIFY_URLS"
 HELP = "https://github.com/caronc/apprise/wiki"
 

@@ -33,7 +33,8 @@ def role_steps(recipe: Recipe) -> list[RoleStep]:
         g = recipe.role(name)
         if g.enabled and g.share_with is None:
             owners[name] = len(owners)
-            steps.append(RoleStep(name, owners[name], g, False, g.nodes, g.tasks_per_node))
+            nodes = g.elastic.initial if g.elastic is not None else g.nodes  # the rest: spare, for scale-out
+            steps.append(RoleStep(name, owners[name], g, False, nodes, g.tasks_per_node))
     for name in ROLE_NAMES:
         g = recipe.role(name)
         if g.enabled and g.share_with is not None:

@@ -37,6 +37,15 @@ class RoleGroup:
     cpus_per_task: int = 1
     mem: str | None = None  # per-node memory, Slurm syntax ("16G"); None = partition default
     share_with: str | None = None  # run on that role's nodes (srun --overlap) instead of its own component
+    # rollout only: spare nodes for scale-out without --attach. The component holds `nodes` nodes; the role starts
+    # on `initial` of them, and relax-scale RUN rollout=+N starts engines as new steps on the rest (docs/elastic.md)
+    elastic: ElasticNodes | None = None
+
+
+@dataclass
+class ElasticNodes:
+    initial: int = 1  # nodes the rollout role starts on
+    max: int | None = None  # the component's nodes; null = roles.rollout.nodes (if given, must equal it)
 
 
 @dataclass
@@ -124,6 +133,30 @@ class EngineConfig:
 
 
 @dataclass
+class AttachDefaults:
+    """sbatch options of attached jobs (relax-scale --attach, the autoscaler) where relax-scale gives none;
+    unset: the run's own slurm.* values."""
+
+    partition: str | None = None  # e.g. a preemptible partition
+    time: str | None = None
+    qos: str | None = None
+    account: str | None = None
+    constraint: str | None = None
+    mem: str | None = None
+    extra: list[str] = field(default_factory=list)  # more #SBATCH options, e.g. ["--reservation=r1"]
+
+
+@dataclass
+class ElasticConfig:
+    """Engines added and removed while the run goes (relax-scale; docs/elastic.md)."""
+
+    drain_timeout_s: float = 30.0  # scale-in: requests in flight on a leaving engine finish within this, or are re-issued
+    join_timeout_s: float = 1800.0  # scale-out: an engine asked for that has not joined by then is given up (attached: its job is cancelled)
+    max_engines: int | None = None  # no scale-out beyond this many engines in all; null = no limit
+    attach: AttachDefaults = field(default_factory=AttachDefaults)
+
+
+@dataclass
 class RolloutConfig:
     """Generation, rewards and eval (Relax's rollout/reward/eval flags; see docs/rollout.md)."""
 
@@ -157,6 +190,7 @@ class RolloutConfig:
     max_retries: int = 3  # times one request is retried after an error on an engine that is still alive (with exponential backoff and jitter)
     request_timeout_s: float = 600.0  # total deadline of one generate request (connect, send, whole answer, retries)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     # --- rewards -------------------------------------------------------------------------------------
     rm_type: str | None = None  # built-in reward: math, exact_match, f1, dummy, dapo, deepscaler, multiple_choice, gpqa, random, remote_rm, boxed_<type>; sample.metadata["rm_type"] wins
     rm_url: str | None = None  # remote_rm's reward server, http(s)://...: gets POST {prompt, response, label}, answers a JSON number or object (Relax --rm-url)

@@ -229,6 +229,7 @@ def check(recipe: Recipe) -> list[Problem]:
     problems += _check_dynamic_sampling(recipe.rollout, recipe.mode)
     problems += _check_genrm(recipe)
     problems += _check_engine_args(recipe)
+    problems += _check_elastic(recipe)
     return problems
 
 
@@ -242,6 +243,37 @@ ENGINE_ARGS_SET = {
     "--tensor-parallel-size": "roles.rollout.gpus_per_node / tasks_per_node",
     "--random-seed": "run.seed and the engine's rank", "--weight-version": "the run's weight versions",
 }
+
+
+def _check_elastic(r: Recipe) -> list[Problem]:
+    """Scale-out's knobs (docs/elastic.md): spare rollout nodes, drain and join bounds, the attach defaults."""
+    out: list[Problem] = []
+    for name in ROLE_NAMES:
+        if name != "rollout" and r.role(name).elastic is not None:
+            out.append((f"roles.{name}.elastic", "{...}", "only rollout scales (its engines). Fix: remove it"))
+    g, el = r.roles.rollout, r.roles.rollout.elastic
+    if el is not None:
+        if el.max is not None and el.max != g.nodes:
+            out.append(("roles.rollout.elastic.max", el.max, f"must equal roles.rollout.nodes ({g.nodes}): the "
+                        "component holds that many nodes. Fix: set roles.rollout.nodes to it, and drop max"))
+        if not 1 <= el.initial < g.nodes:
+            out.append(("roles.rollout.elastic.initial", el.initial, f"must be 1 to roles.rollout.nodes - 1 "
+                        f"({g.nodes - 1}): the rest of the component's nodes are the spare ones relax-scale starts "
+                        "engines on. Fix: raise roles.rollout.nodes, or remove roles.rollout.elastic"))
+        if g.share_with is not None:
+            out.append(("roles.rollout.elastic", "{...}", "needs rollout's own component (share_with is set)"))
+    e = r.rollout.elastic
+    for key in ("drain_timeout_s", "join_timeout_s"):
+        if not getattr(e, key) > 0:
+            out.append((f"rollout.elastic.{key}", getattr(e, key), "must be > 0 (seconds)"))
+    initial = (el.initial if el is not None else g.nodes) * g.tasks_per_node
+    if e.max_engines is not None and e.max_engines < initial:
+        out.append(("rollout.elastic.max_engines", e.max_engines, f"is below the {initial} engines the run starts "
+                    "with. Fix: raise it, or null for no limit"))
+    for i, x in enumerate(e.attach.extra):
+        if not x.startswith("--") or "\n" in x:
+            out.append((f"rollout.elastic.attach.extra[{i}]", x, "must be one sbatch option, like '--reservation=r1'"))
+    return out
 
 
 def _check_engine_args(r: Recipe) -> list[Problem]:

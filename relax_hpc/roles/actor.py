@@ -18,8 +18,9 @@ the controller's tasks (:mod:`relax_hpc.roles.tasks`; every task's fields and it
   identical weights this is the numerical gap, ~1e-7 on CPU) and ``perf/train_time``.
 - ``sync {version, engines}``: every rank walks ``named_hf_weights`` (a collective); rank 0 pushes them with
   :class:`relax_hpc.weights.WeightSender` (a new group first if the engine set changed) and, with
-  ``logging.check_weight_sync``, checks a spot fingerprint against each engine (:mod:`.weight_sync`).
-  Returns the sender's ``perf/weight_sync_*`` metrics, ``weights/fingerprint_match``,
+  ``logging.check_weight_sync``, checks a spot fingerprint against each engine (:mod:`.weight_sync`). An engine
+  that dies during the push (an attached job scancelled or preempted) is left out and the push goes again to the
+  others, up to ``SYNC_TRIES`` times; it is reported in ``dead_engines``. Returns the sender's ``perf/weight_sync_*`` metrics, ``weights/fingerprint_match``,
   ``weights/engine_max_abs_diff`` and ``weights/versions_ok`` (every engine serves the new version).
 - ``checkpoint {extra}``: ``save_checkpoint`` under ``RUN_DIR/checkpoints``.
 - ``stop``.
@@ -29,6 +30,7 @@ Without ``model.path`` the role only bootstraps (the launch smoke tests).
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from typing import Any
@@ -38,6 +40,8 @@ from relax_hpc.roles.model import build_megatron, resolve
 from relax_hpc.roles.runtime import RoleContext, main
 
 ROLE = "actor"
+SYNC_TRIES = 3  # pushes of one sync: an engine that leaves mid-push (scancel, preemption) costs one more
+log = logging.getLogger("relax_hpc.actor")
 
 
 def work(ctx: RoleContext, comm: Any) -> None:
@@ -120,11 +124,6 @@ def work(ctx: RoleContext, comm: Any) -> None:
         version = str(task.version)
         engines = dict(task.engines or st["engines"])
         dead = checker.unreachable(engines) if rank == 0 else {}  # died after its last request: left out
-        engines = {n: u for n, u in engines.items() if n not in dead}
-        if not engines:
-            raise WeightSyncError(f"no rollout engine left to sync: {dead}")
-        if engines != st["engines"]:  # an engine died since the last sync
-            connect(M.ConnectTask(engines=engines, load=None))
         heads: dict[str, torch.Tensor] = {}
 
         def stream():  # every rank walks the collective gather; rank 0 keeps each tensor's first rows
@@ -133,7 +132,29 @@ def work(ctx: RoleContext, comm: Any) -> None:
                 ctx.progress()
                 yield name, t
 
-        out: dict[str, Any] = dict(push_from_actor(stream(), st["sender"] if rank == 0 else None, version))
+        for attempt in range(1, SYNC_TRIES + 1):  # an engine that dies during the push is left out, and it goes again
+            engines = {n: u for n, u in engines.items() if n not in dead}
+            if not engines:
+                raise WeightSyncError(f"no rollout engine left to sync: {dead}")
+            if engines != st["engines"]:  # an engine died, joined or left since the last sync
+                connect(M.ConnectTask(engines=engines, load=None))
+            err: WeightSyncError | None = None
+            try:
+                out: dict[str, Any] = dict(push_from_actor(stream(), st["sender"] if rank == 0 else None, version))
+            except WeightSyncError as e:
+                err = e
+            # rank 0 decides for every rank: done, again without the engines that are gone now, or failed
+            verdict: list[Any] = [None if err is None else (str(err), _gone(checker, engines))]
+            if dist.get_world_size() > 1:
+                dist.broadcast_object_list(verdict, src=0)
+            if verdict[0] is None:
+                break
+            why, lost = verdict[0]
+            if not lost or attempt == SYNC_TRIES:
+                raise err if err is not None else WeightSyncError(why)
+            log.warning("step sync %s: %s left during the push (%s); pushing again to the others", version,
+                        ", ".join(sorted(lost)), why)
+            dead.update(lost)
         dist.barrier()
         out["perf/weight_sync_time"] = time.monotonic() - t0
         if rank != 0:
@@ -164,6 +185,16 @@ def work(ctx: RoleContext, comm: Any) -> None:
 # Relax's rollout/* per-sample means of the per-token fields the step trains on (relax_hpc.train.logprobs.sample_means)
 ROLLOUT_MEANS = {"old_log_probs": "rollout/log_probs", "ref_log_probs": "rollout/ref_log_probs",
                  "rollout_log_probs": "rollout/rollout_log_probs", "advantages": "rollout/advantages"}
+
+
+def _gone(checker: Any, engines: dict[str, str], settle_s: float = 2.0) -> dict[str, str]:
+    """The engines that no longer answer after a failed push; a second look after ``settle_s`` catches one that
+    was signalled and is still exiting (a failure with every engine answering fails the sync)."""
+    lost = checker.unreachable(engines)
+    if not lost:
+        time.sleep(settle_s)
+        lost = checker.unreachable(engines)
+    return lost
 
 
 def _over_steps(steps: list[dict[str, float]]) -> dict[str, float]:

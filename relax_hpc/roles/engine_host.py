@@ -18,6 +18,7 @@ from relax_hpc.roles.model import resolve
 if TYPE_CHECKING:
     from relax_hpc.recipe.schema import RoleGroup
     from relax_hpc.roles.runtime import RoleContext
+    from relax_hpc.rundir import RunDir
 
 ENGINE_READY_S = 900.0
 
@@ -35,27 +36,35 @@ def start_rank_engine(ctx: RoleContext, group: RoleGroup, model_path: str, *, se
     ``seed``: the engine's sampling seed (requests that carry their own ``sampling_seed`` do not depend on it).
     ``sglang_args``: extra ``sglang.launch_server`` arguments (``rollout.engine.args``); the CPU engine takes none
     and says so in the role's log."""
-    from relax_hpc.rollout.engines import start_engine
-
     i = ctx.ident
-    host = "127.0.0.1" if i.node == "localhost" else "0.0.0.0"
-    logf = ctx.run.logs / f"{prefix}{i.rank}.log"
-    key = ctx.run.api_key()  # every engine of the run answers only requests that carry it
-    if os.environ.get("RELAX_SGLANG_PYTHON") and has_cuda():
-        gpus = max(1, group.gpus_per_node // max(1, group.tasks_per_node))
-        first = i.local_rank * gpus
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(str(first + k) for k in range(gpus))}
-        h = start_engine("sglang", resolve(model_path), tp=gpus, host=host, env=env, log_path=logf,
-                         api_key=key, extra_args=["--weight-version", "0", "--random-seed", str(seed), *sglang_args])
-    else:
-        if sglang_args:
-            print(f"[{i.role}:{i.rank}] rollout.engine.args {list(sglang_args)} are SGLang's; the CPU engine on this "
-                  "node (no CUDA, or no RELAX_SGLANG_PYTHON) does not take them", file=sys.stderr, flush=True)
-        h = start_engine("cpu", resolve(model_path), host=host, log_path=logf, api_key=key,
-                         extra_args=["--weight-version", "0", "--seed", str(seed),
-                                     "--threads", str(max(1, group.cpus_per_task))])
+    h = start_node_engine(ctx.run, group, model_path, name=f"{prefix}{i.rank}", local=i.node == "localhost",
+                          local_rank=i.local_rank, seed=seed, sglang_args=sglang_args)
     ctx.add_cleanup(lambda: h.stop(timeout=5.0))  # also on SIGTERM (the controller gives 10 s) and controller loss
     return h
+
+
+def start_node_engine(run: RunDir, group: RoleGroup, model_path: str, *, name: str, local: bool, local_rank: int,
+                      seed: int, sglang_args: list[str] | tuple[str, ...] = ()) -> Any:
+    """Engine ``name`` on this node (log ``RUN_DIR/logs/<name>.log``): SGLang on the ``local_rank``-th share of this
+    node's GPUs, or the CPU engine; it answers only requests carrying the run's API key. ``local``: no Slurm, listen
+    on the loopback only. Also the start of an engine added by scale-out (:mod:`relax_hpc.roles.elastic_engine`)."""
+    from relax_hpc.rollout.engines import start_engine
+
+    host = "127.0.0.1" if local else "0.0.0.0"
+    logf = run.logs / f"{name}.log"
+    key = run.api_key()  # every engine of the run answers only requests that carry it
+    if os.environ.get("RELAX_SGLANG_PYTHON") and has_cuda():
+        gpus = max(1, group.gpus_per_node // max(1, group.tasks_per_node))
+        first = local_rank * gpus
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(str(first + k) for k in range(gpus))}
+        return start_engine("sglang", resolve(model_path), tp=gpus, host=host, env=env, log_path=logf, api_key=key,
+                            extra_args=["--weight-version", "0", "--random-seed", str(seed), *sglang_args])
+    if sglang_args:
+        print(f"[{name}] rollout.engine.args {list(sglang_args)} are SGLang's; the CPU engine on this node (no CUDA, "
+              "or no RELAX_SGLANG_PYTHON) does not take them", file=sys.stderr, flush=True)
+    return start_engine("cpu", resolve(model_path), host=host, log_path=logf, api_key=key,
+                        extra_args=["--weight-version", "0", "--seed", str(seed),
+                                    "--threads", str(max(1, group.cpus_per_task))])
 
 
 def gather_engines(ctx: RoleContext, engine: Any, prefix: str) -> list[tuple[str, str, int, str, str]]:

@@ -123,7 +123,7 @@ class Generator:
         from relax_hpc.rollout.data import (data_source_from_config, dataset_from_config, eval_datasets_from_config,
                                             load_tokenizer)
         from relax_hpc.plugins import load_plugin
-        from relax_hpc.rollout.driver import RolloutDriver
+        from relax_hpc.rollout.driver import NamesFile, RolloutDriver
         from relax_hpc.rollout.dynamic import PartialRollout
 
         r = ctx.recipe
@@ -143,6 +143,7 @@ class Generator:
         # loads the reward function (fails early); its engine clients send the run's API key
         self.driver = RolloutDriver(r, {}, tokenizer=self.tokenizer, api_key=ctx.run.api_key())
         self.driver.on_progress = ctx.progress
+        self.driver.leaving = NamesFile(ctx.run.draining)  # engines the controller drains: no new requests
         ro = r.rollout  # DAPO dynamic sampling and the per-step sample filter (relax_hpc.rollout.dynamic)
         self.group_filter = (load_plugin(ro.dynamic_sampling_filter_path, "rollout.dynamic_sampling_filter_path")
                              if ro.dynamic_sampling_filter_path else None)
@@ -172,6 +173,7 @@ class Generator:
         if task.data_state:  # the cursor after step-1: a step generated again gets the same prompts
             self.data.load_state_dict(task.data_state)
         ro = self.recipe.rollout
+        sent = {n: st["requests"] for n, st in self.driver.engine_stats().items()}
         t0 = time.monotonic()
         try:
             # seeded by (run.seed, step): a resumed run samples what the uninterrupted one would have
@@ -204,6 +206,8 @@ class Generator:
             reward_failures=[_short_failure(f) for f in result.reward_failures[:20]],
             engine_failures=[{"name": f.name, "url": f.url, "error": f.error} for f in result.engine_failures],
             dead_engines=self.driver.dead_engines,
+            engine_requests={n: st["requests"] - sent.get(n, 0) for n, st in self.driver.engine_stats().items()
+                             if st["requests"] > sent.get(n, 0)},
         )
 
     def _judges(self, judges: dict[str, str]) -> None:

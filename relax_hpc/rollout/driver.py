@@ -35,10 +35,12 @@ import asyncio
 import dataclasses
 import hashlib
 import inspect
+import json
 import logging
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from relax_hpc.rollout.client import Backoff, EngineClient, EngineError, Generation, SamplingParams
@@ -87,9 +89,11 @@ class _Engine:
 class _EnginePool:
     """Least-loaded choice among live engines, with a bound on in-flight requests per engine."""
 
-    def __init__(self, engines: list[_Engine], per_engine: int) -> None:
+    def __init__(self, engines: list[_Engine], per_engine: int,
+                 leaving: Callable[[], frozenset[str]] = frozenset) -> None:
         self.engines = engines
         self.per_engine = per_engine
+        self.leaving = leaving  # engines draining: no new requests (those in flight finish)
         self._cond: asyncio.Condition | None = None
         self._loop: Any = None
 
@@ -112,7 +116,9 @@ class _EnginePool:
                 alive = self.alive()
                 if not alive:
                     raise NoEngineError(f"no rollout engine left to generate with ({self.dead_report()})")
-                free = [e for e in alive if e.in_flight < self.per_engine]
+                gone = self.leaving()
+                staying = [e for e in alive if e.name not in gone] or alive  # all leaving: better late than hung
+                free = [e for e in staying if e.in_flight < self.per_engine]
                 if free:
                     pick = min([e for e in free if e.name not in avoid] or free, key=lambda e: (e.in_flight, e.served))
                     pick.in_flight += 1
@@ -214,6 +220,29 @@ def _as_client(e: Any, **client_kwargs: Any) -> EngineClient:
     raise TypeError(f"not an engine: {e!r} (give EngineClient, EngineHandle or a URL)")
 
 
+class NamesFile:
+    """A JSON list of names in a file another process rewrites (the controller's ``RUN_DIR/draining``), read again
+    only when its mtime changed, and looked at no more often than every ``every_s``: cheap per request."""
+
+    def __init__(self, path: Path, every_s: float = 0.2) -> None:
+        self.path, self.every_s = Path(path), every_s
+        self._names: frozenset[str] = frozenset()
+        self._mtime: float | None = None
+        self._checked = 0.0
+
+    def __call__(self) -> frozenset[str]:
+        now = time.monotonic()
+        if now - self._checked >= self.every_s:
+            self._checked = now
+            try:
+                mtime = self.path.stat().st_mtime
+                if mtime != self._mtime:
+                    self._names, self._mtime = frozenset(json.loads(self.path.read_text() or "[]")), mtime
+            except (OSError, ValueError):
+                pass  # absent (nothing drains) or mid-rewrite (the next look reads it)
+        return self._names
+
+
 class RolloutDriver:
     """Generates rollout batches over a set of engines. See the module docstring for the behaviour.
 
@@ -249,6 +278,7 @@ class RolloutDriver:
         self._generate_fns: dict[str, Callable] = {}  # custom generate functions, loaded once
         self.router: Any = None  # the EngineRouter custom generate functions call, started on first use
         self.multiturn = multiturn_from(recipe, self.reward.args)  # None: one /generate per sample
+        self.leaving: Callable[[], frozenset[str]] = frozenset  # draining engines (the rollout role: RUN_DIR/draining)
         self.set_engines(engines)
 
     # --- engines -------------------------------------------------------------------------------------
@@ -262,7 +292,7 @@ class RolloutDriver:
         names = [e.name for e in pool]
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
-        self.pool = _EnginePool(pool, self.per_engine)
+        self.pool = _EnginePool(pool, self.per_engine, lambda: self.leaving())
 
     @property
     def live_engines(self) -> list[str]:

@@ -496,8 +496,14 @@ def push_from_actor(named: Iterable[tuple[str, torch.Tensor]], sender: WeightSen
     ``actor.named_hf_weights()`` (the bridge gathers TP/PP shards collectively, so every rank must walk it to the
     end); rank 0, the one holding ``sender``, pushes it (:meth:`WeightSender.push`, ``kw`` passed on) and gets
     its ``perf/weight_sync_*`` metrics. Other ranks pass ``sender=None`` and get ``{}``."""
+    it = iter(named)
     if sender is None:
-        for _ in named:
+        for _ in it:
             pass
         return {}
-    return sender.push(named, version, **kw)
+    try:
+        return sender.push(it, version, **kw)
+    except BaseException:
+        for _ in it:  # the other ranks walk on to the end: rank 0 must too, or their gathers wait for it
+            pass
+        raise

@@ -132,4 +132,4 @@ def test_no_urls_is_a_noop(server):
 
 def test_events_are_the_documented_set():
     assert EVENTS == ("started", "checkpoint", "preempted", "requeued", "resumed", "step_restarted", "failed",
-                      "finished", "cancelled")
+                      "finished", "cancelled", "scale", "scale_done", "engine_gone")

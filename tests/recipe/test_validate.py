@@ -584,3 +584,19 @@ def test_engine_args_pass_except_the_ones_relax_hpc_sets():
     got = problems({"rollout": {"engine": {"args": ["--mem-fraction-static", "0.8", "--port=31000", "--api-key"]}}})
     assert "sets --port itself" in got["rollout.engine.args[2]"] and "Fix: remove it" in got["rollout.engine.args[2]"]
     assert "the run's API key" in got["rollout.engine.args[3]"] and "rollout.engine.args[0]" not in got
+
+
+def test_elastic_keys_are_checked_and_spare_nodes_shape_the_rollout_step():
+    from relax_hpc.recipe.layout import role_steps
+
+    r = recipe_from_dict({"roles": {"rollout": {"nodes": 3, "elastic": {"initial": 1}}}})
+    step = next(s for s in role_steps(r) if s.role == "rollout")
+    assert step.nodes == 1 and r.roles.rollout.nodes == 3  # the component holds 3; the role starts on 1
+    got = problems({"roles": {"rollout": {"nodes": 2, "elastic": {"initial": 2, "max": 3}}}})
+    assert "roles.rollout.nodes - 1 (1)" in got["roles.rollout.elastic.initial"]
+    assert "must equal roles.rollout.nodes (2)" in got["roles.rollout.elastic.max"]
+    assert "only rollout scales" in problems({"roles": {"actor": {"elastic": {"initial": 1}}}})["roles.actor.elastic"]
+    got = problems({"rollout": {"elastic": {"drain_timeout_s": 0, "max_engines": 0, "attach": {"extra": ["-p x"]}}}})
+    assert "must be > 0" in got["rollout.elastic.drain_timeout_s"]
+    assert "below the 1 engines" in got["rollout.elastic.max_engines"]
+    assert "one sbatch option" in got["rollout.elastic.attach.extra[0]"]

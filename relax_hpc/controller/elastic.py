@@ -1,0 +1,432 @@
+"""Elastic rollout: engines added while the run goes, and taken away without losing work (docs/elastic.md).
+
+Why in the controller: it owns the engine registry (:mod:`.engines`), so it alone can say how many engines there
+are, which may serve, and when one may leave. A *scale operation* comes from ``relax-scale`` over the control
+socket (a ``scale`` question the loop answers at once, :meth:`Elastic.ask`), with an absolute-target meaning:
+
+- ``+N`` / ``-N`` / ``=N``: the number of live engines (plus those asked for and not yet joined) becomes that.
+- One operation at a time: a second one is refused, naming the one running, until the first is done.
+- Scale-out starts engines that run :mod:`relax_hpc.roles.elastic_engine`: as new job steps on the spare nodes
+  of rollout's component (``roles.rollout.elastic``; locally, as processes), or with ``attach`` as a separate
+  Slurm job (``sbatch/attach.sbatch.j2``) on any partition. Each announces itself (``engine_join``) and enters
+  the registry as ``syncing``: the actor's next sync puts the current weights on it (the weight-sync group is
+  rebuilt with it), and only then is it ``ready`` and given requests. The join time (asked → ready) is logged.
+- Scale-in drains: only engines added by scale-out leave (the run's own are protected). A draining engine gets
+  no new requests (the rollout driver reads ``RUN_DIR/draining``); once no task holds it (the generate in flight
+  ends, a sync that included it is done), or after ``rollout.elastic.drain_timeout_s``, its host is told
+  ``stop``. Requests still in flight then fail over to the other engines with their sampling seeds, so each
+  sample is still written once. Then its step, or its attached job, ends.
+- Capacity that goes away (scancel, preemption, the time limit's signal, a dead node) is not a failure: the
+  engine is declared ``gone``, the driver re-issues its requests, and the run goes on.
+- ``cancel``: an attached job still pending is withdrawn (``scancel``).
+
+Every request and outcome is an event in ``state.json`` (``scale`` and ``scale_done``, which notify), and
+``state.json``'s ``scale`` lists the operations. When the attempt ends, every engine started here is stopped and
+every attached job cancelled: a requeued run comes back with its initial engines only.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Protocol
+
+from relax_hpc.controller.channel import Channel
+from relax_hpc.controller.engines import EngineRegistry
+from relax_hpc.controller.state import RunState
+from relax_hpc.recipe import Recipe, role_steps
+from relax_hpc.rundir import RunDir, write_json
+
+log = logging.getLogger("relax_hpc.controller")
+TARGET = re.compile(r"^([+\-=])(\d+)$")
+CHECK_JOBS_S = 5.0  # how often pending attached jobs are looked up in Slurm
+LOCAL_STEPS = 4  # step engines a local run may add when rollout.elastic.max_engines is unset (one machine)
+STOP_WAIT_S = 30.0  # after stop, how long a host may take to report before its engine counts as gone anyway
+
+
+class Capacity(Protocol):
+    """How engines are asked of the cluster (``relax_hpc.launch.attach``, given by the launcher to
+    :func:`~relax_hpc.controller.run_controller`, as the way back after a requeue is): the controller decides,
+    the launcher's side talks to Slurm."""
+
+    def submit_attached(self, recipe: Recipe, run_dir: Any, op: str, names_prefix: str, n: int,
+                        attach: dict) -> tuple[str, str | None]: ...  # (job id, partition); ValueError/RuntimeError
+
+    def attached_state(self, job_id: str) -> tuple[str, str | None, bool]: ...  # (state, reason, finished)
+
+    def cancel_attached(self, job_id: str) -> str | None: ...  # None, or why scancel failed
+
+    def start_engine_step(self, recipe: Recipe, run_dir: Any, executor: str, name: str, op: str, het_group: int,
+                          exclude: list[str]) -> Any: ...  # a Popen
+
+    def stop_process(self, p: Any, grace_s: float = 10.0) -> None: ...
+
+
+@dataclass
+class ScaleOp:
+    id: str
+    spec: str  # as asked: "+1", "-2", "=3"
+    by: str
+    target: int
+    origin: str  # "step" | "attached" (scale-out), "drain" (scale-in)
+    asked_at: float
+    engines: list[str] = field(default_factory=list)  # added or drained
+    state: str = "running"  # → done | failed | cancelled
+    detail: str = ""
+    job_id: str | None = None  # the attached job
+    ready: dict[str, float] = field(default_factory=dict)  # engine → seconds from asked to ready (joins)
+    gone: dict[str, float] = field(default_factory=dict)  # engine → seconds from drain start to gone (drains)
+    ended_at: float | None = None
+
+
+@dataclass
+class _Drain:
+    since: float
+    deadline: float
+    op: str | None
+    stop_sent: float | None = None
+    cut: bool = False  # the drain timed out with requests still in flight: they were re-issued
+
+
+class Elastic:
+    def __init__(self, recipe: Recipe, run: RunDir, registry: EngineRegistry, state: RunState, channel: Channel,
+                 executor: str, *, holds: Callable[[str], bool], on_change: Callable[[], None],
+                 assign: Callable[[str, dict], None], capacity: Capacity | None = None):
+        self.recipe, self.run, self.registry, self.state, self.channel = recipe, run, registry, state, channel
+        self.executor = executor
+        self.cap = capacity  # None: this controller cannot add engines (started without a launcher, e.g. a test)
+        self.holds = holds  # whether a task in flight was given this engine
+        self.on_change = on_change  # the registry changed (state.json)
+        self.assign = assign  # queue a task for a role (the engine hosts' stop)
+        self.cfg = recipe.rollout.elastic
+        self.ops: list[ScaleOp] = []
+        self.expected: dict[str, str] = {}  # engines asked for, not joined yet → their op
+        self.procs: dict[str, Any] = {}  # engine → the Popen of its step (srun, or the local process)
+        self.jobs: dict[str, str] = {}  # op → attached job id (until cancelled at the end)
+        self.draining: dict[str, _Drain] = {}
+        self.seen: dict[str, float] = {}  # engine host → its last long poll
+        self.last_jobs_check = 0.0
+        self._stop_ids = iter(range(1, 1 << 30))
+        self.started = False  # the training loop says when engines may join (the initial ones are up)
+
+    # -- questions
+    def ask(self, msg: dict) -> dict:
+        """A ``scale`` request: accepted (an op id) or refused, with a sentence either way."""
+        if msg.get("cancel"):
+            return self._cancel(msg["cancel"])
+        m = TARGET.match(msg["target"].strip())
+        if not m:
+            return _no(f"target {msg['target']!r}: expected +N, -N or =N (rollout engines)")
+        if not self.started or not self.state.running:
+            return _no("the run is not ready for scaling yet (its engines are starting) or is ending; try again "
+                       "once relax-status shows engines ready")
+        busy = self.running()
+        if busy is not None:
+            return _no(f"scale operation {busy.id} ({busy.spec}, {busy.origin}"
+                       f"{', job ' + busy.job_id if busy.job_id else ''}) is still running; wait for it"
+                       f"{', or relax-scale --cancel ' + busy.id if busy.origin == 'attached' else ''}")
+        sign, n = m.group(1), int(m.group(2))
+        now_n = self.count()
+        target = {"+": now_n + n, "-": now_n - n, "=": n}[sign]
+        if target == now_n:
+            return {"accepted": True, "op": None, "message": f"already {now_n} engine(s); nothing to do"}
+        attach = msg.get("attach")
+        if target > now_n:
+            if self.cap is None:
+                return _no("this controller was started without a way to add engines (not by relax-submit)")
+            return self._out(msg, target, target - now_n, attach)
+        return self._in(msg, target, now_n - target)
+
+    def _out(self, msg: dict, target: int, n: int, attach: dict | None) -> dict:
+        cap = self.cfg.max_engines
+        if cap is not None and target > cap:
+            return _no(f"{target} engines is more than rollout.elastic.max_engines ({cap}). Fix: raise it")
+        op = self._new_op(msg, target, "attached" if attach is not None else "step")
+        if attach is not None:
+            if self.executor != "slurm":
+                return self._refuse(op, "--attach needs Slurm (this run is local). Fix: scale without --attach")
+            prefix = f"{op.id}-"
+            try:
+                op.job_id, partition = self.cap.submit_attached(self.recipe, self.run.path, op.id, prefix, n, attach)
+            except (ValueError, RuntimeError) as e:
+                return self._refuse(op, f"could not submit the attached job: {e}")
+            self.jobs[op.id] = op.job_id
+            op.engines = [f"{prefix}{k}" for k in range(n)]
+            where = f"attached job {op.job_id}" + (f" on partition {partition}" if partition else "")
+        else:
+            free = self._spare()
+            if n > free:
+                fix = ("add spare nodes (roles.rollout.elastic) or use --attach" if self.executor == "slurm"
+                       else "lower the target")
+                return self._refuse(op, f"{n} more engine(s) asked, room for {free} in the run's allocation. Fix: {fix}")
+            taken = set(self.registry.engines) | set(self.expected)
+            op.engines = []
+            k = 0
+            while len(op.engines) < n:
+                name = f"step{k}"
+                k += 1
+                if name not in taken:
+                    op.engines.append(name)
+            nodes = self.state.doc["roles"].get("rollout", {}).get("nodes") or []
+            het = next(s.het_group for s in role_steps(self.recipe) if s.role == "rollout")
+            for name in op.engines:
+                self.procs[name] = self.cap.start_engine_step(self.recipe, self.run.path, self.executor, name, op.id, het,
+                                                       exclude=[x for x in nodes if x])
+            where = "new job step(s)" if self.executor == "slurm" else "local process(es)"
+        for name in op.engines:
+            self.expected[name] = op.id
+        op.detail = f"{n} engine(s) as {where}: {', '.join(op.engines)}"
+        self._event("scale", f"{op.id} {op.spec} by {op.by}: {op.detail}")
+        return {"accepted": True, "op": op.id, "message": f"{op.id}: {op.detail}; they take requests once they "
+                f"have the current weights (relax-status shows them)", "job_id": op.job_id}
+
+    def _in(self, msg: dict, target: int, n: int) -> dict:
+        removable = [e for e in self.registry.engines.values()
+                     if e.origin != "initial" and e.state in ("starting", "syncing", "ready")]
+        op = self._new_op(msg, target, "drain")
+        if len(removable) < n:
+            protected = self.registry.count("starting", "syncing", "ready") - len(removable)
+            return self._refuse(op, f"only {len(removable)} engine(s) were added by scale-out; the run's own "
+                                    f"{protected} are protected from scale-in. Fix: a target of at least {protected}")
+        chosen = sorted(removable, key=lambda e: e.since, reverse=True)[:n]  # the newest first
+        op.engines = [e.name for e in chosen]
+        for e in chosen:
+            self.drain(e.name, f"{op.id} {op.spec}", op.id)
+        op.detail = f"draining {', '.join(op.engines)}"
+        self._event("scale", f"{op.id} {op.spec} by {op.by}: {op.detail}")
+        return {"accepted": True, "op": op.id, "message": f"{op.id}: {op.detail} (requests in flight finish "
+                f"within rollout.elastic.drain_timeout_s = {self.cfg.drain_timeout_s:g} s, or are re-issued)"}
+
+    def _cancel(self, op_id: str) -> dict:
+        op = next((o for o in self.ops if o.id == op_id), None)
+        if op is None:
+            return _no(f"no scale operation {op_id!r}; relax-status --json lists them under 'scale'")
+        if op.state != "running" or op.origin != "attached":
+            return _no(f"{op_id} is {op.state}, {op.origin}: only a running attached request can be cancelled")
+        joined = [n for n in op.engines if n in self.registry.engines]
+        if joined:
+            return _no(f"{op_id}'s engines {', '.join(joined)} have joined already. Fix: relax-scale RUN "
+                       f"rollout=-{len(joined)} drains them")
+        err = self.cap.cancel_attached(op.job_id) if op.job_id and self.cap is not None else None
+        for n in op.engines:
+            self.expected.pop(n, None)
+        self._end(op, "cancelled", f"withdrawn (scancel {op.job_id}{': ' + err if err else ''})")
+        return {"accepted": True, "op": op.id, "message": f"{op.id} cancelled: attached job {op.job_id} withdrawn"}
+
+    # -- engines arriving and leaving
+    def joined(self, msg: dict) -> None:
+        name, op_id = msg["name"], msg["op"]
+        op = next((o for o in self.ops if o.id == op_id), None)
+        if self.expected.pop(name, None) is None or op is None or not self.state.running:
+            log.warning("engine %s (op %s) joined, but it was not asked for (or was given up): told to stop", name,
+                        op_id)
+            self._stop(name, "not expected")
+            return
+        job, _, step = msg["slurm_step"].partition(".")
+        self.registry.add(name, msg["url"], origin=msg["origin"], node=msg["node"], pid=msg["pid"],
+                          job_id=job or "local", step_id=step or None, state="syncing", weight_version="0")
+        self.seen[name] = time.time()
+        log.info("engine %s joined (%s, %s, op %s) at %s; it takes requests after the next sync", name,
+                 msg["origin"], msg["slurm_step"] or "local", op_id, msg["url"])
+        self.on_change()
+
+    def left(self, msg: dict) -> None:
+        """Its host was signalled: the time limit is near (drain), or it is going now (gone at once)."""
+        name, why = msg["name"], msg["why"]
+        e = self.registry.engines.get(name)
+        if e is None or e.state in ("gone", "dead"):
+            return
+        if msg["now"]:
+            self.lost(name, f"left: {why}")
+        elif e.state != "draining":
+            self.drain(name, f"its host asked: {why}", None)
+
+    def lost(self, name: str, why: str) -> None:
+        """Capacity that went away (scancel, preemption, a dead node or engine): gone, not a failure."""
+        if name in self.draining and self.draining[name].stop_sent is not None:  # stopped by its drain: expected
+            return self._gone_drained(name)
+        if self.registry.gone(name, why):
+            self.draining.pop(name, None)
+            self._event("engine_gone", f"{name}: {why}; its requests in flight go to the other engines")
+            self._write_draining()
+            self.on_change()
+
+    def drain(self, name: str, why: str, op: str | None) -> None:
+        now = time.time()
+        self.registry.move(name, "draining")
+        self.draining[name] = _Drain(now, now + self.cfg.drain_timeout_s, op)
+        log.info("engine %s drains (%s): no new requests", name, why)
+        self._write_draining()
+        self.on_change()
+
+    def on_message(self, msg: dict) -> None:
+        """A message of an engine host (role ``engine:<name>``): its long polls (signs of life), its stop done."""
+        name = msg["role"].split(":", 1)[1]
+        self.seen[name] = time.time()
+        if msg["type"] == "task_done" and name in self.draining:
+            self._gone_drained(name)
+
+    # -- every turn of the loop
+    def tick(self) -> None:
+        now = time.time()
+        for name, d in list(self.draining.items()):
+            if d.stop_sent is None:
+                held = self.holds(name)
+                if held and now < d.deadline:
+                    continue
+                d.cut = held
+                self._stop(name, "drained" if not held else "drain timeout")
+                d.stop_sent = now
+            elif self._host_ended(name) or now - d.stop_sent > STOP_WAIT_S:
+                self._gone_drained(name)
+        for name, p in list(self.procs.items()):  # a step engine whose host exited
+            if p.poll() is not None:
+                del self.procs[name]
+                if name in self.expected:
+                    self._join_failed(name, f"its step exited with code {p.returncode} before it joined (see "
+                                            f"{self.run.logs / (name + '.host.log')})")
+                elif name in self.registry.engines and name not in self.draining:
+                    self.lost(name, f"its step exited with code {p.returncode}")
+        silent = self.recipe.logging.heartbeat_timeout_s
+        for name, t in list(self.seen.items()):
+            e = self.registry.engines.get(name)
+            if e is not None and e.state not in ("gone", "dead") and now - t > silent:
+                self.lost(name, f"its host is silent for {now - t:.0f} s (a dead node?)")
+        if now - self.last_jobs_check > CHECK_JOBS_S:
+            self.last_jobs_check = now
+            self._check_pending(now)
+        self._progress(now)
+
+    def _check_pending(self, now: float) -> None:
+        for name, op_id in list(self.expected.items()):
+            op = next(o for o in self.ops if o.id == op_id)
+            if now - op.asked_at > self.cfg.join_timeout_s:
+                if op.job_id:
+                    self.cap.cancel_attached(op.job_id)
+                self._join_failed(name, f"did not join within rollout.elastic.join_timeout_s = "
+                                        f"{self.cfg.join_timeout_s:g} s")
+            elif op.job_id:
+                st, reason, finished = self.cap.attached_state(op.job_id)
+                if finished:
+                    self._join_failed(name, f"attached job {op.job_id} ended {st}{' (' + reason + ')' if reason else ''}"
+                                            f" before its engine joined (see {self.run.logs}/attach-{op.id}-*.out)")
+
+    def _progress(self, now: float) -> None:
+        """Ops whose engines all arrived (ready) or left (gone) are done; join and drain times recorded."""
+        for op in self.ops:
+            if op.state != "running":
+                continue
+            if op.origin == "drain":
+                if all(n not in self.draining for n in op.engines):
+                    self._end(op, "done", "drained: " + ", ".join(f"{n} in {op.gone.get(n, 0):.1f} s"
+                                                                   for n in op.engines))
+                continue
+            for n in op.engines:
+                e = self.registry.engines.get(n)
+                if e is not None and e.state == "ready" and n not in op.ready:
+                    op.ready[n] = now - op.asked_at
+                    log.info("engine %s is ready with weights of step %s, %.1f s after %s was asked", n,
+                             e.weight_version, op.ready[n], op.id)
+            waiting = [n for n in op.engines if n in self.expected or (n in self.registry.engines and n not in
+                       op.ready and self.registry.engines[n].state in ("starting", "syncing"))]
+            if not waiting:
+                ok = [n for n in op.engines if n in op.ready]
+                self._end(op, "done" if ok else "failed",
+                          (f"ready: {', '.join(f'{n} in {op.ready[n]:.1f} s' for n in ok)}" if ok else "no engine joined")
+                          + (f"; {op.detail}" if op.detail and not ok else ""))
+
+    # -- the end of the attempt
+    def finish(self) -> None:
+        """Stop every engine started here, cancel every attached job: they belong to this attempt."""
+        for name, p in self.procs.items():
+            self.cap.stop_process(p, grace_s=5.0)
+        for op_id, job in self.jobs.items():
+            err = self.cap.cancel_attached(job)
+            if err:
+                log.warning("could not cancel attached job %s of %s: %s", job, op_id, err)
+        self.procs.clear()
+        self.jobs.clear()
+
+    # -- helpers
+    def running(self) -> ScaleOp | None:
+        return next((o for o in self.ops if o.state == "running"), None)
+
+    def count(self) -> int:
+        """Engines that serve or will: live in the registry, plus those asked for and not yet joined."""
+        return self.registry.count("starting", "syncing", "ready") + len(self.expected)
+
+    def _spare(self) -> int:
+        """Room for more step engines: the spare nodes' engines under Slurm (``roles.rollout.elastic``); locally
+        ``rollout.elastic.max_engines`` in all, or :data:`LOCAL_STEPS` step engines."""
+        g = self.recipe.roles.rollout
+        steps = [n for n, e in self.registry.engines.items() if e.origin == "step" and e.state not in ("gone", "dead")]
+        used = len(steps) + sum(1 for n in self.expected if n.startswith("step"))
+        if self.executor == "slurm":
+            return max(0, (0 if g.elastic is None else (g.nodes - g.elastic.initial) * g.tasks_per_node) - used)
+        cap = self.cfg.max_engines
+        return max(0, cap - self.count() if cap is not None else LOCAL_STEPS - used)
+
+    def _new_op(self, msg: dict, target: int, origin: str) -> ScaleOp:
+        op = ScaleOp(id=f"s{len(self.ops) + 1}", spec=msg["target"].strip(), by=msg.get("by") or "relax-scale",
+                     target=target, origin=origin, asked_at=time.time())
+        self.ops.append(op)
+        return op
+
+    def _refuse(self, op: ScaleOp, why: str) -> dict:
+        self._end(op, "failed", why, quiet=True)
+        self._event("scale", f"{op.id} {op.spec} by {op.by} refused: {why}")
+        return _no(why)
+
+    def _end(self, op: ScaleOp, state: str, detail: str, quiet: bool = False) -> None:
+        op.state, op.detail, op.ended_at = state, detail, time.time()
+        if not quiet:
+            self._event("scale_done", f"{op.id} {op.spec} {state}: {detail}")
+        self._save()
+
+    def _join_failed(self, name: str, why: str) -> None:
+        op_id = self.expected.pop(name, None)
+        log.error("engine %s (%s) will not join: %s", name, op_id, why)
+        op = next((o for o in self.ops if o.id == op_id), None)
+        if op is not None:
+            op.detail = f"{name}: {why}"
+
+    def _stop(self, name: str, why: str) -> None:
+        self.assign(f"engine:{name}", {"id": next(self._stop_ids), "kind": "stop", "why": why})
+
+    def _host_ended(self, name: str) -> bool:
+        p = self.procs.get(name)
+        return p is not None and p.poll() is not None
+
+    def _gone_drained(self, name: str) -> None:
+        d = self.draining.pop(name, None)
+        if d is None:
+            return
+        took = time.time() - d.since
+        why = f"drained in {took:.1f} s" + ("; requests still in flight at the timeout were re-issued" if d.cut else "")
+        self.registry.gone(name, why)
+        op = next((o for o in self.ops if o.id == d.op), None)
+        if op is not None:
+            op.gone[name] = took
+        log.info("engine %s is gone: %s", name, why)
+        self._write_draining()
+        self.on_change()
+
+    def _write_draining(self) -> None:
+        """``RUN_DIR/draining``: the engines the driver must send no new request to (it re-reads it when it
+        changes)."""
+        write_json(self.run.draining, sorted(self.draining))
+
+    def _event(self, name: str, detail: str) -> None:
+        log.info("%s: %s", name, detail)
+        self.state.event(name, detail)
+        self._save()
+
+    def _save(self) -> None:
+        self.state.progress(scale=[asdict(o) for o in self.ops[-20:]])
+
+
+def _no(why: str) -> dict:
+    return {"accepted": False, "op": None, "message": why}
+

@@ -1,0 +1,133 @@
+"""One engine added by scale-out: started as its own Slurm job step (origin ``step``), as a task of an attached
+Slurm job (``attached``), or as a local process (``step`` without Slurm), by :mod:`relax_hpc.controller.elastic`.
+
+    python -m relax_hpc.roles.elastic_engine RUN_DIR --name NAME --origin ORIGIN --op OP
+
+Why a program of its own: an engine that joins a running run is not a rank of the rollout role (whose world is
+fixed at launch), so it cannot take part in that role's collectives. It only needs the run directory (recipe, API
+key, token, ``controller.json``): it starts the engine from the model on disk, waits for it, and announces it to
+the controller (``engine_join``). The controller then has the actor put the current weights on it at the next sync
+(the weight-sync group is rebuilt with the new member) and routes requests to it only once its weight version is
+within the staleness bound. Under ``srun`` of an attached job one task is one engine: the name's last part is the
+task's ``SLURM_PROCID``.
+
+After joining it long-polls the controller for its one task, ``stop`` (scale-in drained it, or the run ends), and
+watches its engine. Signals are how Slurm takes capacity back:
+
+- SIGUSR2 (``--signal=USR2@lead`` of the attached job: the time limit is near): ``engine_leave`` without ``now``;
+  the controller drains it (no new requests, those in flight finish) and then sends ``stop``.
+- SIGTERM (scancel, preemption): ``engine_leave`` with ``now``; the engine is stopped at once, and the requests
+  it had in flight fail over to the other engines, with their sampling seeds.
+
+It exits when its engine dies (after telling the controller), when the controller stays unreachable for
+``logging.heartbeat_timeout_s`` (the run is gone), or on ``stop``; its engine is stopped by PID on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("relax_hpc.elastic_engine")
+POLL_S = 2.0  # next_task long poll: how soon a signal or the engine's death is noticed
+
+
+def _name(base: str) -> str:
+    """``NAME`` as given, or ``NAME<procid>`` when it ends with ``-`` (one name per task of an attached job)."""
+    return f"{base}{os.environ.get('SLURM_PROCID', '0')}" if base.endswith("-") else base
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="relax_hpc.roles.elastic_engine")
+    p.add_argument("run_dir")
+    p.add_argument("--name", required=True)
+    p.add_argument("--origin", choices=("step", "attached"), required=True)
+    p.add_argument("--op", required=True)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [elastic-engine] %(levelname)s %(message)s")
+
+    from relax_hpc.controller.protocol import Client, ProtocolError
+    from relax_hpc.recipe import load_recipe
+    from relax_hpc.roles.engine_host import ENGINE_READY_S, start_node_engine
+    from relax_hpc.rundir import RunDir
+
+    run = RunDir(Path(a.run_dir).resolve())
+    recipe = load_recipe(run.recipe)
+    name = _name(a.name)
+    local = not os.environ.get("SLURM_JOB_ID")
+    node = os.environ.get("SLURMD_NODENAME") or ("localhost" if local else socket.gethostname())
+    job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
+    where = f"{job}.{step}" if job and step else ""
+    signalled: list[str] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        signalled.append(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGUSR2, on_signal)
+    seed = recipe.run.seed + 10_000 + sum(map(ord, name))  # apart from the initial engines'; requests carry theirs
+    engine = start_node_engine(run, recipe.roles.rollout, recipe.model.path, name=name, local=local,
+                               local_rank=int(os.environ.get("SLURM_LOCALID", "0")), seed=seed,
+                               sglang_args=recipe.rollout.engine.args)
+    try:
+        engine.wait_ready(ENGINE_READY_S)
+        if signalled:
+            log.info("%s: %s before it joined; leaving", name, signalled[0])
+            return 0
+        addr = run.read_json(run.controller_addr, {}) or {}
+        client = Client(addr["host"], int(addr["port"]), run.token(), timeout_s=15.0)
+        client.engine_join(name, engine.url, engine.pid, node, a.origin, a.op, where)
+        log.info("%s joined the run at %s (%s, op %s, %s)", name, engine.url, a.origin, a.op, where or "local")
+        return _serve(client, name, engine, signalled, recipe.logging.heartbeat_timeout_s, ProtocolError)
+    finally:
+        engine.stop(timeout=5.0)
+
+
+def _serve(client, name: str, engine, signalled: list[str], silence_s: float, ProtocolError: type) -> int:
+    told = 0  # signals reported so far
+    last_ok = time.monotonic()
+    while True:
+        if len(signalled) > told:
+            sig, told = signalled[told], told + 1
+            now = sig != "SIGUSR2"
+            try:
+                client.engine_leave(name, f"{sig} ({'time limit near' if not now else 'scancel or preemption'})", now)
+            except (OSError, ProtocolError) as e:
+                log.warning("%s: could not tell the controller about %s: %s", name, sig, e)
+            if now:
+                return 0
+        if not engine.alive():
+            why = f"its engine process exited with code {engine.returncode()}"
+            log.error("%s: %s; last lines:\n%s", name, why, engine.log_tail(20))
+            try:
+                client.engine_leave(name, why, True)
+            except (OSError, ProtocolError):
+                pass
+            return 1
+        try:
+            task = client.next_task(f"engine:{name}", 0, wait_s=POLL_S)
+            last_ok = time.monotonic()
+        except (OSError, ProtocolError) as e:
+            if time.monotonic() - last_ok > silence_s:
+                log.error("%s: the controller is unreachable for %.0f s (%s): the run is gone; stopping", name,
+                          time.monotonic() - last_ok, e)
+                return 0
+            time.sleep(1.0)
+            continue
+        if task is not None and task.get("kind") == "stop":
+            log.info("%s: stop (%s)", name, task.get("why", "the controller asked"))
+            try:
+                client.task_done(f"engine:{name}", 0, int(task["id"]), {})
+            except (OSError, ProtocolError):
+                pass
+            return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

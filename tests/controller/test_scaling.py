@@ -1,0 +1,153 @@
+"""Scale operations as the controller decides them (relax_hpc.controller.elastic): absolute targets, one at a time,
+the run's own engines protected, drains that wait for the tasks holding an engine, and the question/answer path
+over the real control socket."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ctl_helpers import TOKEN, make_run
+from relax_hpc.controller import channel as channel_mod
+from relax_hpc.controller.channel import Channel
+from relax_hpc.controller.elastic import Elastic
+from relax_hpc.controller.engines import EngineRegistry
+from relax_hpc.controller.protocol import Client
+from relax_hpc.controller.state import RunState
+from relax_hpc.launch import attach
+from relax_hpc.recipe import load_recipe, role_steps
+
+
+@pytest.fixture
+def ch():
+    c = Channel(TOKEN, bind_host="127.0.0.1")
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def el(tmp_path, ch):
+    run = make_run(tmp_path)
+    recipe = load_recipe(run.recipe)
+    state = RunState(run, recipe, role_steps(recipe), "local", env={})
+    reg = EngineRegistry()
+    reg.add("engine0", "http://127.0.0.1:1", origin="initial", state="ready", weight_version="3")
+    held: set[str] = set()
+    e = Elastic(recipe, run, reg, state, ch, "local", holds=lambda n: n in held, on_change=lambda: None,
+                assign=ch.assign, capacity=attach)
+    e.started = True
+    e.held = held  # the test's handle on what "a task in flight holds it" answers
+    return e
+
+
+def ask(el, target, **kw):
+    return el.ask({"type": "scale", "target": target, "attach": kw.get("attach"), "cancel": kw.get("cancel"),
+                   "by": "test"})
+
+
+def test_refusals_name_the_reason(el):
+    assert "expected +N" in ask(el, "two")["message"]
+    r = ask(el, "-1")
+    assert not r["accepted"] and "protected" in r["message"] and "at least 1" in r["message"]
+    assert ask(el, "=1") == {"accepted": True, "op": None, "message": "already 1 engine(s); nothing to do"}
+    r = ask(el, "+1", attach={})
+    assert not r["accepted"] and "--attach needs Slurm" in r["message"]
+    assert "no scale operation" in ask(el, "", cancel="s9")["message"]
+    el.started = False
+    assert "not ready for scaling" in ask(el, "+1")["message"]
+
+
+def test_without_a_launcher_there_is_no_scale_out(el):
+    el.cap = None
+    assert "without a way to add engines" in ask(el, "+1")["message"]
+
+
+def test_max_engines_bounds_scale_out(el):
+    el.cfg.max_engines = 2
+    r = ask(el, "=3")
+    assert not r["accepted"] and "rollout.elastic.max_engines (2)" in r["message"]
+
+
+def test_drain_waits_for_the_task_holding_the_engine_then_stops_it(el, ch):
+    el.registry.add("step0", "http://127.0.0.1:2", origin="step", state="ready", weight_version="3")
+    el.held.add("step0")  # a generate in flight was given step0
+    r = ask(el, "=1")
+    assert r["accepted"] and r["op"] == "s1", r
+    assert el.registry.engines["step0"].state == "draining"
+    assert el.run.read_json(el.run.draining) == ["step0"]  # the driver sends it nothing new
+    assert not ask(el, "+1")["accepted"]  # one operation at a time
+    assert "s1" in ask(el, "+1")["message"]
+
+    host = Client("127.0.0.1", ch.port, TOKEN)
+    el.tick()
+    assert host.next_task("engine:step0", 0, wait_s=0.2) is None  # still held: no stop yet
+    el.held.clear()  # the generate ended
+    el.tick()
+    task = host.next_task("engine:step0", 0, wait_s=2)
+    assert task["kind"] == "stop" and task["why"] == "drained"
+    host.task_done("engine:step0", 0, task["id"], {})
+    for _, msg in ch.drain(2.0):
+        if msg["type"] == "task_done":
+            el.on_message(msg)
+    host.close()
+    el.tick()
+    e = el.registry.engines["step0"]
+    assert e.state == "gone" and e.left.startswith("drained in")
+    op = el.ops[0]
+    assert op.state == "done" and "step0" in op.gone and el.run.read_json(el.run.draining) == []
+    assert [ev["event"] for ev in el.state.doc["events"]][-2:] == ["scale", "scale_done"]
+
+
+def test_drain_timeout_stops_a_held_engine(el, ch):
+    el.cfg.drain_timeout_s = 0.05
+    el.registry.add("step0", "http://127.0.0.1:2", origin="step", state="ready", weight_version="3")
+    el.held.add("step0")
+    assert ask(el, "-1")["accepted"]
+    time.sleep(0.1)
+    el.tick()
+    assert el.draining["step0"].cut and el.draining["step0"].stop_sent is not None
+    el.lost("step0", "found dead: connection refused")  # the driver saw it die: gone, with the drain's reason
+    assert el.registry.engines["step0"].state == "gone"
+    assert "re-issued" in el.registry.engines["step0"].left
+
+
+def test_an_engine_nobody_asked_for_is_told_to_stop(el, ch):
+    el.joined({"name": "rogue", "url": "http://x", "pid": 1, "node": "n", "origin": "attached", "op": "s7",
+               "slurm_step": "5.0"})
+    assert "rogue" not in el.registry.engines
+    assert ch._head("engine:rogue", 0.1)["kind"] == "stop"
+
+
+def test_leaving_now_is_gone_and_leaving_later_drains(el):
+    for n in ("a", "b"):
+        el.registry.add(n, f"http://{n}", origin="attached", state="ready")
+    el.left({"name": "a", "why": "SIGTERM", "now": True})
+    el.left({"name": "b", "why": "SIGUSR2", "now": False})
+    assert el.registry.engines["a"].state == "gone" and el.registry.engines["b"].state == "draining"
+    assert any(ev["event"] == "engine_gone" for ev in el.state.doc["events"])
+
+
+def test_a_question_is_answered_by_the_loop_over_the_socket(ch):
+    def loop():
+        for _, msg in ch.drain(5.0):
+            if msg["type"] == "scale" and Channel.take(msg):
+                Channel.answer(msg, {"accepted": True, "op": "s1", "message": f"got {msg['target']}"})
+
+    t = threading.Thread(target=loop)
+    t.start()
+    c = Client("127.0.0.1", ch.port, TOKEN)
+    assert c.scale("+2")["message"] == "got +2"
+    c.close()
+    t.join()
+
+
+def test_a_question_nobody_takes_up_changes_nothing(ch, monkeypatch):
+    monkeypatch.setattr(channel_mod, "ASK_WAIT_S", 0.2)
+    c = Client("127.0.0.1", ch.port, TOKEN)
+    reply = c.scale("+1")
+    c.close()
+    assert not reply["accepted"] and "nothing was changed" in reply["message"]
+    late = [m for _, m in ch.drain(1.0) if m["type"] == "scale"]
+    assert late and not Channel.take(late[0])  # the loop, late, must not act on it
