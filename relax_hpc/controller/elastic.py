@@ -110,6 +110,7 @@ class Elastic:
         self.last_jobs_check = 0.0
         self._stop_ids = iter(range(1, 1 << 30))
         self.started = False  # the training loop says when engines may join (the initial ones are up)
+        state.progress(scale=[])  # an earlier attempt's operations ended with it (its engines were stopped)
 
     # -- questions
     def ask(self, msg: dict) -> dict:

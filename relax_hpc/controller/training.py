@@ -47,6 +47,11 @@ steps), ``generated``, ``phase``, ``reward``, ``engines``, ``last_checkpoint``. 
 error fails the run with the report as reason (kind ``task``: no restart helps). A dead engine is logged
 by name, marked in ``state.json`` and left out of later steps and syncs.
 
+Elastic rollout (``docs/elastic.md``): ``relax-scale``'s questions, engines joining and leaving, and their drains are
+:class:`~relax_hpc.controller.elastic.Elastic`'s; it shares the registry, so a joined engine (``syncing``) gets the
+weights from the next sync (a catch-up one when the actor is idle) before any generate may use it, and an engine
+added by scale-out that dies is ``gone``, not started again.
+
 Damaged chunks (``docs/exchange.md``, "Damage"): a chunk of step N that the broker quarantines at hand-out
 (missing, resized), or that a ``train``/``logprobs`` task could not read (``DamagedChunk``: the broker
 re-verifies and quarantines), is reported (``state.json`` event ``chunk_quarantined``, metric
@@ -369,8 +374,11 @@ class TrainingLoop:
             if Channel.take(msg):
                 Channel.answer(msg, self.elastic.ask(msg))
             return
-        if kind in ("engine_join", "engine_leave"):
-            self.elastic.joined(msg) if kind == "engine_join" else self.elastic.left(msg)
+        if kind == "engine_join":
+            self.elastic.joined(msg)
+            return self._pump()
+        if kind == "engine_leave":
+            self.elastic.left(msg)
             return self._pump()  # a new engine: a catch-up sync if the actor is idle
         if str(msg.get("role", "")).startswith("engine:"):  # an engine host's poll, or its stop done
             return self.elastic.on_message(msg)

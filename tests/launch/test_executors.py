@@ -83,14 +83,16 @@ def test_controller_task_is_checkpointable_and_picklable(tmp_path):
 
 
 def test_controller_task_hands_the_controller_the_launchers_ways_back(tmp_path, monkeypatch):
-    """The controller never imports launch: ControllerTask injects scontrol requeue and resubmit."""
-    from relax_hpc.launch import slurm
+    """The controller never imports launch: ControllerTask injects scontrol requeue, resubmit and the way to add
+    engines (relax-scale's capacity)."""
+    from relax_hpc.launch import attach, slurm
 
     got = {}
     monkeypatch.setattr("relax_hpc.controller.loop.run_controller", lambda run_dir, **kw: got.update(kw, run_dir=run_dir))
     resubmit = object()
     ControllerTask(tmp_path, resubmit)()
-    assert got == {"run_dir": str(tmp_path), "requeue_job": slurm.scontrol_requeue, "resubmit": resubmit}
+    assert got == {"run_dir": str(tmp_path), "requeue_job": slurm.scontrol_requeue, "resubmit": resubmit,
+                   "capacity": attach}
 
 
 @pytest.mark.parametrize("refused", [False, True])
