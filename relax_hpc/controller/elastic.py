@@ -43,7 +43,8 @@ log = logging.getLogger("relax_hpc.controller")
 TARGET = re.compile(r"^([+\-=])(\d+)$")
 CHECK_JOBS_S = 5.0  # how often pending attached jobs are looked up in Slurm
 LOCAL_STEPS = 4  # step engines a local run may add when rollout.elastic.max_engines is unset (one machine)
-STOP_WAIT_S = 30.0  # after stop, how long a host may take to report before its engine counts as gone anyway
+STOP_WAIT_S = 30.0
+RESTART = "restart"  # the op of a step engine started again after it died (no relax-scale request behind it)  # after stop, how long a host may take to report before its engine counts as gone anyway
 
 
 class Capacity(Protocol):
@@ -107,6 +108,7 @@ class Elastic:
         self.jobs: dict[str, str] = {}  # op → attached job id (until cancelled at the end)
         self.draining: dict[str, _Drain] = {}
         self.seen: dict[str, float] = {}  # engine host → its last long poll
+        self.restarts: dict[str, int] = {}  # step engine → how often it was started again after it died
         self.last_jobs_check = 0.0
         self._stop_ids = iter(range(1, 1 << 30))
         self.started = False  # the training loop says when engines may join (the initial ones are up)
@@ -170,11 +172,8 @@ class Elastic:
                 k += 1
                 if name not in taken:
                     op.engines.append(name)
-            nodes = self.state.doc["roles"].get("rollout", {}).get("nodes") or []
-            het = next(s.het_group for s in role_steps(self.recipe) if s.role == "rollout")
             for name in op.engines:
-                self.procs[name] = self.cap.start_engine_step(self.recipe, self.run.path, self.executor, name, op.id, het,
-                                                       exclude=[x for x in nodes if x])
+                self._start_step(name, op.id)
             where = "new job step(s)" if self.executor == "slurm" else "local process(es)"
         for name in op.engines:
             self.expected[name] = op.id
@@ -220,14 +219,19 @@ class Elastic:
     def joined(self, msg: dict) -> None:
         name, op_id = msg["name"], msg["op"]
         op = next((o for o in self.ops if o.id == op_id), None)
-        if self.expected.pop(name, None) is None or op is None or not self.state.running:
+        asked = self.expected.pop(name, None)
+        if asked is None or (op is None and asked != RESTART) or not self.state.running:
             log.warning("engine %s (op %s) joined, but it was not asked for (or was given up): told to stop", name,
                         op_id)
             self._stop(name, "not expected")
             return
         job, _, step = msg["slurm_step"].partition(".")
-        self.registry.add(name, msg["url"], origin=msg["origin"], node=msg["node"], pid=msg["pid"],
-                          job_id=job or "local", step_id=step or None, state="syncing", weight_version="0")
+        before = self.registry.engines.get(name)  # its earlier life, when started again: keep its counts
+        e = self.registry.add(name, msg["url"], origin=msg["origin"], node=msg["node"], pid=msg["pid"],
+                              job_id=job or "local", step_id=step or None, state="syncing", weight_version="0")
+        e.restarts = self.restarts.get(name, 0)
+        if before is not None and asked == RESTART:
+            e.requests, e.first_step, e.first_version = before.requests, before.first_step, before.first_version
         self.seen[name] = time.time()
         log.info("engine %s joined (%s, %s, op %s) at %s; it takes requests after the next sync", name,
                  msg["origin"], msg["slurm_step"] or "local", op_id, msg["url"])
@@ -248,11 +252,31 @@ class Elastic:
         """Capacity that went away (scancel, preemption, a dead node or engine): gone, not a failure."""
         if name in self.draining and self.draining[name].stop_sent is not None:  # stopped by its drain: expected
             return self._gone_drained(name)
+        e = self.registry.engines.get(name)
         if self.registry.gone(name, why):
             self.draining.pop(name, None)
             self._event("engine_gone", f"{name}: {why}; its requests in flight go to the other engines")
             self._write_draining()
             self.on_change()
+            if e is not None and e.origin == "step":
+                self._restart_step(name, e.restarts)
+
+    def _restart_step(self, name: str, restarts: int) -> None:
+        """A step engine that died (not drained) is started again as a new step, ``rollout.engine.max_restarts``
+        times at most; it joins like a scaled-out engine (syncing until a sync reaches it)."""
+        limit = self.recipe.rollout.engine.max_restarts
+        if self.cap is None or not self.state.running or restarts >= limit:
+            if restarts >= limit:
+                log.error("step engine %s stays gone: started again %d times already (rollout.engine.max_restarts)",
+                          name, limit)
+            return
+        old = self.procs.pop(name, None)
+        if old is not None:
+            self.cap.stop_process(old, grace_s=2.0)
+        self._start_step(name, RESTART)
+        self.expected[name] = RESTART
+        self.restarts[name] = restarts + 1
+        self._event("engine_restart", f"{name} died; starting it again as a new step ({restarts + 1}/{limit})")
 
     def drain(self, name: str, why: str, op: str | None) -> None:
         now = time.time()
@@ -302,7 +326,9 @@ class Elastic:
 
     def _check_pending(self, now: float) -> None:
         for name, op_id in list(self.expected.items()):
-            op = next(o for o in self.ops if o.id == op_id)
+            op = next((o for o in self.ops if o.id == op_id), None)
+            if op is None:  # a step engine started again: its step's exit is watched in tick
+                continue
             if now - op.asked_at > self.cfg.join_timeout_s:
                 if op.job_id:
                     self.cap.cancel_attached(op.job_id)
@@ -369,8 +395,17 @@ class Elastic:
         cap = self.cfg.max_engines
         return max(0, cap - self.count() if cap is not None else LOCAL_STEPS - used)
 
+    def _start_step(self, name: str, op: str) -> None:
+        """Engine ``name`` as a new step on rollout's component, off the nodes the rollout role runs on."""
+        nodes = self.state.doc["roles"].get("rollout", {}).get("nodes") or []
+        het = next(s.het_group for s in role_steps(self.recipe) if s.role == "rollout")
+        self.procs[name] = self.cap.start_engine_step(self.recipe, self.run.path, self.executor, name, op, het,
+                                                      exclude=[x for x in nodes if x])
+
     def _new_op(self, msg: dict, target: int, origin: str) -> ScaleOp:
-        op = ScaleOp(id=f"s{len(self.ops) + 1}", spec=msg["target"].strip(), by=msg.get("by") or "relax-scale",
+        by = msg.get("by") or "relax-scale"
+        op = ScaleOp(id=f"s{len(self.ops) + 1}", spec=msg["target"].strip(),
+                     by=f"{by} ({msg['why']})" if msg.get("why") else by,  # the autoscaler says why
                      target=target, origin=origin, asked_at=time.time())
         self.ops.append(op)
         return op
@@ -430,4 +465,59 @@ class Elastic:
 
 def _no(why: str) -> dict:
     return {"accepted": False, "op": None, "message": why}
+
+
+class Autoscaler:
+    """``rollout.elastic.autoscale``: scale operations decided on the run's own signals, after every synced step,
+    through the same :meth:`Elastic.ask` as ``relax-scale`` (attached jobs too, with ``attach: true``).
+
+    - **Scale out** when the trainer waited for samples (train(N) handed out only after its samples existed) more
+      than ``scale_out_wait_ratio`` of the step interval, ``window`` steps in a row: rollout is the bottleneck.
+    - **Scale in** when rollout sat idle at the staleness gate (it could not start the next step: the trainer is
+      the bottleneck) more than ``scale_in_idle_ratio`` of the step interval, ``window`` steps in a row.
+    - Never beyond ``max`` or below ``min``, ``step`` engines at a time, not while another operation runs, and not
+      within the cooldown after the last one. Each decision is a ``scale`` event whose ``by`` carries the reason.
+    """
+
+    def __init__(self, elastic: Elastic) -> None:
+        self.el = elastic
+        self.cfg = elastic.cfg.autoscale
+        self.out_streak = self.in_streak = 0
+        self.last_action = 0.0  # time.time() of the last operation it asked for
+        self.low: int | None = self.cfg.min  # null: the engines the run starts with (known once they are up)
+
+    def after_step(self, n: int, actor_wait: float, rollout_idle: float) -> dict | None:
+        """Step ``n``'s signals as shares of its step interval; the operation asked for, if any."""
+        c = self.cfg
+        if not c.enabled or not self.el.started:
+            return None
+        if self.low is None:
+            self.low = max(1, self.el.count())
+        self.out_streak = self.out_streak + 1 if actor_wait > c.scale_out_wait_ratio else 0
+        self.in_streak = self.in_streak + 1 if rollout_idle > c.scale_in_idle_ratio else 0
+        ops = self.el.ops
+        if ops and ops[-1].state == "running":
+            return None
+        since = time.time() - max(self.last_action, ops[-1].asked_at if ops else 0.0)  # relax-scale's count too
+        have = self.el.count()
+        if self.out_streak >= c.window and have < c.max and since >= c.scale_out_cooldown_s:
+            k = min(c.step, c.max - have)
+            why = (f"step {n}: the trainer waited for samples {actor_wait:.0%} of the step interval, over "
+                   f"{c.scale_out_wait_ratio:.0%} for {self.out_streak} step(s)")
+            return self._ask(f"+{k}", why)
+        if self.in_streak >= c.window and have > self.low and since >= c.scale_in_cooldown_s:
+            k = min(c.step, have - self.low)
+            why = (f"step {n}: rollout sat idle at the staleness gate {rollout_idle:.0%} of the step interval, over "
+                   f"{c.scale_in_idle_ratio:.0%} for {self.in_streak} step(s)")
+            return self._ask(f"-{k}", why)
+        return None
+
+    def _ask(self, target: str, why: str) -> dict:
+        self.out_streak = self.in_streak = 0
+        self.last_action = time.time()
+        attach = {} if self.cfg.attach and target.startswith("+") else None
+        reply = self.el.ask({"type": "scale", "target": target, "attach": attach, "cancel": None, "by": "autoscaler",
+                             "why": why})
+        log.info("autoscaler: %s: %s: %s", target, why, reply["message"])
+        return reply
 

@@ -81,7 +81,7 @@ from typing import Any
 
 from relax_hpc.controller import messages as M
 from relax_hpc.controller.channel import Channel
-from relax_hpc.controller.elastic import Capacity, Elastic
+from relax_hpc.controller.elastic import Autoscaler, Capacity, Elastic
 from relax_hpc.controller.engines import EngineRegistry
 from relax_hpc.controller.state import RunState
 from relax_hpc.exchange.broker import Broker
@@ -155,6 +155,8 @@ class TrainingLoop:
         # engines added and removed while the run goes (relax-scale): joins, drains, attached jobs
         self.elastic = Elastic(recipe, run, self.registry, state, channel, executor, holds=self._holds,
                                on_change=self._engines_changed, assign=channel.assign, capacity=capacity)
+        self.autoscaler = Autoscaler(self.elastic)
+        self.free_at: dict[str, float] = {}  # role -> when it last finished a task (its idle time's start)
         # the GenRM judges (roles.genrm): rollout gets them with every generate and eval, so none starts before
         self.judges: dict[str, str] | None = None if recipe.roles.genrm.enabled else {}
         self.evals: list[int] = []  # steps whose eval is due, not yet handed to rollout (ascending)
@@ -200,6 +202,11 @@ class TrainingLoop:
         """The engines generate(n) may use: ready, serving the weights of step n−1−k or newer (k: the staleness
         bound; the exchange's gate already holds n back until those are synced)."""
         return self.registry.routable(min_version=max(0, n - 1 - self.broker.max_staleness))
+
+    def _waited(self, role: str, n: int, key: str) -> None:
+        """How long ``role`` sat idle before this task of step ``n`` (the autoscaler's signals)."""
+        if role in self.free_at:
+            self.cur.setdefault(n, {})[key] = time.monotonic() - self.free_at[role]
 
     def _engines_changed(self) -> None:
         self.state.progress(engines=self.registry.to_state())
@@ -255,6 +262,7 @@ class TrainingLoop:
                 self.generated = max(self.generated, n)
                 self.cur.setdefault(n, {}).setdefault("exchange/quarantined", 0.0)
                 self.t0.setdefault(n, time.monotonic())
+                self._waited("rollout", n, "perf/rollout_wait_time")  # idle: the staleness gate, a pause
                 # data_state: the cursor after step n-1, so that step n (also when generated again) gets its prompts
                 self._assign("rollout", n, M.GenerateTask(step=n, engines=engines,
                                                           seq=self.broker.next_seq(PRODUCER),
@@ -310,6 +318,7 @@ class TrainingLoop:
         if lease is not None:
             del self.ready[n]
             self.leases[n] = lease
+            self._waited("actor", n, "perf/actor_wait_time")  # idle until step n's samples were there
             self._assign("actor", n, M.TrainTask(step=n, chunks=[c.to_dict() for c in lease.chunks]))
 
     # -- damaged chunks
@@ -394,6 +403,7 @@ class TrainingLoop:
         task = self.pending.pop(msg["task_id"], None)
         if task is None or not self.state.running:
             return
+        self.free_at[task.role] = time.monotonic()
         if task.kind in ("logprobs", "train") and task.life != self.lives.get(task.step, 0):
             return self._pump()  # its step was voided (damaged chunks) since: it is generated again, this is void
         at = f"step {task.step} {task.kind}" if task.kind not in ("start_engines", "connect") else task.kind
@@ -572,8 +582,12 @@ class TrainingLoop:
         if self.last_sync is not None:
             cur["perf/step_interval"] = now - self.last_sync
         cur["perf/controller_time"], self.ctl_s = self.ctl_s, 0.0
+        span = cur.get("perf/step_interval") or cur["perf/step_time"]
+        cur["perf/actor_wait_ratio"] = cur.get("perf/actor_wait_time", 0.0) / span
+        cur["perf/rollout_idle_ratio"] = cur.get("perf/rollout_wait_time", 0.0) / span
         self.last_sync, self.step = now, n
         vals = self.metrics.log(n, cur)
+        self.autoscaler.after_step(n, cur["perf/actor_wait_ratio"], cur["perf/rollout_idle_ratio"])
         if self._eval_due(n):  # on the weights just synced; the pump hands it to rollout before its next generate
             self.evals.append(n)
         first, _ = self.metrics.reward_ends()

@@ -147,6 +147,22 @@ class AttachDefaults:
 
 
 @dataclass
+class AutoscaleConfig:
+    """relax-scale by itself, on the run's own signals (fully_async only; docs/elastic.md, "The autoscaler")."""
+
+    enabled: bool = False
+    min: int | None = None  # engines never fewer (scale-in stops here); null = the engines the run starts with
+    max: int | None = None  # engines never more; required when enabled
+    step: int = 1  # engines added or drained per decision
+    window: int = 2  # steps in a row a signal must hold before a decision
+    scale_out_wait_ratio: float = 0.2  # scale out when the trainer waited for samples more than this share of the step interval
+    scale_in_idle_ratio: float = 0.5  # scale in when rollout sat idle at the staleness gate more than this share
+    scale_out_cooldown_s: float = 120.0  # after any scale operation, no scale-out for this long
+    scale_in_cooldown_s: float = 300.0  # after any scale operation, no scale-in for this long
+    attach: bool = False  # add engines as attached jobs (rollout.elastic.attach's options) instead of job steps
+
+
+@dataclass
 class ElasticConfig:
     """Engines added and removed while the run goes (relax-scale; docs/elastic.md)."""
 
@@ -154,6 +170,7 @@ class ElasticConfig:
     join_timeout_s: float = 1800.0  # scale-out: an engine asked for that has not joined by then is given up (attached: its job is cancelled)
     max_engines: int | None = None  # no scale-out beyond this many engines in all; null = no limit
     attach: AttachDefaults = field(default_factory=AttachDefaults)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
 
 @dataclass

@@ -270,6 +270,28 @@ def _check_elastic(r: Recipe) -> list[Problem]:
     if e.max_engines is not None and e.max_engines < initial:
         out.append(("rollout.elastic.max_engines", e.max_engines, f"is below the {initial} engines the run starts "
                     "with. Fix: raise it, or null for no limit"))
+    a = e.autoscale
+    if a.enabled:
+        if r.mode != "fully_async":
+            out.append(("rollout.elastic.autoscale.enabled", True, "reads fully-async signals (the trainer waiting "
+                        "for samples, rollout held at the staleness gate); in colocate the roles take turns by design. "
+                        "Fix: mode: fully_async, or disable it"))
+        low = a.min if a.min is not None else initial
+        if a.max is None or a.max < max(low, 1):
+            out.append(("rollout.elastic.autoscale.max", a.max, f"must be set, and at least min ({low}). Fix: the "
+                        "most engines the run may have"))
+        if a.min is not None and a.min < 1:
+            out.append(("rollout.elastic.autoscale.min", a.min, "must be 1 or more, or null (the engines the run "
+                        "starts with)"))
+        for key in ("step", "window"):
+            if getattr(a, key) < 1:
+                out.append((f"rollout.elastic.autoscale.{key}", getattr(a, key), "must be 1 or more"))
+        for key in ("scale_out_wait_ratio", "scale_in_idle_ratio"):
+            if not 0 <= getattr(a, key) <= 1:
+                out.append((f"rollout.elastic.autoscale.{key}", getattr(a, key), "must be a share, 0 to 1"))
+        for key in ("scale_out_cooldown_s", "scale_in_cooldown_s"):
+            if getattr(a, key) < 0:
+                out.append((f"rollout.elastic.autoscale.{key}", getattr(a, key), "must be 0 or more (seconds)"))
     for i, x in enumerate(e.attach.extra):
         if not x.startswith("--") or "\n" in x:
             out.append((f"rollout.elastic.attach.extra[{i}]", x, "must be one sbatch option, like '--reservation=r1'"))

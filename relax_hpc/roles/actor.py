@@ -160,6 +160,9 @@ def work(ctx: RoleContext, comm: Any) -> None:
         if rank != 0:
             return M.SyncResult(metrics=out)
         checks = checker.check(engines, heads, version) if r.logging.check_weight_sync else {}
+        for name in [n for n, c in checks.items() if "unreachable" in c]:  # left right after the push
+            dead[name] = checks.pop(name)["unreachable"]
+            engines.pop(name)
         if checks:
             out["weights/fingerprint_match"] = float(all(c["fingerprint_equal"] for c in checks.values()))
             out["weights/engine_max_abs_diff"] = max(c["max_abs_diff"] for c in checks.values())

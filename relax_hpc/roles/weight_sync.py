@@ -40,7 +40,10 @@ class EngineChecker:
 
     def check(self, engines: dict[str, str], heads: dict[str, torch.Tensor], version: str,
               rows: int = ROWS) -> dict[str, Any]:
-        """Per engine: fingerprint equal, max |engine − actor| over the probed slices, and its weight version."""
+        """Per engine: fingerprint equal, max |engine − actor| over the probed slices, and its weight version; or
+        ``{"unreachable": why}`` for an engine that no longer answers at all (it left after the push: scancel,
+        preemption), which the actor then reports dead instead of failing the sync."""
+        from relax_hpc.rollout.client import EngineError
         from relax_hpc.weights.fingerprint import fingerprint
 
         names = probe(heads)
@@ -48,10 +51,17 @@ class EngineChecker:
         out: dict[str, Any] = {}
         for name, url in engines.items():
             c = self._client(url)
-            got = {n: torch.tensor(c.get_weights_by_name(n, truncate_size=rows), dtype=torch.float64) for n in names}
+            try:
+                got = {n: torch.tensor(c.get_weights_by_name(n, truncate_size=rows), dtype=torch.float64)
+                       for n in names}
+                v = c.weight_version()
+            except EngineError as e:
+                if e.status is not None:  # it answered, wrongly: that is a failed sync
+                    raise
+                out[name] = {"unreachable": str(e)}
+                continue
             diff = max((float((got[n] - want[n].double().reshape(got[n].shape)).abs().max()) for n in names),
                        default=0.0)
-            v = c.weight_version()
             out[name] = {"fingerprint_equal": fingerprint(got) == fingerprint(want), "max_abs_diff": diff,
                          "version": v, "version_ok": v == str(version)}
         return out

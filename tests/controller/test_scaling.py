@@ -151,3 +151,39 @@ def test_a_question_nobody_takes_up_changes_nothing(ch, monkeypatch):
     assert not reply["accepted"] and "nothing was changed" in reply["message"]
     late = [m for _, m in ch.drain(1.0) if m["type"] == "scale"]
     assert late and not Channel.take(late[0])  # the loop, late, must not act on it
+
+
+def test_the_autoscaler_decides_on_streaks_within_its_bounds_and_cooldowns(el):
+    from relax_hpc.controller.elastic import Autoscaler
+
+    c = el.cfg.autoscale
+    c.enabled, c.max, c.window, c.scale_out_cooldown_s, c.scale_in_cooldown_s = True, 2, 2, 0.0, 0.0
+    a = Autoscaler(el)
+    el.cap = None  # decisions only: the ask is refused, so no engine starts
+    assert a.after_step(1, actor_wait=0.9, rollout_idle=0.0) is None  # one step is not a streak
+    reply = a.after_step(2, actor_wait=0.9, rollout_idle=0.0)
+    assert reply is not None and not reply["accepted"] and a.out_streak == 0  # asked (+1), and the streak restarts
+    assert a.after_step(3, actor_wait=0.1, rollout_idle=0.0) is None  # under scale_out_wait_ratio (0.2)
+    # scale-in: never below min (the engines the run started with: 1)
+    assert a.after_step(4, actor_wait=0.0, rollout_idle=0.9) is None
+    assert a.after_step(5, actor_wait=0.0, rollout_idle=0.9) is None and a.in_streak == 2
+    el.registry.add("step0", "http://127.0.0.1:2", origin="step", state="ready", weight_version="5")
+    reply = a.after_step(6, actor_wait=0.0, rollout_idle=0.9)
+    assert reply["accepted"] and el.ops[-1].by.startswith("autoscaler (step 6: rollout sat idle")
+    assert el.registry.engines["step0"].state == "draining"
+    assert a.after_step(7, actor_wait=0.0, rollout_idle=0.9) is None  # an operation runs: nothing more
+    c.max = 1
+    el.ops[-1].state = "done"
+    a.out_streak = 5
+    assert a.after_step(8, actor_wait=0.9, rollout_idle=0.0) is None  # at max
+
+
+def test_the_autoscaler_waits_out_its_cooldown(el):
+    from relax_hpc.controller.elastic import Autoscaler
+
+    c = el.cfg.autoscale
+    c.enabled, c.max, c.window, c.scale_out_cooldown_s = True, 3, 1, 3600.0
+    el.cap = None
+    a = Autoscaler(el)
+    a.last_action = time.time()  # just acted
+    assert a.after_step(1, actor_wait=0.9, rollout_idle=0.0) is None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -67,6 +68,11 @@ def test_scale_out_joins_with_current_weights_then_drains(tmp_path, tiny_model, 
         hold(run, 5)  # steps 3-5 generate with two engines
         wait_until(lambda: _engine(run, "step0").get("requests", 0) > 0 and state(run).get("phase") == "paused"
                    and state(run).get("step", 0) >= 4, 600, what="step0 served requests")
+        # kill -9 of the step engine: its host sees it die, it is gone, and a new step starts it again
+        os.kill(_engine(run, "step0")["pid"], signal.SIGKILL)
+        wait_until(lambda: _engine(run, "step0").get("restarts") == 1 and _engine(run, "step0").get("state") == "ready",
+                   300, what="step0 started again and caught up")
+        assert int(_engine(run, "step0")["weight_version"]) == state(run)["step"]  # the current weights
         out = scale(run, "rollout=-1")
         assert out["accepted"], out
         wait_until(lambda: _engine(run, "step0").get("state") == "gone", 300, what="step0 drained")
@@ -87,7 +93,7 @@ def test_scale_out_joins_with_current_weights_then_drains(tmp_path, tiny_model, 
     assert max(r["rollout/engines"] for r in rows) == 2
     assert exactly_once(run.path / "exchange" / "journal.jsonl", ["train"]) == []
     events = [x["event"] for x in state(run)["events"]]
-    assert "scale" in events and "scale_done" in events
+    assert "scale" in events and "scale_done" in events and "engine_restart" in events
 
 
 def _cli(tool: str, *args: str, env: dict, cwd) -> subprocess.CompletedProcess:
@@ -193,3 +199,34 @@ def test_spare_nodes_take_a_new_step_of_the_same_job(slurm_cluster, tmp_path, ti
                    for line in steps.splitlines())
 
     wait_until(in_sacct, 60, every=1, what=f"step {e['step_id']} in sacct")
+
+
+@pytest.mark.slow
+def test_the_autoscaler_scales_out_when_the_trainer_waits_for_samples(tmp_path, tiny_model, local_executor):
+    """A fully-async run whose trainer waits for rollout (the tiny model trains in a blink; generation is the work):
+    with rollout.elastic.autoscale on, the autoscaler adds an engine by itself, the decision is a ``scale`` event
+    whose author carries the reason, and the engine joins, serves and the run completes exactly-once."""
+    a = "rollout.elastic.autoscale"
+    run = make_run(tmp_path, tiny_model, "run.steps=6", f"{a}.enabled=true", f"{a}.max=2", f"{a}.window=1",
+                   f"{a}.scale_out_wait_ratio=0.0", f"{a}.scale_out_cooldown_s=0", f"{a}.scale_in_cooldown_s=1e9",
+                   recipe=REPO / "recipes" / "quickstart-async.yaml", name="autoscale")
+    hold(run, 2)  # the decision comes after step 1's sync; the run waits for the engine, not the test for time
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(final=run_controller(run.path, capacity=attach)), daemon=True)
+    t.start()
+    try:
+        wait_until(lambda: _engine(run, "step0").get("state") == "ready", 300, what="the autoscaler's engine ready")
+    finally:
+        (run.path / "pause").unlink(missing_ok=True)
+        t.join(900)
+    assert result["final"]["state"] == "COMPLETED"
+    ctl = state(run)
+    op = ctl["scale"][0]
+    assert op["spec"] == "+1" and op["by"].startswith("autoscaler (step ") and "the trainer waited" in op["by"], op
+    assert op["state"] == "done" and op["ready"]["step0"] > 0, op
+    assert any(e["event"] == "scale" and "by autoscaler" in e["detail"] for e in ctl["events"])
+    e = ctl["engines"]["step0"]
+    assert e["origin"] == "step" and e["requests"] > 0 and e["first_step"] - 1 - K <= int(e["first_version"]), e
+    rows = metrics(run)
+    assert all(0.0 <= r["perf/actor_wait_ratio"] for r in rows) and rows[-1]["rollout/engines"] == 2
+    assert exactly_once(run.path / "exchange" / "journal.jsonl", ["train"]) == []

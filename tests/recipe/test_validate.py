@@ -600,3 +600,13 @@ def test_elastic_keys_are_checked_and_spare_nodes_shape_the_rollout_step():
     assert "must be > 0" in got["rollout.elastic.drain_timeout_s"]
     assert "below the 1 engines" in got["rollout.elastic.max_engines"]
     assert "one sbatch option" in got["rollout.elastic.attach.extra[0]"]
+
+
+def test_autoscale_keys_are_checked():
+    got = problems({"rollout": {"elastic": {"autoscale": {"enabled": True, "window": 0, "scale_in_idle_ratio": 2}}}})
+    assert "reads fully-async signals" in got["rollout.elastic.autoscale.enabled"]
+    assert "must be set" in got["rollout.elastic.autoscale.max"]
+    assert "1 or more" in got["rollout.elastic.autoscale.window"]
+    assert "a share" in got["rollout.elastic.autoscale.scale_in_idle_ratio"]
+    ok = {"mode": "fully_async", "rollout": {"elastic": {"autoscale": {"enabled": True, "max": 3}}}}
+    assert recipe_from_dict(ok).rollout.elastic.autoscale.max == 3
