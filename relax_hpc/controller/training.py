@@ -452,11 +452,12 @@ class TrainingLoop:
         """Engines ``task`` found dead: marked, and started again while ``rollout.engine.max_restarts`` allows; a
         new one starts from the model on disk and rejoins (``ready``) once the next sync has put the weights on it.
         A report about an engine's earlier incarnation (the task had its old URL) is not about the new one."""
-        given = task.engines or {}
         newly = []
         for name, why in dead.items():
             e = self.registry.engines.get(name)
-            if e is None or given.get(name, e.url) != e.url:
+            # only about the engines the task was given, at the URL it was given: the driver also repeats the dead
+            # marks of engines it kept from an earlier step (one since started again under a new URL)
+            if e is None or (task.engines is not None and task.engines.get(name) != e.url):
                 continue
             if e.origin != "initial" or e.state == "draining":  # capacity that left, or a drain cut short
                 self.elastic.lost(name, f"found dead: {why}")

@@ -148,12 +148,13 @@ def test_attached_jobs_join_drain_and_survive_scancel_on_slurm(slurm_cluster, tm
     p = _cli("relax-scale", sub["run"], "rollout=+1", "--attach", "--json", "--wait", "240", env=env, cwd=tmp_path)
     out = json.loads(p.stdout)
     assert p.returncode == 0 and out["operation"]["state"] == "done", p.stdout
-    (run.path / "pause").unlink()
+    hold(run, 7)  # it serves steps 6-7; the run then waits, so the scancel lands before the run could end
     wait_until(lambda: _listed(_status(sub, env, tmp_path), "s3-0").get("requests", 0) > 0, 600, every=0.5,
                what="the second attached engine served requests")
     subprocess.run(["scancel", out["job_id"]], env=env, check=True)
     wait_until(lambda: _listed(_status(sub, env, tmp_path), "s3-0").get("state") == "gone", 300, every=1,
                what="the scancelled engine declared gone")
+    (run.path / "pause").unlink()
 
     st, _ = follow_slurm(sub, tmp_path, env, 4, 900)
     assert st.get("state") == "COMPLETED", st
