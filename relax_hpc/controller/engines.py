@@ -118,12 +118,16 @@ class EngineRegistry:
         """Engines a weight sync goes to: every one not dead, gone or draining ``{name: url}``."""
         return {n: e.url for n, e in self.engines.items() if e.state in ("starting", "syncing", "ready")}
 
-    def routable(self, min_version: int | None = None) -> dict[str, str]:
-        """Engines a generate task may send requests to: ready, and (``min_version``) serving at least that step."""
+    def routable(self, min_version: int | None = None, max_version: int | None = None) -> dict[str, str]:
+        """Engines a generate task may send requests to: ready, and serving at least step ``min_version``'s weights
+        (and at most ``max_version``'s: fixed staleness), when given."""
         def fresh(e: Engine) -> bool:
-            if min_version is None:
+            if min_version is None and max_version is None:
                 return True
-            return e.weight_version is not None and e.weight_version.isdigit() and int(e.weight_version) >= min_version
+            if e.weight_version is None or not e.weight_version.isdigit():
+                return False
+            v = int(e.weight_version)
+            return (min_version is None or v >= min_version) and (max_version is None or v <= max_version)
         return {n: e.url for n, e in self.engines.items() if e.state == "ready" and fresh(e)}
 
     def count(self, *states: str) -> int:

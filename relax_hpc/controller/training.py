@@ -31,7 +31,9 @@ starts step N+1 only while ``N+1 − (oldest step not yet synced) ≤ k``. The m
 ``colocate`` is k = 0 (strictly on-policy: step N is generated with the weights of step N−1; on GPU nodes
 the roles take turns on the same devices), ``fully_async`` lets rollout run up to k steps ahead while the
 actor trains and syncs, on its own node group; samples then carry older versions, never older than
-``N−1−k``.
+``N−1−k``. With ``staleness_mode: fixed`` they carry exactly ``N−1−k``: ``sync(M)`` is held until step M+k is
+generated, and a checkpoint keeps the steps generated on older weights for the resume (``docs/controller.md``,
+"Fixed staleness").
 
     rollout start_engines → actor connect (→ resume sync) → pump … → stop
 
@@ -123,12 +125,26 @@ class TrainingLoop:
         self.resume_path = str(latest[0]) if latest else None
         self.last_ckpt_step = run_step(latest[1]) if latest else None
         k = self.last_ckpt_step or 0
+        extra = (latest[1].get("extra_state") or {}) if latest else {}
+        # staleness_mode fixed: step n is generated with exactly step n-1-k's weights, so sync(m) waits until rollout
+        # has generated step m+k (the last step that needs the weights before m)
+        self.fixed = recipe.mode == "fully_async" and recipe.staleness_mode == "fixed" and recipe.max_staleness > 0
+        # the steps after K generated before K's checkpoint (fixed: with weights older than K's, which a resume no
+        # longer has): kept, not generated again
+        kept = extra.get("kept") if self.fixed else None
         # what each consuming task reads: train the rollout's fields and the enabled forward roles' side fields
         tasks = {"train": task_fields("train", (PRODUCER, *self.fwd)), **{r: LOGPROB_FIELDS for r in self.fwd}}
         self.broker = Broker(run.path / "exchange", tasks=tasks,
                              max_staleness=recipe.max_staleness if recipe.mode == "fully_async" else 0)
-        if self.broker.rewind(k):  # steps an earlier attempt did after its last checkpoint
-            log.info("exchange: partitions after step %d voided; they are produced again", k)
+        if kept and not self._keepable(k, int(kept["generated"]), state):
+            kept = None
+        g = int(kept["generated"]) if kept else k
+        # fixed, resumed without the steps generated before the checkpoint: those are made on step k's weights
+        self.unfixed_upto = min(k + recipe.max_staleness, self.total) if self.fixed and k and not kept else 0
+        if self.broker.rewind(g):  # steps an earlier attempt did after its last checkpoint
+            log.info("exchange: partitions after step %d voided; they are produced again", g)
+        for lease in self.broker.outstanding():  # an earlier attempt's (a kept step's): handed out again
+            self.broker.release(lease.id, "an earlier attempt")
         self.metrics = RunMetrics(run.path, recipe.logging.tensorboard, start_step=k, started=state.doc.get("started_at"))
         self._ids = itertools.count(1)
         self.pending: dict[int, Task] = {}
@@ -136,7 +152,9 @@ class TrainingLoop:
         # enabled forward roles serve tasks until told to stop, work or not
         self.roles = ["rollout", "actor"] + [r for r in ("reference", "actor_fwd", "genrm") if recipe.role(r).enabled]
         self.started = False  # engines up, weights connected (and resynced on a resume)
-        self.step = self.generated = k  # synced steps; steps generated
+        self.step, self.generated = k, g  # synced steps; steps generated
+        self.gen_done = g  # the last step whose generate is done
+        self.gen_rows: dict[int, dict[str, float]] = {}  # fixed: a generated step's metrics, for a checkpoint's kept
         self.ready: dict[int, set[str]] = {}  # steps generated (chunks announced), not yet trained -> the
         #                                       forward roles that added their field to them
         self.lives: dict[int, int] = {}  # step -> how often its partition was voided for damaged chunks
@@ -146,7 +164,7 @@ class TrainingLoop:
         self.t0: dict[int, float] = {}
         self.last_sync = None
         self.ctl_s = 0.0  # controller time (handling task reports: broker, journal, metrics) since the last sync
-        self.data_states: dict[int, dict | None] = {k: (latest[1].get("extra_state") or {}).get("data") if latest else None}
+        self.data_states: dict[int, dict | None] = {k: extra.get("data")}
         self.paused = False  # RUN_DIR/pause seen (see _paused)
         self.stop_request: tuple[str, str] | None = None  # (outcome, why) asked for by request_stop
         self.outcome: str | None = None  # "requeue" or "cancel" once a requested stop is done
@@ -161,7 +179,9 @@ class TrainingLoop:
         self.judges: dict[str, str] | None = None if recipe.roles.genrm.enabled else {}
         self.evals: list[int] = []  # steps whose eval is due, not yet handed to rollout (ascending)
         self.evaluating: int | None = None  # the step whose eval rollout is doing
-        self.held_sync: int | None = None  # a trained step whose sync waits for an earlier step's eval
+        self.held_sync: int | None = None  # a trained step whose sync waits (an earlier step's eval; fixed: rollout)
+        if kept:
+            self._keep(k, kept)
         if self._eval_due(k) and k not in self.metrics.evaluated:  # step 0's, or K's when its eval was cut off
             self.evals.append(k)
             if k:
@@ -169,13 +189,42 @@ class TrainingLoop:
         if latest:
             log.info("resuming from %s (step %d of %d)", self.resume_path, k, self.total)
             state.event("resumed", f"from the checkpoint of step {k}")
-        state.progress(step=k, generated=k, phase="starting engines", reward=None, engines={}, mode=recipe.mode)
+        state.progress(step=k, generated=g, phase="starting engines", reward=None, engines={}, mode=recipe.mode)
         self._assign("rollout", k, M.StartEnginesTask())  # generate(n) carries the cursor (data_states[n-1])
         if self.judges is None:
             self._assign("genrm", k, M.StartEnginesTask())
         for r in self.fwd:  # a resumed actor_fwd follows the checkpoint; a refreshed reference too (the latest)
             if latest and (r == "actor_fwd" or recipe.algorithm.ref_update_interval):
                 self._assign(r, k, M.LoadTask(path=self.resume_path))
+
+    def _keepable(self, k: int, g: int, state: RunState) -> bool:
+        """Whether steps k+1..g are in the exchange, whole and untrained. Not so when the earlier attempt trained one
+        after the checkpoint and then crashed: those steps are generated again, on step k's weights (the trajectory
+        leaves that of the run uninterrupted; a stop with a checkpoint, a requeue, never gets here)."""
+        from relax_hpc.exchange.broker import ExchangeError
+
+        try:
+            ok = all((p := self.broker.progress("train", n)).get("ended") and not p["cleared"] for n in range(k + 1, g + 1))
+        except ExchangeError:
+            ok = False
+        if not ok:
+            log.warning("staleness_mode fixed: steps %d-%d, generated before the checkpoint of step %d, were trained "
+                        "(or lost) after it; they are generated again on step %d's weights", k + 1, g, k, k)
+            state.event("fixed_staleness_broken", f"steps {k + 1}-{g} generated again on step {k}'s weights")
+        return ok
+
+    def _keep(self, k: int, kept: dict) -> None:
+        """Resume the steps generated before step ``k``'s checkpoint (fixed staleness): trained, not generated again;
+        their generate metrics came with the checkpoint, the forward roles' fields with the exchange."""
+        g = int(kept["generated"])
+        self.data_states[g] = kept["data"]
+        for n in range(k + 1, g + 1):
+            self.ready[n] = {r for r in self.fwd if (p := self.broker.progress(r, n)).get("samples")
+                             and p["consumed"] == p["samples"]}
+            self.cur[n] = self.gen_rows[n] = {key: float(v) for key, v in kept["metrics"][str(n)].items()}
+            self.t0[n] = time.monotonic()
+        log.info("staleness_mode fixed: steps %d-%d were generated before the checkpoint of step %d; trained now, "
+                 "not generated again", k + 1, g, k)
 
     def request_stop(self, outcome: str, why: str) -> None:
         """No new generation; the actor's step finishes, a checkpoint, then stop with ``outcome``."""
@@ -200,8 +249,9 @@ class TrainingLoop:
 
     def _routable(self, n: int) -> dict[str, str]:
         """The engines generate(n) may use: ready, serving the weights of step n−1−k or newer (k: the staleness
-        bound; the exchange's gate already holds n back until those are synced)."""
-        return self.registry.routable(min_version=max(0, n - 1 - self.broker.max_staleness))
+        bound; the exchange's gate already holds n back until those are synced); exactly those with ``fixed``."""
+        v = max(0, n - 1 - self.broker.max_staleness)
+        return self.registry.routable(min_version=v, max_version=v if self.fixed and n > self.unfixed_upto else None)
 
     def _waited(self, role: str, n: int, key: str) -> None:
         """How long ``role`` sat idle before this task of step ``n`` (the autoscaler's signals)."""
@@ -251,13 +301,15 @@ class TrainingLoop:
             n = self.evals.pop(0)
             self.evaluating = n
             self._assign("rollout", n, M.EvalTask(step=n, judges=self.judges))
-        if self._idle("rollout") and self.stop_request is None and (self.regen or self.generated < self.total):
-            n = min(self.regen) if self.regen else self.generated + 1  # a step voided for damage comes first
+        n = min(self.regen) if self.regen else self.generated + 1  # a step voided for damage comes first
+        owed = self._owed(n)  # fixed: a held sync waits for this step, so a stop does not hold it back
+        if self._idle("rollout") and (self.stop_request is None or owed) and (self.regen or self.generated < self.total):
             # an engine to send to (none ready while the only ones left are catching up: wait for that sync;
             # none alive at all: the generate fails naming them), then the staleness gate
             engines = self._routable(n)
             serving = bool(engines) or not self.registry.live()
-            if self.state.running and serving and not self._paused(n) and self.broker.start_step(n):
+            held = self._paused(n) and not (owed and self.stop_request is not None)
+            if self.state.running and serving and not held and self.broker.start_step(n):
                 self.regen.discard(n)
                 self.generated = max(self.generated, n)
                 self.cur.setdefault(n, {}).setdefault("exchange/quarantined", 0.0)
@@ -278,6 +330,24 @@ class TrainingLoop:
         if n == 0:
             return should_eval_before_train(ro.eval_interval, ro.skip_eval_before_train)
         return should_eval(n - 1, ro.eval_interval, num_steps=self.total)
+
+    def _sync_waits(self, n: int) -> bool:
+        """Whether step ``n``'s sync must wait: the engines keep the weights an earlier step's eval runs on (fully
+        async), or (fixed staleness) rollout has not yet generated step n+k, the last one on the weights before n."""
+        return self._eval_outstanding(before=n) or (self.fixed and self.gen_done < self._last_on_old(n))
+
+    def _last_on_old(self, n: int) -> int:
+        """Fixed staleness: the last step generated with weights older than step ``n``'s."""
+        return min(n + self.broker.max_staleness, self.total)
+
+    def _owed(self, n: int) -> bool:
+        """Fixed staleness: a held sync waits for step ``n``'s generate."""
+        return self.fixed and self.held_sync is not None and n <= self._last_on_old(self.held_sync)
+
+    def _release_sync(self) -> None:
+        if self.held_sync is not None and not self._sync_waits(self.held_sync):
+            m, self.held_sync = self.held_sync, None
+            self._sync(m)
 
     def _eval_outstanding(self, before: int | None = None) -> bool:
         """An eval due or running (of a step before ``before``, if given)."""
@@ -374,7 +444,12 @@ class TrainingLoop:
         self.regen.add(n)
 
     def _checkpoint(self, n: int) -> None:
-        self._assign("actor", n, M.CheckpointTask(extra={"step": n, "data": self.data_states.get(n)}))
+        extra: dict[str, Any] = {"step": n, "data": self.data_states.get(n)}
+        g = self._last_on_old(n) if self.fixed else n
+        if g > n:  # fixed: steps n+1..g were generated on weights a resume from this checkpoint no longer has
+            extra["kept"] = {"generated": g, "data": self.data_states.get(g),
+                             "metrics": {str(m): self.gen_rows[m] for m in range(n + 1, g + 1)}}
+        self._assign("actor", n, M.CheckpointTask(extra=extra))
 
     # -- results in
     def on_message(self, msg: dict) -> None:
@@ -526,6 +601,10 @@ class TrainingLoop:
         _test_damage(self.broker, n, refs)
         self.broker.end_step(n)
         self.ready[n] = set()
+        self.gen_done = max(self.gen_done, n)
+        if self.fixed:
+            self.gen_rows[n] = dict(self.cur[n])
+        self._release_sync()
 
     def _logprobs_done(self, task: Task, res: M.LogprobsResult) -> None:
         for side in res.sides:
@@ -537,8 +616,8 @@ class TrainingLoop:
         self.fwd_weights[task.role] = res.step
 
     def _train_done(self, task: Task, res: M.TrainResult) -> None:
-        if self._eval_outstanding(before=task.step):  # fully_async: the engines keep the weights an eval runs on
-            self.held_sync = task.step                  # until it is done; _eval_done sends the sync
+        if self._sync_waits(task.step):  # until the eval (or, fixed, the generate) it waits for is done
+            self.held_sync = task.step
             return
         self._sync(task.step)
 
@@ -548,9 +627,7 @@ class TrainingLoop:
         vals = self.metrics.amend(n, res.metrics)  # into step n's row (step 0: a row of its own)
         names = [f"eval/{name}" for name in self.recipe.data.eval_prompt_data if f"eval/{name}" in vals]
         log.info("step %d eval: %s", n, ", ".join(f"{k} {vals[k]:.3f}" for k in names) or "no eval set")
-        if self.held_sync is not None and not self._eval_outstanding(before=self.held_sync):
-            m, self.held_sync = self.held_sync, None
-            self._sync(m)
+        self._release_sync()
 
     def _sync(self, n: int) -> None:
         """The actor puts step ``n``'s weights on the live engines, as version ``"n"``."""
@@ -579,6 +656,7 @@ class TrainingLoop:
         self.broker.ack(self.leases.pop(n).id)  # consumed by every task: the step is cleared; the gate moves
         now = time.monotonic()
         cur = self.cur.pop(n)
+        self.gen_rows.pop(n, None)
         cur["perf/step_time"] = now - self.t0.pop(n)
         if self.last_sync is not None:
             cur["perf/step_interval"] = now - self.last_sync

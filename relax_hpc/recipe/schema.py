@@ -252,6 +252,9 @@ class Recipe:
     run: RunConfig = field(default_factory=RunConfig)
     mode: Literal["colocate", "fully_async"] = "colocate"
     max_staleness: int = 0  # fully_async: how many steps rollout may run ahead of training
+    # bounded: step N uses weights of step N-1-k or newer (whatever is synced); fixed: exactly N-1-k (the sync
+    # waits for rollout), so an async run and its resume follow one trajectory
+    staleness_mode: Literal["bounded", "fixed"] = "bounded"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

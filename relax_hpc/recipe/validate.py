@@ -602,6 +602,9 @@ def _check_roles(r: Recipe) -> list[Problem]:
                     f"on GPU nodes the actor runs one rank per GPU: set it to gpus_per_node = {a.gpus_per_node}"))
     if r.mode == "colocate" and r.max_staleness != 0:
         out.append(("max_staleness", r.max_staleness, "colocate mode is strictly on-policy: use 0, or mode: fully_async"))
+    if r.staleness_mode == "fixed" and r.rollout.partial_rollout:
+        out.append(("staleness_mode", "fixed", "cannot be reproducible with rollout.partial_rollout (which groups are "
+                    "cut off depends on timing). Fix: staleness_mode: bounded, or rollout.partial_rollout: false"))
     return out
 
 

@@ -114,14 +114,15 @@ def tensorboard_tags(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def reference_rows(tmp_dir: Path, model: Path, *overrides: str, name: str, steps: int) -> dict[int, dict]:
+def reference_rows(tmp_dir: Path, model: Path, *overrides: str, name: str, steps: int,
+                   recipe: Path = QUICKSTART) -> dict[int, dict]:
     """Per-step metrics of the quickstart with ``overrides`` run straight through locally: what an interrupted run
     must end equal to. For module-scoped fixtures (pytest's ``monkeypatch`` fixture is function-scoped)."""
     from relax_hpc.controller import run_controller
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RELAX_EXECUTOR", "local")
-        run = make_run(tmp_dir, model, *overrides, name=name)
+        run = make_run(tmp_dir, model, *overrides, name=name, recipe=recipe)
         assert run_controller(run.path)["state"] == "COMPLETED"
     rows = {r["step"]: r for r in metrics(run)}
     assert sorted(rows) == list(range(1, steps + 1))
@@ -139,11 +140,11 @@ def held_at(run: RunDir, step: int) -> bool:
     return st.get("state") == "RUNNING" and st.get("step") == step and st.get("phase") == "paused"
 
 
-def submit_detached(tmp_path: Path, model: Path, *overrides: str) -> RunDir:
+def submit_detached(tmp_path: Path, model: Path, *overrides: str, recipe: Path = QUICKSTART) -> RunDir:
     """``relax-submit --local --detach`` of the quickstart with ``overrides``: the real local path, whose runner
     starts the controller again when it asks to be requeued. The run directory."""
     out = subprocess.run(
-        [sys.executable, "-m", "relax_hpc.launch.cli", "--local", "--detach", "--json", str(QUICKSTART),
+        [sys.executable, "-m", "relax_hpc.launch.cli", "--local", "--detach", "--json", str(recipe),
          *quickstart_overrides(model, tmp_path / "runs", *overrides)],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

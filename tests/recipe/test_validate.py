@@ -514,7 +514,9 @@ def test_partial_rollout_keys_are_checked_before_submission():
            ({"rollout": {"rollout_batch_size": 4, "mask_offpolicy_in_partial_rollout": True}},
             "rollout.mask_offpolicy_in_partial_rollout", "only acts with"),
            ({"rollout": {**ok["rollout"], "partial_rollout_max_aborted_count": 0}},
-            "rollout.partial_rollout_max_aborted_count", "at least 1")]
+            "rollout.partial_rollout_max_aborted_count", "at least 1"),
+           ({"staleness_mode": "fixed"}, "staleness_mode", "timing"),
+           ({"staleness_mode": "exact"}, "staleness_mode", "fixed")]
     for change, key, why in bad:
         with pytest.raises(RecipeError) as e:
             recipe_from_dict({**ok, **change})
