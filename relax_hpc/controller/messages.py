@@ -179,11 +179,13 @@ class StartEnginesTask(TaskMessage):
 
 @dataclass(frozen=True, kw_only=True)
 class ConnectTask(TaskMessage):
-    """actor: load checkpoint ``load`` if set (a resumed run), build the weight-sync group with ``engines``."""
+    """actor: load checkpoint ``load`` if set (a resumed run), build the weight-sync group with ``engines`` and
+    ``followers`` (forward roles that get every sync too: actor_fwd)."""
 
     kind: ClassVar[str] = "connect"
     engines: dict[str, str]  # {name: url}
     load: str | None  # a checkpoint root, or None (a fresh run)
+    followers: dict[str, str] = field(default_factory=dict)  # {role: url}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,6 +207,14 @@ class LogprobsTask(TaskMessage):
     kind: ClassVar[str] = "logprobs"
     chunks: list[dict]  # ChunkRef.to_dict()
     field: str | None = _omit_none()
+    version: str | None = _omit_none()  # a follower: the synced weights to compute with (step N-1's for step N)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FollowTask(TaskMessage):
+    """actor_fwd: serve the weight-update API on rank 0, so the actor's syncs reach it like an engine."""
+
+    kind: ClassVar[str] = "follow"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -322,6 +332,12 @@ class LogprobsResult(ResultMessage):
 
 
 @dataclass(frozen=True, kw_only=True)
+class FollowResult(ResultMessage):
+    kind: ClassVar[str] = "follow"
+    url: str  # where the actor's WeightSender reaches it
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoadResult(ResultMessage):
     kind: ClassVar[str] = "load"
     step: int  # the checkpoint's step
@@ -340,6 +356,7 @@ class SyncResult(ResultMessage):
     engine_versions: dict[str, str | None] = field(default_factory=dict)  # the version each engine reports
     checks: dict[str, dict] = field(default_factory=dict)  # per engine: the spot fingerprint check
     dead_engines: dict[str, str] = field(default_factory=dict)  # found dead at the sync: {name: why}
+    follower_versions: dict[str, str | None] = field(default_factory=dict)  # {role: the version it holds}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -361,11 +378,11 @@ class StopResult(ResultMessage):
 
 
 TASKS: dict[str, type[TaskMessage]] = {c.kind: c for c in (
-    StartEnginesTask, ConnectTask, GenerateTask, LogprobsTask, LoadTask, TrainTask, SyncTask, CheckpointTask,
-    EvalTask, StopTask)}
+    StartEnginesTask, ConnectTask, GenerateTask, LogprobsTask, FollowTask, LoadTask, TrainTask, SyncTask,
+    CheckpointTask, EvalTask, StopTask)}
 RESULTS: dict[str, type[ResultMessage]] = {c.kind: c for c in (
-    StartEnginesResult, ConnectResult, GenerateResult, LogprobsResult, LoadResult, TrainResult, SyncResult,
-    CheckpointResult, EvalResult, StopResult)}
+    StartEnginesResult, ConnectResult, GenerateResult, LogprobsResult, FollowResult, LoadResult, TrainResult,
+    SyncResult, CheckpointResult, EvalResult, StopResult)}
 
 
 def decode_task(d: Any) -> TaskMessage:

@@ -9,10 +9,10 @@ idle role does next in one place, :meth:`TrainingLoop._pump`:
 - reference (with ``algorithm.use_kl_loss``), when idle: ``logprobs`` of the next step's chunks
   (``ref_log_probs``: π_ref, the model on disk, refreshed from the actor's checkpoint every
   ``algorithm.ref_update_interval`` steps if set);
-- actor_fwd (when enabled), when idle and holding the weights of step N−1: ``logprobs`` of step N
-  (``log_probs``: π_old, which the actor then uses instead of its own forward); it follows the actor by
-  ``load``ing the actor's checkpoint after every step (one weight source; with actor_fwd on, the actor
-  checkpoints every step);
+- actor_fwd (when enabled), once step N−1's sync is done: ``logprobs`` of step N with the weights of step N−1
+  (``log_probs``: π_old, which the actor then uses instead of its own forward); it follows the actor through the
+  weight-sync group like an engine (``follow`` at the start; every sync stages the new weights on it, and the
+  task names the version to use), so checkpoints stay at ``checkpoint.interval``;
 - actor, when idle: ``train(N)`` once step N's chunks have every field it needs, then ``sync(N)``
   (weights → engines, version ``"N"``), then ``checkpoint(N)`` every ``checkpoint.interval`` steps and
   after the last.
@@ -177,6 +177,9 @@ class TrainingLoop:
         self.free_at: dict[str, float] = {}  # role -> when it last finished a task (its idle time's start)
         # the GenRM judges (roles.genrm): rollout gets them with every generate and eval, so none starts before
         self.judges: dict[str, str] | None = None if recipe.roles.genrm.enabled else {}
+        # forward roles in the weight-sync group (actor_fwd): {role: url}; the actor connects once they are known
+        self.followers: dict[str, str] | None = None if "actor_fwd" in self.fwd else {}
+        self.connecting = False
         self.evals: list[int] = []  # steps whose eval is due, not yet handed to rollout (ascending)
         self.evaluating: int | None = None  # the step whose eval rollout is doing
         self.held_sync: int | None = None  # a trained step whose sync waits (an earlier step's eval; fixed: rollout)
@@ -196,6 +199,8 @@ class TrainingLoop:
         for r in self.fwd:  # a resumed actor_fwd follows the checkpoint; a refreshed reference too (the latest)
             if latest and (r == "actor_fwd" or recipe.algorithm.ref_update_interval):
                 self._assign(r, k, M.LoadTask(path=self.resume_path))
+        if self.followers is None:
+            self._assign("actor_fwd", k, M.FollowTask())
 
     def _keepable(self, k: int, g: int, state: RunState) -> bool:
         """Whether steps k+1..g are in the exchange, whole and untrained. Not so when the earlier attempt trained one
@@ -296,7 +301,8 @@ class TrainingLoop:
                 lease = self._lease(r, n, holder=r)
                 if lease is not None:
                     self.leases[(r, n)] = lease
-                    self._assign(r, n, M.LogprobsTask(chunks=[c.to_dict() for c in lease.chunks]))
+                    self._assign(r, n, M.LogprobsTask(chunks=[c.to_dict() for c in lease.chunks],
+                                                      version=str(n - 1) if r == "actor_fwd" else None))
         if self._idle("rollout") and self.evals:  # a due eval before the next generate: the weights it is due on
             n = self.evals.pop(0)
             self.evaluating = n
@@ -521,7 +527,19 @@ class TrainingLoop:
                               state="syncing" if self.resume_path else "ready", weight_version="0")
         log.info("engines: %s", ", ".join(f"{n} {u}" for n, u in res.engines.items()))
         self.state.progress(engines=self.registry.to_state(), phase="connecting weight sync")
-        self._assign("actor", self.step, M.ConnectTask(engines=dict(res.engines), load=self.resume_path))
+        self._connect()
+
+    def _follow_done(self, task: Task, res: M.FollowResult) -> None:
+        self.followers = {task.role: res.url}
+        log.info("%s follows the actor's weights at %s", task.role, res.url)
+        self._connect()
+
+    def _connect(self) -> None:
+        """The weight-sync group, once the engines and the followers are known."""
+        if self.registry.engines and self.followers is not None and not self.connecting:
+            self.connecting = True
+            self._assign("actor", self.step, M.ConnectTask(engines=self.registry.live(), load=self.resume_path,
+                                                           followers=self.followers))
 
     def _died(self, task: Task, dead: dict[str, str]) -> None:
         """Engines ``task`` found dead: marked, and started again while ``rollout.engine.max_restarts`` allows; a
@@ -644,6 +662,9 @@ class TrainingLoop:
         self.registry.synced({e: v for e, v in res.engine_versions.items() if e not in res.dead_engines
                               and e in self.registry.engines and given.get(e) == self.registry.engines[e].url})
         self._engines_changed()
+        for role, v in res.follower_versions.items():  # a follower holds step n's weights now
+            if v == str(n):
+                self.fwd_weights[role] = n
         if not self.started:  # the resume sync
             self.started = True
             return
@@ -671,7 +692,7 @@ class TrainingLoop:
             self.evals.append(n)
         first, _ = self.metrics.reward_ends()
         self.state.progress(step=n, reward=vals.get(REWARD), reward_first10=first)
-        every = 1 if "actor_fwd" in self.fwd else self.recipe.checkpoint.interval  # 0: only after the last step
+        every = self.recipe.checkpoint.interval  # 0: only after the last step
         if (every and n % every == 0) or n == self.total:
             self._checkpoint(n)
         for old in [s for s in self.data_states if s < n - 1 and s != (self.last_ckpt_step or 0)]:
@@ -680,9 +701,8 @@ class TrainingLoop:
     def _checkpoint_done(self, task: Task, res: M.CheckpointResult) -> None:
         self.last_ckpt_step = task.step
         every = self.recipe.algorithm.ref_update_interval
-        for r in self.fwd:
-            if r == "actor_fwd" or (every and task.step % every == 0):
-                self._assign(r, task.step, M.LoadTask(path=res.path))
+        if "reference" in self.fwd and every and task.step % every == 0:  # a refreshed reference (actor_fwd follows
+            self._assign("reference", task.step, M.LoadTask(path=res.path))  # the syncs)
         self.state.progress(last_checkpoint={"step": task.step, "path": res.path, "time": time.time()})
         self.state.event("checkpoint", f"step {task.step}: {res.path}")
 

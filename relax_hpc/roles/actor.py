@@ -5,8 +5,9 @@ After the bootstrap (:mod:`relax_hpc.roles.runtime`) every rank builds the Megat
 the controller's tasks (:mod:`relax_hpc.roles.tasks`; every task's fields and its result's:
 :mod:`relax_hpc.controller.messages`):
 
-- ``connect {engines, load}``: every rank loads the checkpoint ``load`` if given (a resumed run), then
-  rank 0 builds the weight-sync group with the engines (:mod:`.weight_sync`).
+- ``connect {engines, load, followers}``: every rank loads the checkpoint ``load`` if given (a resumed run), then
+  rank 0 builds the weight-sync group with the engines and the followers (actor_fwd's rank 0, which gets every
+  sync like an engine: :mod:`relax_hpc.weights.follower`).
 - ``train {step, chunks}``: read the step's samples from the exchange (checksums verified; with the side
   fields ``ref_log_probs``/``log_probs`` when the reference/actor_fwd roles added them), broadcast the
   normalized rewards over the response tokens (advantages), split the samples into k mini-batches
@@ -21,7 +22,8 @@ the controller's tasks (:mod:`relax_hpc.roles.tasks`; every task's fields and it
   ``logging.check_weight_sync``, checks a spot fingerprint against each engine (:mod:`.weight_sync`). An engine
   that dies during the push (an attached job scancelled or preempted) is left out and the push goes again to the
   others, up to ``SYNC_TRIES`` times; it is reported in ``dead_engines``. Returns the sender's ``perf/weight_sync_*`` metrics, ``weights/fingerprint_match``,
-  ``weights/engine_max_abs_diff`` and ``weights/versions_ok`` (every engine serves the new version).
+  ``weights/engine_max_abs_diff`` and ``weights/versions_ok`` (every engine serves the new version; the followers
+  are checked alike), and ``follower_versions``.
 - ``checkpoint {extra}``: ``save_checkpoint`` under ``RUN_DIR/checkpoints``.
 - ``stop``.
 
@@ -64,7 +66,7 @@ def work(ctx: RoleContext, comm: Any) -> None:
     actor = build_megatron(r, ROLE, forward_only=False)
     set_progress_hook(ctx.progress)  # each micro-batch counts as progress for logging.task_timeout_s
     ctx.report("ready", model=resolve(r.model.path))
-    st: dict[str, Any] = {"sender": None, "engines": {}}
+    st: dict[str, Any] = {"sender": None, "engines": {}, "followers": {}}
     checker = EngineChecker(ctx.run.api_key())
 
     def connect(task: M.ConnectTask) -> M.ConnectResult:
@@ -72,14 +74,15 @@ def work(ctx: RoleContext, comm: Any) -> None:
         if task.load:  # collective: every rank got this task
             actor.load_checkpoint(task.load)
             loaded = actor.step
-        st["engines"] = dict(task.engines)
+        st["engines"], st["followers"] = dict(task.engines), dict(task.followers)
+        members = [*st["engines"].values(), *st["followers"].values()]
         if rank == 0:
             if st["sender"] is None:
                 st["sender"] = WeightSender(backend="nccl" if comm.backend == "nccl" else "gloo",
                                             api_key=ctx.run.api_key())
-                st["sender"].connect(list(st["engines"].values()), reachable_host(ctx.ident))
+                st["sender"].connect(members, reachable_host(ctx.ident))
             else:  # the engine set changed (an engine died): a group's size is fixed, so a new group
-                st["sender"].reconnect(list(st["engines"].values()))
+                st["sender"].reconnect(members)
         return M.ConnectResult(engines=sorted(st["engines"]), loaded_step=loaded)
 
     def train(task: M.TrainTask) -> M.TrainResult:
@@ -137,7 +140,7 @@ def work(ctx: RoleContext, comm: Any) -> None:
             if not engines:
                 raise WeightSyncError(f"no rollout engine left to sync: {dead}")
             if engines != st["engines"]:  # an engine died, joined or left since the last sync
-                connect(M.ConnectTask(engines=engines, load=None))
+                connect(M.ConnectTask(engines=engines, load=None, followers=st["followers"]))
             err: WeightSyncError | None = None
             try:
                 out: dict[str, Any] = dict(push_from_actor(stream(), st["sender"] if rank == 0 else None, version))
@@ -159,17 +162,22 @@ def work(ctx: RoleContext, comm: Any) -> None:
         out["perf/weight_sync_time"] = time.monotonic() - t0
         if rank != 0:
             return M.SyncResult(metrics=out)
-        checks = checker.check(engines, heads, version) if r.logging.check_weight_sync else {}
+        followers = st["followers"]
+        checks = checker.check({**engines, **followers}, heads, version) if r.logging.check_weight_sync else {}
+        fchecks = {f: checks.pop(f) for f in followers if f in checks}
+        held = {f: fchecks[f].get("version") if f in fchecks else version for f in followers}
         for name in [n for n, c in checks.items() if "unreachable" in c]:  # left right after the push
             dead[name] = checks.pop(name)["unreachable"]
             engines.pop(name)
-        if checks:
-            out["weights/fingerprint_match"] = float(all(c["fingerprint_equal"] for c in checks.values()))
-            out["weights/engine_max_abs_diff"] = max(c["max_abs_diff"] for c in checks.values())
-            out["weights/versions_ok"] = float(all(c["version_ok"] for c in checks.values()))
+        every = [c for c in (*checks.values(), *fchecks.values()) if "unreachable" not in c]
+        if every:  # the followers' weights are checked like the engines'
+            out["weights/fingerprint_match"] = float(all(c["fingerprint_equal"] for c in every))
+            out["weights/engine_max_abs_diff"] = max(c["max_abs_diff"] for c in every)
+            out["weights/versions_ok"] = float(all(c["version_ok"] for c in every))
         # the versions the engines report (the check asks them); unchecked, the version every engine of the push got
         versions = {n: c["version"] for n, c in checks.items()} if checks else {n: version for n in engines}
-        return M.SyncResult(metrics=out, engine_versions=versions, checks=checks, dead_engines=dead)
+        return M.SyncResult(metrics=out, engine_versions=versions, checks=checks, dead_engines=dead,
+                            follower_versions=held)
 
     def checkpoint(task: M.CheckpointTask) -> M.CheckpointResult:
         t0 = time.monotonic()

@@ -5,15 +5,19 @@ with ``train.tp``/``train.pp``) but never train it: ``forward_only`` gives bare 
 optimizer (no gradient buffers, no optimizer state: a fraction of the actor's memory), and the only thing
 they do is a forward pass that turns response tokens into per-token log-probs, which rank 0 adds to the
 exchange as a side file of each chunk (:func:`relax_hpc.exchange.chunk.write_fields`). The reference keeps
-its initial weights (π_ref, ``ref_log_probs``); actor_fwd follows the actor (π_old, ``log_probs``). There is
-one weight source, the actor's checkpoints (``load``): no second path to keep in step with training.
+its initial weights (π_ref, ``ref_log_probs``), refreshed from the actor's checkpoints (``load``) with
+``algorithm.ref_update_interval``. actor_fwd follows the actor (π_old, ``log_probs``) through the weight-sync group,
+like an engine (:mod:`relax_hpc.weights.follower`): every sync stages the new weights on its rank 0, and a
+``logprobs`` task names the version to compute with; a resume starts it from the checkpoint (``load``).
 
 Tasks (:mod:`relax_hpc.roles.tasks`; their fields and results: :mod:`relax_hpc.controller.messages`):
 
 - ``logprobs {chunks: [ChunkRef dicts], field?}``: every rank reads the samples (checksums verified) and
   runs the forward (a collective); rank 0 writes ``field`` (default: the role's) for each chunk that lacks
   it (a chunk that has it already returns its existing side). Returns ``{"sides": [SideRef dicts], "metrics":
-  {"perf/<role>_time": s}}`` on rank 0.
+  {"perf/<role>_time": s}}`` on rank 0. With ``version`` (actor_fwd), the staged weights of that version are
+  copied into the model first, once per version (every rank takes part; rank 0 broadcasts them).
+- ``follow``: rank 0 starts answering the weight sync; returns ``{"url": ...}``.
 - ``load {path}``: a checkpoint root (with ``latest``) or step dir (with ``meta.json``), model weights only.
   Returns ``{"step": the checkpoint's step}``.
 - ``stop``.
@@ -68,6 +72,24 @@ def load_weights(actor: Any, path: str) -> int:
     return actor.step
 
 
+def take_version(actor: Any, follower: Any, version: str, world: int) -> None:
+    """Collective: the follower's staged weights of ``version`` into the model (rank 0 holds them, and broadcasts
+    them to the other ranks of the role: the bridge wants every full tensor on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    named = follower.take(version) if follower is not None else None
+    if world > 1:
+        dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        meta = [[(n, tuple(t.shape), t.dtype) for n, t in named.items()] if named is not None else None]
+        dist.broadcast_object_list(meta, src=0)
+        named = {n: (named[n].to(dev) if named is not None else torch.empty(shape, dtype=dt, device=dev))
+                 for n, shape, dt in meta[0]}
+        for t in named.values():
+            dist.broadcast(t, src=0)
+    actor.load_hf_weights(named)
+
+
 def work_forward(ctx: RoleContext, comm: Any, field: str) -> None:
     """The role's work: build the model, then serve ``logprobs``/``load``/``stop`` until ``stop``."""
     if ctx.recipe.model.path is None:
@@ -81,15 +103,38 @@ def work_forward(ctx: RoleContext, comm: Any, field: str) -> None:
     actor = build_megatron(ctx.recipe, role, forward_only=True)
     set_progress_hook(ctx.progress)
     ctx.report("ready", model=resolve(ctx.recipe.model.path))
+    st: dict[str, Any] = {"follower": None, "version": "0"}  # the weights in the model: "0" is the model on disk
+
+    def follow(task: M.FollowTask) -> M.FollowResult:
+        from relax_hpc.identity import reachable_host
+        from relax_hpc.weights.follower import Follower
+
+        # staging tensors of the actor's export (names, shapes, order): a collective walk, rank 0 keeps them
+        params = {n: t.detach().clone() for n, t in actor.named_hf_weights()}
+        if rank != 0:
+            return M.FollowResult(url="")
+        st["follower"] = Follower(params, st["version"])
+        host = "127.0.0.1" if ctx.ident.node == "localhost" else "0.0.0.0"
+        url = st["follower"].serve(host, ctx.run.api_key())
+        return M.FollowResult(url=url.replace("0.0.0.0", reachable_host(ctx.ident)))
 
     def logprobs(task: M.LogprobsTask) -> M.LogprobsResult:
         t0 = time.monotonic()
+        if task.version is not None and task.version != st["version"]:
+            take_version(actor, st["follower"], task.version, comm.world)
+            st["version"] = task.version
         sides = compute_and_write(actor, task.chunks, task.field or field, role, rank)
         if rank != 0:
             return M.LogprobsResult()
         return M.LogprobsResult(sides=sides, metrics={f"perf/{role}_time": time.monotonic() - t0})
 
     def load(task: M.LoadTask) -> M.LoadResult:
-        return M.LoadResult(step=load_weights(actor, task.path))
+        step = load_weights(actor, task.path)
+        st["version"] = str(step)
+        return M.LoadResult(step=step)
 
-    serve(ctx, comm, {"logprobs": logprobs, "load": load, "stop": lambda task: M.StopResult()})
+    try:
+        serve(ctx, comm, {"logprobs": logprobs, "load": load, "follow": follow, "stop": lambda task: M.StopResult()})
+    finally:
+        if st["follower"] is not None:
+            st["follower"].close()

@@ -22,7 +22,7 @@ Padding, micro-batching (``train.micro_batch_size``) and DP sharding happen insi
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -114,6 +114,10 @@ class MegatronActor:
     def export_hf(self, out_dir: str | os.PathLike) -> Path:
         """Collective: write an HF model directory (config, tokenizer, safetensors) that transformers loads."""
         return hf_export.export_hf(self.bridge, self.model, out_dir)
+
+    def load_hf_weights(self, named: Mapping[str, torch.Tensor]) -> None:
+        """Collective: the model's weights from full HF-named tensors (what the weight sync sends)."""
+        hf_export.load_hf_weights(self.bridge, self.model, named)
 
     def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective iterator of (HF name, full CPU tensor), for weight sync; every rank gets full tensors."""

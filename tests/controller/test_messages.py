@@ -18,13 +18,16 @@ JUDGES = {"judge0": "http://10.0.0.3:8002"}
 # one instance of every kind, with every field set (and the wire dict it must give)
 TASKS = [
     (M.StartEnginesTask(id=1, restart=["engine1"]), {"id": 1, "kind": "start_engines", "restart": ["engine1"]}),
-    (M.ConnectTask(id=2, engines=ENGINES, load=None), {"id": 2, "kind": "connect", "engines": ENGINES, "load": None}),
+    (M.ConnectTask(id=2, engines=ENGINES, load=None, followers={"actor_fwd": "http://n4:9"}),
+     {"id": 2, "kind": "connect", "engines": ENGINES, "load": None, "followers": {"actor_fwd": "http://n4:9"}}),
     (M.GenerateTask(id=3, step=3, engines=ENGINES, seq=2, data_state={"epoch": 0, "offset": 8}, judges=JUDGES),
      {"id": 3, "kind": "generate", "step": 3, "engines": ENGINES, "seq": 2, "data_state": {"epoch": 0, "offset": 8},
       "judges": JUDGES}),
     (M.LogprobsTask(id=4, chunks=[CHUNK]), {"id": 4, "kind": "logprobs", "chunks": [CHUNK]}),
     (M.LogprobsTask(id=4, chunks=[CHUNK], field="log_probs"),
      {"id": 4, "kind": "logprobs", "chunks": [CHUNK], "field": "log_probs"}),
+    (M.LogprobsTask(id=4, chunks=[CHUNK], version="2"), {"id": 4, "kind": "logprobs", "chunks": [CHUNK], "version": "2"}),
+    (M.FollowTask(id=11), {"id": 11, "kind": "follow"}),
     (M.LoadTask(id=5, path="/run/checkpoints"), {"id": 5, "kind": "load", "path": "/run/checkpoints"}),
     (M.TrainTask(id=6, step=3, chunks=[CHUNK]), {"id": 6, "kind": "train", "step": 3, "chunks": [CHUNK]}),
     (M.SyncTask(id=7, version="3", engines=ENGINES), {"id": 7, "kind": "sync", "version": "3", "engines": ENGINES}),
@@ -51,13 +54,14 @@ RESULTS = [
       "dead_engines": {"engine1": "gone"}, "engine_requests": {"engine0": 32}}),
     (M.LogprobsResult(sides=[SIDE], metrics={"perf/reference_time": 1.5}),
      {"sides": [SIDE], "metrics": {"perf/reference_time": 1.5}}),
+    (M.FollowResult(url="http://n4:9"), {"url": "http://n4:9"}),
     (M.LoadResult(step=4), {"step": 4}),
     (M.TrainResult(metrics={"train/loss": 0.25, "perf/train_time": 3}),
      {"metrics": {"train/loss": 0.25, "perf/train_time": 3}}),
     (M.SyncResult(metrics={"weights/versions_ok": 1.0}, engine_versions={"engine0": "3", "engine1": None},
-                  checks={"engine0": {"fingerprint_equal": True}}, dead_engines={}),
+                  checks={"engine0": {"fingerprint_equal": True}}, dead_engines={}, follower_versions={"actor_fwd": "3"}),
      {"metrics": {"weights/versions_ok": 1.0}, "engine_versions": {"engine0": "3", "engine1": None},
-      "checks": {"engine0": {"fingerprint_equal": True}}, "dead_engines": {}}),
+      "checks": {"engine0": {"fingerprint_equal": True}}, "dead_engines": {}, "follower_versions": {"actor_fwd": "3"}}),
     (M.CheckpointResult(path="/run/checkpoints/step_3", metrics={"perf/save_time": 0.1}),
      {"path": "/run/checkpoints/step_3", "metrics": {"perf/save_time": 0.1}}),
     (M.EvalResult(metrics={"eval/arith": 0.5, "eval/arith-pass@2": 0.75, "perf/eval_time": 2}),
@@ -68,7 +72,7 @@ RESULTS = [
 
 def test_every_kind_has_a_task_and_a_result():
     assert set(M.TASKS) == set(M.RESULTS) == {"generate", "logprobs", "train", "sync", "checkpoint", "load", "connect",
-                                              "start_engines", "eval", "stop"}
+                                              "start_engines", "eval", "stop", "follow"}
     assert {type(t).kind for t, _ in TASKS} == set(M.TASKS)
     assert {type(r).kind for r, _ in RESULTS} == set(M.RESULTS)
 

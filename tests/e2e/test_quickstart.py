@@ -98,4 +98,10 @@ def test_quickstart_learns_on_slurm_with_four_groups_at_once(slurm_cluster, tmp_
     assert exactly_once(run_dir / "exchange" / "journal.jsonl", ["train", "reference", "actor_fwd"]) == []
     rows = metrics(RunDir(run_dir))
     assert all("train/kl_loss" in r and "perf/reference_time" in r and "perf/actor_fwd_time" in r for r in rows)
+    # actor_fwd follows the actor through the weight syncs (its weights checked like an engine's), so checkpoints
+    # stay at checkpoint.interval (0: one, after the last step), not one per step
+    assert all(r["weights/fingerprint_match"] == 1.0 for r in rows)
+    saved = [e["detail"] for e in ctl["events"] if e["event"] == "checkpoint"]
+    assert len(saved) == 1 and saved[0].startswith(f"step {STEPS}:"), saved
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == [f"step_{STEPS:08d}"]
 

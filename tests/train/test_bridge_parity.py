@@ -19,6 +19,7 @@ def _check(res: dict, tp: int) -> None:
         assert r["logprob_max_diff"] <= TOL, (arch, r)  # compute_log_probs vs log_softmax of HF logits
         assert r["export_logits_max_diff"] <= TOL, (arch, r)  # export_hf -> transformers reload
         assert r["weights_max_diff"] == 0.0 and not r["missing"], (arch, r)  # named_hf_weights round trip
+        assert r["load_max_diff"] <= 1e-6, (arch, r)  # load_hf_weights: HF-named tensors back into Megatron
 
 
 @pytest.mark.timeout(300)

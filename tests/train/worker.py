@@ -117,8 +117,13 @@ def job_parity(args: dict, out: Path) -> dict:
         for name, t in actor.named_hf_weights():
             names[name] = list(t.shape)
             w_diff = max(w_diff, (t.float().cpu() - orig[name].float()).abs().max().item())
+        # HF-named tensors loaded back (what a forward role following the actor through weight sync does)
+        moved = {n: t.float().cpu() + 0.01 * (i + 1) for i, (n, t) in enumerate(actor.named_hf_weights())}
+        actor.load_hf_weights(moved)
+        load_diff = max((t.float().cpu() - moved[n]).abs().max().item() for n, t in actor.named_hf_weights())
         r = {"logits_max_diff": (meg - ref).abs().max().item(), "logprob_max_diff": lp_diff,
-             "weights_max_diff": w_diff, "n_weights": len(names), "missing": sorted(set(orig) - set(names))}
+             "weights_max_diff": w_diff, "n_weights": len(names), "missing": sorted(set(orig) - set(names)),
+             "load_max_diff": load_diff}
         if int(os.environ["RANK"]) == 0:
             back = AutoModelForCausalLM.from_pretrained(exp_dir, dtype=torch.float32).eval()
             with torch.no_grad():
