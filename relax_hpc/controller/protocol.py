@@ -424,8 +424,11 @@ class Client:
         """The controller's next task for ``role`` (``{"id", "kind", ...}``), or None if none came in ``wait_s``."""
         return self.request("next_task", role=role, rank=rank, wait_s=min(float(wait_s), MAX_TASK_WAIT_S)).get("task")
 
-    def task_done(self, role: str, rank: int, task_id: int, result: dict) -> dict:
-        return self.request("task_done", role=role, rank=rank, task_id=task_id, result=result)
+    def task_done(self, role: str, rank: int, task_id: int, result: dict, work_s: float | None = None) -> dict:
+        """``work_s``: how long the role worked on it (handler start to result), so the controller can tell the
+        roles' work from the idle time between tasks (``perf/task_<kind>_time``)."""
+        extra = {} if work_s is None else {"work_s": float(work_s)}
+        return self.request("task_done", role=role, rank=rank, task_id=task_id, result=result, **extra)
 
     def control(self, action: str) -> dict:
         return self.request("control", action=action)

@@ -19,6 +19,20 @@ import relax_hpc
 from relax_hpc.recipe import Recipe, RoleStep, role_steps
 
 EXECUTORS = ("slurm", "local")
+CPU_BIND_ENV = "RELAX_LOCAL_CPUS"  # local executor: "actor=0;rollout=1": each role's processes on those CPUs
+
+
+def local_cpus(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``RELAX_LOCAL_CPUS`` as {role: cpu list for taskset -c}. On a small machine roles that share cores cannot
+    overlap (fully async gains nothing), and a benchmark of the modes must pin them apart (tools/bench/run)."""
+    spec = (os.environ if env is None else env).get(CPU_BIND_ENV, "")
+    out = {}
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        role, eq, cpus = part.partition("=")
+        if not eq or not cpus.strip() or not all(c.isdigit() for c in cpus.replace(",", "").replace("-", "")):
+            raise ValueError(f"{CPU_BIND_ENV}={spec!r}: expected ROLE=CPUS[;ROLE=CPUS], e.g. actor=0;rollout=1")
+        out[role.strip()] = cpus.strip()
+    return out
 PACKAGE_ROOT = str(Path(relax_hpc.__file__).resolve().parents[1])  # so every step imports this relax_hpc
 
 
@@ -102,12 +116,14 @@ def step_commands(recipe: Recipe, run_dir: str | Path, executor: str,
             procs = [Proc(srun_argv(step, recipe, run_dir, python), env, run_dir / "logs" / f"{step.role}.srun.log")]
         elif executor == "local":
             procs = []
+            bind = local_cpus().get(step.role)
+            taskset = ["taskset", "-c", bind] if bind else []  # the engines it starts inherit the binding
             for rank in range(step.ntasks):
                 env = {**_common_env(recipe, launch_id, "file"), "RELAX_RANK": str(rank),
                        "RELAX_WORLD_SIZE": str(step.ntasks), "RELAX_LOCAL_RANK": str(rank % step.tasks_per_node),
                        "RELAX_NODE": "localhost"}
                 log = Path(str(task_log_pattern(run_dir, step.role)).replace("%t", str(rank)))
-                procs.append(Proc([python, "-m", role_module(step.role), str(run_dir)], env, log))
+                procs.append(Proc([*taskset, python, "-m", role_module(step.role), str(run_dir)], env, log))
         else:
             raise ValueError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
         out.append(StepCommand(step, launch_id, procs))

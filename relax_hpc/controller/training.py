@@ -502,6 +502,9 @@ class TrainingLoop:
             return
         if isinstance(res, (M.GenerateResult, M.LogprobsResult, M.TrainResult, M.SyncResult)) and task.step in self.cur:
             self.cur[task.step].update(res.metrics)  # a step's own metrics
+        if isinstance(msg.get("work_s"), (int, float)) and task.step in self.cur:  # the role's own time on it
+            key = f"perf/task_{task.kind}_time" if task.kind != "logprobs" else f"perf/task_{task.role}_time"
+            self.cur[task.step][key] = self.cur[task.step].get(key, 0.0) + float(msg["work_s"])
         getattr(self, f"_{task.kind}_done")(task, res)
         self._pump()
 

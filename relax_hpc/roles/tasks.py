@@ -18,6 +18,7 @@ While a task runs, every heartbeat shows it (``info["task"]``: id, kind, step, p
 
 from __future__ import annotations
 
+import time
 import traceback
 from typing import Any, Callable, Iterator
 
@@ -70,9 +71,9 @@ class TaskStream:
         """Whether this rank reports the outcomes (rank 0)."""
         return self._client is not None
 
-    def done(self, task: dict, result: dict) -> None:
+    def done(self, task: dict, result: dict, work_s: float | None = None) -> None:
         if self._client is not None:
-            self._client.task_done(self.ctx.ident.role, 0, int(task["id"]), result)
+            self._client.task_done(self.ctx.ident.role, 0, int(task["id"]), result, work_s)
 
     def failed(self, task: dict, error: BaseException) -> None:
         """Report ``error`` as the task's outcome (the run fails with it); never raises. An error whose class says
@@ -116,6 +117,7 @@ def serve(ctx: RoleContext, comm: Any, handlers: dict[str, Callable[[Any], Resul
     try:
         for task in stream:
             kind = task.get("kind")
+            t0 = time.perf_counter()
             try:
                 if kind not in handlers:
                     raise RuntimeError(f"{ctx.ident.role} got a task of unknown kind {kind!r}: {task}")
@@ -128,6 +130,6 @@ def serve(ctx: RoleContext, comm: Any, handlers: dict[str, Callable[[Any], Resul
             except BaseException as e:
                 stream.failed(task, e)
                 raise
-            stream.done(task, result)
+            stream.done(task, result, time.perf_counter() - t0)
     finally:
         stream.close()

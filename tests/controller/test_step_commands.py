@@ -64,3 +64,15 @@ def test_executor_from_env(env, want):
 def test_unknown_executor_is_refused():
     with pytest.raises(ValueError, match="RELAX_EXECUTOR"):
         executor_from_env({"RELAX_EXECUTOR": "ray"})
+
+
+def test_local_roles_are_bound_to_the_cpus_relax_local_cpus_names(run, monkeypatch):
+    recipe = load_recipe(run.recipe)
+    monkeypatch.setenv("RELAX_LOCAL_CPUS", "actor=0;rollout=1")
+    cmds = {c.role: c for c in step_commands(recipe, run.path, "local", python="/py")}
+    assert cmds["actor"].procs[1].argv == ["taskset", "-c", "0", "/py", "-m", "relax_hpc.roles.actor", str(run.path)]
+    assert cmds["rollout"].procs[0].argv[:3] == ["taskset", "-c", "1"]
+    assert cmds["reference"].procs[0].argv[0] == "/py"  # not named: not bound
+    monkeypatch.setenv("RELAX_LOCAL_CPUS", "actor:0")
+    with pytest.raises(ValueError, match="RELAX_LOCAL_CPUS"):
+        step_commands(recipe, run.path, "local", python="/py")
