@@ -816,6 +816,9 @@ def route_handler(routes: dict, api_key: str | None = None):
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: the client reuses connections for many generates
+        # a reply is written in pieces (status, headers, body): with Nagle on, the last piece waits for the client's
+        # delayed ACK, ~40 ms per call on Linux (measured: 41 ms vs 1 ms per weight-update call)
+        disable_nagle_algorithm = True
         server_version = ENGINE_VERSION
 
         def log_message(self, fmt, *args):  # per-request lines would drown the log; errors are logged below

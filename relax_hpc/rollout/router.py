@@ -76,6 +76,8 @@ class EngineRouter:
         router = self
 
         class Handler(BaseHTTPRequestHandler):
+            disable_nagle_algorithm = True  # replies go out in pieces: never wait for the client's delayed ACK
+
             def log_message(self, *args: Any) -> None:
                 pass
 
