@@ -307,6 +307,11 @@ class TrainingLoop:
             n = self.evals.pop(0)
             self.evaluating = n
             self._assign("rollout", n, M.EvalTask(step=n, judges=self.judges))
+        self._pump_generate()
+        self.state.progress(phase=self._phase(), generated=self.generated)
+
+    def _pump_generate(self) -> None:
+        """Rollout's next generate, if it is idle and the gate, the engines and a pause let it start."""
         n = min(self.regen) if self.regen else self.generated + 1  # a step voided for damage comes first
         owed = self._owed(n)  # fixed: a held sync waits for this step, so a stop does not hold it back
         if self._idle("rollout") and (self.stop_request is None or owed) and (self.regen or self.generated < self.total):
@@ -326,7 +331,6 @@ class TrainingLoop:
                                                           seq=self.broker.next_seq(PRODUCER),
                                                           data_state=self.data_states.get(n - 1),
                                                           judges=self.judges))
-        self.state.progress(phase=self._phase(), generated=self.generated)
 
     def _eval_due(self, n: int) -> bool:
         """Whether step ``n`` is evaluated (after its sync; ``n`` = 0: before training). Relax's rule on its 0-based
@@ -678,6 +682,8 @@ class TrainingLoop:
         if bad:
             log.warning("step %d: engines report other weight versions than %d after the sync: %s", n, n, bad)
         self.broker.ack(self.leases.pop(n).id)  # consumed by every task: the step is cleared; the gate moves
+        if not self.evals and not self._eval_due(n) and self.outcome is None and self.state.running:
+            self._pump_generate()  # the next generate first (an eval due on these weights would go before it)
         now = time.monotonic()
         cur = self.cur.pop(n)
         self.gen_rows.pop(n, None)
