@@ -148,6 +148,7 @@ class TrainingLoop:
         self.metrics = RunMetrics(run.path, recipe.logging.tensorboard, start_step=k, started=state.doc.get("started_at"))
         self._ids = itertools.count(1)
         self.pending: dict[int, Task] = {}
+        self.outbox: list[tuple[str, dict]] | None = None  # tasks held until the report's journal group is durable
         self.fwd_weights = {r: 0 for r in self.fwd}  # the step whose weights it holds (0: the model on disk)
         # enabled forward roles serve tasks until told to stop, work or not
         self.roles = ["rollout", "actor"] + [r for r in ("reference", "actor_fwd", "genrm") if recipe.role(r).enabled]
@@ -247,7 +248,10 @@ class TrainingLoop:
         versions = ({n: self.registry.engines[n].weight_version for n in engines if n in self.registry.engines}
                     if engines else None)
         self.pending[tid] = Task(role, task.kind, at, self.lives.get(at, 0), engines, versions)
-        self.channel.assign(role, replace(task, id=tid).to_dict())
+        if self.outbox is not None:  # handling a report: sent once its journal records are durable
+            self.outbox.append((role, replace(task, id=tid).to_dict()))
+        else:
+            self.channel.assign(role, replace(task, id=tid).to_dict())
 
     def _idle(self, role: str) -> bool:
         return not any(t.role == role for t in self.pending.values())
@@ -479,9 +483,14 @@ class TrainingLoop:
         if kind != "task_done":
             return
         t0 = time.perf_counter()
+        self.outbox = []
         try:
-            self._on_task_done(msg)
+            with self.broker.group():  # one fdatasync for the report's records (a step's announces, a lease, ...)
+                self._on_task_done(msg)
         finally:
+            out, self.outbox = self.outbox, None
+            for role, task in out:  # only now: nothing acts on a record before it is durable
+                self.channel.assign(role, task)
             self.ctl_s += time.perf_counter() - t0
 
     def _on_task_done(self, msg: dict) -> None:

@@ -34,6 +34,7 @@ A quarantined chunk is never handed out again; its files move to ``<root>/quaran
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -41,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 from relax_hpc.exchange import staleness
 from relax_hpc.exchange.chunk import (
@@ -565,6 +566,7 @@ class Broker:
         self._auto_clear([c.ref.step])
 
     def _move_to_quarantine(self, c: _Chunk) -> None:
+        self._journal.flush()  # the record on disk before the files move (inside a group too)
         dest = self.root / "quarantine" / f"step_{c.ref.step}"
         for path, _, _ in c.ref.files():
             if path.exists():
@@ -658,6 +660,7 @@ class Broker:
         unconsumed = sum(self._chunks[cid].ref.n for cid in st.chunks
                          if not self._chunks[cid].quarantined and not self._done(self._chunks[cid]))
         self._log({"op": "cleared", "step": step, "forced": forced, "unconsumed": unconsumed})
+        self._journal.flush()  # the record on disk before the files go (inside a group too)
         shutil.rmtree(partition_dir(self.root, step), ignore_errors=True)
         _fsync_dir(self.root)
 
@@ -672,6 +675,7 @@ class Broker:
             if not later:
                 return []
             self._log({"op": "rewound", "step": step, "steps": later})
+            self._journal.flush()
             for s in later:
                 shutil.rmtree(partition_dir(self.root, s), ignore_errors=True)
             _fsync_dir(self.root)
@@ -691,6 +695,7 @@ class Broker:
             if not bad:
                 raise ExchangeError(f"step {step} has no quarantined chunk; regenerate voids a damaged step only")
             self._log({"op": "voided", "step": step, "reason": reason, "quarantined": bad})
+            self._journal.flush()
             shutil.rmtree(partition_dir(self.root, step), ignore_errors=True)
             _fsync_dir(self.root)
             return bad
@@ -756,6 +761,18 @@ class Broker:
     def sweep(self, older_than_s: float = 3600.0) -> list[Path]:
         """Remove temporary files of killed writers older than ``older_than_s``."""
         return sweep_tmp(self.root, older_than_s)
+
+    @contextlib.contextmanager
+    def group(self) -> Iterator[None]:
+        """The journal records of the calls inside become durable together at the end, with one fdatasync (see
+        :meth:`Journal.group`). Holds the broker for the block, so no other thread's record waits on it. The
+        controller wraps each report it handles in one, and sends the tasks it produced only after."""
+        with self._lock, self._journal.group():
+            yield
+
+    @property
+    def journal_syncs(self) -> int:
+        return self._journal.syncs
 
     def close(self) -> None:
         with self._lock:

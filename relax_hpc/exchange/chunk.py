@@ -7,7 +7,7 @@ A *chunk* is a group of samples one producer wrote at once, in one HDF5 file
 File layout (both kinds)::
 
     bytes [0, 512)   HDF5 user block, ours: b"RELAXHPC-CHUNK\\n" + one JSON line
-                     {"format", "v", "kind": "chunk"|"side", "checksum": "crc32:…", "size", "n", "base"}
+                     {"format", "v", "kind": "chunk"|"side", "checksum": "crc32c:…", "size", "n", "base"}
                      padded with NULs. HDF5 skips the user block.
     bytes [512, …)   the HDF5 file. "size" is the whole file's; "checksum" covers the whole file, user
                      block included, with the checksum's own hex digits read as zeros.
@@ -57,7 +57,7 @@ MAGIC = b"RELAXHPC-CHUNK\n"
 HEADER_SIZE = 512
 FORMAT = "relax_hpc.chunk"
 VERSION = 1
-CHECKSUM_ALGO = "crc32"  # damage detection, not authentication (the run directory is private); see docs
+CHECKSUM_ALGO = "crc32c"  # damage detection, not authentication (the run directory is private); see docs
 MAX_ATTRS_BYTES = 64 << 10  # attrs travel in announces and journal records
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")  # producer, writer (no '.', which separates)
@@ -222,11 +222,21 @@ def check_field_name(name: str) -> None:
 # --------------------------------------------------------------------------------------- checksum ---
 
 
-_HEX_LEN = {"crc32": 8, "sha256": 64, "blake2b": 128}
+_HEX_LEN = {"crc32c": 8, "crc32": 8, "sha256": 64, "blake2b": 128}
+ALGOS = ", ".join(_HEX_LEN)
 
 
 def digest(parts: Iterable[bytes | memoryview], algo: str = CHECKSUM_ALGO) -> str:
-    """``<algo>:<hex>`` over the concatenation of ``parts``."""
+    """``<algo>:<hex>`` over the concatenation of ``parts``. CRC-32C (the ``crc32c`` package, SSE4.2/ARMv8 CRC
+    instructions: 23 GB/s on the dev VM against zlib's CRC-32 at 4 GB/s) keeps CRC-32's guarantees: every burst
+    of up to 32 bits is caught. ``crc32`` (zlib) is still read: chunks of runs from before."""
+    if algo == "crc32c":
+        import crc32c
+
+        crc = 0
+        for p in parts:
+            crc = crc32c.crc32c(p, value=crc)
+        return f"crc32c:{crc & 0xFFFFFFFF:08x}"
     if algo == "crc32":
         crc = 0
         for p in parts:
@@ -239,7 +249,7 @@ def digest(parts: Iterable[bytes | memoryview], algo: str = CHECKSUM_ALGO) -> st
         for p in parts:
             h.update(p)
         return f"{algo}:{h.hexdigest()}"
-    raise ValueError(f"unknown checksum algorithm {algo!r} (crc32, sha256, blake2b)")
+    raise ValueError(f"unknown checksum algorithm {algo!r} ({ALGOS})")
 
 
 def _algo_of(checksum: str) -> str:
@@ -248,7 +258,7 @@ def _algo_of(checksum: str) -> str:
 
 def _placeholder(algo: str) -> str:
     if algo not in _HEX_LEN:
-        raise ValueError(f"unknown checksum algorithm {algo!r} (crc32, sha256, blake2b)")
+        raise ValueError(f"unknown checksum algorithm {algo!r} ({ALGOS})")
     return f"{algo}:{'0' * _HEX_LEN[algo]}"
 
 

@@ -19,7 +19,8 @@ and ``t`` (wall-clock time of the append):
 ==================  ==========================================================================================
 
 Durability: a record is written with one ``write`` on an ``O_APPEND`` descriptor and ``fdatasync``-ed before
-the call returns, so a record the broker acted on (replied to) is on disk. A crash mid-append can leave a
+the call returns, so a record the broker acted on (replied to) is on disk. Inside :meth:`Journal.group` the
+records are synced once, at its end, and before any file is deleted or moved on one of them (``flush``). A crash mid-append can leave a
 torn or garbage tail (a prefix of a line, or NUL bytes on some filesystems); replay ignores it and
 :class:`Journal` truncates it before appending. Damage anywhere else raises :class:`JournalCorrupt`.
 
@@ -29,6 +30,7 @@ network filesystems that lack it), so a second broker on the same journal fails 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -96,7 +98,10 @@ class Journal:
     def __init__(self, path: str | os.PathLike, *, fsync: bool = True):
         self.path = Path(path)
         self._fsync = fsync
+        self._groups = 0  # > 0: inside group(): records are written now, made durable once at its end
+        self._unsynced = False
         self.appended = 0
+        self.syncs = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
         created = not self.path.exists()
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
@@ -131,9 +136,36 @@ class Journal:
         while mv:
             mv = mv[os.write(self._fd, mv) :]
         if self._fsync:
-            _datasync(self._fd)
+            if self._groups:
+                self._unsynced = True
+            else:
+                self._sync()
         self.appended += 1
         return rec
+
+    def _sync(self) -> None:
+        _datasync(self._fd)
+        self.syncs += 1
+        self._unsynced = False
+
+    def flush(self) -> None:
+        """Make what is written durable now (inside a group: before a file is deleted or moved on its record)."""
+        if self._unsynced and self._fd >= 0:
+            self._sync()
+
+    @contextlib.contextmanager
+    def group(self) -> Iterator[None]:
+        """Group commit: the records appended inside are written as they come and made durable together, with one
+        fdatasync at the end (also when the block raises). Whoever acts on them must wait for the end: the
+        controller sends the tasks a message's handling produced only after it (one sync per report, not one per
+        record: a step's announces, its end, a lease)."""
+        self._groups += 1
+        try:
+            yield
+        finally:
+            self._groups -= 1
+            if not self._groups and self._unsynced and self._fd >= 0:
+                self._sync()
 
     def close(self) -> None:
         if self._fd >= 0:

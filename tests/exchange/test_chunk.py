@@ -30,7 +30,7 @@ from relax_hpc.exchange.chunk import (
     write_fields,
 )
 
-from .helpers import flip_byte, fresh_dir, sample_fields, truncate
+from .helpers import flip_byte, fresh_dir, sample_fields, tokens_for, truncate
 
 DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
           np.float16, np.float32, np.float64, np.bool_, np.complex64, np.complex128]
@@ -304,3 +304,17 @@ def test_read_arrays_are_private_writable_views(xroot):
     assert b["tokens"][0].tolist() == read_chunk(ref)["tokens"][0].tolist() != [-1] * 5
     assert b["sid"].tolist() == [1, 2] and b["tokens"].lengths().tolist() == [5, 0]
     verify_file(ref.path)  # the file is untouched
+
+
+@pytest.mark.parametrize("algo", ["crc32c", "crc32", "sha256"])
+def test_each_checksum_is_written_named_and_verified(xroot, algo):
+    """CRC-32C by default; zlib's CRC-32 (chunks from before CRC-32C) and a cryptographic hash still read."""
+    partition_dir(xroot, 0).mkdir()
+    ref = write_chunk(xroot, 0, "p", 0, sample_fields([1, 2], [3, 1]), algo=algo)
+    assert ref.checksum.startswith(f"{algo}:") and read_header(ref.path)["checksum"] == ref.checksum
+    got = read_chunk(ref, ["tokens"])["tokens"]
+    assert [list(x) for x in got] == [list(tokens_for(1, 3)), list(tokens_for(2, 1))]
+    flip_byte(ref.path, ref.size - 3)
+    with pytest.raises(DamagedChunk, match="checksum"):
+        verify_file(ref.path, ref.checksum, ref.size)
+

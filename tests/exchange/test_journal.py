@@ -95,3 +95,45 @@ def test_broker_rebuilds_without_the_torn_record(xroot):
     assert b.announce(r1) is True  # the producer that got no reply retries; announces are idempotent
     assert b.announce(r1) is False
     b.close()
+
+
+def test_a_group_makes_its_records_durable_with_one_sync(xroot):
+    """Group commit: every record is written when appended (a reader sees it), and one fdatasync at the end of the
+    group covers them all, also when the block raises; outside a group each record is synced alone."""
+    j = Journal(xroot / "j.jsonl")
+    base = j.syncs
+    with j.group():
+        for i in range(5):
+            j.append({"op": "x", "i": i})
+        with j.group():  # nested: the outer end syncs
+            j.append({"op": "x", "i": 5})
+        assert j.syncs == base  # nothing synced yet
+        assert len(replay(xroot / "j.jsonl")) == 1 + 6  # but written: the header record and six more
+    assert j.syncs == base + 1
+    with pytest.raises(RuntimeError):
+        with j.group():
+            j.append({"op": "x", "i": 6})
+            raise RuntimeError("boom")
+    assert j.syncs == base + 2
+    with j.group():  # nothing appended: no sync
+        pass
+    j.append({"op": "x", "i": 7})
+    assert j.syncs == base + 3
+    j.close()
+
+
+def test_a_broker_group_syncs_a_steps_announces_once(xroot):
+    from relax_hpc.exchange.chunk import partition_dir, write_chunk
+
+    b = Broker(xroot / "x", tasks={"train": ["sid", "tokens", "reward"]})
+    b.start_step(1)
+    refs = [write_chunk(b.root, 1, "p", i, sample_fields([2 * i, 2 * i + 1], [3, 4])) for i in range(4)]
+    before = b.journal_syncs
+    with b.group():
+        for r in refs:
+            b.announce(r)
+        b.end_step(1)
+    assert b.journal_syncs == before + 1 and partition_dir(b.root, 1).is_dir()
+    lease = b.request("train", step=1, batch_size=100)
+    assert len(lease.chunks) == 4
+    b.close()

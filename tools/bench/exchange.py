@@ -9,8 +9,10 @@ response), ``rollout_log_probs`` (float32, ragged over the response), ``raw_rewa
 (int32). Lengths are uniform in [mean/2, 3·mean/2], the response half of each.
 
 1. **Throughput**, per directory (a filesystem): ``--chunks`` chunks of ``--samples`` samples
-   * ``exchange``: ``write_chunk`` + ``Broker.announce`` for every chunk (produce), then ``Broker.request`` +
-     ``read_chunk`` (checksum verified) + ``ack`` for every chunk (consume); a fresh broker and journal per rep;
+   * ``exchange``: ``write_chunk`` for every chunk, then ``Broker.announce`` of them all in one journal group, as
+     the controller handles a generate's report (produce); then one ``Broker.request`` for the step, as train
+     leases it, ``read_chunk`` (checksum verified) of every chunk, one ``ack`` (consume); a fresh broker and
+     journal per rep;
    * ``raw``: the same array bytes, one file per chunk: ``write`` + ``fsync`` (produce), then ``read`` (consume).
    Samples/s and MB/s of payload (the arrays' bytes) end to end (write + read), from the medians of ``--reps``
    and from the fastest rep (on a shared machine the best rep is the better estimate of what the code costs).
@@ -85,20 +87,26 @@ def fsync_dir(d: Path) -> None:
 # ------------------------------------------------------------------------------------------- throughput ---
 
 def run_exchange(root: Path, chunks: list[dict]) -> tuple[float, float, float]:
+    """What a run does with one step's chunks: rollout writes them; the controller announces them in one report
+    (one journal group: one fdatasync) and ends the step; train leases the whole step at once, reads every chunk
+    (checksum verified) and acks (``TrainingLoop``: ``_generate_done``, ``_lease``, ``_sync_done``)."""
     b = Broker(root, tasks={"train": list(chunks[0])}, max_staleness=1)
     b.start_step(0)
     c0 = time.process_time()
     t0 = time.perf_counter()
-    for seq, c in enumerate(chunks):
-        b.announce(write_chunk(root, 0, "rollout", seq, c))
+    refs = [write_chunk(root, 0, "rollout", seq, c) for seq, c in enumerate(chunks)]
+    with b.group():
+        for ref in refs:
+            b.announce(ref)
+        b.end_step(0)
     t1 = time.perf_counter()
     got = 0
-    while (lease := b.request("train", batch_size=1)) is not None:
-        for ref in lease.chunks:
-            data = read_chunk(ref, lease.fields, ragged="flat")
-            got += ref.n
-            assert len(data["tokens"]) == ref.n
-        b.ack(lease.id)
+    lease = b.request("train", step=0, batch_size=len(chunks))
+    for ref in lease.chunks:
+        data = read_chunk(ref, lease.fields, ragged="flat")
+        got += ref.n
+        assert len(data["tokens"]) == ref.n
+    b.ack(lease.id)
     t2 = time.perf_counter()
     cpu = time.process_time() - c0
     assert got == sum(len(c["raw_reward"]) for c in chunks)
@@ -283,8 +291,8 @@ def main(argv=None) -> int:
              f"Throughput: {a.chunks} chunks × {a.samples} samples, mean {a.mean_len} tokens "
              f"(tokens int32, loss_masks uint8 and rollout_log_probs float32 over the response half, raw_reward, "
              f"response_lengths): {per_chunk_mb:.2f} MB of arrays per chunk; exchange and raw interleaved, "
-             f"{a.reps} reps: write s, read s, samples/s, MB/s from the medians, best = the fastest rep end to end; CPU ms/chunk = this process's CPU time (write + read, median) per chunk, which contention for the CPU does not inflate. exchange = write_chunk ({CHECKSUM_ALGO}, tmp + fsync + link + dir fsync) + announce "
-             f"(journal fdatasync), then request + read_chunk (checksum verified) + ack; raw = the same bytes, "
+             f"{a.reps} reps: write s, read s, samples/s, MB/s from the medians, best = the fastest rep end to end; CPU ms/chunk = this process's CPU time (write + read, median) per chunk, which contention for the CPU does not inflate. exchange = write_chunk ({CHECKSUM_ALGO}, tmp + fsync + link + dir fsync) + the step's announces "
+             f"(one journal group, one fdatasync), then one request for the step + read_chunk (checksum verified) + ack; raw = the same bytes, "
              f"one file per chunk, write + fsync, then read. Reads come from the page cache in both. "
              f"vs raw = raw time / exchange time.\n"]
     for d in a.dir or [tempfile.gettempdir()]:
