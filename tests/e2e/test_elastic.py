@@ -38,8 +38,28 @@ def _engine(run, name):
 
 @pytest.mark.slow
 def test_scale_out_joins_with_current_weights_then_drains(tmp_path, tiny_model, local_executor):
-    run = make_run(tmp_path, tiny_model, f"run.steps={STEPS}", recipe=REPO / "recipes" / "quickstart-async.yaml",
-                   name="elastic")
+    scale_out_kill_and_drain(tmp_path, tiny_model)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_scale_out_and_in_with_two_real_sglang_engines(tmp_path, tiny_model, local_executor):
+    """The same with SGLang on a GPU node: the run's own engine and the step engine are both real SGLang servers
+    (``RELAX_SGLANG_PYTHON``: an interpreter that can ``import sglang``), sharing the GPU; the weight syncs, the
+    join, the kill -9 and the drain go through SGLang's HTTP API and its NCCL weight group."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    py = os.environ.get("RELAX_SGLANG_PYTHON")
+    if not py or subprocess.run([py, "-c", "import sglang"], capture_output=True).returncode != 0:
+        pytest.skip("needs RELAX_SGLANG_PYTHON: an interpreter that can `import sglang`")
+    scale_out_kill_and_drain(tmp_path, tiny_model,
+                             'rollout.engine.args=["--mem-fraction-static", "0.25", "--disable-cuda-graph"]')
+
+
+def scale_out_kill_and_drain(tmp_path, tiny_model, *extra: str) -> None:
+    run = make_run(tmp_path, tiny_model, f"run.steps={STEPS}", *extra,
+                   recipe=REPO / "recipes" / "quickstart-async.yaml", name="elastic")
     write_json(run.job, {"run": run.name, "run_dir": str(run.path), "executor": "local", "job_id": "local",
                          "pid": os.getpid(), "host": socket.gethostname()})  # as relax-submit --local writes it
     hold(run, 2)
