@@ -227,7 +227,8 @@ class TrainingLoop:
         for n in range(k + 1, g + 1):
             self.ready[n] = {r for r in self.fwd if (p := self.broker.progress(r, n)).get("samples")
                              and p["consumed"] == p["samples"]}
-            self.cur[n] = self.gen_rows[n] = {key: float(v) for key, v in kept["metrics"][str(n)].items()}
+            self.gen_rows[n] = {key: float(v) for key, v in kept["metrics"][str(n)].items()}
+            self.cur[n] = dict(self.gen_rows[n])
             self.t0[n] = time.monotonic()
         log.info("staleness_mode fixed: steps %d-%d were generated before the checkpoint of step %d; trained now, "
                  "not generated again", k + 1, g, k)
@@ -260,7 +261,8 @@ class TrainingLoop:
         """The engines generate(n) may use: ready, serving the weights of step n−1−k or newer (k: the staleness
         bound; the exchange's gate already holds n back until those are synced); exactly those with ``fixed``."""
         v = max(0, n - 1 - self.broker.max_staleness)
-        return self.registry.routable(min_version=v, max_version=v if self.fixed and n > self.unfixed_upto else None)
+        exact = self.fixed and n > self.unfixed_upto and n not in self.regen  # a voided step: its weights are gone
+        return self.registry.routable(min_version=v, max_version=v if exact else None)
 
     def _waited(self, role: str, n: int, key: str) -> None:
         """How long ``role`` sat idle before this task of step ``n`` (the autoscaler's signals)."""
@@ -445,6 +447,8 @@ class TrainingLoop:
         cur = self.cur.setdefault(n, {})
         cur["exchange/quarantined"] = cur.get("exchange/quarantined", 0.0) + len(bad)
         self.broker.regenerate(n, f"quarantined: {names}")  # its leases are void; late results are dropped
+        if self.fixed:  # the engines serve newer weights than step n's by now
+            self.state.event("fixed_staleness_broken", f"step {n} generated again on newer weights (damaged chunks)")
         self.lives[n] = self.lives.get(n, 0) + 1
         self.ready.pop(n, None)
         for key in [key for key in self.leases if key == n or (isinstance(key, tuple) and key[1] == n)]:

@@ -78,15 +78,25 @@ def take_version(actor: Any, follower: Any, version: str, world: int) -> None:
     import torch
     import torch.distributed as dist
 
-    named = follower.take(version) if follower is not None else None
+    named, error = None, None
+    if follower is not None:
+        try:
+            named = follower.take(version)
+        except RuntimeError as e:
+            error = str(e)
     if world > 1:
         dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        meta = [[(n, tuple(t.shape), t.dtype) for n, t in named.items()] if named is not None else None]
-        dist.broadcast_object_list(meta, src=0)
+        meta = [error if error is not None else
+                [(n, tuple(t.shape), t.dtype) for n, t in named.items()] if named is not None else None]
+        dist.broadcast_object_list(meta, src=0)  # rank 0's refusal too, so no rank waits in the next collective
+        if isinstance(meta[0], str):
+            raise RuntimeError(meta[0])
         named = {n: (named[n].to(dev) if named is not None else torch.empty(shape, dtype=dt, device=dev))
                  for n, shape, dt in meta[0]}
         for t in named.values():
             dist.broadcast(t, src=0)
+    if error is not None:
+        raise RuntimeError(error)
     actor.load_hf_weights(named)
 
 
@@ -110,7 +120,7 @@ def work_forward(ctx: RoleContext, comm: Any, field: str) -> None:
         from relax_hpc.weights.follower import Follower
 
         # staging tensors of the actor's export (names, shapes, order): a collective walk, rank 0 keeps them
-        params = {n: t.detach().clone() for n, t in actor.named_hf_weights()}
+        params = {n: t.detach().clone() if rank == 0 else None for n, t in actor.named_hf_weights()}
         if rank != 0:
             return M.FollowResult(url="")
         st["follower"] = Follower(params, st["version"])

@@ -21,7 +21,7 @@ from relax_hpc.exchange.journal import iter_ops, replay
 from relax_hpc.launch.cancel import cancel
 
 from .conftest import REPO, held_at, hold, metrics, reference_rows, state, submit_detached, wait_until
-from .test_eval import drive, sim_loop, sim_recipe, sim_run
+from .test_eval import answer, drive, sim_loop, sim_recipe, sim_run, what
 
 RECIPE = REPO / "recipes" / "quickstart-slurm.yaml"
 STEPS = 6
@@ -109,6 +109,30 @@ def test_a_resume_trains_the_kept_step_and_does_not_generate_it_again(tmp_path, 
     rows = {r["step"]: r for r in metrics(run)}
     assert sorted(rows) == list(range(1, 7))
     assert rows[3]["rollout/raw_reward"] == pytest.approx(0.3) and rows[3]["train/loss"] == 3.0
+
+
+def test_a_step_voided_for_damage_is_generated_again_on_newer_weights(tmp_path):
+    """A damaged chunk found when train(3) reads it: step 3's weights (version 1) are gone from the engines by then,
+    so its regeneration takes the ones they serve (an event says the trajectory left the fixed one) instead of
+    waiting for ever."""
+    from relax_hpc.controller import messages as M
+
+    run, loop, ch, seen = by_hand(tmp_path, "fixed")
+    damaged = []
+    while ch.queue and loop.outcome is None:
+        role, task = ch.queue.pop(0)
+        if task["kind"] == "train" and task["step"] == 3 and not damaged:
+            damaged.append(task["id"])  # the chunk file is not there: the broker's own check quarantines it
+            res = M.TaskError(error="DamagedChunk: step_3/chunk_rollout_2.h5: checksum mismatch")
+        else:
+            res = answer(loop, task)
+        ch.events.append(("-", *what(task)))
+        loop.on_message({"type": "task_done", "task_id": task["id"], "rank": 0, "result": res.to_dict()})
+        assert loop.state.running or task["kind"] == "stop", loop.state.doc["reason"]
+    assert damaged and loop.step == 5, (loop.step, loop.state.doc.get("phase"))
+    assert sum(1 for e in ch.events if e == ("-", "generate", "3")) == 2  # generated twice
+    events = [e["event"] for e in loop.state.doc["events"]]
+    assert "chunk_quarantined" in events and "fixed_staleness_broken" in events
 
 
 # -------------------------------------------------------------------------------- real local runs ---
