@@ -140,7 +140,9 @@ class TrainingLoop:
             kept = None
         g = int(kept["generated"]) if kept else k
         # fixed, resumed without the steps generated before the checkpoint: those are made on step k's weights
-        self.unfixed_upto = min(k + recipe.max_staleness, self.total) if self.fixed and k and not kept else 0
+        self.unfixed_upto = min(k + recipe.max_staleness, self.total) if self.fixed and k else 0
+        if self.unfixed_upto <= g:  # every step that needed older weights was kept
+            self.unfixed_upto = 0
         if self.broker.rewind(g):  # steps an earlier attempt did after its last checkpoint
             log.info("exchange: partitions after step %d voided; they are produced again", g)
         for lease in self.broker.outstanding():  # an earlier attempt's (a kept step's): handed out again
@@ -155,6 +157,7 @@ class TrainingLoop:
         self.started = False  # engines up, weights connected (and resynced on a resume)
         self.step, self.generated = k, g  # synced steps; steps generated
         self.gen_done = g  # the last step whose generate is done
+        self.loose: set[int] = set()  # fixed: steps generated on newer weights than N-1-k (theirs were gone)
         self.gen_rows: dict[int, dict[str, float]] = {}  # fixed: a generated step's metrics, for a checkpoint's kept
         self.ready: dict[int, set[str]] = {}  # steps generated (chunks announced), not yet trained -> the
         #                                       forward roles that added their field to them
@@ -261,7 +264,8 @@ class TrainingLoop:
         """The engines generate(n) may use: ready, serving the weights of step n−1−k or newer (k: the staleness
         bound; the exchange's gate already holds n back until those are synced); exactly those with ``fixed``."""
         v = max(0, n - 1 - self.broker.max_staleness)
-        exact = self.fixed and n > self.unfixed_upto and n not in self.regen  # a voided step: its weights are gone
+        # exact, but not for a voided step or one whose weights no engine holds any more (they are gone)
+        exact = self.fixed and n > self.unfixed_upto and n not in self.regen and n not in self.loose
         return self.registry.routable(min_version=v, max_version=v if exact else None)
 
     def _waited(self, role: str, n: int, key: str) -> None:
@@ -301,6 +305,8 @@ class TrainingLoop:
             if self._idle("actor") and syncing and self.catch_up != (self.step, syncing):  # an engine started again
                 self.catch_up = (self.step, syncing)  # gets the weights the actor holds (step self.step's) now, once
                 self._sync(self.step)
+        if self.fixed and self.held_sync is not None and self._idle("actor") and self._idle("rollout"):
+            self._unfix_if_stuck()
         for r in self.fwd:
             n = min((s for s, done in self.ready.items() if r not in done), default=None)
             if n is not None and self._idle(r) and (r != "actor_fwd" or self.fwd_weights[r] == n - 1):
@@ -349,8 +355,10 @@ class TrainingLoop:
 
     def _sync_waits(self, n: int) -> bool:
         """Whether step ``n``'s sync must wait: the engines keep the weights an earlier step's eval runs on (fully
-        async), or (fixed staleness) rollout has not yet generated step n+k, the last one on the weights before n."""
-        return self._eval_outstanding(before=n) or (self.fixed and self.gen_done < self._last_on_old(n))
+        async), or (fixed staleness) rollout has not yet generated step n+k, the last one on the weights before n
+        (unless those steps were let go: :meth:`_unfix_if_stuck`)."""
+        return self._eval_outstanding(before=n) or (self.fixed and self.gen_done < self._last_on_old(n)
+                                                    and self._last_on_old(n) not in self.loose)
 
     def _last_on_old(self, n: int) -> int:
         """Fixed staleness: the last step generated with weights older than step ``n``'s."""
@@ -359,6 +367,23 @@ class TrainingLoop:
     def _owed(self, n: int) -> bool:
         """Fixed staleness: a held sync waits for step ``n``'s generate."""
         return self.fixed and self.held_sync is not None and n <= self._last_on_old(self.held_sync)
+
+    def _unfix_if_stuck(self) -> None:
+        """Fixed staleness: the generate a held sync waits for has no engine with its weights (the only ones left were
+        started again, or joined, and hold the model on disk; a catch-up sync would give them the held step's, too
+        new). The held sync goes out, and the steps it waited for are generated on its weights: the run goes on,
+        off the fixed trajectory, with an event."""
+        n = min(self.regen) if self.regen else self.generated + 1
+        if not self._owed(n) or self._routable(n) or not self.registry.live():
+            return
+        m, last = self.held_sync, self._last_on_old(self.held_sync)
+        self.loose.update(range(n, last + 1))
+        log.warning("staleness_mode fixed: no engine holds step %d's weights for step %d any more; steps %d-%d are "
+                    "generated on step %d's", n - 1 - self.broker.max_staleness, n, n, last, m)
+        self.state.event("fixed_staleness_broken", f"steps {n}-{last} generated on step {m}'s weights (no engine "
+                                                   f"held step {n - 1 - self.broker.max_staleness}'s any more)")
+        self.held_sync = None
+        self._sync(m)
 
     def _release_sync(self) -> None:
         if self.held_sync is not None and not self._sync_waits(self.held_sync):
@@ -463,7 +488,9 @@ class TrainingLoop:
 
     def _checkpoint(self, n: int) -> None:
         extra: dict[str, Any] = {"step": n, "data": self.data_states.get(n)}
-        g = self._last_on_old(n) if self.fixed else n
+        g = n
+        while self.fixed and g < self._last_on_old(n) and g + 1 in self.gen_rows:
+            g += 1
         if g > n:  # fixed: steps n+1..g were generated on weights a resume from this checkpoint no longer has
             extra["kept"] = {"generated": g, "data": self.data_states.get(g),
                              "metrics": {str(m): self.gen_rows[m] for m in range(n + 1, g + 1)}}

@@ -135,6 +135,29 @@ def test_a_step_voided_for_damage_is_generated_again_on_newer_weights(tmp_path):
     assert "chunk_quarantined" in events and "fixed_staleness_broken" in events
 
 
+def test_an_engine_restarted_under_a_held_sync_does_not_stop_the_run(tmp_path):
+    """The only engine found dead at sync(1) is started again (the model on disk). train(2) takes the actor, so no
+    catch-up sync; sync(2) is then held for generate(3), which needs step 1's weights, which no engine holds any
+    more. The held sync goes out instead, step 3 is generated on step 2's weights, and the run completes."""
+    from relax_hpc.controller import messages as M
+
+    run, loop, ch, seen = by_hand(tmp_path, "fixed")
+    killed = []
+    while ch.queue and loop.outcome is None:
+        role, task = ch.queue.pop(0)
+        if task["kind"] == "sync" and task["version"] == "1" and not killed:
+            killed.append(task["id"])
+            res = M.SyncResult(dead_engines={"engine0": "connection refused"})
+        else:
+            res = answer(loop, task)
+        ch.events.append(("-", *what(task)))
+        loop.on_message({"type": "task_done", "task_id": task["id"], "rank": 0, "result": res.to_dict()})
+        assert loop.state.running or task["kind"] == "stop", loop.state.doc["reason"]
+    assert killed and loop.step == 5, (loop.step, loop.state.doc.get("phase"))
+    assert seen[3] == "2" and seen[4] == "2" and seen[5] == "3"  # step 3 off the fixed trajectory, then back on it
+    assert "fixed_staleness_broken" in [e["event"] for e in loop.state.doc["events"]]
+
+
 # -------------------------------------------------------------------------------- real local runs ---
 
 
