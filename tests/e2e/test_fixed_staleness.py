@@ -50,6 +50,16 @@ def by_hand(tmp_path, mode: str, steps: int = 5):
     return run, loop, ch, seen
 
 
+def drive_answering(loop, ch, special) -> None:
+    """Like ``drive``, but ``special(task)`` may answer a task instead (None: the usual answer)."""
+    while ch.queue and loop.outcome is None:
+        role, task = ch.queue.pop(0)
+        res = special(task) or answer(loop, task)
+        ch.events.append(("-", *what(task)))
+        loop.on_message({"type": "task_done", "task_id": task["id"], "rank": 0, "result": res.to_dict()})
+        assert loop.state.running or task["kind"] == "stop", loop.state.doc["reason"]
+
+
 @pytest.mark.parametrize("mode", ["bounded", "fixed"])
 def test_fixed_holds_each_sync_until_rollout_made_the_last_step_on_older_weights(tmp_path, mode):
     """Every task answered in the order handed out (an interleaving a real run may take): bounded syncs step 1 while
@@ -119,16 +129,14 @@ def test_a_step_voided_for_damage_is_generated_again_on_newer_weights(tmp_path):
 
     run, loop, ch, seen = by_hand(tmp_path, "fixed")
     damaged = []
-    while ch.queue and loop.outcome is None:
-        role, task = ch.queue.pop(0)
+
+    def train_3_damaged(task: dict):
         if task["kind"] == "train" and task["step"] == 3 and not damaged:
             damaged.append(task["id"])  # the chunk file is not there: the broker's own check quarantines it
-            res = M.TaskError(error="DamagedChunk: step_3/chunk_rollout_2.h5: checksum mismatch")
-        else:
-            res = answer(loop, task)
-        ch.events.append(("-", *what(task)))
-        loop.on_message({"type": "task_done", "task_id": task["id"], "rank": 0, "result": res.to_dict()})
-        assert loop.state.running or task["kind"] == "stop", loop.state.doc["reason"]
+            return M.TaskError(error="DamagedChunk: step_3/chunk_rollout_2.h5: checksum mismatch")
+        return None
+
+    drive_answering(loop, ch, train_3_damaged)
     assert damaged and loop.step == 5, (loop.step, loop.state.doc.get("phase"))
     assert sum(1 for e in ch.events if e == ("-", "generate", "3")) == 2  # generated twice
     events = [e["event"] for e in loop.state.doc["events"]]
@@ -143,16 +151,14 @@ def test_an_engine_restarted_under_a_held_sync_does_not_stop_the_run(tmp_path):
 
     run, loop, ch, seen = by_hand(tmp_path, "fixed")
     killed = []
-    while ch.queue and loop.outcome is None:
-        role, task = ch.queue.pop(0)
+
+    def engine_dead_at_sync_1(task: dict):
         if task["kind"] == "sync" and task["version"] == "1" and not killed:
             killed.append(task["id"])
-            res = M.SyncResult(dead_engines={"engine0": "connection refused"})
-        else:
-            res = answer(loop, task)
-        ch.events.append(("-", *what(task)))
-        loop.on_message({"type": "task_done", "task_id": task["id"], "rank": 0, "result": res.to_dict()})
-        assert loop.state.running or task["kind"] == "stop", loop.state.doc["reason"]
+            return M.SyncResult(dead_engines={"engine0": "connection refused"})
+        return None
+
+    drive_answering(loop, ch, engine_dead_at_sync_1)
     assert killed and loop.step == 5, (loop.step, loop.state.doc.get("phase"))
     assert seen[3] == "2" and seen[4] == "2" and seen[5] == "3"  # step 3 off the fixed trajectory, then back on it
     assert "fixed_staleness_broken" in [e["event"] for e in loop.state.doc["events"]]
