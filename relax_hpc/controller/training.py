@@ -322,9 +322,13 @@ class TrainingLoop:
         self._pump_generate()
         self.state.progress(phase=self._phase(), generated=self.generated)
 
+    def _next_generate(self) -> int:
+        """The step rollout generates next: a step voided for damage comes first."""
+        return min(self.regen) if self.regen else self.generated + 1
+
     def _pump_generate(self) -> None:
         """Rollout's next generate, if it is idle and the gate, the engines and a pause let it start."""
-        n = min(self.regen) if self.regen else self.generated + 1  # a step voided for damage comes first
+        n = self._next_generate()
         owed = self._owed(n)  # fixed: a held sync waits for this step, so a stop does not hold it back
         if self._idle("rollout") and (self.stop_request is None or owed) and (self.regen or self.generated < self.total):
             # an engine to send to (none ready while the only ones left are catching up: wait for that sync;
@@ -373,7 +377,7 @@ class TrainingLoop:
         started again, or joined, and hold the model on disk; a catch-up sync would give them the held step's, too
         new). The held sync goes out, and the steps it waited for are generated on its weights: the run goes on,
         off the fixed trajectory, with an event."""
-        n = min(self.regen) if self.regen else self.generated + 1
+        n = self._next_generate()
         if not self._owed(n) or self._routable(n) or not self.registry.live():
             return
         m, last = self.held_sync, self._last_on_old(self.held_sync)
@@ -421,7 +425,7 @@ class TrainingLoop:
         joins and attached jobs move on."""
         self.elastic.started = self.started
         self.elastic.tick()
-        if self.paused and self.started and not self._paused(min(self.regen) if self.regen else self.generated + 1):
+        if self.paused and self.started and not self._paused(self._next_generate()):
             self._pump()
 
     def _train(self, n: int) -> None:
