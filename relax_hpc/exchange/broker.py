@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import re
+import secrets
 import shutil
 import threading
 import time
@@ -160,6 +162,41 @@ def split_id(chunk_id: str) -> tuple[int, str]:
     return int(m.group(1)), m.group(2)
 
 
+class _Reaper:
+    """Deletes cleared partitions off the caller's path. A step's files can be many GB, and freeing their blocks
+    takes milliseconds per file; the clear that ends a step sits between an ack and the next hand-out. The
+    partition is renamed away first (``.trash_step_<N>_<rand>``: the name is free again at once, for a step that
+    starts again), then one daemon thread deletes it. A crash before that leaves a ``.trash_*`` directory, which
+    :meth:`Broker._gc` removes at the next open."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._idle = threading.Condition()
+        self._pending = 0
+
+    def put(self, path: Path) -> None:
+        with self._idle:
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="exchange-reaper", daemon=True)
+                self._thread.start()
+        self._q.put(path)
+
+    def _run(self) -> None:
+        while True:
+            path = self._q.get()
+            shutil.rmtree(path, ignore_errors=True)
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until everything put so far is deleted."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+
 class Broker:
     """The exchange's state machine, rebuilt from ``journal_path`` (default ``<root>/journal.jsonl``).
 
@@ -187,6 +224,7 @@ class Broker:
         self.check_files = check_files
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
+        self._reaper = _Reaper()
 
         self._steps: dict[int, _Step] = {}  # started, not cleared (the uncleared partitions)
         self._cleared: set[int] = set()
@@ -310,7 +348,7 @@ class Broker:
         """Finish what a crash may have interrupted after a journal record: deletions and moves."""
         for e in os.scandir(self.root):
             m = re.fullmatch(r"step_(\d+)", e.name)
-            if m and e.is_dir() and int(m.group(1)) in self._cleared | self._voided:
+            if (m and e.is_dir() and int(m.group(1)) in self._cleared | self._voided) or e.name.startswith(".trash_step_"):
                 shutil.rmtree(e.path, ignore_errors=True)
         for step in self._steps:
             partition_dir(self.root, step).mkdir(exist_ok=True)
@@ -660,9 +698,19 @@ class Broker:
         unconsumed = sum(self._chunks[cid].ref.n for cid in st.chunks
                          if not self._chunks[cid].quarantined and not self._done(self._chunks[cid]))
         self._log({"op": "cleared", "step": step, "forced": forced, "unconsumed": unconsumed})
-        self._journal.flush()  # the record on disk before the files go (inside a group too)
-        shutil.rmtree(partition_dir(self.root, step), ignore_errors=True)
-        _fsync_dir(self.root)
+        self._journal.when_durable(lambda: self._trash(step))  # the record on disk before the files go
+
+    def _trash(self, step: int) -> None:
+        """Move a cleared partition away and let the reaper delete it. No directory fsync: a rename lost in a
+        crash brings back a step the journal says is cleared, which _gc deletes at the next open."""
+        if step not in self._cleared:  # started again (a rewind) before the group that cleared it ended
+            return
+        trash = self.root / f".trash_step_{step}_{secrets.token_hex(4)}"
+        try:
+            os.rename(partition_dir(self.root, step), trash)
+        except FileNotFoundError:
+            return
+        self._reaper.put(trash)
 
     def rewind(self, step: int) -> list[int]:
         """Forget every partition after ``step``, cleared or not: a run resumed from the checkpoint of ``step``
@@ -777,6 +825,7 @@ class Broker:
     def close(self) -> None:
         with self._lock:
             self._journal.close()
+        self._reaper.drain()  # a closed broker has deleted what it cleared
 
     def __enter__(self) -> "Broker":
         return self

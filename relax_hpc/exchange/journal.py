@@ -100,6 +100,7 @@ class Journal:
         self._fsync = fsync
         self._groups = 0  # > 0: inside group(): records are written now, made durable once at its end
         self._unsynced = False
+        self._after: list = []  # when_durable callbacks waiting for the group's sync
         self.appended = 0
         self.syncs = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,6 +154,16 @@ class Journal:
         if self._unsynced and self._fd >= 0:
             self._sync()
 
+    def when_durable(self, fn) -> None:
+        """Run ``fn`` once the records written so far are durable: now (after a sync, if one is owed) outside a
+        group; after the group's one sync inside one. For what may only happen after its record, such as
+        deleting a cleared step's files, without a sync of its own."""
+        if self._groups and self._fsync:
+            self._after.append(fn)
+        else:
+            self.flush()
+            fn()
+
     @contextlib.contextmanager
     def group(self) -> Iterator[None]:
         """Group commit: the records appended inside are written as they come and made durable together, with one
@@ -164,8 +175,12 @@ class Journal:
             yield
         finally:
             self._groups -= 1
-            if not self._groups and self._unsynced and self._fd >= 0:
-                self._sync()
+            if not self._groups:
+                after, self._after = self._after, []
+                if self._unsynced and self._fd >= 0:
+                    self._sync()  # (if it raises, nothing in ``after`` runs: the records may not be durable)
+                for fn in after:
+                    fn()
 
     def close(self) -> None:
         if self._fd >= 0:

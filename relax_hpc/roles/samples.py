@@ -58,12 +58,12 @@ def _rollout_values(s: Any) -> dict[str, list]:
 
 
 def _column(name: str, values: list) -> Any:
-    """One field's values as the column its schema says: ndarray, :class:`Ragged`, or a JSON list."""
+    """One field's values as the column its schema says: ndarray, a list of per-sample arrays, or a JSON list."""
     f = BY_NAME[name]
     if f.kind == "fixed":
         return np.asarray(values, dtype=f.dtype)
-    if f.kind == "ragged":
-        return Ragged.from_list([np.asarray(v, dtype=f.dtype) for v in values])
+    if f.kind == "ragged":  # per-sample arrays: write_chunk writes them as they are, not concatenated first
+        return [np.asarray(v, dtype=f.dtype) for v in values]
     return list(values)
 
 

@@ -275,6 +275,28 @@ def test_auto_clear_and_crash_between_journal_and_delete(xroot):
     assert not partition_dir(xroot, 0).exists() and b.stats()["cleared"] == 1
 
 
+def test_a_cleared_step_is_deleted_off_the_callers_path(xroot):
+    """Clearing renames the partition away at once (the name is free, the step gone from view) and a background
+    thread deletes it; close() waits for that. A trash directory a crash left is removed at the next open."""
+    b = broker(xroot)
+    b.start_step(0)
+    ref = put(b, xroot, 0, [1, 2])
+    b.end_step(0)
+    b.ack(b.request("fwd").id)
+    add_fields(b, ref, "actor_fwd", lp_for(ref))
+    with b.group():
+        b.ack(b.request("train").id)  # completes the step: cleared, its files moved only after the group's sync
+        assert partition_dir(xroot, 0).exists()
+    assert not partition_dir(xroot, 0).exists()
+    b.close()
+    assert not [p for p in os.listdir(xroot) if p.startswith(".trash_")]
+    left = xroot / ".trash_step_0_deadbeef"
+    (left / "sub").mkdir(parents=True)
+    (left / "sub" / "chunk_p_0.h5").write_bytes(b"x" * 100)
+    broker(xroot).close()
+    assert not left.exists()
+
+
 def test_staleness_gate_rules(xroot):
     b = broker(xroot, max_staleness=1)
     assert b.may_start(0) and b.start_step(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -192,15 +193,15 @@ def test_a_published_chunk_is_never_replaced(xroot):
 def test_a_failed_write_leaves_nothing(xroot, monkeypatch):
     partition_dir(xroot, 0).mkdir()
     calls = []
-    real = os.write
+    real = os.pwritev
 
-    def failing_write(fd, data):  # the header goes out, then the disk fills up
+    def failing_write(fd, buffers, offset):  # the array goes out, then the disk fills up (at the header)
         calls.append(1)
         if len(calls) > 1:
             raise OSError(28, "No space left on device")
-        return real(fd, data)
+        return real(fd, buffers, offset)
 
-    monkeypatch.setattr(chunkmod.os, "write", failing_write)
+    monkeypatch.setattr(chunkmod.os, "pwritev", failing_write)
     with pytest.raises(OSError, match="space"):
         write_chunk(xroot, 0, "p", 0, {"a": [1, 2]})
     monkeypatch.undo()
@@ -318,3 +319,59 @@ def test_each_checksum_is_written_named_and_verified(xroot, algo):
     with pytest.raises(DamagedChunk, match="checksum"):
         verify_file(ref.path, ref.checksum, ref.size)
 
+
+
+def test_a_chunk_is_plain_hdf5_one_dataset_per_field(xroot):
+    """Standard HDF5 tools read a chunk without us: one contiguous dataset per field, a ragged field's offsets
+    beside it (``<field>.offsets``), the JSON ``meta`` attribute; arrays of 64 bytes or more 64-byte aligned. What read_chunk takes
+    from the header's index is what HDF5 finds."""
+    import h5py
+
+    partition_dir(xroot, 0).mkdir()
+    cols = sample_fields([1, 2, 3], [5, 0, 70])
+    ref = write_chunk(xroot, 0, "p", 0, cols, {"group_size": 3})
+    ours = read_chunk(ref, ragged="flat")
+    with h5py.File(ref.path, "r") as f:  # HDF5 skips the user block
+        assert set(f) == {"sid", "tokens", "tokens.offsets", "reward"}
+        meta = json.loads(f.attrs["meta"])
+        assert meta["fields"] == {"sid": "fixed", "tokens": "ragged", "reward": "fixed"} and meta["attrs"] == {"group_size": 3}
+        assert same_array(f["sid"][()], ours["sid"]) and same_array(f["reward"][()], ours["reward"])
+        assert same_array(f["tokens"][()], ours["tokens"].data)
+        assert same_array(f["tokens.offsets"][()], ours["tokens"].offsets)
+        for name in f:
+            assert f[name].id.get_create_plist().get_layout() == h5py.h5d.CONTIGUOUS
+        assert f["tokens"].nbytes >= 64 and f["tokens"].id.get_offset() % 64 == 0  # (smaller arrays: not aligned)
+
+
+def _legacy_chunk(directory, name, cols):
+    """A chunk as written before the header index: a group per ragged field (data, offsets), no index line."""
+    import h5py
+
+    tmp = directory / ".legacy.tmp"
+    with h5py.File(tmp, "w", userblock_size=HEADER_SIZE) as f:
+        f.attrs["meta"] = json.dumps({"format": chunkmod.FORMAT, "v": 1, "kind": "chunk", "n": 2,
+                                      "fields": {k: kind for k, (kind, _) in cols.items()}})
+        for k, (kind, v) in cols.items():
+            if kind == "fixed":
+                f.create_dataset(k, data=v)
+            else:
+                g = f.create_group(k)
+                g.create_dataset("data", data=v.data)
+                g.create_dataset("offsets", data=v.offsets)
+    body = tmp.read_bytes()[HEADER_SIZE:]
+    size = HEADER_SIZE + len(body)
+    checksum = chunkmod.digest([chunkmod._header("chunk", chunkmod._placeholder("crc32c"), size, 2, None), body])
+    (directory / name).write_bytes(chunkmod._header("chunk", checksum, size, 2, None) + body)
+    tmp.unlink()
+    return checksum, size
+
+
+def test_a_chunk_written_before_the_index_still_reads(xroot):
+    partition_dir(xroot, 0).mkdir()
+    toks = Ragged.from_list([np.arange(3, dtype=np.int32), np.arange(5, dtype=np.int32)])
+    checksum, size = _legacy_chunk(partition_dir(xroot, 0), "chunk_p_0.h5",
+                                   {"sid": ("fixed", np.array([7, 8])), "tokens": ("ragged", toks)})
+    ref = chunkmod.ChunkRef(path=str(partition_dir(xroot, 0) / "chunk_p_0.h5"), step=0, n=2, fields=("sid", "tokens"),
+                            checksum=checksum, size=size)
+    got = read_chunk(ref)
+    assert got["sid"].tolist() == [7, 8] and [t.tolist() for t in got["tokens"]] == [[0, 1, 2], [0, 1, 2, 3, 4]]

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from relax_hpc.exchange import Broker
+from relax_hpc.exchange import journal as journal_mod
 from relax_hpc.exchange.journal import Journal, JournalCorrupt, JournalLocked, replay
 
 from .helpers import fresh_dir, sample_fields
@@ -119,6 +120,35 @@ def test_a_group_makes_its_records_durable_with_one_sync(xroot):
         pass
     j.append({"op": "x", "i": 7})
     assert j.syncs == base + 3
+    j.close()
+
+
+def test_when_durable_runs_after_the_records_are_synced(xroot, monkeypatch):
+    """A deletion waits for its record: inside a group it runs after the group's one sync (none of its own), and
+    not at all when that sync fails; outside a group it runs at once, after its sync."""
+    j = Journal(xroot / "j.jsonl")
+    seen = []
+    with j.group():
+        j.append({"op": "x"})
+        j.when_durable(lambda: seen.append(j.syncs))
+        assert seen == []
+    assert seen == [j.syncs] and not j._unsynced
+    j.append({"op": "y"})
+    j.when_durable(lambda: seen.append("now"))
+    assert seen[-1] == "now"
+    def failing_sync(fd):
+        raise OSError(5, "I/O error")
+
+    monkeypatch.setattr(journal_mod, "_datasync", failing_sync)
+    with pytest.raises(OSError):
+        with j.group():
+            j.append({"op": "z"})
+            j.when_durable(lambda: seen.append("never"))
+    monkeypatch.undo()
+    assert "never" not in seen
+    with j.group():  # the failed group's callbacks are gone, not carried into the next one
+        j.append({"op": "w"})
+    assert "never" not in seen
     j.close()
 
 

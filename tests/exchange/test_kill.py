@@ -20,7 +20,7 @@ from .helpers import produce
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The child writes one big chunk slowly: os.write is slowed per 64 KiB block, and it says (by a marker
+# The child writes one big chunk slowly: os.pwritev is slowed per 64 KiB block, and it says (by a marker
 # file) when the first block is out; with FSYNC_HANG it instead hangs inside the fsync before the link.
 CHILD = textwrap.dedent(
     """
@@ -29,9 +29,9 @@ CHILD = textwrap.dedent(
     from relax_hpc.exchange import chunk
     root, marker, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     chunk._WRITE_BLOCK = 1 << 16
-    real_write, real_fsync = os.write, os.fsync
-    def slow_write(fd, data):
-        n = real_write(fd, data)
+    real_write, real_fsync = os.pwritev, os.fsync
+    def slow_write(fd, data, offset):
+        n = real_write(fd, data, offset)
         if not os.path.exists(marker):
             open(marker, "w").close()
         time.sleep(0.002)
@@ -41,7 +41,7 @@ CHILD = textwrap.dedent(
         open(marker, "w").close()
         time.sleep(60)
     if mode == "slow":
-        os.write = slow_write
+        os.pwritev = slow_write
     elif mode == "fsync_hang":
         os.fsync = hanging_fsync
     if mode == "loop":
