@@ -143,7 +143,8 @@ def work(ctx: RoleContext, comm: Any) -> None:
                 connect(M.ConnectTask(engines=engines, load=None, followers=st["followers"]))
             err: WeightSyncError | None = None
             try:
-                out: dict[str, Any] = dict(push_from_actor(stream(), st["sender"] if rank == 0 else None, version))
+                out: dict[str, Any] = dict(push_from_actor(stream(), st["sender"] if rank == 0 else None, version,
+                                                           in_place=actor.in_place()))
             except WeightSyncError as e:
                 err = e
             # rank 0 decides for every rank: done, again without the engines that are gone now, or failed

@@ -22,7 +22,7 @@ Padding, micro-batching (``train.micro_batch_size``) and DP sharding happen insi
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -122,3 +122,10 @@ class MegatronActor:
     def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective iterator of (HF name, full CPU tensor), for weight sync; every rank gets full tensors."""
         return hf_export.named_hf_weights(self.bridge, self.model)
+
+    def in_place(self) -> Callable[[torch.Tensor], bool]:
+        """Which exported tensors are views of the model's own parameter memory (Megatron's DDP param buffer on
+        CPU, TP 1: most of them; a gathered or converted tensor is not). Between steps that memory stays put,
+        so a weight sync may send them as they lie (``WeightSender.push(in_place=...)``)."""
+        storages = {p.untyped_storage().data_ptr() for m in self.model for p in m.parameters()}
+        return lambda t: t.untyped_storage().data_ptr() in storages

@@ -17,7 +17,7 @@ already contiguous). At most one bucket per dtype is open at a time, so the memo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +72,7 @@ class Bucket:
 
     flat: torch.Tensor
     metadata: list[TensorMeta]
+    in_place: bool = False  # flat is the memory the tensors occupy in the sender's model (no copy was made)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -198,8 +199,13 @@ class BufferRing:
         return sum(b.numel() for b in self.bufs if b is not None)
 
 
+IN_PLACE_MIN_BYTES = 4 * MiB  # below this a run goes through a pack copy: one broadcast (and one announce) fewer
+
+
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, ring: BufferRing | None = None) -> Iterator[Bucket]:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, ring: BufferRing | None = None,
+                 in_place: Callable[[torch.Tensor], bool] | None = None,
+                 in_place_min: int = IN_PLACE_MIN_BYTES) -> Iterator[Bucket]:
     """Group a stream of (name, tensor) into buckets of at most ``bucket_bytes`` each, one dtype per bucket.
 
     Streaming: a bucket is packed and yielded as soon as it is full, so the whole model is never held at
@@ -207,6 +213,13 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
     dtype; buckets come out when they fill, the rest at the end in order of each dtype's first tensor.
     Names must be unique. ``ring``: pack into its reusable buffers (see :class:`BufferRing` for how long a
     bucket then stays valid); a lone contiguous tensor is never copied either way.
+
+    ``in_place(t)`` True: ``t`` is a view into memory that stays put for the whole send (the actor's
+    parameters sit in Megatron's DDP param buffer, and the bridge exports most of them as views of it). Such
+    tensors are not packed: they are held (no memory: views) to the end of the stream, sorted by address, and
+    every run of them that lies end to end in one buffer, of ``in_place_min`` bytes or more, is sent as it lies,
+    a bucket that is a view of that memory (cut at ``bucket_bytes``), its tensors announced in address order.
+    Shorter runs are packed with the rest.
     """
 
     def emit(items):
@@ -214,29 +227,71 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
             return pack(items)
         return pack(items, out=ring.take(sum(t.numel() for _, t in items), items[0][1].dtype))
 
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    open_: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-    size: dict[torch.dtype, int] = {}
-    seen: set[str] = set()
-    for name, t in named_tensors:
-        if name in seen:
-            raise ValueError(f"tensor name {name!r} appears twice")
-        seen.add(name)
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    def add(name, t):
         nb = t.numel() * t.element_size()
         if nb > bucket_bytes:  # alone, and without disturbing the open bucket of its dtype
             yield emit([(name, t)])
-            continue
+            return
         d = t.dtype
         if d in open_ and size[d] + nb > bucket_bytes:
             yield emit(open_.pop(d))
             del size[d]
         open_.setdefault(d, []).append((name, t))
         size[d] = size.get(d, 0) + nb
+
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    open_: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    size: dict[torch.dtype, int] = {}
+    seen: set[str] = set()
+    held: list[tuple[str, torch.Tensor]] = []
+    for name, t in named_tensors:
+        if name in seen:
+            raise ValueError(f"tensor name {name!r} appears twice")
+        seen.add(name)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if in_place is not None and t.is_contiguous() and t.numel() and in_place(t):
+            held.append((name, t))
+        else:
+            yield from add(name, t)
+    for run in _runs(held, bucket_bytes):
+        if sum(t.numel() * t.element_size() for _, t in run) >= in_place_min:
+            yield _view_bucket(run)
+        else:
+            for name, t in run:
+                yield from add(name, t)
     for d in list(open_):
         yield emit(open_.pop(d))
+
+
+def _runs(held: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The held tensors as runs that lie end to end in one buffer (same storage, dtype and device), in address
+    order, each at most ``bucket_bytes`` (or one tensor)."""
+    by_buf: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in held:
+        by_buf.setdefault((t.untyped_storage().data_ptr(), t.dtype, t.device), []).append((name, t))
+    for items in by_buf.values():
+        items.sort(key=lambda nt: nt[1].data_ptr())
+        run: list[tuple[str, torch.Tensor]] = []
+        end = nbytes = 0
+        for name, t in items:
+            nb = t.numel() * t.element_size()
+            if run and (t.data_ptr() != end or nbytes + nb > bucket_bytes):  # a gap (or an overlap), or full
+                yield run
+                run, nbytes = [], 0
+            run.append((name, t))
+            end, nbytes = t.data_ptr() + nb, nbytes + nb
+        if run:
+            yield run
+
+
+def _view_bucket(run: list[tuple[str, torch.Tensor]]) -> Bucket:
+    """A bucket whose flat buffer is the memory the run's tensors already occupy: no copy."""
+    meta = plan((n, tuple(t.shape), t.dtype) for n, t in run)
+    first = run[0][1]
+    flat = first.detach().as_strided((meta[-1].end_idx,), (1,))  # from the first tensor's start, in its storage
+    return Bucket(flat, meta, in_place=True)
 
 
 def buckets_bytes(buckets: Iterable[Bucket]) -> int:

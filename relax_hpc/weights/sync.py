@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.rollout.client import EngineClient, EngineError, update_protocol
-from relax_hpc.weights.buckets import (DEFAULT_BUCKET_BYTES, Bucket, BufferRing, dtype_from_name, empty_flat, iter_buckets, plan,
+from relax_hpc.weights.buckets import (DEFAULT_BUCKET_BYTES, IN_PLACE_MIN_BYTES, Bucket, BufferRing, dtype_from_name, empty_flat, iter_buckets, plan,
                                        unpack)
 
 log = logging.getLogger("relax_hpc.weights")
@@ -125,7 +125,8 @@ def new_group(store: dist.Store, rank: int, world_size: int, group_name: str, ba
 def send_buckets(named: Iterable[tuple[str, torch.Tensor]], pg: dist.ProcessGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  *, mode: str = "bucketed", device: torch.device | str | None = None,
                  announce: Callable[[Bucket], Any] | None = None, confirm: Callable[[Bucket, Any], None] | None = None,
-                 stats: dict | None = None, ring: BufferRing | None = None) -> dict:
+                 stats: dict | None = None, ring: BufferRing | None = None,
+                 in_place: Callable[[torch.Tensor], bool] | None = None, in_place_min: int = IN_PLACE_MIN_BYTES) -> dict:
     """Rank 0's side of the transfer: bucket ``named`` and broadcast each bucket from rank 0 of ``pg``.
 
     ``mode="bucketed"``: one broadcast of the bucket's flat buffer (SGLang ``load_format="flattened_bucket"``);
@@ -133,10 +134,11 @@ def send_buckets(named: Iterable[tuple[str, torch.Tensor]], pg: dist.ProcessGrou
     Per bucket: ``h = announce(bucket)`` (tell the receivers what comes), the broadcast(s) start (async),
     the *next* bucket is packed while they run, then ``confirm(bucket, h)`` (the receivers took it) and the
     broadcasts are waited for. ``device``: move tensors there first (the group's device; NCCL needs CUDA).
-    ``ring``: reusable pack buffers (at least 2: one bucket on the wire, one being packed).
-    Returns (and adds to ``stats``) bytes, buckets, tensors."""
+    ``ring``: reusable pack buffers (at least 2: one bucket on the wire, one being packed). ``in_place``: which
+    tensors stay put during the send, to go out as they lie, without a pack copy (:func:`iter_buckets`; runs of
+    ``in_place_min`` bytes or more). Returns (and adds to ``stats``) bytes, buckets, tensors, in_place_bytes."""
     stats = stats if stats is not None else {}
-    for k in ("bytes", "buckets", "tensors"):
+    for k in ("bytes", "buckets", "tensors", "in_place_bytes"):
         stats.setdefault(k, 0)
     dev = torch.device(device) if device is not None else None
 
@@ -153,7 +155,8 @@ def send_buckets(named: Iterable[tuple[str, torch.Tensor]], pg: dist.ProcessGrou
     if ring is not None and ring.n < 2:
         raise ValueError("send_buckets needs a BufferRing of at least 2 buffers")
     inflight = None
-    for bucket in iter_buckets(moved(), bucket_bytes, ring=ring):  # packing happens here, while `inflight` broadcasts
+    for bucket in iter_buckets(moved(), bucket_bytes, ring=ring, in_place=in_place, in_place_min=in_place_min):
+        # (packing happened in iter_buckets, while `inflight` broadcast)
         if inflight is not None:
             finish(*inflight)
         handle = announce(bucket) if announce is not None else None
@@ -167,6 +170,7 @@ def send_buckets(named: Iterable[tuple[str, torch.Tensor]], pg: dist.ProcessGrou
         stats["bytes"] += bucket.nbytes
         stats["buckets"] += 1
         stats["tensors"] += len(bucket)
+        stats["in_place_bytes"] += bucket.nbytes if bucket.in_place else 0
     if inflight is not None:
         finish(*inflight)
     return stats
@@ -217,8 +221,10 @@ class WeightSender:
     def __init__(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause_mode: str = "retract",
                  mode: str = "bucketed", backend: str | None = None, device: str | torch.device | None = None,
                  group_name: str | None = None, timeout: float = 600.0, connect_timeout: float = 120.0,
-                 control_timeout: float = 60.0, reuse_buffers: bool | None = None, api_key: str | None = None):
-        """``api_key``: the run's engine key (``RunDir.api_key()``), sent with every call to an engine given by URL."""
+                 control_timeout: float = 60.0, reuse_buffers: bool | None = None, api_key: str | None = None,
+                 in_place_min_bytes: int = IN_PLACE_MIN_BYTES):
+        """``api_key``: the run's engine key (``RunDir.api_key()``), sent with every call to an engine given by URL.
+        ``in_place_min_bytes``: the shortest run of in-place tensors sent without a pack copy (see ``push``)."""
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
         if mode not in MODES:
@@ -226,6 +232,7 @@ class WeightSender:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.bucket_bytes = int(bucket_bytes)
+        self.in_place_min_bytes = int(in_place_min_bytes)
         self.pause_mode = pause_mode
         self.mode = mode
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -355,10 +362,13 @@ class WeightSender:
 
     # ------------------------------------------------------------------ push
     def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: str | int, *,
-             mode: str | None = None, pause_mode: str | None = None) -> dict[str, float]:
+             mode: str | None = None, pause_mode: str | None = None,
+             in_place: Callable[[torch.Tensor], bool] | None = None) -> dict[str, float]:
         """Send every (HF name, full tensor) to every engine and set their ``weight_version`` to ``version``.
 
-        ``named_weights`` is consumed lazily (the actor's collective gather yields tensor by tensor). Returns
+        ``named_weights`` is consumed lazily (the actor's collective gather yields tensor by tensor). ``in_place``:
+        which of them are views of memory that stays put during the push (the actor's param buffer), sent as they
+        lie without a pack copy (:func:`~relax_hpc.weights.buckets.iter_buckets`). Returns
         metrics: ``perf/weight_sync_time`` (s, pause to continue; also as Relax's ``perf/update_weights_time``),
         ``perf/weight_sync_transfer_time`` (s, the bucket loop), ``perf/weight_sync_pause_time``,
         ``perf/weight_sync_bytes``, ``perf/weight_sync_buckets``, ``perf/weight_sync_tensors``,
@@ -379,7 +389,7 @@ class WeightSender:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
         version = str(version)
         t0 = time.perf_counter()
-        stats = {"bytes": 0, "buckets": 0, "tensors": 0}
+        stats = {"bytes": 0, "buckets": 0, "tensors": 0, "in_place_bytes": 0}
         t_xfer0 = t_xfer = t0
         errors: list[BaseException] = []
         in_session = body_failed = False
@@ -390,7 +400,7 @@ class WeightSender:
             in_session = True  # SGLang >= 0.5.23 refuses updates outside a session; older releases have none
             self._on_all(lambda e: e.begin_weight_update(), "/begin_weight_update", only=self._in_sessions())
             t_xfer0 = time.perf_counter()
-            self._send_all(named_weights, mode, stats)
+            self._send_all(named_weights, mode, stats, in_place)
             t_xfer = time.perf_counter()
             # the version moves only once every bucket is in (SGLang's /end_weight_update carries none)
             self._on_all(lambda e: e.update_weight_version(version, abort_all_requests=False),
@@ -420,13 +430,14 @@ class WeightSender:
             "perf/weight_sync_transfer_time": xfer, "perf/weight_sync_pause_time": t_xfer0 - t0,
             "perf/weight_sync_bytes": float(stats["bytes"]), "perf/weight_sync_buckets": float(stats["buckets"]),
             "perf/weight_sync_tensors": float(stats["tensors"]), "perf/weight_sync_gbps": stats["bytes"] / xfer / 1e9,
+            "perf/weight_sync_in_place_bytes": float(stats["in_place_bytes"]),
         }
         log.info("weight sync to version %s (%s): %d tensors, %d buckets, %.1f MB in %.3f s (transfer %.3f s, %.2f GB/s)",
                  version, mode, stats["tensors"], stats["buckets"], stats["bytes"] / 1e6, total, xfer,
                  metrics["perf/weight_sync_gbps"])
         return metrics
 
-    def _send_all(self, named_weights, mode: str, stats: dict) -> None:
+    def _send_all(self, named_weights, mode: str, stats: dict, in_place=None) -> None:
         def announce(bucket: Bucket):  # the engines learn what comes, then wait in the broadcast
             fmt = "flattened_bucket" if mode == "bucketed" else None
             return {_in_thread(e.update_weights_from_distributed, bucket.names, bucket.dtypes, bucket.shapes,
@@ -445,7 +456,8 @@ class WeightSender:
 
         try:
             send_buckets(named_weights, self.pg, self.bucket_bytes, mode=mode, device=self.device,
-                         announce=announce, confirm=confirm, stats=stats, ring=self.ring)
+                         announce=announce, confirm=confirm, stats=stats, ring=self.ring, in_place=in_place,
+                         in_place_min=self.in_place_min_bytes)
         except WeightSyncError:
             raise
         except Exception as e:

@@ -55,6 +55,8 @@ def test_megatron_actor_push(engines, tiny_model, tmp_path):
     assert c.weight_version() == "actor-1"
     m = res["metrics"]
     assert m["perf/weight_sync_tensors"] == len(original) and m["perf/weight_sync_buckets"] > 1
+    # most of the weights went out of the actor's own parameter memory, without a pack copy
+    assert m["perf/weight_sync_in_place_bytes"] > 0.5 * m["perf/weight_sync_bytes"], m
 
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
     g = c.generate(PROMPT, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))

@@ -147,3 +147,55 @@ def test_streaming_holds_one_open_bucket_per_dtype():
     it = B.iter_buckets(source(), bucket_bytes=2000)
     first = next(it)
     assert first.names == ["t0", "t1"] and pulled == [0, 1, 2]
+
+
+def _ddp_like(sizes, seed=0):
+    """Parameters as views of one flat buffer laid out in reverse order (as Megatron's DDP param buffer), plus
+    a gap where a parameter is not exported as a view (QKV is split into fresh tensors)."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(sum(sizes) + 7, generator=g)
+    views, off = {}, 0
+    for i in reversed(range(len(sizes))):
+        views[i] = buf[off:off + sizes[i]].view(sizes[i] // 4, 4)
+        off += sizes[i]
+    return buf, views
+
+
+def test_in_place_runs_go_out_as_they_lie():
+    """Views of one buffer that lie end to end go out without a copy: the bucket's flat buffer is that memory,
+    its tensors in address order; a gap (a tensor sent as a fresh copy) ends a run; runs are cut at the bucket
+    size; short runs and fresh tensors are packed; every tensor arrives once and exact."""
+    sizes = [64, 128, 32, 256, 64, 64]
+    buf, views = _ddp_like(sizes)
+    fresh = torch.randn(8, 4)
+    named = [(f"p{i}", views[i]) for i in range(len(sizes)) if i != 3] + [("p3", views[3].clone()), ("fresh", fresh)]
+    in_place = lambda t: t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # noqa: E731
+    elem = 4
+    buckets = list(B.iter_buckets(named, bucket_bytes=200 * elem, in_place=in_place, in_place_min=100 * elem))
+    got = {n: t for b in buckets for n, t in b.unpack()}
+    assert sorted(got) == sorted(n for n, _ in named)
+    for n, t in named:
+        assert torch.equal(got[n], t)
+    placed = [b for b in buckets if b.in_place]
+    # memory, from the buffer's start: p5 p4 | p3 (exported as a copy: a gap) | p2 p1 p0
+    # runs: [p5, p4] = 128 elements; [p2, p1] = 160 (p0 would pass 200: cut); [p0] = 64 (< 100: packed)
+    assert [b.names for b in placed] == [["p5", "p4"], ["p2", "p1"]]
+    for b in placed:
+        first = dict(named)[b.names[0]]
+        assert b.flat.data_ptr() == first.data_ptr() and b.flat.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    packed = {n for b in buckets if not b.in_place for n in b.names}
+    assert packed == {"p0", "p3", "fresh"}
+    # without the predicate nothing is in place; with a minimum of 0 every run is
+    assert not any(b.in_place for b in B.iter_buckets(named, 200 * elem))
+    assert {n for b in B.iter_buckets(named, 200 * elem, in_place=in_place, in_place_min=0) if b.in_place for n in b.names} \
+        == {"p0", "p1", "p2", "p4", "p5"}
+
+
+def test_in_place_skips_what_cannot_lie_flat():
+    buf = torch.arange(40.0)
+    named = [("t", buf[:20].view(4, 5).t()), ("a", buf[20:30]), ("b", buf[25:35])]  # non-contiguous; overlapping
+    buckets = list(B.iter_buckets(named, 1 << 20, in_place=lambda t: True, in_place_min=0))
+    got = {n: t for b in buckets for n, t in b.unpack()}
+    assert all(torch.equal(got[n], t) for n, t in named)
+    assert "t" not in {n for b in buckets if b.in_place for n in b.names}  # not contiguous: packed
+    assert not any(b.in_place and b.names == ["a", "b"] for b in buckets)  # overlapping: never one flat run
