@@ -5,7 +5,7 @@ bridge's TP/PP gather). One sync looks like this (``docs/weights.md`` has the wh
 
     sender = WeightSender(bucket_bytes=512 * MiB, pause_mode="retract")
     sender.connect([EngineClient(u, api_key=key) for u in urls], master_address=socket.gethostname())   # once
-    metrics = sender.push(actor.named_hf_weights(), version="12")                           # every step
+    metrics = sender.push(actor.named_hf_weights(), version="12", in_place=actor.in_place())  # every step
 
 * ``connect``: a ``TCPStore`` on a kernel-chosen port (port 0) hosted here, then one group of
   ``1 + Σ engine TP sizes`` ranks: this process is rank 0, engine *i*'s TP ranks are
@@ -17,7 +17,7 @@ bridge's TP/PP gather). One sync looks like this (``docs/weights.md`` has the wh
   ``load_format="flattened_bucket"``) on every engine from threads, while this process
   ``dist.broadcast``s the bucket's flat buffer → ``/update_weight_version`` once every bucket arrived →
   ``/end_weight_update`` → ``/continue_generation``. Packing bucket *i+1* overlaps the broadcast of bucket
-  *i*. The end/continue calls run even when a step fails, so engines never stay paused or in a session.
+  *i*; runs of the actor's param buffer that lie end to end are not packed at all (``in_place``). The end/continue calls run even when a step fails, so engines never stay paused or in a session.
   The session calls (begin/end) go only to engines whose ``/server_info`` version needs them
   (:func:`update_protocol`: SGLang >= 0.5.23 and the CPU engine); SGLang 0.5.15-0.5.22 take the updates alone.
 
