@@ -472,7 +472,9 @@ class Autoscaler:
     through the same :meth:`Elastic.ask` as ``relax-scale`` (attached jobs too, with ``attach: true``).
 
     - **Scale out** when the trainer waited for samples (train(N) handed out only after its samples existed) more
-      than ``scale_out_wait_ratio`` of the step interval, ``window`` steps in a row: rollout is the bottleneck.
+      than ``scale_out_wait_ratio`` of the step interval, ``window`` steps in a row: rollout is the bottleneck. Or,
+      with ``scale_out_queue_per_engine`` set, when more requests than that waited per engine for a free slot
+      (``rollout/queue_per_engine``, the mean over the step's generate), ``window`` steps in a row.
     - **Scale in** when rollout sat idle at the staleness gate (it could not start the next step: the trainer is
       the bottleneck) more than ``scale_in_idle_ratio`` of the step interval, ``window`` steps in a row.
     - Never beyond ``max`` or below ``min``, ``step`` engines at a time, not while another operation runs, and not
@@ -486,14 +488,17 @@ class Autoscaler:
         self.last_action = 0.0  # time.time() of the last operation it asked for
         self.low: int | None = self.cfg.min  # null: the engines the run starts with (known once they are up)
 
-    def after_step(self, n: int, actor_wait: float, rollout_idle: float) -> dict | None:
-        """Step ``n``'s signals as shares of its step interval; the operation asked for, if any."""
+    def after_step(self, n: int, actor_wait: float, rollout_idle: float, queue: float | None = None) -> dict | None:
+        """Step ``n``'s signals: the waits as shares of its step interval, ``queue`` as requests per engine (None:
+        not measured); the operation asked for, if any."""
         c = self.cfg
         if not c.enabled or not self.el.started:
             return None
         if self.low is None:
             self.low = max(1, self.el.count())
-        self.out_streak = self.out_streak + 1 if actor_wait > c.scale_out_wait_ratio else 0
+        waited = actor_wait > c.scale_out_wait_ratio
+        queued = c.scale_out_queue_per_engine is not None and queue is not None and queue > c.scale_out_queue_per_engine
+        self.out_streak = self.out_streak + 1 if waited or queued else 0
         self.in_streak = self.in_streak + 1 if rollout_idle > c.scale_in_idle_ratio else 0
         ops = self.el.ops
         if ops and ops[-1].state == "running":
@@ -503,7 +508,9 @@ class Autoscaler:
         if self.out_streak >= c.window and have < c.max and since >= c.scale_out_cooldown_s:
             k = min(c.step, c.max - have)
             why = (f"step {n}: the trainer waited for samples {actor_wait:.0%} of the step interval, over "
-                   f"{c.scale_out_wait_ratio:.0%} for {self.out_streak} step(s)")
+                   f"{c.scale_out_wait_ratio:.0%}" if waited else
+                   f"step {n}: {queue:.1f} requests per engine waited for a free slot, over "
+                   f"{c.scale_out_queue_per_engine:g}") + f", for {self.out_streak} step(s)"
             return self._ask(f"+{k}", why)
         if self.in_streak >= c.window and have > self.low and since >= c.scale_in_cooldown_s:
             k = min(c.step, have - self.low)

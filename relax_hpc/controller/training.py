@@ -740,7 +740,8 @@ class TrainingLoop:
         cur["perf/rollout_idle_ratio"] = cur.get("perf/rollout_wait_time", 0.0) / span
         self.last_sync, self.step = now, n
         vals = self.metrics.log(n, cur)
-        self.autoscaler.after_step(n, cur["perf/actor_wait_ratio"], cur["perf/rollout_idle_ratio"])
+        self.autoscaler.after_step(n, cur["perf/actor_wait_ratio"], cur["perf/rollout_idle_ratio"],
+                                   cur.get("rollout/queue_per_engine"))
         if self._eval_due(n):  # on the weights just synced; the pump hands it to rollout before its next generate
             self.evals.append(n)
         first, _ = self.metrics.reward_ends()

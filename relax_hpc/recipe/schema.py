@@ -156,6 +156,7 @@ class AutoscaleConfig:
     step: int = 1  # engines added or drained per decision
     window: int = 2  # steps in a row a signal must hold before a decision
     scale_out_wait_ratio: float = 0.2  # scale out when the trainer waited for samples more than this share of the step interval
+    scale_out_queue_per_engine: float | None = None  # also scale out when more requests than this waited per engine for a free slot, on average over the generate; null = off
     scale_in_idle_ratio: float = 0.5  # scale in when rollout sat idle at the staleness gate more than this share
     scale_out_cooldown_s: float = 120.0  # after any scale operation, no scale-out for this long
     scale_in_cooldown_s: float = 300.0  # after any scale operation, no scale-in for this long

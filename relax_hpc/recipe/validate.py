@@ -289,6 +289,10 @@ def _check_elastic(r: Recipe) -> list[Problem]:
         for key in ("scale_out_wait_ratio", "scale_in_idle_ratio"):
             if not 0 <= getattr(a, key) <= 1:
                 out.append((f"rollout.elastic.autoscale.{key}", getattr(a, key), "must be a share, 0 to 1"))
+        q = a.scale_out_queue_per_engine
+        if q is not None and not q > 0:
+            out.append(("rollout.elastic.autoscale.scale_out_queue_per_engine", q, "must be more than 0 (requests "
+                        "waiting per engine), or null to leave the queue out of the decision"))
         for key in ("scale_out_cooldown_s", "scale_in_cooldown_s"):
             if getattr(a, key) < 0:
                 out.append((f"rollout.elastic.autoscale.{key}", getattr(a, key), "must be 0 or more (seconds)"))

@@ -174,6 +174,8 @@ class Generator:
             self.data.load_state_dict(task.data_state)
         ro = self.recipe.rollout
         sent = {n: st["requests"] for n, st in self.driver.engine_stats().items()}
+        pool = self.driver.pool
+        q0 = pool.queue_clock()
         t0 = time.monotonic()
         try:
             # seeded by (run.seed, step): a resumed run samples what the uninterrupted one would have
@@ -187,9 +189,14 @@ class Generator:
             e.report = f"{type(e).__name__}: {str(e).split(chr(10) + 'Traceback of the first failure:')[0]}"
             raise
         t_gen = time.monotonic() - t0
+        q1 = pool.queue_clock()
         t1 = time.monotonic()
         ref = S.write_step(self.ctx.run.path, step, result, seq=task.seq)
         metrics = dict(result.metrics)
+        # requests waiting for a free engine (every engine at sglang_server_concurrency), on average over the
+        # generate, per live engine: the autoscaler's queue signal
+        metrics["rollout/queue_per_engine"] = ((q1[0] - q0[0]) / max(q1[1] - q0[1], 1e-9)
+                                               / max(1, len(pool.alive())))
         metrics["perf/exchange_write_time"] = time.monotonic() - t1
         metrics["perf/rollout_time"] = metrics.get("perf/rollout_time", t_gen)
         if task.judges:

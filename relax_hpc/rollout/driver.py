@@ -87,7 +87,9 @@ class _Engine:
 
 
 class _EnginePool:
-    """Least-loaded choice among live engines, with a bound on in-flight requests per engine."""
+    """Least-loaded choice among live engines, with a bound on in-flight requests per engine. Requests that find
+    every engine at its bound wait here: the run's request queue, which :meth:`queue_clock` integrates over time
+    (the autoscaler's "requests queued per engine")."""
 
     def __init__(self, engines: list[_Engine], per_engine: int,
                  leaving: Callable[[], frozenset[str]] = frozenset) -> None:
@@ -96,6 +98,19 @@ class _EnginePool:
         self.leaving = leaving  # engines draining: no new requests (those in flight finish)
         self._cond: asyncio.Condition | None = None
         self._loop: Any = None
+        self.waiting = 0  # requests queued for a free engine now
+        self._area = 0.0  # ∫ waiting dt (request-seconds)
+        self._since = time.monotonic()
+
+    def _queue(self, delta: int) -> None:
+        now = time.monotonic()
+        self._area += self.waiting * (now - self._since)
+        self._since, self.waiting = now, self.waiting + delta
+
+    def queue_clock(self) -> tuple[float, float]:
+        """(∫ queued requests dt, now): two readings give the mean queue over the time between them."""
+        self._queue(0)
+        return self._area, self._since
 
     def _condition(self) -> asyncio.Condition:
         loop = asyncio.get_running_loop()
@@ -125,7 +140,11 @@ class _EnginePool:
                     pick.served += 1
                     pick.peak = max(pick.peak, pick.in_flight)
                     return pick
-                await cond.wait()
+                self._queue(+1)
+                try:
+                    await cond.wait()
+                finally:
+                    self._queue(-1)
 
     async def release(self, engine: _Engine) -> None:
         cond = self._condition()

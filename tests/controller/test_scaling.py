@@ -178,6 +178,29 @@ def test_the_autoscaler_decides_on_streaks_within_its_bounds_and_cooldowns(el):
     assert a.after_step(8, actor_wait=0.9, rollout_idle=0.0) is None  # at max
 
 
+def test_the_autoscaler_scales_out_on_the_request_queue(el):
+    """With ``scale_out_queue_per_engine`` set, requests queued per engine are a scale-out signal of their own
+    (the trainer need not wait); without it, the queue changes nothing."""
+    from relax_hpc.controller.elastic import Autoscaler
+
+    c = el.cfg.autoscale
+    c.enabled, c.max, c.window, c.scale_out_cooldown_s = True, 3, 2, 0.0
+    el.cap = None  # decisions only
+    asked, ask_ = [], el.ask
+    el.ask = lambda m: (asked.append(m), ask_(m))[1]
+    a = Autoscaler(el)
+    assert a.after_step(1, actor_wait=0.0, rollout_idle=0.0, queue=50.0) is None and a.out_streak == 0  # off
+    c.scale_out_queue_per_engine = 4.0
+    assert a.after_step(2, actor_wait=0.0, rollout_idle=0.0, queue=6.0) is None and a.out_streak == 1
+    assert a.after_step(3, actor_wait=0.0, rollout_idle=0.0, queue=None) is None and a.out_streak == 0  # not measured
+    assert a.after_step(4, actor_wait=0.0, rollout_idle=0.0, queue=6.0) is None
+    assert a.after_step(5, actor_wait=0.0, rollout_idle=0.0, queue=3.9) is None and a.out_streak == 0  # under it
+    assert a.after_step(6, actor_wait=0.0, rollout_idle=0.0, queue=6.0) is None
+    assert a.after_step(7, actor_wait=0.0, rollout_idle=0.0, queue=8.5) is not None
+    assert [(m["target"], m["why"]) for m in asked] == [
+        ("+1", "step 7: 8.5 requests per engine waited for a free slot, over 4, for 2 step(s)")]
+
+
 def test_the_autoscaler_waits_out_its_cooldown(el):
     from relax_hpc.controller.elastic import Autoscaler
 

@@ -32,3 +32,34 @@ def test_the_pool_skips_leaving_engines():
     assert asyncio.run(picks(4)) == ["e1"] * 4
     leaving.add("e1")  # all leaving: better late than hung
     assert set(asyncio.run(picks(2))) <= {"e0", "e1"}
+
+
+def test_the_pool_integrates_its_request_queue(monkeypatch):
+    """Requests that find every engine at its bound wait in the pool; queue_clock integrates how many waited over
+    time (the autoscaler's "requests queued per engine"). A clock stepped by hand makes the integral exact."""
+    from relax_hpc.rollout import driver as driver_mod
+
+    now = [100.0]
+    monkeypatch.setattr(driver_mod.time, "monotonic", lambda: now[0])
+    pool = _EnginePool([_Engine(name="e0", client=None)], per_engine=1)
+
+    async def scenario():
+        first = await pool.acquire()
+        a0 = pool.queue_clock()
+        waiters = [asyncio.create_task(pool.acquire()) for _ in range(2)]
+        while pool.waiting < 2:  # both queued: the engine is at its bound
+            await asyncio.sleep(0)
+        now[0] += 10.0
+        await pool.release(first)  # one waiter gets the engine, one still waits
+        while pool.waiting > 1:
+            await asyncio.sleep(0)
+        now[0] += 5.0
+        second = next(t for t in waiters if t.done()).result()
+        await pool.release(second)
+        await asyncio.gather(*waiters)
+        assert pool.waiting == 0
+        now[0] += 7.0  # nobody waits: the integral does not grow
+        return a0, pool.queue_clock()
+
+    (area0, t0), (area1, t1) = asyncio.run(scenario())
+    assert (area1 - area0, t1 - t0) == (2 * 10.0 + 1 * 5.0, 22.0)
