@@ -474,7 +474,8 @@ class Autoscaler:
     - **Scale out** when the trainer waited for samples (train(N) handed out only after its samples existed) more
       than ``scale_out_wait_ratio`` of the step interval, ``window`` steps in a row: rollout is the bottleneck. Or,
       with ``scale_out_queue_per_engine`` set, when more requests than that waited per engine for a free slot
-      (``rollout/queue_per_engine``, the mean over the step's generate), ``window`` steps in a row.
+      (``rollout/queue_per_engine``, the mean over the step's generate), ``window`` steps in a row, while rollout
+      did not sit idle at the staleness gate (then the trainer is the bottleneck, however long the queue).
     - **Scale in** when rollout sat idle at the staleness gate (it could not start the next step: the trainer is
       the bottleneck) more than ``scale_in_idle_ratio`` of the step interval, ``window`` steps in a row.
     - Never beyond ``max`` or below ``min``, ``step`` engines at a time, not while another operation runs, and not
@@ -497,7 +498,9 @@ class Autoscaler:
         if self.low is None:
             self.low = max(1, self.el.count())
         waited = actor_wait > c.scale_out_wait_ratio
-        queued = c.scale_out_queue_per_engine is not None and queue is not None and queue > c.scale_out_queue_per_engine
+        # a queue says the engines are busy, not that rollout is the bottleneck: not while rollout waits at the gate
+        queued = (c.scale_out_queue_per_engine is not None and queue is not None
+                  and queue > c.scale_out_queue_per_engine and rollout_idle <= c.scale_in_idle_ratio)
         self.out_streak = self.out_streak + 1 if waited or queued else 0
         self.in_streak = self.in_streak + 1 if rollout_idle > c.scale_in_idle_ratio else 0
         ops = self.el.ops

@@ -35,6 +35,7 @@ A quarantined chunk is never handed out again; its files move to ``<root>/quaran
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import re
@@ -60,6 +61,8 @@ from relax_hpc.exchange.chunk import (
 )
 from relax_hpc.exchange.journal import Journal, JournalCorrupt
 from relax_hpc.rundir import fsync_dir as _fsync_dir
+
+log = logging.getLogger(__name__)
 
 _ID_RE = re.compile(r"^step_(\d+)/(chunk_[A-Za-z0-9_-]+)$")
 
@@ -708,9 +711,11 @@ class Broker:
         trash = self.root / f".trash_step_{step}_{secrets.token_hex(4)}"
         try:
             os.rename(partition_dir(self.root, step), trash)
+            self._reaper.put(trash)
         except FileNotFoundError:
             return
-        self._reaper.put(trash)
+        except (OSError, RuntimeError) as e:  # the record is durable: the next open's _gc deletes what is left
+            log.warning("could not remove cleared step %d now (%s); it goes when the exchange is opened next", step, e)
 
     def rewind(self, step: int) -> list[int]:
         """Forget every partition after ``step``, cleared or not: a run resumed from the checkpoint of ``step``

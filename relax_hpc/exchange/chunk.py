@@ -477,7 +477,8 @@ def _layout(path: Path, cols: Mapping[str, tuple[str, list[_Dataset]]], meta: Ma
     non-empty dataset's offset in the file. HDF5 itself never copies or writes a byte of the data."""
     offsets = {}
     with h5py.File(path, "w-", userblock_size=ub, libver=("v110", "latest"),  # smaller object headers; HDF5 >= 1.10
-                   alignment_threshold=64, alignment_interval=64) as f:  # arrays 64-byte aligned for the reader's views
+                   alignment_threshold=64, alignment_interval=64,  # arrays 64-byte aligned for the reader's views
+                   locking=False) as f:  # a private tmp file (and Lustre without flock must not fail the write)
         # one JSON attribute (plus each field's kind): one attribute is much cheaper than one per fact
         f.attrs["meta"] = json.dumps({**meta, "fields": {name: kind for name, (kind, _) in cols.items()}},
                                      separators=(",", ":"))
@@ -553,6 +554,7 @@ def _write_file(directory: Path, final: Callable[[str], str], kind: str, cols: M
     tmp = directory / f".{final('')}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         offsets = _layout(tmp, cols, meta, ub)
+        os.chmod(tmp, 0o600)  # HDF5 created it with the umask's mode: private, like the rest of the run dir
         dsets = {d.path: d for _, ds in cols.values() for d in ds}
         placed = sorted((offsets[p], dsets[p]) for p in offsets)
         fd = os.open(tmp, os.O_RDWR)

@@ -179,8 +179,14 @@ class Journal:
                 after, self._after = self._after, []
                 if self._unsynced and self._fd >= 0:
                     self._sync()  # (if it raises, nothing in ``after`` runs: the records may not be durable)
-                for fn in after:
-                    fn()
+                errors = []
+                for fn in after:  # every one, even after one failed: each acts on a durable record of its own
+                    try:
+                        fn()
+                    except Exception as e:  # noqa: BLE001 - raised below, after the others ran
+                        errors.append(e)
+                if errors:
+                    raise errors[0]
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -175,7 +175,7 @@ class Generator:
         ro = self.recipe.rollout
         sent = {n: st["requests"] for n, st in self.driver.engine_stats().items()}
         pool = self.driver.pool
-        q0 = pool.queue_clock()
+        q0, live0 = pool.queue_clock(), len(pool.alive())
         t0 = time.monotonic()
         try:
             # seeded by (run.seed, step): a resumed run samples what the uninterrupted one would have
@@ -194,9 +194,9 @@ class Generator:
         ref = S.write_step(self.ctx.run.path, step, result, seq=task.seq)
         metrics = dict(result.metrics)
         # requests waiting for a free engine (every engine at sglang_server_concurrency), on average over the
-        # generate, per live engine: the autoscaler's queue signal
-        metrics["rollout/queue_per_engine"] = ((q1[0] - q0[0]) / max(q1[1] - q0[1], 1e-9)
-                                               / max(1, len(pool.alive())))
+        # generate, per engine live at its start: the autoscaler's queue signal. (Requests a custom generate
+        # function sends through the EngineRouter do not wait in this pool and are not counted.)
+        metrics["rollout/queue_per_engine"] = (q1[0] - q0[0]) / max(q1[1] - q0[1], 1e-9) / max(1, live0)
         metrics["perf/exchange_write_time"] = time.monotonic() - t1
         metrics["perf/rollout_time"] = metrics.get("perf/rollout_time", t_gen)
         if task.judges:

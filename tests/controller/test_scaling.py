@@ -199,6 +199,11 @@ def test_the_autoscaler_scales_out_on_the_request_queue(el):
     assert a.after_step(7, actor_wait=0.0, rollout_idle=0.0, queue=8.5) is not None
     assert [(m["target"], m["why"]) for m in asked] == [
         ("+1", "step 7: 8.5 requests per engine waited for a free slot, over 4, for 2 step(s)")]
+    # a long queue while rollout sits idle at the staleness gate: the trainer is the bottleneck, no scale-out
+    a.last_action, before = 0.0, len(asked)
+    for n in (8, 9, 10):
+        a.after_step(n, actor_wait=0.0, rollout_idle=0.9, queue=50.0)
+    assert a.out_streak == 0 and a.in_streak == 3 and not [m for m in asked[before:] if m["target"].startswith("+")]
 
 
 def test_the_autoscaler_waits_out_its_cooldown(el):

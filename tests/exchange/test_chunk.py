@@ -186,6 +186,7 @@ def test_a_published_chunk_is_never_replaced(xroot):
     with pytest.raises(ChunkExists):
         write_chunk(xroot, 0, "p", 0, {"a": [3, 4]})
     assert read_chunk(ref)["a"].tolist() == [1, 2]
+    assert os.stat(ref.path).st_mode & 0o777 == 0o600  # private, whatever the umask
     assert [p.name for p in visible_chunks(xroot, 0)] == ["chunk_p_0.h5"]
     assert not [n for n in os.listdir(ref.dir) if n.endswith(".tmp")]  # the loser's tmp is gone
 
