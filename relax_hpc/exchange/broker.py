@@ -180,10 +180,11 @@ class _Reaper:
 
     def put(self, path: Path) -> None:
         with self._idle:
+            if self._thread is None:  # (if the start fails nothing is counted: drain() never waits for it)
+                t = threading.Thread(target=self._run, name="exchange-reaper", daemon=True)
+                t.start()
+                self._thread = t
             self._pending += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="exchange-reaper", daemon=True)
-                self._thread.start()
         self._q.put(path)
 
     def _run(self) -> None:

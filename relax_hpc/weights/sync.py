@@ -17,7 +17,8 @@ bridge's TP/PP gather). One sync looks like this (``docs/weights.md`` has the wh
   ``load_format="flattened_bucket"``) on every engine from threads, while this process
   ``dist.broadcast``s the bucket's flat buffer → ``/update_weight_version`` once every bucket arrived →
   ``/end_weight_update`` → ``/continue_generation``. Packing bucket *i+1* overlaps the broadcast of bucket
-  *i*; runs of the actor's param buffer that lie end to end are not packed at all (``in_place``). The end/continue calls run even when a step fails, so engines never stay paused or in a session.
+  *i*; runs of the actor's param buffer that lie end to end are not packed at all (``in_place``). The
+  end/continue calls run even when a step fails, so engines never stay paused or in a session.
   The session calls (begin/end) go only to engines whose ``/server_info`` version needs them
   (:func:`update_protocol`: SGLang >= 0.5.23 and the CPU engine); SGLang 0.5.15-0.5.22 take the updates alone.
 
