@@ -350,10 +350,6 @@ def encode_column(name: str, values: Any) -> tuple[str, Any]:
     return "json", _json_from(values, name)
 
 
-def _column_len(kind: str, payload: Any) -> int:
-    return payload.shape[0] if kind == "fixed" else len(payload)
-
-
 def samples_to_columns(samples: Sequence[Mapping[str, Any]]) -> dict[str, list]:
     """A list of per-sample dicts (same keys in each) → ``{field: [value per sample]}`` for :func:`write_chunk`."""
     if not samples:
@@ -444,11 +440,11 @@ def _header(kind: str, checksum: str, size: int, n: int, base: str | None, index
     return h.ljust(ub, b"\0")
 
 
-def _user_block(kind: str, n: int, base: str | None, algo: str, cols: Mapping[str, tuple[str, list[_Dataset]]]) -> int:
+def _user_block(kind: str, n: int, base: str | None, algo: str, kinds: Mapping[str, str],
+                dsets: Mapping[str, _Dataset]) -> int:
     """The user block's size: a power of two >= 512 that holds the header with an index of the widest
     offsets (HDF5 wants a power of two; offsets are known only once HDF5 has placed the datasets)."""
-    widest = {"fields": {name: kind for name, (kind, _) in cols.items()},
-              "ds": {d.path: [10**15, d.dtype.str, list(d.shape)] for _, ds in cols.values() for d in ds}}
+    widest = {"fields": kinds, "ds": {p: [10**15, d.dtype.str, list(d.shape)] for p, d in dsets.items()}}
     need = len(_header(kind, _placeholder(algo), 10**15, n, base, widest, None))
     ub = HEADER_SIZE
     while ub < need:
@@ -472,7 +468,8 @@ def _dcpl():
     return _DCPL
 
 
-def _layout(path: Path, cols: Mapping[str, tuple[str, list[_Dataset]]], meta: Mapping[str, Any], ub: int) -> dict[str, int]:
+def _layout(path: Path, kinds: Mapping[str, str], dsets: Mapping[str, _Dataset], meta: Mapping[str, Any],
+            ub: int) -> dict[str, int]:
     """Create ``path`` as the HDF5 file's metadata with every dataset allocated but unwritten; return each
     non-empty dataset's offset in the file. HDF5 itself never copies or writes a byte of the data."""
     offsets = {}
@@ -480,14 +477,12 @@ def _layout(path: Path, cols: Mapping[str, tuple[str, list[_Dataset]]], meta: Ma
                    alignment_threshold=64, alignment_interval=64,  # arrays 64-byte aligned for the reader's views
                    locking=False) as f:  # a private tmp file (and Lustre without flock must not fail the write)
         # one JSON attribute (plus each field's kind): one attribute is much cheaper than one per fact
-        f.attrs["meta"] = json.dumps({**meta, "fields": {name: kind for name, (kind, _) in cols.items()}},
-                                     separators=(",", ":"))
-        for name, (kind, dsets) in cols.items():
-            for d in dsets:
-                sid = h5py.h5s.create_simple(d.shape) if d.shape else h5py.h5s.create(h5py.h5s.SCALAR)
-                ds = h5py.h5d.create(f.id, d.path.encode(), h5py.h5t.py_create(d.dtype), sid, dcpl=_dcpl())
-                if d.nbytes:
-                    offsets[d.path] = ds.get_offset()
+        f.attrs["meta"] = json.dumps({**meta, "fields": kinds}, separators=(",", ":"))
+        for d in dsets.values():
+            sid = h5py.h5s.create_simple(d.shape) if d.shape else h5py.h5s.create(h5py.h5s.SCALAR)
+            ds = h5py.h5d.create(f.id, d.path.encode(), h5py.h5t.py_create(d.dtype), sid, dcpl=_dcpl())
+            if d.nbytes:
+                offsets[d.path] = ds.get_offset()
     return offsets
 
 
@@ -550,12 +545,13 @@ def _write_file(directory: Path, final: Callable[[str], str], kind: str, cols: M
     replacing), fsync the dir. Returns (name, checksum, size)."""
     if not directory.is_dir():
         raise FileNotFoundError(f"partition directory {directory} does not exist (has the step been started?)")
-    ub = _user_block(kind, n, base, algo, cols)
+    kinds = {name: k for name, (k, _) in cols.items()}
+    dsets = {d.path: d for _, ds in cols.values() for d in ds}
+    ub = _user_block(kind, n, base, algo, kinds, dsets)
     tmp = directory / f".{final('')}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        offsets = _layout(tmp, cols, meta, ub)
+        offsets = _layout(tmp, kinds, dsets, meta, ub)
         os.chmod(tmp, 0o600)  # HDF5 created it with the umask's mode: private, like the rest of the run dir
-        dsets = {d.path: d for _, ds in cols.values() for d in ds}
         placed = sorted((offsets[p], dsets[p]) for p in offsets)
         fd = os.open(tmp, os.O_RDWR)
         try:
@@ -563,8 +559,7 @@ def _write_file(directory: Path, final: Callable[[str], str], kind: str, cols: M
             for off, d in placed:
                 if off < ub or off + d.nbytes > size:
                     raise AssertionError(f"HDF5 placed {d.path} at {off}+{d.nbytes}, outside [{ub}, {size})")
-            index = {"fields": {name: kind for name, (kind, _) in cols.items()},
-                     "ds": {p: [offsets.get(p, 0), d.dtype.str, list(d.shape)] for p, d in dsets.items()}}
+            index = {"fields": kinds, "ds": {p: [offsets.get(p, 0), d.dtype.str, list(d.shape)] for p, d in dsets.items()}}
             # (a checksum thread beside the writes was measured slower: both are memory-bound, on 2 cores)
             checksum = digest(itertools.chain([_header(kind, _placeholder(algo), size, n, base, index, ub)],
                                               _written(fd, ub, size, placed)), algo)
@@ -813,12 +808,10 @@ def _array(ds: h5py.Dataset, buf: bytearray) -> np.ndarray:
     off = ds.id.get_offset()
     if off is None or ds.id.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS:
         return ds[()]
-    if off + ds.size * ds.dtype.itemsize > len(buf):
-        raise ValueError(f"dataset {ds.name} runs past the end of the file")
-    return np.frombuffer(buf, dtype=ds.dtype, count=ds.size, offset=off).reshape(ds.shape)
+    return _at(buf, off, ds.dtype, ds.shape, 0, ds.name)
 
 
-def _indexed(meta: Mapping, buf: np.ndarray, path: Path) -> tuple[dict, dict] | None:
+def _indexed(meta: Mapping, buf: np.ndarray) -> tuple[dict, dict] | None:
     """(kinds, datasets) from the header's index line, or None for a file without one (written before it)."""
     ub = meta.get("ub", HEADER_SIZE)
     lines = bytes(buf[:ub]).rstrip(b"\0").split(b"\n")  # MAGIC, the header, the index (MAGIC ends in \n)
@@ -830,12 +823,17 @@ def _indexed(meta: Mapping, buf: np.ndarray, path: Path) -> tuple[dict, dict] | 
 
 def _view(buf: np.ndarray, entry: list, ub: int) -> np.ndarray:
     """One dataset as a view into the verified bytes, where the header's index says it lies."""
-    off, dtype, shape = int(entry[0]), np.dtype(entry[1]), tuple(entry[2])
+    return _at(buf, int(entry[0]), np.dtype(entry[1]), tuple(entry[2]), ub, f"the dataset at {entry[0]}")
+
+
+def _at(buf: np.ndarray, off: int, dtype: np.dtype, shape: tuple, lo: int, what: str) -> np.ndarray:
+    """The array of ``dtype`` and ``shape`` at byte ``off`` of the verified buffer, as a view (no copy);
+    ValueError if it does not lie within ``[lo, len(buf))``."""
     count = math.prod(shape)
     if count == 0:
         return np.empty(shape, dtype)
-    if off < ub or off + count * dtype.itemsize > len(buf):
-        raise ValueError(f"a dataset at {off} runs outside the file")
+    if off < lo or off + count * dtype.itemsize > len(buf):
+        raise ValueError(f"{what} runs outside the file")
     return np.frombuffer(buf, dtype=dtype, count=count, offset=off).reshape(shape)
 
 
@@ -891,7 +889,7 @@ def read_chunk(ref: ChunkRef, fields: Iterable[str] | None = None, *, ragged: st
             raise DamagedChunk(path, f"header kind={meta.get('kind')} n={meta.get('n')} base={meta.get('base')} "
                                      f"does not belong to {ref.id}")
         try:
-            indexed = _indexed(meta, buf, path)
+            indexed = _indexed(meta, buf)
             if indexed is not None:  # where each array lies is in the verified header: no HDF5 on this path
                 for name in wanted:
                     out[name] = _decode_indexed(*indexed, buf, meta.get("ub", HEADER_SIZE), name, ragged, path)
