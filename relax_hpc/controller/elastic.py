@@ -6,7 +6,11 @@ socket (a ``scale`` question the loop answers at once, :meth:`Elastic.ask`), wit
 
 - ``+N`` / ``-N`` / ``=N``: the number of live engines (plus those asked for and not yet joined) becomes that.
 - One operation at a time: a second one is refused, naming the one running, until the first is done.
-- Scale-out starts engines that run :mod:`relax_hpc.roles.elastic_engine`: as new job steps on the spare nodes
+- Every engine runs :mod:`relax_hpc.roles.engine` and is a unit this class starts, watches and stops. The run's
+  own (origin ``initial``, ``engine0`` …, :func:`~relax_hpc.recipe.initial_engines`) are job steps started with
+  the attempt (:meth:`Elastic.start_initial`); one that dies is marked ``dead`` and started again as a new step,
+  ``rollout.engine.max_restarts`` times at most, and rejoins like a scaled-out one.
+- Scale-out starts engines as new job steps on the spare nodes
   of rollout's component (``roles.rollout.elastic``; locally, as processes), or with ``attach`` as a separate
   Slurm job (``sbatch/attach.sbatch.j2``) on any partition. Each announces itself (``engine_join``) and enters
   the registry as ``syncing``: the actor's next sync puts the current weights on it (the weight-sync group is
@@ -36,15 +40,17 @@ from typing import Any, Callable, Protocol
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.engines import EngineRegistry
 from relax_hpc.controller.state import RunState
-from relax_hpc.recipe import Recipe, role_steps
+from relax_hpc.controller.steps import start_engine_step, stop_processes
+from relax_hpc.recipe import Recipe
 from relax_hpc.rundir import RunDir, write_json
 
 log = logging.getLogger("relax_hpc.controller")
 TARGET = re.compile(r"^([+\-=])(\d+)$")
 CHECK_JOBS_S = 5.0  # how often pending attached jobs are looked up in Slurm
 LOCAL_STEPS = 4  # step engines a local run may add when rollout.elastic.max_engines is unset (one machine)
-STOP_WAIT_S = 30.0
-RESTART = "restart"  # the op of a step engine started again after it died (no relax-scale request behind it)  # after stop, how long a host may take to report before its engine counts as gone anyway
+STOP_WAIT_S = 30.0  # after stop, how long a host may take to report before its engine counts as gone anyway
+RESTART = "restart"  # the op of an engine started again after it died (no relax-scale request behind it)
+INITIAL = "initial"  # the op of the engines the run starts with
 
 
 class Capacity(Protocol):
@@ -58,11 +64,6 @@ class Capacity(Protocol):
     def attached_state(self, job_id: str) -> tuple[str, str | None, bool]: ...  # (state, reason, finished)
 
     def cancel_attached(self, job_id: str) -> str | None: ...  # None, or why scancel failed
-
-    def start_engine_step(self, recipe: Recipe, run_dir: Any, executor: str, name: str, op: str, het_group: int,
-                          exclude: list[str]) -> Any: ...  # a Popen
-
-    def stop_process(self, p: Any, grace_s: float = 10.0) -> None: ...
 
 
 @dataclass
@@ -97,7 +98,7 @@ class Elastic:
                  assign: Callable[[str, dict], None], capacity: Capacity | None = None):
         self.recipe, self.run, self.registry, self.state, self.channel = recipe, run, registry, state, channel
         self.executor = executor
-        self.cap = capacity  # None: this controller cannot add engines (started without a launcher, e.g. a test)
+        self.cap = capacity  # None: no attached jobs (started without a launcher, e.g. a test); steps still start
         self.holds = holds  # whether a task in flight was given this engine
         self.on_change = on_change  # the registry changed (state.json)
         self.assign = assign  # queue a task for a role (the engine hosts' stop)
@@ -108,7 +109,11 @@ class Elastic:
         self.jobs: dict[str, str] = {}  # op → attached job id (until cancelled at the end)
         self.draining: dict[str, _Drain] = {}
         self.seen: dict[str, float] = {}  # engine host → its last long poll
-        self.restarts: dict[str, int] = {}  # step engine → how often it was started again after it died
+        self.restarts: dict[str, int] = {}  # engine → how often it was started again after it died
+        self.start_step, self.stop_steps = start_engine_step, stop_processes  # how engine steps start and stop (a
+        #                          simulation of the loop, tests/e2e/test_eval.py, puts its own in)
+        self.fresh = True  # the initial engines serve the run's weights as they start (step 0's: not a resume)
+        self.failed_starts: dict[str, str] = {}  # initial engine → why it could not be started (tries used up)
         self.last_jobs_check = 0.0
         self._stop_ids = iter(range(1, 1 << 30))
         self.started = False  # the training loop says when engines may join (the initial ones are up)
@@ -137,8 +142,8 @@ class Elastic:
             return {"accepted": True, "op": None, "message": f"already {now_n} engine(s); nothing to do"}
         attach = msg.get("attach")
         if target > now_n:
-            if self.cap is None:
-                return _no("this controller was started without a way to add engines (not by relax-submit)")
+            if self.cap is None and attach is not None:
+                return _no("this controller was started without a way to submit attached jobs (not by relax-submit)")
             return self._out(msg, target, target - now_n, attach)
         return self._in(msg, target, now_n - target)
 
@@ -173,7 +178,7 @@ class Elastic:
                 if name not in taken:
                     op.engines.append(name)
             for name in op.engines:
-                self._start_step(name, op.id)
+                self._start_step(name, op.id, "step")
             where = "new job step(s)" if self.executor == "slurm" else "local process(es)"
         for name in op.engines:
             self.expected[name] = op.id
@@ -220,21 +225,23 @@ class Elastic:
         name, op_id = msg["name"], msg["op"]
         op = next((o for o in self.ops if o.id == op_id), None)
         asked = self.expected.pop(name, None)
-        if asked is None or (op is None and asked != RESTART) or not self.state.running:
+        if asked is None or (op is None and asked not in (RESTART, INITIAL)) or not self.state.running:
             log.warning("engine %s (op %s) joined, but it was not asked for (or was given up): told to stop", name,
                         op_id)
             self._stop(name, "not expected")
             return
         job, _, step = msg["slurm_step"].partition(".")
         before = self.registry.engines.get(name)  # its earlier life, when started again: keep its counts
+        ready = asked == INITIAL and self.fresh  # the model on disk is step 0's weights: what step 1 needs
         e = self.registry.add(name, msg["url"], origin=msg["origin"], node=msg["node"], pid=msg["pid"],
-                              job_id=job or "local", step_id=step or None, state="syncing", weight_version="0")
+                              job_id=job or "local", step_id=step or None, state="ready" if ready else "syncing",
+                              weight_version="0")
         e.restarts = self.restarts.get(name, 0)
         if before is not None and asked == RESTART:
             e.requests, e.first_step, e.first_version = before.requests, before.first_step, before.first_version
         self.seen[name] = time.time()
-        log.info("engine %s joined (%s, %s, op %s) at %s; it takes requests after the next sync", name,
-                 msg["origin"], msg["slurm_step"] or "local", op_id, msg["url"])
+        log.info("engine %s joined (%s, %s, op %s) at %s%s", name, msg["origin"], msg["slurm_step"] or "local",
+                 op_id, msg["url"], "" if ready else "; it takes requests after the next sync")
         self.on_change()
 
     def left(self, msg: dict) -> None:
@@ -249,34 +256,56 @@ class Elastic:
             self.drain(name, f"its host asked: {why}", None)
 
     def lost(self, name: str, why: str) -> None:
-        """Capacity that went away (scancel, preemption, a dead node or engine): gone, not a failure."""
+        """An engine that went away. Capacity taken back (scancel, preemption, a dead node, an attached or step
+        engine that died): gone, not a failure. One of the run's own (initial): dead, with why. A step or initial
+        engine is then started again (not an attached one: its job's capacity went away)."""
         if name in self.draining and self.draining[name].stop_sent is not None:  # stopped by its drain: expected
             return self._gone_drained(name)
         e = self.registry.engines.get(name)
-        if self.registry.gone(name, why):
+        own = e is not None and e.origin == "initial" and name not in self.draining
+        if self.registry.mark_dead(name, why) if own else self.registry.gone(name, why):
             self.draining.pop(name, None)
-            self._event("engine_gone", f"{name}: {why}; its requests in flight go to the other engines")
+            if own:
+                log.error("rollout engine %s (%s) died: %s", name, e.url, why)
+            else:
+                self._event("engine_gone", f"{name}: {why}; its requests in flight go to the other engines")
             self._write_draining()
             self.on_change()
-            if e is not None and e.origin == "step":
-                self._restart_step(name, e.restarts)
+            if e.origin in ("initial", "step"):
+                self._restart_step(name, e.restarts, why)
 
-    def _restart_step(self, name: str, restarts: int) -> None:
-        """A step engine that died (not drained) is started again as a new step, ``rollout.engine.max_restarts``
-        times at most; it joins like a scaled-out engine (syncing until a sync reaches it)."""
+    def _restart_step(self, name: str, restarts: int, why: str) -> bool:
+        """A step or initial engine that died (not drained) is started again as a new step,
+        ``rollout.engine.max_restarts`` times at most; it joins like a scaled-out engine (syncing until a sync
+        reaches it)."""
         limit = self.recipe.rollout.engine.max_restarts
-        if self.cap is None or not self.state.running or restarts >= limit:
+        if not self.state.running or restarts >= limit:
             if restarts >= limit:
-                log.error("step engine %s stays gone: started again %d times already (rollout.engine.max_restarts)",
+                log.error("rollout engine %s stays dead: started again %d times already (rollout.engine.max_restarts)",
                           name, limit)
-            return
-        old = self.procs.pop(name, None)
+            return False
+        old = self.procs.pop(name, None)  # (already ended, when its start failed)
         if old is not None:
-            self.cap.stop_process(old, grace_s=2.0)
-        self._start_step(name, RESTART)
+            self.stop_steps([old], grace_s=2.0)
+        origin = self.registry.engines[name].origin if name in self.registry.engines else INITIAL
+        self._start_step(name, RESTART, origin)
         self.expected[name] = RESTART
         self.restarts[name] = restarts + 1
-        self._event("engine_restart", f"{name} died; starting it again as a new step ({restarts + 1}/{limit})")
+        self._event("engine_restart", f"{name} dead ({why}); starting it again as a new step ({restarts + 1}/{limit})")
+        return True
+
+    def start_initial(self, names: list[str], fresh: bool) -> None:
+        """The run's own engines, each a step of its own; ``fresh``: a new run's (ready as they join: the model
+        on disk is step 0's weights), else a resumed one's (syncing until the resume sync)."""
+        self.fresh = fresh
+        for name in names:
+            self._start_step(name, INITIAL, INITIAL)
+            self.expected[name] = INITIAL
+        log.info("rollout engines: starting %s as step(s) of their own", ", ".join(names))
+
+    def initial_pending(self) -> bool:
+        """Whether an engine the run starts with has neither joined nor failed to start (tries used up)."""
+        return any(op in (INITIAL, RESTART) and n not in self.registry.engines for n, op in self.expected.items())
 
     def drain(self, name: str, why: str, op: str | None) -> None:
         now = time.time()
@@ -309,9 +338,16 @@ class Elastic:
         for name, p in list(self.procs.items()):  # a step engine whose host exited
             if p.poll() is not None:
                 del self.procs[name]
-                if name in self.expected:
-                    self._join_failed(name, f"its step exited with code {p.returncode} before it joined (see "
-                                            f"{self.run.logs / (name + '.host.log')})")
+                why = f"its step exited with code {p.returncode} before it joined (see " \
+                      f"{self.run.logs / (name + '.host.log')} and {self.run.logs / (name + '.log')})"
+                if self.expected.get(name) in (INITIAL, RESTART):  # one of the run's own, or one started again
+                    self.expected.pop(name)
+                    n = self.restarts.get(name, 0)
+                    if not self._restart_step(name, n, why):
+                        self.failed_starts[name] = why
+                        log.error("rollout engine %s: %s", name, why)
+                elif name in self.expected:
+                    self._join_failed(name, why)
                 elif name in self.registry.engines and name not in self.draining:
                     self.lost(name, f"its step exited with code {p.returncode}")
         silent = self.recipe.logging.heartbeat_timeout_s
@@ -367,8 +403,7 @@ class Elastic:
     # -- the end of the attempt
     def finish(self) -> None:
         """Stop every engine started here, cancel every attached job: they belong to this attempt."""
-        for name, p in self.procs.items():
-            self.cap.stop_process(p, grace_s=5.0)
+        self.stop_steps(list(self.procs.values()), grace_s=5.0)
         for op_id, job in self.jobs.items():
             err = self.cap.cancel_attached(job)
             if err:
@@ -395,12 +430,13 @@ class Elastic:
         cap = self.cfg.max_engines
         return max(0, cap - self.count() if cap is not None else LOCAL_STEPS - used)
 
-    def _start_step(self, name: str, op: str) -> None:
-        """Engine ``name`` as a new step on rollout's component, off the nodes the rollout role runs on."""
-        nodes = self.state.doc["roles"].get("rollout", {}).get("nodes") or []
-        het = next(s.het_group for s in role_steps(self.recipe) if s.role == "rollout")
-        self.procs[name] = self.cap.start_engine_step(self.recipe, self.run.path, self.executor, name, op, het,
-                                                      exclude=[x for x in nodes if x])
+    def _start_step(self, name: str, op: str, origin: str) -> None:
+        """Engine ``name`` as a new step on rollout's component; one added by scale-out goes off the nodes of the
+        run's own engines (onto the spare ones ``roles.rollout.elastic`` reserved)."""
+        spare = self.recipe.roles.rollout.elastic is not None and self.executor == "slurm"
+        exclude = sorted({e.node for e in self.registry.engines.values()
+                          if e.origin == "initial" and e.node}) if origin == "step" and spare else []
+        self.procs[name] = self.start_step(self.recipe, self.run.path, self.executor, name, origin, op, exclude)
 
     def _new_op(self, msg: dict, target: int, origin: str) -> ScaleOp:
         by = msg.get("by") or "relax-scale"

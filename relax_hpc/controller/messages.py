@@ -170,11 +170,10 @@ class TaskMessage(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class StartEnginesTask(TaskMessage):
-    """rollout: report the engines (started before the bootstrap, one per rank) and the data cursor;
+    """rollout: report the data cursor (its engines are job steps of their own, which join by themselves);
     genrm: report the judge engines (no cursor)."""
 
     kind: ClassVar[str] = "start_engines"
-    restart: list[str] = field(default_factory=list)  # rollout: engines found dead, to be started again first
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,11 +258,12 @@ class EvalTask(TaskMessage):
     kind: ClassVar[str] = "eval"
     step: int
     judges: dict[str, str] = field(default_factory=dict)  # as GenerateTask's
+    engines: dict[str, str] | None = None  # {name: url}: ready, with step ``step``'s weights (the registry's)
 
 
 @dataclass(frozen=True, kw_only=True)
 class StopTask(TaskMessage):
-    """every role: leave the task loop (the rollout stops its engines)."""
+    """every role: leave the task loop (the controller stops the engine steps itself)."""
 
     kind: ClassVar[str] = "stop"
 
@@ -296,7 +296,7 @@ class TaskError(ResultMessage):
 @dataclass(frozen=True, kw_only=True)
 class StartEnginesResult(ResultMessage):
     kind: ClassVar[str] = "start_engines"
-    engines: dict[str, str]  # {"engine<rank>": url}
+    engines: dict[str, str]  # genrm: {"judge<rank>": url}; rollout: none
     pids: dict[str, int] = field(default_factory=dict)  # by engine name
     nodes: dict[str, str] = field(default_factory=dict)  # by engine name
     data_state: dict | None = None  # the data cursor at the start (a fresh run's step 1 starts from it)

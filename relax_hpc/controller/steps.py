@@ -1,9 +1,12 @@
-"""The command lines of the role steps: what the controller starts, and what ``relax-submit --dry-run`` prints.
+"""The command lines of the role steps and the engine steps: what the controller starts, and what
+``relax-submit --dry-run`` prints.
 
 One place builds them so that the dry run shows exactly what will run. Under Slurm a role is one
-``srun --het-group=K`` job step (``--overlap`` when it shares another role's component); locally it is
-``nodes × tasks_per_node`` processes of the same module, told their rank by environment variables. Argument
-lists only: nothing here goes through a shell.
+``srun --het-group=K`` job step (``--overlap`` when it shares another role's component, or, like the rollout
+driver, shares its nodes with the engine steps); locally it is ``nodes × tasks_per_node`` processes of the same
+module, told their rank by environment variables. A rollout engine is a step of its own
+(:func:`start_engine_step`: one task on one node of rollout's component, or a local process), so engines come and
+go while the roles' steps stay. Argument lists only: nothing here goes through a shell.
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ from __future__ import annotations
 import os
 import secrets
 import shlex
+import signal
+import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,7 +82,7 @@ def task_log_pattern(run_dir: Path, role: str) -> Path:
 
 def srun_argv(step: RoleStep, recipe: Recipe, run_dir: Path, python: str = sys.executable) -> list[str]:
     argv = ["srun", f"--het-group={step.het_group}"]
-    if step.shared:
+    if step.shared or step.overlap:
         argv.append("--overlap")
     argv += [
         f"--nodes={step.nodes}",
@@ -134,3 +140,67 @@ def describe_steps(recipe: Recipe, run_dir: str | Path, python: str = sys.execut
     """The Slurm step commands, shell-quoted, one per role (for ``relax-submit --dry-run``)."""
     run_dir = Path(run_dir).resolve()
     return [shlex.join(srun_argv(s, recipe, run_dir, python)) for s in role_steps(recipe)]
+
+
+def engine_argv(run_dir: Path, name: str, origin: str, op: str, python: str = sys.executable) -> list[str]:
+    """One engine's host (:mod:`relax_hpc.roles.engine`); an attached job's tasks run it too."""
+    return [python, "-m", "relax_hpc.roles.engine", str(run_dir), "--name", name, "--origin", origin, "--op", op]
+
+
+def engine_step_argv(recipe: Recipe, run_dir: Path, executor: str, name: str, origin: str, op: str,
+                     exclude: list[str] = (), python: str = sys.executable) -> list[str]:
+    """Engine ``name``'s step: under Slurm one task on one node of rollout's het component (its share of the
+    node's GPUs; ``--overlap`` when rollout shares another role's component; off the ``exclude`` nodes), locally
+    a process of this machine (on rollout's CPUs of ``RELAX_LOCAL_CPUS``). Its log:
+    ``RUN_DIR/logs/<name>.host.log``; the engine's own: ``<name>.log``."""
+    argv = engine_argv(run_dir, name, origin, op, python)
+    if executor != "slurm":
+        bind = local_cpus().get("rollout")
+        return [*(["taskset", "-c", bind] if bind else []), *argv]
+    step = next(s for s in role_steps(recipe) if s.role == "rollout")
+    g = recipe.roles.rollout
+    gpus = g.gpus_per_node // max(1, g.tasks_per_node)
+    return ["srun", f"--het-group={step.het_group}", *(["--overlap"] if step.shared else []), "--nodes=1",
+            "--ntasks=1", f"--cpus-per-task={g.cpus_per_task}", *([f"--gres=gpu:{gpus}"] if gpus else []),
+            *([f"--exclude={','.join(exclude)}"] if exclude else []), "--kill-on-bad-exit=1",
+            f"--job-name=engine-{name}", f"--output={Path(run_dir) / 'logs' / (name + '.host.log')}",
+            *recipe.slurm.srun_args, *argv]
+
+
+def start_engine_step(recipe: Recipe, run_dir: Path, executor: str, name: str, origin: str, op: str,
+                      exclude: list[str] = ()) -> subprocess.Popen:
+    """:func:`engine_step_argv`, started (its own session, so it is stopped as a group)."""
+    log = Path(run_dir) / "logs" / f"{name}.host.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT + (os.pathsep + path if path else ""), "PYTHONUNBUFFERED": "1",
+           **recipe.slurm.env}
+    with open(log, "ab") as out:
+        return subprocess.Popen(engine_step_argv(recipe, Path(run_dir), executor, name, origin, op, exclude),
+                                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def stop_process(p: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM to the process group (the engine host leaves, srun forwards it), SIGKILL after ``grace_s``."""
+    stop_processes([p], grace_s)
+
+
+def stop_processes(ps: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """:func:`stop_process` of each, at once: all are told first, then each is waited for."""
+    live = [p for p in ps if p.poll() is None]
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for p in live:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        for p in live:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        live = [p for p in live if p.poll() is None]
+        if not live:
+            return

@@ -35,7 +35,8 @@ actor trains and syncs, on its own node group; samples then carry older versions
 generated, and a checkpoint keeps the steps generated on older weights for the resume (``docs/controller.md``,
 "Fixed staleness").
 
-    rollout start_engines → actor connect (→ resume sync) → pump … → stop
+    engine steps (Elastic.start_initial) + rollout start_engines (its data cursor) → actor connect
+    (→ resume sync) → pump … → stop
 
 The exchange (:class:`~relax_hpc.exchange.broker.Broker`, journal ``RUN_DIR/exchange/journal.jsonl``):
 rollout's chunks are announced when its ``generate`` reports them (over the run's token socket), so the
@@ -47,7 +48,7 @@ start → sync done), ``perf/step_interval`` (sync done → sync done: the throu
 :class:`~relax_hpc.ops.metrics.RunMetrics` when its sync is done; ``state.json`` gets ``step`` (synced
 steps), ``generated``, ``phase``, ``reward``, ``engines``, ``last_checkpoint``. A task that reports an
 error fails the run with the report as reason (kind ``task``: no restart helps). A dead engine is logged
-by name, marked in ``state.json`` and left out of later steps and syncs.
+by name, marked in ``state.json`` and left out of later steps and syncs until it is started again.
 
 Elastic rollout (``docs/elastic.md``): ``relax-scale``'s questions, engines joining and leaving, and their drains are
 :class:`~relax_hpc.controller.elastic.Elastic`'s; it shares the registry, so a joined engine (``syncing``) gets the
@@ -90,7 +91,7 @@ from relax_hpc.exchange.broker import Broker
 from relax_hpc.exchange.chunk import ChunkRef, SideRef
 from relax_hpc.exchange.fields import LOGPROB_FIELDS, PRODUCER, SIDE_FIELD, task_fields
 from relax_hpc.ops.metrics import REWARD, RunMetrics
-from relax_hpc.recipe import Recipe
+from relax_hpc.recipe import Recipe, initial_engines
 from relax_hpc.rollout.eval import should_eval, should_eval_before_train
 from relax_hpc.rundir import RunDir
 from relax_hpc.train.latest import read_latest, run_step
@@ -184,6 +185,8 @@ class TrainingLoop:
         # forward roles in the weight-sync group (actor_fwd): {role: url}; the actor connects once they are known
         self.followers: dict[str, str] | None = None if "actor_fwd" in self.fwd else {}
         self.connecting = False
+        self.cursor_known = False  # rollout reported its data cursor (start_engines)
+        self.engines_started = False  # the run's own engine steps (started at the first tick)
         self.evals: list[int] = []  # steps whose eval is due, not yet handed to rollout (ascending)
         self.evaluating: int | None = None  # the step whose eval rollout is doing
         self.held_sync: int | None = None  # a trained step whose sync waits (an earlier step's eval; fixed: rollout)
@@ -318,7 +321,8 @@ class TrainingLoop:
         if self._idle("rollout") and self.evals:  # a due eval before the next generate: the weights it is due on
             n = self.evals.pop(0)
             self.evaluating = n
-            self._assign("rollout", n, M.EvalTask(step=n, judges=self.judges))
+            self._assign("rollout", n, M.EvalTask(step=n, judges=self.judges,
+                                                  engines=self.registry.routable(min_version=n)))
         self._pump_generate()
         self.state.progress(phase=self._phase(), generated=self.generated)
 
@@ -334,7 +338,7 @@ class TrainingLoop:
             # an engine to send to (none ready while the only ones left are catching up: wait for that sync;
             # none alive at all: the generate fails naming them), then the staleness gate
             engines = self._routable(n)
-            serving = bool(engines) or not self.registry.live()
+            serving = bool(engines) or not (self.registry.live() or self.elastic.expected)
             held = self._paused(n) and not (owed and self.stop_request is not None)
             if self.state.running and serving and not held and self.broker.start_step(n):
                 self.regen.discard(n)
@@ -423,8 +427,18 @@ class TrainingLoop:
     def tick(self) -> None:
         """Every turn of the controller loop: a pause file removed or moved on lets the next step start; drains,
         joins and attached jobs move on."""
+        if not self.engines_started:  # after the role steps: their start is not held up by the engines'
+            self.engines_started = True
+            self.elastic.start_initial(initial_engines(self.recipe), fresh=self.resume_path is None)
         self.elastic.started = self.started
         self.elastic.tick()
+        if not self.connecting and not self.elastic.initial_pending():
+            if not self.registry.live() and self.state.running:  # none of the run's engines could be started
+                why = "; ".join(f"{n}: {w}" for n, w in sorted(self.elastic.failed_starts.items()))
+                self.state.fail("rollout", None, self._node("rollout"),
+                                f"no rollout engine could be started ({why or 'none joined'})", kind="task")
+                return
+            self._connect()
         if self.paused and self.started and not self._paused(self._next_generate()):
             self._pump()
 
@@ -561,8 +575,6 @@ class TrainingLoop:
         return nodes[0]
 
     def _start_engines_done(self, task: Task, res: M.StartEnginesResult) -> None:
-        if task.role == "rollout" and self.registry.engines:  # engines started again after they died
-            return self._restarted(res)
         if task.role == "genrm":  # judges: frozen, no weight sync; rollout gets them with its tasks
             self.judges = dict(res.engines)
             log.info("genrm judges: %s", ", ".join(f"{n} {u}" for n, u in self.judges.items()))
@@ -571,13 +583,7 @@ class TrainingLoop:
             return
         if self.data_states.get(self.step) is None and res.data_state:  # the cursor step k+1 starts from
             self.data_states[self.step] = res.data_state
-        for name, url in res.engines.items():  # a resumed run's engines serve the model on disk until the resume sync
-            job, _, step = res.slurm_steps.get(name, "").partition(".")
-            self.registry.add(name, url, origin="initial", node=res.nodes.get(name), pid=res.pids.get(name),
-                              job_id=job or "local", step_id=step or None,
-                              state="syncing" if self.resume_path else "ready", weight_version="0")
-        log.info("engines: %s", ", ".join(f"{n} {u}" for n, u in res.engines.items()))
-        self.state.progress(engines=self.registry.to_state(), phase="connecting weight sync")
+        self.cursor_known = True  # the engines are the controller's steps (they join on their own)
         self._connect()
 
     def _follow_done(self, task: Task, res: M.FollowResult) -> None:
@@ -586,52 +592,28 @@ class TrainingLoop:
         self._connect()
 
     def _connect(self) -> None:
-        """The weight-sync group, once the engines and the followers are known."""
-        if self.registry.engines and self.followers is not None and not self.connecting:
+        """The weight-sync group, once the run's engines joined (or failed to start), the followers are known and
+        rollout is up."""
+        if (self.registry.live() and self.followers is not None and self.cursor_known and not self.connecting
+                and not self.elastic.initial_pending()):
             self.connecting = True
+            log.info("engines: %s", ", ".join(f"{n} {u}" for n, u in self.registry.live().items()))
+            self.state.progress(engines=self.registry.to_state(), phase="connecting weight sync")
             self._assign("actor", self.step, M.ConnectTask(engines=self.registry.live(), load=self.resume_path,
                                                            followers=self.followers))
 
     def _died(self, task: Task, dead: dict[str, str]) -> None:
-        """Engines ``task`` found dead: marked, and started again while ``rollout.engine.max_restarts`` allows; a
-        new one starts from the model on disk and rejoins (``ready``) once the next sync has put the weights on it.
-        A report about an engine's earlier incarnation (the task had its old URL) is not about the new one."""
-        newly = []
+        """Engines ``task`` found dead: gone or dead (:meth:`Elastic.lost`), and one of the run's own or a step
+        engine started again while ``rollout.engine.max_restarts`` allows; a new one starts from the model on disk
+        and rejoins (``ready``) once the next sync has put the weights on it. A report about an engine's earlier
+        incarnation (the task had its old URL) is not about the new one."""
         for name, why in dead.items():
             e = self.registry.engines.get(name)
             # only about the engines the task was given, at the URL it was given: the driver also repeats the dead
             # marks of engines it kept from an earlier step (one since started again under a new URL)
             if e is None or (task.engines is not None and task.engines.get(name) != e.url):
                 continue
-            if e.origin != "initial" or e.state == "draining":  # capacity that left, or a drain cut short
-                self.elastic.lost(name, f"found dead: {why}")
-            elif self.registry.mark_dead(name, why):
-                newly.append(name)
-        if not newly:
-            return
-        self._engines_changed()
-        limit = self.recipe.rollout.engine.max_restarts
-        again = [n for n in newly if self.registry.engines[n].restarts < limit]
-        for n in newly:
-            if n not in again:
-                log.error("rollout engine %s stays dead: started again %d times already (rollout.engine.max_restarts)",
-                          n, limit)
-        if again and self.state.running:
-            self.state.event("engine_restart", f"{', '.join(again)} dead; starting again")
-            self._assign("rollout", self.step, M.StartEnginesTask(restart=again))
-
-    def _restarted(self, res: M.StartEnginesResult) -> None:
-        for name, url in res.engines.items():
-            old = self.registry.engines.get(name)
-            if old is None or old.state != "dead":
-                continue
-            job, _, step = res.slurm_steps.get(name, "").partition(".")
-            e = self.registry.add(name, url, origin=old.origin, node=res.nodes.get(name), pid=res.pids.get(name),
-                                  job_id=job or "local", step_id=step or None, state="syncing", weight_version="0")
-            e.restarts = old.restarts + 1
-            log.info("rollout engine %s started again at %s (restart %d); it takes requests after the next sync",
-                     name, url, e.restarts)
-        self._engines_changed()
+            self.elastic.lost(name, f"found dead: {why}")
 
     def _connect_done(self, task: Task, res: M.ConnectResult) -> None:
         if self.resume_path is None:

@@ -1,22 +1,22 @@
-"""Attached jobs and engine steps: the Slurm (and local) side of elastic rollout.
+"""Attached jobs: the Slurm side of elastic rollout beyond the run's own allocation.
 
 Why here: the controller decides when capacity comes and goes (:mod:`relax_hpc.controller.elastic`); this module
 (its ``Capacity``, handed to the controller by the launcher, so the controller never imports the launcher) only
-knows how to ask Slurm for it: render ``sbatch/attach.sbatch.j2`` and submit it (a separate job whose tasks
-join the run), or start one engine as a new step of the run's own allocation (``srun --het-group``), or, without
-Slurm, as a local process. Every engine it starts runs :mod:`relax_hpc.roles.elastic_engine`.
+knows how to ask Slurm for a separate job: render ``sbatch/attach.sbatch.j2`` and submit it; its tasks run
+:mod:`relax_hpc.roles.engine` and join the run. Engines inside the run's own allocation are job steps the
+controller starts itself (:func:`relax_hpc.controller.steps.start_engine_step`), like the role steps.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relax_hpc.controller.steps import engine_argv
 from relax_hpc.launch import slurm
 from relax_hpc.launch.render import PACKAGE_ROOT, SBATCH_DIR, make_environment
 from relax_hpc.recipe import Recipe
@@ -56,11 +56,6 @@ class AttachOptions:
         """These options, with ``defaults`` (the recipe's ``rollout.elastic.attach``) where unset."""
         out = {k: getattr(self, k) if getattr(self, k) is not None else getattr(defaults, k) for k in ATTACH_OPTIONS}
         return AttachOptions(**out, extra=[*defaults.extra, *self.extra])
-
-
-def engine_argv(run_dir: Path, name: str, origin: str, op: str, python: str = sys.executable) -> list[str]:
-    return [python, "-m", "relax_hpc.roles.elastic_engine", str(run_dir), "--name", name, "--origin", origin,
-            "--op", op]
 
 
 def _clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -134,39 +129,3 @@ def cancel_attached(job_id: str) -> str | None:
         return None
     except slurm.SlurmError as e:
         return str(e)
-
-
-def start_engine_step(recipe: Recipe, run_dir: Path, executor: str, name: str, op: str, het_group: int,
-                      exclude: list[str]) -> subprocess.Popen:
-    """Engine ``name`` as a new step of the run's allocation (one task on one node of rollout's het component, off
-    the ``exclude`` nodes: the ones the rollout role started on), or locally as a process of this machine."""
-    g = recipe.roles.rollout
-    log = run_dir / "logs" / f"{name}.host.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    argv = engine_argv(run_dir, name, "step", op)
-    env = {**os.environ, "PYTHONPATH": str(PACKAGE_ROOT) + (os.pathsep + os.environ["PYTHONPATH"]
-                                                             if os.environ.get("PYTHONPATH") else ""),
-           "PYTHONUNBUFFERED": "1", **recipe.slurm.env}
-    if executor == "slurm":
-        argv = ["srun", f"--het-group={het_group}", "--nodes=1", "--ntasks=1", f"--cpus-per-task={g.cpus_per_task}",
-                *([f"--exclude={','.join(exclude)}"] if exclude else []), "--kill-on-bad-exit=1",
-                f"--job-name=engine-{name}", f"--output={log}", *argv]
-    with open(log, "ab") as out:
-        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-
-def stop_process(p: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM to the process group (the engine host leaves, srun forwards it), SIGKILL after ``grace_s``."""
-    if p.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            p.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue

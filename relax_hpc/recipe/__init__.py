@@ -5,11 +5,11 @@ Nothing here knows Slurm or Megatron: it turns text into a checked :class:`Recip
 """
 
 from relax_hpc.recipe.errors import RecipeError
-from relax_hpc.recipe.layout import RoleStep, role_steps
+from relax_hpc.recipe.layout import RoleStep, initial_engines, role_steps
 from relax_hpc.recipe.load import dump_recipe, load_recipe, recipe_from_dict, recipe_to_dict
 from relax_hpc.recipe.schema import ROLE_NAMES, Recipe, RoleGroup
 
 __all__ = [
     "ROLE_NAMES", "Recipe", "RecipeError", "RoleGroup", "RoleStep", "dump_recipe", "load_recipe",
-    "recipe_from_dict", "recipe_to_dict", "role_steps",
+    "recipe_from_dict", "recipe_to_dict", "role_steps", "initial_engines",
 ]

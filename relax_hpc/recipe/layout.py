@@ -19,6 +19,7 @@ class RoleStep:
     shared: bool  # runs as an extra step in another role's component (srun --overlap)
     nodes: int
     tasks_per_node: int
+    overlap: bool = False  # shares its nodes with steps started later (the rollout driver: the engine steps)
 
     @property
     def ntasks(self) -> int:
@@ -33,14 +34,29 @@ def role_steps(recipe: Recipe) -> list[RoleStep]:
         g = recipe.role(name)
         if g.enabled and g.share_with is None:
             owners[name] = len(owners)
-            nodes = g.elastic.initial if g.elastic is not None else g.nodes  # the rest: spare, for scale-out
-            steps.append(RoleStep(name, owners[name], g, False, nodes, g.tasks_per_node))
+            if name == "rollout":  # the driver: one task; the engines are steps of their own (initial_engines)
+                steps.append(RoleStep(name, owners[name], g, False, 1, 1, overlap=True))
+            else:
+                steps.append(RoleStep(name, owners[name], g, False, g.nodes, g.tasks_per_node))
     for name in ROLE_NAMES:
         g = recipe.role(name)
         if g.enabled and g.share_with is not None:
             host = recipe.role(g.share_with)
-            steps.append(RoleStep(name, owners[g.share_with], host, True, g.nodes, g.tasks_per_node))
+            one = name == "rollout"  # the driver, as above
+            steps.append(RoleStep(name, owners[g.share_with], host, True, 1 if one else g.nodes,
+                                  1 if one else g.tasks_per_node))
     return sorted(steps, key=lambda s: (s.het_group, s.shared))
+
+
+def initial_engines(recipe: Recipe) -> list[str]:
+    """The rollout engines a run starts with, ``engine0`` … : one per task slot of rollout's nodes
+    (``nodes × tasks_per_node``), or of its first ``elastic.initial`` nodes (the rest are spare, for scale-out).
+    Each is a job step of its own, started by the controller (:func:`relax_hpc.controller.steps.start_engine_step`)."""
+    g = recipe.roles.rollout
+    if not g.enabled:
+        return []
+    nodes = g.elastic.initial if g.elastic is not None else g.nodes
+    return [f"engine{k}" for k in range(nodes * g.tasks_per_node)]
 
 
 def het_groups(recipe: Recipe) -> list[RoleStep]:

@@ -37,14 +37,14 @@ class RoleGroup:
     cpus_per_task: int = 1
     mem: str | None = None  # per-node memory, Slurm syntax ("16G"); None = partition default
     share_with: str | None = None  # run on that role's nodes (srun --overlap) instead of its own component
-    # rollout only: spare nodes for scale-out without --attach. The component holds `nodes` nodes; the role starts
-    # on `initial` of them, and relax-scale RUN rollout=+N starts engines as new steps on the rest (docs/elastic.md)
+    # rollout only: spare nodes for scale-out without --attach. The component holds `nodes` nodes; the run's own
+    # engines start on `initial` of them, and relax-scale RUN rollout=+N starts engines as new steps on the rest
     elastic: ElasticNodes | None = None
 
 
 @dataclass
 class ElasticNodes:
-    initial: int = 1  # nodes the rollout role starts on
+    initial: int = 1  # nodes the run's own engines start on (one engine step per task slot)
     max: int | None = None  # the component's nodes; null = roles.rollout.nodes (if given, must equal it)
 
 

@@ -1,9 +1,9 @@
-"""One inference engine per rank, for the roles that serve models over HTTP (rollout, genrm).
+"""Starting an inference engine on this node: every rollout engine's host (:mod:`relax_hpc.roles.engine`) and every
+rank of the genrm role (its judges) do it.
 
-Both roles start their rank's engine before the bootstrap (it loads while torch is imported), register it for
-cleanup at once, and after the bootstrap gather every rank's ``(name, url, pid, node, slurm_step)`` so rank 0
-can report the whole set to the controller (task ``start_engines``, also after a rollout rank started its dead
-engine again). The engine is SGLang on a GPU node with
+The genrm role starts its rank's engine before the bootstrap (it loads while torch is imported), registers it for
+cleanup at once, and after the bootstrap gathers every rank's ``(name, url, pid, node, slurm_step)`` so rank 0
+can report the whole set to the controller (task ``start_engines``). The engine is SGLang on a GPU node with
 ``RELAX_SGLANG_PYTHON`` set, else relax_hpc's CPU engine; either answers only requests carrying the run's API key.
 """
 
@@ -47,7 +47,8 @@ def start_node_engine(run: RunDir, group: RoleGroup, model_path: str, *, name: s
                       seed: int, sglang_args: list[str] | tuple[str, ...] = ()) -> Any:
     """Engine ``name`` on this node (log ``RUN_DIR/logs/<name>.log``): SGLang on the ``local_rank``-th share of this
     node's GPUs, or the CPU engine; it answers only requests carrying the run's API key. ``local``: no Slurm, listen
-    on the loopback only. Also the start of an engine added by scale-out (:mod:`relax_hpc.roles.elastic_engine`)."""
+    on the loopback only. The start of every rollout engine (:mod:`relax_hpc.roles.engine`), and of each genrm
+    rank's judge."""
     from relax_hpc.rollout.engines import start_engine
 
     host = "127.0.0.1" if local else "0.0.0.0"
@@ -56,7 +57,9 @@ def start_node_engine(run: RunDir, group: RoleGroup, model_path: str, *, name: s
     if os.environ.get("RELAX_SGLANG_PYTHON") and has_cuda():
         gpus = max(1, group.gpus_per_node // max(1, group.tasks_per_node))
         first = local_rank * gpus
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(str(first + k) for k in range(gpus))}
+        # an engine step given its GPUs (--gres) sees Slurm's choice in CUDA_VISIBLE_DEVICES: keep it
+        env = ({} if os.environ.get("SLURM_STEP_GPUS") and os.environ.get("CUDA_VISIBLE_DEVICES")
+               else {"CUDA_VISIBLE_DEVICES": ",".join(str(first + k) for k in range(gpus))})
         return start_engine("sglang", resolve(model_path), tp=gpus, host=host, env=env, log_path=logf, api_key=key,
                             extra_args=["--weight-version", "0", "--random-seed", str(seed), *sglang_args])
     if sglang_args:

@@ -1,13 +1,13 @@
-"""The rollout role: runs the inference engines, generates samples and rewards them.
+"""The rollout role: the driver. It reads the data, sends generate requests to the engines, and rewards the samples.
 
-Every rank launches one engine on its node (the CPU engine where there is no CUDA; SGLang from
-``RELAX_SGLANG_PYTHON`` on GPU nodes), so the role's size (``roles.rollout``: nodes × tasks_per_node) is
-the number of engines. Rank 0 gathers their URLs and drives them; the other ranks keep their engine alive
-until ``stop``. Tasks (:mod:`relax_hpc.roles.tasks`; their fields and results: :mod:`relax_hpc.controller.messages`):
+It is one task. The inference engines are not its ranks: each is a job step of its own that the controller
+starts and owns (:mod:`relax_hpc.roles.engine`; ``roles.rollout``'s nodes × tasks_per_node engine slots, the
+CPU engine where there is no CUDA, SGLang from ``RELAX_SGLANG_PYTHON`` on GPU nodes). Every task names the
+engines it may use, from the controller's registry, so engines join, leave, die and come back while the driver
+goes on. Tasks (:mod:`relax_hpc.roles.tasks`; their fields and results: :mod:`relax_hpc.controller.messages`):
 
-- ``start_engines``: returns ``{"engines": {name: url}, "pids": {...}, "nodes": {...}, "data_state"}`` (names
-  ``engine0``, ``engine1``, ... by rank; the data cursor at the start, which a fresh run's step 1 starts from).
-  With ``restart: [names]`` (engines the controller found dead) the ranks that ran them start new ones first.
+- ``start_engines``: returns the data cursor at the start (``data_state``: a fresh run's step 1 starts from it),
+  and no engines (the controller started those).
 - ``generate {step, engines, seq, data_state}``: from the data cursor after step−1 (so a step generated again, e.g.
   after a damaged chunk, gets the same prompts), the next ``rollout_batch_size`` prompt groups from ``data.path``
   (with ``rollout.dynamic_sampling_filter_path``: drawn in rounds until that many pass the filter,
@@ -24,7 +24,7 @@ until ``stop``. Tasks (:mod:`relax_hpc.roles.tasks`; their fields and results: :
   cursor is not touched: eval never changes what training samples. Nothing goes to the exchange. Returns
   ``eval/<name>``, ``eval/<name>-pass@k``, ``eval/<name>-truncated_ratio``, ``eval/<name>/response_len/*``,
   ``eval/step`` and ``perf/eval_time``.
-- ``stop``: engines are stopped (by PID) on the way out, whatever happened.
+- ``stop``: the driver ends (the engines are the controller's to stop).
 
 Engines are started with the run's API key (:meth:`relax_hpc.rundir.RunDir.api_key`) and the driver's clients
 send it; anything else that calls the engines (the actor's weight sync) must send it too.
@@ -42,7 +42,6 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from relax_hpc.roles.engine_host import gather_engines, start_engines_result, start_rank_engine
 from relax_hpc.roles.model import resolve
 from relax_hpc.roles.runtime import RoleContext, main
 
@@ -51,15 +50,6 @@ if TYPE_CHECKING:
 
 ROLE = "rollout"
 log = logging.getLogger("relax_hpc.rollout")
-
-
-def _start_engine(ctx: RoleContext) -> Any:
-    """This rank's engine, started (not yet ready), seeded by (run seed, rank); None without ``model.path``."""
-    r = ctx.recipe
-    if r.model.path is None:
-        return None
-    return start_rank_engine(ctx, r.roles.rollout, r.model.path, seed=r.run.seed + ctx.ident.rank, prefix="engine",
-                             sglang_args=r.rollout.engine.args)
 
 
 def _sniffio_shim() -> None:
@@ -85,39 +75,18 @@ def work(ctx: RoleContext, comm: Any) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [rollout] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-    i = ctx.ident
-    engine = ctx.prepared
-    try:
-        gen = Generator(ctx) if i.rank == 0 else None  # tokenizer and data load while the engine does
-        everyone = gather_engines(ctx, engine, "engine")
-        if gen is not None:
-            gen.set_engines({n: u for n, u, *_ in everyone})
+    gen = Generator(ctx)
 
-        def start_engines(task: M.StartEnginesTask) -> M.StartEnginesResult:
-            nonlocal engine, everyone
-            if task.restart:  # engines found dead: the ranks that ran them start new ones, on the model on disk
-                if f"engine{i.rank}" in task.restart:
-                    log.warning("engine%d (pid %s) is dead; starting a new one", i.rank, engine.pid)
-                    engine.stop(timeout=5.0)
-                    engine = _start_engine(ctx)
-                everyone = gather_engines(ctx, engine, "engine")
-            return start_engines_result(everyone, gen.data.state_dict() if gen is not None else None)
+    def start_engines(task: M.StartEnginesTask) -> M.StartEnginesResult:
+        return M.StartEnginesResult(engines={}, data_state=gen.data.state_dict())
 
-        def generate(task: M.GenerateTask) -> M.GenerateResult | None:
-            return gen.generate(task) if gen is not None else None
-
-        def evaluate(task: M.EvalTask) -> M.EvalResult | None:
-            return gen.evaluate(task) if gen is not None else None
-
-        serve(ctx, comm, {"start_engines": start_engines, "generate": generate, "eval": evaluate,
-                          "stop": lambda task: M.StopResult()})
-    finally:
-        engine.stop()
+    serve(ctx, comm, {"start_engines": start_engines, "generate": gen.generate, "eval": gen.evaluate,
+                      "stop": lambda task: M.StopResult()})
 
 
 class Generator:
-    """Rank 0's half: data, eval sets, tokenizer, reward, driver; one :meth:`generate` per rollout step, one
-    :meth:`evaluate` per scheduled eval."""
+    """The driver's state: data, eval sets, tokenizer, reward, engine client; one :meth:`generate` per rollout step,
+    one :meth:`evaluate` per scheduled eval."""
 
     def __init__(self, ctx: RoleContext):
         from relax_hpc.rollout.data import (data_source_from_config, dataset_from_config, eval_datasets_from_config,
@@ -154,9 +123,14 @@ class Generator:
                                        max_aborted=ro.partial_rollout_max_aborted_count) if ro.partial_rollout else None)
         self.engines: dict[str, str] = {}
 
-    def set_engines(self, engines: dict[str, str]) -> None:
-        self.engines = dict(engines)
-        self.driver.set_engines(self.engines)
+    def _use(self, engines: dict[str, str] | None) -> None:
+        """The engines a task names (the controller's registry wins: engines dead, restarted under a new URL, or
+        not yet synced are left out); a task that names none keeps the last ones."""
+        live = dict(engines or self.engines)
+        mine = {e.name: e.client.url for e in self.driver.pool.alive()}
+        if live != mine:
+            self.driver.set_engines(live)
+        self.engines = live
 
     def generate(self, task: GenerateTask) -> GenerateResult:
         from relax_hpc.controller.messages import GenerateResult
@@ -166,10 +140,7 @@ class Generator:
 
         step = task.step
         self._judges(task.judges)
-        live = dict(task.engines or self.engines)
-        mine = {e.name: e.client.url for e in self.driver.pool.alive()}
-        if live != mine:  # the controller's registry wins: engines dead, restarted (a new URL) or not yet synced
-            self.driver.set_engines(live)
+        self._use(task.engines)
         if task.data_state:  # the cursor after step-1: a step generated again gets the same prompts
             self.data.load_state_dict(task.data_state)
         ro = self.recipe.rollout
@@ -240,6 +211,7 @@ class Generator:
         # untouched
         seed = sample_seed(self.recipe.run.seed * 1_000_003 + step, -1)
         self._judges(task.judges)
+        self._use(task.engines)
         try:
             metrics, _ = asyncio.run(run_eval(self.driver, self.eval_sets, step=step, seed=seed))
         except RewardError as e:  # as in generate: the full report to this log, the short one to the run's reason
@@ -266,4 +238,4 @@ def _short_failure(f: Any) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main(ROLE, work, prepare=_start_engine))
+    sys.exit(main(ROLE, work))

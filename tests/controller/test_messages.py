@@ -17,7 +17,7 @@ JUDGES = {"judge0": "http://10.0.0.3:8002"}
 
 # one instance of every kind, with every field set (and the wire dict it must give)
 TASKS = [
-    (M.StartEnginesTask(id=1, restart=["engine1"]), {"id": 1, "kind": "start_engines", "restart": ["engine1"]}),
+    (M.StartEnginesTask(id=1), {"id": 1, "kind": "start_engines"}),
     (M.ConnectTask(id=2, engines=ENGINES, load=None, followers={"actor_fwd": "http://n4:9"}),
      {"id": 2, "kind": "connect", "engines": ENGINES, "load": None, "followers": {"actor_fwd": "http://n4:9"}}),
     (M.GenerateTask(id=3, step=3, engines=ENGINES, seq=2, data_state={"epoch": 0, "offset": 8}, judges=JUDGES),
@@ -33,7 +33,8 @@ TASKS = [
     (M.SyncTask(id=7, version="3", engines=ENGINES), {"id": 7, "kind": "sync", "version": "3", "engines": ENGINES}),
     (M.CheckpointTask(id=8, extra={"step": 3, "data": None}),
      {"id": 8, "kind": "checkpoint", "extra": {"step": 3, "data": None}}),
-    (M.EvalTask(id=10, step=4, judges=JUDGES), {"id": 10, "kind": "eval", "step": 4, "judges": JUDGES}),
+    (M.EvalTask(id=10, step=4, judges=JUDGES, engines=ENGINES),
+     {"id": 10, "kind": "eval", "step": 4, "judges": JUDGES, "engines": ENGINES}),
     (M.StopTask(id=9), {"id": 9, "kind": "stop"}),
 ]
 RESULTS = [

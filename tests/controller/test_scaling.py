@@ -59,9 +59,55 @@ def test_refusals_name_the_reason(el):
     assert "not ready for scaling" in ask(el, "+1")["message"]
 
 
-def test_without_a_launcher_there_is_no_scale_out(el):
-    el.cap = None
-    assert "without a way to add engines" in ask(el, "+1")["message"]
+def test_without_a_launcher_there_are_no_attached_jobs(el):
+    el.cap = None  # engine steps are the controller's own to start; attached jobs need the launcher's sbatch
+    assert "without a way to submit attached jobs" in ask(el, "+1", attach={})["message"]
+
+
+def test_the_runs_own_engines_are_steps_started_again_when_they_die(el):
+    """start_initial starts one step per engine; one that joins is ready at once (a fresh run: the model on disk is
+    step 0's weights); one whose step exits before it joined is started again, rollout.engine.max_restarts times,
+    then given up with its reason; one that dies later is dead, started again, and rejoins syncing."""
+    import subprocess
+    import sys
+
+    started: list[tuple[str, str, str]] = []
+    exits = {"engine1": 3}  # engine1's step fails every time it starts
+
+    def start(recipe, run_dir, executor, name, origin, op, exclude=()):
+        started.append((name, origin, op))
+        code = exits.get(name)
+        argv = [sys.executable, "-c", f"import sys; sys.exit({code})"] if code else ["sleep", "60"]
+        return subprocess.Popen(argv, start_new_session=True)
+
+    el.start_step = start
+    el.registry.engines.clear()
+    el.start_initial(["engine0", "engine1"], fresh=True)
+    assert started == [("engine0", "initial", "initial"), ("engine1", "initial", "initial")] and el.initial_pending()
+    el.joined({"name": "engine0", "op": "initial", "url": "http://127.0.0.1:5", "origin": "initial", "node": "n1",
+               "pid": 1, "slurm_step": "7.3"})
+    e0 = el.registry.engines["engine0"]
+    assert (e0.state, e0.weight_version, e0.job_id, e0.step_id) == ("ready", "0", "7", "3")
+
+    limit = el.recipe.rollout.engine.max_restarts
+    deadline = time.monotonic() + 30
+    while el.initial_pending() and time.monotonic() < deadline:  # each failed start is seen by tick
+        el.tick()
+        time.sleep(0.05)
+    assert not el.initial_pending()
+    assert [s for s in started if s[0] == "engine1"] == [("engine1", "initial", "initial")] + \
+        [("engine1", "initial", "restart")] * limit
+    assert "exited with code 3 before it joined" in el.failed_starts["engine1"]
+    restarts = [ev["detail"] for ev in el.state.doc["events"] if ev["event"] == "engine_restart"]
+    assert len(restarts) == limit and restarts[0].startswith("engine1 dead (its step exited with code 3")
+
+    el.lost("engine0", "found dead: connection refused")  # a later death: dead, and a new step
+    assert el.registry.engines["engine0"].state == "dead" and started[-1] == ("engine0", "initial", "restart")
+    el.joined({"name": "engine0", "op": "restart", "url": "http://127.0.0.1:6", "origin": "initial", "node": "n1",
+               "pid": 2, "slurm_step": "7.9"})
+    e0 = el.registry.engines["engine0"]
+    assert (e0.state, e0.restarts, e0.url) == ("syncing", 1, "http://127.0.0.1:6")  # current weights first
+    el.finish()
 
 
 def test_max_engines_bounds_scale_out(el):
@@ -159,7 +205,7 @@ def test_the_autoscaler_decides_on_streaks_within_its_bounds_and_cooldowns(el):
     c = el.cfg.autoscale
     c.enabled, c.max, c.window, c.scale_out_cooldown_s, c.scale_in_cooldown_s = True, 2, 2, 0.0, 0.0
     a = Autoscaler(el)
-    el.cap = None  # decisions only: the ask is refused, so no engine starts
+    el.cfg.max_engines = 1  # decisions only: the ask is refused (rollout.elastic.max_engines), so no engine starts
     assert a.after_step(1, actor_wait=0.9, rollout_idle=0.0) is None  # one step is not a streak
     reply = a.after_step(2, actor_wait=0.9, rollout_idle=0.0)
     assert reply is not None and not reply["accepted"] and a.out_streak == 0  # asked (+1), and the streak restarts
@@ -185,7 +231,7 @@ def test_the_autoscaler_scales_out_on_the_request_queue(el):
 
     c = el.cfg.autoscale
     c.enabled, c.max, c.window, c.scale_out_cooldown_s = True, 3, 2, 0.0
-    el.cap = None  # decisions only
+    el.cfg.max_engines = 1  # decisions only (asks refused: no engine starts)
     asked, ask_ = [], el.ask
     el.ask = lambda m: (asked.append(m), ask_(m))[1]
     a = Autoscaler(el)
@@ -211,7 +257,7 @@ def test_the_autoscaler_waits_out_its_cooldown(el):
 
     c = el.cfg.autoscale
     c.enabled, c.max, c.window, c.scale_out_cooldown_s = True, 3, 1, 3600.0
-    el.cap = None
+    el.cfg.max_engines = 1
     a = Autoscaler(el)
     a.last_action = time.time()  # just acted
     assert a.after_step(1, actor_wait=0.9, rollout_idle=0.0) is None

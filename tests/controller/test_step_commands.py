@@ -5,8 +5,8 @@ import shlex
 import pytest
 
 from ctl_helpers import TINY, make_run
-from relax_hpc.controller.steps import describe_steps, executor_from_env, step_commands
-from relax_hpc.recipe import load_recipe
+from relax_hpc.controller.steps import describe_steps, engine_step_argv, executor_from_env, step_commands
+from relax_hpc.recipe import initial_engines, load_recipe
 
 
 @pytest.fixture
@@ -76,3 +76,28 @@ def test_local_roles_are_bound_to_the_cpus_relax_local_cpus_names(run, monkeypat
     monkeypatch.setenv("RELAX_LOCAL_CPUS", "actor:0")
     with pytest.raises(ValueError, match="RELAX_LOCAL_CPUS"):
         step_commands(recipe, run.path, "local", python="/py")
+
+
+def test_rollout_is_one_driver_task_and_each_engine_a_step_of_its_own(run, tmp_path):
+    """The rollout role is the driver: one task, --overlap (the engine steps share its nodes). The run's own engines
+    are one step per task slot of roles.rollout, each with its share of the GPUs; scale-out ones avoid the nodes
+    it is told to."""
+    recipe = load_recipe(run.recipe)
+    cmds = {c.role: c for c in step_commands(recipe, run.path, "slurm", python="/py")}
+    roll = cmds["rollout"].procs[0].argv
+    assert "--ntasks=1" in roll and "--nodes=1" in roll and "--overlap" in roll and "--het-group=1" in roll
+    assert [len(c.procs) for c in step_commands(recipe, run.path, "local") if c.role == "rollout"] == [1]
+
+    g = recipe.roles.rollout
+    assert initial_engines(recipe) == [f"engine{k}" for k in range(g.nodes * g.tasks_per_node)]
+    big = make_run(tmp_path / "big", {**TINY, "roles": {**TINY.get("roles", {}), "rollout": {
+        "nodes": 3, "tasks_per_node": 2, "gpus_per_node": 4, "cpus_per_task": 3, "elastic": {"initial": 1}}}})
+    r = load_recipe(big.recipe)
+    assert initial_engines(r) == ["engine0", "engine1"]  # the first node's two slots; two spare nodes
+    argv = engine_step_argv(r, big.path, "slurm", "step0", "step", "s1", exclude=["node2"], python="/py")
+    assert argv[:2] == ["srun", "--het-group=1"] and "--overlap" not in argv
+    assert {"--nodes=1", "--ntasks=1", "--cpus-per-task=3", "--gres=gpu:2", "--exclude=node2",
+            "--job-name=engine-step0"} <= set(argv)
+    assert argv[-10:] == ["/py", "-m", "relax_hpc.roles.engine", str(big.path), "--name", "step0", "--origin", "step",
+                          "--op", "s1"]
+    assert engine_step_argv(r, big.path, "local", "engine0", "initial", "initial", python="/py")[0] == "/py"

@@ -48,6 +48,7 @@ class FakeChannel:
     def __init__(self) -> None:
         self.queue: list[tuple[str, dict]] = []  # (role, task) in the order handed out
         self.events: list[tuple[str, str, str]] = []  # ("+", kind, step) handed out, ("-", kind, step) done
+        self.joins: list[dict] = []  # engine_join messages of the engine steps started, not yet delivered
 
     def assign(self, role: str, task: dict) -> None:
         self.queue.append((role, task))
@@ -63,7 +64,37 @@ def sim_loop(recipe, run: RunDir) -> tuple[TrainingLoop, FakeChannel]:
     ch = FakeChannel()
     loop = TrainingLoop(recipe, run, state, ch)
     loop.broker.check_files = False  # the chunks below are only announced, never written
+    ports = iter(range(9000, 10000))  # an engine started again comes back under a new URL
+
+    def start(recipe, run_dir, executor, name, origin, op, exclude=()):  # an engine step: it joins (drive delivers)
+        ch.joins.append({"type": "engine_join", "name": name, "op": op, "origin": origin, "node": "localhost",
+                         "url": f"http://127.0.0.1:{next(ports)}", "pid": 0, "slurm_step": ""})
+        return FakeStep()
+
+    loop.elastic.start_step = start
+    loop.elastic.stop_steps = lambda ps, grace_s=0.0: [p.stop() for p in ps]
+    loop.tick()  # the first tick starts the run's engines
     return loop, ch
+
+
+class FakeStep:
+    """An engine step of the simulation: it runs until stopped."""
+
+    def __init__(self) -> None:
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def stop(self) -> None:
+        self.returncode = -15
+
+
+def deliver_joins(loop: TrainingLoop, ch: FakeChannel) -> None:
+    """The engines started since the last call join (as their hosts would), and the loop takes its turn."""
+    while ch.joins:
+        loop.on_message(ch.joins.pop(0))
+        loop.tick()
 
 
 def sim_run(tmp_path: Path, recipe) -> RunDir:
@@ -75,8 +106,8 @@ def sim_run(tmp_path: Path, recipe) -> RunDir:
 def answer(loop: TrainingLoop, task: dict) -> M.ResultMessage:
     """What a role would report, with made-up numbers: train/loss = the step, eval/arith = 0.01 * the step."""
     kind, n = task["kind"], task.get("step")
-    if kind == "start_engines":
-        return M.StartEnginesResult(engines={"engine0": "http://127.0.0.1:9"}, data_state={"offset": 0})
+    if kind == "start_engines":  # the driver's cursor (its engines are steps of their own: they join)
+        return M.StartEnginesResult(engines={}, data_state={"offset": 0})
     if kind == "connect":
         return M.ConnectResult(engines=["engine0"])
     if kind == "generate":
@@ -104,6 +135,7 @@ def drive(loop: TrainingLoop, ch: FakeChannel, after=None) -> list[tuple[str, st
     is one a real run may take) until none is left; ``after(kind, step)`` is called after each. Returns what was
     done, as (kind, step or version)."""
     done = []
+    deliver_joins(loop, ch)
     while ch.queue and loop.outcome is None:
         role, task = ch.queue.pop(0)
         done.append(what(task))
@@ -111,6 +143,7 @@ def drive(loop: TrainingLoop, ch: FakeChannel, after=None) -> list[tuple[str, st
         loop.on_message({"type": "task_done", "task_id": task["id"], "rank": 0,
                          "result": answer(loop, task).to_dict()})
         assert loop.state.running or task["kind"] == "stop", loop.state.doc["reason"]
+        deliver_joins(loop, ch)
         if after is not None:
             after(*what(task))
     return done

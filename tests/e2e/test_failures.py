@@ -19,7 +19,7 @@ KILLING = "e2e_rewards.raise_on_ones_killing_engines"  # the same, and kills eng
 
 @pytest.mark.slow
 def test_skipped_reward_failures_and_dying_engines(tmp_path, tiny_model, local_executor):
-    """Two engines (two rollout ranks), reward_error_policy skip. During step 2's generation engine1 is killed;
+    """Two engines (tasks_per_node 2: two engine steps), reward_error_policy skip. During step 2's generation engine1 is killed;
     during step 4's, engine0 (by the reward function, from inside the rollout: no race with the run's pace):
     the run fails with both engines named, without waiting for a timeout."""
     run = make_run(tmp_path, tiny_model, "run.steps=8", f"rollout.custom_rm_path={KILLING}", "checkpoint.max_restarts=0",
@@ -56,8 +56,8 @@ def test_skipped_reward_failures_and_dying_engines(tmp_path, tiny_model, local_e
 def test_a_dead_engine_is_started_again_and_rejoins_with_the_current_weights(tmp_path, tiny_model, local_executor,
                                                                              checked):
     """kill -9 of engine1 during step 2 (from inside the rollout, so it lands in that step): its requests go to
-    engine0, the rollout rank that ran it starts a new one, which takes the weights at the next sync and takes
-    requests again; the run completes. Also without the sync's fingerprint check, which is where the engines'
+    engine0, the controller starts it again as a new engine step, which takes the weights at the next sync and
+    takes requests again; the run completes. Also without the sync's fingerprint check, which is where the engines'
     versions were read from."""
     run = make_run(tmp_path, tiny_model, "run.steps=6", "rollout.custom_rm_path=e2e_rewards.kill_engine1_in_step_2",
                    "roles.rollout.tasks_per_node=2", "rollout.max_response_len=4",
@@ -74,7 +74,8 @@ def test_a_dead_engine_is_started_again_and_rejoins_with_the_current_weights(tmp
     for r in rows if checked else []:  # every sync landed on every engine it went to, the new engine1 included
         assert r["weights/fingerprint_match"] == 1.0 and r["weights/versions_ok"] == 1.0
     log = (run.logs / "controller.log").read_text()
-    assert re.search(r"rollout engine engine1 started again at http://127\.0\.0\.1:\d+ \(restart 1\)", log), log[-3000:]
+    assert re.search(r"engine engine1 joined \(initial, local, op restart\) at http://127\.0\.0\.1:\d+; it takes "
+                     r"requests after the next sync", log), log[-3000:]
 
 
 @pytest.mark.slow

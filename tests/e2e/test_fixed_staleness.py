@@ -21,7 +21,7 @@ from relax_hpc.exchange.journal import iter_ops, replay
 from relax_hpc.launch.cancel import cancel
 
 from .conftest import REPO, held_at, hold, metrics, reference_rows, state, submit_detached, wait_until
-from .test_eval import answer, drive, sim_loop, sim_recipe, sim_run, what
+from .test_eval import answer, deliver_joins, drive, sim_loop, sim_recipe, sim_run, what
 
 RECIPE = REPO / "recipes" / "quickstart-slurm.yaml"
 STEPS = 6
@@ -52,12 +52,14 @@ def by_hand(tmp_path, mode: str, steps: int = 5):
 
 def drive_answering(loop, ch, special) -> None:
     """Like ``drive``, but ``special(task)`` may answer a task instead (None: the usual answer)."""
+    deliver_joins(loop, ch)
     while ch.queue and loop.outcome is None:
         role, task = ch.queue.pop(0)
         res = special(task) or answer(loop, task)
         ch.events.append(("-", *what(task)))
         loop.on_message({"type": "task_done", "task_id": task["id"], "rank": 0, "result": res.to_dict()})
         assert loop.state.running or task["kind"] == "stop", loop.state.doc["reason"]
+        deliver_joins(loop, ch)
 
 
 @pytest.mark.parametrize("mode", ["bounded", "fixed"])

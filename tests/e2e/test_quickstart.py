@@ -10,6 +10,7 @@ before, every sync lands (fingerprint), engine and actor log-probs agree.
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from relax_hpc.exchange.audit import exactly_once
 from relax_hpc.exchange.journal import iter_ops, replay
 from relax_hpc.rundir import RunDir
 
-from .conftest import REPO, follow_slurm, metrics, quickstart_overrides, state, submit_slurm, tensorboard_tags
+from .conftest import (REPO, follow_slurm, metrics, quickstart_overrides, state, submit_slurm, tensorboard_tags,
+                       wait_until)
 
 STEPS = 25
 RISE = 0.15
@@ -91,6 +93,16 @@ def test_quickstart_learns_on_slurm_with_four_groups_at_once(slurm_cluster, tmp_
     assert (engine["name"], engine["origin"], engine["state"]) == ("engine0", "initial", "ready")
     assert engine["weight_version"] == str(STEPS) and engine["job_id"].isdigit() and engine["step_id"].isdigit()
     ctl = json.loads((run_dir / "state.json").read_text())
+    het = ctl["roles"]["rollout"]["het_group"]
+
+    def own_step() -> str | None:  # the engine is a job step of its own, not the rollout driver's (accounting lags)
+        out = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,JobName"], capture_output=True, text=True,
+                             env=slurm_cluster.env).stdout
+        names = dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
+        return names.get(f"{job}+{het}.{engine['step_id']}")
+
+    wait_until(own_step, 60, every=1, what=f"engine0's step {job}+{het}.{engine['step_id']} in sacct")
+    assert own_step() == "engine-engine0"
     assert ctl["executor"] == "slurm" and ctl["step"] == STEPS and ctl["mode"] == "fully_async"
     assert len({ctl["roles"][r]["het_group"] for r in ("actor", "rollout", "reference", "actor_fwd")}) == 4
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -26,7 +26,7 @@ def test_the_script_asks_for_one_task_per_engine_and_joins_the_run(tmp_path):
                  "#SBATCH --signal=USR2@120", "#SBATCH '--reservation=r 1'"):
         assert want in lines, (want, text)
     last = lines[-1]
-    assert last.startswith("exec srun ") and "relax_hpc.roles.elastic_engine /runs/t-1 --name s4- --origin attached " \
+    assert last.startswith("exec srun ") and "relax_hpc.roles.engine /runs/t-1 --name s4- --origin attached " \
                                                "--op s4" in last
     path = tmp_path / "a.sbatch"
     path.write_text(text)

@@ -1,26 +1,30 @@
-"""One engine added by scale-out: started as its own Slurm job step (origin ``step``), as a task of an attached
-Slurm job (``attached``), or as a local process (``step`` without Slurm), by :mod:`relax_hpc.controller.elastic`.
+"""One rollout engine and its host: a job step of its own (origin ``initial``: the engines the run starts with;
+``step``: added by scale-out), a task of an attached Slurm job (``attached``), or, without Slurm, a local process.
+The controller starts the steps (:func:`relax_hpc.controller.steps.start_engine_step`, from
+:mod:`relax_hpc.controller.elastic`); an attached job's script starts the tasks.
 
-    python -m relax_hpc.roles.elastic_engine RUN_DIR --name NAME --origin ORIGIN --op OP
+    python -m relax_hpc.roles.engine RUN_DIR --name NAME --origin ORIGIN --op OP
 
-Why a program of its own: an engine that joins a running run is not a rank of the rollout role (whose world is
-fixed at launch), so it cannot take part in that role's collectives. It only needs the run directory (recipe, API
-key, token, ``controller.json``): it starts the engine from the model on disk, waits for it, and announces it to
-the controller (``engine_join``). The controller then has the actor put the current weights on it at the next sync
-(the weight-sync group is rebuilt with the new member) and routes requests to it only once its weight version is
-within the staleness bound. Under ``srun`` of an attached job one task is one engine: the name's last part is the
-task's ``SLURM_PROCID``.
+Why a program of its own: an engine is a unit the controller owns, not a rank of the rollout role. The rollout
+role is the driver (data, requests, rewards); engines join and leave while it runs, so none of them can be part
+of its collectives. A host only needs the run directory (recipe, API key, token, ``controller.json``): it starts
+the engine from the model on disk, waits for it, and announces it to the controller (``engine_join``). A fresh
+run's initial engines serve the model on disk, which is step 0's weights: they are ready at once. Any other
+engine gets the current weights from the actor at the next sync (the weight-sync group is rebuilt with the new
+member) and is given requests only once its weight version is within the staleness bound. Under ``srun`` of an
+attached job one task is one engine: the name's last part is the task's ``SLURM_PROCID``.
 
 After joining it long-polls the controller for its one task, ``stop`` (scale-in drained it, or the run ends), and
 watches its engine. Signals are how Slurm takes capacity back:
 
 - SIGUSR2 (``--signal=USR2@lead`` of the attached job: the time limit is near): ``engine_leave`` without ``now``;
   the controller drains it (no new requests, those in flight finish) and then sends ``stop``.
-- SIGTERM (scancel, preemption): ``engine_leave`` with ``now``; the engine is stopped at once, and the requests
-  it had in flight fail over to the other engines, with their sampling seeds.
+- SIGTERM (scancel, preemption, the controller stopping the step): ``engine_leave`` with ``now``; the engine is
+  stopped at once, and the requests it had in flight fail over to the other engines, with their sampling seeds.
 
-It exits when its engine dies (after telling the controller), when the controller stays unreachable for
-``logging.heartbeat_timeout_s`` (the run is gone), or on ``stop``; its engine is stopped by PID on the way out.
+It exits when its engine dies (after telling the controller, which starts an engine of the run's own again),
+when the controller stays unreachable for ``logging.heartbeat_timeout_s`` (the run is gone), or on ``stop``; its
+engine is stopped by PID on the way out.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-log = logging.getLogger("relax_hpc.elastic_engine")
+log = logging.getLogger("relax_hpc.engine")
 POLL_S = 2.0  # next_task long poll: how soon a signal or the engine's death is noticed
 
 
@@ -44,13 +48,13 @@ def _name(base: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="relax_hpc.roles.elastic_engine")
+    p = argparse.ArgumentParser(prog="relax_hpc.roles.engine")
     p.add_argument("run_dir")
     p.add_argument("--name", required=True)
-    p.add_argument("--origin", choices=("step", "attached"), required=True)
+    p.add_argument("--origin", choices=("initial", "step", "attached"), required=True)
     p.add_argument("--op", required=True)
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s [elastic-engine] %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [engine] %(levelname)s %(message)s")
 
     from relax_hpc.controller.protocol import Client, ProtocolError
     from relax_hpc.recipe import load_recipe
@@ -71,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGUSR2, on_signal)
-    seed = recipe.run.seed + 10_000 + sum(map(ord, name))  # apart from the initial engines'; requests carry theirs
+    # engine<k> (initial) keeps the seed rank k had when engines were the rollout role's ranks; others apart from
+    # those; requests carry their own sampling seeds, so this only matters for requests without one
+    k = name[len("engine"):]
+    seed = recipe.run.seed + (int(k) if name.startswith("engine") and k.isdigit() else 10_000 + sum(map(ord, name)))
     engine = start_node_engine(run, recipe.roles.rollout, recipe.model.path, name=name, local=local,
                                local_rank=int(os.environ.get("SLURM_LOCALID", "0")), seed=seed,
                                sglang_args=recipe.rollout.engine.args)
