@@ -303,6 +303,11 @@ class Elastic:
             self.expected[name] = INITIAL
         log.info("rollout engines: starting %s as step(s) of their own", ", ".join(names))
 
+    def own_starting(self) -> bool:
+        """Whether an engine of the run's allocation is being started (again): a generate with no engine ready
+        waits for it instead of failing."""
+        return any(op in (INITIAL, RESTART) for op in self.expected.values())
+
     def initial_pending(self) -> bool:
         """Whether an engine the run starts with has neither joined nor failed to start (tries used up)."""
         return any(op in (INITIAL, RESTART) and n not in self.registry.engines for n, op in self.expected.items())

@@ -335,10 +335,10 @@ class TrainingLoop:
         n = self._next_generate()
         owed = self._owed(n)  # fixed: a held sync waits for this step, so a stop does not hold it back
         if self._idle("rollout") and (self.stop_request is None or owed) and (self.regen or self.generated < self.total):
-            # an engine to send to (none ready while the only ones left are catching up: wait for that sync;
-            # none alive at all: the generate fails naming them), then the staleness gate
+            # an engine to send to (none ready while the only ones left are catching up, or are being started
+            # again: wait for them; none alive or starting: the generate fails naming them), then the staleness gate
             engines = self._routable(n)
-            serving = bool(engines) or not (self.registry.live() or self.elastic.expected)
+            serving = bool(engines) or not (self.registry.live() or self.elastic.own_starting())
             held = self._paused(n) and not (owed and self.stop_request is not None)
             if self.state.running and serving and not held and self.broker.start_step(n):
                 self.regen.discard(n)
@@ -431,7 +431,10 @@ class TrainingLoop:
             self.engines_started = True
             self.elastic.start_initial(initial_engines(self.recipe), fresh=self.resume_path is None)
         self.elastic.started = self.started
+        before = (len(self.elastic.expected), self.registry.count("ready"))
         self.elastic.tick()
+        if self.started and before != (len(self.elastic.expected), self.registry.count("ready")):
+            self._pump()  # e.g. an engine given up: a generate that waited for it goes (and fails naming them)
         if not self.connecting and not self.elastic.initial_pending():
             if not self.registry.live() and self.state.running:  # none of the run's engines could be started
                 why = "; ".join(f"{n}: {w}" for n, w in sorted(self.elastic.failed_starts.items()))
