@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import relax_hpc
-from relax_hpc.recipe import Recipe, RoleStep, role_steps
+from relax_hpc.recipe import Recipe, RoleStep, initial_engines, role_steps
 
 EXECUTORS = ("slurm", "local")
 CPU_BIND_ENV = "RELAX_LOCAL_CPUS"  # local executor: "actor=0;rollout=1": each role's processes on those CPUs
@@ -137,9 +137,20 @@ def step_commands(recipe: Recipe, run_dir: str | Path, executor: str,
 
 
 def describe_steps(recipe: Recipe, run_dir: str | Path, python: str = sys.executable) -> list[str]:
-    """The Slurm step commands, shell-quoted, one per role (for ``relax-submit --dry-run``)."""
+    """The Slurm step commands, shell-quoted: one per role, then one per engine the run starts with (for
+    ``relax-submit --dry-run``)."""
     run_dir = Path(run_dir).resolve()
-    return [shlex.join(srun_argv(s, recipe, run_dir, python)) for s in role_steps(recipe)]
+    return [*(shlex.join(srun_argv(s, recipe, run_dir, python)) for s in role_steps(recipe)),
+            *engine_lines(recipe, run_dir, "slurm", python)]
+
+
+def engine_lines(recipe: Recipe, run_dir: Path, executor: str, python: str = sys.executable) -> list[str]:
+    """The command lines of the run's own engine steps, shell-quoted (the controller starts them itself; none
+    without ``model.path``: a launch smoke run has no training loop and starts no engine)."""
+    if recipe.model.path is None:
+        return []
+    return [shlex.join(engine_step_argv(recipe, run_dir, executor, name, "initial", "initial", python=python))
+            for name in initial_engines(recipe)]
 
 
 def engine_argv(run_dir: Path, name: str, origin: str, op: str, python: str = sys.executable) -> list[str]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.controller.steps import describe_steps, step_commands
+from relax_hpc.controller.steps import describe_steps, engine_lines, step_commands
 from relax_hpc.launch import localproc
 from relax_hpc.launch.executors import ControllerTask, HetSlurmExecutor, RelaxLocalExecutor, runner_argv
 from relax_hpc.launch.preflight import preflight
@@ -78,7 +78,8 @@ def would_be_run_dir(p: Plan) -> Path:
 
 
 def step_lines(p: Plan, run_dir: Path) -> list[str]:
-    """The role steps' command lines, from the controller's own builder (:mod:`relax_hpc.controller.steps`)."""
+    """The role steps' and the run's own engine steps' command lines, from the controller's own builder
+    (:mod:`relax_hpc.controller.steps`)."""
     try:
         if p.executor == "local":
             lines = []
@@ -87,7 +88,7 @@ def step_lines(p: Plan, run_dir: Path) -> list[str]:
                     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(proc.env.items())
                                    if k.startswith("RELAX_") and k not in ("RELAX_LAUNCH_ID",))
                     lines.append(f"{env} {shlex.join(proc.argv)}".strip())
-            return lines
+            return lines + engine_lines(p.recipe, run_dir, "local", p.python)
         return list(describe_steps(p.recipe, run_dir, p.python))
     except Exception as e:  # the step builder belongs to the controller; a dry run should still print the script
         return [f"# (step commands unavailable: {type(e).__name__}: {e})"]

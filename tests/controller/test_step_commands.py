@@ -46,8 +46,14 @@ def test_local_steps_one_process_per_rank(run):
 
 
 def test_describe_steps_prints_shell_quoted_lines(run):
-    lines = describe_steps(load_recipe(run.recipe), run.path, python="/py")
-    assert len(lines) == 4
+    recipe = load_recipe(run.recipe)
+    lines = describe_steps(recipe, run.path, python="/py")
+    assert len(lines) == 4  # no model.path: no training loop, no engine
+    recipe.model.path = "/models/tiny"
+    lines = describe_steps(recipe, run.path, python="/py")
+    assert len(lines) == 5  # four roles, then the one engine the run starts with (a step of its own)
+    assert "--job-name=engine-engine0" in lines[4] and shlex.split(lines[4])[-6:-4] == ["--name", "engine0"]
+    assert "--container-image=/img/a.sqsh" in lines[4]  # slurm.srun_args: engines run in the same container
     assert shlex.split(lines[0])[-3:] == ["-m", "relax_hpc.roles.actor", str(run.path)]
     assert f"'{run.path}'" in lines[0] and "--container-image=/img/a.sqsh" in lines[0]
 
