@@ -192,13 +192,9 @@ def start_engine_step(recipe: Recipe, run_dir: Path, executor: str, name: str, o
                                 start_new_session=True)
 
 
-def stop_process(p: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM to the process group (the engine host leaves, srun forwards it), SIGKILL after ``grace_s``."""
-    stop_processes([p], grace_s)
-
-
 def stop_processes(ps: list[subprocess.Popen], grace_s: float = 10.0) -> None:
-    """:func:`stop_process` of each, at once: all are told first, then each is waited for."""
+    """Engine steps stopped: SIGTERM to each one's process group at once (the engine host leaves, srun forwards
+    it), then SIGKILL to those alive after ``grace_s``."""
     live = [p for p in ps if p.poll() is None]
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         for p in live:
