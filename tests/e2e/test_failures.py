@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 
 from relax_hpc.controller import RunFailed, run_controller
 
-from .conftest import make_run, metrics, state
+from .conftest import hold, make_run, metrics, state, wait_until
 
 REWARD = "e2e_rewards.raise_on_ones"  # tests/e2e/e2e_rewards.py: raises for prompts "1+..."
 KILLING = "e2e_rewards.raise_on_ones_killing_engines"  # the same, and kills engine1 in step 2, engine0 in step 4
@@ -56,13 +57,25 @@ def test_skipped_reward_failures_and_dying_engines(tmp_path, tiny_model, local_e
 def test_a_dead_engine_is_started_again_and_rejoins_with_the_current_weights(tmp_path, tiny_model, local_executor,
                                                                              checked):
     """kill -9 of engine1 during step 2 (from inside the rollout, so it lands in that step): its requests go to
-    engine0, the controller starts it again as a new engine step, which takes the weights at the next sync and
-    takes requests again; the run completes. Also without the sync's fingerprint check, which is where the engines'
-    versions were read from."""
+    engine0 and the run goes on, while the controller starts engine1 again as a new engine step. It takes the
+    weights at the next sync (a catch-up one while the run is held after step 3: the run does not wait for it, and
+    a 6-step run may end before a new engine is up) and takes requests again; the run completes. Also without the
+    sync's fingerprint check, which is where the engines' versions were read from."""
     run = make_run(tmp_path, tiny_model, "run.steps=6", "rollout.custom_rm_path=e2e_rewards.kill_engine1_in_step_2",
                    "roles.rollout.tasks_per_node=2", "rollout.max_response_len=4",
                    f"logging.check_weight_sync={str(checked).lower()}", name="engine-restart")
-    assert run_controller(run.path)["state"] == "COMPLETED"
+    hold(run, 3)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(final=run_controller(run.path)), daemon=True)
+    t.start()
+    try:
+        wait_until(lambda: (state(run).get("engines", {}).get("engine1", {}).get("restarts") == 1
+                            and state(run)["engines"]["engine1"]["state"] == "ready"), 300,
+                   what="engine1 started again and ready")
+    finally:
+        (run.path / "pause").unlink(missing_ok=True)
+        t.join(600)
+    assert result["final"]["state"] == "COMPLETED"
     st = state(run)
     e1, e0 = st["engines"]["engine1"], st["engines"]["engine0"]
     assert (e1["state"], e1["restarts"], e1["weight_version"], e1["dead"]) == ("ready", 1, "6", None)
