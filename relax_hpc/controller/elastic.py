@@ -113,7 +113,8 @@ class Elastic:
         self.start_step, self.stop_steps = start_engine_step, stop_processes  # how engine steps start and stop (a
         #                          simulation of the loop, tests/e2e/test_eval.py, puts its own in)
         self.fresh = True  # the initial engines serve the run's weights as they start (step 0's: not a resume)
-        self.failed_starts: dict[str, str] = {}  # initial engine → why it could not be started (tries used up)
+        self.failed_starts: dict[str, str] = {}  # engine of the run's allocation → why it could not be started
+        #                                            (its tries used up)
         self.last_jobs_check = 0.0
         self._stop_ids = iter(range(1, 1 << 30))
         self.started = False  # the training loop says when engines may join (the initial ones are up)

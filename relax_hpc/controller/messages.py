@@ -300,7 +300,6 @@ class StartEnginesResult(ResultMessage):
     pids: dict[str, int] = field(default_factory=dict)  # by engine name
     nodes: dict[str, str] = field(default_factory=dict)  # by engine name
     data_state: dict | None = None  # the data cursor at the start (a fresh run's step 1 starts from it)
-    slurm_steps: dict[str, str] = field(default_factory=dict)  # by engine name: "JOBID.STEPID" (none locally)
 
 
 @dataclass(frozen=True, kw_only=True)

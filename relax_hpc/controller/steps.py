@@ -98,14 +98,18 @@ def srun_argv(step: RoleStep, recipe: Recipe, run_dir: Path, python: str = sys.e
     return argv
 
 
+def pythonpath(path: str | None) -> str:
+    """``PYTHONPATH`` ``path`` with this relax_hpc first, so that every step and job imports it."""
+    return PACKAGE_ROOT + (os.pathsep + path if path else "")
+
+
 def _common_env(recipe: Recipe, launch_id: str, rendezvous: str) -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH")
     return {
         **recipe.slurm.env,
         "RELAX_LAUNCH_ID": launch_id,
         "RELAX_RENDEZVOUS": rendezvous,
         "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": PACKAGE_ROOT + (os.pathsep + path if path else ""),
+        "PYTHONPATH": pythonpath(os.environ.get("PYTHONPATH")),
     }
 
 
@@ -183,8 +187,7 @@ def start_engine_step(recipe: Recipe, run_dir: Path, executor: str, name: str, o
     """:func:`engine_step_argv`, started (its own session, so it is stopped as a group)."""
     log = Path(run_dir) / "logs" / f"{name}.host.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT + (os.pathsep + path if path else ""), "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, "PYTHONPATH": pythonpath(os.environ.get("PYTHONPATH")), "PYTHONUNBUFFERED": "1",
            **recipe.slurm.env}
     with open(log, "ab") as out:
         return subprocess.Popen(engine_step_argv(recipe, Path(run_dir), executor, name, origin, op, exclude),

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.controller.steps import engine_argv
+from relax_hpc.controller.steps import engine_argv, pythonpath
 from relax_hpc.launch import slurm
 from relax_hpc.launch.render import PACKAGE_ROOT, SBATCH_DIR, make_environment
 from relax_hpc.recipe import Recipe
@@ -63,8 +63,7 @@ def _clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     the het job: a job submitted or a step started from here must not inherit them), with relax_hpc importable."""
     keep = {"SLURM_CONF"}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_")) or k in keep}
-    path = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(PACKAGE_ROOT) + (os.pathsep + path if path else "")
+    env["PYTHONPATH"] = pythonpath(env.get("PYTHONPATH"))
     env["PYTHONUNBUFFERED"] = "1"
     return {**env, **(extra or {})}
 

@@ -70,25 +70,21 @@ def start_node_engine(run: RunDir, group: RoleGroup, model_path: str, *, name: s
                                     "--threads", str(max(1, group.cpus_per_task))])
 
 
-def gather_engines(ctx: RoleContext, engine: Any, prefix: str) -> list[tuple[str, str, int, str, str]]:
-    """Wait for this rank's engine, then every rank's ``(name, url, pid, node, slurm_step)``, names
-    ``<prefix><rank>``; ``slurm_step`` is ``"JOBID.STEPID"`` of the step it runs in ("" without Slurm)."""
+def gather_engines(ctx: RoleContext, engine: Any, prefix: str) -> list[tuple[str, str, int, str]]:
+    """Wait for this rank's engine, then every rank's ``(name, url, pid, node)``, names ``<prefix><rank>``."""
     import torch.distributed as dist
 
     i = ctx.ident
     engine.wait_ready(ENGINE_READY_S)
-    job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
-    where = f"{job}.{step}" if job and step else ""
     everyone: list[Any] = [None] * i.world
-    dist.all_gather_object(everyone, (f"{prefix}{i.rank}", engine.url, engine.pid, i.node, where))
+    dist.all_gather_object(everyone, (f"{prefix}{i.rank}", engine.url, engine.pid, i.node))
     ctx.report("ready", engine=engine.url)
     return [tuple(e) for e in everyone]
 
 
-def start_engines_result(everyone: list[tuple[str, str, int, str, str]], data_state: dict | None = None) -> Any:
+def start_engines_result(everyone: list[tuple[str, str, int, str]]) -> Any:
     """The ``start_engines`` result of :func:`gather_engines`' list."""
     from relax_hpc.controller.messages import StartEnginesResult
 
-    return StartEnginesResult(engines={n: u for n, u, *_ in everyone}, pids={n: p for n, _, p, *_ in everyone},
-                              nodes={n: node for n, _, _, node, _ in everyone},
-                              slurm_steps={n: w for n, *_, w in everyone if w}, data_state=data_state)
+    return StartEnginesResult(engines={n: u for n, u, _, _ in everyone}, pids={n: p for n, _, p, _ in everyone},
+                              nodes={n: node for n, _, _, node in everyone})

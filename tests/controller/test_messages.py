@@ -39,10 +39,9 @@ TASKS = [
 ]
 RESULTS = [
     (M.StartEnginesResult(engines=ENGINES, pids={"engine0": 11, "engine1": 12},
-                          nodes={"engine0": "n1", "engine1": "n2"}, data_state={"epoch": 0},
-                          slurm_steps={"engine0": "40.1", "engine1": "40.1"}),
+                          nodes={"engine0": "n1", "engine1": "n2"}, data_state={"epoch": 0}),
      {"engines": ENGINES, "pids": {"engine0": 11, "engine1": 12}, "nodes": {"engine0": "n1", "engine1": "n2"},
-      "data_state": {"epoch": 0}, "slurm_steps": {"engine0": "40.1", "engine1": "40.1"}}),
+      "data_state": {"epoch": 0}}),
     (M.ConnectResult(engines=["engine0", "engine1"], loaded_step=4),
      {"engines": ["engine0", "engine1"], "loaded_step": 4}),
     (M.GenerateResult(metrics={"rollout/raw_reward": 0.5}, chunks=[CHUNK], n=4, weight_versions=["2"],
