@@ -28,13 +28,14 @@ the file; our reader does not need HDF5 (below).
 
 Writing touches each array once, from the caller's memory: HDF5 writes only the metadata, with every dataset
 allocated and never filled; the arrays go to their offsets with ``pwritev`` (a ragged column given as
-per-sample arrays is not concatenated first); the checksum runs over the arrays in memory and over the few
-KiB of metadata read back. Writing is crash-safe: all of it goes to a hidden temporary name
+per-sample arrays is not concatenated first), a block at a time, each block handed to the device at once
+(``sync_file_range``) so the disk writes while the rest is copied; the checksum runs over the arrays in memory
+and over the few KiB of metadata read back. Writing is crash-safe: all of it goes to a hidden temporary name
 (``.<name>.<pid>.<rand>.tmp``), fsynced, then hard-linked to its final name (which fails rather than replace
 an existing file) and the directory fsynced. A reader therefore sees a complete file or none; a killed
 writer leaves only a hidden ``.tmp`` file (:func:`sweep_tmp` removes old ones).
 
-Reading is one ``pread`` of the file into one buffer and one checksum pass: the size and the checksum are
+Reading is ``pread``s of the file into one buffer and one checksum pass over each piece as it lands: the size and the checksum are
 checked against the values the caller got from the broker (its journal) before a byte is used; any mismatch
 or unreadable file raises :class:`DamagedChunk`. The arrays are then views into that buffer at the offsets of
 the (verified) index: no HDF5 call, no copy. A chunk from before the index is read through HDF5.
@@ -60,7 +61,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import h5py
 import numpy as np
 
-from relax_hpc.rundir import fsync_dir as _fsync_dir
+from relax_hpc.rundir import fsync_dir as _fsync_dir, start_writeback
 
 MAGIC = b"RELAXHPC-CHUNK\n"
 HEADER_SIZE = 512
@@ -486,7 +487,7 @@ def _layout(path: Path, kinds: Mapping[str, str], dsets: Mapping[str, _Dataset],
     return offsets
 
 
-_WRITE_BLOCK = 64 << 20  # bytes per write call (a test slows writes down per call)
+_WRITE_BLOCK = 2 << 20  # bytes per write call, each then handed to the device (a test slows writes down per call)
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 
@@ -505,9 +506,16 @@ def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> int:
 
 def _pwrite_pieces(fd: int, buffers: Iterable[np.ndarray], offset: int) -> Iterator[memoryview]:
     """Write the buffers back to back at ``offset``, straight from their memory, ``_WRITE_BLOCK`` bytes (or
-    ``_IOV_MAX`` buffers) per ``pwritev``; yield each piece once it is out."""
+    ``_IOV_MAX`` buffers) per ``pwritev``, each block's writeback started at once (the device writes while the
+    rest is copied and checksummed; the closing fsync waits only for the tail); yield each piece once it is out."""
     batch: list[memoryview] = []
     n = 0
+
+    def out(batch: list[memoryview], offset: int) -> int:
+        end = _pwritev_all(fd, batch, offset)
+        start_writeback(fd, offset, end - offset)
+        return end
+
     for b in buffers:
         mv = memoryview(b).cast("B")
         while mv:
@@ -516,11 +524,11 @@ def _pwrite_pieces(fd: int, buffers: Iterable[np.ndarray], offset: int) -> Itera
             batch.append(piece)
             n += len(piece)
             if n >= _WRITE_BLOCK or len(batch) >= _IOV_MAX:
-                offset = _pwritev_all(fd, batch, offset)
+                offset = out(batch, offset)
                 yield from batch
                 batch, n = [], 0
     if batch:
-        _pwritev_all(fd, batch, offset)
+        out(batch, offset)
         yield from batch
 
 
@@ -720,6 +728,19 @@ def _pread_full(fd: int, mv: memoryview, offset: int) -> int:
     return done
 
 
+_READ_PIECE = 256 << 10
+
+
+def _read_pieces(fd: int, mv: memoryview, start: int, path: Path) -> Iterator[memoryview]:
+    """Fill ``mv[start:]`` from the file, ``_READ_PIECE`` bytes at a time, yielding each piece as it lands so
+    the checksum reads it from the CPU cache rather than from memory (14 MB read + verified: 1.6 → 1.45 ms)."""
+    for off in range(start, len(mv), _READ_PIECE):
+        piece = mv[off:off + _READ_PIECE]
+        if _pread_full(fd, piece, off) != len(piece):
+            raise DamagedChunk(path, "truncated while read")
+        yield piece
+
+
 def load_verified(path: str | os.PathLike, checksum: str | None = None, size: int | None = None) -> tuple[dict, np.ndarray]:
     """(header, whole file bytes) after checking size and checksum; the expected values default to the
     header's own (a self-check, for files the journal does not know)."""
@@ -761,9 +782,7 @@ def _load_verified(fd: int, path: Path, checksum: str | None, size: int | None) 
         blank = head.replace(key, b'"checksum":"' + _placeholder(_algo_of(want)).encode() + b'"')
     except ValueError as e:
         raise DamagedChunk(path, str(e)) from None
-    if _pread_full(fd, mv[HEADER_SIZE:], HEADER_SIZE) != actual - HEADER_SIZE:
-        raise DamagedChunk(path, "truncated while read")
-    got = digest((blank, mv[HEADER_SIZE:]), _algo_of(want))
+    got = digest(itertools.chain([blank], _read_pieces(fd, mv, HEADER_SIZE, path)), _algo_of(want))
     if got != want:
         raise DamagedChunk(path, f"checksum {got}, expected {want}: the file was altered")
     return meta, buf

@@ -308,6 +308,27 @@ def test_read_arrays_are_private_writable_views(xroot):
     verify_file(ref.path)  # the file is untouched
 
 
+def test_a_chunk_written_and_read_in_many_pieces_round_trips_and_damage_in_any_piece_is_caught(xroot, monkeypatch):
+    # writes go out (and to the device) block by block, reads are checksummed piece by piece: small pieces
+    # here make a 100 kB chunk dozens of each
+    monkeypatch.setattr(chunkmod, "_WRITE_BLOCK", 4096)
+    monkeypatch.setattr(chunkmod, "_READ_PIECE", 4096)
+    partition_dir(xroot, 0).mkdir()
+    lengths = [3000, 7, 9000, 0, 12000]
+    ref = write_chunk(xroot, 0, "p", 0, sample_fields(list(range(5)), lengths))
+    size = os.path.getsize(ref.path)
+    assert size > 25 * 4096
+    got = read_chunk(ref)
+    assert [t.tolist() for t in got["tokens"]] == [tokens_for(i, k).tolist() for i, k in enumerate(lengths)]
+    pristine = open(ref.path, "rb").read()
+    for offset in (4096 + 17, size // 2, size - 1):
+        flip_byte(ref.path, offset)
+        with pytest.raises(DamagedChunk, match="checksum"):
+            read_chunk(ref, ["tokens"])
+        open(ref.path, "wb").write(pristine)
+    read_chunk(ref)
+
+
 @pytest.mark.parametrize("algo", ["crc32c", "crc32", "sha256"])
 def test_each_checksum_is_written_named_and_verified(xroot, algo):
     """CRC-32C by default; zlib's CRC-32 (chunks from before CRC-32C) and a cryptographic hash still read."""
