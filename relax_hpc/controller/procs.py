@@ -9,13 +9,11 @@ then stops the steps in order.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import time
 from collections import deque
 from pathlib import Path
 
-from relax_hpc.controller.steps import StepCommand, task_log_pattern
+from relax_hpc.controller.steps import StepCommand, stop_processes, task_log_pattern
 
 
 class StepProcess:
@@ -79,23 +77,7 @@ class StepProcess:
 
 def stop_steps(steps: list[StepProcess], grace_s: float = 10.0) -> None:
     """SIGTERM every live process of every step at once, SIGKILL those alive after ``grace_s``, reap all."""
-    live = [p for s in steps for p in s.live()]
-    for p in live:
-        _signal(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in live:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal(p, signal.SIGKILL)
-            p.wait(timeout=10)
-
-
-def _signal(p: subprocess.Popen, sig: int) -> None:
-    try:
-        p.send_signal(sig)  # Popen checks the PID is still its unreaped child
-    except ProcessLookupError:
-        pass
+    stop_processes([p for s in steps for p in s.live()], grace_s, group=False)
 
 
 def _tail(path: Path, lines: int) -> list[str]:

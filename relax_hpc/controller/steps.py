@@ -195,14 +195,15 @@ def start_engine_step(recipe: Recipe, run_dir: Path, executor: str, name: str, o
                                 start_new_session=True)
 
 
-def stop_processes(ps: list[subprocess.Popen], grace_s: float = 10.0) -> None:
-    """Engine steps stopped: SIGTERM to each one's process group at once (the engine host leaves, srun forwards
-    it), then SIGKILL to those alive after ``grace_s``."""
+def stop_processes(ps: list[subprocess.Popen], grace_s: float = 10.0, *, group: bool = True) -> None:
+    """SIGTERM every live process at once, SIGKILL those alive after ``grace_s``, reap all. ``group``: signal
+    each one's process group (an engine step: the engine host and its engine both leave; srun forwards it);
+    else the process itself (a role step's srun, or a local rank)."""
     live = [p for p in ps if p.poll() is None]
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         for p in live:
             try:
-                os.killpg(p.pid, sig)
+                os.killpg(p.pid, sig) if group else p.send_signal(sig)  # Popen checks it is still its child
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait
