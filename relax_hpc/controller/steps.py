@@ -203,7 +203,10 @@ def stop_processes(ps: list[subprocess.Popen], grace_s: float = 10.0, *, group: 
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         for p in live:
             try:
-                os.killpg(p.pid, sig) if group else p.send_signal(sig)  # Popen checks it is still its child
+                if group:
+                    os.killpg(p.pid, sig)
+                else:
+                    p.send_signal(sig)  # Popen checks the PID is still its unreaped child
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait

@@ -35,9 +35,9 @@ and over the few KiB of metadata read back. Writing is crash-safe: all of it goe
 an existing file) and the directory fsynced. A reader therefore sees a complete file or none; a killed
 writer leaves only a hidden ``.tmp`` file (:func:`sweep_tmp` removes old ones).
 
-Reading is ``pread``s of the file into one buffer and one checksum pass over each piece as it lands: the size and the checksum are
-checked against the values the caller got from the broker (its journal) before a byte is used; any mismatch
-or unreadable file raises :class:`DamagedChunk`. The arrays are then views into that buffer at the offsets of
+Reading fills one buffer with the file, piece by piece, and checksums each piece as it lands (one pass in
+all): the size and the checksum are checked against the values the caller got from the broker (its journal)
+before a byte is used; any mismatch or unreadable file raises :class:`DamagedChunk`. The arrays are then views into that buffer at the offsets of
 the (verified) index: no HDF5 call, no copy. A chunk from before the index is read through HDF5.
 """
 
