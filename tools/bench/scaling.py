@@ -13,12 +13,16 @@ Three checks of the formulas in docs/scaling.md, each with the real code:
    ended; N consumers per forward task lease one chunk at a time, read it (checksum verified), write their
    side file (``write_fields``), ``add_fields`` and ack; then N train consumers lease, read every train
    field (main file and both side files) and ack. The last ack clears the step. Counted by wrapping the
-   system calls: journal records (lines), fdatasyncs, fsyncs, files created (``O_CREAT`` opens), bytes
+   system calls: journal records (lines), fdatasyncs, fsyncs, files created (links to a final name: HDF5 itself
+   creates each hidden tmp file, so opens are not counted), bytes
    written; and the wall time of the step. Predicted = the formulas with C = N chunks and N leases per task.
    N = 1 is what a run does today: one chunk per step, one lease per task.
-2. **Controller heartbeats.** ``RunState.apply`` (what the single-threaded loop does with every heartbeat) on
-   a state built from the 64-node recipe of docs/scaling.md (actor 256 ranks, rollout 112, reference 16,
-   actor_fwd 16), and ``protocol.decode`` + ``validate`` of one heartbeat line (a connection thread's part).
+2. **Controller heartbeats and engine polls.** ``RunState.apply`` (what the single-threaded loop does with every
+   heartbeat) on a state built from the 64-node recipe of docs/scaling.md (actor 256 ranks, the rollout driver 1,
+   reference 16, actor_fwd 16), and ``protocol.decode`` + ``validate`` of one heartbeat line (a connection
+   thread's part). Then the run's E = 112 engines, each a step with an engine host that long-polls
+   ``next_task`` every ``roles/engine.POLL_S``: what the loop does with one poll (``RunState.apply``, then a
+   real ``Elastic.on_message``).
 3. **Weight-sync HTTP fan-out.** ``WeightSender.push`` (the real one) over a 1-rank gloo group to E stub
    engines (``--engines``) that answer at once (one HTTP server process with the CPU engine's handler), with
    small tensors cut into ``--buckets`` buckets; then ``EngineChecker.unreachable`` and ``.check`` (the spot
@@ -81,8 +85,8 @@ TEXT_BYTES = 4  # bytes of prompt/response text per token (β in docs/scaling.md
 # ----------------------------------------------------------------------------------------------- counting ---
 
 class Calls:
-    """System calls made by this process while installed: fsync, fdatasync, O_CREAT opens, links, mkdirs,
-    bytes through os.write. Thread-safe."""
+    """System calls made by this process while installed: fsync, fdatasync, links, mkdirs, bytes through
+    os.write. Thread-safe."""
 
     def __init__(self) -> None:
         self.c: Counter = Counter()
@@ -99,7 +103,7 @@ class Calls:
 
 @contextmanager
 def counting(calls: Calls):
-    real = {"fsync": os.fsync, "open": os.open, "link": os.link, "mkdir": os.mkdir, "write": os.write}
+    real = {"fsync": os.fsync, "link": os.link, "mkdir": os.mkdir, "write": os.write}
     real_datasync = journal_mod._datasync  # bound at import in journal.py: patch it there
 
     def fsync(fd):
@@ -109,11 +113,6 @@ def counting(calls: Calls):
     def datasync(fd):
         calls.add("fdatasync")
         return real_datasync(fd)
-
-    def open_(path, flags, mode=0o777, *, dir_fd=None):
-        if flags & os.O_CREAT:
-            calls.add("created")
-        return real["open"](path, flags, mode, dir_fd=dir_fd)
 
     def link(src, dst, *a, **kw):
         calls.add("link")
@@ -128,13 +127,12 @@ def counting(calls: Calls):
         calls.add("bytes", k)
         return k
 
-    os.fsync, os.open, os.link, os.mkdir, os.write = fsync, open_, link, mkdir, write
+    os.fsync, os.link, os.mkdir, os.write = fsync, link, mkdir, write
     journal_mod._datasync = datasync
     try:
         yield calls
     finally:
-        os.fsync, os.open, os.link, os.mkdir, os.write = (real["fsync"], real["open"], real["link"], real["mkdir"],
-                                                          real["write"])
+        os.fsync, os.link, os.mkdir, os.write = real["fsync"], real["link"], real["mkdir"], real["write"]
         journal_mod._datasync = real_datasync
 
 
@@ -178,7 +176,7 @@ def predict_exchange(c: int, leases: int, main_payload: int, side_payload: int, 
     t = 1 + f
     records = 3 + c * (1 + f) + 2 * t * leases
     files = c * (1 + f)
-    return {"records": records, "fdatasync": records, "fsync": 2 * files + 2, "created": files, "dirs": 1,
+    return {"records": records, "fdatasync": records, "fsync": 2 * files + 1, "created": files, "dirs": 1,
             "data_bytes": c * (HEADER_SIZE + H_MAIN + main_payload) + f * c * (HEADER_SIZE + H_SIDE + side_payload),
             "journal_bytes": (REC["start"] + REC["end"] + REC["cleared"] + c * REC["produced"]
                               + f * c * REC["fields_added"] + f * leases * (REC["leased_fwd"] + REC["consumed"])
@@ -240,7 +238,8 @@ def sim_exchange(base: Path, n: int, steps: int, samples: int, lp: int, lr: int)
                 dt_s = time.perf_counter() - t0
                 assert got == n * samples and b.complete(step) and step not in b.uncleared()
                 c1 = calls.snap()
-                d = {k: c1[k] - c0[k] for k in ("fsync", "fdatasync", "created", "link", "mkdir", "bytes")}
+                d = {k: c1[k] - c0[k] for k in ("fsync", "fdatasync", "link", "mkdir", "bytes")}
+                d["created"] = d["link"]  # each file is made under a tmp name (by HDF5) and linked once
                 d.update(records=jpath.read_bytes().count(b"\n") - lines0, journal_bytes=jpath.stat().st_size - j0,
                          data_bytes=main_bytes + side_bytes, time_s=dt_s, leases=dict(leases))
                 per_step.append(d)
@@ -313,9 +312,41 @@ def sim_controller(base: Path, reps: int = 5) -> dict:
             P.validate(m)
         parse_us = (time.perf_counter() - t0) / k * 1e6
         return {"roles": roles, "heartbeat_s": recipe.logging.heartbeat_s, "state_write_ms": write_ms,
-                "state_bytes": state_bytes, "parse_us": parse_us, "max_connections": P.MAX_CONNECTIONS}
+                "state_bytes": state_bytes, "parse_us": parse_us, "max_connections": P.MAX_CONNECTIONS,
+                "engines": sim_engine_polls(recipe, run, st, token, reps)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def sim_engine_polls(recipe, run, st, token: str, reps: int) -> dict:
+    """The loop's part of one engine host's ``next_task`` long poll: ``RunState.apply`` (not a rank: it returns
+    at once) and ``Elastic.on_message`` (the engine's sign of life), on a registry of the run's E engines."""
+    from relax_hpc.controller.channel import Channel
+    from relax_hpc.controller.elastic import Elastic
+    from relax_hpc.controller.engines import EngineRegistry
+    from relax_hpc.recipe import initial_engines
+    from relax_hpc.roles.engine import POLL_S
+
+    names = initial_engines(recipe)
+    reg = EngineRegistry()
+    for i, name in enumerate(names):
+        reg.add(name, f"http://10.0.{i // 250}.{i % 250}:30000", origin="initial", state="ready", weight_version="3")
+    ch = Channel(token, bind_host="127.0.0.1")
+    try:
+        el = Elastic(recipe, run, reg, st, ch, "local", holds=lambda n: False, on_change=lambda: None,
+                     assign=ch.assign)
+        msgs = [{"type": "next_task", "role": f"engine:{n}", "rank": 0, "wait_s": POLL_S} for n in names]
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for m in msgs:
+                now = time.time()
+                st.apply(now, m)
+                el.on_message(m)
+            ts.append((time.perf_counter() - t0) / len(msgs))
+    finally:
+        ch.close()
+    return {"engines": len(names), "poll_s": POLL_S, "us": min(ts) * 1e6}
 
 
 # ------------------------------------------------------------------------------------------- weight sync ---
@@ -444,20 +475,29 @@ def exchange_table(rows: list[dict], base: Path, sync_ms: float, file_ms: float)
 def controller_table(c: dict) -> list[str]:
     h = c["heartbeat_s"]
     total_ranks = sum(r["ranks"] for r in c["roles"].values())
-    out = [f"**Controller**, heartbeats at the 64-node split (heartbeat every {h:g} s). Loop time per heartbeat "
-           "(`RunState.apply`, best of 5 passes over every rank) and the loop's share of one core:", "",
-           "| role | ranks | heartbeats/s | µs per heartbeat | loop ms per s |", "|---|---|---|---|---|"]
+    out = [f"**Controller**, heartbeats at the 64-node split (heartbeat every {h:g} s) and the engine hosts' polls. "
+           "Loop time per message (`RunState.apply`, and `Elastic.on_message` for a poll; best of 5 passes over every "
+           "sender) and the loop's share of one core:", "",
+           "| sender | ranks or engines | messages/s | µs per message | loop ms per s |", "|---|---|---|---|---|"]
     load = 0.0
     for role, r in c["roles"].items():
         rate = r["ranks"] / h
         load += rate * r["us"] / 1e3
         out.append(f"| {role} | {r['ranks']} | {rate:g} | {r['us']:.1f} | {rate * r['us'] / 1e3:.1f} |")
-    parse = total_ranks / h * c["parse_us"] / 1e3
-    out += ["", f"All roles: {total_ranks} ranks, {total_ranks / h:g} heartbeats/s, {load:.1f} ms of loop time per "
-            f"second ({load / 10:.1f} % of a core); parsing and checking each line in its connection thread "
-            f"{c['parse_us']:.1f} µs, {parse:.1f} ms per second more. state.json at this size: {c['state_bytes']:,} "
-            f"bytes, {c['state_write_ms']:.1f} ms to write. Connections: {total_ranks} ranks + 4 rank-0 task polls "
-            f"= {total_ranks + 4} of at most {c['max_connections']} (protocol.MAX_CONNECTIONS)."]
+    e = c["engines"]
+    e_rate = e["engines"] / e["poll_s"]
+    e_load = e_rate * e["us"] / 1e3
+    out.append(f"| engine hosts (`next_task` every {e['poll_s']:g} s) | {e['engines']} | {e_rate:g} | {e['us']:.1f} | "
+               f"{e_load:.1f} |")
+    msgs = total_ranks / h + e_rate
+    parse = msgs * c["parse_us"] / 1e3
+    conns = total_ranks + 4 + e["engines"]
+    out += ["", f"All roles: {total_ranks} ranks and {e['engines']} engine hosts, {msgs:g} messages/s, "
+            f"{load + e_load:.1f} ms of loop time per second ({(load + e_load) / 10:.1f} % of a core); parsing and "
+            f"checking each line in its connection thread {c['parse_us']:.1f} µs, {parse:.1f} ms per second more. "
+            f"state.json at this size (ranks only, no engine table): {c['state_bytes']:,} bytes, "
+            f"{c['state_write_ms']:.1f} ms to write. Connections: {total_ranks} ranks + 4 rank-0 task polls + "
+            f"{e['engines']} engine hosts = {conns} of at most {c['max_connections']} (protocol.MAX_CONNECTIONS)."]
     return out
 
 
@@ -549,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{H_MAIN:,} (main) and {H_SIDE:,} (side); journal bytes from the size of each kind of record (the "
               "table in \"Exchange\"). The fsync floor is "
               "fdatasyncs × the small-fdatasync time + fsyncs × the new-file fsync time: how much of the step the "
-              "disk's flushes explain; the rest is CPU (HDF5 images, CRC-32, reads), on 2 cores shared by 2N "
+              "disk's flushes explain; the rest is CPU (HDF5 metadata, CRC-32C, reads), on 2 cores shared by 2N "
               "threads.", ""]
     lines += controller_table(ctl)
     lines += [""]
