@@ -14,7 +14,7 @@ the controller's tasks (:mod:`relax_hpc.roles.tasks`; every task's fields and it
   (``train.num_steps_per_rollout``, shuffled with the run's seed and the step) and build tensors only for
   this DP rank's share of each, take π_old for all of them before the first update from actor_fwd's
   ``log_probs`` or a forward pass (or the engine's log-probs with ``algorithm.use_rollout_logprobs``), then
-  k ``train_step``\ s. Returns Relax's ``train/*`` metrics (means over the k steps; ``train/num_steps`` = k),
+  k ``train_step`` calls. Returns Relax's ``train/*`` metrics (means over the k steps; ``train/num_steps`` = k),
   ``train/train_rollout_logprob_abs_diff`` (mean |π_old − engine| log-prob over the response tokens; with
   identical weights this is the numerical gap, ~1e-7 on CPU) and ``perf/train_time``.
 - ``sync {version, engines}``: every rank walks ``named_hf_weights`` (a collective); rank 0 pushes them with
