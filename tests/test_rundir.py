@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import sys
 
@@ -18,6 +20,8 @@ def test_start_writeback_hands_a_written_range_to_the_kernel(tmp_path):
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         os.write(fd, b"x" * (1 << 20))
+        if not start_writeback(fd, 0, 1 << 20) and ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
+            pytest.skip("this sandbox refuses sync_file_range")  # (seccomp, WSL1): the writer then just fsyncs
         assert start_writeback(fd, 0, 1 << 20)
         os.fsync(fd)
     finally:

@@ -11,6 +11,7 @@ go while the roles' steps stay. Argument lists only: nothing here goes through a
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shlex
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import relax_hpc
 from relax_hpc.recipe import Recipe, RoleStep, initial_engines, role_steps
+
+log = logging.getLogger("relax_hpc.controller")
 
 EXECUTORS = ("slurm", "local")
 CPU_BIND_ENV = "RELAX_LOCAL_CPUS"  # local executor: "actor=0;rollout=1": each role's processes on those CPUs
@@ -196,11 +199,12 @@ def start_engine_step(recipe: Recipe, run_dir: Path, executor: str, name: str, o
 
 
 def stop_processes(ps: list[subprocess.Popen], grace_s: float = 10.0, *, group: bool = True) -> None:
-    """SIGTERM every live process at once, SIGKILL those alive after ``grace_s``, reap all. ``group``: signal
-    each one's process group (an engine step: the engine host and its engine both leave; srun forwards it);
-    else the process itself (a role step's srun, or a local rank)."""
+    """SIGTERM every live process at once, SIGKILL those alive after ``grace_s``, and reap them. ``group``:
+    signal each one's process group (an engine step: the engine host and its engine both leave; srun forwards
+    it); else the process itself (a role step's srun, or a local rank).
+    A process still there 5 s after SIGKILL (stuck in the kernel) is logged and left."""
     live = [p for p in ps if p.poll() is None]
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         for p in live:
             try:
                 if group:
@@ -218,3 +222,5 @@ def stop_processes(ps: list[subprocess.Popen], grace_s: float = 10.0, *, group: 
         live = [p for p in live if p.poll() is None]
         if not live:
             return
+    log.warning("processes %s did not exit 5 s after SIGKILL; left as they are",
+                ", ".join(str(p.pid) for p in live))

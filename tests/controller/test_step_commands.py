@@ -1,11 +1,18 @@
-"""Role step command lines: srun per het group under Slurm, N×T processes locally; argument lists, quoted for print."""
+"""Role step command lines: srun per het group under Slurm, N×T processes locally; argument lists, quoted for print;
+and how steps are stopped."""
 
+import os
 import shlex
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from ctl_helpers import TINY, make_run
-from relax_hpc.controller.steps import describe_steps, engine_step_argv, executor_from_env, step_commands
+from relax_hpc.controller.steps import (describe_steps, engine_step_argv, executor_from_env, step_commands,
+                                       stop_processes)
 from relax_hpc.recipe import initial_engines, load_recipe
 
 
@@ -107,3 +114,38 @@ def test_rollout_is_one_driver_task_and_each_engine_a_step_of_its_own(run, tmp_p
     assert argv[-10:] == ["/py", "-m", "relax_hpc.roles.engine", str(big.path), "--name", "step0", "--origin", "step",
                           "--op", "s1"]
     assert engine_step_argv(r, big.path, "local", "engine0", "initial", "initial", python="/py")[0] == "/py"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1].startswith("Z")  # a zombie waiting for its new parent
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def test_stop_processes_terminates_then_kills_and_reaches_the_group_only_when_asked():
+    def start(argv):
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        return p, p.stdout.readline().strip()  # started (and its SIGTERM handling set) once it printed
+
+    stubborn, _ = start([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                               "print('ready', flush=True); time.sleep(60)"])
+    grouped, child = start(["sh", "-c", "sleep 60 & echo $!; wait"])
+    alone, orphan = start(["sh", "-c", "sleep 60 & echo $!; wait"])
+    try:
+        stop_processes([stubborn, grouped], grace_s=0.5, group=True)
+        assert stubborn.returncode == -9  # SIGTERM ignored: SIGKILL after the grace
+        assert grouped.returncode == -15
+        deadline = time.monotonic() + 10
+        while not _gone(int(child)) and time.monotonic() < deadline:  # the group's SIGTERM reached it too
+            time.sleep(0.05)
+        assert _gone(int(child))
+        stop_processes([alone], grace_s=5.0, group=False)
+        assert alone.returncode == -15 and not _gone(int(orphan))  # only the process itself was signalled
+    finally:
+        for pid in (child, orphan):
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass

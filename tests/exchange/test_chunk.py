@@ -313,15 +313,24 @@ def test_a_chunk_written_and_read_in_many_pieces_round_trips_and_damage_in_any_p
     # here make a 100 kB chunk dozens of each
     monkeypatch.setattr(chunkmod, "_WRITE_BLOCK", 4096)
     monkeypatch.setattr(chunkmod, "_READ_PIECE", 4096)
+    handed: list[tuple[int, int]] = []
+    real = chunkmod.start_writeback
+    monkeypatch.setattr(chunkmod, "start_writeback", lambda fd, off, n: handed.append((off, n)) or real(fd, off, n))
     partition_dir(xroot, 0).mkdir()
     lengths = [3000, 7, 9000, 0, 12000]
     ref = write_chunk(xroot, 0, "p", 0, sample_fields(list(range(5)), lengths))
     size = os.path.getsize(ref.path)
     assert size > 25 * 4096
+    # the device got the file as it was written: whole pages, each once, in order, none of the header's
+    page = chunkmod._PAGE
+    assert len(handed) >= 10
+    assert all(off % page == 0 and n % page == 0 and n >= 4096 for off, n in handed)
+    assert handed[0][0] >= page and all(a + n == b for (a, n), (b, _) in zip(handed, handed[1:]))
+    assert handed[-1][0] + handed[-1][1] <= size
     got = read_chunk(ref)
     assert [t.tolist() for t in got["tokens"]] == [tokens_for(i, k).tolist() for i, k in enumerate(lengths)]
     pristine = open(ref.path, "rb").read()
-    for offset in (4096 + 17, size // 2, size - 1):
+    for offset in (chunkmod.HEADER_SIZE + 4096 + 17, size // 2, size - 1):  # in the 2nd, a middle and the last piece
         flip_byte(ref.path, offset)
         with pytest.raises(DamagedChunk, match="checksum"):
             read_chunk(ref, ["tokens"])
