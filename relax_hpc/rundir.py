@@ -157,9 +157,9 @@ def _sync_file_range():
 def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
     """Ask the kernel to start writing ``[offset, offset + nbytes)`` of ``fd`` to the device now, without waiting
     for it (``sync_file_range(SYNC_FILE_RANGE_WRITE)``; the call itself may block while the device's queue is
-    full). A large file written piece by piece, each piece started as it
-    lands, then overlaps the device's writing with the copying of the rest, and the closing ``fsync`` waits only
-    for the tail: 14 MB went from 10.6 to 7 ms here. Durability is still the ``fsync``'s job; where the call is
+    full). A large file written piece by piece, each piece started as it lands, then overlaps the device's
+    writing with the copying of the rest, and the closing ``fsync`` waits only for the tail: 14 MB went from
+    10.6 to 7 ms here. Durability is still the ``fsync``'s job; where the call is
     missing (not Linux) or fails, this does nothing. Returns whether the kernel took the request (if not,
     ``ctypes.get_errno()`` says why)."""
     f = _sync_file_range()

@@ -135,8 +135,8 @@ def step_commands(recipe: Recipe, run_dir: str | Path, executor: str,
                 env = {**_common_env(recipe, launch_id, "file"), "RELAX_RANK": str(rank),
                        "RELAX_WORLD_SIZE": str(step.ntasks), "RELAX_LOCAL_RANK": str(rank % step.tasks_per_node),
                        "RELAX_NODE": "localhost"}
-                log = Path(str(task_log_pattern(run_dir, step.role)).replace("%t", str(rank)))
-                procs.append(Proc([*taskset, python, "-m", role_module(step.role), str(run_dir)], env, log))
+                rank_log = Path(str(task_log_pattern(run_dir, step.role)).replace("%t", str(rank)))
+                procs.append(Proc([*taskset, python, "-m", role_module(step.role), str(run_dir)], env, rank_log))
         else:
             raise ValueError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
         out.append(StepCommand(step, launch_id, procs))
@@ -188,11 +188,11 @@ def engine_step_argv(recipe: Recipe, run_dir: Path, executor: str, name: str, or
 def start_engine_step(recipe: Recipe, run_dir: Path, executor: str, name: str, origin: str, op: str,
                       exclude: list[str] = ()) -> subprocess.Popen:
     """:func:`engine_step_argv`, started (its own session, so it is stopped as a group)."""
-    log = Path(run_dir) / "logs" / f"{name}.host.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
+    host_log = Path(run_dir) / "logs" / f"{name}.host.log"
+    host_log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": pythonpath(os.environ.get("PYTHONPATH")), "PYTHONUNBUFFERED": "1",
            **recipe.slurm.env}
-    with open(log, "ab") as out:
+    with open(host_log, "ab") as out:
         return subprocess.Popen(engine_step_argv(recipe, Path(run_dir), executor, name, origin, op, exclude),
                                 env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -37,8 +37,8 @@ writer leaves only a hidden ``.tmp`` file (:func:`sweep_tmp` removes old ones).
 
 Reading fills one buffer with the file, piece by piece, and checksums each piece as it lands (one pass in
 all): the size and the checksum are checked against the values the caller got from the broker (its journal)
-before a byte is used; any mismatch or unreadable file raises :class:`DamagedChunk`. The arrays are then views into that buffer at the offsets of
-the (verified) index: no HDF5 call, no copy. A chunk from before the index is read through HDF5.
+before a byte is used; any mismatch or unreadable file raises :class:`DamagedChunk`. The arrays are then views
+into that buffer at the offsets of the (verified) index: no HDF5 call, no copy. A chunk from before the index is read through HDF5.
 """
 
 from __future__ import annotations
