@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Sequence
 
+from relax_hpc.errors import PermanentError
+
 FORMS = "'package.module.function', 'package.module:function' or 'path/to/file.py:function'"
 """The accepted forms, as error messages spell them."""
 
@@ -43,14 +45,15 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 Kind = Literal["syntax", "module", "dependency", "import", "attribute", "callable", "signature"]
 
 
-class PluginError(ValueError):
+class PluginError(ValueError, PermanentError):
     """A recipe key names a function that cannot be used. ``str(e)`` is ``"key = value: problem. Fix: fix"``.
 
     ``kind`` says which check failed: ``syntax`` (not one of the three forms), ``module`` (the module or
     file does not exist), ``dependency`` (it exists but imports something missing here), ``import`` (it
     raised while being imported), ``attribute`` (no such name in it), ``callable`` (the name is not a
     function), ``signature`` (it cannot be called the way relax_hpc calls it). A ValueError so that code
-    catching the old loaders' errors keeps working; the subclasses add ImportError / TypeError.
+    catching the old loaders' errors keeps working; the subclasses add ImportError / TypeError. Permanent
+    (:mod:`relax_hpc.errors`): the function loads the same way after a restart, so the run fails at once.
     """
 
     def __init__(self, key: str, value: Any, problem: str, fix: str, *, kind: Kind) -> None:

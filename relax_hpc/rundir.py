@@ -3,11 +3,17 @@
 Everything that must survive a crash or be read by another process (the login node's ``relax-status``,
 a requeued job, a role on another node) is a file here, written atomically. Owner-only permissions:
 the token in it is what lets a process talk to the controller.
+
+A full filesystem must not silence the run (``docs/reliability.md``, "A full disk"): ``RUN_DIR/.reserve`` holds
+:data:`RESERVE_BYTES` of it from the start, and the controller frees them (:meth:`RunDir.release_reserve`) when a
+write fails for want of space, so that its last words (state.json: FAILED, "no space left on <mount>",
+summary.json, the events) still land. :func:`no_space_message` is that reason, in one place.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import json
 import os
@@ -17,6 +23,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from relax_hpc.errors import no_space
+
+RESERVE_BYTES = 2 << 20  # the controller's last words on a full disk: state.json, summary.json, reward.png, events
+FULL_BYTES = 1 << 20  # free space under this (for an unprivileged user) counts as a full filesystem
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,10 @@ class RunDir:
         return self.path / "logs"
 
     @property
+    def reserve(self) -> Path:  # RESERVE_BYTES held for the controller's writes on a full disk, by whoever makes it
+        return self.path / ".reserve"
+
+    @property
     def rendezvous(self) -> Path:  # local-mode handshake files
         return self.path / "rendezvous"
 
@@ -98,6 +113,45 @@ class RunDir:
         except (FileNotFoundError, json.JSONDecodeError):
             return default
 
+    def ensure_reserve(self, nbytes: int = RESERVE_BYTES) -> bool:
+        """Hold ``nbytes`` of the run directory's filesystem in :attr:`reserve` (made if missing or short:
+        by relax-submit, and again by each controller, as a resume after a full disk finds it gone). Blocks
+        really allocated (``posix_fallocate``; where that is not supported, random bytes, which neither a sparse
+        file nor a compressing filesystem gives back). Returns False, touching nothing, where it cannot be had
+        (the disk is full already): the run goes on without it."""
+        try:
+            if self.reserve.stat().st_blocks * 512 >= nbytes:
+                return True
+        except FileNotFoundError:
+            pass
+        tmp = self.reserve.with_name(f".reserve.{os.getpid()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                        raise
+                    _write_all(fd, os.urandom(nbytes))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.reserve)
+            return True
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            return False
+
+    def release_reserve(self) -> int:
+        """Free :attr:`reserve` for the controller's own writes (a write failed for want of space); the bytes freed."""
+        try:
+            size = self.reserve.stat().st_blocks * 512
+            self.reserve.unlink()
+            return size
+        except FileNotFoundError:
+            return 0
+
 
 def create_run_dir(runs_root: str | Path, name: str) -> RunDir:
     """A new, private run directory ``<runs_root>/<name>-<timestamp>`` with a fresh token."""
@@ -118,19 +172,80 @@ def create_run_dir(runs_root: str | Path, name: str) -> RunDir:
     for sub in (rd.logs, rd.rendezvous):
         sub.mkdir(mode=0o700)
     write_private(rd.token_file, secrets.token_hex(32) + "\n")
+    rd.ensure_reserve()
     return rd
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write ``text`` atomically (tmp + fsync + rename), readable by the owner only."""
+    """Write ``text`` atomically (tmp + fsync + rename), readable by the owner only. A write that fails (a full
+    disk) leaves ``path`` as it was and no temporary file behind to hold the space."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            _write_all(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until all of ``data`` is written: a filesystem filling up takes part of a write without an
+    error; the next call raises ENOSPC."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def mount_point(path: str | os.PathLike) -> Path:
+    """The mount point of the filesystem holding ``path`` (or its nearest existing parent): what a user frees
+    space on."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    dev = p.stat().st_dev
+    while p != p.parent and p.parent.stat().st_dev == dev:
+        p = p.parent
+    return p
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Space an unprivileged user may still write on ``path``'s filesystem (None where it cannot be asked)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def no_space_message(run: RunDir, path: str | os.PathLike | None = None, what: str = "") -> str:
+    """The reason of a run ended by a full disk: the mount point (of ``path``, the file that could not be written,
+    if known, else of the run directory), the fix. ``what``: how it was seen (e.g. "Disk quota exceeded")."""
+    try:
+        where = str(mount_point(path or run.path))
+    except OSError:
+        where = str(Path(path or run.path).parent)
+    detail = "; ".join(x for x in (f"writing {path}" if path else "", what) if x)
+    return (f"no space left on {where}{f' ({detail})' if detail else ''}. Fix: free space on {where} (or raise "
+            f"the quota), then relax-submit --resume {run.path}")
+
+
+def no_space_reason(run: RunDir, error: BaseException, path: str | os.PathLike | None = None) -> str:
+    """:func:`no_space_message` for ``error`` (a full disk, see :func:`relax_hpc.errors.no_space`): the file
+    it names if ``path`` is not given, and what the system said."""
+    e = no_space(error) or error
+    name = getattr(e, "filename", None)
+    path = path or (name if isinstance(name, (str, os.PathLike)) else None)
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = os.strerror(e.errno)  # not e.strerror: HDF5 puts a page of its own there
+    else:
+        lines = str(e).strip().splitlines()
+        what = lines[-1][:200] if lines else type(e).__name__
+    return no_space_message(run, path, what)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

@@ -85,3 +85,56 @@ def slurm_cluster():
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = saved
+
+
+class SmallDisk:
+    """A real filesystem of its own (tmpfs, ``size_mib``) at ``path``, to fill up: a full disk, not a fake one."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def fill(self) -> Path:
+        """Take every byte left (``path/filler``): the next write that needs a new block fails with ENOSPC."""
+        filler = self.path / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            st = os.statvfs(self.path)
+            try:
+                os.posix_fallocate(fd, os.fstat(fd).st_size, st.f_bavail * st.f_frsize)
+            except OSError:
+                pass
+            for block in (1 << 16, 1 << 12, 1):  # whatever fallocate left, down to the last byte
+                try:
+                    while True:
+                        os.write(fd, b"\0" * block)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+        return filler
+
+    def free(self) -> None:
+        (self.path / "filler").unlink(missing_ok=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(size_mib)``: a :class:`SmallDisk` mounted under ``tmp_path`` (``mount -t tmpfs``; root only:
+    CI runs as root; skips where mounting is not allowed), unmounted at the end."""
+    mounted: list[Path] = []
+
+    def make(size_mib: int = 8) -> SmallDisk:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+        d = tmp_path / f"disk{len(mounted)}"
+        d.mkdir()
+        p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0700", "tmpfs", str(d)],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            pytest.skip(f"mount -t tmpfs was refused here: {p.stderr.strip()}")
+        mounted.append(d)
+        return SmallDisk(d)
+
+    yield make
+    for d in reversed(mounted):
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)

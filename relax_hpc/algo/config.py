@@ -42,9 +42,9 @@ class AlgorithmConfig:
     calculate_per_token_loss: bool = False  # False: mean over samples of per-sample token means; True: token mean
     custom_loss_path: str | None = None  # your per-token pg loss replacing the estimator's: file.py:fn or pkg.mod.fn
     # --- KL ----------------------------------------------------------------------------------------------
-    kl_coef: float = 0.0  # KL reward shaping (PPO-only in Relax: no effect on these estimators' returns)
+    kl_coef: float = 0.0  # Relax's reward-shaping KL, which its GRPO family ignores: only 0 is accepted (see check)
     use_kl_loss: bool = False  # add kl_loss_coef · KL(π_θ ‖ π_ref) to the loss (needs a reference role)
-    kl_loss_coef: float = 0.0  # weight of the KL-to-reference loss; exclusive with kl_coef
+    kl_loss_coef: float = 0.0  # weight of the KL-to-reference loss
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"  # KL estimator (relax_hpc/algo/kl.py)
     use_unbiased_kl: bool = False  # multiply each KL token term by π_θ/π_old (DeepSeek-V3.2 unbiased KL)
     ref_update_interval: int | None = None  # copy actor weights into the reference every N steps; None = never
@@ -52,7 +52,6 @@ class AlgorithmConfig:
     disable_rewards_normalization: bool = False  # no group reward normalization: advantages are raw rewards
     disable_grpo_std_normalization: bool = False  # Dr.GRPO: subtract the group mean, do not divide by its std
     normalize_advantages: bool = False  # whiten advantages over all valid tokens of the data-parallel group
-    disable_compute_advantages_and_returns: bool = False  # advantages step leaves samples alone (custom pipelines)
     # --- off-policy correction ---------------------------------------------------------------------------
     use_rollout_logprobs: bool = False  # π_old = the engine's sampling log-probs instead of a trainer recompute
     use_tis: bool = False  # truncated IS: pg loss × clamp(π_old/π_rollout, tis_clip_low, tis_clip)
@@ -95,11 +94,12 @@ def check(cfg: AlgorithmConfig) -> list[tuple[str, object, str]]:
              "loss of grpo/gspo). Fix: set it to null")
     need(cfg.sapo_tau_pos > 0, "sapo_tau_pos", "must be positive. Fix: e.g. 1.0")
     need(cfg.sapo_tau_neg > 0, "sapo_tau_neg", "must be positive. Fix: e.g. 1.05")
-    need(cfg.kl_coef >= 0, "kl_coef", "must be 0 or more. Fix: use 0")
+    need(cfg.kl_coef == 0, "kl_coef",
+         "would do nothing: Relax's --kl-coef shapes the reward only for its ppo and reinforce_plus_plus "
+         f"estimators, and its {', '.join(ESTIMATORS)} (the ones relax_hpc has) ignore it. Fix: remove it (or 0); to "
+         "keep the policy near the reference, set algorithm.use_kl_loss: true with algorithm.kl_loss_coef (e.g. "
+         "0.001) and enable roles.reference")
     need(cfg.kl_loss_coef >= 0, "kl_loss_coef", "must be 0 or more. Fix: e.g. 0.001")
-    need(not (cfg.kl_coef != 0 and cfg.kl_loss_coef != 0), "kl_coef",
-         f"cannot be non-zero together with algorithm.kl_loss_coef = {cfg.kl_loss_coef} (Relax forbids both). "
-         "Fix: set kl_coef to 0 and use the KL loss")
     if cfg.ref_update_interval is not None:
         need(cfg.ref_update_interval >= 1, "ref_update_interval", "must be at least 1 or null. Fix: use null for never")
     need(cfg.tis_clip_low >= 0, "tis_clip_low", "must be 0 or more. Fix: use 0")

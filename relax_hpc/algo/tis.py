@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from relax_hpc.algo.config import PLUGIN_CALLS
+from relax_hpc.algo.config import PLUGIN_CALLS, AlgorithmConfig
 from relax_hpc.plugins import load_plugin
 
 TisFunction = Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
@@ -33,7 +33,7 @@ def _mismatch(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor):
     return log_ratio, torch.exp(log_ratio)
 
 
-def vanilla_tis_function(cfg, *, pg_loss, train_log_probs, rollout_log_probs, loss_mask, **_):
+def vanilla_tis_function(cfg: AlgorithmConfig, *, pg_loss, train_log_probs, rollout_log_probs, loss_mask, **_):
     """w = clamp(exp(log π_old − log π_roll), tis_clip_low, tis_clip); pg_loss·w.
 
     Metrics per token: ``tis`` (the unclamped ratio), ``tis_clipfrac`` (1 where clamping changed it),
@@ -49,7 +49,7 @@ def vanilla_tis_function(cfg, *, pg_loss, train_log_probs, rollout_log_probs, lo
     return pg_loss * weight, loss_mask, metrics
 
 
-def icepop_function(cfg, *, pg_loss, train_log_probs, rollout_log_probs, loss_mask, **_):
+def icepop_function(cfg: AlgorithmConfig, *, pg_loss, train_log_probs, rollout_log_probs, loss_mask, **_):
     """w = ratio inside [tis_clip_low, tis_clip], else 0 (the token is dropped, not truncated)."""
     _, ratio = _mismatch(train_log_probs, rollout_log_probs)
     inside = (ratio >= cfg.tis_clip_low) & (ratio <= cfg.tis_clip)

@@ -15,7 +15,11 @@ Surviving the cluster (``docs/controller.md``, "Surviving the cluster"):
   preempted job is requeued by Slurm and resumes from the last checkpoint.
 * A step that crashes, is killed or hangs (no heartbeat): every step is stopped and started again from
   the latest checkpoint, at most ``checkpoint.max_restarts`` times per attempt. A task's own verdict
-  (a reward that raised, no engine alive) fails the run at once: doing it again would end the same way.
+  (a reward that raised, no engine alive) fails the run at once: doing it again would end the same way; so
+  does a role's error that will repeat (bad data, a user function that does not load: ``relax_hpc.errors``).
+* A full disk: any write that fails for want of space (the controller's, or a role's report) fails the run at
+  once, naming the mount point; the run directory's reserve is freed so that state.json, summary.json and the
+  events still land. Each step of the end runs whatever the one before it did, and none hides the first cause.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from relax_hpc.controller.requeue import RequeueJob, Resubmit, come_back
 from relax_hpc.controller.signals import Signals
 from relax_hpc.controller.state import COMPLETED, FAILED, REQUEUED, RunState
 from relax_hpc.controller.steps import executor_from_env, step_commands
+from relax_hpc.errors import no_space
 from relax_hpc.ops.notify import EVENTS, Notifier, notify_urls
 from relax_hpc.recipe import Recipe, load_recipe, role_steps
 from relax_hpc.rundir import RunDir, write_json
@@ -100,6 +105,9 @@ def run_controller(run_dir: str | os.PathLike, *, requeue_job: RequeueJob | None
 
 def _run(run: RunDir, requeue_job: RequeueJob | None, resubmit: Resubmit | None, capacity: Capacity | None) -> dict:
     recipe, executor = load_recipe(run.recipe), executor_from_env()
+    if not run.ensure_reserve():  # gone after a full disk (or a run made before it existed): made again
+        log.warning("could not reserve space in %s (is its filesystem full?): a full disk may end this run "
+                    "without state.json saying so", run.path)
     notifier = Notifier(notify_urls(recipe.logging.notify_urls), run.name)
     restart = False
     with Signals() as sig:  # held through the cleanup too: a second Ctrl-C must not cut the stop short
@@ -152,10 +160,10 @@ def _attempt(run: RunDir, recipe: Recipe, executor: str, state: RunState, sig: S
     host = "127.0.0.1" if local else os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     steps = [StepProcess(c, run.path) for c in step_commands(recipe, run.path, executor)]
     channel = Channel(run.token(), bind_host="127.0.0.1" if local else "0.0.0.0")  # a new port per attempt:
-    write_json(run.controller_addr, {"host": host, "port": channel.port, "pid": os.getpid()})  # no stragglers
-    log.info("run %s: executor %s, control socket %s:%d", run.name, executor, host, channel.port)
+    log.info("run %s: executor %s, control socket %s:%d", run.name, executor, host, channel.port)  # no stragglers
     train = None
     try:
+        write_json(run.controller_addr, {"host": host, "port": channel.port, "pid": os.getpid()})
         train = TrainingLoop(recipe, run, state, channel, executor, capacity) if recipe.model.path else None
         state.write()  # this attempt (and restart count) is on disk before any role can read it
         for s in steps:
@@ -194,17 +202,33 @@ def _attempt(run: RunDir, recipe: Recipe, executor: str, state: RunState, sig: S
             state.write(every_s=1.0)
     except Exception as e:  # reported like any failure (state.json, the failed event, a notification); no restart
         log.exception("the controller failed")
-        state.fail("controller", None, host, f"{type(e).__name__}: {e}", kind="controller")
+        if no_space(e) is not None:  # a journal, metrics or control file write: the disk, not the controller
+            state.out_of_space(e)
+        else:
+            state.fail("controller", None, host, f"{type(e).__name__}: {e}", kind="controller")
     except BaseException as e:
         state.fail("controller", None, host, f"{type(e).__name__}: {e}", kind="controller")
         raise
-    finally:
-        stop_steps(steps, STOP_GRACE_S)
+    finally:  # each step whatever the one before did; the outcome on disk first, before the steps' stop grace
+        _end_step(state, "writing state.json", state.write)
+        _end_step(state, "stopping the steps", lambda: stop_steps(steps, STOP_GRACE_S))
         channel.close()
         if train is not None:
-            train.finish()
-        state.write()
+            _end_step(state, "writing summary.json and reward.png", train.finish)
+        _end_step(state, "writing state.json", state.write)
         _report(state, steps)
+
+
+def _end_step(state: RunState, what: str, fn) -> None:
+    """One step of an attempt's end: its failure is logged and kept as an event (a full disk frees the reserve
+    and fails a run still going), never raised over the run's first cause."""
+    try:
+        fn()
+    except Exception as e:
+        log.exception("%s failed", what)
+        if no_space(e) is not None:
+            state.out_of_space(e)
+        state.event("end_step_failed", f"{what}: {type(e).__name__}: {e}")
 
 
 def _on_stop(state: RunState, train: TrainingLoop | None, outcome: str, why: str) -> None:

@@ -327,7 +327,7 @@ class GenerateResult(ResultMessage):
 class LogprobsResult(ResultMessage):
     kind: ClassVar[str] = "logprobs"
     sides: list[dict] = field(default_factory=list)  # SideRef.to_dict(), one per chunk, in the task's order
-    metrics: dict[str, Any] = field(default_factory=dict)  # perf/<role>_time
+    metrics: dict[str, Any] = field(default_factory=dict)  # perf/ref_log_probs_time (reference), perf/log_probs_time (actor_fwd)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -345,7 +345,8 @@ class LoadResult(ResultMessage):
 @dataclass(frozen=True, kw_only=True)
 class TrainResult(ResultMessage):
     kind: ClassVar[str] = "train"
-    metrics: dict[str, Any] = field(default_factory=dict)  # train/*, perf/train_time, perf/exchange_read_time
+    metrics: dict[str, Any] = field(default_factory=dict)  # train/*, perf/train_time, perf/train_get_data_time
+    skipped: list[str] | None = _omit_none()  # why optimizer steps were not applied (train.nonfinite: skip)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -362,7 +363,7 @@ class SyncResult(ResultMessage):
 class CheckpointResult(ResultMessage):
     kind: ClassVar[str] = "checkpoint"
     path: str  # the checkpoint's step dir
-    metrics: dict[str, Any] = field(default_factory=dict)  # perf/save_time
+    metrics: dict[str, Any] = field(default_factory=dict)  # perf/save_model_time
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,11 @@ Request types (fields besides ``type`` and ``token``):
 - ``hello``     role, rank, world, node, pid               a rank has started
 - ``heartbeat`` role, rank, node, phase, info (dict)       liveness + progress; info carries check results
                                                            and the task in hand (see :data:`INFO_FIELDS`)
-- ``error``     role, rank, node, traceback                a rank failed; the run fails with it
+- ``error``     role, rank, node, traceback                a rank failed; the run fails with it. Optional:
+                [verdict, reason]                          ``verdict`` (:data:`relax_hpc.errors.VERDICTS`:
+                                                           ``permanent`` or ``no_space``, no restart; absent:
+                                                           a restart may help), ``reason`` (the one line the
+                                                           run fails with; default the traceback's last line)
 - ``publish``   key, value                                 store an address (e.g. the cross-role group's)
 - ``lookup``    key                                        reply ``found`` and ``value``
 - ``next_task`` role, rank, wait_s                         long poll by a role's rank 0: reply ``task`` (an
@@ -50,6 +54,8 @@ import socketserver
 import threading
 import time
 from typing import Any, Callable
+
+from relax_hpc.errors import VERDICTS
 
 log = logging.getLogger("relax_hpc.control")
 
@@ -144,6 +150,10 @@ def validate(msg: dict) -> None:
                                     "fix the role that sent it (relax_hpc.roles)")
     if kind == "control" and msg["action"] not in CONTROL_ACTIONS:
         raise ProtocolError(f"control: action must be one of {', '.join(CONTROL_ACTIONS)}")
+    if kind == "error" and msg.get("verdict") is not None and msg["verdict"] not in VERDICTS:
+        raise ProtocolError(f"error: verdict must be one of {', '.join(VERDICTS)} or absent")
+    if kind == "error" and not isinstance(msg.get("reason", ""), (str, type(None))):
+        raise ProtocolError("error: field 'reason' must be a string or absent")
 
 
 def _short(v: Any, n: int = 80) -> str:
@@ -403,8 +413,11 @@ class Client:
     def heartbeat(self, role: str, rank: int, node: str, phase: str, info: dict | None = None) -> dict:
         return self.request("heartbeat", role=role, rank=rank, node=node, phase=phase, info=info or {})
 
-    def error(self, role: str, rank: int, node: str, traceback: str) -> dict:
-        return self.request("error", role=role, rank=rank, node=node, traceback=traceback)
+    def error(self, role: str, rank: int, node: str, traceback: str, verdict: str | None = None,
+              reason: str | None = None) -> dict:
+        """``verdict``: whether a restart can help (see the ``error`` request); ``reason``: the run's one line."""
+        extra = {k: v for k, v in (("verdict", verdict), ("reason", reason)) if v is not None}
+        return self.request("error", role=role, rank=rank, node=node, traceback=traceback, **extra)
 
     def publish(self, key: str, value: Any) -> dict:
         return self.request("publish", key=key, value=value)

@@ -15,19 +15,28 @@ Times are Unix epoch seconds (floats). Phases only move forward (a late heartbea
 A run lives through attempts (a requeued or continued job, a local requeue) and, inside one, restarts of
 its steps; ``state.json`` is carried across both: ``attempt``, ``restarts``, ``history`` (how each earlier
 try ended), ``last_checkpoint``, ``last_failure`` and ``events`` survive, the per-role view starts anew.
+
+Which failures a restart may fix is decided here too (:class:`Failure`'s ``kind``; only ``role`` restarts).
+A full disk fails the run at once, naming the mount point: a role's report says so, a write of ``state.json``
+that fails for want of space frees the run directory's reserve and writes the failure, and any failure seen
+while the run directory's filesystem is full is taken for one (docs/reliability.md, "A full disk").
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from relax_hpc.controller.protocol import PHASES
+from relax_hpc.errors import NO_SPACE, PERMANENT, no_space
 from relax_hpc.identity import cross_members
 from relax_hpc.recipe import Recipe, RoleStep
-from relax_hpc.rundir import RunDir, write_json
+from relax_hpc.rundir import FULL_BYTES, RunDir, free_bytes, mount_point, no_space_message, no_space_reason, write_json
+
+log = logging.getLogger("relax_hpc.controller")
 
 ORDER = {p: i for i, p in enumerate(PHASES)}
 RUNNING, COMPLETED, FAILED, CANCELLED = "RUNNING", "COMPLETED", "FAILED", "CANCELLED"
@@ -53,7 +62,11 @@ class Failure:
     rank: int | None
     node: str | None
     message: str
-    kind: str = "role"  # role: a step crashed, hung or raised (a restart may help); task: the role's verdict on its work
+    # role: a step crashed, hung or raised (a restart may help); task: the role's verdict on its work; permanent:
+    # a role's error that will repeat (bad data, a user function that does not load); no_space: a full disk;
+    # controller: the controller's own error. Only ``role`` is restarted.
+    kind: str = "role"
+
     def reason(self) -> str:
         who = self.role + (f" rank {self.rank}" if self.rank is not None else "")
         return f"{who}{f' on {self.node}' if self.node else ''} failed: {self.message}"
@@ -134,7 +147,10 @@ class RunState:
             self._track_task(r, now)
         elif kind == "error":
             lines = [ln for ln in msg["traceback"].strip().splitlines() if ln.strip()]
-            self.fail(role, rank, r.node, lines[-1].strip() if lines else "error (no message)")
+            reason = msg.get("reason") if isinstance(msg.get("reason"), str) and msg["reason"].strip() else None
+            verdict = msg.get("verdict")
+            self.fail(role, rank, r.node, reason or (lines[-1].strip() if lines else "error (no message)"),
+                      kind=verdict if verdict in (PERMANENT, NO_SPACE) else "role")
         self._refresh(role)
 
     def step_exited(self, role: str, code: int, hint: str = "") -> None:
@@ -193,6 +209,8 @@ class RunState:
 
     # -- outcomes
     def fail(self, role: str, rank: int | None, node: str | None, message: str, kind: str = "role") -> None:
+        if self.running and kind in ("role", "task", "controller"):
+            kind, message = self._full_disk(kind, message)
         self.urgent = True
         if role in self.doc["roles"]:
             self.doc["roles"][role]["error"] = self.doc["roles"][role]["error"] or message
@@ -204,6 +222,22 @@ class RunState:
             self._finish(FAILED, self.failure.reason())
             self.doc["last_failure"] = self.failure.reason()
         self.dirty = True
+
+    def _full_disk(self, kind: str, message: str) -> tuple[str, str]:
+        """A failure seen while the run directory's filesystem is full is taken for the full disk's doing (a
+        writer may have lost the errno, e.g. torch's "file write failed"): no restart, the mount point named."""
+        free = free_bytes(self.run.path)
+        if free is None or free >= FULL_BYTES or "no space left on" in message:
+            return kind, message
+        return NO_SPACE, f"{message}; {no_space_message(self.run, what=f'{free} bytes free')}"
+
+    def out_of_space(self, error: BaseException, path: Any = None, role: str = "controller") -> None:
+        """A write of the controller's failed for want of space (``error``): free the run directory's reserve so
+        the end can be written, and fail the run naming the disk (if it is still running)."""
+        freed = self.run.release_reserve()
+        log.error("no space left on %s (%s); released the run directory's reserve (%d bytes) to record the end",
+                  _mount(self.run.path), error, freed)
+        self.fail(role, None, None, no_space_reason(self.run, error, path), kind=NO_SPACE)
 
     def progress(self, **fields: Any) -> None:
         """Training progress for state.json (``step``, ``phase``, ``reward``, ``engines``, ...), written at once."""
@@ -271,5 +305,22 @@ class RunState:
         now = time.time() if now is None else now
         if self.dirty and (self.urgent or now - self._last_write >= every_s):
             self.doc["updated_at"] = now
-            write_json(self.run.state, self.doc)
+            try:
+                write_json(self.run.state, self.doc)
+            except OSError as e:
+                if no_space(e) is None:
+                    raise
+                self.out_of_space(e, self.run.state)  # the reserve freed, the failure in the doc: once more
+                try:
+                    write_json(self.run.state, self.doc)
+                except OSError as again:  # nothing left to free: the log says it, a later write tries again
+                    log.error("could not write %s: %s", self.run.state, again)
+                    return
             self.dirty, self.urgent, self._last_write = False, False, now
+
+
+def _mount(path: Any) -> str:
+    try:
+        return str(mount_point(path))
+    except OSError:
+        return str(path)

@@ -670,6 +670,9 @@ class TrainingLoop:
         self.fwd_weights[task.role] = res.step
 
     def _train_done(self, task: Task, res: M.TrainResult) -> None:
+        for why in res.skipped or []:  # train.nonfinite = skip: not applied; train/nonfinite_skipped counts them
+            log.warning("step %d: not applied: %s", task.step, why)
+            self.state.event("nonfinite_skipped", f"step {task.step}: {why}")
         if self._sync_waits(task.step):  # until the eval (or, fixed, the generate) it waits for is done
             self.held_sync = task.step
             return
@@ -744,22 +747,30 @@ class TrainingLoop:
             self._assign("reference", task.step, M.LoadTask(path=res.path))  # the syncs)
         self.state.progress(last_checkpoint={"step": task.step, "path": res.path, "time": time.time()})
         self.state.event("checkpoint", f"step {task.step}: {res.path}")
+        if res.metrics:  # perf/save_model_time, into the step's row (logged before the save ended)
+            self.metrics.amend(task.step, res.metrics)
 
     def _stop_done(self, task: Task, res: M.StopResult) -> None:
         pass  # the role ends; the loop sees it done
 
     # -- the end
     def finish(self) -> dict:
-        """summary.json and reward.png (whatever the run's outcome); returns the summary."""
-        first, last = self.metrics.reward_ends()
-        summary = self.metrics.finish(self.state.doc, {"engines": self.registry.to_state(), "mode": self.recipe.mode})
-        if first is not None:
-            log.info("mean reward: first %d steps %.3f, last %d steps %.3f (%d steps, %.0f s); summary %s",
-                     summary["reward_window"], first, summary["reward_window"], last, summary["steps"],
-                     summary["wall_time_s"], self.run.path / "summary.json")
-        self.state.progress(reward_first10=first, reward_last10=last, phase="finished")
-        self.elastic.finish()
-        self.broker.close()
+        """summary.json and reward.png (whatever the run's outcome); returns the summary. The engines started here
+        are stopped and the journal closed even where the summary cannot be written (a full disk)."""
+        try:
+            first, last = self.metrics.reward_ends()
+            summary = self.metrics.finish(self.state.doc, {"engines": self.registry.to_state(),
+                                                           "mode": self.recipe.mode})
+            if first is not None:
+                log.info("mean reward: first %d steps %.3f, last %d steps %.3f (%d steps, %.0f s); summary %s",
+                         summary["reward_window"], first, summary["reward_window"], last, summary["steps"],
+                         summary["wall_time_s"], self.run.path / "summary.json")
+            self.state.progress(reward_first10=first, reward_last10=last, phase="finished")
+        finally:
+            try:
+                self.elastic.finish()
+            finally:
+                self.broker.close()
         return summary
 
 

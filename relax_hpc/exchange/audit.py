@@ -1,15 +1,24 @@
-"""What the journal says happened to every sample: produced once, consumed once by each task.
+"""What the journal says happened to every sample: produced once, consumed once by each task; and to every
+prompt: trained at most once per epoch of the dataset.
 
 Read-only and independent of the broker's code path (it replays the records itself), so a test or an
 operator can check the broker's promise after any number of crashes, requeues and resumes. A ``rewound``
 record (a resume from an earlier checkpoint) voids what was produced and consumed after its step: those
 samples are produced again and count from then on.
+
+Prompts: the rollout role puts the prompt groups of each chunk in its attrs (:func:`prompt_attrs`), which the
+``produced`` record carries, so the count outlives the chunk files. A group's ``group_index`` is the data
+source's draw count (:class:`~relax_hpc.rollout.data.RolloutDataSource`: epoch ``e`` hands out its prompts
+as group indices ``e·N … e·N+N−1``, N the dataset's prompts, each once), so ``group_index // N`` is the
+epoch and distinct group indices of one epoch are distinct prompts.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from relax_hpc.exchange.journal import replay
 
@@ -25,6 +34,7 @@ class StepAudit:
     quarantined: list[str] = field(default_factory=list)  # chunk ids quarantined, in every life of the partition
     regenerated: int = 0  # how many lives were voided because of quarantined chunks (then produced again)
     lost: int = 0  # samples of chunks quarantined in the current life (a life not voided and produced again)
+    prompts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # chunk -> (N, its groups), current life
 
 
 def audit(journal: str | os.PathLike) -> dict[int, StepAudit]:
@@ -57,7 +67,11 @@ def audit(journal: str | os.PathLike) -> dict[int, StepAudit]:
         elif op == "produced":
             s = int(r["step"])
             chunk_step[r["chunk"]], chunk_n[r["chunk"]] = s, int(r["n"])
-            steps.setdefault(s, StepAudit()).samples += int(r["n"])
+            a = steps.setdefault(s, StepAudit())
+            a.samples += int(r["n"])
+            groups = chunk_prompts(r.get("attrs") or {})
+            if groups is not None:
+                a.prompts[r["chunk"]] = groups
         elif op == "leased":
             leases[r["lease"]] = (r["task"], list(r["chunks"]))
         elif op == "consumed":
@@ -73,6 +87,7 @@ def audit(journal: str | os.PathLike) -> dict[int, StepAudit]:
             if cid in chunk_step:
                 a, n = steps[chunk_step.pop(cid)], chunk_n[cid]
                 a.quarantined.append(cid)
+                a.prompts.pop(cid, None)
                 a.samples -= n
                 a.lost += n
                 for task in chunk_tasks.pop(cid, []):
@@ -112,3 +127,67 @@ def exactly_once(journal: str | os.PathLike, tasks: list[str]) -> list[str]:
         if a.lost:
             out.append(f"step {step}: {a.lost} samples of quarantined chunks were never produced again")
     return out
+
+
+# ----------------------------------------------------------------------------------------- prompts ---
+
+def prompt_attrs(group_indices: Iterable[int | None], num_prompts: int) -> dict:
+    """The chunk attrs that say which prompts a chunk holds: ``{"prompts": {"per_epoch": N, "groups": [[a, b],
+    ...]}}``, the distinct group indices as half-open runs (a step's groups are mostly consecutive). Samples
+    without a group index are left out."""
+    runs: list[list[int]] = []
+    for g in sorted({int(g) for g in group_indices if g is not None and g >= 0}):
+        if runs and runs[-1][1] == g:
+            runs[-1][1] = g + 1
+        else:
+            runs.append([g, g + 1])
+    return {"prompts": {"per_epoch": int(num_prompts), "groups": runs}}
+
+
+def chunk_prompts(attrs: dict) -> tuple[int, list[int]] | None:
+    """(N, group indices) from a chunk's attrs; None for a chunk written without them (an older run)."""
+    p = attrs.get("prompts")
+    if not p:
+        return None
+    return int(p["per_epoch"]), [g for a, b in p["groups"] for g in range(int(a), int(b))]
+
+
+@dataclass
+class EpochAudit:
+    epoch: int
+    prompts: int  # in the dataset (N)
+    trained: int = 0  # distinct prompts of this epoch trained
+    twice: list[int] = field(default_factory=list)  # group indices trained more than once (none expected)
+
+
+def epochs(journal: str | os.PathLike, task: str = "train") -> tuple[dict[int, EpochAudit], int]:
+    """Per epoch of the dataset, the prompts trained (consumed by ``task``, in the partitions' current lives,
+    quarantined chunks left out), and those trained twice; and how many consumed chunks carry no prompt record
+    (an older run: their prompts are not counted). A prompt a dynamic sampling filter dropped, or that is still
+    in partial rollout's buffer at the end, is drawn and not trained: ``trained`` may be below ``prompts``."""
+    seen: Counter[int] = Counter()
+    per_epoch: dict[int, int] = {}
+    unknown = 0
+    for a in audit(journal).values():
+        for cid in a.chunks_consumed.get(task, []):
+            if cid not in a.prompts:
+                unknown += 1
+                continue
+            n, groups = a.prompts[cid]
+            for g in groups:
+                seen[g] += 1
+                per_epoch[g] = n
+    out: dict[int, EpochAudit] = {}
+    for g, k in sorted(seen.items()):
+        n = per_epoch[g]
+        e = out.setdefault(g // n, EpochAudit(epoch=g // n, prompts=n))
+        e.trained += 1
+        if k > 1:
+            e.twice.append(g)
+    return out, unknown
+
+
+def prompt_violations(per_epoch: dict[int, EpochAudit]) -> list[str]:
+    """Violations of "no prompt trained twice in one epoch" in :func:`epochs`' count (empty: none)."""
+    return [f"epoch {e}: {len(a.twice)} prompt(s) trained more than once (group indices {a.twice[:10]})"
+            for e, a in sorted(per_epoch.items()) if a.twice]

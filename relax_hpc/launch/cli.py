@@ -25,7 +25,7 @@ from relax_hpc.launch.scale import ScaleError, scale
 from relax_hpc.launch.status import audit_run, collect, is_final, render, render_audit
 from relax_hpc.launch.submit import SubmitError, dry_run, plan, submit
 from relax_hpc.recipe import RecipeError
-from relax_hpc.rundir import RunDir
+from relax_hpc.rundir import FULL_BYTES, RunDir, free_bytes, no_space_message
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -169,6 +169,11 @@ def _resume(args: argparse.Namespace, console: Console) -> int:
         _err(f"relax-submit --resume: run {rd.name} is {info['state']}: only a run that ended without "
              "completing can be resumed")
         return EXIT_FAILED
+    room = rd.ensure_reserve()  # a disk without room for the run's reserve would end it as its last attempt did
+    free = free_bytes(rd.path)
+    if not room or (free is not None and free < FULL_BYTES):
+        _err(f"relax-submit --resume: {no_space_message(rd, what=f'{free} bytes free')}")
+        return EXIT_FAILED
     try:
         record, job = resume(rd.path, "local" if args.local else None)
     except Exception as e:
@@ -240,7 +245,8 @@ def _status_parser() -> argparse.ArgumentParser:
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch")
     ap.add_argument("--audit", action="store_true",
                     help="the exchange journal's audit: samples produced and consumed per step and task, chunks "
-                         "quarantined; exit 1 unless every sample was produced and consumed exactly once")
+                         "quarantined, prompts trained per epoch; exit 1 unless every sample was produced and "
+                         "consumed exactly once and no prompt was trained twice in an epoch")
     return ap
 
 
@@ -259,7 +265,7 @@ def status_main(argv: list[str] | None = None) -> int:
             _err(f"relax-status --audit: {type(e).__name__}: {e}")
             return EXIT_FAILED
         _print_json(info) if args.json else console.print(render_audit(info))
-        return EXIT_OK if info["exactly_once"] else EXIT_FAILED
+        return EXIT_OK if info["exactly_once"] and info["prompts_once"] else EXIT_FAILED
     try:
         if args.watch:
             info = follow(rd, console, interval=args.interval, json_lines=args.json)

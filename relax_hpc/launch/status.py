@@ -22,7 +22,7 @@ from relax_hpc.launch.executors import read_result
 from relax_hpc.launch.runs import load_job
 from relax_hpc.recipe import load_recipe
 from relax_hpc.recipe.layout import role_steps
-from relax_hpc.rundir import RunDir
+from relax_hpc.rundir import FULL_BYTES, RunDir, free_bytes, no_space_message
 
 STATE_STYLE = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow", "FAILED": "bold red",
                "CANCELLED": "magenta", "TIMEOUT": "red", "UNKNOWN": "dim"}
@@ -54,11 +54,20 @@ def _layout(rd: RunDir, state: dict) -> list[dict]:
 def _failure_reason(rd: RunDir, job: dict, state: dict) -> str | None:
     if state.get("reason"):
         return str(state["reason"])
+    full = _full_disk(rd)  # the controller could not even write its end: the disk is the likely news
     res = read_result(job.get("submitit_folder") or rd.path / "submitit", str(job.get("job_id")))
     if res and res[0] == "error":
         lines = [ln for ln in str(res[1]).strip().splitlines() if ln.strip()]
-        return lines[-1] if lines else "the controller raised an error"
-    return None
+        return (lines[-1] if lines else "the controller raised an error") + (f"; {full}" if full else "")
+    return full
+
+
+def _full_disk(rd: RunDir) -> str | None:
+    """"no space left on <mount> ..." if the run directory's filesystem is full now, else None."""
+    free = free_bytes(rd.path)
+    if free is None or free >= FULL_BYTES:
+        return None
+    return f"the run directory's filesystem is full: {no_space_message(rd, what=f'{free} bytes free')}"
 
 
 def _slurm_state(rd: RunDir, job: dict, ctl: dict) -> tuple[str, str | None, list[dict], str]:
@@ -294,21 +303,29 @@ def consuming_tasks(recipe: Any) -> list[str]:
 def audit_run(rd: RunDir) -> dict:
     """``relax-status RUN --audit``: the exchange journal's account of every sample, per step: produced,
     consumed by each task, chunks quarantined; ``exactly_once`` is true only when every sample was produced
-    once and consumed once by every task (a run still in progress is not there yet)."""
-    from relax_hpc.exchange.audit import audit, exactly_once
+    once and consumed once by every task (a run still in progress is not there yet). And of every prompt, per
+    epoch of the dataset: how many were trained, and which more than once; ``prompts_once`` is true only when
+    none was."""
+    from relax_hpc.exchange.audit import audit, epochs, exactly_once, prompt_violations
 
     journal = rd.path / "exchange" / "journal.jsonl"
     tasks = consuming_tasks(load_recipe(rd.recipe))
     if not journal.exists():
         return {"run": rd.name, "journal": str(journal), "tasks": tasks, "exactly_once": False, "steps": [],
+                "prompts_once": False, "epochs": [], "unrecorded_chunks": 0,
                 "violations": [f"{journal} does not exist: no step was generated yet"]}
     violations = exactly_once(journal, tasks)
     steps = [{"step": s, "produced": a.samples, "consumed": {t: a.consumed.get(t, 0) for t in tasks},
               "quarantined": list(a.quarantined), "regenerated": a.regenerated, "lost": a.lost,
               "rewinds": a.rewinds, "cleared": a.cleared, "forced": a.forced}
              for s, a in sorted(audit(journal).items())]
+    per_epoch, unrecorded = epochs(journal)
+    twice = prompt_violations(per_epoch)
     return {"run": rd.name, "journal": str(journal), "tasks": tasks, "exactly_once": not violations,
-            "steps": steps, "violations": violations}
+            "steps": steps, "prompts_once": not twice, "unrecorded_chunks": unrecorded,
+            "epochs": [{"epoch": e, "prompts": a.prompts, "trained": a.trained, "twice": a.twice}
+                       for e, a in sorted(per_epoch.items())],
+            "violations": violations + twice}
 
 
 def render_audit(info: dict) -> RichGroup:
@@ -321,6 +338,15 @@ def render_audit(info: dict) -> RichGroup:
             q += f" (generated again: {s['regenerated']}×)"
         t.add_row(str(s["step"]), str(s["produced"]), *[str(s["consumed"][x]) for x in info["tasks"]], q or "-",
                   "yes" if s["cleared"] else "no")
-    verdict = (Text("exactly once: yes", style="green") if info["exactly_once"] else
-               Text("exactly once: no\n" + "\n".join(f"  {v}" for v in info["violations"]), style="bold red"))
-    return RichGroup(t, verdict)
+    e = Table(title="prompts trained per epoch of the dataset", title_justify="left")
+    for col in ("epoch", "prompts", "trained", "more than once"):
+        e.add_column(col)
+    for a in info["epochs"]:
+        e.add_row(str(a["epoch"]), str(a["prompts"]), str(a["trained"]), str(len(a["twice"])) if a["twice"] else "-")
+    ok = info["exactly_once"] and info["prompts_once"]
+    unrecorded = (f"\n{info['unrecorded_chunks']} trained chunk(s) name no prompts (written by an older version): "
+                  "not counted" if info["unrecorded_chunks"] else "")
+    verdict = (Text("exactly once: yes" + unrecorded, style="green") if ok else
+               Text("exactly once: no\n" + "\n".join(f"  {v}" for v in info["violations"]) + unrecorded,
+                    style="bold red"))
+    return RichGroup(t, e, verdict)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import statistics
 import time
@@ -70,14 +69,10 @@ class TensorBoardWriter:
 
 
 def numeric(metrics: dict[str, Any]) -> dict[str, float]:
-    """The finite float metrics of a dict (what can be a TensorBoard scalar)."""
-    out = {}
-    for k, v in metrics.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            continue
-        if math.isfinite(float(v)):
-            out[str(k)] = float(v)
-    return out
+    """The numbers of a dict as floats (what can be a TensorBoard scalar); NaN and ±inf kept: a step whose loss
+    was NaN must say so (``metrics.jsonl`` writes them as JSON's ``NaN``/``Infinity``, which ``json.loads``
+    reads). Strings, bools and the rest are left out."""
+    return {str(k): float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 class RunMetrics:

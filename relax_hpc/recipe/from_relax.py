@@ -17,6 +17,7 @@ import yaml
 
 from relax_hpc.recipe.relax_names import RELAX_NAMES, relax_flag
 from relax_hpc.recipe.schema import Recipe
+from relax_hpc.train.config import TrainConfig
 
 # Relax's own functions that relax_hpc ships under another path
 FUNCTION_PATHS = {
@@ -127,7 +128,31 @@ def convert(argv: list[str]) -> tuple[dict, list[str]]:
         if key not in given:
             _put(data, key, value)
             notes.append(f"{key}: {value!r} is Relax's default (relax_hpc's differs), written out")
+    _size_max_seq_len(data, notes)
     return data, notes
+
+
+def _size_max_seq_len(data: dict, notes: list[str]) -> None:
+    """``train.max_seq_len`` that holds the longest sample the flags allow, where that is more than the default: Relax's
+    trainer takes a sample of any length, relax_hpc's refuses one longer than ``train.max_seq_len`` (and the
+    validator refuses lengths that cannot fit). The bound: the context length, else prompt + response, else the
+    response and the default's worth of prompt."""
+    ro, default = data.get("rollout") or {}, TrainConfig().max_seq_len
+    ctx, prompt, resp = (ro.get(k) for k in ("max_context_len", "max_prompt_len", "max_response_len"))
+    ok = [isinstance(v, int) and not isinstance(v, bool) for v in (ctx, prompt, resp)]
+    if ok[0]:
+        need, why = ctx, "--rollout-max-context-len"
+    elif ok[1] and ok[2]:
+        need, why = prompt + resp, "--rollout-max-prompt-len + --rollout-max-response-len"
+    elif ok[2]:
+        need, why = resp + default, (f"--rollout-max-response-len + {default} tokens of prompt (set "
+                                     "rollout.max_prompt_len to drop longer prompts)")
+    else:
+        return
+    if need > default:
+        _put(data, "train.max_seq_len", need)
+        notes.append(f"train.max_seq_len: {need} = {why}: Relax trains a sample of any length, relax_hpc refuses one "
+                     f"longer than train.max_seq_len (default {default})")
 
 
 def to_yaml(data: dict, notes: list[str], argv: list[str]) -> str:

@@ -102,8 +102,8 @@ RELAX_NAMES: dict[str, str | None] = {
         "kl_loss_type", "use_unbiased_kl", "entropy_coef", "disable_rewards_normalization",
         "disable_grpo_std_normalization", "normalize_advantages", "sapo_tau_pos", "sapo_tau_neg",
         "use_rollout_logprobs", "use_tis", "tis_clip", "tis_clip_low", "custom_tis_function_path",
-        "get_mismatch_metrics", "calculate_per_token_loss", "use_opsm", "opsm_delta", "ref_update_interval",
-        "disable_compute_advantages_and_returns")},
+        "get_mismatch_metrics", "calculate_per_token_loss", "use_opsm", "opsm_delta", "ref_update_interval")},
+    "disable_compute_advantages_and_returns": None,  # advantages always come from the rewards here (no SFT path)
     "loss_type": None, "custom_loss_function_path": None, "gamma": None, "lambd": None,
     "use_opd": None, "lora_rank": None, "ref_load": None,
     # --- training, optimizer, parallelism (Megatron names included) ------------------------------------

@@ -45,7 +45,7 @@ class RoleGroup:
 @dataclass
 class ElasticNodes:
     initial: int = 1  # nodes the run's own engines start on (one engine step per task slot)
-    max: int | None = None  # the component's nodes; null = roles.rollout.nodes (if given, must equal it)
+    max: int | None = None  # refused: the component's size is roles.rollout.nodes (kept to say so, by name)
 
 
 @dataclass

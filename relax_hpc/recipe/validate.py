@@ -98,15 +98,18 @@ def _move_fix(target: str, value: Any) -> str:
 
 @functools.cache
 def schema_keys() -> frozenset[str]:
-    """Every dotted key a recipe may hold (sections too): ``run``, ``run.steps``, ``roles.actor.nodes``, ..."""
+    """Every dotted key a recipe may hold (sections too): ``run``, ``run.steps``, ``roles.actor.nodes``, ...,
+    and the keys of optional sections (``roles.rollout.elastic.initial``)."""
     out: set[str] = set()
 
     def walk(cls: type, prefix: str) -> None:
         for name, tp in typing.get_type_hints(cls).items():
             key = f"{prefix}{name}"
             out.add(key)
-            if dataclasses.is_dataclass(tp):
-                walk(tp, key + ".")
+            optional = get_origin(tp) in (typing.Union, types.UnionType)
+            inner = [a for a in get_args(tp) if a is not type(None)] if optional else [tp]
+            if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
+                walk(inner[0], key + ".")
 
     walk(Recipe, "")
     return frozenset(out)
@@ -227,6 +230,9 @@ def check(recipe: Recipe) -> list[Problem]:
     problems += _check_rm_type(recipe)
     problems += _check_batch(recipe)
     problems += _check_dynamic_sampling(recipe.rollout, recipe.mode)
+    problems += _check_context_bound(recipe)
+    if recipe.rollout.interaction_env_path or not recipe.rollout.custom_config_path:  # else its YAML says: check_files
+        problems += _check_lengths(recipe, bool(recipe.rollout.interaction_env_path))
     problems += _check_genrm(recipe)
     problems += _check_engine_args(recipe)
     problems += _check_elastic(recipe)
@@ -253,9 +259,11 @@ def _check_elastic(r: Recipe) -> list[Problem]:
             out.append((f"roles.{name}.elastic", "{...}", "only rollout scales (its engines). Fix: remove it"))
     g, el = r.roles.rollout, r.roles.rollout.elastic
     if el is not None:
-        if el.max is not None and el.max != g.nodes:
-            out.append(("roles.rollout.elastic.max", el.max, f"must equal roles.rollout.nodes ({g.nodes}): the "
-                        "component holds that many nodes. Fix: set roles.rollout.nodes to it, and drop max"))
+        if el.max is not None:  # it would only repeat nodes; accepted and ignored, it looked like a scale-out bound
+            out.append(("roles.rollout.elastic.max", el.max, f"is not a setting: rollout's component holds "
+                        f"roles.rollout.nodes ({g.nodes}) nodes, and the spare ones beyond elastic.initial are the "
+                        f"most relax-scale can add. Fix: remove max, and set roles.rollout.nodes: {el.max} for a "
+                        "component of that size (a cap on engines in all is rollout.elastic.max_engines)"))
         if not 1 <= el.initial < g.nodes:
             out.append(("roles.rollout.elastic.initial", el.initial, f"must be 1 to roles.rollout.nodes - 1 "
                         f"({g.nodes - 1}): the rest of the component's nodes are the spare ones relax-scale starts "
@@ -364,9 +372,6 @@ def _check_dynamic_sampling(ro: Any, mode: str) -> list[Problem]:
                             "Fix: set that too, or remove this key"))
     if ro.max_turns is not None and ro.max_turns < 1:
         out.append(("rollout.max_turns", ro.max_turns, "must be at least 1 model turn. Fix: e.g. 2"))
-    if ro.max_turns is not None and ro.interaction_env_path is None and ro.custom_config_path is None:
-        out.append(("rollout.max_turns", ro.max_turns, "only acts with rollout.interaction_env_path (a multi-turn "
-                    "environment). Fix: set that too, or remove this key"))
     if ro.max_context_len is not None and ro.max_context_len < 2:
         out.append(("rollout.max_context_len", ro.max_context_len, "must be at least 2 tokens or null. Fix: e.g. 4096"))
     if ro.env_step_timeout_s <= 0:
@@ -391,6 +396,52 @@ def _check_dynamic_sampling(ro: Any, mode: str) -> list[Problem]:
     if ro.dynamic_sampling_max_rounds < 0:
         out.append(("rollout.dynamic_sampling_max_rounds", ro.dynamic_sampling_max_rounds,
                     "must be 0 (no limit) or more. Fix: e.g. 8"))
+    return out
+
+
+def _check_context_bound(r: Recipe) -> list[Problem]:
+    """A multi-turn sample grows up to the context bound; one longer than ``train.max_seq_len`` failed the run at
+    its first training step ("a sample has 25 tokens, more than train.max_seq_len = 16")."""
+    ro, cap = r.rollout, r.train.max_seq_len
+    if ro.max_context_len is None or ro.max_context_len <= cap:
+        return []
+    return [("rollout.max_context_len", ro.max_context_len, f"is more than train.max_seq_len = {cap}, the longest "
+             "sample the trainer accepts (a multi-turn sample, prompt and every turn, grows up to "
+             f"rollout.max_context_len tokens). Fix: at most {cap}, or null (the bound is then train.max_seq_len), "
+             "or raise train.max_seq_len")]
+
+
+def _check_lengths(r: Recipe, multiturn: bool) -> list[Problem]:
+    """Samples longer than the trainer accepts (``train.max_seq_len``), and multi-turn keys without an environment,
+    found before the queue. ``multiturn``: whether a multi-turn environment is named (with only a
+    ``custom_config_path``, its YAML says: :func:`check_files` calls this then). A custom generate function makes
+    its samples itself: only the trainer's own check applies to them."""
+    ro, cap = r.rollout, r.train.max_seq_len
+    out: list[Problem] = []
+    if not multiturn:
+        for key in ("max_turns", "max_context_len"):
+            if getattr(ro, key) is not None:
+                out.append((f"rollout.{key}", getattr(ro, key), "only acts with a multi-turn environment "
+                            "(rollout.interaction_env_path, or rollout_interaction_env_path in the custom_config_path "
+                            "YAML). Fix: set one, or remove this key"))
+    if ro.custom_generate_function_path is not None:
+        return out
+    bound = min(ro.max_context_len or cap, cap)
+    if multiturn and ro.max_prompt_len is not None and ro.max_prompt_len >= bound:
+        out.append(("rollout.max_prompt_len", ro.max_prompt_len, f"leaves no room for a response in the multi-turn "
+                    f"context bound of {bound} tokens (rollout.max_context_len, else train.max_seq_len = {cap}). "
+                    f"Fix: below {bound}, or raise the bound"))
+    elif not multiturn and ro.max_prompt_len is not None and ro.max_prompt_len + ro.max_response_len > cap:
+        out.append(("rollout.max_response_len", ro.max_response_len, f"rollout.max_prompt_len + "
+                    f"rollout.max_response_len = {ro.max_prompt_len} + {ro.max_response_len} = "
+                    f"{ro.max_prompt_len + ro.max_response_len} tokens, more than train.max_seq_len = {cap}, the "
+                    f"longest sample the trainer accepts. Fix: lower either so that their sum is at most {cap}, or "
+                    "raise train.max_seq_len"))
+    elif not multiturn and ro.max_response_len >= cap:
+        out.append(("rollout.max_response_len", ro.max_response_len, f"leaves no room for a prompt in "
+                    f"train.max_seq_len = {cap}, the longest sample (prompt + response) the trainer accepts. Fix: "
+                    f"below {cap} by the longest prompt (and set rollout.max_prompt_len, which drops longer "
+                    "prompts), or raise train.max_seq_len"))
     return out
 
 
@@ -632,10 +683,12 @@ def _check_custom_config(r: Recipe, base: Path) -> list[Problem]:
         return []
     resolved = dataclasses.replace(r, rollout=dataclasses.replace(r.rollout, custom_config_path=str(_resolve(path, base))))
     try:
-        relax_args(resolved)
+        args = relax_args(resolved)
     except ValueError as e:
         return [("rollout.custom_config_path", path, str(e))]
-    return []
+    if r.rollout.interaction_env_path:  # known without the YAML: check already judged the lengths
+        return []
+    return _check_lengths(r, bool(getattr(args, "rollout_interaction_env_path", None)))
 
 
 def _resolve(path: str, base: Path) -> Path:

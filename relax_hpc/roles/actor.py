@@ -16,7 +16,11 @@ the controller's tasks (:mod:`relax_hpc.roles.tasks`; every task's fields and it
   ``log_probs`` or a forward pass (or the engine's log-probs with ``algorithm.use_rollout_logprobs``), then
   k ``train_step`` calls. Returns Relax's ``train/*`` metrics (means over the k steps; ``train/num_steps`` = k),
   ``train/train_rollout_logprob_abs_diff`` (mean |π_old − engine| log-prob over the response tokens; with
-  identical weights this is the numerical gap, ~1e-7 on CPU) and ``perf/train_time``.
+  identical weights this is the numerical gap, ~1e-7 on CPU) and ``perf/train_time``. Non-finite numbers
+  (``train.nonfinite``): a training column that is not fit to train on (NaN/inf reward, log-prob NaN or above 0:
+  :func:`relax_hpc.roles.samples.check_train_columns`) skips the whole step before any tensor is built, a
+  non-finite loss or grad norm skips its optimizer step; ``train/nonfinite_skipped`` counts them and the result's
+  ``skipped`` says why (or the run fails: :class:`relax_hpc.train.step.NonFiniteError`).
 - ``sync {version, engines}``: every rank walks ``named_hf_weights`` (a collective); rank 0 pushes them with
   :class:`relax_hpc.weights.WeightSender` (a new group first if the engine set changed) and, with
   ``logging.check_weight_sync``, checks a spot fingerprint against each engine (:mod:`.weight_sync`). An engine
@@ -91,8 +95,19 @@ def work(ctx: RoleContext, comm: Any) -> None:
         cols = S.read_train_columns(refs, agree=True)  # the forward roles' side fields too, when every chunk has them
         p = actor.parallel
         n = len(cols["raw_reward"])
-        plan = S.train_plan(cols, r.algorithm, r.rollout.n_samples_per_prompt, k=steps_per_rollout(r.train, n),
-                            seed=r.run.seed, step=task.step, dp=p.dp, dp_rank=p.dp_rank)
+        k = steps_per_rollout(r.train, n)
+        try:  # every rank reads the same columns: every rank skips (or fails) alike
+            plan = S.train_plan(cols, r.algorithm, r.rollout.n_samples_per_prompt, k=k,
+                                seed=r.run.seed, step=task.step, dp=p.dp, dp_rank=p.dp_rank)
+        except S.UnsoundTrainData as e:  # the whole step is skipped, or the run fails (train.nonfinite)
+            steps = f"steps {actor.step + 1}-{actor.step + k}" if k > 1 else f"step {actor.step + 1}"
+            why = f"optimizer {steps}: {e}"
+            actor.skip_steps(k, str(e), rollout_step=task.step)
+            log.warning("step %d: not trained (train.nonfinite = skip): %s", task.step, why)
+            return M.TrainResult(metrics={"train/nonfinite_skipped": float(k), "train/num_steps": float(k),
+                                          "train/step": float(actor.step),
+                                          "perf/train_time": time.monotonic() - t0,
+                                          "perf/train_get_data_time": time.monotonic() - t0}, skipped=[why])
         mine = plan.samples  # this rank's samples of every mini-batch: only these become tensors
         t_read = time.monotonic() - t0
         if mine and all("old_log_probs" in s for s in mine):  # π_old from actor_fwd, with the weights held now
@@ -106,7 +121,12 @@ def work(ctx: RoleContext, comm: Any) -> None:
         diff = rollout_logprob_gap(mine, old) if old is not None else {}
         means = sample_means(mine, list(ROLLOUT_MEANS))  # before the updates: π_old as the step saw it
         t_train = time.monotonic()
-        steps = [actor.train_step(share) for share in plan.shares]
+        steps, skipped = [], []
+        for share in plan.shares:
+            steps.append(actor.train_step(share, rollout_step=task.step))
+            if actor.last_skip is not None:  # not applied (train.nonfinite = skip); NaN/inf stay in its metrics
+                skipped.append(f"optimizer step {actor.step}: {actor.last_skip}")
+                log.warning("step %d: optimizer step %d not applied: %s", task.step, actor.step, actor.last_skip)
         t_train = time.monotonic() - t_train
         out = {f"train/{k}": v for k, v in _over_steps(steps).items()}
         out.update(diff)
@@ -119,8 +139,8 @@ def work(ctx: RoleContext, comm: Any) -> None:
         out["perf/tokens_per_gpu_per_sec"] = float(lengths.sum()) / t_train / p.world if t_train > 0 else 0.0
         out["perf/longest_sample_tokens_per_sec"] = float(lengths.max()) / t_train if t_train > 0 else 0.0
         out["perf/train_time"] = time.monotonic() - t0
-        out["perf/exchange_read_time"] = t_read
-        return M.TrainResult(metrics=out)
+        out["perf/train_get_data_time"] = t_read
+        return M.TrainResult(metrics=out, skipped=skipped or None)
 
     def sync(task: M.SyncTask) -> M.SyncResult:
         t0 = time.monotonic()
@@ -183,7 +203,7 @@ def work(ctx: RoleContext, comm: Any) -> None:
     def checkpoint(task: M.CheckpointTask) -> M.CheckpointResult:
         t0 = time.monotonic()
         path = actor.save_checkpoint(ctx.run.path / "checkpoints", dict(task.extra or {}), keep=r.checkpoint.keep)
-        return M.CheckpointResult(path=str(path), metrics={"perf/save_time": time.monotonic() - t0})
+        return M.CheckpointResult(path=str(path), metrics={"perf/save_model_time": time.monotonic() - t0})
 
     try:
         serve(ctx, comm, {"connect": connect, "train": train, "sync": sync, "checkpoint": checkpoint,
@@ -211,9 +231,10 @@ def _gone(checker: Any, engines: dict[str, str], settle_s: float = 2.0) -> dict[
 
 def _over_steps(steps: list[dict[str, float]]) -> dict[str, float]:
     """The step's metrics from its k optimizer steps' (mini-batch updates): the mean of each, but the counts
-    (``num_samples``, ``num_loss_tokens``) summed and ``step`` the last; ``num_steps`` is k."""
+    (``num_samples``, ``num_loss_tokens``, ``nonfinite_skipped``) summed and ``step`` the last; ``num_steps`` is k.
+    A skipped step's NaN or inf makes the mean NaN or inf: visible, as it should be."""
     out = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
-    for k in ("num_samples", "num_loss_tokens"):
+    for k in ("num_samples", "num_loss_tokens", "nonfinite_skipped"):
         if k in out:
             out[k] = sum(m[k] for m in steps)
     out["step"] = steps[-1]["step"]

@@ -15,7 +15,8 @@ Tasks (:mod:`relax_hpc.roles.tasks`; their fields and results: :mod:`relax_hpc.c
 - ``logprobs {chunks: [ChunkRef dicts], field?}``: every rank reads the samples (checksums verified) and
   runs the forward (a collective); rank 0 writes ``field`` (default: the role's) for each chunk that lacks
   it (a chunk that has it already returns its existing side). Returns ``{"sides": [SideRef dicts], "metrics":
-  {"perf/<role>_time": s}}`` on rank 0. With ``version`` (actor_fwd), the staged weights of that version are
+  {"perf/<field>_time": s}}`` on rank 0: Relax's timer names, ``perf/ref_log_probs_time`` (reference) and
+  ``perf/log_probs_time`` (actor_fwd). With ``version`` (actor_fwd), the staged weights of that version are
   copied into the model first, once per version (every rank takes part; rank 0 broadcasts them).
 - ``follow``: rank 0 starts answering the weight sync; returns ``{"url": ...}``.
 - ``load {path}``: a checkpoint root (with ``latest``) or step dir (with ``meta.json``), model weights only.
@@ -136,7 +137,7 @@ def work_forward(ctx: RoleContext, comm: Any, field: str) -> None:
         sides = compute_and_write(actor, task.chunks, task.field or field, role, rank)
         if rank != 0:
             return M.LogprobsResult()
-        return M.LogprobsResult(sides=sides, metrics={f"perf/{role}_time": time.monotonic() - t0})
+        return M.LogprobsResult(sides=sides, metrics={f"perf/{field}_time": time.monotonic() - t0})  # Relax's
 
     def load(task: M.LoadTask) -> M.LoadResult:
         step = load_weights(actor, task.path)

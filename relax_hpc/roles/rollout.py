@@ -9,14 +9,17 @@ goes on. Tasks (:mod:`relax_hpc.roles.tasks`; their fields and results: :mod:`re
 - ``start_engines``: returns the data cursor at the start (``data_state``: a fresh run's step 1 starts from it),
   and no engines (the controller started those).
 - ``generate {step, engines, seq, data_state}``: from the data cursor after step−1 (so a step generated again, e.g.
-  after a damaged chunk, gets the same prompts), the next ``rollout_batch_size`` prompt groups from ``data.path``
-  (with ``rollout.dynamic_sampling_filter_path``: drawn in rounds until that many pass the filter,
+  after a damaged chunk, gets the same prompts; with partial rollout the cursor names the buffer that goes with
+  it, loaded with it: :meth:`Generator.restore`), the next ``rollout_batch_size`` prompt groups from
+  ``data.path`` (with ``rollout.dynamic_sampling_filter_path``: drawn in rounds until that many pass the filter,
   :mod:`relax_hpc.rollout.dynamic`), generated with :class:`~relax_hpc.rollout.driver.RolloutDriver` on the live
   engines (a dead one is reported by name and its requests go to the others), scored by the reward
-  (``rollout.custom_rm_path`` / ``rm_type``), written as one chunk in ``RUN_DIR/exchange/step_<N>/``. Returns the chunk ref,
-  Relax's ``rollout/*`` metrics, the data cursor, the weight versions the samples carry, reward failures
-  (with their samples) and engine failures. With ``judges`` (the genrm role's engines), reward functions reach them
-  through :mod:`relax_hpc.rollout.genrm`, and the step's ``genrm/*`` counts join the metrics.
+  (``rollout.custom_rm_path`` / ``rm_type``), written as one chunk in ``RUN_DIR/exchange/step_<N>/``, whose
+  attrs name its prompt groups (the audit counts prompts per epoch with them, :mod:`relax_hpc.exchange.audit`).
+  Returns the chunk ref, Relax's ``rollout/*`` metrics, the data cursor (with partial rollout, and the saved
+  buffer's reference), the weight versions the samples carry, reward failures (with their samples) and engine
+  failures. With ``judges`` (the genrm role's engines), reward functions reach them through
+  :mod:`relax_hpc.rollout.genrm`, and the step's ``genrm/*`` counts join the metrics.
 - ``eval {step}``: every ``data.eval_prompt_data`` set (loaded once, at start; relative paths as ``data.path``'s),
   ``rollout.n_samples_per_eval_prompt`` samples per prompt, generated with the engines' current weights and the
   eval sampling parameters, scored with ``eval_reward_key`` (:func:`~relax_hpc.rollout.eval.run_eval`). Requests
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import math
 import sys
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
 
 ROLE = "rollout"
 log = logging.getLogger("relax_hpc.rollout")
+MAX_PROMPT_ATTRS = 32 << 10  # bytes of JSON naming a chunk's prompt groups (a chunk's attrs hold at most 64 KiB)
 
 
 def _sniffio_shim() -> None:
@@ -78,7 +83,7 @@ def work(ctx: RoleContext, comm: Any) -> None:
     gen = Generator(ctx)
 
     def start_engines(task: M.StartEnginesTask) -> M.StartEnginesResult:
-        return M.StartEnginesResult(engines={}, data_state=gen.data.state_dict())
+        return M.StartEnginesResult(engines={}, data_state=gen.state(0))
 
     serve(ctx, comm, {"start_engines": start_engines, "generate": gen.generate, "eval": gen.evaluate,
                       "stop": lambda task: M.StopResult()})
@@ -118,10 +123,76 @@ class Generator:
                              if ro.dynamic_sampling_filter_path else None)
         self.sample_filter = (load_plugin(ro.sample_filter_path, "rollout.sample_filter_path")
                               if ro.sample_filter_path else None)
-        # partial rollout's buffer lives here, in memory: a restarted role starts with none (Relax's doesn't persist)
+        # partial rollout's buffer: rollout state like the data cursor, saved with it after every step (state())
         self.partial = (PartialRollout(mask_offpolicy=ro.mask_offpolicy_in_partial_rollout,
                                        max_aborted=ro.partial_rollout_max_aborted_count) if ro.partial_rollout else None)
+        self.current: dict | None = None  # the data_state this role's cursor and buffer are at (None: not saved)
+        self.made: dict[int, dict] = {}  # partial rollout: step -> {from, after, groups} of the steps generated here
         self.engines: dict[str, str] = {}
+
+    # -- rollout state: the data cursor and partial rollout's buffer, always together
+    def state(self, step: int) -> dict:
+        """The ``data_state`` after step ``step``: the cursor, and with partial rollout the reference of the buffer,
+        written to ``RUN_DIR/partial_rollout/`` now (:meth:`~relax_hpc.rollout.dynamic.PartialRollout.save`)."""
+        st = self.data.state_dict()
+        if self.partial is not None:
+            st["partial"] = self.partial.save(self.ctx.run.path, step)
+            self._forget_buffers(step)
+        self.current = st
+        return st
+
+    def restore(self, state: dict) -> None:
+        """Cursor and buffer as ``state`` has them (the task's state wins over this role's memory): a step
+        generated again, the first step of a restarted role or of a resumed run start where ``state`` says."""
+        if state == self.current:  # where this role stands already (the usual case: the step after its last)
+            return
+        self.data.load_state_dict(state)
+        ref = state.get("partial")
+        if self.partial is not None:
+            self.partial.load(self.ctx.run.path, ref)
+            if self.partial.buffer:
+                log.info("data cursor at epoch %s, offset %s; partial rollout's buffer restored from %s: %d prompt "
+                         "groups, %d samples", state.get("epoch"), state.get("offset"), ref["file"], ref["groups"],
+                         ref["samples"])
+        elif ref and ref.get("groups"):
+            log.warning("rollout.partial_rollout is off: the %d prompt groups of the buffer saved with the data "
+                        "cursor (%s) are dropped, never trained", ref["groups"], ref.get("file"))
+        self.current = dict(state)
+
+    def _forget_buffers(self, step: int) -> None:
+        """Delete the saved buffers nothing can name any more. Kept: those a checkpoint names, or may name while
+        it is written, and those of steps the controller may still generate from: the staleness gate let
+        ``step`` start with every step below ``step - max_staleness`` cleared, and a cleared step is never
+        generated again, so no cursor older than ``step - 1 - max_staleness`` is sent again. A checkpoint of step
+        t is asked for once t is trained and before t+1 is, so t is at least that old too; one step more is kept,
+        as a margin."""
+        from relax_hpc.rollout.dynamic import PartialRollout
+        from relax_hpc.train.latest import complete
+
+        root = self.ctx.run.path / PartialRollout.DIR
+        ckpts = self.ctx.run.path / "checkpoints"
+        named: set[str] = set()
+        done = complete(ckpts)
+        writing = min((int(d.name[5:]) for d in ckpts.glob("step_*") if d.name[5:].isdigit() and d not in done),
+                      default=None)
+        for d in done:
+            try:
+                extra = json.loads((d / "meta.json").read_text()).get("extra_state")
+            except (OSError, ValueError):
+                extra = None
+            if extra is None:  # unreadable here (or pickled): keep everything from its step on
+                writing = min(writing if writing is not None else step, int(d.name[5:]))
+                continue
+            named |= set(_buffer_files(extra))
+        keep_from = step - 2 - self.recipe.max_staleness
+        if writing is not None:
+            keep_from = min(keep_from, writing)
+        for f in root.glob("after_*.json"):
+            n = f.stem[len("after_"):]
+            if n.isdigit() and int(n) < keep_from and f"{PartialRollout.DIR}/{f.name}" not in named:
+                f.unlink(missing_ok=True)
+        for old in [n for n in self.made if n < keep_from]:
+            del self.made[old]
 
     def _use(self, engines: dict[str, str] | None) -> None:
         """The engines a task names (the controller's registry wins: engines dead, restarted under a new URL, or
@@ -141,20 +212,27 @@ class Generator:
         step = task.step
         self._judges(task.judges)
         self._use(task.engines)
-        if task.data_state:  # the cursor after step-1: a step generated again gets the same prompts
-            self.data.load_state_dict(task.data_state)
+        if task.data_state:  # the cursor (and buffer) after step-1: a step generated again gets the same prompts
+            self.restore(task.data_state)
+        before, self.current = self.current, None  # until the step's state is saved (a failed step left it moved)
+        again = self.made.get(step) if self.partial is not None else None
+        if again is not None and again["from"] != before:
+            again = None
         ro = self.recipe.rollout
         sent = {n: st["requests"] for n, st in self.driver.engine_stats().items()}
         pool = self.driver.pool
         q0, live0 = pool.queue_clock(), len(pool.alive())
         t0 = time.monotonic()
+        seed = self.recipe.run.seed * 1_000_003 + step  # a resumed run samples what the uninterrupted one would have
         try:
-            # seeded by (run.seed, step): a resumed run samples what the uninterrupted one would have
-            result = generate_step(self.driver, self.data, target=ro.rollout_batch_size,
-                                   seed=self.recipe.run.seed * 1_000_003 + step, group_filter=self.group_filter,
-                                   args=self.driver.reward.args, over_sampling=ro.over_sampling_batch_size,
-                                   max_rounds=ro.dynamic_sampling_max_rounds, sample_filter=self.sample_filter,
-                                   partial=self.partial)
+            if again is not None:  # generated here before (its chunk was damaged): the same groups, finished
+                result = self._again(step, again, seed)
+            else:
+                result = generate_step(self.driver, self.data, target=ro.rollout_batch_size, seed=seed,
+                                       group_filter=self.group_filter, args=self.driver.reward.args,
+                                       over_sampling=ro.over_sampling_batch_size,
+                                       max_rounds=ro.dynamic_sampling_max_rounds, sample_filter=self.sample_filter,
+                                       partial=self.partial)
         except RewardError as e:  # the full report (tracebacks too) goes to this log; the run's reason gets
             log.error("step %d: %s", step, e)  # the samples and the errors, without the tracebacks
             e.report = f"{type(e).__name__}: {str(e).split(chr(10) + 'Traceback of the first failure:')[0]}"
@@ -162,7 +240,15 @@ class Generator:
         t_gen = time.monotonic() - t0
         q1 = pool.queue_clock()
         t1 = time.monotonic()
-        ref = S.write_step(self.ctx.run.path, step, result, seq=task.seq)
+        ref = S.write_step(self.ctx.run.path, step, result, seq=task.seq, attrs=self._prompt_attrs(result.samples))
+        if again is not None:  # the steps after it went on from the buffer it left then: so does this role
+            self.restore(again["after"])
+            after = again["after"]
+        else:
+            after = self.state(step)
+            if self.partial is not None and before is not None:
+                self.made[step] = {"from": before, "after": after,
+                                   "groups": sorted({s.group_index for s in result.samples})}
         metrics = dict(result.metrics)
         # requests waiting for a free engine (every engine at sglang_server_concurrency), on average over the
         # generate, per engine live at its start: the autoscaler's queue signal. (Requests a custom generate
@@ -180,13 +266,43 @@ class Generator:
             chunks=[ref.to_dict()],
             n=len(result.samples),
             weight_versions=versions,
-            data_state=self.data.state_dict(),
+            data_state=after,
             reward_failures=[_short_failure(f) for f in result.reward_failures[:20]],
             engine_failures=[{"name": f.name, "url": f.url, "error": f.error} for f in result.engine_failures],
             dead_engines=self.driver.dead_engines,
             engine_requests={n: st["requests"] - sent.get(n, 0) for n, st in self.driver.engine_stats().items()
                              if st["requests"] > sent.get(n, 0)},
         )
+
+    def _again(self, step: int, made: dict, seed: int) -> Any:
+        """Step ``step`` generated again from the state it was first generated from (its chunk was damaged),
+        with partial rollout: the groups it trained then, no other, each finished (none aborted). Which groups
+        finish first depends on timing, so generating it afresh could train prompts the steps after it took
+        from its buffer, and leave others untrained; this keeps every later step's cursor and buffer valid."""
+        from relax_hpc.rollout.dynamic import PartialRollout, generate_step
+
+        want = set(made["groups"])
+        drawn = made["after"]["sample_group_index"] - made["from"]["sample_group_index"]
+        groups = [g for g in self.partial.buffer + self.data.get_samples(drawn) if g[0].group_index in want]
+        log.info("step %d: generated again (damaged chunk): its %d prompt groups, finished", step, len(groups))
+        redo = PartialRollout(buffer=groups, mask_offpolicy=self.partial.mask_offpolicy)
+        result = generate_step(self.driver, self.data, target=len(groups), seed=seed, group_filter=None,
+                               args=self.driver.reward.args, over_sampling=len(groups),
+                               sample_filter=self.sample_filter, partial=redo)
+        result.metrics["rollout/partial_buffer_groups"] = float(made["after"]["partial"]["groups"])
+        return result
+
+    def _prompt_attrs(self, samples: list) -> dict:
+        """The chunk attrs naming its prompt groups, unless they would not fit the chunk's attrs (then the audit
+        cannot count this step's prompts, and says so)."""
+        from relax_hpc.exchange.audit import prompt_attrs
+
+        attrs = prompt_attrs((s.group_index for s in samples), len(self.data))
+        if len(json.dumps(attrs)) > MAX_PROMPT_ATTRS:
+            log.warning("the prompt groups of this step take more than %d bytes of chunk attrs: not recorded; "
+                        "relax-status --audit cannot count its prompts", MAX_PROMPT_ATTRS)
+            return {}
+        return attrs
 
     def _judges(self, judges: dict[str, str]) -> None:
         """Point the GenRM client (reward functions' ``relax_hpc.rollout.genrm.generate``) at the run's judges."""
@@ -225,6 +341,15 @@ class Generator:
         scores = ", ".join(f"{n} {metrics[f'eval/{n}']:.3f}" for n in self.eval_sets)
         log.info("step %d eval: %s (%.1f s)", step, scores, metrics.get("perf/eval_time", 0.0))
         return EvalResult(metrics={k: float(v) for k, v in metrics.items() if math.isfinite(v)})
+
+
+def _buffer_files(x: Any) -> list[str]:
+    """The saved buffers a checkpoint's extra state names (its ``data`` and, staleness_mode fixed, ``kept.data``)."""
+    if isinstance(x, dict):
+        ref = x.get("partial")
+        own = [ref["file"]] if isinstance(ref, dict) and ref.get("file") else []
+        return own + [f for v in x.values() if isinstance(v, dict) for f in _buffer_files(v)]
+    return []
 
 
 def _short_failure(f: Any) -> dict:

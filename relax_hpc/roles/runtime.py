@@ -4,6 +4,10 @@ A role module is ``main(ROLE, work)``: the same code under Slurm (``srun`` gives
 locally (the controller's launcher gives ``RELAX_RANK``...). Any exception is reported to the controller
 as an ``error`` (so the run fails with this rank's traceback instead of hanging) and printed to this
 rank's log; the process then exits 1, and ``srun --kill-on-bad-exit`` takes the rest of the step down.
+The report carries the error's verdict (:func:`relax_hpc.errors.verdict`): a full disk (the run fails at once,
+naming it) or an error that will repeat (a :class:`~relax_hpc.errors.PermanentError`, or an input error while the
+role loads its inputs, before its first task: the run fails at once); anything else lets the controller restart
+the steps.
 A rank that loses the controller for longer than the heartbeat timeout exits too: no role outlives its run.
 What a role started outside its own process (the rollout role's engines) is registered with
 :meth:`RoleContext.add_cleanup` and stopped on every way out: a normal end, an exception, SIGTERM (the
@@ -25,9 +29,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from relax_hpc.controller.protocol import PHASES, Client, ProtocolError
+from relax_hpc.errors import NO_SPACE, PERMANENT, verdict
 from relax_hpc.identity import Identity
 from relax_hpc.recipe import Recipe, load_recipe
-from relax_hpc.rundir import RunDir
+from relax_hpc.rundir import RunDir, no_space_reason
 
 CONTROLLER_LOST_EXIT = 75  # exit code of a rank that stopped hearing from the controller
 
@@ -57,10 +62,12 @@ class RoleContext:
         self._cleanups: list[Callable[[], Any]] = []
         self.prepared: Any = None  # what main's ``prepare`` returned
         self.progress_count = 0  # bumped by :meth:`progress`; a task whose count stops moving is hung
+        self.tasks_begun = 0  # none yet: the role is still loading its inputs (see :func:`main`)
 
     # -- the task in hand, as the heartbeats show it (the controller fails a role whose task stops moving)
     def begin_task(self, task: dict) -> None:
         """Heartbeats now carry ``task``: its id, kind, step (if any) and the progress counter."""
+        self.tasks_begun += 1
         shown = {"id": task["id"] if _whole(task.get("id")) else -1, "kind": str(task.get("kind")),
                  "progress": self.progress_count}
         if _whole(task.get("step")):
@@ -94,7 +101,7 @@ class RoleContext:
 
     def _on_sigterm(self, signum: int, _frame: Any) -> None:
         signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM kills at once
-        print(f"[{self.ident.role}:{self.ident.rank}] stopped by signal {signum}", file=sys.stderr, flush=True)
+        say(f"[{self.ident.role}:{self.ident.rank}] stopped by signal {signum}")
         self.run_cleanups()
         os._exit(128 + signum)
 
@@ -104,7 +111,7 @@ class RoleContext:
             try:
                 fn()
             except Exception as e:  # one failed cleanup must not skip the others
-                print(f"[{self.ident.role}:{self.ident.rank}] cleanup {fn!r} failed: {e}", file=sys.stderr, flush=True)
+                say(f"[{self.ident.role}:{self.ident.rank}] cleanup {fn!r} failed: {e}")
 
     # -- talking to the controller
     def hello(self) -> None:
@@ -118,12 +125,12 @@ class RoleContext:
         self.info.update(info)
         self.client.heartbeat(self.ident.role, self.ident.rank, self.ident.node, phase, dict(self.info))
 
-    def report_error(self, text: str) -> None:
+    def report_error(self, text: str, verdict: str | None = None, reason: str | None = None) -> None:
+        """``text`` (the traceback), its ``verdict`` and the run's one-line ``reason`` (see protocol's ``error``)."""
         try:
-            self.client.error(self.ident.role, self.ident.rank, self.ident.node, text)
+            self.client.error(self.ident.role, self.ident.rank, self.ident.node, text, verdict, reason)
         except (OSError, ProtocolError) as e:  # the log still has it; the exit code still fails the step
-            print(f"[{self.ident.role}:{self.ident.rank}] could not report the error to the controller: {e}",
-                  file=sys.stderr, flush=True)
+            say(f"[{self.ident.role}:{self.ident.rank}] could not report the error to the controller: {e}")
 
     # -- heartbeat
     def start_heartbeat(self) -> None:
@@ -145,8 +152,8 @@ class RoleContext:
                 last_ok = time.monotonic()
             except (OSError, ProtocolError) as e:
                 if time.monotonic() - last_ok > give_up:
-                    print(f"[{self.ident.role}:{self.ident.rank}] no answer from the controller for "
-                          f"{give_up:.0f}s ({e}); exiting", file=sys.stderr, flush=True)
+                    say(f"[{self.ident.role}:{self.ident.rank}] no answer from the controller for "
+                        f"{give_up:.0f}s ({e}); exiting")
                     self.run_cleanups()
                     os._exit(CONTROLLER_LOST_EXIT)
 
@@ -154,6 +161,26 @@ class RoleContext:
         self.run_cleanups()
         self.stop_heartbeat()
         self.client.close()
+
+
+def say(text: str, stream: Any = None) -> None:
+    """Print to this rank's log (stderr by default), never raising: on a full disk the log cannot take it, and
+    the error being reported matters more."""
+    try:
+        print(text, file=stream or sys.stderr, flush=True)
+    except (OSError, ValueError):  # ENOSPC; a closed stream
+        pass
+
+
+def classify(ctx: RoleContext, error: BaseException, loading: bool) -> tuple[str | None, str | None]:
+    """The verdict on the error this rank dies of, and the run's reason where the traceback's last line is not
+    it: a full disk's mount point and fix; an error that will repeat as ``Type: message`` (the traceback's line
+    has the module path: ``relax_hpc.rollout.data.DataError: ...``)."""
+    v = verdict(error, loading=loading)
+    if v == NO_SPACE:
+        return v, no_space_reason(ctx.run, error)
+    text = f"{type(error).__name__}: {error}"
+    return v, (text if v == PERMANENT and "\n" not in text else None)
 
 
 def _injected_failure(ctx: RoleContext) -> None:
@@ -184,6 +211,7 @@ def main(role: str, work: Work | None = None, argv: list[str] | None = None,
         return 2
     ctx = RoleContext(role, argv[1])
     tag = f"[{role}:{ctx.ident.rank}@{ctx.ident.node}]"
+    working = False  # in ``work``: until its first task, the role loads its inputs (data, model, user functions)
     try:
         ctx.hello()
         ctx.start_heartbeat()
@@ -194,19 +222,21 @@ def main(role: str, work: Work | None = None, argv: list[str] | None = None,
 
         comm = bootstrap(ctx)
         ctx.report("ready", **comm.summary())
-        print(f"{tag} ready: {comm.summary()}", flush=True)
+        say(f"{tag} ready: {comm.summary()}", sys.stdout)
         _injected_failure(ctx)
         if work is not None:
+            working = True
             work(ctx, comm)
+            working = False
         comm.close()
         ctx.stop_heartbeat()
         ctx.report("done")
-        print(f"{tag} done", flush=True)
+        say(f"{tag} done", sys.stdout)
         return 0
-    except BaseException:
+    except BaseException as e:
         text = traceback.format_exc()
-        print(f"{tag} failed:\n{text}", file=sys.stderr, flush=True)
-        ctx.report_error(text)
+        say(f"{tag} failed:\n{text}")
+        ctx.report_error(text, *classify(ctx, e, loading=working and ctx.tasks_begun == 0))
         return 1
     finally:
         ctx.close()

@@ -25,13 +25,18 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from relax_hpc.errors import PermanentError
 from relax_hpc.exchange.chunk import ChunkRef, DamagedChunk, Ragged, columns_to_samples, read_chunk, write_chunk
 from relax_hpc.exchange.fields import (BY_NAME, FORWARD_FIELDS, LOGPROB_FIELDS, PRODUCER, SEGMENT_FIELDS, TRAIN_FIELDS,
                                       rollout_fields)
 
 __all__ = ["FORWARD_FIELDS", "LOGPROB_FIELDS", "PRODUCER", "TRAIN_FIELDS", "exchange_root", "write_step",
            "read_columns", "read_samples", "logprob_batch", "mini_batch_order", "TrainPlan", "train_plan", "train_batch",
-           "read_train_columns", "read_train_batch"]
+           "read_train_columns", "read_train_batch", "UnsoundTrainData", "check_train_columns"]
+
+# A log-prob above this is no log-prob. Float rounding of a near-certain token's log-prob stays far below it.
+LOGPROB_TOLERANCE = 1e-3
+LOGPROB_COLUMNS = ("rollout_log_probs", "ref_log_probs", "log_probs")
 
 
 def exchange_root(run_path: str | os.PathLike) -> str:
@@ -67,8 +72,11 @@ def _column(name: str, values: list) -> Any:
     return list(values)
 
 
-def write_step(run_path: str | os.PathLike, step: int, result: Any, seq: int = 0) -> ChunkRef:
-    """Write a :class:`~relax_hpc.rollout.driver.RolloutResult` as the chunk of rollout step ``step``."""
+def write_step(run_path: str | os.PathLike, step: int, result: Any, seq: int = 0,
+               attrs: dict | None = None) -> ChunkRef:
+    """Write a :class:`~relax_hpc.rollout.driver.RolloutResult` as the chunk of rollout step ``step``;
+    ``attrs`` join the chunk's (and its journal record's), e.g. the prompts it holds
+    (:func:`~relax_hpc.exchange.audit.prompt_attrs`)."""
     values = _rollout_values(result.samples)
     values["raw_reward"] = list(result.raw_rewards)
     names = rollout_fields()
@@ -76,7 +84,7 @@ def write_step(run_path: str | os.PathLike, step: int, result: Any, seq: int = 0
     root = exchange_root(run_path)
     os.makedirs(os.path.join(root, f"step_{int(step)}"), exist_ok=True)
     fields = {name: _column(name, values[name]) for name in names}
-    return write_chunk(root, step, PRODUCER, seq, fields, attrs={"group_size": result.group_size})
+    return write_chunk(root, step, PRODUCER, seq, fields, attrs={"group_size": result.group_size, **(attrs or {})})
 
 
 def as_ref(r: dict | ChunkRef) -> ChunkRef:
@@ -157,6 +165,50 @@ def _row_sums(r: Ragged) -> np.ndarray:
     return cs[r.offsets[1:]] - cs[r.offsets[:-1]]
 
 
+class UnsoundTrainData(PermanentError, ValueError):
+    """A value of a training column no update may use (NaN, ±inf, a log-prob above 0): the trainer's last check,
+    behind the rollout's. Names the field and the sample (its position in the step, and its ``index``)."""
+
+    def __init__(self, field: str, sample: int, value: float, what: str, index: int | None = None):
+        self.field, self.sample, self.value = field, sample, value
+        who = f"sample {sample}" + (f" (index {index})" if index is not None and index >= 0 else "")
+        super().__init__(f"{field} of {who} is {value}: {what}")
+
+
+def _sample_of(r: Ragged, flat: int) -> int:
+    """The sample whose values hold position ``flat`` of a ragged column's data."""
+    return int(np.searchsorted(r.offsets[1:], flat, side="right"))
+
+
+def check_train_columns(cols: dict[str, Any]) -> None:
+    """Raise :class:`UnsoundTrainData` at the first bad value of the columns an update reads: ``raw_reward``
+    (finite, as stored: float32, where 1e39 is inf), and ``rollout_log_probs``, ``ref_log_probs``, ``log_probs``
+    where present (finite and at most ``LOGPROB_TOLERANCE``), every token, masked or not (a masked NaN still
+    poisons a ratio). Checks only: no tensor is built."""
+    idx = cols.get("index")
+
+    def index(i: int) -> int | None:
+        return int(idx[i]) if idx is not None and i < len(idx) else None
+
+    raw = np.asarray(cols["raw_reward"])
+    bad = np.flatnonzero(~np.isfinite(raw))
+    if bad.size:
+        i = int(bad[0])
+        raise UnsoundTrainData("raw_reward", i, float(raw[i]), "not finite", index(i))
+    for name in LOGPROB_COLUMNS:
+        r = cols.get(name)
+        if r is None:
+            continue
+        data = np.asarray(r.data)
+        bad = np.flatnonzero(~np.isfinite(data) | (data > LOGPROB_TOLERANCE))
+        if bad.size:
+            t = int(bad[0])
+            i = _sample_of(r, t)
+            what = "not finite" if not np.isfinite(data[t]) else f"a log-prob above 0 (tolerance {LOGPROB_TOLERANCE})"
+            raise UnsoundTrainData(name, i, float(data[t]), f"{what}, at response token {t - int(r.offsets[i])}",
+                                   index(i))
+
+
 def mini_batch_order(n: int, k: int, seed: int, step: int) -> list[np.ndarray]:
     """The sample indices of each of the ``k`` mini-batches of a step: the step's samples shuffled with
     (``seed``, ``step``), so a step redone after a requeue splits the same way, then cut into k parts (sizes
@@ -194,12 +246,16 @@ def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int =
     A are R̃ on the loss-mask tokens, 0 elsewhere, whitened over the whole step if
     ``algorithm.normalize_advantages``, built as one flat tensor over the ragged layout. Only this rank's
     samples become tensors: tokens, response_start, loss_mask, advantages and rollout_log_probs as views,
-    plus ``ref_log_probs`` / ``old_log_probs`` from the ``ref_log_probs`` / ``log_probs`` columns."""
+    plus ``ref_log_probs`` / ``old_log_probs`` from the ``ref_log_probs`` / ``log_probs`` columns.
+
+    Raises :class:`UnsoundTrainData` where a value is not fit to train on: the columns (:func:`check_train_columns`,
+    before any tensor), then R̃ and the advantages built from them (float32 overflow in a group's statistics)."""
     import torch
 
     from relax_hpc.algo.advantages import has_segments, masked_whiten, postprocess_rewards
     from relax_hpc.train.batch import GlobalStats, Share, dp_shard
 
+    check_train_columns(cols)
     raw = torch.from_numpy(np.asarray(cols["raw_reward"], dtype=np.float32))
     rewards = postprocess_rewards(algo_cfg, raw, group_size, group_ids=cols.get("group_index"),
                                   rollout_ids=cols.get("rollout_id"))
@@ -215,6 +271,7 @@ def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int =
     adv = torch.where(flat_mask.bool(), torch.repeat_interleave(rewards, torch.from_numpy(lens)), zero)
     if algo_cfg.normalize_advantages and n:
         adv = masked_whiten(adv, flat_mask.bool())
+    _check_built(rewards, adv, mask, cols.get("index"))
     loss_tokens = _row_sums(mask)
     seq_lens = cols["tokens"].lengths()
     sides = [(name, key) for name, key in (("ref_log_probs", "ref_log_probs"), ("log_probs", "old_log_probs"))
@@ -247,6 +304,20 @@ def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int =
         groups = raw64.reshape(-1, group_size)
         metrics["rollout/zero_std_group_ratio"] = float(np.mean(groups.max(axis=1) == groups.min(axis=1)))
     return TrainPlan(shares, metrics)
+
+
+def _check_built(rewards: Any, adv: Any, mask: Ragged, idx: Any) -> None:
+    """R̃ (per sample) and the advantages (per token) finite, or :class:`UnsoundTrainData`."""
+    import torch
+
+    for field, values, per_token in (("rewards", rewards, False), ("advantages", adv, True)):
+        bad = torch.nonzero(~torch.isfinite(values)).flatten()
+        if bad.numel():
+            t = int(bad[0])
+            i = _sample_of(mask, t) if per_token else t
+            index = int(idx[i]) if idx is not None else None
+            raise UnsoundTrainData(field, i, float(values[t]), "not finite (built from raw_reward: R̃ = the "
+                                   "group-normalized reward, A = R̃ on the response tokens)", index)
 
 
 def train_batch(cols: dict[str, Any], algo_cfg: Any, group_size: int) -> tuple[list[dict[str, Any]], dict[str, float]]:

@@ -24,8 +24,10 @@ from typing import Any, Callable, Iterator
 
 from relax_hpc.controller.messages import ResultMessage, TaskError, TaskMessage, decode_task, encode_result
 from relax_hpc.controller.protocol import MAX_TASK_WAIT_S, Client
+from relax_hpc.errors import no_space
 from relax_hpc.exchange.chunk import DamagedChunk
 from relax_hpc.roles.runtime import RoleContext
+from relax_hpc.rundir import no_space_reason
 
 MAX_REPORT = 8000  # characters of an error report sent with task_done (the line limit is 1 MiB)
 
@@ -78,11 +80,15 @@ class TaskStream:
     def failed(self, task: dict, error: BaseException) -> None:
         """Report ``error`` as the task's outcome (the run fails with it); never raises. An error whose class says
         ``restartable = True`` (an engine process died: the machinery, not the recipe) lets the controller
-        restart the steps from the latest checkpoint instead of ending the run."""
+        restart the steps from the latest checkpoint instead of ending the run. A full disk never does (a
+        restart would write to the same disk): the report names its mount point and the fix instead."""
         if self._client is None:
             return
-        text = getattr(error, "report", None) or describe(error)
-        result = TaskError(error=text[:MAX_REPORT], restartable=bool(getattr(error, "restartable", False))).to_dict()
+        full = no_space(error) is not None
+        text = (no_space_reason(self.ctx.run, error) if full else None) or getattr(error, "report", None) \
+            or describe(error)
+        restartable = bool(getattr(error, "restartable", False)) and not full
+        result = TaskError(error=text[:MAX_REPORT], restartable=restartable).to_dict()
         try:
             self._client.task_done(self.ctx.ident.role, 0, int(task["id"]), result)
         except Exception:  # the error path in runtime.main reports it again through `error`

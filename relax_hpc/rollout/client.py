@@ -17,7 +17,12 @@ Failure policy (why it is shaped this way):
   or 5xx; ``/generate`` on a 5xx, a dropped connection or a failed connect (it has no side effect beyond
   compute); every other call only when the connection was never made, i.e. the engine cannot have seen the
   request. A call whose deadline ran out is *not* resent. 4xx and an answer that is not JSON are not retried;
-* ``api_key`` is sent as ``Authorization: Bearer KEY`` on every call (what SGLang's ``--api-key`` checks).
+* ``api_key`` is sent as ``Authorization: Bearer KEY`` on every call (what SGLang's ``--api-key`` checks);
+* a ``/generate`` answer is checked before anyone believes it (:func:`output_problem`): log-probs finite, at most
+  0 and within float32 (the exchange's column), one per output token and present when asked for; token ids in
+  ``[0, vocab_size)``; ``completion_tokens`` equal to the tokens sent; no empty output but an abort or a
+  ``max_new_tokens`` of 0. An answer that fails is an :class:`EngineOutputError`: the engine is broken (bad
+  weights, a faulty kernel, the wrong model), so the driver declares it dead instead of training on its output.
 
 Typical use::
 
@@ -33,7 +38,9 @@ Typical use::
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 import random
 import re
 import threading
@@ -88,6 +95,17 @@ class EngineError(RuntimeError):
         restarts the steps from the checkpoint (:mod:`relax_hpc.roles.tasks`). A 4xx, a request the engine
         refuses, would fail again: the run fails with it."""
         return self.status is None or self.status >= 500
+
+
+class EngineOutputError(EngineError):
+    """An engine answered ``/generate`` with output that cannot be right (:func:`output_problem` says what): a
+    log-prob that is NaN, infinite or positive, none where they were asked for, a token id outside the
+    vocabulary, counts that disagree, an empty output that was not aborted. The fault is the engine's, not the
+    request's: the driver declares the engine dead with this reason (the controller starts it again) and sends
+    the request to another engine. ``str(e)`` reads "engine URL: /generate failed: bad output: WHAT"."""
+
+    def __init__(self, engine_url: str, cause: str, *, body: str | None = None):
+        super().__init__(engine_url, "/generate", f"bad output: {cause}", body=body)
 
 
 @dataclass(frozen=True)
@@ -153,28 +171,90 @@ class Generation:
         return self.finish_reason.type == "length"
 
 
-def parse_generation(engine_url: str, obj: Any) -> Generation:
-    """Turn one SGLang ``/generate`` response object into a :class:`Generation` (checking the logprob rows)."""
+LOGPROB_TOLERANCE = 1e-4  # a log-prob may round above 0 (a near-certain token) by this much, no more
+
+
+@functools.cache
+def _float32_max() -> float:
+    """The largest magnitude the exchange's ``rollout_log_probs`` column holds (its dtype is exchange/fields.py's):
+    a finite log-prob beyond it would be stored as -inf."""
+    import numpy as np
+
+    from relax_hpc.exchange.fields import BY_NAME
+
+    return float(np.finfo(BY_NAME["rollout_log_probs"].dtype).max)
+
+
+def output_problem(gen: Generation, *, return_logprob: bool | None = None, vocab_size: int | None = None,
+                   max_new_tokens: int | None = None) -> str | None:
+    """What is wrong with the engine's answer ``gen``, or None. Checked: each log-prob finite, within float32, and
+    at most ``LOGPROB_TOLERANCE`` above 0 (a log-probability is never positive); log-probs present when
+    ``return_logprob`` was asked; every token id in ``[0, vocab_size)`` (only ``>= 0`` when the vocabulary is not
+    known); ``completion_tokens`` equal to the number of output ids; and an empty output only when the request was
+    aborted or asked for ``max_new_tokens`` = 0 (an engine stops or runs out of length after a token it sent,
+    never before the first). None of these happens to a working engine."""
+    ids, lps = gen.output_ids, gen.output_logprobs
+    bad = next(((i, t) for i, t in enumerate(ids) if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+    if bad is not None:
+        where = f"[0, {vocab_size})" if vocab_size is not None else "the vocabulary (ids are >= 0)"
+        return f"output token {bad[0]} has id {bad[1]}, outside {where}"
+    if return_logprob and lps is None and ids:
+        return f"no output_token_logprobs for {len(ids)} output tokens, though return_logprob was asked"
+    if lps is not None and len(lps) != len(ids):
+        return f"{len(lps)} log-probs for {len(ids)} output tokens"
+    for i, lp in enumerate(lps or ()):
+        if lp is None or not math.isfinite(lp) or abs(lp) > _float32_max():
+            return (f"the log-prob of output token {i} (id {ids[i]}) is {lp}: log-probs must be finite "
+                    f"(float32, as the exchange stores them)")
+        if lp > LOGPROB_TOLERANCE:
+            return f"the log-prob of output token {i} (id {ids[i]}) is {lp} > 0: a log-probability is never positive"
+    if gen.completion_tokens != len(ids):
+        return f"meta_info.completion_tokens = {gen.completion_tokens} for {len(ids)} output ids"
+    if not ids and not gen.aborted and max_new_tokens != 0:
+        return (f"an empty output with finish reason {gen.finish_reason.type!r} (max_new_tokens "
+                f"{max_new_tokens}): only an aborted request, or one asking for 0 tokens, ends with none")
+    return None
+
+
+def parse_generation(engine_url: str, obj: Any, *, return_logprob: bool | None = None,
+                     vocab_size: int | None = None, max_new_tokens: int | None = None) -> Generation:
+    """Turn one SGLang ``/generate`` response object into a :class:`Generation`, checked (:func:`output_problem`,
+    with what the request asked); :class:`EngineOutputError` if it fails a check, an :class:`EngineError` if it is
+    malformed (as garbage from something between us and the engine would be: retried, the engine not blamed)."""
     try:
         meta = obj["meta_info"]
-        out_ids = [int(t) for t in obj["output_ids"]]
+        finish = FinishReason.from_json(meta.get("finish_reason"))
+        # SGLang answers a request aborted before its prefill with no output_ids at all
+        out_ids = [int(t) for t in obj["output_ids"]] if "output_ids" in obj or finish.type != "abort" else []
         rows = meta.get("output_token_logprobs")
-        logprobs = None
-        if rows is not None:
-            logprobs = [float(r[0]) for r in rows]
-            if [int(r[1]) for r in rows] != out_ids:
-                raise ValueError(f"output_token_logprobs token ids ({len(rows)} rows) do not match output_ids "
-                                 f"({len(out_ids)} tokens)")
-        return Generation(
+        logprobs = row_ids = None
+        if rows is not None:  # SGLang sends a NaN as null: kept as None, refused by the check
+            logprobs = [None if r[0] is None else float(r[0]) for r in rows]
+            row_ids = [int(r[1]) for r in rows]
+        gen = Generation(
             rid=str(meta.get("id")), output_ids=out_ids, output_logprobs=logprobs,
-            finish_reason=FinishReason.from_json(meta.get("finish_reason")),
-            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            finish_reason=finish, prompt_tokens=int(meta.get("prompt_tokens", 0)),
             completion_tokens=int(meta.get("completion_tokens", len(out_ids))),
             weight_version=None if meta.get("weight_version") is None else str(meta["weight_version"]),
             text=obj.get("text"), meta_info=meta)
-    except (KeyError, TypeError, ValueError, IndexError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:
         raise EngineError(engine_url, "/generate",
                           f"malformed response ({type(e).__name__}: {e}): {str(obj)[:300]}") from e
+    problem = output_problem(gen, return_logprob=return_logprob, vocab_size=vocab_size, max_new_tokens=max_new_tokens)
+    if problem is None and row_ids is not None and row_ids != out_ids:
+        problem = (f"the token ids of output_token_logprobs ({len(row_ids)} rows) are not output_ids "
+                   f"({len(out_ids)} tokens)")
+    if problem is not None:
+        raise EngineOutputError(engine_url, problem)
+    return gen
+
+
+def requested_max_new_tokens(sampling_params: Any) -> int | None:
+    """``max_new_tokens`` of a request's sampling parameters (a :class:`SamplingParams` or SGLang's dict); None
+    when not given (the engine's default: whatever fits the context)."""
+    v = sampling_params.max_new_tokens if isinstance(sampling_params, SamplingParams) \
+        else (sampling_params or {}).get("max_new_tokens") if isinstance(sampling_params, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 # Retry classes by call path. Idempotent calls retry on any transport error or 5xx. /generate has no side
@@ -384,20 +464,24 @@ class EngineClient:
 
     async def agenerate(self, input_ids: Sequence[int], sampling_params: SamplingParams | dict | None = None, *,
                         return_logprob: bool = True, rid: str | None = None, timeout: float | None = None,
-                        extra: dict | None = None) -> Generation:
+                        extra: dict | None = None, vocab_size: int | None = None) -> Generation:
         """``POST /generate`` for one prompt of token ids (``timeout``: total deadline, default the client's
-        ``generate_timeout``). Many may run concurrently (asyncio.gather); the engine batches them. An aborted request (pause/abort) returns normally with ``finish_reason.type == "abort"``."""
+        ``generate_timeout``). Many may run concurrently (asyncio.gather); the engine batches them. An aborted
+        request (pause/abort) returns normally with ``finish_reason.type == "abort"``. The answer is checked
+        (:func:`output_problem`; token ids against ``vocab_size`` when given): :class:`EngineOutputError` if bad."""
         body = self._generate_payload(input_ids, sampling_params, return_logprob, rid, extra)
         r = await self.arequest("POST", "/generate", body, timeout=self.generate_timeout if timeout is None else timeout)
-        return parse_generation(self.url, self._json("/generate", r))
+        return parse_generation(self.url, self._json("/generate", r), return_logprob=return_logprob,
+                                vocab_size=vocab_size, max_new_tokens=requested_max_new_tokens(body["sampling_params"]))
 
     def generate(self, input_ids: Sequence[int], sampling_params: SamplingParams | dict | None = None, *,
                  return_logprob: bool = True, rid: str | None = None, timeout: float | None = None,
-                 extra: dict | None = None) -> Generation:
+                 extra: dict | None = None, vocab_size: int | None = None) -> Generation:
         """Blocking :meth:`agenerate`."""
         body = self._generate_payload(input_ids, sampling_params, return_logprob, rid, extra)
         r = self.request("POST", "/generate", body, timeout=self.generate_timeout if timeout is None else timeout)
-        return parse_generation(self.url, self._json("/generate", r))
+        return parse_generation(self.url, self._json("/generate", r), return_logprob=return_logprob,
+                                vocab_size=vocab_size, max_new_tokens=requested_max_new_tokens(body["sampling_params"]))
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams | dict | None = None, *,
                        return_logprob: bool = True, timeout: float | None = None) -> list[Generation]:

@@ -24,6 +24,13 @@ Semantics (``docs/engines.md`` has the full list):
   needs ``Authorization: Bearer KEY`` and is answered 401 otherwise, as SGLang's ``--api-key`` does (it
   leaves ``/health`` and ``/health_generate`` open too). The key comes through the environment or a file,
   never argv, so it does not show in ``ps``.
+
+Test hook: ``RELAX_TEST_ENGINE_BAD_OUTPUT=KIND:N[:CLAIM]`` spoils the engine's first ``N`` generate answers
+that have something to spoil (tokens, not aborted; log-probs for the log-prob kinds), one way
+(:data:`BAD_OUTPUTS`): ``nan_logprobs``, ``positive_logprobs`` or ``no_logprobs`` (the first token's log-prob
+NaN, +0.5, or none at all), ``token_past_vocab`` (the first token id = ``vocab_size``), ``empty_output`` (no
+tokens, finish reason kept), ``wrong_count`` (``completion_tokens`` one more). With ``CLAIM`` (a file path) only
+the engine that creates that file first misbehaves: one engine of a run, and not the one started in its place.
 """
 
 from __future__ import annotations
@@ -122,6 +129,57 @@ def _resolve_dtype(name) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise HTTPError(400, f"unknown dtype {name!r}")
     return dt
+
+
+# --------------------------------------------------------------------------------------------- test hook
+
+BAD_OUTPUT_ENV = "RELAX_TEST_ENGINE_BAD_OUTPUT"
+BAD_OUTPUTS = ("nan_logprobs", "positive_logprobs", "no_logprobs", "token_past_vocab", "empty_output", "wrong_count")
+
+
+class BadOutput:
+    """The ``RELAX_TEST_ENGINE_BAD_OUTPUT`` hook (module docstring): spoils the first ``n`` answers it can."""
+
+    def __init__(self, spec: str, vocab_size: int):
+        kind, _, rest = spec.partition(":")
+        n, _, claim = rest.partition(":")
+        if kind not in BAD_OUTPUTS or not n.isdigit():
+            raise ValueError(f"{BAD_OUTPUT_ENV}={spec!r}: expected KIND:N[:CLAIM_FILE], KIND one of "
+                             f"{', '.join(BAD_OUTPUTS)}")
+        self.kind, self.left, self.vocab_size = kind, int(n), vocab_size
+        self.lock = threading.Lock()
+        if claim:
+            try:
+                os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                self.left = 0  # another engine of the run claimed it
+        if self.left:
+            log.warning("%s=%s: the next %d generate answers will be %s", BAD_OUTPUT_ENV, spec, self.left, kind)
+
+    def spoil(self, out: dict) -> None:
+        meta = out["meta_info"]
+        rows = meta.get("output_token_logprobs")
+        if not out["output_ids"] or (meta["finish_reason"] or {}).get("type") == "abort" \
+                or (not rows and self.kind.endswith("logprobs")):
+            return  # nothing of that kind to spoil here: the next answer
+        with self.lock:
+            if self.left <= 0:
+                return
+            self.left -= 1
+        if self.kind in ("nan_logprobs", "positive_logprobs"):
+            rows[0][0] = float("nan") if self.kind == "nan_logprobs" else 0.5  # json.dumps writes NaN
+        elif self.kind == "no_logprobs":
+            del meta["output_token_logprobs"]
+        elif self.kind == "token_past_vocab":
+            out["output_ids"][0] = self.vocab_size
+            if rows:
+                rows[0][1] = self.vocab_size
+        elif self.kind == "empty_output":
+            out["output_ids"], meta["completion_tokens"], out["text"] = [], 0, ""
+            if rows is not None:
+                meta["output_token_logprobs"] = []
+        else:  # wrong_count
+            meta["completion_tokens"] += 1
 
 
 # --------------------------------------------------------------------------------------------- requests
@@ -520,6 +578,8 @@ class CPUEngine(WeightReceiver):
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self.pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
         self.rng = random.Random(seed)
+        spec = os.environ.get(BAD_OUTPUT_ENV)
+        self.bad_output = BadOutput(spec, self.vocab_size) if spec else None
         self.started = time.time()
         self.scheduler = Scheduler(self, max_batch, batch_wait_ms / 1000.0)
         self.scheduler.thread.start()
@@ -572,6 +632,9 @@ class CPUEngine(WeightReceiver):
         if errors:
             raise HTTPError(500, f"generation failed: {errors[0]}")
         outs = [self._response(r, text_in_lp) for r in reqs]
+        if self.bad_output is not None:
+            for o in outs:
+                self.bad_output.spoil(o)
         return outs if batched else outs[0]
 
     def _make_req(self, input_ids, sp: dict, return_logprob: bool, rid) -> _Req:

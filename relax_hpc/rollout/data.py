@@ -30,14 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
+from relax_hpc.errors import PermanentError
 from relax_hpc.rollout.sample import Sample
 
 if TYPE_CHECKING:  # relax_hpc.recipe imports this module (validate: check_config), so only for annotations
     from relax_hpc.recipe.schema import DataConfig, RolloutConfig
 
 
-class DataError(ValueError):
-    """A dataset record or file that cannot be used; the message names the file, line/row and key."""
+class DataError(ValueError, PermanentError):
+    """A dataset record or file that cannot be used; the message names the file, line/row and key. Permanent:
+    the data reads the same after a restart, so the run fails at once with it."""
 
 
 @dataclass(frozen=True)
@@ -262,7 +264,9 @@ class RolloutDataSource:
     that runs past the end of an epoch continues into the next one.
 
     Cursor: ``epoch``, ``offset`` (prompts of this epoch already handed out), ``sample_group_index`` and
-    ``sample_index`` (the next ids to assign; ids never repeat across epochs). :meth:`state_dict` /
+    ``sample_index`` (the next ids to assign; ids never repeat across epochs). A group's index counts the prompts
+    handed out before it, so it is ``epoch · len(dataset) + offset``: the journal audit reads a trained group's
+    epoch from it (:func:`relax_hpc.exchange.audit.epochs`). :meth:`state_dict` /
     :meth:`load_state_dict` save and restore it; :meth:`save`/:meth:`load` do so through a JSON file,
     written atomically.
     """

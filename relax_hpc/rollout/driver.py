@@ -18,10 +18,14 @@ Engine failures: a request that fails without an HTTP answer (connection refused
 the driver probe that engine's ``/health_generate``; if the probe fails too the engine is declared dead —
 logged and recorded by name (URL unless a name is given) in :attr:`RolloutResult.engine_failures`, reported
 to ``on_engine_dead`` — and never used again by this driver; the request goes to another engine, from
-scratch. Only if no engine is left does the batch fail, with :class:`NoEngineError` naming every dead engine
-and why. An engine that answers an error (HTTP 5xx) or aborts the request is retried up to ``max_retries``
-times (on another engine when there is one); an HTTP 4xx (a request the engine refuses, e.g. a prompt
-longer than its context) fails the batch at once with the sample named. Below that, each client resends a
+scratch. An engine whose answer cannot be right (:class:`~relax_hpc.rollout.client.EngineOutputError`: NaN,
+infinite or positive log-probs, none where asked, a token id outside the model's vocabulary (:attr:`vocab_size`),
+counts that disagree, an empty output that was not aborted) is declared dead the same way, at once and with that
+reason, and the request goes to another engine: a broken engine's output never reaches training. Only if no
+engine is left does the batch fail, with :class:`NoEngineError` naming every dead engine and why. An engine
+that answers an error (HTTP 5xx) or aborts the request is retried up to ``max_retries`` times (on another
+engine when there is one); an HTTP 4xx (a request the engine refuses, e.g. a prompt longer than its context)
+fails the batch at once with the sample named. Below that, each client resends a
 generate after a 5xx or a dropped connection with jittered exponential backoff, all within one total
 deadline per request (``rollout.request_timeout_s``), so a short burst of errors never reaches the driver.
 
@@ -38,12 +42,13 @@ import inspect
 import json
 import logging
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from relax_hpc.rollout.client import Backoff, EngineClient, EngineError, Generation, SamplingParams
+from relax_hpc.rollout.client import Backoff, EngineClient, EngineError, EngineOutputError, Generation, SamplingParams
 from relax_hpc.rollout.eval import sample_metrics
 from relax_hpc.rollout.rewards import GENERATE_PARAMS, RewardFailure, RewardRunner, positive_seconds
 from relax_hpc.rollout.sample import Sample, SampleStatus
@@ -98,6 +103,7 @@ class _EnginePool:
         self.leaving = leaving  # engines draining: no new requests (those in flight finish)
         self._cond: asyncio.Condition | None = None
         self._loop: Any = None
+        self._dead_lock = threading.Lock()  # dead marks come from the loop and from the EngineRouter's threads
         self.waiting = 0  # requests queued for a free engine now
         self._area = 0.0  # ∫ waiting dt (request-seconds)
         self._since = time.monotonic()
@@ -152,15 +158,37 @@ class _EnginePool:
             engine.in_flight -= 1
             cond.notify_all()
 
-    async def mark_dead(self, engine: _Engine, reason: str) -> bool:
-        """Declare ``engine`` dead; True if this call did it (False if it already was)."""
-        cond = self._condition()
-        async with cond:
+    def _set_dead(self, engine: _Engine, reason: str) -> bool:
+        with self._dead_lock:
             if engine.dead is not None:
                 return False
             engine.dead = reason
-            cond.notify_all()
             return True
+
+    async def _wake(self) -> None:
+        cond = self._condition()
+        async with cond:
+            cond.notify_all()
+
+    async def mark_dead(self, engine: _Engine, reason: str) -> bool:
+        """Declare ``engine`` dead; True if this call did it (False if it already was)."""
+        if not self._set_dead(engine, reason):
+            return False
+        await self._wake()
+        return True
+
+    def mark_dead_threadsafe(self, engine: _Engine, reason: str) -> bool:
+        """:meth:`mark_dead` from another thread (the EngineRouter's): the mark holds at once; requests waiting
+        on the pool's event loop are woken there."""
+        if not self._set_dead(engine, reason):
+            return False
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                asyncio.run_coroutine_threadsafe(self._wake(), loop)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits
+                pass
+        return True
 
 
 @dataclass
@@ -273,16 +301,18 @@ class RolloutDriver:
     deadline ``request_timeout_s`` per generate, ``max_retries`` retries with ``backoff``, ``api_key`` (the
     run's engine key) on every call. A given EngineClient is used as it is. ``tokenizer``: turns prompts without token ids into ids
     (``encode(prompt, add_special_tokens=False)``) and decodes responses the engine sent no text for.
-    ``on_engine_dead(name, reason)`` is called once per engine declared dead.
+    ``on_engine_dead(name, reason)`` is called once per engine declared dead. ``vocab_size``: the bound of an
+    output token id (:func:`vocabulary_size` of the recipe's model and the tokenizer when not given).
     """
 
     def __init__(self, recipe: Recipe, engines: Sequence[EngineLike] | dict[str, EngineLike], *,
                  tokenizer: Any = None, reward: RewardRunner | None = None,
                  on_engine_dead: Callable[[str, str], None] | None = None, api_key: str | None = None,
-                 backoff: Backoff | None = None) -> None:
+                 backoff: Backoff | None = None, vocab_size: int | None = None) -> None:
         self.recipe = recipe
         self.cfg = recipe.rollout
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size if vocab_size is not None else vocabulary_size(recipe.model.path, tokenizer)
         self.reward = reward if reward is not None else RewardRunner(recipe)  # loads the reward function: fails early
         self.on_engine_dead = on_engine_dead
         # called as groups are generated and scored: the rollout role passes ctx.progress (logging.task_timeout_s)
@@ -293,6 +323,7 @@ class RolloutDriver:
         self.client_kwargs: dict[str, Any] = {"generate_timeout": timeout, "retries": self.max_retries,
                                               "api_key": api_key, "backoff": backoff}
         self.engine_failures: list[EngineFailure] = []
+        self._unbatched: list[EngineFailure] = []  # declared dead by the EngineRouter: the next batch reports them
         self._inflight: dict[str, _Engine] = {}  # rid -> engine, for requests abort_inflight may abort
         self._generate_fns: dict[str, Callable] = {}  # custom generate functions, loaded once
         self.router: Any = None  # the EngineRouter custom generate functions call, started on first use
@@ -374,16 +405,24 @@ class RolloutDriver:
             return True
 
     async def _declare_dead(self, engine: _Engine, err: EngineError, batch: BatchCounters) -> None:
-        reason = err.cause
-        if await self.pool.mark_dead(engine, reason):
-            fail = EngineFailure(name=engine.name, url=engine.client.url, error=str(err), time=time.time())
-            self.engine_failures.append(fail)
-            batch.engine_failures.append(fail)
-            alive = self.live_engines
-            log.error("rollout engine %s is dead (%s); its requests go to the %d engine(s) left: %s",
-                      engine.name, reason, len(alive), ", ".join(alive) or "none")
-            if self.on_engine_dead is not None:
-                self.on_engine_dead(engine.name, reason)
+        if await self.pool.mark_dead(engine, err.cause):
+            batch.engine_failures.append(self._dead(engine, err))
+
+    def declare_dead_threadsafe(self, engine: _Engine, err: EngineError) -> None:
+        """:meth:`_declare_dead` from another thread (the EngineRouter's); the next batch to end reports it."""
+        if self.pool.mark_dead_threadsafe(engine, err.cause):
+            self._unbatched.append(self._dead(engine, err))
+
+    def _dead(self, engine: _Engine, err: EngineError) -> EngineFailure:
+        """Record, log and report (``on_engine_dead``) an engine just marked dead."""
+        fail = EngineFailure(name=engine.name, url=engine.client.url, error=str(err), time=time.time())
+        self.engine_failures.append(fail)
+        alive = self.live_engines
+        log.error("rollout engine %s is dead (%s); its requests go to the %d engine(s) left: %s",
+                  engine.name, err.cause, len(alive), ", ".join(alive) or "none")
+        if self.on_engine_dead is not None:
+            self.on_engine_dead(engine.name, err.cause)
+        return fail
 
     async def generate_sample(self, sample: Sample, sp: SamplingParams, *, evaluation: bool = False,
                               batch: BatchCounters | None = None, seed: int | None = None,
@@ -440,9 +479,11 @@ class RolloutDriver:
                     if stop.is_set():
                         continue
                     self._inflight[rid] = engine
-                gen = await engine.client.agenerate(prompt_ids, sp, return_logprob=not evaluation, rid=rid)
+                gen = await engine.client.agenerate(prompt_ids, sp, return_logprob=not evaluation, rid=rid,
+                                                    vocab_size=self.vocab_size)
             except EngineError as err:
-                if await self._engine_is_dead(engine, err):
+                # output that cannot be right: the engine is broken (whatever its health check says)
+                if isinstance(err, EngineOutputError) or await self._engine_is_dead(engine, err):
                     await self._declare_dead(engine, err, batch)
                     batch.retries += 1
                     continue
@@ -504,9 +545,15 @@ class RolloutDriver:
         args.sglang_router_ip, args.sglang_router_port = "127.0.0.1", self.router.port
         params = (dataclasses.replace(sp, sampling_seed=seed) if seed is not None else sp).to_json()
         kwargs = {"evaluation": evaluation} if _takes(fn, "evaluation") else {}
-        out = fn(args, sample, params, **kwargs)
-        if inspect.isawaitable(out):
-            out = await out
+        try:
+            out = fn(args, sample, params, **kwargs)
+            if inspect.isawaitable(out):
+                out = await out
+        except Exception as e:  # the router answered 503 (every engine dead): say so, not the function's KeyError
+            if not self.pool.alive():
+                raise NoEngineError(f"no rollout engine left to generate with ({self.pool.dead_report()}); {path} "
+                                    f"failed with {type(e).__name__}: {e}") from e
+            raise
         if isinstance(out, list):  # segments of one rollout: one group, one rollout_id, each trained as a sample
             if not out or not all(isinstance(x, Sample) for x in out):
                 what = "an empty list" if not out else f"a list holding {sorted({type(x).__name__ for x in out})}"
@@ -594,6 +641,8 @@ class RolloutDriver:
         except BaseExceptionGroup as eg:
             raise first_error(eg) from None
         rollout_time = time.monotonic() - t0
+        while self._unbatched:  # engines the EngineRouter declared dead (custom generate functions)
+            batch.engine_failures.append(self._unbatched.pop(0))
         samples = [s for g in groups for s in g]
         # tasks are in group order and each group's failures in sample order: the batch's, in sample order
         reward_failures = [f for t in tasks for f in t.result()]
@@ -660,7 +709,7 @@ def _takes(fn: Callable, name: str) -> bool:
 
 def _multiturn_metrics(samples: list[Sample]) -> dict[str, float]:
     """``rollout/turns`` (mean), ``rollout/env_tokens_ratio`` (response tokens the env wrote, not the model),
-    ``rollout/env_failures`` and ``rollout/truncated_by/{turns,context,response}`` (share of samples stopped by
+    ``rollout/env_failures``, ``rollout/truncated_observations`` and ``rollout/truncated_by/{turns,context,response}`` (share of samples stopped by
     each limit), for samples of the multi-turn loop."""
     multi = [s for s in samples if "rollout_turns" in s.metadata]
     if not multi:
@@ -672,7 +721,10 @@ def _multiturn_metrics(samples: list[Sample]) -> dict[str, float]:
            "rollout/env_tokens_ratio": (total - model) / total if total else 0.0,
            "rollout/env_failures": float(why.count("env_error")),
            "rollout/truncated_turns": float(sum(bool(t.get("truncated")) for s in multi
-                                                for t in s.metadata["rollout_traces"]))}
+                                                for t in s.metadata["rollout_traces"])),
+           # observations that did not fit the context bound (cut, or ending their rollout)
+           "rollout/truncated_observations": float(sum("obs_truncated" in t for s in multi
+                                                       for t in s.metadata["rollout_traces"]))}
     out.update({f"rollout/truncated_by/{k}": why.count(k) / len(multi) for k in ("turns", "context", "response")})
     return out
 
@@ -694,7 +746,7 @@ def multiturn_from(recipe: Recipe, args: Any) -> Any:
         raise ValueError(f"{key} = {path!r} needs max_turns, at least 1: set rollout.max_turns (or max_turns in "
                          f"the custom_config_path YAML, Relax's way); got {turns!r}")
     build_env = load_plugin(env_factory(path), key)
-    return MultiTurn(build_env=build_env, args=args, max_turns=turns, max_context_len=ro.max_context_len,
+    return MultiTurn(build_env=build_env, args=args, max_turns=turns, max_context_len=ro.max_context_len or recipe.train.max_seq_len,
                      step_timeout_s=ro.env_step_timeout_s, chat=bool(recipe.data.apply_chat_template),
                      continue_truncated=ro.turn_truncation == "continue")
 
@@ -712,6 +764,32 @@ def check_generated(s: Sample, path: str) -> None:
         v = getattr(s, name)
         if v is not None and len(v) != s.response_length:
             raise RolloutError(f"{where} with {len(v)} {name} values for a response of {s.response_length} tokens")
+
+
+def vocabulary_size(model_path: str | None, tokenizer: Any = None) -> int | None:
+    """The bound of a token id the engine may send: the model's ``vocab_size`` (``config.json`` of ``model_path``,
+    else of the tokenizer's directory; a multimodal model's ``text_config``), else ``len(tokenizer)``, else None
+    (not checked). The model's, not the tokenizer's: it is the rows of the embedding and of the logits, what the
+    engine samples from and what the trainer indexes. It is often larger than ``len(tokenizer)`` (padded for the
+    kernels), and an id in between is a legitimate, if unlikely, sample; one past it fails the trainer's embedding
+    lookup. A relative ``model_path`` is relative to the working directory, as the roles read recipe paths."""
+    for where in (model_path, getattr(tokenizer, "name_or_path", None)):
+        if not where:
+            continue
+        try:
+            config = json.loads((Path(where).expanduser() / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        for c in (config, config.get("text_config") or {}):
+            v = c.get("vocab_size") if isinstance(c, dict) else None
+            if isinstance(v, int) and v > 0:
+                return v
+    if tokenizer is not None:
+        try:
+            return len(tokenizer)
+        except TypeError:
+            return None
+    return None
 
 
 def sample_seed(seed: int, k: int) -> int:

@@ -22,14 +22,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import json
+import os
 import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, ClassVar
 
+from relax_hpc.errors import PermanentError
 from relax_hpc.rollout.driver import RolloutDriver, RolloutResult, BatchCounters, first_error, sample_seed
 from relax_hpc.rollout.sample import Sample, SampleStatus
+from relax_hpc.rundir import fsync_dir
 
 
 @dataclass
@@ -84,14 +90,117 @@ def _verdict(out: Any) -> tuple[bool, str | None]:
     return bool(keep), getattr(out, "reason", None)
 
 
+class PartialStateError(PermanentError):
+    """The buffer a data cursor names cannot be read back (missing, damaged, or not the one it names)."""
+
+
 @dataclass
 class PartialRollout:
-    """Partial rollout's state across steps (in the rollout role, in memory): the groups aborted at a step's end,
-    or generated and not needed, which the next step continues first; and Relax's two settings."""
+    """Partial rollout's state across steps: the groups aborted at a step's end, or generated and not needed,
+    which the next step continues first; and Relax's two settings.
+
+    The buffer is rollout state, like the data cursor, and travels with it: after each step the rollout role
+    writes it to a file (:meth:`save`) whose reference goes into the step's ``data_state``, which the controller
+    keeps per step and saves in the checkpoint; a step generated again, a restarted role and a resumed run load
+    the buffer that goes with the cursor they start from (:meth:`load`). Its encoding is :meth:`state_dict`."""
 
     buffer: list[list[Sample]] = dataclasses.field(default_factory=list)
     mask_offpolicy: bool = False  # loss mask 0 on the tokens a sample had when it was aborted
     max_aborted: int | None = None  # a sample aborted this often is never aborted again (it finishes)
+
+    STATE_VERSION: ClassVar[int] = 1
+    DIR: ClassVar[str] = "partial_rollout"  # under the run directory
+
+    def state_dict(self) -> dict[str, Any]:
+        """The buffer as plain JSON: per group, the fields its samples share (the prompt, its token ids and label
+        once) and each sample's own (:meth:`Sample.to_dict`, fields at their default left out)."""
+        return {"version": self.STATE_VERSION, "groups": [_pack_group(g) for g in self.buffer]}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """The buffer of ``state`` (None or no groups: an empty buffer), replacing this one's."""
+        state = state or {}
+        if state.get("version", self.STATE_VERSION) != self.STATE_VERSION:
+            raise PartialStateError(f"partial rollout buffer version {state.get('version')!r}: this relax_hpc reads "
+                                    f"version {self.STATE_VERSION}. Fix: resume with the relax_hpc that wrote it")
+        self.buffer = [_unpack_group(g) for g in state.get("groups", [])]
+
+    def save(self, run_path: str | os.PathLike, step: int) -> dict[str, Any]:
+        """Write the buffer as it is after step ``step`` to ``RUN_DIR/partial_rollout/after_<step>.json``
+        (whole and fsynced before this returns) and return its reference for the step's ``data_state``: the
+        file (relative to the run directory), its groups and samples, size and sha256. An empty buffer writes
+        no file."""
+        groups, samples = len(self.buffer), sum(len(g) for g in self.buffer)
+        if not groups:
+            return {"groups": 0, "samples": 0}
+        try:
+            data = json.dumps(self.state_dict(), separators=(",", ":"), allow_nan=True).encode()
+        except TypeError as e:  # a sample field the dataset or a reward put there that JSON cannot hold
+            raise PartialStateError(f"partial rollout: a buffered sample cannot be saved as JSON ({e}); its "
+                                    "metadata, label and reward must be JSON values") from None
+        rel = f"{self.DIR}/after_{int(step):08d}.json"
+        path = Path(run_path) / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+        return {"file": rel, "groups": groups, "samples": samples, "size": len(data),
+                "sha256": hashlib.sha256(data).hexdigest()}
+
+    def load(self, run_path: str | os.PathLike, ref: dict[str, Any] | None) -> None:
+        """The buffer that :meth:`save` returned ``ref`` for (None, or no groups: an empty buffer)."""
+        if not ref or not ref.get("groups"):
+            self.buffer = []
+            return
+        path = Path(run_path) / ref["file"]
+        fix = ("Fix: restore the file, or resume with rollout.partial_rollout: false, which drops the buffer (its "
+               f"{ref['groups']} prompt groups are then never trained)")
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise PartialStateError(f"partial rollout: {path} is missing; it holds the buffer that goes with the "
+                                    f"data cursor this step starts from. {fix}") from None
+        if len(data) != ref["size"] or hashlib.sha256(data).hexdigest() != ref["sha256"]:
+            raise PartialStateError(f"partial rollout: {path} is not the buffer the data cursor names ({len(data)} "
+                                    f"bytes, {ref['size']} expected, or a different checksum). {fix}")
+        self.load_state_dict(json.loads(data))
+
+
+def _pack_group(group: list[Sample]) -> dict[str, Any]:
+    """One group: the fields all its samples have alike once (``shared``), each sample's others (``samples``),
+    the prompt's token ids once (``prompt_tokens``, each sample keeping its response's), defaults left out."""
+    blank = _BLANK
+    dicts = [s.to_dict() for s in group]
+    prompts = [s.tokens[:s.prompt_length] for s in group]
+    shared_prompt = all(p == prompts[0] for p in prompts)
+    if shared_prompt:  # each sample then keeps only its response's ids
+        for d, s in zip(dicts, group):
+            d["tokens"] = s.tokens[s.prompt_length:]
+    first = dicts[0]
+    shared = {k: v for k, v in first.items() if all(k in d and d[k] == v for d in dicts[1:])}
+    out: dict[str, Any] = {
+        "shared": {k: v for k, v in shared.items() if not (k in blank and v == blank[k])},
+        "samples": [{k: v for k, v in d.items() if k not in shared and not (k in blank and v == blank[k])}
+                    for d in dicts]}
+    if shared_prompt:
+        out["prompt_tokens"] = prompts[0]
+    return out
+
+
+def _unpack_group(packed: dict[str, Any]) -> list[Sample]:
+    group = []
+    for own in packed["samples"]:
+        d = {**packed["shared"], **own}
+        if "prompt_tokens" in packed:
+            d["tokens"] = packed["prompt_tokens"] + d.get("tokens", [])
+        group.append(Sample.from_dict(d))
+    return group
+
+
+_BLANK = Sample().to_dict()  # the fields at their defaults, left out of the saved buffer
 
 
 def generate_step(driver: RolloutDriver, data: Any, *, target: int, seed: int, group_filter: Callable | None,

@@ -8,16 +8,25 @@ Observations are Relax's dicts ``{"obs_str": str, "role": "user", ...}``.
 One rollout, turn by turn (Relax's reference loop, ``examples/deepeyes/rollout.py``):
 
 1. ``/generate`` with the tokens so far (prompt, then every turn), through the driver (routing, retries, dead
-   engines, weight versions), at most ``max_response_len`` new tokens and never past the context budget;
+   engines, weight versions), at most ``max_response_len`` new tokens and never past the context bound;
 2. the engine's output ids are appended as they are, with loss mask 1 and their log-probs: tokens in, tokens out,
    never re-tokenized;
 3. ``env.step(text)`` under ``rollout.env_step_timeout_s``;
 4. unless done, the observation is encoded as a continuation (:func:`encode_observation`, the one place that knows
    the chat template's turn boundary) and appended with loss mask 0 and log-prob 0.
 
+The context bound is ``rollout.max_context_len``, else ``train.max_seq_len`` (validation refuses a larger one): the
+prompt and every turn, the env's included, so no sample is longer than the trainer accepts. An observation that
+would leave no room for one more response token does not go in whole: with ``rollout.turn_truncation: stop``
+(Relax's rule for a cut turn) the rollout ends there, without it; with ``continue`` it is cut to the longest head
+of its text that fits (:func:`fit_observation`) and the model answers it. Either way the trace says how many of its
+tokens were left out (``obs_truncated``), and ``rollout/truncated_observations`` counts them (the driver's step metrics).
+A prompt as long as the bound leaves no room at all: a :class:`~relax_hpc.errors.PermanentError` that names
+``rollout.max_prompt_len`` (which drops such prompts) as the fix.
+
 It stops on the engine's length limit (``truncated_by: response``; with ``rollout.turn_truncation: continue`` such a
-turn goes to the env like any other, for tasks whose answers are exactly ``max_response_len`` tokens), the context budget ``rollout.max_context_len``
-(``context``), ``max_turns`` (``turns``), the env's ``done``, or an abort. Every stop is recorded in
+turn goes to the env like any other, for tasks whose answers are exactly ``max_response_len`` tokens), the context
+bound (``context``), ``max_turns`` (``turns``), the env's ``done``, or an abort. Every stop is recorded in
 ``metadata["rollout_stop_reason"]``, with ``rollout_turns`` and per-turn ``rollout_traces``. An env that raises,
 times out or returns something malformed fails only its sample: status FAILED, loss mask all 0, reward 0, the
 reason logged and in ``metadata["env_error"]``; under ``reward_error_policy: fail`` it fails the step instead.
@@ -32,6 +41,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
+from relax_hpc.errors import PermanentError
 from relax_hpc.rollout.sample import Sample, SampleStatus
 
 if TYPE_CHECKING:
@@ -105,6 +115,43 @@ def encode_observation(tokenizer: Any, obs: dict, env: Any, chat: bool) -> tuple
     return ids, tokenizer.decode(ids)
 
 
+def fit_observation(tokenizer: Any, obs: dict, env: Any, chat: bool, room: int) -> tuple[list[int], str] | None:
+    """The observation in at most ``room`` tokens: its own tokens cut to ``room`` without a chat template; with
+    one, the longest head of its text whose encoding fits (a binary search), so the template's turn boundary and
+    generation prompt stay whole. None when not one character of it fits."""
+    if room < 1:
+        return None
+    if not chat:
+        ids = list(tokenizer.encode(obs["obs_str"], add_special_tokens=False))[:room]
+        return (ids, tokenizer.decode(ids)) if ids else None
+    text, best = obs["obs_str"], None
+    lo, hi = 0, len(text)  # the longest head that fits has lo..hi characters
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        got = encode_observation(tokenizer, {**obs, "obs_str": text[:mid]}, env, chat)
+        if len(got[0]) <= room:
+            lo, best = mid, got
+        else:
+            hi = mid - 1
+    return best
+
+
+def _observation(tokenizer: Any, obs: Any, env: Any, mt: MultiTurn, room: int | None) -> tuple[list[int], str, int]:
+    """(tokens, text, tokens left out) of the env's observation within ``room`` tokens (None: no bound), the room
+    one more answer token leaves: whole if it fits; else cut (``mt.continue_truncated``) or nothing (the rollout
+    ends). An error of the env's ``format_observation`` is an :class:`EnvError`, as its other calls."""
+    try:
+        ids, text = encode_observation(tokenizer, _check_obs(obs, "env.step"), env, mt.chat)
+        if room is None or len(ids) <= room:
+            return ids, text, 0
+        cut = fit_observation(tokenizer, obs, env, mt.chat, room) if mt.continue_truncated else None
+    except EnvError:
+        raise
+    except Exception as e:  # format_observation is the env's code too
+        raise EnvError(f"the observation could not be encoded: {type(e).__name__}: {e}") from e
+    return (cut[0], cut[1], len(ids) - len(cut[0])) if cut else ([], "", len(ids))
+
+
 def _check_obs(obs: Any, where: str) -> dict:
     if not isinstance(obs, dict) or not isinstance(obs.get("obs_str"), str):
         raise EnvError(f"{where} returned {type(obs).__name__} as the observation: Relax's form is a dict "
@@ -119,10 +166,11 @@ class MultiTurn:
     build_env: Callable
     args: Any
     max_turns: int
-    max_context_len: int | None
+    max_context_len: int | None  # prompt + every turn: rollout.max_context_len, else train.max_seq_len; None: no bound
     step_timeout_s: float
     chat: bool  # data.apply_chat_template: observations follow the chat template
-    continue_truncated: bool = False  # rollout.turn_truncation = continue: a turn cut at max_response_len is a turn
+    # rollout.turn_truncation = continue: a turn cut at max_response_len is a turn, an observation past the bound is cut
+    continue_truncated: bool = False
 
 
 async def generate_multiturn(driver: RolloutDriver, mt: MultiTurn, sample: Sample, sp: SamplingParams, *,
@@ -139,6 +187,12 @@ async def generate_multiturn(driver: RolloutDriver, mt: MultiTurn, sample: Sampl
         env = await _call(lambda: mt.build_env(sample=sample, args=mt.args), timeout=mt.step_timeout_s)
         await _call(env.reset, timeout=mt.step_timeout_s)
         turn = 0
+        if mt.max_context_len is not None and len(prompt_ids) >= mt.max_context_len:
+            raise PermanentError(
+                f"sample index={sample.index}: its prompt has {len(prompt_ids)} tokens, and the context bound is "
+                f"{mt.max_context_len} (rollout.max_context_len, else train.max_seq_len): no room for a response. "
+                f"Fix: set rollout.max_prompt_len below {mt.max_context_len} (longer prompts are dropped), or raise "
+                "train.max_seq_len")
         while True:
             budget = None if mt.max_context_len is None else mt.max_context_len - len(sample.tokens)
             if budget is not None and budget <= 0:
@@ -177,12 +231,13 @@ async def generate_multiturn(driver: RolloutDriver, mt: MultiTurn, sample: Sampl
             if turn >= mt.max_turns:
                 sample.status, md["rollout_stop_reason"] = SampleStatus.COMPLETED, "turns"
                 break
-            try:
-                ids, obs_text = encode_observation(driver.tokenizer, _check_obs(obs, "env.step"), env, mt.chat)
-            except EnvError:
-                raise
-            except Exception as e:  # format_observation is the env's code too
-                raise EnvError(f"the observation could not be encoded: {type(e).__name__}: {e}") from e
+            room = None if mt.max_context_len is None else mt.max_context_len - len(sample.tokens) - 1
+            ids, obs_text, left_out = _observation(driver.tokenizer, obs, env, mt, room)
+            if left_out:
+                trace["obs_truncated"] = left_out
+                if not ids:
+                    sample.status, md["rollout_stop_reason"] = SampleStatus.TRUNCATED, "context"
+                    break
             trace["obs"] = obs_text
             sample.append_response(ids, obs_text, [0.0] * len(ids), loss_mask_value=0)
     except EnvError as e:

@@ -20,10 +20,13 @@ The contract is Relax's (``--custom-rm-path``, ``--reward-key``, ``--group-rm``,
 
 A reward that raises, runs longer than ``rollout.reward_timeout_s``, or returns something that is not a
 finite number (None, NaN, a string such as "0.5", a bool) or has no ``reward_key`` is a
-:class:`RewardFailure`: the sample's index, group, prompt, response and label with the exception and its
-traceback. ``rollout.reward_error_policy`` decides what follows: ``fail`` raises :class:`RewardError` with the
-report (the run stops), ``skip`` logs it, sets the sample's reward to 0.0 and status FAILED (its error in
-``metadata["reward_error"]``) and the run goes on.
+:class:`RewardFailure`. Finite means finite where the reward is stored: the exchange's ``raw_reward`` column
+is float32 (:mod:`relax_hpc.exchange.fields`), so 1e39, finite as a Python float, is refused (it would be
+stored as inf and make every advantage, the loss and then the weights NaN). A reward a custom generate
+function set on its sample is checked the same way. A failure holds the sample's index, group, prompt,
+response and label with the exception and its traceback. ``rollout.reward_error_policy`` decides what follows:
+``fail`` raises :class:`RewardError` with the report (the run stops), ``skip`` logs it, sets the sample's reward
+to 0.0 and status FAILED (its error in ``metadata["reward_error"]``) and the run goes on.
 
 No torch here.
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import logging
 import math
@@ -518,8 +522,16 @@ class RewardRunner:
         if not ok:
             raise TypeError(f"{where} must be a finite number (int or float), got {type(value).__name__} "
                             f"{_clip(repr(value))}")
-        if not math.isfinite(float(value)):
-            raise ValueError(f"{where} is {float(value)}, not a finite number")
+        try:
+            v = float(value)
+        except OverflowError:  # an int past float64
+            v = math.inf if value > 0 else -math.inf
+        if not math.isfinite(v):
+            raise ValueError(f"{where} is {v}, not a finite number")
+        if abs(v) > _raw_reward_max():
+            raise ValueError(f"{where} is {v:g}, not a finite number in float32, the dtype of the exchange's "
+                             f"raw_reward column (|reward| <= {_raw_reward_max():.7g}): it would be stored as "
+                             f"{'inf' if v > 0 else '-inf'}")
 
     # --- public --------------------------------------------------------------------------------------
     async def score_group(self, samples: list[Sample], *, evaluation: bool = False, apply_policy: bool = True,
@@ -560,9 +572,10 @@ class RewardRunner:
 
     async def _score_each(self, samples: list[Sample], key: str | None, **kwargs: Any) -> list[RewardFailure]:
         async def one(s: Sample) -> RewardFailure | None:
-            if s.reward is not None:  # a custom generate function scored it already (Relax's rule)
-                return None
             try:
+                if s.reward is not None:  # a custom generate function scored it already (Relax's rule): checked
+                    self._check(s.reward, key)
+                    return None
                 async with self._semaphore():
                     v = await self._score_one(s, key, **kwargs)
                 self._check(v, key)
@@ -599,6 +612,16 @@ class RewardRunner:
         for f in failures:
             log.warning("reward failed, sample gets reward 0 and status FAILED (reward_error_policy = skip): %s\n%s",
                         f, f.traceback)
+
+
+@functools.cache
+def _raw_reward_max() -> float:
+    """The largest magnitude the exchange's ``raw_reward`` column holds (its dtype, read where it is defined)."""
+    import numpy as np
+
+    from relax_hpc.exchange.fields import BY_NAME  # imported here: the recipe validator imports this module
+
+    return float(np.finfo(BY_NAME["raw_reward"].dtype).max)
 
 
 def _in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future:

@@ -5,7 +5,11 @@ Why: a Relax generate function (``--custom-generate-function-path``) talks HTTP 
 function unchanged, the rollout role serves that address itself: ``POST /generate`` (SGLang's body and answer,
 passed through untouched, so token ids and ``output_token_logprobs`` are the engine's) goes to the least-busy
 live engine of the driver (:class:`LeastBusy`), with the run's API key and the clients' retries and total deadline; an engine that
-stops answering is skipped for the next one. ``GET /health`` answers 200. It listens on 127.0.0.1 only.
+stops answering is skipped for the next one. Each answer is checked as the driver checks its own
+(:func:`~relax_hpc.rollout.client.parse_generation`: finite log-probs at most 0, token ids in the model's
+vocabulary, consistent counts): an engine whose answer fails is declared dead through the driver (reported,
+restarted by the controller) and the request goes to the next engine; with none left the answer is 503 naming
+every dead engine and why. ``GET /health`` answers 200. It listens on 127.0.0.1 only.
 
 The stdlib's threading HTTP server on purpose: each request blocks its own thread while the engine client
 (thread-safe, on its own event loop) does the call, so a generate function awaiting the router never waits on
@@ -21,7 +25,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Sequence
 
-from relax_hpc.rollout.client import EngineError
+from relax_hpc.rollout.client import EngineError, EngineOutputError, parse_generation, requested_max_new_tokens
 
 if TYPE_CHECKING:
     from relax_hpc.rollout.driver import RolloutDriver
@@ -120,11 +124,19 @@ class EngineRouter:
                 self.requests += 1
             try:
                 r = engine.client.request("POST", "/generate", body, timeout=self.driver.client_kwargs["generate_timeout"])
-                return 200, r.json()
+                out = r.json()
+                check_answer(engine.client.url, body, out, self.driver.vocab_size)
+                return 200, out
+            except EngineOutputError as e:  # a broken engine: dead, as the driver's own requests would find it
+                self.driver.declare_dead_threadsafe(engine, e)
+                tried.add(engine.name)
             except EngineError as e:
                 if e.status is not None and e.status < 500:
                     return e.status, {"error": e.cause}
                 log.warning("router: engine %s failed (%s); trying another", engine.name, e.cause)
+                tried.add(engine.name)
+            except ValueError as e:  # not JSON: as the driver's client treats it, this engine's fault, not fatal
+                log.warning("router: engine %s answered no JSON (%s); trying another", engine.name, e)
                 tried.add(engine.name)
             finally:
                 self._picker.release(name)
@@ -132,3 +144,23 @@ class EngineRouter:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def check_answer(url: str, body: dict, out: Any, vocab_size: int | None) -> None:
+    """Check SGLang's ``/generate`` answer ``out`` to ``body`` (one prompt, or a batch: a list, with per-prompt
+    ``return_logprob``/``sampling_params`` lists or one for all) as the driver checks its own; raises
+    :class:`EngineOutputError`. An answer of a shape the driver's parser does not know goes through unchecked,
+    as the router always passed answers through."""
+    items = out if isinstance(out, list) else [out]
+    batched = isinstance(out, list)
+    for i, item in enumerate(items):
+        def per(key: str) -> Any:
+            v = body.get(key)
+            return v[i] if batched and isinstance(v, list) and len(v) == len(items) else v
+        try:
+            parse_generation(url, item, return_logprob=bool(per("return_logprob")), vocab_size=vocab_size,
+                             max_new_tokens=requested_max_new_tokens(per("sampling_params")))
+        except EngineOutputError:
+            raise
+        except EngineError as e:
+            log.warning("router: engine %s answered in a shape not checked (%s); passed through", url, e.cause)

@@ -34,7 +34,7 @@ from relax_hpc.train.config import TrainConfig
 from relax_hpc.train.logprobs import compute_log_probs
 from relax_hpc.train.model import build_model, wrap_ddp_and_optimizer
 from relax_hpc.train.parallel import ParallelInfo, info
-from relax_hpc.train.step import train_step
+from relax_hpc.train.step import NonFiniteGuard, nonfinite_what, train_step
 
 
 class MegatronActor:
@@ -48,7 +48,9 @@ class MegatronActor:
         self.algo_cfg = algo_cfg
         self.temperature = temperature
         self.pad_id = pad_id
-        self.step = 0  # optimizer steps done (restored by load_checkpoint)
+        self.step = 0  # optimizer steps done, applied or skipped as non-finite (restored by load_checkpoint)
+        self.guard = NonFiniteGuard(train_cfg)  # train.nonfinite / train.max_nonfinite_skips
+        self.last_skip: str | None = None  # why the last train_step was not applied (None: it was)
 
     @classmethod
     def from_hf(cls, hf_dir: str | os.PathLike, train_cfg: TrainConfig, algo_cfg=None, *,
@@ -87,19 +89,41 @@ class MegatronActor:
         return compute_log_probs(self.model, batch, mbs=mbs, pad_id=self.pad_id, temperature=self.temperature,
                                  max_seq_len=self.train_cfg.max_seq_len, share=share)
 
-    def train_step(self, batch: Sequence | Share) -> dict[str, float]:
+    def train_step(self, batch: Sequence | Share, *, rollout_step: int | None = None) -> dict[str, float]:
         """One optimizer step; metrics (same on every rank) incl. loss, pg_loss, grad_norm. ``batch``: the
-        global batch (the same list on every rank; each takes its share) or this rank's :class:`Share` of it."""
+        global batch (the same list on every rank; each takes its share) or this rank's :class:`Share` of it.
+
+        A non-finite loss or grad norm is never applied (:mod:`.step`): ``nonfinite_skipped`` is 1, ``last_skip``
+        says why, and :class:`~relax_hpc.train.step.NonFiniteError` is raised where ``train.nonfinite`` /
+        ``train.max_nonfinite_skips`` end the run (``rollout_step``, if given, is named in its message)."""
         if self.optimizer is None:
             raise RuntimeError("this MegatronActor was built forward_only: it cannot train")
         if not isinstance(batch, Share):
             p = self.parallel
             batch = share_of(batch, p.dp, p.dp_rank)
+        where = self._where(rollout_step)
         metrics = train_step(self.model, self.optimizer, batch, train_cfg=self.train_cfg, algo_cfg=self.algo_cfg,
                              step=self.step, pad_id=self.pad_id, temperature=self.temperature)
-        self.step += 1
+        self.step += 1  # a skipped step's slot too: checkpoint names stay unique, the lr schedule moves on
         metrics["step"] = float(self.step)
+        self.last_skip = nonfinite_what(metrics)
+        if self.last_skip is None:
+            self.guard.applied()
+        else:
+            self.guard.skipped(where, self.last_skip)
         return metrics
+
+    def skip_steps(self, k: int, what: str, *, rollout_step: int | None = None) -> None:
+        """``k`` optimizer steps not even tried (the step's training columns were not finite: ``what``): their slots
+        pass as a skipped step's do, and the guard may end the run (:class:`~relax_hpc.train.step.NonFiniteError`)."""
+        where = self._where(rollout_step)
+        self.step += k
+        self.last_skip = what
+        self.guard.skipped(where, what, steps=k)
+
+    def _where(self, rollout_step: int | None) -> str:
+        at = f"optimizer step {self.step + 1}"
+        return at if rollout_step is None else f"rollout step {rollout_step}, {at}"
 
     def save_checkpoint(self, root: str | os.PathLike, extra_state: dict | None = None, *,
                         keep: int | None = None) -> Path:

@@ -33,6 +33,8 @@ class TrainConfig:
     seed: int = 1234  # seeds torch/numpy/python and Megatron's model-parallel RNG on every rank
     max_seq_len: int = 4096  # longest prompt+response accepted; longer samples are an error, not truncated
     logprob_micro_batch_size: int | None = None  # samples per forward-only pass (log-probs); None: micro_batch_size
+    nonfinite: Literal["skip", "fail"] = "skip"  # NaN/inf loss, grad norm or training value: skip the update, or fail
+    max_nonfinite_skips: int = 3  # consecutive optimizer steps skipped before the run fails; 0: fail at the first
 
 
 def check(cfg: TrainConfig) -> list[tuple[str, object, str]]:
@@ -65,6 +67,10 @@ def check(cfg: TrainConfig) -> list[tuple[str, object, str]]:
     need(0 <= cfg.adam_beta2 < 1, "adam_beta2", "must be in [0, 1). Fix: e.g. 0.98")
     need(cfg.adam_eps > 0, "adam_eps", "must be positive. Fix: e.g. 1e-8")
     need(cfg.clip_grad >= 0, "clip_grad", "must be 0 (off) or positive. Fix: e.g. 1.0")
+    need(cfg.nonfinite in ("skip", "fail"), "nonfinite",
+         "must be skip or fail. Fix: skip (a non-finite step is not applied) or fail (it ends the run)")
+    need(cfg.max_nonfinite_skips >= 0, "max_nonfinite_skips",
+         "must be 0 (fail at the first non-finite step) or more. Fix: e.g. 3")
     need(cfg.max_seq_len >= 2, "max_seq_len", "must be at least 2 tokens (one prompt, one response). Fix: e.g. 4096")
     return out
 

@@ -7,6 +7,14 @@ gets the weight w_k = B_k / N (or its token share). Megatron's schedule divides 
 by this rank's number of micro-batches M and DDP averages gradients over the DP ranks, so the tensor
 we backprop is loss_k · w_k · M · dp. Metrics are Σ_k w_k · metric_k summed over DP ranks: exactly the
 whole-batch value, whatever the layout.
+
+Non-finite steps (``train.nonfinite``): the loss (known on the last pipeline stage) and the grad norm (Megatron's,
+a collective) are checked before the update, and every rank of the role takes the same decision from an all-reduced
+flag. A non-finite step is never applied: its grads are zeroed and the optimizer does not step (weights and Adam
+state untouched). Its step slot is still used: ``MegatronActor.step`` (the checkpoint's step) and so the
+learning-rate schedule move on, as for an applied update, so checkpoint names stay unique and the schedule stays
+aligned with the run's steps; Adam's own step count (its bias correction) counts applied updates only. Whether
+the run goes on is :class:`NonFiniteGuard`'s call.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from relax_hpc.errors import PermanentError
 from relax_hpc.train import batch as B
 from relax_hpc.train.config import TrainConfig
 from relax_hpc.train.logprobs import plan_micro_batches, response_logprobs, run_forward
@@ -31,6 +40,49 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr
 
 
+class NonFiniteError(PermanentError):
+    """Training met a non-finite loss, grad norm or training column and ``train.nonfinite`` /
+    ``train.max_nonfinite_skips`` say the run ends: doing the step again computes the same numbers."""
+
+
+class NonFiniteGuard:
+    """``train.nonfinite`` and ``train.max_nonfinite_skips`` for one trainer: counts consecutive skipped optimizer
+    steps (in this process: a restarted role counts from 0) and raises :class:`NonFiniteError` where the keys say
+    the run ends. The same calls on every rank give the same verdict."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.streak = 0  # consecutive optimizer steps skipped
+
+    def applied(self) -> None:
+        self.streak = 0
+
+    def skipped(self, where: str, what: str, steps: int = 1) -> None:
+        """``steps`` optimizer steps were not applied at ``where`` (e.g. "rollout step 7, optimizer step 13")
+        because ``what`` (e.g. "loss = nan, grad_norm = nan"); raises when the run must end."""
+        self.streak += steps
+        keys = f"train.nonfinite = {self.cfg.nonfinite}, train.max_nonfinite_skips = {self.cfg.max_nonfinite_skips}"
+        if self.cfg.nonfinite == "fail":
+            raise NonFiniteError(
+                f"{where}: {what}; not applied, and the run stops ({keys}). Fix: find where the non-finite value "
+                "comes from (rewards, engine log-probs, a learning rate too high), or set train.nonfinite: skip "
+                "to skip such steps")
+        if self.streak > self.cfg.max_nonfinite_skips:
+            raise NonFiniteError(
+                f"{where}: {what}; {self.streak} consecutive optimizer steps skipped, more than "
+                f"train.max_nonfinite_skips allows ({keys}). Fix: find where the non-finite value comes from "
+                "(rewards, engine log-probs, a learning rate too high), or raise train.max_nonfinite_skips")
+
+
+def nonfinite_what(metrics: dict[str, float]) -> str | None:
+    """What made a step returned by :func:`train_step` non-finite ("loss = nan, grad_norm = inf"), or None if it
+    was applied."""
+    if not metrics.get("nonfinite_skipped"):
+        return None
+    parts = [f"{k} = {metrics[k]}" for k in ("loss", "grad_norm") if not math.isfinite(metrics.get(k, 0.0))]
+    return ", ".join(parts) or "gradients overflowed"
+
+
 def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig, algo_cfg, step: int,
                pad_id: int, temperature: float = 1.0) -> dict[str, float]:
     """Forward/backward over this DP rank's ``share`` of a global batch and one optimizer step.
@@ -39,7 +91,9 @@ def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig
     :class:`~relax_hpc.train.batch.GlobalStats` give the loss weights of the whole global batch.
     Returns float metrics, the same on every rank: Relax's ``loss``, ``pg_loss``, ``pg_clipfrac``,
     ``ppo_kl``, ``entropy_loss`` (+ ``kl_loss``, ``tis``... as configured), plus ``grad_norm``, ``lr``,
-    ``update_successful``, ``num_samples``, ``num_loss_tokens``.
+    ``update_successful``, ``num_samples``, ``num_loss_tokens`` and ``nonfinite_skipped`` (1: the loss or grad
+    norm was not finite and the update was not applied; :func:`nonfinite_what` says why). Non-finite values stay
+    in the metrics as they are.
     """
     from megatron.core import parallel_state as ps
 
@@ -84,12 +138,6 @@ def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig
     optimizer.zero_grad()
     results = run_forward(model, mbs, loss_fn, forward_only=False)
 
-    lr = lr_at(train_cfg, step)
-    for g in optimizer.param_groups:
-        g["lr"] = lr * g.get("lr_mult", 1.0)
-        g["weight_decay"] = train_cfg.weight_decay * g.get("wd_mult", 1.0)
-    ok, grad_norm, _ = optimizer.step()
-
     metrics: dict[str, float] = {}
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         for r in results:
@@ -107,9 +155,49 @@ def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig
         dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
                                    group=ps.get_pipeline_model_parallel_group())
         metrics = box[0]
+
+    lr = lr_at(train_cfg, step)
+    for g in optimizer.param_groups:
+        g["lr"] = lr * g.get("lr_mult", 1.0)
+        g["weight_decay"] = train_cfg.weight_decay * g.get("wd_mult", 1.0)
+    # optimizer.step() in its parts, so the update can be refused after the norm: grads to the optimizer's main
+    # grads (with a loss scaler: unscaled, and overflow found), the grad norm (collective), then clip and update
+    overflow = bool(optimizer.prepare_grads())
+    grad_norm = float(optimizer.get_grad_norm())
+    loss = metrics.get("loss", 0.0)  # the same on every rank (gathered over DP, broadcast from the last stage)
+    flags = torch.tensor([float(not math.isfinite(loss)), float(overflow or not math.isfinite(grad_norm))],
+                         dtype=torch.float32, device=_device())
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # every rank of the role decides alike (the loss: last PP stage)
+    bad = bool(flags.sum().item() > 0)
+    if bad:
+        optimizer.zero_grad()
+        for m in model:
+            m.zero_grad_buffer()
+        ok = False
+    else:
+        _clip(optimizer, grad_norm)
+        ok = optimizer.step_with_ready_grads()
     metrics.update(
-        grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-        lr=lr, update_successful=float(bool(ok)), num_samples=float(n),
-        num_loss_tokens=float(share.stats.loss_tokens),
+        grad_norm=grad_norm, lr=lr, update_successful=float(bool(ok)), num_samples=float(n),
+        num_loss_tokens=float(share.stats.loss_tokens), nonfinite_skipped=float(bad),
     )
     return metrics
+
+
+def _clip(optimizer, grad_norm: float) -> None:
+    """Clip each (chained) optimizer's grads by the total norm, as megatron-core 0.16.1's ``step()`` does."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "is_stub_optimizer", False) or opt.config.clip_grad <= 0.0:
+            continue
+        params = opt.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+
+
+def _device() -> torch.device:
+    from relax_hpc.train import cpu_compat
+
+    return cpu_compat.device()

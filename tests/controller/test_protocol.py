@@ -225,3 +225,16 @@ def test_a_heartbeat_with_wrong_typed_info_is_refused_and_never_reaches_the_loop
     c.heartbeat("actor", 0, "n1", "ready", {"task": None})
     c.close()
     assert [m["info"] for _, m in channel.drain(1.0)] == [good, {"task": None}]
+
+
+def test_an_error_carries_its_verdict_and_reason_and_a_wrong_verdict_is_refused(channel):
+    c = Client("127.0.0.1", channel.port, TOKEN)
+    c.error("rollout", 0, "n1", "Traceback...\nDataError: bad", verdict="permanent")
+    c.error("actor", 0, "n1", "Traceback...\nOSError: [Errno 28]", verdict="no_space", reason="no space left on /x")
+    c.error("actor", 1, "n1", "Traceback...\nRuntimeError: gloo")  # none: a restart may help
+    got = [m for _, m in channel.drain(1.0)]
+    assert [(m.get("verdict"), m.get("reason")) for m in got] == [
+        ("permanent", None), ("no_space", "no space left on /x"), (None, None)]
+    with pytest.raises(ProtocolError, match="verdict must be one of permanent, no_space"):
+        c.error("actor", 0, "n1", "x", verdict="transient")
+    assert channel.drain(0.3) == []

@@ -206,3 +206,76 @@ def test_wrong_typed_info_that_got_through_is_ignored_never_raised_on(state, inf
     d = state.doc
     assert state.running and d["roles"]["actor"]["nodes"] == ["n0", "n1"]
     assert d["roles"]["actor"]["collective_ok"] in (True, None) and d["cross_group"]["ok"] in (True, None)
+
+
+# ----------------------------------------------------------------------------- failure classes, a full disk ---
+
+ERROR = {"type": "error", "role": "rollout", "rank": 0, "node": "node3",
+         "traceback": "Traceback (most recent call last):\n  File x\n"
+                      "DataError: d.jsonl: line 1: missing key 'prompt'\n"}
+
+
+@pytest.mark.parametrize("verdict, kind", [(None, "role"), ("permanent", "permanent"), ("no_space", "no_space")])
+def test_an_errors_verdict_decides_whether_a_restart_may_help(state, verdict, kind):
+    """Only ``role`` failures are restarted (controller/loop.py): a role's error that will repeat, or a full disk,
+    is not."""
+    state.apply(101, {**ERROR, **({"verdict": verdict} if verdict else {})})
+    assert state.failure.kind == kind and state.doc["state"] == "FAILED"
+    assert state.doc["reason"] == "rollout rank 0 on node3 failed: DataError: d.jsonl: line 1: missing key 'prompt'"
+
+
+def test_an_errors_reason_replaces_the_tracebacks_last_line(state):
+    state.apply(101, {**ERROR, "verdict": "no_space", "reason": "no space left on /scratch (...). Fix: ..."})
+    assert state.doc["reason"] == "rollout rank 0 on node3 failed: no space left on /scratch (...). Fix: ..."
+    assert state.doc["roles"]["rollout"]["error"] == "no space left on /scratch (...). Fix: ..."
+
+
+def disk_state(small_disk, size_mib=8):
+    disk = small_disk(size_mib)
+    run = make_run(disk.path)
+    recipe = load_recipe(run.recipe)
+    st = RunState(run, recipe, role_steps(recipe), "local", env={})
+    for role in st.ranks:
+        st.step_started(role, 100.0)
+    ready_all(st)
+    st.write()
+    return disk, run, st
+
+
+def test_a_state_write_on_a_full_disk_frees_the_reserve_and_records_the_failure(small_disk):
+    disk, run, st = disk_state(small_disk)
+    disk.fill()
+    st.apply(102.0, hb("actor", 0, "ready"))
+    st.write()  # ENOSPC: the reserve goes, the run fails naming the disk, and that is what lands
+    on_disk = json.loads(run.state.read_text())
+    assert on_disk["state"] == "FAILED" and st.failure.kind == "no_space"  # no restart: the disk is still full
+    assert on_disk["reason"] == (f"controller failed: no space left on {disk.path} (writing {run.state}; No space "
+                                 f"left on device). Fix: free space on {disk.path} (or raise the quota), then "
+                                 f"relax-submit --resume {run.path}")
+    assert on_disk["last_failure"] == on_disk["reason"] and not run.reserve.exists()
+    st.event("failed", on_disk["reason"])
+    st.write()  # the end's writes go on in the space freed
+    assert json.loads(run.state.read_text())["events"][-1]["event"] == "failed"
+
+
+def test_without_a_reserve_a_full_disk_is_logged_and_the_write_tried_again_later(small_disk, caplog):
+    disk, run, st = disk_state(small_disk)
+    run.release_reserve()
+    disk.fill()
+    st.apply(102.0, hb("actor", 0, "ready"))
+    st.write()  # never raises into the controller's loop
+    assert json.loads(run.state.read_text())["state"] == "RUNNING" and st.doc["state"] == "FAILED"
+    assert f"could not write {run.state}" in caplog.text and st.dirty
+    disk.free()
+    st.write()
+    assert json.loads(run.state.read_text())["state"] == "FAILED"
+
+
+def test_a_failure_seen_while_the_disk_is_full_is_the_disks(small_disk):
+    """A writer that lost the errno (torch: "file write failed") still ends the run as a full disk: no restart."""
+    disk, run, st = disk_state(small_disk)
+    disk.fill()
+    st.step_exited("actor", 1, "RuntimeError: PytorchStreamWriter failed writing file data/0: file write failed")
+    assert st.failure.kind == "no_space"
+    assert st.doc["reason"].startswith("actor failed: step exited with code 1: RuntimeError: PytorchStreamWriter")
+    assert f"; no space left on {disk.path} (" in st.doc["reason"] and "relax-submit --resume" in st.doc["reason"]

@@ -70,3 +70,16 @@ async def kill_engine1_in_step_2(args, sample, **kwargs):
     if str(version).isdigit() and int(version) + 1 >= 2 and "engine1" not in _killed:
         _kill_engine("engine1")
     return score(sample.response, sample.label)
+
+
+_huge_given: set[int] = set()
+
+
+async def huge_reward_in_step_2(args, sample, **kwargs):
+    """The arithmetic reward, except that the first sample scored in step 2 gets 1e39: finite as a Python float,
+    inf in the exchange's float32 raw_reward column (tests/e2e/test_nonfinite.py)."""
+    version = sample.weight_versions[-1] if sample.weight_versions else "0"
+    if str(version).isdigit() and int(version) + 1 == 2 and not _huge_given:
+        _huge_given.add(sample.index)
+        return 1e39
+    return score(sample.response, sample.label)

@@ -4,12 +4,16 @@ The local test runs the quickstart recipe for 25 steps (the full quickstart runs
 has its numbers) and checks what a user is told to look at: summary.json's rewards (the last 10 steps'
 mean well above the first 10's), TensorBoard events with Relax's metric names, state.json's progress,
 reward.png; and what the run checks on the way: every step's samples carry the weights of the step
-before, every sync lands (fingerprint), engine and actor log-probs agree.
+before, every sync lands (fingerprint), engine and actor log-probs agree. Both runs read their TensorBoard tags
+against docs/metrics.md (:func:`check_tags_against_doc`): every tag is documented, and every documented name the
+run should write is there.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -26,6 +30,80 @@ from .conftest import (REPO, follow_slurm, metrics, quickstart_overrides, state,
 
 STEPS = 25
 RISE = 0.15
+METRICS_DOC = REPO / "docs" / "metrics.md"
+_NAME = re.compile(r"`((?:rollout|train|perf|eval|weights|exchange|genrm)/[^`\s]*)`")
+# documented names the quickstart does not write, and why: what it leaves off. Everything else documented, it must
+NOT_IN_THE_QUICKSTART = {
+    r"eval/.*|perf/eval_time": "no eval sets (rollout.eval_interval)",
+    r"genrm/.*": "no judge (roles.genrm)",
+    r"perf/(ref_)?log_probs_time|rollout/ref_log_probs|train/kl_loss": "no forward roles (use_kl_loss, actor_fwd)",
+    r"train/(tis|tis_clipfrac|tis_abs|ois)": "no TIS (use_tis, get_mismatch_metrics)",
+    r"train/opsm_clipfrac": "no OPSM (use_opsm)",
+    r"rollout/dynamic_sampling_.*": "no dynamic sampling",
+    r"rollout/partial_.*": "no partial rollout",
+    r"rollout/removed_samples_ratio": "no sample filter",
+    r"rollout/passrate/.*": "no rollout.log_passrate",
+    r"rollout/segments_per_rollout": "no custom generate function",
+    r"rollout/(turns|env_tokens_ratio|env_failures|truncated_turns|truncated_by/.*|truncated_observations)":
+        "no multi-turn environment",
+}
+FORWARD_ROLES = r"perf/(ref_)?log_probs_time|rollout/ref_log_probs|train/kl_loss"
+
+
+def metrics_doc() -> tuple[dict[str, re.Pattern], set[str]]:
+    """docs/metrics.md's names: {name as written: the tags it stands for}, and the names it says are not logged.
+    A table row's name is its first cell (the second is Relax's name); ``{a,b}`` is either (``...``: any),
+    ``<x>`` any part; ``train/*`` names a whole section (a heading), not a metric."""
+    names: set[str] = set()
+    not_logged: set[str] = set()
+    skip = False
+    for line in METRICS_DOC.read_text().splitlines():
+        skip = line.startswith("Not logged") or (skip and bool(line.strip()))
+        text = line.split("|")[1] if line.startswith("|") else line
+        (not_logged if skip else names).update(n for n in _NAME.findall(text) if not n.endswith("/*"))
+
+    def part(p: str) -> str:
+        if p.startswith("{"):
+            return "(?:" + "|".join(".+" if a == "..." else re.escape(a) for a in p[1:-1].split(",")) + ")"
+        return ".+" if p.startswith("<") else re.escape(p)
+
+    def pattern(name: str) -> re.Pattern:
+        return re.compile("".join(part(p) for p in re.split(r"(\{[^}]*\}|<[^>]*>)", name)))
+
+    return {n: pattern(n) for n in names}, not_logged
+
+
+def literal_names(documented: dict[str, re.Pattern]) -> set[str]:
+    """The documented names with no varying part, braces expanded: the names a run can be asked for."""
+    out: set[str] = set()
+    for n in documented:
+        if not re.search(r"<|\.\.\.", n):
+            parts = [p[1:-1].split(",") if p.startswith("{") else [p] for p in re.split(r"(\{[^}]*\})", n)]
+            out |= {"".join(c) for c in itertools.product(*parts)}
+    return out
+
+
+def check_tags_against_doc(tags: set[str], absent: dict[str, str]) -> None:
+    """Every tag the run wrote is documented in docs/metrics.md, none of those it says are not logged; and every
+    documented name is among the tags, except those ``absent`` (regex -> why this run does not write it)."""
+    documented, not_logged = metrics_doc()
+    undocumented = sorted(t for t in tags if not any(p.fullmatch(t) for p in documented.values()))
+    assert not undocumented, f"tags docs/metrics.md does not name: {undocumented}"
+    assert not tags & not_logged, tags & not_logged
+    missing = sorted(n for n in literal_names(documented) - tags if not any(re.fullmatch(a, n) for a in absent))
+    assert not missing, f"documented in docs/metrics.md, not written by this run: {missing}"
+
+
+def test_the_metrics_doc_reads_as_the_tag_check_reads_it():
+    documented, not_logged = metrics_doc()
+    assert not_logged == {"rollout/entropy"}
+    assert documented["perf/task_<kind>_time"].fullmatch("perf/task_generate_time")
+    assert documented["rollout/response_len/{mean,median,max,min}"].fullmatch("rollout/response_len/max")
+    assert not any(p.fullmatch("perf/reference_time") or p.fullmatch("perf/exchange_read_time")
+                   for p in documented.values())  # the Relax column is not ours: the old names are gone
+    names = literal_names(documented)
+    assert {"perf/ref_log_probs_time", "perf/log_probs_time", "perf/train_get_data_time", "perf/save_model_time",
+            "weights/versions_ok"} <= names and not any("<" in n or "{" in n for n in names)
 
 
 @pytest.mark.slow
@@ -55,8 +133,10 @@ def test_quickstart_learns_locally(tmp_path, tiny_model, local_executor):
 
     tags = tensorboard_tags(run.path / "tensorboard")
     for tag in ("rollout/raw_reward", "rollout/response_len/mean", "train/pg_loss", "train/grad_norm", "train/loss",
-                "perf/rollout_time", "perf/train_time", "perf/weight_sync_time", "perf/step_time"):
+                "perf/rollout_time", "perf/train_time", "perf/weight_sync_time", "perf/step_time",
+                "perf/train_get_data_time"):
         assert [s for s, _ in tags.get(tag, [])] == list(range(1, STEPS + 1)), tag
+    check_tags_against_doc(set(tags), NOT_IN_THE_QUICKSTART)
     assert tags["rollout/raw_reward"][-1][1] == pytest.approx(summary["reward_final"], abs=1e-6)
 
     rows = metrics(run)
@@ -109,7 +189,10 @@ def test_quickstart_learns_on_slurm_with_four_groups_at_once(slurm_cluster, tmp_
     assert summary["reward_last10"] > summary["reward_first10"] + RISE, summary
     assert exactly_once(run_dir / "exchange" / "journal.jsonl", ["train", "reference", "actor_fwd"]) == []
     rows = metrics(RunDir(run_dir))
-    assert all("train/kl_loss" in r and "perf/reference_time" in r and "perf/actor_fwd_time" in r for r in rows)
+    assert all("train/kl_loss" in r and "perf/ref_log_probs_time" in r and "perf/log_probs_time" in r for r in rows)
+    # the forward roles' names too, as Relax names them: read from the run's TensorBoard against docs/metrics.md
+    check_tags_against_doc(set(tensorboard_tags(run_dir / "tensorboard")),
+                           {k: v for k, v in NOT_IN_THE_QUICKSTART.items() if k != FORWARD_ROLES})
     # actor_fwd follows the actor through the weight syncs (its weights checked like an engine's), so checkpoints
     # stay at checkpoint.interval (0: one, after the last step), not one per step
     assert all(r["weights/fingerprint_match"] == 1.0 for r in rows)

@@ -160,6 +160,30 @@ def test_local_died_without_a_word_is_failed(tmp_path, sleeper):
     assert status.collect(rd)["state"] == "CANCELLED"
 
 
+def test_a_full_disk_is_named_in_the_reason_of_a_run_it_ended(tmp_path, sleeper, small_disk):
+    """A controller that could not write its end (state.json still says RUNNING): relax-status names the full
+    disk instead of "ended without a result"; one that could, says it itself."""
+    disk = small_disk(8)
+    rd = run_dir(disk.path, "local", job_id=str(sleeper.pid), pid=sleeper.pid,
+                 pid_start=localproc.start_ticks(sleeper.pid))
+    write_json(rd.state, {"state": "RUNNING", "step": 2})
+    sleeper.kill()
+    sleeper.wait()
+    disk.fill()
+    info = status.collect(rd)
+    assert info["state"] == "FAILED" and f"no space left on {disk.path}" in info["reason"], info["reason"]
+    assert f"relax-submit --resume {rd.path}" in info["reason"]
+    disk.free()
+    assert "without a result" in status.collect(rd)["reason"]
+    reason = f"controller failed: no space left on {disk.path} (writing {rd.state}). Fix: ..."
+    write_json(rd.state, {"state": "FAILED", "reason": reason, "last_failure": reason})
+    info = status.collect(rd)
+    assert info["state"] == "FAILED" and info["reason"] == reason
+    out = io.StringIO()
+    Console(file=out, width=400).print(status.render(info))
+    assert f"reason: {reason}" in out.getvalue()
+
+
 def test_local_pid_reuse_is_not_mistaken_for_the_run(tmp_path, sleeper):
     rd = run_dir(tmp_path, "local", job_id=str(sleeper.pid), pid=sleeper.pid,
                  pid_start=localproc.start_ticks(sleeper.pid) - 1)  # recorded start differs: another process

@@ -1,12 +1,55 @@
 """Run metrics: TensorBoard scalars under the names they came with, metrics.jsonl, summary.json, reward.png."""
 
 import json
+import math
 
 from relax_hpc.ops.metrics import RunMetrics, numeric
 
 
-def test_numeric_keeps_finite_numbers_only():
-    assert numeric({"a": 1, "b": 2.5, "c": float("nan"), "d": "x", "e": True, "f": None}) == {"a": 1.0, "b": 2.5}
+def test_numeric_keeps_numbers_nan_and_inf_included_and_drops_the_rest():
+    got = numeric({"a": 1, "b": 2.5, "c": float("nan"), "g": float("-inf"), "d": "x", "e": True, "f": None})
+    assert set(got) == {"a", "b", "c", "g"} and got["a"] == 1.0 and got["b"] == 2.5
+    assert math.isnan(got["c"]) and got["g"] == float("-inf")
+
+
+def test_nan_and_inf_reach_metrics_jsonl_tensorboard_and_the_readers(tmp_path):
+    """A step that trained on NaN says so everywhere a person or a tool looks (a dropped value would hide it)."""
+    import importlib.machinery
+    import importlib.util
+    from pathlib import Path
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    m = RunMetrics(tmp_path)
+    m.log(1, {"rollout/raw_reward": 0.5, "train/loss": 0.25, "train/grad_norm": 1.0})
+    m.log(2, {"rollout/raw_reward": float("inf"), "train/loss": float("nan"), "train/grad_norm": float("inf"),
+              "train/nonfinite_skipped": 1.0})
+    m.amend(2, {"eval/arith": float("nan")})  # the rewrite path keeps them too
+    summary = m.finish({"run": "r", "state": "COMPLETED", "reason": None, "total_steps": 2})
+
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" in text and "Infinity" in text
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert math.isnan(rows[1]["train/loss"]) and rows[1]["train/grad_norm"] == math.inf
+    assert math.isnan(rows[1]["eval/arith"]) and rows[1]["train/nonfinite_skipped"] == 1.0
+    assert summary["reward_final"] == math.inf and json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert loss[0] == (1, 0.25) and loss[1][0] == 2 and math.isnan(loss[1][1])
+    assert [e.value for e in acc.Scalars("train/grad_norm")] == [1.0, math.inf]
+    assert math.isnan(acc.Scalars("eval/arith")[0].value)
+
+    # tools/compare-runs reads the rows and counts equal non-finite values as equal, one-sided ones as different
+    path = Path(__file__).resolve().parents[2] / "tools" / "compare-runs"
+    loader = importlib.machinery.SourceFileLoader("compare_runs", str(path))
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader("compare_runs", loader))
+    loader.exec_module(mod)
+    assert math.isnan(mod.steps(tmp_path)[2]["train/loss"])
+    assert mod.diff(math.nan, math.nan) == 0.0 and mod.diff(math.inf, math.inf) == 0.0
+    assert mod.diff(math.nan, 1.0) == math.inf and mod.diff(math.inf, -math.inf) == math.inf
+    assert mod.diff(1.0, 1.5) == 0.5
 
 
 def test_steps_go_to_tensorboard_jsonl_and_the_summary(tmp_path):

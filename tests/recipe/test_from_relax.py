@@ -28,7 +28,7 @@ def test_split_flags():
 def test_flags_land_on_their_keys_with_their_types():
     data, notes = convert(SCRIPT)
     assert data["model"]["path"] == "/models/Qwen3-4B" and data["data"]["input_key"] == "prompt"
-    assert data["train"] == {"num_steps_per_rollout": 4, "lr": 1e-6, "tp": 2}
+    assert data["train"] == {"num_steps_per_rollout": 4, "lr": 1e-6, "tp": 2, "max_seq_len": 8192 + 4096}
     assert data["rollout"]["stop"] == ["</answer>", "STOP"] and data["mode"] == "fully_async"
     assert data["algorithm"] == {"eps_clip_high": 0.28, "use_kl_loss": True}
     assert data["rollout"]["dynamic_sampling_filter_path"] == "relax_hpc.rollout.dynamic.check_reward_nonzero_std"
@@ -37,6 +37,17 @@ def test_flags_land_on_their_keys_with_their_types():
     said = "\n".join(notes)
     for flag in ("--rollout-num-gpus 8", "--num-epoch 3", "--wandb-project x"):
         assert flag in said  # not carried over, and said so
+    assert "train.max_seq_len: 12288 = --rollout-max-response-len + 4096 tokens of prompt" in said
+
+
+def test_max_seq_len_holds_the_longest_sample_the_flags_allow():
+    """Relax's trainer takes any length; relax_hpc's refuses a sample over train.max_seq_len, so the recipe says it."""
+    got = {tuple(a): convert(a)[0].get("train", {}).get("max_seq_len") for a in (
+        ["--rollout-max-response-len", "1024"],  # prompts unbounded: room for the default's worth of them
+        ["--rollout-max-prompt-len", "512", "--rollout-max-response-len", "1024"],  # fits the default: left alone
+        ["--rollout-max-prompt-len", "2048", "--rollout-max-response-len", "8192"],
+        ["--rollout-max-context-len", "32768", "--rollout-max-response-len", "8192"])}
+    assert list(got.values()) == [1024 + 4096, None, 2048 + 8192, 32768]
 
 
 def test_the_command_prints_yaml_that_loads(tmp_path):

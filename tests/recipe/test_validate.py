@@ -372,7 +372,7 @@ def test_response_alone_longer_than_the_context_is_refused(tmp_path):
 
 
 def test_context_is_not_checked_without_a_model_config(tmp_path):
-    long = {"rollout": {"max_response_len": 10 ** 6}}
+    long = {"rollout": {"max_response_len": 10 ** 6}, "train": {"max_seq_len": 2 * 10 ** 6}}
     assert file_problems({**long, "model": {"path": "absent"}}, tmp_path) == {}
     model_dir(tmp_path, hidden_size=8)
     assert file_problems({**long, "model": {"path": "model"}}, tmp_path) == {}
@@ -552,6 +552,48 @@ def test_multi_turn_keys_are_checked_before_submission(tmp_path):
         assert key in str(e.value), (rollout, str(e.value))
 
 
+def test_lengths_the_trainer_would_refuse_are_refused_with_both_keys_named(tmp_path):
+    """A multi-turn sample grows to the context bound, a single-turn one to prompt + response: longer than
+    train.max_seq_len, the run failed at its first training step. The bound defaults to train.max_seq_len."""
+    env = {"interaction_env_path": "env_x.py", "max_turns": 2}
+    msg = problems({"rollout": {**env, "max_context_len": 25}, "train": {"max_seq_len": 16}})["rollout.max_context_len"]
+    assert "= 25: is more than train.max_seq_len = 16" in str(error({"rollout": {**env, "max_context_len": 25},
+                                                                     "train": {"max_seq_len": 16}}))
+    assert "Fix: at most 16, or null" in msg
+    recipe_from_dict({"rollout": {**env, "max_context_len": 16}, "train": {"max_seq_len": 16}})
+    msg = problems({"rollout": {**env, "max_prompt_len": 16}, "train": {"max_seq_len": 16}})["rollout.max_prompt_len"]
+    assert "no room for a response" in msg and "Fix: below 16" in msg
+    single = problems({"rollout": {"max_prompt_len": 10, "max_response_len": 8}, "train": {"max_seq_len": 16}})
+    assert "10 + 8 = 18 tokens, more than train.max_seq_len = 16" in single["rollout.max_response_len"]
+    single = problems({"rollout": {"max_response_len": 16}, "train": {"max_seq_len": 16}})
+    assert "leaves no room for a prompt in train.max_seq_len = 16" in single["rollout.max_response_len"]
+    recipe_from_dict({"rollout": {"max_prompt_len": 8, "max_response_len": 8}, "train": {"max_seq_len": 16}})
+    recipe_from_dict({"rollout": {"max_response_len": 64, "custom_generate_function_path": "g.generate"},
+                      "train": {"max_seq_len": 16}})  # the function makes its samples: the trainer's check only
+    msg = problems({"rollout": {"max_context_len": 8}})["rollout.max_context_len"]
+    assert "only acts with a multi-turn environment" in msg and "Fix:" in msg
+    # with only a custom_config_path, its YAML says whether an env is named: read at submit (check_files)
+    (tmp_path / "env_x.py").write_text("def build_env(sample=None, args=None, **_):\n    return None\n")
+    (tmp_path / "multi.yaml").write_text("rollout_interaction_env_path: env_x.py\nmax_turns: 2\n")
+    (tmp_path / "single.yaml").write_text("judge: x\n")
+    assert file_problems({"rollout": {"custom_config_path": "multi.yaml", "max_context_len": 8}}, tmp_path) == {}
+    got = file_problems({"rollout": {"custom_config_path": "single.yaml", "max_context_len": 8, "max_turns": 2}},
+                        tmp_path)
+    assert set(got) == {"rollout.max_context_len", "rollout.max_turns"}
+    got = file_problems({"rollout": {"custom_config_path": "single.yaml", "max_response_len": 16},
+                         "train": {"max_seq_len": 16}}, tmp_path)
+    assert "no room for a prompt" in got["rollout.max_response_len"][1]
+
+
+def test_keys_that_would_do_nothing_are_refused():
+    msg = problems({"algorithm": {"kl_coef": 0.01}})["algorithm.kl_coef"]
+    assert "would do nothing" in msg and "ignore it" in msg and "algorithm.use_kl_loss: true" in msg
+    assert recipe_from_dict({"algorithm": {"kl_coef": 0}}).algorithm.kl_coef == 0  # Relax scripts pass --kl-coef 0
+    msg = problems({"algorithm": {"disable_compute_advantages_and_returns": True}})[
+        "algorithm.disable_compute_advantages_and_returns"]
+    assert "Relax's --disable-compute-advantages-and-returns has no equivalent in relax_hpc yet" in msg
+
+
 def test_a_genrm_role_needs_its_model_and_a_model_needs_its_role():
     assert "is required with roles.genrm.enabled" in problems({"roles": {"genrm": {"enabled": True}}})["genrm.model_path"]
     text = problems({"genrm": {"model_path": "/m/judge"}})["roles.genrm.enabled"]
@@ -596,7 +638,9 @@ def test_elastic_keys_are_checked_and_spare_nodes_shape_the_rollout_step():
     assert step.nodes == 1 and r.roles.rollout.nodes == 3  # the component holds 3; the role starts on 1
     got = problems({"roles": {"rollout": {"nodes": 2, "elastic": {"initial": 2, "max": 3}}}})
     assert "roles.rollout.nodes - 1 (1)" in got["roles.rollout.elastic.initial"]
-    assert "must equal roles.rollout.nodes (2)" in got["roles.rollout.elastic.max"]
+    assert "Fix: remove max, and set roles.rollout.nodes: 3" in got["roles.rollout.elastic.max"]
+    got = problems({"roles": {"rollout": {"nodes": 3, "elastic": {"initial": 1, "max": 3}}}})  # equal: still refused
+    assert list(got) == ["roles.rollout.elastic.max"] and "is not a setting" in got["roles.rollout.elastic.max"]
     assert "only rollout scales" in problems({"roles": {"actor": {"elastic": {"initial": 1}}}})["roles.actor.elastic"]
     got = problems({"rollout": {"elastic": {"drain_timeout_s": 0, "max_engines": 0, "attach": {"extra": ["-p x"]}}}})
     assert "must be > 0" in got["rollout.elastic.drain_timeout_s"]

@@ -53,7 +53,7 @@ def test_train_batch_picks_up_forward_log_probs(tmp_path):
 
     ref = _write_chunk(tmp_path)
     lens = [len(r) for _, r in SAMPLES]
-    refl = [np.arange(n, dtype=np.float32) - 3.0 for n in lens]
+    refl = [np.arange(n, dtype=np.float32) - 9.0 for n in lens]  # log-probs: <= 0
     old = [np.arange(n, dtype=np.float32) - 7.0 for n in lens]
     ref = ref.with_side(write_fields(ref, "reference", {"ref_log_probs": refl}))
     ref = ref.with_side(write_fields(ref, "actor_fwd", {"log_probs": old[:3] + [np.zeros(1, np.float32)]}))

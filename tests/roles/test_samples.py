@@ -1,6 +1,7 @@
 """Rollout samples → chunk file → the actor's batch: the fields survive the trip, checksums guard it, and
 advantages are the rewards, group-normalized on the training side, over the response tokens."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -146,3 +147,64 @@ def test_segments_travel_with_their_rollout_and_normalize_over_rollouts(tmp_path
     got = [float(b["advantages"][0]) for b in batch[:3]]
     assert got == pytest.approx([0.25 / s, -0.75 / s, 0.25 / s], abs=1e-4)
     assert metrics["rollout/zero_std_group_ratio"] == 0.5  # group 1's segments all score 0.5
+
+
+def _with(cols: dict, name: str, sample: int, token: int, value: float) -> dict:
+    """The columns with one value of a ragged column changed (a copy: read columns are views of verified bytes)."""
+    from relax_hpc.exchange.chunk import Ragged
+
+    src = cols.get(name) or cols["rollout_log_probs"]
+    r = Ragged(np.array(src.data, dtype=np.float32), np.array(src.offsets))
+    r.data[r.offsets[sample] + token] = value
+    return {**cols, name: r}
+
+
+def test_values_no_update_may_use_stop_the_step_at_the_trainers_door(tmp_path):
+    """The trainer's last check: a reward that is inf as stored (1e39 in float32), a NaN, inf or positive log-prob
+    in any log-prob column (masked tokens too), or R̃/advantages that overflow, raise UnsoundTrainData naming the
+    field, the sample (position and index) and the value; it is permanent (the same data fails the same way)."""
+    from relax_hpc.errors import is_permanent
+
+    r = result()
+    r.raw_rewards[2] = 1e39  # finite in float64, inf in the float32 column
+    with np.errstate(over="ignore"):
+        ref = S.write_step(tmp_path, 1, r)
+    cols = S.read_train_columns([ref])
+    with pytest.raises(S.UnsoundTrainData, match=r"raw_reward of sample 2 \(index 2\) is inf: not finite") as e:
+        S.train_plan(cols, AlgorithmConfig(), 2)
+    assert e.value.field == "raw_reward" and e.value.sample == 2 and is_permanent(e.value)
+
+    good = S.read_train_columns([S.write_step(tmp_path, 2, result())])
+    S.check_train_columns(good)  # the sound columns pass
+    S.check_train_columns(_with(good, "rollout_log_probs", 1, 0, 5e-4))  # rounding of a log-prob near 0: accepted
+    cases = [("rollout_log_probs", 1, 1, float("nan"), "not finite, at response token 1"),
+             ("rollout_log_probs", 3, 2, 0.5, "a log-prob above 0"),  # under loss_mask 0: still refused
+             ("ref_log_probs", 0, 0, float("-inf"), "not finite, at response token 0"),
+             ("log_probs", 2, 0, float("inf"), "not finite")]
+    for name, sample, token, value, what in cases:
+        bad = _with(good, name, sample, token, value)
+        with pytest.raises(S.UnsoundTrainData, match=f"{name} of sample {sample} \\(index {sample}\\) is .*{what}"):
+            S.train_plan(bad, AlgorithmConfig(), 2)
+
+    # raw rewards finite in float32 whose group statistics overflow: R̃ is not finite
+    big = result()
+    big.raw_rewards[:2] = [3e38, 3e38]  # their sum is inf in float32
+    cols = S.read_train_columns([S.write_step(tmp_path, 3, big)])
+    S.check_train_columns(cols)
+    with np.errstate(over="ignore"), pytest.raises(S.UnsoundTrainData, match=r"^(rewards|advantages) of sample 0 "):
+        S.train_plan(cols, AlgorithmConfig(), 2)
+
+
+def test_a_skipped_optimizer_step_shows_in_the_steps_metrics():
+    """The actor role's train/* over k updates: a skipped update's NaN stays visible in the means, and the skips
+    are counted, not averaged."""
+    import math
+
+    from relax_hpc.roles.actor import _over_steps
+
+    ok = {"loss": 0.5, "grad_norm": 1.0, "nonfinite_skipped": 0.0, "num_samples": 4.0, "step": 1.0}
+    bad = {"loss": math.nan, "grad_norm": math.inf, "nonfinite_skipped": 1.0, "num_samples": 4.0, "step": 2.0}
+    out = _over_steps([ok, bad, dict(ok, step=3.0)])
+    assert math.isnan(out["loss"]) and out["grad_norm"] == math.inf
+    assert out["nonfinite_skipped"] == 1.0 and out["num_samples"] == 12.0 and out["step"] == 3.0
+    assert out["num_steps"] == 3.0

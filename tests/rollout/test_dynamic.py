@@ -167,3 +167,143 @@ def test_a_sample_whose_step_ended_is_not_sent_and_a_partial_one_continues(setup
     assert b.tokens[:len(prompt) + 2] == prompt + [5, 6] and b.status is not SampleStatus.ABORTED
     assert 2 < b.response_length <= 3  # max_response_len 3: one token left to generate
     assert b.loss_mask[:2] == [0, 0] and len(b.rollout_log_probs) == b.response_length
+
+
+def _buffered_group(gi: int, prompt_ids: list[int]):
+    """A group as a step leaves it in the buffer: one sample aborted mid-response (tokens masked off-policy), one
+    finished and scored, one never sent."""
+    from relax_hpc.rollout.sample import Sample, SampleStatus
+
+    tmpl = Sample(prompt=f"{gi}+1=", tokens=list(prompt_ids), label=str(gi + 1), metadata={"i": gi})
+    a, b, c = (tmpl.copy(group_index=gi, index=3 * gi + k) for k in range(3))
+    a.append_response([7, 8], "xy", [-0.5, -0.25], loss_mask_value=0)
+    a.weight_versions, a.status, a.abort_count = ["1"], SampleStatus.ABORTED, 1
+    b.append_response([9], "z", [-1.5])
+    b.weight_versions, b.status, b.reward = ["1"], SampleStatus.COMPLETED, 1.0
+    return [a, b, c]
+
+
+def test_the_buffer_state_round_trips_and_names_each_prompt_once():
+    import json
+
+    from relax_hpc.rollout.dynamic import PartialRollout
+
+    partial = PartialRollout(buffer=[_buffered_group(4, [11, 12, 13]), _buffered_group(5, [14, 15])])
+    state = json.loads(json.dumps(partial.state_dict()))
+    again = PartialRollout()
+    again.load_state_dict(state)
+    assert again.buffer == partial.buffer  # every field of every sample, in order
+    g = state["groups"][0]
+    assert g["prompt_tokens"] == [11, 12, 13] and g["shared"]["prompt"] == "4+1=" and "prompt" not in g["samples"][0]
+    assert [s.get("tokens", []) for s in g["samples"]] == [[7, 8], [9], []]  # the responses only
+    again.load_state_dict(None)
+    assert again.buffer == []
+
+
+def test_a_saved_buffer_loads_back_and_a_wrong_one_is_refused(tmp_path):
+    from relax_hpc.errors import is_permanent
+    from relax_hpc.rollout.dynamic import PartialRollout, PartialStateError
+
+    partial = PartialRollout(buffer=[_buffered_group(0, [1, 2])])
+    ref = partial.save(tmp_path, 3)
+    assert ref["file"] == "partial_rollout/after_00000003.json" and (ref["groups"], ref["samples"]) == (1, 3)
+    assert (tmp_path / ref["file"]).stat().st_size == ref["size"]
+    back = PartialRollout()
+    back.load(tmp_path, ref)
+    assert back.buffer == partial.buffer
+    assert PartialRollout().save(tmp_path, 4) == {"groups": 0, "samples": 0}  # an empty buffer: no file
+    assert not (tmp_path / "partial_rollout" / "after_00000004.json").exists()
+    PartialRollout(buffer=[_buffered_group(1, [1, 2])]).save(tmp_path, 3)  # the step generated again: another one
+    with pytest.raises(PartialStateError, match="not the buffer the data cursor names") as e:
+        back.load(tmp_path, ref)
+    assert is_permanent(e.value) and "Fix:" in str(e.value)
+    (tmp_path / ref["file"]).unlink()
+    with pytest.raises(PartialStateError, match="is missing"):
+        back.load(tmp_path, ref)
+
+
+@pytest.fixture
+def generator(tmp_path, tiny_llama, cpu_engine, mod):
+    """A rollout role's Generator with partial rollout (in this process: its context is the run's recipe and run
+    directory), on the module's CPU engine; ``make()`` builds another, as a restarted role would."""
+    from types import SimpleNamespace
+
+    from relax_hpc.recipe.schema import DataConfig, ModelConfig
+    from relax_hpc.roles.rollout import Generator
+    from relax_hpc.rundir import create_run_dir
+
+    with open(tmp_path / "p.jsonl", "w") as f:
+        for i in range(6):
+            f.write(json.dumps({"q": f"{i}+1=", "a": str(i + 1), "metadata": {"i": i}}) + "\n")
+    recipe = Recipe(model=ModelConfig(path=str(tiny_llama)), mode="fully_async", max_staleness=1,
+                    data=DataConfig(path=str(tmp_path / "p.jsonl"), input_key="q", label_key="a"),
+                    rollout=RolloutConfig(custom_rm_path="dyn_plugins.reward_func", n_samples_per_prompt=2,
+                                          rollout_batch_size=2, over_sampling_batch_size=4, max_response_len=64,
+                                          stop_token_ids=list(range(0, 128, 32)), partial_rollout=True,
+                                          mask_offpolicy_in_partial_rollout=True))
+    ctx = SimpleNamespace(recipe=recipe, run=create_run_dir(tmp_path / "runs", "r"), progress=lambda n=1: None)
+    return lambda: Generator(ctx)
+
+
+def test_generate_restores_the_buffer_its_cursor_names(generator, cpu_engine):
+    """The buffer travels with the data cursor (a file the data_state names): a role whose memory is elsewhere
+    takes the task's state; a step generated again (its chunk damaged) trains the same prompts as before and
+    leaves the buffer the steps after it went on from; and a restarted role given the cursor after step 1
+    continues step 1's buffered samples from their partial tokens, losing no group."""
+    import itertools
+
+    from relax_hpc.controller.messages import GenerateTask
+    from relax_hpc.exchange.audit import chunk_prompts
+    from relax_hpc.roles.samples import read_samples
+    from relax_hpc.rollout.sample import SampleStatus
+
+    seq = itertools.count()
+
+    def task(step, state):
+        n = next(seq)
+        return GenerateTask(id=n, step=step, engines={"e0": cpu_engine.url}, seq=n, data_state=state)
+
+    def groups(res):
+        return chunk_prompts(res.chunks[0]["attrs"])[1]
+
+    def continued(got, before):  # each sample of a buffered group goes on from the tokens it had
+        for s in got:
+            b = next(b for b in before[s["group_index"]] if b.index == s["index"])
+            assert list(s["tokens"][:len(b.tokens)]) == b.tokens and len(s["tokens"]) > len(b.tokens)
+
+    gen = generator()
+    gen.generate(task(1, gen.state(0)))
+    for g in gen.partial.buffer:  # where timing ended step 1 varies: as if 3 tokens into each response
+        for s in g:
+            s.tokens, s.response, s.response_length = s.tokens[:s.prompt_length + 3], "", 3
+            s.loss_mask, s.rollout_log_probs = [0] * 3, s.rollout_log_probs[:3]
+            s.status, s.abort_count, s.reward, s.weight_versions = SampleStatus.ABORTED, 1, None, ["0"]
+    s1 = gen.state(1)
+    buffered = {g[0].group_index: [s.copy() for s in g] for g in gen.partial.buffer}  # step 2 continues them
+    assert s1["partial"]["groups"] == 2 and s1["sample_group_index"] == 4
+    r2 = gen.generate(task(2, s1))
+    after2 = gen.ctx.run.path / r2.data_state["partial"]["file"]
+    inode = after2.stat().st_ino
+
+    gen.restore(s1)  # the task's state wins over the role's memory (which is after step 2)
+    assert {g[0].group_index: g for g in gen.partial.buffer} == buffered
+    assert gen.data.state_dict() == {k: v for k, v in s1.items() if k != "partial"}
+
+    redo = gen.generate(task(2, s1))  # step 2 again, as after a damaged chunk: its prompts, all finished
+    assert groups(redo) == groups(r2) and redo.data_state == r2.data_state
+    continued([s for s in read_samples(redo.chunks, ("tokens", "index", "group_index"))
+               if s["group_index"] in buffered], buffered)
+    assert after2.stat().st_ino == inode  # the buffer step 3 went on from is left as it was
+    assert gen.current == r2.data_state and len(gen.partial.buffer) == r2.data_state["partial"]["groups"]
+
+    fresh = generator()  # a restarted role: its own start state, then the controller's cursor after step 1
+    fresh.state(0)
+    again = fresh.generate(task(2, s1))
+    kept = read_samples(again.chunks, ("tokens", "index", "group_index"))
+    left = [{"group_index": s.group_index, "index": s.index, "tokens": s.tokens} for g in fresh.partial.buffer
+            for s in g if s.group_index in buffered]
+    assert set(groups(again)) | {g[0].group_index for g in fresh.partial.buffer} == set(buffered) | {4, 5}
+    continued([s for s in kept if s["group_index"] in buffered], buffered)  # trained: finished from there
+    assert all(list(s["tokens"][:len(b.tokens)]) == b.tokens for s in left
+               for b in buffered[s["group_index"]] if b.index == s["index"])  # or back in the buffer, no shorter
+    assert again.metrics["rollout/partial_resumed_groups"] == len(set(groups(again)) & set(buffered))

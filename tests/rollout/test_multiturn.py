@@ -9,13 +9,17 @@ from pathlib import Path
 
 import pytest
 
+from relax_hpc.errors import PermanentError
 from relax_hpc.recipe.schema import Recipe, RolloutConfig
 from relax_hpc.roles import samples as S
 from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, load_tokenizer
 from relax_hpc.rollout.driver import RolloutDriver, RolloutError
+from relax_hpc.rollout.multiturn import fit_observation
 from relax_hpc.rollout.sample import SampleStatus
+from relax_hpc.train.config import TrainConfig
 
 ENV = Path(__file__).resolve().parents[2] / "recipes" / "examples" / "env_arith.py"
+LONG_ENV = Path(__file__).resolve().parents[2] / "tests" / "e2e" / "env_long_feedback.py"  # 58-token feedback
 
 FLAKY_ENV = '''
     import asyncio
@@ -139,3 +143,65 @@ def test_an_observation_is_encoded_as_a_chat_continuation(tiny_llama):
     assert ids == tok.encode(text, add_special_tokens=False)
     ids, text = encode_observation(tok, {"obs_str": " no=", "role": "user"}, Env(), chat=False)
     assert (ids, text) == (tok.encode(" no=", add_special_tokens=False), " no=")
+
+
+@pytest.mark.parametrize("policy", ["stop", "continue"])
+def test_a_long_observation_never_takes_a_sample_past_train_max_seq_len(tmp_path, cpu_engine, data, policy):
+    """The issue's failure: a sentence of feedback made 25-token samples for train.max_seq_len = 16, and the run
+    failed at step 1. The bound (rollout.max_context_len unset: train.max_seq_len) holds for prompt, answers and
+    observations: under ``stop`` the feedback that does not fit ends the rollout, under ``continue`` it is cut to
+    leave one token for the answer. What the actor reads from the exchange is within the bound."""
+    from tests.e2e.env_long_feedback import FEEDBACK
+
+    tok, groups = data
+    # every token is a stop token: each turn is one token that ends by "stop", not by length, so the env is asked
+    recipe = Recipe(rollout=RolloutConfig(custom_rm_path="relax_hpc.tasks.arith.multiturn_reward",
+                                          interaction_env_path=str(LONG_ENV), max_turns=2, max_response_len=2,
+                                          stop_token_ids=list(range(len(tok))), turn_truncation=policy,
+                                          n_samples_per_prompt=2, rollout_batch_size=4),
+                    train=TrainConfig(max_seq_len=16))
+    res = RolloutDriver(recipe, [cpu_engine], tokenizer=tok).generate_rollout_sync(groups(), seed=21)
+    feedback = tok.encode(FEEDBACK, add_special_tokens=False)
+    wrong = [s for s in res.samples if s.metadata["rollout_traces"][0]["response"][:1] != s.label]
+    assert wrong and len(feedback) == 58
+    for s in wrong:
+        first, prompt = s.metadata["rollout_traces"][0], len(s.tokens) - s.response_length
+        assert s.status is SampleStatus.TRUNCATED and s.metadata["rollout_stop_reason"] == "context"
+        if policy == "stop":  # the feedback does not go in: the rollout ends with the first answer
+            assert s.metadata["rollout_turns"] == 1 and first["obs_truncated"] == 58 and "obs" not in first
+            assert len(s.tokens) == prompt + 1
+        else:  # the feedback's head that leaves one token for the answer: 16 - (4 + 1) - 1 = 10 tokens
+            assert s.metadata["rollout_turns"] == 2 and first["obs_truncated"] == 58 - 10
+            assert s.tokens[prompt + 1: prompt + 11] == feedback[:10] and first["obs"] == FEEDBACK[:10]
+            assert len(s.tokens) == 16 and s.loss_mask == [1] + [0] * 10 + [1]
+    assert res.metrics["rollout/truncated_observations"] == len(wrong)
+    assert res.metrics["rollout/truncated_by/context"] == len(wrong) / len(res.samples)
+
+    ref = S.write_step(tmp_path, 1, res)  # what the actor reads
+    lengths = S.read_columns([ref], ("tokens",))["tokens"].lengths()
+    assert len(lengths) == 8 and max(lengths) <= 16
+
+
+def test_a_prompt_that_fills_the_bound_fails_naming_the_fix(cpu_engine, data):
+    tok, groups = data
+    recipe = Recipe(rollout=RolloutConfig(custom_rm_path="relax_hpc.tasks.arith.multiturn_reward",
+                                          interaction_env_path=str(LONG_ENV), max_turns=2, max_response_len=1,
+                                          n_samples_per_prompt=2, rollout_batch_size=4),
+                    train=TrainConfig(max_seq_len=4))  # the prompts "a+1=" are 4 tokens
+    with pytest.raises(PermanentError, match="prompt has 4 tokens, and the context bound is 4.*rollout.max_prompt_len"):
+        RolloutDriver(recipe, [cpu_engine], tokenizer=tok).generate_rollout_sync(groups(), seed=21)
+
+
+def test_an_observation_cut_under_a_chat_template_keeps_the_turn_boundary(tiny_llama):
+    """With a chat template the cut is on the text, so the template's end of turn and generation prompt stay whole."""
+    from relax_hpc.rollout.multiturn import encode_observation
+    from tests.e2e.env_long_feedback import FEEDBACK, LongFeedbackEnv
+
+    tok, env = load_tokenizer(tiny_llama), LongFeedbackEnv(label="1", max_turns=2)
+    obs = {"obs_str": FEEDBACK, "role": "user"}
+    whole, _ = encode_observation(tok, obs, env, chat=True)
+    ids, text = fit_observation(tok, obs, env, chat=True, room=len(whole) - 20)
+    assert len(ids) == len(whole) - 20
+    assert text == f"<|im_start|>user\n{FEEDBACK[:-20]}<|im_end|>\n<|im_start|>assistant\n"
+    assert fit_observation(tok, obs, env, chat=True, room=len(whole) - 58) is None  # not one character fits
+    assert fit_observation(tok, obs, env, chat=False, room=5)[0] == tok.encode(FEEDBACK, add_special_tokens=False)[:5]

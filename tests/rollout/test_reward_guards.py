@@ -116,6 +116,52 @@ def test_real_numbers_are_rewards(mod, value):
     assert group[0].get_reward_value(None) == pytest.approx(float(value))
 
 
+PAST_FLOAT32 = [(1e39, "is 1e+39, not a finite number in float32", "inf"),
+                (-1e39, "is -1e+39, not a finite number in float32", "-inf"),
+                (10**40, "is 1e+40, not a finite number in float32", "inf"),
+                (10**400, "is inf, not a finite number", None),
+                (float("nan"), "is nan, not a finite number", None)]
+
+
+@pytest.mark.parametrize("value, want, stored", PAST_FLOAT32, ids=["1e39", "-1e39", "int 1e40", "int 1e400", "nan"])
+@pytest.mark.parametrize("how", ["plain", "reward_key", "group_rm", "set by generate"])
+def test_a_reward_past_float32_is_refused_under_both_policies(mod, value, want, stored, how):
+    """The exchange stores raw_reward as float32: 1e39 is finite as a Python float and inf there. Refused with
+    why, through every way a reward comes in; then reward_error_policy decides, as for any failed reward."""
+    key = "score" if how == "reward_key" else None
+    fn = "guard_rewards.value_group_reward" if how == "group_rm" else "guard_rewards.value_reward"
+
+    def group():
+        g = _samples([1.0, {"score": value} if key else value])
+        if how == "set by generate":  # a custom generate function scored the sample itself (Relax's rule)
+            g[1].reward = value
+        return g
+
+    skip = RewardRunner(_recipe(custom_rm_path=fn, group_rm=how == "group_rm", reward_key=key,
+                                reward_error_policy="skip"))
+    g = group()
+    (f,) = asyncio.run(skip.score_group(g))
+    assert f.index == 1 and want in f.error_text, f.error_text
+    if stored is not None:
+        assert "the dtype of the exchange's raw_reward column (|reward| <= 3.402823e+38): it would be stored as " \
+               f"{stored}" in f.error_text, f.error_text
+    assert g[1].reward == 0.0 and g[1].status is SampleStatus.FAILED and want in g[1].metadata["reward_error"]
+    assert g[0].reward == 1.0 and g[0].status is not SampleStatus.FAILED
+
+    fail = RewardRunner(_recipe(custom_rm_path=fn, group_rm=how == "group_rm", reward_key=key,
+                                reward_error_policy="fail"))
+    with pytest.raises(RewardError) as ei:
+        asyncio.run(fail.score_group(group()))
+    assert [f.index for f in ei.value.failures] == [1] and want in str(ei.value)
+
+
+@pytest.mark.parametrize("value", [3.0e38, -3.0e38, 3.4028234e38], ids=repr)
+def test_a_reward_within_float32_is_kept(mod, value):
+    runner = RewardRunner(_recipe(custom_rm_path="guard_rewards.value_reward", reward_error_policy="fail"))
+    group = _samples([value])
+    assert asyncio.run(runner.score_group(group)) == [] and group[0].reward == value
+
+
 def test_missing_reward_key_is_named(mod):
     runner = RewardRunner(_recipe(custom_rm_path="guard_rewards.value_reward", reward_key="score",
                                 reward_error_policy="skip"))

@@ -71,3 +71,17 @@ def test_copy_does_not_alias_and_dict_roundtrip():
     c = Sample.from_dict(d)
     assert c.status is SampleStatus.COMPLETED and c.tokens == [1, 2, 3] and c.extra_field == "kept"
     assert c.metadata == {"k": [1, 2]}
+
+
+def test_a_partial_sample_survives_json_whole():
+    """What partial rollout's buffer saves of an aborted sample comes back equal, field by field: the tokens so far,
+    the masked off-policy tokens, the engine's log-probs, the abort count and the rest."""
+    s = Sample(group_index=3, index=13, prompt="2+2=", tokens=[5, 6, 7], label="4", metadata={"i": 2, "rm": [1]})
+    s.append_response([8, 9], "4.", [-0.1234567890123, -1e-9], loss_mask_value=0)
+    s.update_from_meta_info({"finish_reason": {"type": "abort"}, "weight_version": 2})
+    s.append_response([10], " ", [-2.5])
+    s.abort_count, s.reward, s.non_generation_time = 1, {"score": 0.25}, 0.5
+    back = Sample.from_dict(json.loads(json.dumps(s.to_dict())))
+    assert back == s and back.status is SampleStatus.ABORTED
+    assert (back.prompt_length, back.response_length, back.loss_mask) == (3, 3, [0, 0, 1])
+    assert back.rollout_log_probs == [-0.1234567890123, -1e-9, -2.5] and back.weight_version == "2"

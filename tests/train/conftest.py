@@ -57,10 +57,11 @@ def part(res: dict, name: str) -> dict:
 
 @pytest.fixture(scope="session")
 def single_run(tiny_models, tmp_path_factory) -> dict:
-    """One process (TP=1): bridge parity for both archs, and GRPO training on the fixed batch."""
+    """One process (TP=1): bridge parity for both archs, GRPO training on the fixed batch, non-finite steps."""
     jobs = {
         "parity": ["parity", {"tp": 1, "models": tiny_models}],
         "train": ["train", dict(TRAIN_ARGS, hf=tiny_models["qwen3"], layouts=[{"tp": 1}])],
+        "nonfinite": ["nonfinite", {"hf": tiny_models["qwen3"], "layouts": [{"tp": 1}]}],
     }
     return run_job("suite", jobs, nproc=1, out_dir=tmp_path_factory.mktemp("single"), timeout=240)
 
@@ -68,7 +69,8 @@ def single_run(tiny_models, tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def multi_run(tiny_models, tmp_path_factory) -> dict:
     """Two processes: parity at TP=2; the same training at TP=2, DP=2 (DistributedOptimizer) and PP=2;
-    then the uninterrupted checkpoint runs (train K, save, train N) that test_checkpoint resumes."""
+    then the uninterrupted checkpoint runs (train K, save, train N) that test_checkpoint resumes; non-finite steps
+    at DP=2 and PP=2."""
     root = tmp_path_factory.mktemp("multi")
     jobs = {
         "parity": ["parity", {"tp": 2, "models": tiny_models}],
@@ -76,6 +78,8 @@ def multi_run(tiny_models, tmp_path_factory) -> dict:
                                 layouts=[{"tp": 2}, {"tp": 1}, {"tp": 1, "pp": 2}])],
         "resume_save": ["resume", dict(RESUME_ARGS, mode="save", hf=tiny_models["qwen3"],
                                        layouts=resume_layouts(root))],
+        # DP=2 with the optimizer state sharded, and PP=2 (the loss lives on the last stage only)
+        "nonfinite": ["nonfinite", {"hf": tiny_models["qwen3"], "layouts": [{"tp": 1}, {"tp": 1, "pp": 2}]}],
     }
     res = run_job("suite", jobs, nproc=2, out_dir=root, timeout=360)
     res["ckpt_root"] = str(root)

@@ -79,6 +79,29 @@ def test_lr_schedule():
     assert [round(lr_at(cos, s), 6) for s in range(4)] == [1.0, 0.55, 0.1, 0.1]
 
 
+def test_nonfinite_keys_are_checked_and_the_guard_counts_consecutive_skips():
+    from relax_hpc.errors import is_permanent
+    from relax_hpc.train.step import NonFiniteError, NonFiniteGuard, nonfinite_what
+
+    assert {k for k, _, _ in check(TrainConfig(nonfinite="warn", max_nonfinite_skips=-1))} == \
+        {"nonfinite", "max_nonfinite_skips"}
+    g = NonFiniteGuard(TrainConfig(max_nonfinite_skips=2))
+    g.skipped("optimizer step 1", "loss = nan")
+    g.skipped("optimizer step 2", "loss = nan")
+    g.applied()  # an applied step ends the streak
+    g.skipped("optimizer step 4", "grad_norm = inf")
+    with pytest.raises(NonFiniteError, match=r"^rollout step 3, optimizer step 5: raw_reward of sample 0 .*"
+                       r"3 consecutive .*train.max_nonfinite_skips = 2\)") as e:
+        g.skipped("rollout step 3, optimizer step 5", "raw_reward of sample 0 is inf", steps=2)  # a step of k = 2
+    assert is_permanent(e.value)
+    with pytest.raises(NonFiniteError, match="train.nonfinite = skip, train.max_nonfinite_skips = 0"):
+        NonFiniteGuard(TrainConfig(max_nonfinite_skips=0)).skipped("optimizer step 1", "loss = nan")
+    with pytest.raises(NonFiniteError, match=r"optimizer step 1: loss = inf; not applied.*train.nonfinite = fail"):
+        NonFiniteGuard(TrainConfig(nonfinite="fail")).skipped("optimizer step 1", "loss = inf")
+    assert nonfinite_what({"loss": float("nan"), "grad_norm": 1.0, "nonfinite_skipped": 0.0}) is None
+    assert nonfinite_what({"loss": 0.5, "grad_norm": float("inf"), "nonfinite_skipped": 1.0}) == "grad_norm = inf"
+
+
 def test_checkpoint_resolve_trusts_only_latest(tmp_path):
     from relax_hpc.train import checkpoint as ckpt
 

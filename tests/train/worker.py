@@ -227,6 +227,78 @@ def job_resume(args: dict, out: Path) -> dict:
     return res
 
 
+def _opt_state(actor) -> list:
+    """Copies of every weight, every optimizer main param and every Adam state tensor (step included)."""
+    import torch
+
+    out = [p.detach().clone() for m in actor.model for p in m.parameters()]
+    for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                out.append(p.detach().clone())
+                out += [v.detach().clone() for _, v in sorted(opt.optimizer.state[p].items()) if torch.is_tensor(v)]
+    return out
+
+
+def _same(a: list, b: list) -> bool:
+    import torch
+
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def job_nonfinite(args: dict, out: Path) -> dict:
+    """train.nonfinite per layout: a step with a NaN advantage under skip changes no weight and no optimizer state
+    and says so in its metrics; the next good step trains; train.max_nonfinite_skips consecutive skips are allowed
+    and one more fails; under fail the first fails. Same decision on every rank (else a collective would hang)."""
+    import math
+
+    import torch
+
+    from relax_hpc.errors import is_permanent
+    from relax_hpc.train import MegatronActor, init_parallel
+    from relax_hpc.train.parallel import destroy_parallel
+
+    res = {}
+    for layout in args["layouts"]:
+        tp, pp = layout.get("tp", 1), layout.get("pp", 1)
+        key = f"tp{tp}_pp{pp}_dp{int(os.environ['WORLD_SIZE']) // (tp * pp)}"
+        init_parallel(tp, pp, seed=1)
+        cfg = _train_cfg(layout, micro_batch_size=2, lr=1e-3, clip_grad=1.0, max_nonfinite_skips=2)
+        actor = MegatronActor.from_hf(args["hf"], cfg, _algo(eps_clip=0.2))
+        batch = make_batch(4, seed=11, fixed_old=True)
+        poisoned = [dict(s, advantage=float("nan")) if i == 1 else s for i, s in enumerate(batch)]
+        r: dict = {"first": actor.train_step(batch)}  # Adam state exists from here on
+        before = _opt_state(actor)
+        m = actor.train_step(poisoned, rollout_step=7)
+        r["skip"] = {k: m[k] for k in ("loss", "pg_loss", "grad_norm", "nonfinite_skipped", "update_successful",
+                                       "step")}
+        r["skip"]["why"], r["skip"]["unchanged"] = actor.last_skip, _same(before, _opt_state(actor))
+        m = actor.train_step(batch)
+        after = _opt_state(actor)
+        r["next"] = {"loss": m["loss"], "nonfinite_skipped": m["nonfinite_skipped"], "why": actor.last_skip,
+                     "changed": not _same(before, after), "finite": all(bool(torch.isfinite(t).all()) for t in after)}
+        r["streak"] = []
+        for _ in range(3):  # two skips pass (max_nonfinite_skips = 2), the third ends the run
+            try:
+                r["streak"].append(actor.train_step(poisoned, rollout_step=9)["nonfinite_skipped"])
+            except Exception as e:
+                r["streak_error"], r["streak_permanent"] = str(e), is_permanent(e)
+        r["streak_unchanged"] = _same(after, _opt_state(actor))
+        actor.train_step(batch)  # an applied step ends the streak
+        cfg.nonfinite = "fail"
+        held = _opt_state(actor)
+        try:
+            actor.train_step(poisoned, rollout_step=12)
+        except Exception as e:
+            r["fail_error"], r["fail_permanent"], r["fail_type"] = str(e), is_permanent(e), type(e).__name__
+        r["fail_unchanged"] = _same(held, _opt_state(actor))
+        r["loss_is_nan"] = math.isnan(r["skip"]["loss"])
+        res[key] = r
+        del actor
+        destroy_parallel()
+    return res
+
+
 def job_suite(args: dict, out: Path) -> dict:
     """Several jobs in one launch (imports cost ~8 s per process): {"name": [job, args], ...}.
 
@@ -248,7 +320,8 @@ def job_suite(args: dict, out: Path) -> dict:
     return res
 
 
-JOBS = {"parity": job_parity, "train": job_train, "resume": job_resume, "suite": job_suite}
+JOBS = {"parity": job_parity, "train": job_train, "resume": job_resume, "nonfinite": job_nonfinite,
+        "suite": job_suite}
 
 
 def main() -> int:
