@@ -189,13 +189,14 @@ class ConnectTask(TaskMessage):
 
 @dataclass(frozen=True, kw_only=True)
 class GenerateTask(TaskMessage):
-    """rollout: generate step ``step`` on ``engines`` from the data cursor ``data_state`` (after step−1)."""
+    """rollout: generate step ``step`` on ``engines`` from the rollout state ``data_state`` (after step−1): the data
+    cursor and, with partial rollout, the reference of the buffer saved with it (opaque here: the rollout role's)."""
 
     kind: ClassVar[str] = "generate"
     step: int
     engines: dict[str, str]  # the live ones, {name: url}
     seq: int  # the producer's chunk sequence number (the broker's next_seq)
-    data_state: dict | None  # the data cursor after step−1; None: where the data source stands
+    data_state: dict | None  # the rollout state (cursor, buffer ref) after step−1; None: where the data source stands
     judges: dict[str, str] = field(default_factory=dict)  # the genrm role's engines {name: url}, if it runs
 
 
@@ -299,7 +300,7 @@ class StartEnginesResult(ResultMessage):
     engines: dict[str, str]  # genrm: {"judge<rank>": url}; rollout: none
     pids: dict[str, int] = field(default_factory=dict)  # by engine name
     nodes: dict[str, str] = field(default_factory=dict)  # by engine name
-    data_state: dict | None = None  # the data cursor at the start (a fresh run's step 1 starts from it)
+    data_state: dict | None = None  # the rollout state at the start (a fresh run's step 1 starts from it)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -316,7 +317,7 @@ class GenerateResult(ResultMessage):
     metrics: dict[str, Any] = field(default_factory=dict)  # rollout/*, perf/*
     n: int = 0  # samples
     weight_versions: list[str] = field(default_factory=list)  # the weight versions the samples carry
-    data_state: dict | None = None  # the data cursor after this step
+    data_state: dict | None = None  # the rollout state (cursor, buffer ref) after this step
     reward_failures: list[dict] = field(default_factory=list)  # the first ones, with their samples
     engine_failures: list[dict] = field(default_factory=list)  # {"name", "url", "error"}
     dead_engines: dict[str, str] = field(default_factory=dict)  # {name: why}

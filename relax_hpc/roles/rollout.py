@@ -41,7 +41,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import math
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -340,7 +339,7 @@ class Generator:
             metrics.update({f"eval/{k.replace('/', '_')}": v for k, v in genrm.take_metrics().items()})
         scores = ", ".join(f"{n} {metrics[f'eval/{n}']:.3f}" for n in self.eval_sets)
         log.info("step %d eval: %s (%.1f s)", step, scores, metrics.get("perf/eval_time", 0.0))
-        return EvalResult(metrics={k: float(v) for k, v in metrics.items() if math.isfinite(v)})
+        return EvalResult(metrics={k: float(v) for k, v in metrics.items()})  # NaN too: never hidden
 
 
 def _buffer_files(x: Any) -> list[str]:

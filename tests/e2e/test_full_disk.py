@@ -36,6 +36,7 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, env={**os.environ, "COLUMNS": "1000"})  # no wrapped lines
 
 
+@pytest.mark.slow
 def test_a_full_disk_fails_the_run_naming_it_and_a_resume_completes(tiny_model, local_executor, small_disk):
     disk = small_disk(64)
     run = submit_detached(disk.path, tiny_model, f"run.steps={STEPS}", "checkpoint.interval=1",
@@ -77,6 +78,7 @@ def test_a_full_disk_fails_the_run_naming_it_and_a_resume_completes(tiny_model, 
     assert run.reserve.exists()  # made again for the next full disk
 
 
+@pytest.mark.slow
 def test_bad_data_fails_the_run_at_once_without_a_restart(tmp_path, tiny_model, local_executor):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps({"question": f"{a}+1=", "label": str(a + 1)}) + "\n" for a in range(4)))

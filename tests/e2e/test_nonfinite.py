@@ -38,6 +38,7 @@ def checkpoint_tensors(step_dir: Path, tmp_path: Path) -> dict[str, torch.Tensor
     return flat
 
 
+@pytest.mark.slow
 def test_a_huge_reward_and_nan_logprobs_never_train(tmp_path, tiny_model, local_executor, monkeypatch):
     # the first engine to start (of two) answers its first 3 generates with a NaN log-prob; not the one started
     # again in its place (the claim file exists by then)

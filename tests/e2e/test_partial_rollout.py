@@ -48,6 +48,7 @@ def joined(t: threading.Thread) -> None:
         raise t.error
 
 
+@pytest.mark.slow
 def test_partial_rollout_survives_a_requeue_and_a_killed_rollout_role(tmp_path, tiny_model, local_executor):
     data = tmp_path / "eight.jsonl"
     data.write_text("".join(ARITH.read_text().splitlines(keepends=True)[:N]))
