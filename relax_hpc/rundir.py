@@ -5,8 +5,8 @@ a requeued job, a role on another node) is a file here, written atomically. Owne
 the token in it is what lets a process talk to the controller.
 
 A full filesystem must not silence the run (``docs/reliability.md``, "A full disk"): ``RUN_DIR/.reserve`` holds
-:data:`RESERVE_BYTES` of it from the start, and the controller frees them (:meth:`RunDir.release_reserve`) when a
-write fails for want of space, so that its last words (state.json: FAILED, "no space left on <mount>",
+:data:`RESERVE_BYTES` of it from the start, and when a write of ``state.json`` fails for want of space the controller
+writes it into the reserve's blocks (:meth:`RunDir.write_in_reserve`), freeing the rest, so that its last words (state.json: FAILED, "no space left on <mount>",
 summary.json, the events) still land. :func:`no_space_message` is that reason, in one place.
 """
 
@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import secrets
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -28,6 +29,16 @@ from relax_hpc.errors import no_space
 
 RESERVE_BYTES = 2 << 20  # the controller's last words on a full disk: state.json, summary.json, reward.png, events
 FULL_BYTES = 1 << 20  # free space under this (for an unprivileged user) counts as a full filesystem
+MAX_JSON_BYTES = 16 << 20  # a run directory's JSON files are kilobytes; more is not one of ours
+
+
+class RunFileError(ValueError):
+    """A run directory's file that cannot be used: missing, not a regular file, unreadable, too large, not UTF-8
+    JSON, or not the shape it should have. ``str(e)`` is one line: the file, then what is wrong with it."""
+
+    def __init__(self, path: str | os.PathLike, what: str, missing: bool = False):
+        self.path, self.what, self.missing = Path(path), what, missing
+        super().__init__(f"{path}: {what}")
 
 
 @dataclass(frozen=True)
@@ -108,9 +119,11 @@ class RunDir:
         return self.api_key_file.read_text().strip()
 
     def read_json(self, which: Path, default: Any = None) -> Any:
+        """``which``'s JSON value, or ``default`` where it is missing or cannot be read (:func:`read_json_file`
+        says why; callers that must tell the user use that)."""
         try:
-            return json.loads(which.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+            return read_json_file(which)
+        except RunFileError:
             return default
 
     def ensure_reserve(self, nbytes: int = RESERVE_BYTES) -> bool:
@@ -138,6 +151,34 @@ class RunDir:
             finally:
                 os.close(fd)
             os.replace(tmp, self.reserve)
+            return True
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            return False
+
+    def write_in_reserve(self, path: Path, text: str) -> bool:
+        """Write ``text`` to ``path`` in :attr:`reserve`'s own blocks, with nothing new to allocate: on a full disk
+        no other writer (a role still writing its checkpoint) can take the space first, as it could once the
+        reserve were deleted. The reserve is renamed to a temporary name, overwritten from its start, cut to the
+        text's length (freeing the rest for the end's other writes), fsynced and renamed over ``path``. False,
+        touching nothing, where there is no reserve as large as the text: the caller writes as usual."""
+        data = text.encode()
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.reserve")
+        try:
+            if self.reserve.stat().st_blocks * 512 < len(data):
+                return False
+            os.replace(self.reserve, tmp)
+        except OSError:
+            return False
+        try:
+            fd = os.open(tmp, os.O_WRONLY)
+            try:
+                _write_all(fd, data)  # from offset 0, over blocks allocated already
+                os.ftruncate(fd, len(data))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
             return True
         except OSError:
             tmp.unlink(missing_ok=True)
@@ -234,6 +275,23 @@ def no_space_message(run: RunDir, path: str | os.PathLike | None = None, what: s
             f"the quota), then relax-submit --resume {run.path}")
 
 
+def run_disk_full(run: RunDir, error: BaseException) -> bool:
+    """Whether ``error`` is the run directory's full disk (:func:`relax_hpc.errors.no_space` says it is a full disk):
+    the file it names is on the run directory's filesystem, or it names none and that filesystem is full now. A
+    full node-local disk (``/dev/shm``, ``/tmp``) is the node's, not the run's: a restart may help there."""
+    e = no_space(error)
+    if e is None:
+        return False
+    name = getattr(e, "filename", None)
+    if isinstance(name, (str, os.PathLike)):
+        try:
+            return mount_point(name) == mount_point(run.path)
+        except OSError:
+            pass
+    free = free_bytes(run.path)
+    return free is not None and free < FULL_BYTES
+
+
 def no_space_reason(run: RunDir, error: BaseException, path: str | os.PathLike | None = None) -> str:
     """:func:`no_space_message` for ``error`` (a full disk, see :func:`relax_hpc.errors.no_space`): the file
     it names if ``path`` is not given, and what the system said."""
@@ -281,5 +339,94 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
     return f is not None and f(fd, offset, nbytes, 2) == 0  # SYNC_FILE_RANGE_WRITE
 
 
+def is_regular(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a regular file (following links): what may be opened without a FIFO blocking the
+    open or a device answering without end."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def _not_regular(path: str | os.PathLike, mode: int) -> None:
+    if stat.S_ISREG(mode):
+        return
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "something else")
+    raise RunFileError(path, f"is {kind}, not a regular file")
+
+
+def read_bytes(path: str | os.PathLike, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of regular file ``path``, or :class:`RunFileError`. Never blocks: anything but a regular file is
+    refused by its type before it is opened, the open is non-blocking (a file swapped for a FIFO in between
+    cannot hang it either) and its type is checked again on the open file; more than ``limit`` bytes are
+    refused, not read."""
+    def unreadable(e: OSError) -> RunFileError:
+        if isinstance(e, FileNotFoundError):
+            return RunFileError(path, "missing", missing=True)
+        return RunFileError(path, f"cannot be read ({e.strerror or type(e).__name__})")
+
+    try:
+        _not_regular(path, os.stat(path).st_mode)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    except OSError as e:
+        raise unreadable(e) from None
+    try:
+        st = os.fstat(fd)
+        _not_regular(path, st.st_mode)
+        if st.st_size > limit:
+            raise RunFileError(path, f"is {st.st_size} bytes, more than the {limit} a run directory's file may be")
+        parts, size = [], 0
+        while size <= limit:
+            part = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not part:
+                break
+            parts.append(part)
+            size += len(part)
+    except OSError as e:
+        raise unreadable(e) from None
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise RunFileError(path, f"grew past the {limit} bytes a run directory's file may be")
+    return b"".join(parts)
+
+
+def _json_kind(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def read_json_file(path: str | os.PathLike, kind: type | None = None, limit: int = MAX_JSON_BYTES) -> Any:
+    """The JSON value of regular file ``path`` (read by :func:`read_bytes`: no hang, at most ``limit`` bytes), of
+    type ``kind`` if given (``dict``: a JSON object); else :class:`RunFileError` saying what is wrong in one line:
+    missing, not a regular file, unreadable, empty, not UTF-8, not JSON (a truncated file says so), too deep."""
+    data = read_bytes(path, limit)
+    if not data.strip():
+        raise RunFileError(path, "is empty" if not data else "holds only whitespace, no JSON")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RunFileError(path, f"is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}): "
+                                 "binary data where JSON should be") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        cut = "; it ends early: truncated?" if e.pos >= len(text.rstrip()) else ""
+        raise RunFileError(path, f"is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}{cut})") from None
+    except RecursionError:
+        raise RunFileError(path, "is JSON nested too deeply to read") from None
+    if kind is not None and not isinstance(value, kind):
+        want = "a JSON object" if kind is dict else "a JSON array" if kind is list else kind.__name__
+        raise RunFileError(path, f"holds {_json_kind(value)} where {want} should be")
+    return value
+
+
+def json_text(data: Any) -> str:
+    """How the run directory's JSON files are written (:func:`write_json`)."""
+    return json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+
 def write_json(path: Path, data: Any) -> None:
-    write_private(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    write_private(path, json_text(data))

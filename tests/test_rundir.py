@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from relax_hpc.errors import no_space
-from relax_hpc.rundir import (FULL_BYTES, RESERVE_BYTES, create_run_dir, free_bytes, fsync_dir, mount_point,
-                              no_space_message, no_space_reason, start_writeback, write_json, write_private)
+from relax_hpc.rundir import (FULL_BYTES, RESERVE_BYTES, RunFileError, create_run_dir, free_bytes, fsync_dir,
+                              is_regular, mount_point, no_space_message, no_space_reason, read_json_file,
+                              start_writeback, write_json, write_private)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
@@ -96,3 +97,56 @@ def test_the_no_space_reason_is_one_line_whatever_the_library_put_in_the_error(t
     assert no_space_reason(rd, hdf5) == no_space_message(rd, None, "No space left on device")
     torch = RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0\nNo space left on device")
     assert no_space_reason(rd, torch) == no_space_message(rd, None, "No space left on device")
+
+
+def test_read_json_file_says_what_is_wrong_in_one_line_and_never_blocks(tmp_path):
+    """What relax-status, the controller and the roles read a run file with: a regular file only (a FIFO is refused
+    by its type, never opened for reading), at most ``limit`` bytes, and one line saying what is wrong."""
+    f = tmp_path / "state.json"
+    cases = [(b'{"a": 1}', None), (b"", "is empty"), (b"  \n", "holds only whitespace"),
+             (b'\xff{"a": 1}', "is not UTF-8 text (byte 0xff at offset 0)"),
+             (b'{"a": [1, 2', "is not valid JSON (Expecting ',' delimiter at line 1, column 12; it ends early"),
+             (b'{"a": 1} x', "is not valid JSON (Extra data at line 1, column 10)"),
+             (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+             (b"[1]", "holds an array where a JSON object should be"),
+             (b"null", "holds null where a JSON object should be")]
+    for data, words in cases:
+        f.write_bytes(data)
+        if words is None:
+            assert read_json_file(f, dict) == {"a": 1}
+            continue
+        with pytest.raises(RunFileError) as e:
+            read_json_file(f, dict)
+        assert str(e.value).startswith(f"{f}: ") and words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    f.write_bytes(b'"' + b"x" * 100 + b'"')
+    with pytest.raises(RunFileError, match="is 102 bytes, more than the 50"):
+        read_json_file(f, limit=50)
+    f.unlink()
+    with pytest.raises(RunFileError, match="missing") as e:
+        read_json_file(f)
+    assert e.value.missing
+    os.mkfifo(f)
+    with pytest.raises(RunFileError, match=r"is a FIFO \(named pipe\), not a regular file"):
+        read_json_file(f)
+    assert not is_regular(f) and is_regular(__file__)
+    with pytest.raises(RunFileError, match="is a device"):
+        read_json_file("/dev/zero")  # would never end
+    rd = create_run_dir(tmp_path, "r")
+    assert rd.read_json(f, {"default": 1}) == {"default": 1}  # the tolerant reader of the controller and roles
+
+
+def test_only_the_run_directorys_full_disk_is_the_runs(tmp_path, small_disk):
+    """A full node-local disk (another filesystem, named by the error) is the node's: a restart may help there."""
+    from relax_hpc.rundir import run_disk_full
+
+    disk = small_disk(8)
+    rd = create_run_dir(disk.path, "r")
+    other = small_disk(1)
+    on_run = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(rd.path / "exchange" / "chunk.h5"))
+    on_node = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(other.path / "shm_seg"))
+    text_only = RuntimeError("HDF5: write failed: No space left on device")
+    assert run_disk_full(rd, on_run) and not run_disk_full(rd, on_node)
+    assert not run_disk_full(rd, text_only)  # names no file, and the run's disk is not full: not the run's
+    assert not run_disk_full(rd, ValueError("bad row"))
+    disk.fill()
+    assert run_disk_full(rd, text_only)  # now it is

@@ -18,8 +18,9 @@ Surviving the cluster (``docs/controller.md``, "Surviving the cluster"):
   (a reward that raised, no engine alive) fails the run at once: doing it again would end the same way; so
   does a role's error that will repeat (bad data, a user function that does not load: ``relax_hpc.errors``).
 * A full disk: any write that fails for want of space (the controller's, or a role's report) fails the run at
-  once, naming the mount point; the run directory's reserve is freed so that state.json, summary.json and the
-  events still land. Each step of the end runs whatever the one before it did, and none hides the first cause.
+  once, naming the mount point; state.json records it in the run directory's reserve (blocks held from the
+  start, so no role still writing can take them first), and what the reserve had beyond it is freed for
+  summary.json and the events. Each step of the end runs whatever the one before it did, and none hides the first cause.
 """
 
 from __future__ import annotations
@@ -220,8 +221,8 @@ def _attempt(run: RunDir, recipe: Recipe, executor: str, state: RunState, sig: S
 
 
 def _end_step(state: RunState, what: str, fn) -> None:
-    """One step of an attempt's end: its failure is logged and kept as an event (a full disk frees the reserve
-    and fails a run still going), never raised over the run's first cause."""
+    """One step of an attempt's end: its failure is logged and kept as an event (a full disk fails a run still
+    going), never raised over the run's first cause."""
     try:
         fn()
     except Exception as e:

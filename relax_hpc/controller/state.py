@@ -18,7 +18,7 @@ try ended), ``last_checkpoint``, ``last_failure`` and ``events`` survive, the pe
 
 Which failures a restart may fix is decided here too (:class:`Failure`'s ``kind``; only ``role`` restarts).
 A full disk fails the run at once, naming the mount point: a role's report says so, a write of ``state.json``
-that fails for want of space frees the run directory's reserve and writes the failure, and any failure seen
+that fails for want of space writes the failure into the run directory's reserve, and any failure seen
 while the run directory's filesystem is full is taken for one (docs/reliability.md, "A full disk").
 """
 
@@ -34,7 +34,8 @@ from relax_hpc.controller.protocol import PHASES
 from relax_hpc.errors import NO_SPACE, PERMANENT, no_space
 from relax_hpc.identity import cross_members
 from relax_hpc.recipe import Recipe, RoleStep
-from relax_hpc.rundir import FULL_BYTES, RunDir, free_bytes, mount_point, no_space_message, no_space_reason, write_json
+from relax_hpc.rundir import (FULL_BYTES, RunDir, free_bytes, json_text, mount_point, no_space_message, no_space_reason,
+                              write_json)
 
 log = logging.getLogger("relax_hpc.controller")
 
@@ -232,11 +233,10 @@ class RunState:
         return NO_SPACE, f"{message}; {no_space_message(self.run, what=f'{free} bytes free')}"
 
     def out_of_space(self, error: BaseException, path: Any = None, role: str = "controller") -> None:
-        """A write of the controller's failed for want of space (``error``): free the run directory's reserve so
-        the end can be written, and fail the run naming the disk (if it is still running)."""
-        freed = self.run.release_reserve()
-        log.error("no space left on %s (%s); released the run directory's reserve (%d bytes) to record the end",
-                  _mount(self.run.path), error, freed)
+        """A write of the controller's failed for want of space (``error``): fail the run naming the disk (if it is
+        still running); :meth:`write` puts that in ``state.json`` through the run directory's reserve."""
+        log.error("no space left on %s (%s); the run fails, recorded in the run directory's reserve",
+                  _mount(self.run.path), error)
         self.fail(role, None, None, no_space_reason(self.run, error, path), kind=NO_SPACE)
 
     def progress(self, **fields: Any) -> None:
@@ -310,12 +310,13 @@ class RunState:
             except OSError as e:
                 if no_space(e) is None:
                     raise
-                self.out_of_space(e, self.run.state)  # the reserve freed, the failure in the doc: once more
-                try:
-                    write_json(self.run.state, self.doc)
-                except OSError as again:  # nothing left to free: the log says it, a later write tries again
-                    log.error("could not write %s: %s", self.run.state, again)
-                    return
+                self.out_of_space(e, self.run.state)  # the failure in the doc, then in the reserve's blocks
+                if not self.run.write_in_reserve(self.run.state, json_text(self.doc)):
+                    try:
+                        write_json(self.run.state, self.doc)
+                    except OSError as again:  # no reserve left: the log says it, a later write tries again
+                        log.error("could not write %s: %s", self.run.state, again)
+                        return
             self.dirty, self.urgent, self._last_write = False, False, now
 
 

@@ -51,6 +51,18 @@ FIELDS: tuple[Field, ...] = (
 )
 BY_NAME = {f.name: f for f in FIELDS}
 
+# The values a number field may hold, checked where numbers enter (the rollout client, the reward runner) and again
+# at the trainer's door (relax_hpc.roles.samples): a log-prob is never above 0, beyond float rounding of a
+# near-certain token's (far below this); and every number must be finite in the dtype its column stores it in.
+LOGPROB_TOLERANCE = 1e-3
+
+
+def finite_max(name: str) -> float:
+    """The largest magnitude field ``name``'s column stores as a finite number (its float dtype's max)."""
+    import numpy as np  # here: the recipe validator imports modules that import this one
+
+    return float(np.finfo(BY_NAME[name].dtype).max)
+
 PRODUCER = ROLLOUT  # the writer of a step's main chunk file
 # side fields another role adds after the rollout wrote the chunk; the writer's role names its side file
 FORWARD_FIELDS = tuple(f.name for f in FIELDS if f.writer in (REFERENCE, ACTOR_FWD))

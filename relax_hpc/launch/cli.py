@@ -25,6 +25,7 @@ from relax_hpc.launch.scale import ScaleError, scale
 from relax_hpc.launch.status import audit_run, collect, is_final, render, render_audit
 from relax_hpc.launch.submit import SubmitError, dry_run, plan, submit
 from relax_hpc.recipe import RecipeError
+from relax_hpc.recipe.errors import short_repr
 from relax_hpc.rundir import FULL_BYTES, RunDir, free_bytes, no_space_message
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -42,7 +43,7 @@ def _refused(e: RecipeError, as_json: bool) -> int:
     _err(e.render())
     if as_json:
         _print_json({"error": "recipe refused", "source": e.source,
-                     "problems": [{"key": k, "value": repr(v), "message": m} for k, v, m in e.problems]})
+                     "problems": [{"key": k, "value": short_repr(v), "message": m} for k, v, m in e.problems]})
     return EXIT_REFUSED
 
 
@@ -171,8 +172,12 @@ def _resume(args: argparse.Namespace, console: Console) -> int:
         return EXIT_FAILED
     room = rd.ensure_reserve()  # a disk without room for the run's reserve would end it as its last attempt did
     free = free_bytes(rd.path)
-    if not room or (free is not None and free < FULL_BYTES):
+    if free is not None and free < FULL_BYTES:
         _err(f"relax-submit --resume: {no_space_message(rd, what=f'{free} bytes free')}")
+        return EXIT_FAILED
+    if not room:  # room on the disk, and still no reserve: not the disk's doing
+        _err(f"relax-submit --resume: cannot write {rd.reserve} in the run directory. Fix: make {rd.path} "
+             "writable by you (its permissions, a read-only filesystem), then resume")
         return EXIT_FAILED
     try:
         record, job = resume(rd.path, "local" if args.local else None)
@@ -273,10 +278,16 @@ def status_main(argv: list[str] | None = None) -> int:
             info = collect(rd)
             if args.json:
                 _print_json(info)
-            else:
+            elif not info["error"]:
                 console.print(render(info))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except RunNotFound as e:  # job.json damaged since find_run read it
+        _err(f"relax-status: {e}")
+        return EXIT_FAILED
+    if info["error"]:  # a run file that cannot be used: one line naming it, never a state that was not read
+        _err(f"relax-status: {info['error']}")
+        return EXIT_FAILED
     return EXIT_FAILED if info["state"] == "UNKNOWN" and info["source"] == "none" and \
         str(info.get("reason", "")).startswith("cannot ask Slurm") else EXIT_OK
 

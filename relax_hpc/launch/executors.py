@@ -234,6 +234,8 @@ def read_result(folder: str | Path, job_id: str) -> tuple[str, Any] | None:
     path = submitit_utils.JobPaths(folder, job_id=job_id, task_id=0).result_pickle
     if not path.exists():
         return None
+    if not path.is_file():  # a FIFO there would hang the read
+        return ("error", f"unreadable result {path}: not a regular file")
     try:
         return submitit_utils.pickle_load(path)
     except Exception as e:  # a truncated pickle, or one whose classes moved

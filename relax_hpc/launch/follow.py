@@ -22,8 +22,11 @@ def follow(rd: RunDir, console: Console, interval: float = 2.0, json_lines: bool
     """Show ``rd``'s status every ``interval`` seconds until ``stop(info)``; returns the last status.
 
     ``settle_s``: after ``stop`` first holds, keep polling this long while the state is not final yet (sacct
-    and state.json can lag the end of a process by a moment). KeyboardInterrupt propagates to the caller."""
+    and state.json can lag the end of a process by a moment). A run file that cannot be used (``info["error"]``)
+    ends it at once: it returns that status for the caller to report. KeyboardInterrupt propagates to the caller."""
     info = collect(rd)
+    if info["error"]:
+        return info
     if json_lines:
         last = None
         while True:
@@ -31,13 +34,13 @@ def follow(rd: RunDir, console: Console, interval: float = 2.0, json_lines: bool
             if sig != last:
                 print(json.dumps(info, sort_keys=True, default=str), flush=True)
                 last = sig
-            if stop(info):
+            if stop(info) or info["error"]:
                 return _settle(rd, info, settle_s)
             time.sleep(interval)
             info = collect(rd)
     if console.is_terminal:
         with Live(render(info), console=console, refresh_per_second=4, transient=False) as live:
-            while not stop(info):
+            while not stop(info) and not info["error"]:
                 time.sleep(interval)
                 info = collect(rd)
                 live.update(render(info))
@@ -50,6 +53,8 @@ def follow(rd: RunDir, console: Console, interval: float = 2.0, json_lines: bool
         if line != last_line:
             console.print(line, highlight=False, soft_wrap=True)
             last_line = line
+        if info["error"]:
+            return info
         if stop(info):
             info = _settle(rd, info, settle_s)
             console.print(render(info))
@@ -60,7 +65,7 @@ def follow(rd: RunDir, console: Console, interval: float = 2.0, json_lines: bool
 
 def _settle(rd: RunDir, info: dict, settle_s: float) -> dict:
     deadline = time.monotonic() + settle_s
-    while not is_final(info) and time.monotonic() < deadline:
+    while not is_final(info) and not info["error"] and time.monotonic() < deadline:
         time.sleep(0.3)
         info = collect(rd)
     return info

@@ -9,6 +9,8 @@ raised as one :class:`RecipeError`, like the validator's.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import re
 from typing import Callable
 
@@ -66,7 +68,10 @@ def check_slurm(recipe: Recipe, nodes: list[slurm.Node], default: str | None) ->
             problems.append((f"{key}.cpus_per_task", g.cpus_per_task,
                              f"tasks_per_node × cpus_per_task = {g.tasks_per_node} × {g.cpus_per_task} = {cpus} "
                              f"CPUs per node, but nodes of {where} have at most {max_cpus}. Fix: fewer tasks or CPUs per node"))
-        need_mem = mem_mb(g.mem) if g.mem else 0
+        try:
+            need_mem = mem_mb(g.mem) if g.mem else 0
+        except ValueError:  # refused by the validator already (it names roles.<role>.mem)
+            need_mem = 0
         if need_mem > max_mem:
             problems.append((f"{key}.mem", g.mem, f"nodes of {where} have at most {max_mem} MB. "
                              "Fix: ask for less, or leave it empty for the partition default"))
@@ -125,20 +130,65 @@ def cuda_device_count() -> int:
 
 
 def preflight(recipe: Recipe, executor: str, source: str | None = None) -> None:
-    """Raise :class:`RecipeError` if ``recipe`` cannot run on ``executor`` ('slurm' asks sinfo).
+    """Raise :class:`RecipeError` if ``recipe`` cannot run on ``executor`` ('slurm' asks sinfo); all problems
+    of :func:`preflight_problems` in one error."""
+    problems = preflight_problems(recipe, executor)
+    if problems:
+        raise RecipeError(problems, source=source)
 
-    First the files the run will open (``data.path``, the model's context length, relative to this working
-    directory, which becomes the roles'), then the cluster or this machine; all problems in one error."""
+
+def preflight_problems(recipe: Recipe, executor: str,
+                       refused: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
+    """What keeps ``recipe`` from running on ``executor``: first the files the run will open (``data.path``, the
+    model, relative to this working directory, which becomes the roles'), then the cluster or this machine.
+
+    Runs on a recipe whose meaning checks failed too (``relax-submit`` reports both at once, so that
+    ``roles.actor.nodes=999`` is named by the cluster's node count, not only by what it implies for the batch):
+    ``refused`` are the keys the validator refused: the checks here see their defaults where they are strings
+    (a path too long to open, a partition with a ';'), and the layout checks are skipped when a ``share_with``
+    is refused (one naming no role gives no layout to check)."""
+    recipe = _unset_refused_strings(recipe, refused)
     problems = check_files(recipe)
+    layout = not any(k.endswith(".share_with") for k in refused)
     if executor == "slurm":
         try:
             nodes, default = slurm.sinfo_nodes(), slurm.default_partition()
         except slurm.SlurmError as e:
             problems.append(("<cluster>", _MISSING, f"cannot check the recipe against the "
                              f"cluster: {e}. Fix: check that Slurm answers (sinfo), or run with --local"))
-            raise RecipeError(problems, source=source) from None
-        problems += check_slurm(recipe, nodes, default)
-    else:
+            return problems
+        if layout:
+            problems += check_slurm(recipe, nodes, default)
+    elif layout:
         problems += check_local(recipe, cuda_device_count)
-    if problems:
-        raise RecipeError(problems, source=source)
+    return problems
+
+
+def _unset_refused_strings(recipe: Recipe, refused: set[str] | frozenset[str]) -> Recipe:
+    """A copy of ``recipe`` with each refused string value put back to its default (a refused entry of a
+    mapping removed): the paths, names and specs the validator refused are not opened or looked up again."""
+    out = None
+    for key in refused:
+        parts = key.split(".")
+        node: object = recipe
+        for part in parts[:-1]:
+            node = getattr(node, part, None)
+        leaf = parts[-1]
+        if isinstance(node, dict) and isinstance(node.get(leaf), str) or \
+                dataclasses.is_dataclass(node) and isinstance(getattr(node, leaf, None), str):
+            if out is None:
+                out = copy.deepcopy(recipe)
+            _reset(out, parts)
+    return recipe if out is None else out
+
+
+def _reset(recipe: Recipe, parts: list[str]) -> None:
+    node: object = recipe
+    for part in parts[:-1]:
+        node = getattr(node, part)
+    if isinstance(node, dict):
+        del node[parts[-1]]
+        return
+    f = next(f for f in dataclasses.fields(node) if f.name == parts[-1])
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    setattr(node, parts[-1], default)

@@ -19,10 +19,10 @@ from rich.text import Text
 
 from relax_hpc.launch import localproc, slurm
 from relax_hpc.launch.executors import read_result
-from relax_hpc.launch.runs import load_job
+from relax_hpc.launch.runs import RunUnreadable, load_job
 from relax_hpc.recipe import load_recipe
 from relax_hpc.recipe.layout import role_steps
-from relax_hpc.rundir import FULL_BYTES, RunDir, free_bytes, no_space_message
+from relax_hpc.rundir import FULL_BYTES, RunDir, RunFileError, free_bytes, is_regular, no_space_message, read_json_file
 
 STATE_STYLE = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow", "FAILED": "bold red",
                "CANCELLED": "magenta", "TIMEOUT": "red", "UNKNOWN": "dim"}
@@ -39,9 +39,53 @@ def _epoch(v: Any) -> float | None:
     return None
 
 
+# state.json's fields relax-status reads, as the controller writes them (controller/state.py): null or absent is
+# allowed for all but "state"
+_WORDS = frozenset(slurm.FINISHED_STATES | {"RUNNING", "PENDING", "REQUEUED"})
+_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
+_NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
+_STR = (lambda v: isinstance(v, str), "a string")
+_OBJECTS = (lambda v: isinstance(v, dict) and all(isinstance(x, dict) or x is None for x in v.values()),
+            "an object of objects")
+_SCALE_KEYS = ("id", "spec", "origin", "state")
+_STATE_FIELDS = {
+    "state": (lambda v: isinstance(v, str) and v in _WORDS, f"one of {', '.join(sorted(_WORDS))}"),
+    "reason": _STR, "phase": _STR, "last_failure": _STR,
+    "step": _INT, "total_steps": _INT, "attempt": _INT, "restarts": _INT,
+    "reward": _NUMBER, "updated_at": (lambda v: _epoch(v) is not None, "a time"),
+    "roles": _OBJECTS, "engines": _OBJECTS, "judges": _OBJECTS,
+    "events": (lambda v: isinstance(v, list), "an array"),
+    "last_checkpoint": (lambda v: isinstance(v, dict), "an object"),
+    "scale": (lambda v: isinstance(v, list) and all(isinstance(op, dict) and all(k in op for k in _SCALE_KEYS)
+                                                    for op in v), f"an array of objects with {', '.join(_SCALE_KEYS)}"),
+}
+
+
+def read_state(rd: RunDir) -> tuple[dict, str | None]:
+    """``state.json`` as the controller wrote it, checked: (the document, None); ({}, "missing") before the
+    controller wrote one; ({}, "<file>: <what is wrong>") for one that cannot be used, whatever the damage (not
+    a regular file, unreadable, empty, truncated, binary, not an object, a field of the wrong type)."""
+    try:
+        doc = read_json_file(rd.state, dict)
+    except RunFileError as e:
+        return {}, "missing" if e.missing else str(e)
+    if doc.get("state") is None:
+        return {}, f"{rd.state}: has no \"state\" field; the controller always writes one"
+    bad = [f"field {k!r} is {_short(v)}, not {what}" for k, (ok, what) in _STATE_FIELDS.items()
+           if (v := doc.get(k)) is not None and not ok(v)]
+    return ({}, f"{rd.state}: {'; '.join(bad)}") if bad else (doc, None)
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _layout(rd: RunDir, state: dict) -> list[dict]:
     """Roles in het-group order from the run's recipe (or, if it cannot be read, from state.json)."""
     try:
+        if not is_regular(rd.recipe):  # a FIFO in its place would hang the read
+            raise FileNotFoundError(rd.recipe)
         recipe = load_recipe(rd.recipe)
         return [{"role": s.role, "het_group": s.het_group, "shared": s.shared, "nodes_requested": s.nodes,
                  "ntasks": s.ntasks} for s in role_steps(recipe)]
@@ -123,11 +167,19 @@ def _local_state(rd: RunDir, job: dict, ctl: dict) -> tuple[str, str | None, lis
 
 
 def collect(rd: RunDir, now: float | None = None) -> dict:
-    """Everything ``relax-status --json`` prints for one run."""
+    """Everything ``relax-status --json`` prints for one run.
+
+    ``error``: None, or one line naming a run file that cannot be used and what is wrong with it; then ``state``
+    is UNKNOWN (never a state that was not read) and ``reason`` is that line. A damaged state.json is one; so is a
+    missing state.json once the job ended cleanly (the controller never wrote the run's end: submitit's result
+    or Slurm's COMPLETED says only that the process returned). A damaged job.json raises
+    :class:`~relax_hpc.launch.runs.RunUnreadable`: without it there is no job to ask about."""
     now = time.time() if now is None else now
     job = load_job(rd)
-    ctl = rd.read_json(rd.state, {}) or {}
     executor = job.get("executor", "slurm")
+    if executor == "local" and job.get("pid") is None:
+        raise RunUnreadable(f"{rd.job}: field 'pid' is missing (a local run's process id)")
+    ctl, problem = read_state(rd)
     if executor == "slurm":
         try:
             overall, reason, components, source = _slurm_state(rd, job, ctl)
@@ -135,6 +187,13 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
             overall, reason, components, source = "UNKNOWN", f"cannot ask Slurm: {e}", [], "none"
     else:
         overall, reason, components, source = _local_state(rd, job, ctl)
+    error = None if problem == "missing" and overall != "COMPLETED" else problem
+    if error == "missing":
+        how = "Slurm says the job COMPLETED" if executor == "slurm" else f"the local process {job['pid']} returned"
+        error = (f"{rd.state}: missing, though {how}: the controller never wrote the run's state, so how the run "
+                 f"ended is unknown. See {rd.logs}")
+    if error:
+        overall, reason, source = "UNKNOWN", error, "none"
     layout = _layout(rd, ctl)
     ctl_roles = ctl.get("roles") or {}
     roles: dict[str, dict] = {}
@@ -158,6 +217,7 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
     return {
         "run": rd.name,
         "run_dir": str(rd.path),
+        "error": error,
         "job_id": str(job.get("job_id")),
         "job_name": job.get("job_name"),
         "executor": executor,
@@ -309,6 +369,9 @@ def audit_run(rd: RunDir) -> dict:
     from relax_hpc.exchange.audit import audit, epochs, exactly_once, prompt_violations
 
     journal = rd.path / "exchange" / "journal.jsonl"
+    for f in (rd.recipe, journal):
+        if f.exists() and not is_regular(f):  # a FIFO would hang the read
+            raise RunFileError(f, "is not a regular file")
     tasks = consuming_tasks(load_recipe(rd.recipe))
     if not journal.exists():
         return {"run": rd.name, "journal": str(journal), "tasks": tasks, "exactly_once": False, "steps": [],

@@ -22,10 +22,11 @@ from typing import Any
 from relax_hpc.controller.steps import describe_steps, engine_lines, step_commands
 from relax_hpc.launch import localproc
 from relax_hpc.launch.executors import ControllerTask, HetSlurmExecutor, RelaxLocalExecutor, runner_argv
-from relax_hpc.launch.preflight import preflight
+from relax_hpc.launch.preflight import preflight_problems
 from relax_hpc.launch.render import PACKAGE_ROOT, render_script
 from relax_hpc.launch.slurm import parse_time
-from relax_hpc.recipe import Recipe, dump_recipe, load_recipe
+from relax_hpc.recipe import Recipe, RecipeError, dump_recipe, load_recipe
+from relax_hpc.recipe.load import read_recipe
 from relax_hpc.rundir import RunDir, create_run_dir, write_json, write_private
 from relax_hpc.train.latest import read_latest
 
@@ -63,13 +64,22 @@ def pythonpath() -> str:
 
 def plan(recipe_path: str | Path, overrides: list[str] | tuple[str, ...] = (), executor: str = "slurm",
          python: str | None = None) -> Plan:
-    """Load, validate and check a recipe for ``executor``; raises RecipeError (nothing is created)."""
-    recipe = load_recipe(recipe_path, list(overrides))
+    """Load, validate and check a recipe for ``executor``; raises RecipeError (nothing is created) with the
+    validator's and the place's problems together, those about keys the user set first."""
+    loaded = read_recipe(recipe_path, list(overrides))
+    problems = list(loaded.problems)
+    if loaded.typed:  # every value is the user's: check it against the place it runs too, even if refused already
+        refused = {k for k, _, _ in problems}
+        problems += [x for x in preflight_problems(loaded.recipe, executor, refused) if x not in problems]
+    if problems:  # the keys the user set first: the command line's, then the file's, then derived ones
+        raise RecipeError(loaded.ordered(problems), source=str(recipe_path))
+    recipe = loaded.recipe
     p = Plan(recipe, str(recipe_path), list(overrides), executor, python or sys.executable,
              [Path.cwd(), Path(recipe_path).resolve().parent])
-    preflight(recipe, executor, source=str(recipe_path))
-    # a broken template is a recipe problem (also for a local run of the recipe): find it now
-    p.script(p.runs_root / f"{recipe.run.name}-YYYYmmdd-HHMMSS")
+    try:  # a broken template is a recipe problem (also for a local run of the recipe): find it now
+        p.script(p.runs_root / f"{recipe.run.name}-YYYYmmdd-HHMMSS")
+    except RecipeError as e:
+        raise RecipeError(e.problems, source=str(recipe_path)) from None
     return p
 
 

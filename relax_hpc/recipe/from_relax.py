@@ -129,6 +129,11 @@ def convert(argv: list[str]) -> tuple[dict, list[str]]:
             _put(data, key, value)
             notes.append(f"{key}: {value!r} is Relax's default (relax_hpc's differs), written out")
     _size_max_seq_len(data, notes)
+    ro = data.get("rollout") or {}
+    if "max_context_len" in ro and not ro.get("interaction_env_path") and not ro.get("custom_config_path"):
+        del ro["max_context_len"]  # single-turn: relax_hpc bounds a sample by train.max_seq_len (sized above)
+        notes.append("--rollout-max-context-len: left out; it bounds multi-turn rollouts only in relax_hpc (a "
+                     "single-turn sample is bounded by train.max_seq_len)")
     return data, notes
 
 

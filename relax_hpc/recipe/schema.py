@@ -192,7 +192,7 @@ class RolloutConfig:
     custom_generate_function_path: str | None = None  # Relax's generate(args, sample, sampling_params[, evaluation]) -> Sample, talking to args.sglang_router_ip:port (docs/agentic.md)
     interaction_env_path: str | None = None  # multi-turn: a module with build_env(sample, args) (Relax's BaseInteractionEnv); null = Relax's rollout_interaction_env_path from custom_config_path, else single-turn
     max_turns: int | None = None  # multi-turn: model turns per rollout; null = max_turns from custom_config_path
-    max_context_len: int | None = None  # multi-turn: prompt + every turn, in tokens (Relax --rollout-max-context-len); null = no total budget
+    max_context_len: int | None = None  # multi-turn: prompt + every turn, in tokens (Relax --rollout-max-context-len); null = train.max_seq_len (never more)
     turn_truncation: Literal["stop", "continue"] = "stop"  # multi-turn: a turn cut at max_response_len stops the rollout (Relax) or goes to the env like any turn
     env_step_timeout_s: float = 60.0  # multi-turn: a build_env/reset/step/close call running longer fails its sample
     # --- dynamic sampling (DAPO; see relax_hpc/rollout/dynamic.py) ---------------------------------------

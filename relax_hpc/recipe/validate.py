@@ -14,18 +14,23 @@ import difflib
 import functools
 import json
 import logging
+import math
 import re
+import stat
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+import yaml
+
 from relax_hpc.algo.config import PLUGIN_CALLS, check as check_algorithm
 from relax_hpc.plugins import PluginError, load_plugin
 from relax_hpc.recipe.errors import _MISSING
+from relax_hpc.recipe.reader import TextError, parse_yaml, read_text, yaml_error_message
 from relax_hpc.recipe.relax_names import RELAX_NAMES, cli_flag, relax_flag
 from relax_hpc.recipe.schema import ROLE_NAMES, Recipe
-from relax_hpc.rollout.data import DataError, check_config as check_data, expand_paths
+from relax_hpc.rollout.data import DataError, check_config as check_data, check_data_files, expand_paths
 from relax_hpc.rollout.rewards import AWAITED_REWARDS, BUILTIN_REWARDS, GENERATE_PARAMS, REWARD_PARAMS, relax_args
 from relax_hpc.rollout.multiturn import env_factory
 from relax_hpc.train.config import check as check_train, steps_per_rollout
@@ -59,10 +64,10 @@ def build(cls: type, data: Any, path: str, problems: list[Problem]) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
-        full = f"{path}.{key}" if path else str(key)
+        full = f"{path}.{_show_key(key)}" if path else _show_key(key)
         if key not in fields:
             shown = _MISSING if isinstance(value, dict) or "://" in str(value) else value  # URLs carry tokens
-            problems.append((full, shown, f"unknown key; {unknown_key_hint(str(key), list(fields), value)}"))
+            problems.append((full, shown, f"unknown key; {unknown_key_hint(_show_key(key), list(fields), value)}"))
             continue
         ok, converted = _convert(hints[key], value, full, problems)
         if ok:
@@ -91,9 +96,17 @@ def unknown_key_hint(key: str, here: list[str], value: Any = _MISSING) -> str:
 def _move_fix(target: str, value: Any) -> str:
     if ":" in target:
         return f"set {target} instead"
-    if value is _MISSING or isinstance(value, dict):
+    if value is _MISSING or isinstance(value, dict) or not _printable_value(value):
         return f"move it to {target}"
     return f"set {target}: {json.dumps(value) if not isinstance(value, str) else value} instead"
+
+
+def _printable_value(value: Any) -> bool:
+    """Whether ``value`` is short JSON that can be written into a fix (not a date, a huge number, a long list)."""
+    try:
+        return len(json.dumps(value)) <= 200
+    except (TypeError, ValueError):
+        return False
 
 
 @functools.cache
@@ -116,6 +129,8 @@ def schema_keys() -> frozenset[str]:
 
 
 def _convert(tp: Any, value: Any, path: str, problems: list[Problem]) -> tuple[bool, Any]:
+    if _refused_scalar(value, path, problems):
+        return False, None
     if dataclasses.is_dataclass(tp):
         return True, build(tp, value, path, problems)
     origin, args = get_origin(tp), get_args(tp)
@@ -128,7 +143,7 @@ def _convert(tp: Any, value: Any, path: str, problems: list[Problem]) -> tuple[b
         if value in args:
             return True, value
         choices = ", ".join(repr(a) for a in args)
-        near = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        near = difflib.get_close_matches(str(value), [str(a) for a in args], n=1) if isinstance(value, str) else []
         hint = f" Did you mean {near[0]!r}?" if near else ""
         problems.append((path, value, f"must be one of {choices}.{hint}"))
         return False, None
@@ -148,15 +163,76 @@ def _convert(tp: Any, value: Any, path: str, problems: list[Problem]) -> tuple[b
             return False, None
         out, good = {}, True
         for k, item in value.items():
-            if not isinstance(k, str):
-                problems.append((f"{path}.{k}", _MISSING, "keys must be strings"))
+            if not isinstance(k, str) or not _encodable(k):
+                problems.append((f"{path}[{_show_key(k)}]", _MISSING, "keys must be strings of UTF-8 text"))
                 good = False
                 continue
             ok, conv = _convert(args[1], item, f"{path}.{k}", problems)
             good &= ok
             out[k] = conv
         return good, out
+    if tp is Any:  # passed on as JSON (chat template arguments): JSON's values, any shape
+        return _json_like(value, path, problems), value
     return _scalar(tp, value, path, problems)
+
+
+# Integers beyond 64 bits mean nothing to Slurm, torch or a step counter, and beyond 4300 digits Python
+# cannot even print them (ValueError in an f-string): refused where they are read.
+_INT_LIMIT = 2**63
+
+
+def _refused_scalar(value: Any, path: str, problems: list[Problem]) -> bool:
+    """The values no key accepts, whatever its type: inf and nan, integers beyond 64 bits, text that cannot be
+    encoded as UTF-8 (a lone surrogate: a ``\\ud800`` escape, or a byte of the command line that is not UTF-8)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        problems.append((path, value, "must be a finite number: no recipe key takes inf or nan. Fix: a number, "
+                                      "e.g. 1.0, or remove the key for its default"))
+    elif isinstance(value, int) and not isinstance(value, bool) and not -_INT_LIMIT < value < _INT_LIMIT:
+        problems.append((path, value, "is too large: at most 2**63 - 1 in either direction. Fix: a smaller number"))
+    elif isinstance(value, str) and not _encodable(value):
+        problems.append((path, value, "contains a character that cannot be encoded as UTF-8 (a lone surrogate: a "
+                                      "\\ud800-style escape, or a byte that is not UTF-8 on the command line). "
+                                      "Fix: UTF-8 text only"))
+    else:
+        return False
+    return True
+
+
+def _json_like(value: Any, path: str, problems: list[Problem]) -> bool:
+    """Whether ``value`` is made of JSON's values (its strings UTF-8, its numbers finite); problems named by path."""
+    if isinstance(value, dict):
+        good = True
+        for k, item in value.items():
+            if not isinstance(k, str) or not _encodable(k):
+                problems.append((f"{path}[{_show_key(k)}]", _MISSING, "keys must be strings of UTF-8 text"))
+                good = False
+            elif not _json_like(item, f"{path}.{k}", problems):
+                good = False
+        return good
+    if isinstance(value, list):
+        return all([_json_like(item, f"{path}[{i}]", problems) for i, item in enumerate(value)])
+    if _refused_scalar(value, path, problems):
+        return False
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return True
+    problems.append((path, value, f"must be a JSON value (text, number, true/false, null, list or mapping), not "
+                                  f"{_kind(value)}. Fix: quote it to make it text"))
+    return False
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _show_key(key: Any) -> str:
+    """A key as it can be printed: repr for a non-string, escapes for text that is not UTF-8."""
+    if not isinstance(key, str):
+        return repr(key)
+    return key.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _scalar(tp: Any, value: Any, path: str, problems: list[Problem]) -> tuple[bool, Any]:
@@ -172,7 +248,11 @@ def _scalar(tp: Any, value: Any, path: str, problems: list[Problem]) -> tuple[bo
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return True, float(value)
         if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
-            return True, float(value)  # PyYAML (YAML 1.1) reads `1e-5` as a string
+            number = float(value)  # PyYAML (YAML 1.1) reads `1e-5` as a string
+            if not math.isfinite(number):  # 1e999
+                problems.append((path, value, "is too large: it overflows to inf. Fix: a smaller number"))
+                return False, None
+            return True, number
         problems.append((path, value, f"must be a number, not {_kind(value)}"))
     elif tp is str:
         if isinstance(value, str):
@@ -195,6 +275,7 @@ def check(recipe: Recipe) -> list[Problem]:
     """Meaning checks that need several fields at once. Types are already right here."""
     problems: list[Problem] = []
     problems += _check_strings(recipe)
+    problems += _check_path_lengths(recipe)
     problems += _check_roles(recipe)
     if recipe.run.steps < 1:
         problems.append(("run.steps", recipe.run.steps, "must be at least 1"))
@@ -467,6 +548,13 @@ def _check_batch(r: Recipe) -> list[Problem]:
     a, mp = r.roles.actor, r.train.tp * r.train.pp
     world = a.nodes * a.tasks_per_node
     k = steps_per_rollout(r.train, samples)
+    if mp >= 1 and world % mp == 0 and k >= 1 and samples // k < world // mp and gbs is None \
+            and r.train.num_steps_per_rollout is None:
+        # neither batch key is set: the actor's size is what asks too much (roles.actor.nodes=999)
+        return [("roles.actor.nodes", a.nodes, f"gives {world // mp} data-parallel actor ranks (roles.actor.nodes × "
+                 f"tasks_per_node ÷ (train.tp × train.pp)), more than the {samples} samples of one rollout step "
+                 f"({ro.rollout_batch_size} × {ro.n_samples_per_prompt}): every rank needs at least one. Fix: at "
+                 f"most {samples * mp // a.tasks_per_node or 1} nodes, or more samples per rollout step")]
     if mp >= 1 and world % mp == 0 and k >= 1 and samples // k < world // mp:
         return [("train.num_steps_per_rollout" if r.train.num_steps_per_rollout else "train.global_batch_size",
                  r.train.num_steps_per_rollout or gbs, f"leaves {samples // k} samples per optimizer step for "
@@ -560,6 +648,39 @@ def _script_strings(r: Recipe) -> dict[str, str | None]:
     out.update({f"slurm.env.{k}": v for k, v in s.env.items()})
     out.update({f"data.eval_prompt_data.{k}": v for k, v in r.data.eval_prompt_data.items()})
     out.update({f"roles.{n}.mem": r.role(n).mem for n in ROLE_NAMES})
+    return out
+
+
+def _path_values(r: Recipe) -> dict[str, str | None]:
+    """Every recipe string that names a file, a directory or a module the run or relax-submit opens."""
+    ro = r.rollout
+    out = {"model.path": r.model.path, "genrm.model_path": r.genrm.model_path, "data.path": r.data.path,
+           "rollout.custom_config_path": ro.custom_config_path, "slurm.template": r.slurm.template,
+           "run.runs_root": r.run.runs_root, "rollout.custom_rm_path": ro.custom_rm_path,
+           "rollout.dynamic_sampling_filter_path": ro.dynamic_sampling_filter_path,
+           "rollout.sample_filter_path": ro.sample_filter_path,
+           "rollout.custom_generate_function_path": ro.custom_generate_function_path,
+           "rollout.interaction_env_path": ro.interaction_env_path}
+    out.update({f"data.eval_prompt_data.{k}": v for k, v in r.data.eval_prompt_data.items()})
+    out.update({f"algorithm.{k}": getattr(r.algorithm, k) for k in PLUGIN_CALLS})
+    return out
+
+
+_PATH_MAX, _NAME_MAX = 4096, 255  # Linux's limits, in bytes: beyond them every open fails (ENAMETOOLONG)
+
+
+def _check_path_lengths(r: Recipe) -> list[Problem]:
+    """A path the system cannot even look up: refused here, by key, instead of an OSError from the first
+    stat of it (every check of a file, and each role, would stumble on it)."""
+    out: list[Problem] = []
+    for key, val in _path_values(r).items():
+        if val is None:
+            continue
+        size = len(val.encode("utf-8", "surrogatepass"))
+        longest = max((len(p.encode("utf-8", "surrogatepass")) for p in re.split(r"[/.:]", val)), default=0)
+        if size >= _PATH_MAX or longest > _NAME_MAX:
+            out.append((key, val, f"is too long for a path ({size} bytes; a path may have {_PATH_MAX - 1}, each "
+                                  f"name in it {_NAME_MAX}). Fix: the right path"))
     return out
 
 
@@ -669,6 +790,8 @@ def check_files(recipe: Recipe, cwd: str | Path | None = None) -> list[Problem]:
     (``relax_hpc.roles.model.resolve``): against the directory the run is submitted from, ``cwd``."""
     base = Path.cwd() if cwd is None else Path(cwd)
     problems = _check_data_paths(recipe, base)
+    problems += _check_model_dirs(recipe, base)
+    problems += _check_runs_root(recipe, base)
     problems += _check_context(recipe, base)
     problems += _check_plugins(recipe, base)
     problems += _check_custom_config(recipe, base)
@@ -681,6 +804,14 @@ def _check_custom_config(r: Recipe, base: Path) -> list[Problem]:
     path = r.rollout.custom_config_path
     if not path or any(c in path for c in "\n\r\0"):
         return []
+    try:  # read within the recipe's bounds first: a FIFO, a device or an alias bomb here would hang relax_args
+        parse_yaml(read_text(_resolve(path, base)))
+    except FileNotFoundError:
+        pass  # relax_args says "cannot read"
+    except (TextError, yaml.YAMLError) as e:
+        text = yaml_error_message(e) if isinstance(e, yaml.YAMLError) else str(e)
+        return [("rollout.custom_config_path", path, f"{text} (relative paths are relative to the directory you "
+                 f"submit from, {base}). Fix: a YAML file of Relax's custom config keys")]
     resolved = dataclasses.replace(r, rollout=dataclasses.replace(r.rollout, custom_config_path=str(_resolve(path, base))))
     try:
         args = relax_args(resolved)
@@ -696,21 +827,99 @@ def _resolve(path: str, base: Path) -> Path:
     return p if p.is_absolute() else (base / p).resolve()
 
 
+def _check_model_dirs(r: Recipe, base: Path) -> list[Problem]:
+    """A model is a Hugging Face directory with its config.json; ``/dev/null``, a file or a missing directory
+    were accepted and failed only when a role loaded the weights, after the queue."""
+    out: list[Problem] = []
+    for key, val in (("model.path", r.model.path), ("genrm.model_path", r.genrm.model_path)):
+        if val is None or any(c in val for c in "\n\r\0"):
+            continue  # unset, or refused by the string checks
+        wrong = _model_dir_problem(_resolve(val, base))
+        if wrong:
+            out.append((key, val, f"{wrong} (relative paths are relative to the directory you submit from, "
+                                  f"{base}). Fix: the model's Hugging Face directory (config.json, tokenizer, "
+                                  "weights), as an absolute path or relative to where you run relax-submit"))
+    return out
+
+
+def _model_dir_problem(where: Path) -> str | None:
+    try:
+        mode = where.stat().st_mode
+    except FileNotFoundError:
+        return f"there is no directory {str(where)!r}"
+    except (OSError, ValueError) as e:
+        return f"{str(where)!r} cannot be read ({getattr(e, 'strerror', None) or e})"
+    if not stat.S_ISDIR(mode):
+        return f"{str(where)!r} is not a directory"
+    _, wrong = _model_config(where)
+    return wrong
+
+
+_CONFIG_BYTES = 16 << 20  # a config.json is a few KB; one with a large label map still fits
+
+
+def _model_config(where: Path) -> tuple[dict | None, str | None]:
+    """The model directory's config.json as a mapping, or why not (read within the recipe's bounds)."""
+    config = where / "config.json"
+    try:
+        data = json.loads(read_text(config, max_bytes=_CONFIG_BYTES))
+    except FileNotFoundError:
+        return None, f"{str(where)!r} has no config.json"
+    except TextError as e:
+        return None, f"{str(config)!r} {e}"
+    except (ValueError, RecursionError) as e:
+        return None, f"{str(config)!r} is not JSON ({type(e).__name__}: {e})"
+    if not isinstance(data, dict):
+        return None, f"{str(config)!r} is not a JSON object"
+    return data, None
+
+
+def _check_runs_root(r: Recipe, base: Path) -> list[Problem]:
+    """``run.runs_root`` is made at submit if missing: what exists of it must be directories."""
+    val = r.run.runs_root
+    if any(c in val for c in "\n\r\0%\\"):
+        return []  # refused by the string checks
+    where = _resolve(val, base)
+    for p in (where, *where.parents):
+        try:
+            mode = p.stat().st_mode
+        except (FileNotFoundError, NotADirectoryError):  # the first part that exists says
+            continue
+        except (OSError, ValueError) as e:
+            return [("run.runs_root", val, f"{str(p)!r} cannot be read ({getattr(e, 'strerror', None) or e}). "
+                     "Fix: a directory you can write, or one that can be made")]
+        if not stat.S_ISDIR(mode):
+            return [("run.runs_root", val, f"{str(p)!r} is not a directory, so no run directory can be made under "
+                     f"it. Fix: a directory you can write (default ./runs)")]
+        return []
+    return []
+
+
 def _check_data_paths(r: Recipe, base: Path) -> list[Problem]:
-    """A missing prompt file failed only when the rollout role opened it, after the job had waited in the queue."""
+    """A missing prompt file, or a bad record in one, failed only when the rollout role read it, after the job had
+    waited in the queue. The first rows of each dataset are read here as the role reads them
+    (:func:`relax_hpc.rollout.data.check_data_files`); what does not refuse (blank lines skipped, some prompts
+    over max_prompt_len) is logged."""
     paths = {"data.path": r.data.path, **{f"data.eval_prompt_data.{k}": v for k, v in r.data.eval_prompt_data.items()}}
     out: list[Problem] = []
+    found: dict[str, Path] = {}
     for key, val in paths.items():
         if val is None or any(c in val for c in "\n\r\0"):
             continue  # unset, or already refused by the string checks
         where = _resolve(val, base)
         try:
             expand_paths(where)
+            found[key] = where
         except DataError as e:
             out.append((key, val, f"{e} (relative paths are relative to the directory you submit from, {base}). "
                                   "Fix: give an existing JSONL/Parquet file or a directory of them, "
                                   "as an absolute path or relative to where you run relax-submit"))
-    return out
+    model = r.model.path
+    model_dir = _resolve(model, base) if model and not any(c in model for c in "\n\r\0") else None
+    problems, notes = check_data_files(r.data, r.rollout, found, model_dir)
+    for note in notes:
+        log.warning("%s", note)
+    return out + [(key, paths[key], msg) for key, msg in problems]
 
 
 def _check_plugins(r: Recipe, base: Path) -> list[Problem]:
@@ -771,9 +980,8 @@ def _max_positions(model_path: str | None, base: Path) -> tuple[int | None, Path
     if model_path is None or any(c in model_path for c in "\n\r\0"):
         return None, None
     config = _resolve(model_path, base) / "config.json"
-    try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError):
+    data, _ = _model_config(config.parent)  # a bad model directory is _check_model_dirs' to report
+    if data is None:
         return None, None
     for section in (data, data.get("text_config") if isinstance(data, dict) else None):
         value = section.get("max_position_embeddings") if isinstance(section, dict) else None

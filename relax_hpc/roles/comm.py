@@ -11,6 +11,10 @@ Cross-role group (for weight sync later): actor rank 0 plus rank 0 of every othe
 store on port 0 and publishes its address through the controller; the others look it up and join a
 separate gloo group built straight on that store (``dist.new_group`` cannot span separate jobs).
 Every wait here is bounded by ``logging.heartbeat_timeout_s``.
+
+Where a store listens: a TCPStore takes any connection and asks for no key, and torch's server listens on every
+interface when no socket is given. :func:`~relax_hpc.stores.master_store` binds the address the run uses instead:
+127.0.0.1 in ``--local`` runs, the node's address under Slurm (the one its name resolves to).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.distributed as dist
 
 from relax_hpc.identity import cross_members, reachable_host
 from relax_hpc.rundir import write_json
+from relax_hpc.stores import master_store
 
 if TYPE_CHECKING:  # runtime.main imports this module (after its hello); this one needs the class for hints only
     from relax_hpc.roles.runtime import RoleContext
@@ -62,7 +67,9 @@ class Comm:
 
 
 def _store(host: str, port: int, world: int, master: bool, timeout: datetime.timedelta) -> dist.TCPStore:
-    return dist.TCPStore(host, port, world, is_master=master, timeout=timeout, wait_for_workers=False)
+    if master:
+        return master_store(host, world, timeout)
+    return dist.TCPStore(host, port, world, is_master=False, timeout=timeout, wait_for_workers=False)
 
 
 def _rendezvous(ctx: RoleContext, timeout: datetime.timedelta) -> dist.TCPStore:

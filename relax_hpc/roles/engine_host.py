@@ -10,10 +10,12 @@ can report the whole set to the controller (task ``start_engines``). The engine 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
 from relax_hpc.roles.model import resolve
+from relax_hpc.stores import listen_address
 
 if TYPE_CHECKING:
     from relax_hpc.recipe.schema import RoleGroup
@@ -47,11 +49,11 @@ def start_node_engine(run: RunDir, group: RoleGroup, model_path: str, *, name: s
                       seed: int, sglang_args: list[str] | tuple[str, ...] = ()) -> Any:
     """Engine ``name`` on this node (log ``RUN_DIR/logs/<name>.log``): SGLang on the ``local_rank``-th share of this
     node's GPUs, or the CPU engine; it answers only requests carrying the run's API key. ``local``: no Slurm, listen
-    on the loopback only. The start of every rollout engine (:mod:`relax_hpc.roles.engine`), and of each genrm
-    rank's judge."""
+    on the loopback only (:func:`engine_listen_host`). The start of every rollout engine
+    (:mod:`relax_hpc.roles.engine`), and of each genrm rank's judge."""
     from relax_hpc.rollout.engines import start_engine
 
-    host = "127.0.0.1" if local else "0.0.0.0"
+    host = engine_listen_host(local)
     logf = run.logs / f"{name}.log"
     key = run.api_key()  # every engine of the run answers only requests that carry it
     if os.environ.get("RELAX_SGLANG_PYTHON") and has_cuda():
@@ -68,6 +70,17 @@ def start_node_engine(run: RunDir, group: RoleGroup, model_path: str, *, name: s
     return start_engine("cpu", resolve(model_path), host=host, log_path=logf, api_key=key,
                         extra_args=["--weight-version", "0", "--seed", str(seed),
                                     "--threads", str(max(1, group.cpus_per_task))])
+
+
+def engine_listen_host(local: bool) -> str:
+    """Where this node's engine listens: 127.0.0.1 in a local run; under Slurm the node's IPv4 address (what its
+    name resolves to, which other nodes reach), so the engine is not on the node's other interfaces; every
+    interface only where the name resolves to a loopback address or not at all
+    (:func:`relax_hpc.stores.listen_address`)."""
+    if local:
+        return "127.0.0.1"
+    where = listen_address(socket.gethostname())
+    return where[1] if where is not None and where[0] == socket.AF_INET else "0.0.0.0"
 
 
 def gather_engines(ctx: RoleContext, engine: Any, prefix: str) -> list[tuple[str, str, int, str]]:

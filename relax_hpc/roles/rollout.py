@@ -159,36 +159,33 @@ class Generator:
         self.current = dict(state)
 
     def _forget_buffers(self, step: int) -> None:
-        """Delete the saved buffers nothing can name any more. Kept: those a checkpoint names, or may name while
-        it is written, and those of steps the controller may still generate from: the staleness gate let
-        ``step`` start with every step below ``step - max_staleness`` cleared, and a cleared step is never
-        generated again, so no cursor older than ``step - 1 - max_staleness`` is sent again. A checkpoint of step
-        t is asked for once t is trained and before t+1 is, so t is at least that old too; one step more is kept,
-        as a margin."""
+        """Delete the saved buffers nothing can name any more. Kept: those a checkpoint names, and those of steps
+        the controller may still generate from: the staleness gate let ``step`` start with every step below
+        ``step - max_staleness`` cleared, and a cleared step is never generated again, so no cursor older than
+        ``step - 1 - max_staleness`` is sent again; one step more is kept, as a margin. Nothing is deleted while a
+        checkpoint is being written or one cannot be read here (its directory is named by optimizer steps, not
+        rollout steps: which buffer it names is known only once its meta.json is)."""
         from relax_hpc.rollout.dynamic import PartialRollout
         from relax_hpc.train.latest import complete
 
         root = self.ctx.run.path / PartialRollout.DIR
         ckpts = self.ctx.run.path / "checkpoints"
-        named: set[str] = set()
         done = complete(ckpts)
-        writing = min((int(d.name[5:]) for d in ckpts.glob("step_*") if d.name[5:].isdigit() and d not in done),
-                      default=None)
+        if any(d not in done for d in ckpts.glob("step_*")):  # a checkpoint being written (or left half-written)
+            return
+        named: set[str] = set()
         for d in done:
             try:
                 extra = json.loads((d / "meta.json").read_text()).get("extra_state")
             except (OSError, ValueError):
                 extra = None
-            if extra is None:  # unreadable here (or pickled): keep everything from its step on
-                writing = min(writing if writing is not None else step, int(d.name[5:]))
-                continue
+            if not isinstance(extra, dict):  # unreadable here (or pickled): keep everything
+                return
             named |= set(_buffer_files(extra))
         keep_from = step - 2 - self.recipe.max_staleness
-        if writing is not None:
-            keep_from = min(keep_from, writing)
         for f in root.glob("after_*.json"):
-            n = f.stem[len("after_"):]
-            if n.isdigit() and int(n) < keep_from and f"{PartialRollout.DIR}/{f.name}" not in named:
+            n = PartialRollout.file_step(f.name)
+            if n is not None and n < keep_from and f"{PartialRollout.DIR}/{f.name}" not in named:
                 f.unlink(missing_ok=True)
         for old in [n for n in self.made if n < keep_from]:
             del self.made[old]
@@ -255,6 +252,7 @@ class Generator:
         metrics["rollout/queue_per_engine"] = (q1[0] - q0[0]) / max(q1[1] - q0[1], 1e-9) / max(1, live0)
         metrics["perf/exchange_write_time"] = time.monotonic() - t1
         metrics["perf/rollout_time"] = metrics.get("perf/rollout_time", t_gen)
+        metrics.update(self.data.metrics())  # rows reading data.path dropped: too long, blank
         if task.judges:
             from relax_hpc.rollout import genrm
 
@@ -285,8 +283,10 @@ class Generator:
         groups = [g for g in self.partial.buffer + self.data.get_samples(drawn) if g[0].group_index in want]
         log.info("step %d: generated again (damaged chunk): its %d prompt groups, finished", step, len(groups))
         redo = PartialRollout(buffer=groups, mask_offpolicy=self.partial.mask_offpolicy)
-        result = generate_step(self.driver, self.data, target=len(groups), seed=seed, group_filter=None,
-                               args=self.driver.reward.args, over_sampling=len(groups),
+        # one round, from these groups only: a group that cannot finish fails the step (DynamicSamplingError)
+        # rather than drawing prompts past the cursor, which the steps after it drew and trained already
+        result = generate_step(self.driver, _NoMorePrompts(), target=len(groups), seed=seed, group_filter=None,
+                               args=self.driver.reward.args, over_sampling=len(groups), max_rounds=1,
                                sample_filter=self.sample_filter, partial=redo)
         result.metrics["rollout/partial_buffer_groups"] = float(made["after"]["partial"]["groups"])
         return result
@@ -340,6 +340,15 @@ class Generator:
         scores = ", ".join(f"{n} {metrics[f'eval/{n}']:.3f}" for n in self.eval_sets)
         log.info("step %d eval: %s (%.1f s)", step, scores, metrics.get("perf/eval_time", 0.0))
         return EvalResult(metrics={k: float(v) for k, v in metrics.items()})  # NaN too: never hidden
+
+
+class _NoMorePrompts:
+    """The data source of a step generated again: it has its groups already, and may draw none."""
+
+    def get_samples(self, n: int) -> list:
+        if n > 0:
+            raise RuntimeError(f"a step generated again asked for {n} more prompt groups: it may use only its own")
+        return []
 
 
 def _buffer_files(x: Any) -> list[str]:

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from relax_hpc.controller.protocol import PHASES, Client, ProtocolError
-from relax_hpc.errors import NO_SPACE, PERMANENT, verdict
+from relax_hpc.errors import LOADING_ERRORS, NO_SPACE, PERMANENT, verdict
 from relax_hpc.identity import Identity
 from relax_hpc.recipe import Recipe, load_recipe
-from relax_hpc.rundir import RunDir, no_space_reason
+from relax_hpc.rundir import RunDir, no_space_reason, run_disk_full
 
 CONTROLLER_LOST_EXIT = 75  # exit code of a rank that stopped hearing from the controller
 
@@ -177,6 +177,8 @@ def classify(ctx: RoleContext, error: BaseException, loading: bool) -> tuple[str
     it: a full disk's mount point and fix; an error that will repeat as ``Type: message`` (the traceback's line
     has the module path: ``relax_hpc.rollout.data.DataError: ...``)."""
     v = verdict(error, loading=loading)
+    if v == NO_SPACE and not run_disk_full(ctx.run, error):  # a node's own disk (/dev/shm, /tmp): a restart may help
+        v = PERMANENT if loading and isinstance(error, LOADING_ERRORS) else None
     if v == NO_SPACE:
         return v, no_space_reason(ctx.run, error)
     text = f"{type(error).__name__}: {error}"

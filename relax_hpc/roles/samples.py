@@ -27,15 +27,13 @@ import numpy as np
 
 from relax_hpc.errors import PermanentError
 from relax_hpc.exchange.chunk import ChunkRef, DamagedChunk, Ragged, columns_to_samples, read_chunk, write_chunk
-from relax_hpc.exchange.fields import (BY_NAME, FORWARD_FIELDS, LOGPROB_FIELDS, PRODUCER, SEGMENT_FIELDS, TRAIN_FIELDS,
-                                      rollout_fields)
+from relax_hpc.exchange.fields import (BY_NAME, FORWARD_FIELDS, LOGPROB_FIELDS, LOGPROB_TOLERANCE, PRODUCER,
+                                      SEGMENT_FIELDS, TRAIN_FIELDS, rollout_fields)
 
 __all__ = ["FORWARD_FIELDS", "LOGPROB_FIELDS", "PRODUCER", "TRAIN_FIELDS", "exchange_root", "write_step",
            "read_columns", "read_samples", "logprob_batch", "mini_batch_order", "TrainPlan", "train_plan", "train_batch",
            "read_train_columns", "read_train_batch", "UnsoundTrainData", "check_train_columns"]
 
-# A log-prob above this is no log-prob. Float rounding of a near-certain token's log-prob stays far below it.
-LOGPROB_TOLERANCE = 1e-3
 LOGPROB_COLUMNS = ("rollout_log_probs", "ref_log_probs", "log_probs")
 
 

@@ -24,10 +24,9 @@ from typing import Any, Callable, Iterator
 
 from relax_hpc.controller.messages import ResultMessage, TaskError, TaskMessage, decode_task, encode_result
 from relax_hpc.controller.protocol import MAX_TASK_WAIT_S, Client
-from relax_hpc.errors import no_space
 from relax_hpc.exchange.chunk import DamagedChunk
 from relax_hpc.roles.runtime import RoleContext
-from relax_hpc.rundir import no_space_reason
+from relax_hpc.rundir import no_space_reason, run_disk_full
 
 MAX_REPORT = 8000  # characters of an error report sent with task_done (the line limit is 1 MiB)
 
@@ -84,7 +83,7 @@ class TaskStream:
         restart would write to the same disk): the report names its mount point and the fix instead."""
         if self._client is None:
             return
-        full = no_space(error) is not None
+        full = run_disk_full(self.ctx.run, error)  # the run's disk; a node's own full /tmp may pass with a restart
         text = (no_space_reason(self.ctx.run, error) if full else None) or getattr(error, "report", None) \
             or describe(error)
         restartable = bool(getattr(error, "restartable", False)) and not full

@@ -60,6 +60,7 @@ DEFAULT_TIMEOUT = 60.0
 GENERATE_TIMEOUT = 600.0
 WEIGHTS_TIMEOUT = 1800.0
 CONNECT_TIMEOUT = 10.0
+KEEPALIVE_S = 4.0  # an idle kept-alive connection is dropped after this long (see EngineClient.__init__)
 
 
 OLDEST_SGLANG = (0, 5, 15)  # the oldest release Relax pins; older ones answer the update calls differently
@@ -171,24 +172,19 @@ class Generation:
         return self.finish_reason.type == "length"
 
 
-LOGPROB_TOLERANCE = 1e-4  # a log-prob may round above 0 (a near-certain token) by this much, no more
-
-
 @functools.cache
-def _float32_max() -> float:
-    """The largest magnitude the exchange's ``rollout_log_probs`` column holds (its dtype is exchange/fields.py's):
-    a finite log-prob beyond it would be stored as -inf."""
-    import numpy as np
+def _bounds() -> tuple[float, float]:
+    """(log-prob tolerance above 0, the largest magnitude the ``rollout_log_probs`` column stores): the exchange's
+    schema says both (exchange/fields.py; imported here, not at the top: it loads the exchange package)."""
+    from relax_hpc.exchange.fields import LOGPROB_TOLERANCE, finite_max
 
-    from relax_hpc.exchange.fields import BY_NAME
-
-    return float(np.finfo(BY_NAME["rollout_log_probs"].dtype).max)
+    return LOGPROB_TOLERANCE, finite_max("rollout_log_probs")
 
 
 def output_problem(gen: Generation, *, return_logprob: bool | None = None, vocab_size: int | None = None,
                    max_new_tokens: int | None = None) -> str | None:
     """What is wrong with the engine's answer ``gen``, or None. Checked: each log-prob finite, within float32, and
-    at most ``LOGPROB_TOLERANCE`` above 0 (a log-probability is never positive); log-probs present when
+    at most the schema's ``LOGPROB_TOLERANCE`` above 0 (a log-probability is never positive); log-probs present when
     ``return_logprob`` was asked; every token id in ``[0, vocab_size)`` (only ``>= 0`` when the vocabulary is not
     known); ``completion_tokens`` equal to the number of output ids; and an empty output only when the request was
     aborted or asked for ``max_new_tokens`` = 0 (an engine stops or runs out of length after a token it sent,
@@ -202,11 +198,12 @@ def output_problem(gen: Generation, *, return_logprob: bool | None = None, vocab
         return f"no output_token_logprobs for {len(ids)} output tokens, though return_logprob was asked"
     if lps is not None and len(lps) != len(ids):
         return f"{len(lps)} log-probs for {len(ids)} output tokens"
+    tolerance, largest = _bounds()
     for i, lp in enumerate(lps or ()):
-        if lp is None or not math.isfinite(lp) or abs(lp) > _float32_max():
+        if lp is None or not math.isfinite(lp) or abs(lp) > largest:
             return (f"the log-prob of output token {i} (id {ids[i]}) is {lp}: log-probs must be finite "
                     f"(float32, as the exchange stores them)")
-        if lp > LOGPROB_TOLERANCE:
+        if lp > tolerance:
             return f"the log-prob of output token {i} (id {ids[i]}) is {lp} > 0: a log-probability is never positive"
     if gen.completion_tokens != len(ids):
         return f"meta_info.completion_tokens = {gen.completion_tokens} for {len(ids)} output ids"
@@ -314,7 +311,10 @@ class EngineClient:
         self.retries = int(retries)
         self.backoff = backoff if isinstance(backoff, Backoff) else Backoff() if backoff is None else Backoff(float(backoff))
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        # an idle connection is dropped after 4 s, before the server side closes it (SGLang's uvicorn after 5 s, the
+        # CPU engine after 15 s): a call never goes out on a connection the server is closing
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                                    keepalive_expiry=KEEPALIVE_S)
         self._aclients: dict[int, tuple[asyncio.AbstractEventLoop, httpx.AsyncClient]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the private loop that serves the sync calls
         self._loop_thread: threading.Thread | None = None

@@ -23,7 +23,10 @@ Semantics (``docs/engines.md`` has the full list):
 * **API key.** With ``RELAX_ENGINE_API_KEY`` set (or ``--api-key-file``), every request but ``/health*``
   needs ``Authorization: Bearer KEY`` and is answered 401 otherwise, as SGLang's ``--api-key`` does (it
   leaves ``/health`` and ``/health_generate`` open too). The key comes through the environment or a file,
-  never argv, so it does not show in ``ps``.
+  never argv, so it does not show in ``ps``. It is checked from the headers before the body is read.
+* **Bounded connections** (:mod:`relax_hpc.rollout.http_server`): at most ``--max-connections`` served at once
+  (one thread each; more are answered 503 at once), a connection that owes its request for
+  ``--idle-timeout-s`` is closed, a body claimed over ``--max-body-mb`` is answered 413 unread.
 
 Test hook: ``RELAX_TEST_ENGINE_BAD_OUTPUT=KIND:N[:CLAIM]`` spoils the engine's first ``N`` generate answers
 that have something to spoil (tokens, not aborted; log-probs for the log-prob kinds), one way
@@ -36,7 +39,6 @@ the engine that creates that file first misbehaves: one engine of a run, and not
 from __future__ import annotations
 
 import argparse
-import hmac
 import json
 import logging
 import os
@@ -50,11 +52,12 @@ import traceback
 import uuid
 from collections import deque
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import torch
+
+from relax_hpc.rollout.http_server import IDLE_S, MAX_BODY, MAX_CONNECTIONS, BoundedHandler, BoundedServer
 
 log = logging.getLogger("relax_hpc.cpu_engine")
 
@@ -794,13 +797,6 @@ API_KEY_ENV = "RELAX_ENGINE_API_KEY"
 _OPEN_PREFIXES = ("/health",)  # as SGLang's add_api_key_middleware: health checks need no key
 
 
-def _authorized(header: str | None, api_key: str | None, path: str) -> bool:
-    """``Authorization: Bearer KEY`` matches (compared in constant time), or no key is set, or a health path."""
-    if not api_key or path.startswith(_OPEN_PREFIXES):
-        return True
-    return hmac.compare_digest((header or "").encode(), f"Bearer {api_key}".encode())
-
-
 def ok(data):
     return 200, data
 
@@ -875,17 +871,12 @@ def _make_handler(engine: CPUEngine, api_key: str | None = None):
 
 
 def route_handler(routes: dict, api_key: str | None = None):
-    """An HTTP handler class answering ``routes`` (path → fn(body) → (status, data)) as SGLang answers."""
+    """An HTTP handler class answering ``routes`` (path → fn(body) → (status, data)) as SGLang answers, on a
+    :class:`_Server`: the key is checked from the headers before the body is read, the body is bounded
+    (:mod:`relax_hpc.rollout.http_server`)."""
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive: the client reuses connections for many generates
-        # a reply is written in pieces (status, headers, body): with Nagle on, the last piece waits for the client's
-        # delayed ACK, ~40 ms per call on Linux (measured: 41 ms vs 1 ms per weight-update call)
-        disable_nagle_algorithm = True
+    class Handler(BoundedHandler):
         server_version = ENGINE_VERSION
-
-        def log_message(self, fmt, *args):  # per-request lines would drown the log; errors are logged below
-            pass
 
         def _send(self, status: int, data) -> None:
             if data is None:
@@ -902,10 +893,9 @@ def route_handler(routes: dict, api_key: str | None = None):
 
         def _dispatch(self) -> None:
             path = urlsplit(self.path).path
-            n = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(n) if n else b""  # read even when refusing: the connection stays in step
-            if not _authorized(self.headers.get("Authorization"), api_key, path):
-                return self._send(401, {"error": "Unauthorized"})
+            raw = self.read_body(api_key, _OPEN_PREFIXES)
+            if raw is None:  # refused (401, 413, ...) or the peer stopped sending: answered or nothing to answer
+                return
             fn = routes.get(path)
             if fn is None:
                 return self._send(404, {"error": {"message": f"no endpoint {path} on the CPU engine"}})
@@ -923,18 +913,16 @@ def route_handler(routes: dict, api_key: str | None = None):
                 status, data = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
             try:
                 self._send(status, data)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the client gave up (timeout); nothing to answer
+            except OSError:
+                self.close_connection = True  # the client gave up (its deadline) or stopped reading
 
         do_GET = do_POST = do_PUT = _dispatch
 
     return Handler
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False  # idle keep-alive connections must not hold up shutdown
-    request_queue_size = 1024  # bursts of concurrent generates must not overflow the listen backlog
+class _Server(BoundedServer):
+    """The CPU engine's (and the weight follower's) HTTP server: a :class:`BoundedServer`."""
 
 
 def advertised_host(host: str) -> str:
@@ -942,8 +930,10 @@ def advertised_host(host: str) -> str:
     return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
 
 
-def serve(engine: CPUEngine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> _Server:
-    server = _Server((host, port), _make_handler(engine, api_key))
+def serve(engine: CPUEngine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, *,
+          max_connections: int = MAX_CONNECTIONS, idle_s: float = IDLE_S, max_body: int = MAX_BODY) -> _Server:
+    server = _Server((host, port), _make_handler(engine, api_key), max_connections=max_connections, idle_s=idle_s,
+                     max_body=max_body)
     engine.host, engine.port = host, server.server_address[1]
     engine.url = f"http://{advertised_host(host)}:{engine.port}"
     return server
@@ -968,6 +958,12 @@ def main(argv: list[str] | None = None) -> int:
                         "cover both update protocols")
     p.add_argument("--api-key-file", default=None,
                    help=f"file holding the API key clients must send (default: ${API_KEY_ENV}; neither: no key)")
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                   help="connections served at once, one thread each; more are answered 503 at once")
+    p.add_argument("--idle-timeout-s", type=float, default=IDLE_S,
+                   help="a connection that owes its request (or the rest of it) this long is closed")
+    p.add_argument("--max-body-mb", type=float, default=MAX_BODY / (1 << 20),
+                   help="a request claiming a larger body is answered 413 without reading it")
     a = p.parse_args(argv)
     api_key = _read_api_key(a.api_key_file)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cpu_engine %(levelname)s %(message)s")
@@ -983,7 +979,8 @@ def main(argv: list[str] | None = None) -> int:
             engine.legacy_updates = update_protocol(a.sglang_version) == "plain"
         except ValueError:  # older than relax_hpc supports: answer as that release would; the sender refuses it
             engine.legacy_updates = True
-    server = serve(engine, a.host, a.port, api_key=api_key)
+    server = serve(engine, a.host, a.port, api_key=api_key, max_connections=a.max_connections,
+                   idle_s=a.idle_timeout_s, max_body=int(a.max_body_mb * (1 << 20)))
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     if a.ready_file:
         tmp = Path(a.ready_file + ".tmp")

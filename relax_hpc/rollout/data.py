@@ -13,28 +13,40 @@ Relax's data contract (``--prompt-data``, ``--input-key``, ``--label-key``, ``--
   resulting text, as in Relax.
 
 :class:`PromptDataset` reads files eagerly and reports the file, the line (JSONL) or row (Parquet) and the
-key for any bad record. :class:`RolloutDataSource` walks it epoch by epoch (reshuffled per epoch from
-``seed + epoch`` when ``shuffle``), and returns groups of ``n_samples_per_prompt`` independent copies with
-``group_index``/``index`` set. Its cursor (:meth:`RolloutDataSource.state_dict`) is plain JSON.
+key for any bad record; blank lines are skipped and prompts over ``max_prompt_len`` dropped, each logged once per
+file with their lines and counted (:meth:`RolloutDataSource.metrics`). :func:`check_data_files` reads the first
+:data:`CHECK_ROWS` rows of each file the same way before submit, and reports every problem at once.
+:class:`RolloutDataSource` walks it epoch by epoch (reshuffled per epoch from ``seed + epoch`` when ``shuffle``),
+and returns groups of ``n_samples_per_prompt`` independent copies with ``group_index``/``index`` set. Its cursor
+(:meth:`RolloutDataSource.state_dict`) is plain JSON.
 
 No torch here; pyarrow and transformers are imported only when a Parquet file or a tokenizer is used, so
-the recipe validator can import :func:`check_config` on a login node.
+the recipe validator can import :func:`check_config` on a login node (the check before submit counts prompt
+tokens with the ``tokenizers`` library alone).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
 from relax_hpc.errors import PermanentError
 from relax_hpc.rollout.sample import Sample
 
 if TYPE_CHECKING:  # relax_hpc.recipe imports this module (validate: check_config), so only for annotations
     from relax_hpc.recipe.schema import DataConfig, RolloutConfig
+
+log = logging.getLogger(__name__)
+
+CHECK_ROWS = 1000  # rows of each file read before submit (check_data_files)
+CHECK_LINE_BYTES = 64 << 20  # a longer JSONL line before submit: not a prompt file
+SHOWN = 10  # line numbers, and distinct problems per file, listed in one message
 
 
 class DataError(ValueError, PermanentError):
@@ -50,6 +62,8 @@ class DataKeys:
     label_key: str | None = None
     metadata_key: str | None = "metadata"
     tool_key: str | None = "tools"
+    input_name: str = "data.input_key"  # the recipe keys that set input_key/label_key, for the messages
+    label_name: str = "data.label_key"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -69,8 +83,10 @@ def expand_paths(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list
             if not found:
                 raise DataError(f"{p}: directory has no .jsonl, .json or .parquet files")
             out += found
-        elif p.exists():
+        elif p.is_file():
             out.append(p)
+        elif p.exists():  # a FIFO would block the read for ever, a device never end it
+            raise DataError(f"{p}: not a regular file (a FIFO, socket or device)")
         else:
             raise DataError(f"{p}: no such file or directory")
     if not out:
@@ -78,31 +94,85 @@ def expand_paths(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list
     return out
 
 
-def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(where, record) for every record of a JSONL or Parquet file; ``where`` is "file:line N" / "file row N"."""
+class Row(NamedTuple):
+    """One row of a data file: ``where`` ("file: line N" / "file: row N"), ``number`` (the line, 1-based, or the
+    row, 0-based) and ``item``: the record (a dict), the :class:`DataError` of a row that is not one (not UTF-8,
+    not JSON, not an object), or None for a blank line."""
+
+    where: str
+    number: int
+    item: dict[str, Any] | DataError | None
+
+
+def scan_records(path: str | os.PathLike, limit: int | None = None, max_line: int | None = None) -> Iterator[Row]:
+    """Every row of a JSONL or Parquet file (the first ``limit`` rows, blank lines counted), bad ones included
+    as their error; a file that cannot be read at all raises :class:`DataError`. ``max_line``: a JSONL line
+    longer than this many bytes ends the scan with an error (a file that is not JSONL at all)."""
     path = Path(path)
-    if path.suffix == ".parquet":
-        yield from _read_parquet(path)
-    else:
-        yield from _read_jsonl(path)
+    rows = _scan_parquet(path) if path.suffix == ".parquet" else _scan_jsonl(path, max_line)
+    for n, row in enumerate(rows):
+        if limit is not None and n >= limit:
+            return
+        yield row
 
 
-def _read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, record) for every record of a JSONL or Parquet file; ``where`` is "file:line N" / "file row N".
+    Blank lines are skipped; the first bad row raises its :class:`DataError`."""
+    for row in scan_records(path):
+        if isinstance(row.item, DataError):
+            raise row.item
+        if row.item is not None:
+            yield row.where, row.item
+
+
+def _scan_jsonl(path: Path, max_line: int | None) -> Iterator[Row]:
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    with f:
+        for lineno in itertools.count(1):
+            try:
+                raw = f.readline(-1 if max_line is None else max_line + 1)
+            except OSError as e:
+                raise DataError(f"{path}: line {lineno}: cannot be read ({e.strerror or type(e).__name__})") from None
+            if not raw:
+                return
             where = f"{path}: line {lineno}"
+            if max_line is not None and len(raw) > max_line and not raw.endswith(b"\n"):
+                raise DataError(f"{where}: longer than {max_line} bytes; is this a JSONL file?")
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                yield Row(where, lineno, DataError(
+                    f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}). Fix: re-encode the "
+                    "file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"))
+                continue
+            if not line.strip():
+                yield Row(where, lineno, None)
+                continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                yield Row(where, lineno, DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})"))
+                continue
+            except RecursionError:
+                yield Row(where, lineno, DataError(f"{where}: JSON nested too deeply to read"))
+                continue
             if not isinstance(rec, dict):
-                raise DataError(f"{where}: each line must be a JSON object, got {type(rec).__name__}")
-            yield where, rec
+                yield Row(where, lineno, DataError(
+                    f"{where}: each line must be a JSON object ({{\"key\": value, ...}}), got {_json_kind(rec)}"))
+                continue
+            yield Row(where, lineno, rec)
 
 
-def _read_parquet(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def _json_kind(v: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null", int: "a number",
+            float: "a number"}.get(type(v), type(v).__name__)
+
+
+def _scan_parquet(path: Path) -> Iterator[Row]:
     import pyarrow.parquet as pq
 
     try:
@@ -110,10 +180,15 @@ def _read_parquet(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     except Exception as e:  # pyarrow raises ArrowInvalid and friends
         raise DataError(f"{path}: cannot read as Parquet ({type(e).__name__}: {e})") from None
     row = 0
-    for batch in pf.iter_batches():
-        for rec in batch.to_pylist():
-            yield f"{path}: row {row}", rec
-            row += 1
+    try:
+        for batch in pf.iter_batches(batch_size=1024):
+            for rec in batch.to_pylist():
+                yield Row(f"{path}: row {row}", row, rec)
+                row += 1
+    except DataError:
+        raise
+    except Exception as e:  # a damaged page past the footer
+        raise DataError(f"{path}: row {row}: cannot read as Parquet ({type(e).__name__}: {e})") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -121,14 +196,93 @@ def _read_parquet(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 # --------------------------------------------------------------------------------------------------
 
 
-class PromptDataset:
+class _Records:
+    """Record → :class:`Sample`: the keys, the chat template, the token ids. Shared by :class:`PromptDataset` and
+    the check before submit (:func:`check_dataset`), so both judge a record alike."""
+
+    def __init__(self, keys: DataKeys, tokenizer: Any, apply_chat_template: bool,
+                 apply_chat_template_kwargs: dict[str, Any] | None, system_prompt: str | None) -> None:
+        self.keys = keys
+        self.tokenizer = tokenizer
+        self.apply_chat_template = apply_chat_template
+        self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})
+        self.system_prompt = system_prompt
+
+    def _to_sample(self, where: str, rec: dict[str, Any]) -> Sample:
+        k = self.keys
+        if k.input_key not in rec:
+            raise DataError(f"{where}: missing key {k.input_key!r} ({k.input_name}); the record has {_keys(rec)}. "
+                            f"Fix: set {k.input_name} to the field that holds the prompt")
+        raw = rec[k.input_key]
+        label = None
+        if k.label_key:
+            if k.label_key not in rec:
+                raise DataError(f"{where}: missing key {k.label_key!r} ({k.label_name}); the record has {_keys(rec)}. "
+                                f"Fix: set {k.label_name} to the field that holds the label, or null for none")
+            label = rec[k.label_key]
+        metadata: dict[str, Any] = {}
+        if k.metadata_key and rec.get(k.metadata_key) is not None:
+            metadata = rec[k.metadata_key]
+            if isinstance(metadata, str):
+                try:
+                    metadata = json.loads(metadata)
+                except (json.JSONDecodeError, RecursionError):
+                    raise DataError(f"{where}: key {k.metadata_key!r} (data.metadata_key) is a string "
+                                    "that is not JSON; it must be a mapping or a JSON object") from None
+            if not isinstance(metadata, dict):
+                raise DataError(f"{where}: key {k.metadata_key!r} (data.metadata_key) must be a mapping, "
+                                f"got {type(metadata).__name__}")
+        tools = rec.get(k.tool_key) if k.tool_key else None
+        prompt = self._prompt_text(where, raw, tools)
+        sample = Sample(prompt=prompt, label=label, metadata=metadata)
+        if self.tokenizer is not None:
+            sample.tokens = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return sample
+
+    def _prompt_text(self, where: str, raw: Any, tools: Any) -> str:
+        key = f"{self.keys.input_key!r} ({self.keys.input_name})"
+        if not self.apply_chat_template:
+            if isinstance(raw, str):
+                return raw
+            if _is_messages(raw):
+                raise DataError(f"{where}: key {key} holds chat messages; set data.apply_chat_template: true "
+                                "(and model.path for the tokenizer) to turn them into a prompt")
+            raise DataError(f"{where}: key {key} must be a string prompt, got {type(raw).__name__}")
+        if isinstance(raw, str):
+            messages = [{"role": "user", "content": raw}]
+        elif _is_messages(raw):
+            messages = [dict(m) for m in raw]
+        else:
+            raise DataError(f"{where}: key {key} must be a string or a list of chat messages "
+                            "({'role': ..., 'content': ...}), got " + type(raw).__name__)
+        if self.system_prompt and not (messages and messages[0].get("role") == "system"):
+            messages = [{"role": "system", "content": self.system_prompt}] + messages
+        if isinstance(tools, str):
+            try:
+                tools = json.loads(tools)
+            except (json.JSONDecodeError, RecursionError):
+                raise DataError(f"{where}: key {self.keys.tool_key!r} (data.tool_key) is not JSON") from None
+        if self.tokenizer is None:  # the check before submit, without the template: the text it is given
+            return "".join(m["content"] if isinstance(m.get("content"), str) else "" for m in messages)
+        kwargs = dict(self.apply_chat_template_kwargs)
+        if tools:
+            kwargs["tools"] = tools
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        except Exception as e:
+            raise DataError(f"{where}: the tokenizer's chat template failed on this record "
+                            f"({type(e).__name__}: {e})") from e
+
+
+class PromptDataset(_Records):
     """The prompts of one or more files as template :class:`Sample` objects (no group/index yet).
 
     ``tokenizer``: a HF tokenizer (or a path to load one from); needed for ``apply_chat_template`` and
     ``max_prompt_len``. With a tokenizer every sample's ``tokens`` are its prompt ids
     (``tokenizer.encode(prompt, add_special_tokens=False)``: the chat template already has them).
     Prompts longer than ``max_prompt_len`` tokens are dropped (Relax's ``--rollout-max-prompt-len``);
-    :attr:`num_filtered` counts them.
+    :attr:`num_filtered` counts them, :attr:`num_blank` the blank lines skipped; each file's are logged once, with
+    their lines. A bad record raises its :class:`DataError` (file, line or row, key).
     """
 
     def __init__(
@@ -143,28 +297,47 @@ class PromptDataset:
         max_prompt_len: int | None = None,
     ) -> None:
         self.files = expand_paths(paths)
-        self.keys = keys
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = load_tokenizer(tokenizer)
-        self.tokenizer = tokenizer
-        self.apply_chat_template = apply_chat_template
-        self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})
-        self.system_prompt = system_prompt
+        super().__init__(keys, tokenizer, apply_chat_template, apply_chat_template_kwargs, system_prompt)
         self.max_prompt_len = max_prompt_len
         if apply_chat_template and tokenizer is None:
             raise DataError("apply_chat_template needs a tokenizer (model.path); none was given")
         if max_prompt_len is not None and tokenizer is None:
             raise DataError("max_prompt_len needs a tokenizer (model.path) to count prompt tokens; none was given")
         self.num_filtered = 0
+        self.num_blank = 0
         self.samples: list[Sample] = []
         for f in self.files:
-            for where, rec in read_records(f):
-                sample = self._to_sample(where, rec)
-                if sample is not None:
-                    self.samples.append(sample)
+            self._load(f)
         if not self.samples:
             why = f" ({self.num_filtered} longer than max_prompt_len = {max_prompt_len})" if self.num_filtered else ""
             raise DataError(f"{', '.join(map(str, self.files))}: no usable prompts{why}")
+
+    def _load(self, path: Path) -> None:
+        blank: list[int] = []
+        long: list[int] = []
+        rows = 0
+        for row in scan_records(path):
+            if row.item is None:
+                blank.append(row.number)
+                continue
+            if isinstance(row.item, DataError):
+                raise row.item
+            rows += 1
+            sample = self._to_sample(row.where, row.item)
+            if self.max_prompt_len is not None and len(sample.tokens) > self.max_prompt_len:
+                long.append(row.number)
+                continue
+            self.samples.append(sample)
+        what = "row" if path.suffix == ".parquet" else "line"
+        if blank:
+            log.warning("%s: %d blank line(s) skipped (%s)", path, len(blank), _numbers("line", blank))
+        if long:
+            log.warning("%s: %d of %d prompts dropped: longer than rollout.max_prompt_len = %d tokens (%s)",
+                        path, len(long), rows, self.max_prompt_len, _numbers(what, long))
+        self.num_blank += len(blank)
+        self.num_filtered += len(long)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -172,69 +345,12 @@ class PromptDataset:
     def __getitem__(self, i: int) -> Sample:
         return self.samples[i]
 
-    def _to_sample(self, where: str, rec: dict[str, Any]) -> Sample | None:
-        k = self.keys
-        if k.input_key not in rec:
-            raise DataError(f"{where}: missing key {k.input_key!r} (data.input_key); the record has {_keys(rec)}")
-        raw = rec[k.input_key]
-        label = None
-        if k.label_key:
-            if k.label_key not in rec:
-                raise DataError(f"{where}: missing key {k.label_key!r} (data.label_key); the record has {_keys(rec)}")
-            label = rec[k.label_key]
-        metadata: dict[str, Any] = {}
-        if k.metadata_key and rec.get(k.metadata_key) is not None:
-            metadata = rec[k.metadata_key]
-            if isinstance(metadata, str):
-                try:
-                    metadata = json.loads(metadata)
-                except json.JSONDecodeError:
-                    raise DataError(f"{where}: key {k.metadata_key!r} (data.metadata_key) is a string "
-                                    "that is not JSON; it must be a mapping or a JSON object") from None
-            if not isinstance(metadata, dict):
-                raise DataError(f"{where}: key {k.metadata_key!r} (data.metadata_key) must be a mapping, "
-                                f"got {type(metadata).__name__}")
-        tools = rec.get(k.tool_key) if k.tool_key else None
-        prompt = self._prompt_text(where, raw, tools)
-        sample = Sample(prompt=prompt, label=label, metadata=metadata)
-        if self.tokenizer is not None:
-            sample.tokens = list(self.tokenizer.encode(prompt, add_special_tokens=False))
-            if self.max_prompt_len is not None and len(sample.tokens) > self.max_prompt_len:
-                self.num_filtered += 1
-                return None
-        return sample
 
-    def _prompt_text(self, where: str, raw: Any, tools: Any) -> str:
-        key = self.keys.input_key
-        if not self.apply_chat_template:
-            if isinstance(raw, str):
-                return raw
-            if _is_messages(raw):
-                raise DataError(f"{where}: key {key!r} holds chat messages; set data.apply_chat_template: true "
-                                "(and model.path for the tokenizer) to turn them into a prompt")
-            raise DataError(f"{where}: key {key!r} must be a string prompt, got {type(raw).__name__}")
-        if isinstance(raw, str):
-            messages = [{"role": "user", "content": raw}]
-        elif _is_messages(raw):
-            messages = [dict(m) for m in raw]
-        else:
-            raise DataError(f"{where}: key {key!r} must be a string or a list of chat messages "
-                            "({'role': ..., 'content': ...}), got " + type(raw).__name__)
-        if self.system_prompt and not (messages and messages[0].get("role") == "system"):
-            messages = [{"role": "system", "content": self.system_prompt}] + messages
-        if isinstance(tools, str):
-            try:
-                tools = json.loads(tools)
-            except json.JSONDecodeError:
-                raise DataError(f"{where}: key {self.keys.tool_key!r} (data.tool_key) is not JSON") from None
-        kwargs = dict(self.apply_chat_template_kwargs)
-        if tools:
-            kwargs["tools"] = tools
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-        except Exception as e:
-            raise DataError(f"{where}: the tokenizer's chat template failed on this record "
-                            f"({type(e).__name__}: {e})") from e
+def _numbers(what: str, numbers: list[int]) -> str:
+    """"line 3", "lines 3, 5, 9", "lines 3, 5, ... and 40 more": the first :data:`SHOWN`."""
+    shown = ", ".join(map(str, numbers[:SHOWN]))
+    more = f" and {len(numbers) - SHOWN} more" if len(numbers) > SHOWN else ""
+    return f"{what}{'s' if len(numbers) > 1 else ''} {shown}{more}"
 
 
 def _is_messages(x: Any) -> bool:
@@ -344,6 +460,12 @@ class RolloutDataSource:
 
     next_batch = get_samples
 
+    def metrics(self) -> dict[str, float]:
+        """What reading the data dropped (each step's metrics carry it, docs/metrics.md): prompts longer than
+        ``max_prompt_len`` and blank lines skipped, over all of ``data.path``'s files."""
+        return {"rollout/data_dropped/too_long": float(getattr(self.dataset, "num_filtered", 0)),
+                "rollout/data_dropped/blank_line": float(getattr(self.dataset, "num_blank", 0))}
+
     def __iter__(self) -> Iterator[list[list[Sample]]]:
         while True:
             yield self.get_samples()
@@ -414,15 +536,31 @@ def parse_chat_template_kwargs(value: str | dict | None) -> dict[str, Any]:
     return out
 
 
-def dataset_from_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig, *, tokenizer: Any = None, path: Any = None,
-                        input_key: str | None = None, label_key: str | None = None) -> PromptDataset:
-    """A :class:`PromptDataset` from the recipe's ``data``/``rollout`` sections (``path`` etc. override them)."""
-    keys = DataKeys(
-        input_key=input_key or data_cfg.input_key,
-        label_key=label_key if label_key is not None else data_cfg.label_key,
+def dataset_keys(data_cfg: DataConfig, evaluation: bool = False) -> DataKeys:
+    """The record keys of ``data.path`` (or, ``evaluation``, of the eval sets: ``eval_input_key``/``eval_label_key``
+    where set), with the recipe keys that set them for the messages."""
+    e_in = evaluation and data_cfg.eval_input_key is not None
+    e_label = evaluation and data_cfg.eval_label_key is not None
+    return DataKeys(
+        input_key=data_cfg.eval_input_key if e_in else data_cfg.input_key,
+        label_key=data_cfg.eval_label_key if e_label else data_cfg.label_key,
         metadata_key=data_cfg.metadata_key,
         tool_key=data_cfg.tool_key,
+        input_name="data.eval_input_key" if e_in else "data.input_key",
+        label_name="data.eval_label_key" if e_label else "data.label_key",
     )
+
+
+def dataset_from_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig, *, tokenizer: Any = None, path: Any = None,
+                        input_key: str | None = None, label_key: str | None = None,
+                        evaluation: bool = False) -> PromptDataset:
+    """A :class:`PromptDataset` from the recipe's ``data``/``rollout`` sections (``path`` etc. override them;
+    ``evaluation``: the eval sets' keys)."""
+    keys = dataset_keys(data_cfg, evaluation)
+    if input_key or label_key is not None:
+        keys = DataKeys(input_key=input_key or keys.input_key,
+                        label_key=label_key if label_key is not None else keys.label_key,
+                        metadata_key=keys.metadata_key, tool_key=keys.tool_key)
     path = path if path is not None else data_cfg.path
     if path is None:
         raise DataError("data.path is not set: give the JSONL/Parquet prompt file(s)")
@@ -439,8 +577,7 @@ def eval_datasets_from_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig, 
                               tokenizer: Any = None) -> dict[str, PromptDataset]:
     """``data.eval_prompt_data`` (name → path) as datasets, read with ``eval_input_key``/``eval_label_key``."""
     return {
-        name: dataset_from_config(data_cfg, rollout_cfg, tokenizer=tokenizer, path=path,
-                                  input_key=data_cfg.eval_input_key, label_key=data_cfg.eval_label_key)
+        name: dataset_from_config(data_cfg, rollout_cfg, tokenizer=tokenizer, path=path, evaluation=True)
         for name, path in data_cfg.eval_prompt_data.items()
     }
 
@@ -453,6 +590,141 @@ def data_source_from_config(dataset: PromptDataset, data_cfg: DataConfig, rollou
         n_samples_per_prompt=rollout_cfg.n_samples_per_prompt,
         shuffle=data_cfg.shuffle, seed=seed,
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# The check before submit
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataCheck:
+    """What :func:`check_dataset` found: ``problems`` refuse the dataset (each names the file, the lines or rows,
+    and the key); ``notes`` do not (blank lines skipped, some prompts over ``max_prompt_len``, a check skipped)."""
+
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def check_dataset(paths: str | os.PathLike | Iterable[str | os.PathLike], *, keys: DataKeys = DataKeys(),
+                  apply_chat_template: bool = False, system_prompt: str | None = None,
+                  max_prompt_len: int | None = None, count_tokens: Callable[[str], int] | None = None,
+                  rows: int = CHECK_ROWS) -> DataCheck:
+    """Read the first ``rows`` rows of each file of a dataset as :class:`PromptDataset` would, and report every
+    problem at once instead of the first: a file that cannot be read (not Parquet, not a regular file), not
+    UTF-8, not JSON, a row that is not an object, a missing key, a value of the wrong type (a Parquet column
+    too), an empty file. Blank lines are skipped, as the run skips them: a note with their lines.
+
+    ``count_tokens`` (the model's tokenizer; None: lengths are not checked) against ``max_prompt_len``: refused
+    when every checked prompt would be dropped, a note with the count and lines when some would. With
+    ``apply_chat_template`` the template is not applied here (that needs transformers, and torch): the text of
+    the messages is counted, which the template only lengthens, so the count is a lower bound."""
+    out = DataCheck()
+    try:
+        files = expand_paths(paths)
+    except DataError as e:
+        out.problems.append(str(e))
+        return out
+    records = _Records(keys, None, apply_chat_template, None, system_prompt)
+    checked: list[tuple[Path, int]] = []  # every prompt checked, and those too long
+    long: dict[Path, list[int]] = {}
+    empty: list[Path] = []
+    partial = False  # a file longer than ``rows``: only its first rows were read
+    for f in files:
+        what = "row" if f.suffix == ".parquet" else "line"
+        bad: dict[str, list[int]] = {}  # problem (without file and line) → lines
+        blank: list[int] = []
+        n = 0
+        try:
+            for row in scan_records(f, limit=rows, max_line=CHECK_LINE_BYTES):
+                if row.item is None:
+                    blank.append(row.number)
+                    continue
+                n += 1
+                try:
+                    if isinstance(row.item, DataError):
+                        raise row.item
+                    sample = records._to_sample(row.where, row.item)
+                except DataError as e:
+                    bad.setdefault(str(e).removeprefix(f"{row.where}: "), []).append(row.number)
+                    continue
+                checked.append((f, row.number))
+                if count_tokens is not None and max_prompt_len is not None \
+                        and count_tokens(sample.prompt) > max_prompt_len:
+                    long.setdefault(f, []).append(row.number)
+        except DataError as e:
+            out.problems.append(str(e))
+        partial |= n + len(blank) >= rows
+        for i, (text, numbers) in enumerate(bad.items()):
+            if i == SHOWN:
+                out.problems.append(f"{f}: {len(bad) - SHOWN} more different problems (fix these first)")
+                break
+            out.problems.append(f"{f}: {_numbers(what, numbers)}: {text}")
+        if blank:
+            out.notes.append(f"{f}: {len(blank)} blank line(s) will be skipped ({_numbers('line', blank)})")
+        if n == 0 and not any(p.startswith(f"{f}: ") for p in out.problems):
+            empty.append(f)
+    for f in empty:
+        text = f"{f}: empty: no records" + (" (only blank lines)" if f.suffix != ".parquet" and f.stat().st_size
+                                          else "")
+        # an empty file among others is only a note: the run reads the others
+        (out.problems if len(empty) == len(files) else out.notes).append(text)
+    n_long = sum(map(len, long.values()))
+    if n_long:
+        lower = " at least" if apply_chat_template else ""
+        where = "; ".join(f"{f}: {_numbers('row' if f.suffix == '.parquet' else 'line', v)}" for f, v in long.items())
+        if partial:
+            where += f"; the first {rows} rows of each file were checked"
+        if n_long == len(checked):
+            out.problems.append(
+                f"all {n_long} prompts checked are longer than rollout.max_prompt_len = {max_prompt_len} tokens"
+                f"{' (without the chat template)' if lower else ''}: every one would be dropped ({where}). "
+                "Fix: raise rollout.max_prompt_len, or shorten the prompts")
+        else:
+            out.notes.append(f"{lower.strip() + ' ' if lower else ''}{n_long} of the {len(checked)} prompts checked "
+                             f"are longer than rollout.max_prompt_len = {max_prompt_len} tokens and will be dropped "
+                             f"({where})")
+    return out
+
+
+def token_counter(model_path: str | os.PathLike | None) -> tuple[Callable[[str], int] | None, str | None]:
+    """(count_tokens, None) from the model's ``tokenizer.json`` (the ``tokenizers`` library: no torch, no
+    transformers; the same ids as the run's fast tokenizer with ``add_special_tokens=False``), or (None, why not)."""
+    if model_path is None:
+        return None, "model.path is not set"
+    path = Path(model_path) / "tokenizer.json"
+    if not path.is_file():
+        return None, f"no {path} (a local fast tokenizer) to count prompt tokens with"
+    try:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:
+        return None, f"cannot load {path} ({type(e).__name__}: {e})"
+    return (lambda text: len(tok.encode(text, add_special_tokens=False).ids)), None
+
+
+def check_data_files(data_cfg: DataConfig, rollout_cfg: RolloutConfig, files: dict[str, Path],
+                     model_path: str | os.PathLike | None, rows: int = CHECK_ROWS) -> tuple[list[tuple[str, str]],
+                                                                                           list[str]]:
+    """:func:`check_dataset` of each dataset of the recipe: ``files`` maps its key (``data.path``,
+    ``data.eval_prompt_data.<name>``) to the resolved path. Returns ((key, problem) pairs, notes). The tokenizer
+    is loaded (:func:`token_counter`) only when ``rollout.max_prompt_len`` is set; where it cannot be, the lengths
+    are not checked and a note says why."""
+    count = None
+    notes: list[str] = []
+    if rollout_cfg.max_prompt_len is not None and files:
+        count, why = token_counter(model_path)
+        if count is None:
+            notes.append(f"prompt lengths not checked against rollout.max_prompt_len: {why}")
+    problems: list[tuple[str, str]] = []
+    for key, path in files.items():
+        res = check_dataset(path, keys=dataset_keys(data_cfg, evaluation=key != "data.path"),
+                            apply_chat_template=data_cfg.apply_chat_template, system_prompt=data_cfg.system_prompt,
+                            max_prompt_len=rollout_cfg.max_prompt_len, count_tokens=count, rows=rows)
+        problems += [(key, p) for p in res.problems]
+        notes += [f"{key}: {n}" for n in res.notes]
+    return problems, notes
 
 
 def check_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig) -> list[tuple[str, object, str]]:

@@ -26,8 +26,17 @@ engine is left does the batch fail, with :class:`NoEngineError` naming every dea
 that answers an error (HTTP 5xx) or aborts the request is retried up to ``max_retries`` times (on another
 engine when there is one); an HTTP 4xx (a request the engine refuses, e.g. a prompt longer than its context)
 fails the batch at once with the sample named. Below that, each client resends a
-generate after a 5xx or a dropped connection with jittered exponential backoff, all within one total
-deadline per request (``rollout.request_timeout_s``), so a short burst of errors never reaches the driver.
+generate after a 5xx or a dropped connection with jittered exponential backoff, so a short burst of errors never
+reaches the driver.
+
+Deadline: ``rollout.request_timeout_s`` is one total deadline per request, across every attempt, backoff, probe
+and engine: the time the request spends at engines, not the time it queues in the driver for a free slot
+(``sglang_server_concurrency``), which depends on the batch size, not on any engine. Each attempt gets what is left
+of it, and when it runs out the request fails with :class:`RequestTimeout` (restartable: the engines did not answer;
+a restart starts them again). So a hung engine fails its requests after that long, where each attempt used to get
+the whole deadline again: (max_retries + 1) × 600 s = 40 minutes at the defaults. The driver does not probe an
+engine merely because an answer is slow: SGLang's ``/health_generate`` answers 503 when its scheduler made no progress
+for 20 s, as while it is paused for a weight sync, which would kill healthy engines in the syncs of an async run.
 
 Reward failures are collected over the whole batch and handled once, in sample order: under
 ``reward_error_policy: fail`` the report reads the same whichever group's reward happened to fail first.
@@ -71,6 +80,12 @@ class NoEngineError(RolloutError):
     restartable = True  # a restart starts the engines again (roles.tasks: the controller restarts the steps)
 
 
+class RequestTimeout(RolloutError):
+    """A request got no answer within ``rollout.request_timeout_s`` (its total, across attempts and engines)."""
+
+    restartable = True  # the engines did not answer: the machinery (a restart starts them again), not the recipe
+
+
 @dataclass
 class EngineFailure:
     """An engine the driver declared dead during a batch."""
@@ -89,6 +104,7 @@ class _Engine:
     served: int = 0  # requests sent to it
     peak: int = 0  # most requests in flight at once
     dead: str | None = None
+    probe: Any = None  # the health probe in flight (an asyncio task), shared by the requests that failed meanwhile
 
 
 class _EnginePool:
@@ -320,6 +336,7 @@ class RolloutDriver:
         self.per_engine = self.cfg.sglang_server_concurrency
         self.max_retries = self.cfg.max_retries
         timeout = positive_seconds(self.cfg, "request_timeout_s", "the total deadline of one generate request; ")
+        self.request_timeout_s = timeout
         self.client_kwargs: dict[str, Any] = {"generate_timeout": timeout, "retries": self.max_retries,
                                               "api_key": api_key, "backoff": backoff}
         self.engine_failures: list[EngineFailure] = []
@@ -398,11 +415,22 @@ class RolloutDriver:
             return True
         if err.status is not None:
             return False
-        try:
-            await engine.client.arequest("GET", "/health_generate", timeout=HEALTH_PROBE_TIMEOUT)
-            return False
-        except EngineError:
-            return True
+        return not await self._healthy(engine)
+
+    async def _healthy(self, engine: _Engine) -> bool:
+        """Whether ``engine`` answers ``/health_generate``; a probe already in flight is shared (the requests an
+        engine had in flight fail together when it dies: one probe, not hundreds)."""
+        loop = asyncio.get_running_loop()
+        probe = engine.probe
+        if probe is None or probe.done() or probe.get_loop() is not loop:
+            async def probe_once() -> bool:
+                try:
+                    await engine.client.arequest("GET", "/health_generate", timeout=HEALTH_PROBE_TIMEOUT)
+                    return True
+                except EngineError:
+                    return False
+            probe = engine.probe = loop.create_task(probe_once())
+        return await asyncio.shield(probe)
 
     async def _declare_dead(self, engine: _Engine, err: EngineError, batch: BatchCounters) -> None:
         if await self.pool.mark_dead(engine, err.cause):
@@ -469,19 +497,28 @@ class RolloutDriver:
         batch = batch if batch is not None else BatchCounters()
         attempts = 0
         avoid: set[str] = set()
+        budget, spent = self.request_timeout_s, 0.0  # the request's total deadline: time at engines (module docstring)
+        last = "none"
         while True:
             if stop is not None and stop.is_set():
                 return None
+            if spent >= budget:
+                raise _timeout(who, budget, last)
             engine = await self.pool.acquire(avoid)
             rid = f"relax-{id(prompt_ids):x}-{attempts}" if stop is not None else None
+            t0 = time.monotonic()
             try:
                 if rid is not None:
                     if stop.is_set():
                         continue
                     self._inflight[rid] = engine
                 gen = await engine.client.agenerate(prompt_ids, sp, return_logprob=not evaluation, rid=rid,
-                                                    vocab_size=self.vocab_size)
+                                                    vocab_size=self.vocab_size, timeout=budget - spent)
             except EngineError as err:
+                last = f"engine {engine.name}: {err.cause}"
+                if spent + time.monotonic() - t0 >= budget and (err.status is None or err.status >= 500) \
+                        and not isinstance(err, EngineOutputError):
+                    raise _timeout(who, budget, last) from err  # nothing left to retry with: no probe either
                 # output that cannot be right: the engine is broken (whatever its health check says)
                 if isinstance(err, EngineOutputError) or await self._engine_is_dead(engine, err):
                     await self._declare_dead(engine, err, batch)
@@ -500,6 +537,7 @@ class RolloutDriver:
                 batch.retries += 1
                 continue
             finally:
+                spent += time.monotonic() - t0
                 self._inflight.pop(rid, None)
                 await self.pool.release(engine)
             if gen.aborted and stop is not None and stop.is_set():
@@ -507,6 +545,7 @@ class RolloutDriver:
             if gen.aborted and attempts < self.max_retries:
                 attempts += 1
                 batch.retries += 1
+                last = f"engine {engine.name} aborted it"
                 log.warning("engine %s aborted %s (%s); retry %d/%d", engine.name, who, gen.finish_reason.message,
                             attempts, self.max_retries)
                 continue
@@ -545,6 +584,7 @@ class RolloutDriver:
         args.sglang_router_ip, args.sglang_router_port = "127.0.0.1", self.router.port
         params = (dataclasses.replace(sp, sampling_seed=seed) if seed is not None else sp).to_json()
         kwargs = {"evaluation": evaluation} if _takes(fn, "evaluation") else {}
+        refused = self.router.unauthorized
         try:
             out = fn(args, sample, params, **kwargs)
             if inspect.isawaitable(out):
@@ -553,6 +593,12 @@ class RolloutDriver:
             if not self.pool.alive():
                 raise NoEngineError(f"no rollout engine left to generate with ({self.pool.dead_report()}); {path} "
                                     f"failed with {type(e).__name__}: {e}") from e
+            if self.router.unauthorized > refused:  # most likely this function's: it sent no key
+                raise RolloutError(f"{path} failed with {type(e).__name__}: {e}, after the router refused "
+                                   f"{self.router.unauthorized - refused} request(s) without its key (HTTP 401). Fix: "
+                                   "send it, `from relax_hpc.rollout.router import post` then "
+                                   "`out = await post(url, payload)`, or headers=router_headers() with your own HTTP "
+                                   "client (docs/agentic.md)") from e
             raise
         if isinstance(out, list):  # segments of one rollout: one group, one rollout_id, each trained as a sample
             if not out or not all(isinstance(x, Sample) for x in out):
@@ -679,6 +725,12 @@ class RolloutDriver:
         tokens = sum(s.response_length for s in samples)
         out["perf/tokens_per_sec"] = tokens / rollout_time if rollout_time > 0 else 0.0
         return out
+
+
+def _timeout(who: str, budget: float, last: str) -> RequestTimeout:
+    return RequestTimeout(f"{who}: no answer within rollout.request_timeout_s = {budget:g} s (its total: every "
+                          f"attempt and engine together; last: {last}). Raise rollout.request_timeout_s if the "
+                          "engines are just slow")
 
 
 def first_error(eg: BaseExceptionGroup) -> BaseException:

@@ -125,7 +125,7 @@ class PartialRollout:
         self.buffer = [_unpack_group(g) for g in state.get("groups", [])]
 
     def save(self, run_path: str | os.PathLike, step: int) -> dict[str, Any]:
-        """Write the buffer as it is after step ``step`` to ``RUN_DIR/partial_rollout/after_<step>.json``
+        """Write the buffer as it is after step ``step`` to ``RUN_DIR/partial_rollout/`` (:meth:`file_name`)
         (whole and fsynced before this returns) and return its reference for the step's ``data_state``: the
         file (relative to the run directory), its groups and samples, size and sha256. An empty buffer writes
         no file."""
@@ -137,7 +137,8 @@ class PartialRollout:
         except TypeError as e:  # a sample field the dataset or a reward put there that JSON cannot hold
             raise PartialStateError(f"partial rollout: a buffered sample cannot be saved as JSON ({e}); its "
                                     "metadata, label and reward must be JSON values") from None
-        rel = f"{self.DIR}/after_{int(step):08d}.json"
+        sha = hashlib.sha256(data).hexdigest()
+        rel = f"{self.DIR}/{self.file_name(step, sha)}"  # never overwritten: a step generated again has a name of its own
         path = Path(run_path) / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
@@ -147,8 +148,19 @@ class PartialRollout:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
-        return {"file": rel, "groups": groups, "samples": samples, "size": len(data),
-                "sha256": hashlib.sha256(data).hexdigest()}
+        return {"file": rel, "groups": groups, "samples": samples, "size": len(data), "sha256": sha}
+
+    @staticmethod
+    def file_name(step: int, sha256: str) -> str:
+        """The saved buffer's file name: the step it is after, and its content's hash (a step generated again in a
+        later attempt saves another buffer under another name, and a checkpoint naming the first still finds it)."""
+        return f"after_{int(step):08d}_{sha256[:16]}.json"
+
+    @staticmethod
+    def file_step(name: str) -> int | None:
+        """The step of a file :meth:`file_name` named (None for any other name)."""
+        parts = name.removesuffix(".json").split("_")
+        return int(parts[1]) if len(parts) == 3 and parts[0] == "after" and parts[1].isdigit() else None
 
     def load(self, run_path: str | os.PathLike, ref: dict[str, Any] | None) -> None:
         """The buffer that :meth:`save` returned ``ref`` for (None, or no groups: an empty buffer)."""

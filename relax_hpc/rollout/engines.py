@@ -14,10 +14,15 @@ Why it looks like this:
   (``python=``, e.g. a venv or container wrapper), never imported here.
 * **Readiness = ``/health_generate``** (a real 1-token generation), with a deadline; if the process dies
   first, the error carries the tail of its log.
-* **An API key.** Started with ``api_key=`` (the rollout role passes the run's, ``RunDir.api_key()``), an
-  engine answers only requests carrying ``Authorization: Bearer KEY``: SGLang gets ``--api-key KEY`` (argv is
-  its only way), the CPU engine reads ``RELAX_ENGINE_API_KEY`` from its environment (not visible in ``ps``).
-  The key is masked in the launch line written to the engine log.
+* **An API key, never on a command line.** Started with ``api_key=`` (the rollout role passes the run's,
+  ``RunDir.api_key()``), an engine answers only requests carrying ``Authorization: Bearer KEY``. The key goes
+  through the engine's environment, which other users cannot read (``ps`` shows every user's command lines):
+  the CPU engine reads ``RELAX_ENGINE_API_KEY``. SGLang takes its key only as ``--api-key`` (its ``ServerArgs``
+  reads no environment variable for it), so SGLang is started through a few lines of Python run by its own
+  interpreter (:data:`SGLANG_LAUNCHER`): they take ``RELAX_SGLANG_API_KEY`` out of the environment, append
+  ``--api-key KEY`` to ``sys.argv`` inside the process (``/proc/PID/cmdline`` keeps the command as it was
+  started) and run ``sglang.launch_server`` as ``python -m`` would. SGLang's own processes, started after, never
+  see it in their environment either.
 * **Stop by PID.** Each engine runs in its own session (process group = its PID), so :meth:`EngineHandle.stop`
   signals exactly that group — SGLang's scheduler/detokenizer children included — and nothing else.
 """
@@ -38,7 +43,15 @@ from typing import Sequence
 from relax_hpc.rollout.client import EngineClient
 
 KINDS = ("sglang", "cpu")
-API_KEY_ENV = "RELAX_ENGINE_API_KEY"  # the CPU engine's API key (SGLang takes --api-key)
+API_KEY_ENV = "RELAX_ENGINE_API_KEY"  # the CPU engine's API key
+SGLANG_KEY_ENV = "RELAX_SGLANG_API_KEY"  # SGLang's, turned into --api-key inside its process by SGLANG_LAUNCHER
+# run as `python -c SGLANG_LAUNCHER ARGS...` by SGLang's interpreter: nothing of relax_hpc is imported there
+SGLANG_LAUNCHER = (
+    "import os, runpy, sys\n"
+    f"key = os.environ.pop({SGLANG_KEY_ENV!r}, None)\n"
+    "if key:\n"
+    "    sys.argv += ['--api-key', key]\n"
+    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)\n")
 _PORT_IN_USE = ("address already in use", "errno 98", "port is in use", "already in use")
 
 
@@ -58,19 +71,23 @@ def _advertised(host: str) -> str:
 
 
 def sglang_command(python: str, model_path: str, host: str, port: int, tp: int,
-                   extra_args: Sequence[str] = (), api_key: str | None = None) -> list[str]:
-    """The ``sglang.launch_server`` command line (extra_args from the recipe go last, so they can override)."""
-    key = ["--api-key", api_key] if api_key else []
-    return [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
-            "--port", str(port), "--tp-size", str(tp), *key, *extra_args]
+                   extra_args: Sequence[str] = ()) -> list[str]:
+    """The ``sglang.launch_server`` command line (extra_args from the recipe go last, so they can override),
+    through :data:`SGLANG_LAUNCHER`: the API key comes from ``RELAX_SGLANG_API_KEY`` in its environment."""
+    return [python, "-c", SGLANG_LAUNCHER, "--model-path", str(model_path), "--host", host,
+            "--port", str(port), "--tp-size", str(tp), *extra_args]
 
 
 def _masked(command: Sequence[str]) -> str:
-    """The command line for the log, with the value after ``--api-key`` hidden."""
-    out = list(command)
-    for k in range(len(out) - 1):
-        if out[k] == "--api-key":
-            out[k + 1] = "***"
+    """The command line for the log: the launcher's code named, not quoted; any value after ``--api-key`` hidden."""
+    out: list[str] = []
+    for c in command:
+        if c == SGLANG_LAUNCHER and out and out[-1] == "-c":
+            out[-1] = "-m sglang.launch_server (through relax_hpc's launcher: the API key from the environment)"
+        elif out and out[-1] == "--api-key":
+            out.append("***")
+        else:
+            out.append(c)
     return " ".join(out)
 
 
@@ -171,8 +188,7 @@ class EngineHandle:
 
     def _spawn(self, port: int | None = None) -> None:
         if self.kind == "sglang":
-            self.command = sglang_command(self.python, self.model_path, self.host, port, self.tp, self.extra_args,
-                                          self.api_key)
+            self.command = sglang_command(self.python, self.model_path, self.host, port, self.tp, self.extra_args)
             self.url = f"http://{_advertised(self.host)}:{port}"
         env = {**os.environ, **self.env}
         with open(self.log_path, "ab") as log:
@@ -239,7 +255,8 @@ def start_engine(kind: str, model_path: str | os.PathLike, *, python: str | None
     """Start an engine process and return at once (call :meth:`EngineHandle.wait_ready`).
 
     ``api_key``: the engine then refuses (HTTP 401) requests without ``Authorization: Bearer KEY``; the
-    handle's :meth:`~EngineHandle.client` sends it.
+    handle's :meth:`~EngineHandle.client` sends it. It reaches the engine through its environment, never its
+    command line.
 
     kind: ``"sglang"`` (``python`` must be an interpreter with SGLang; ``tp`` GPUs per engine, which ones via
     ``env={"CUDA_VISIBLE_DEVICES": ...}``) or ``"cpu"`` (TP must be 1; ``python`` defaults to this one).
@@ -271,8 +288,8 @@ def start_engine(kind: str, model_path: str | os.PathLike, *, python: str | None
         pkg_root = str(Path(__file__).resolve().parents[2])  # importable even when relax_hpc is not installed
         old = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, old) if p)
-        if api_key:
-            env[API_KEY_ENV] = api_key
+    if api_key:
+        env[API_KEY_ENV if kind == "cpu" else SGLANG_KEY_ENV] = api_key
     h = EngineHandle(kind=kind, model_path=str(model_path), url="", pid=-1, log_path=log_path, command=command,
                      host=host, tp=tp, python=python, env=env, extra_args=tuple(extra_args), ready_file=ready_file,
                      api_key=api_key)

@@ -617,11 +617,9 @@ class RewardRunner:
 @functools.cache
 def _raw_reward_max() -> float:
     """The largest magnitude the exchange's ``raw_reward`` column holds (its dtype, read where it is defined)."""
-    import numpy as np
+    from relax_hpc.exchange.fields import finite_max  # imported here: the recipe validator imports this module
 
-    from relax_hpc.exchange.fields import BY_NAME  # imported here: the recipe validator imports this module
-
-    return float(np.finfo(BY_NAME["raw_reward"].dtype).max)
+    return finite_max("raw_reward")
 
 
 def _in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future:

@@ -115,11 +115,13 @@ class MegatronActor:
 
     def skip_steps(self, k: int, what: str, *, rollout_step: int | None = None) -> None:
         """``k`` optimizer steps not even tried (the step's training columns were not finite: ``what``): their slots
-        pass as a skipped step's do, and the guard may end the run (:class:`~relax_hpc.train.step.NonFiniteError`)."""
+        pass as a skipped step's do, and the guard may end the run (:class:`~relax_hpc.train.step.NonFiniteError`).
+        They count as one skip against ``train.max_nonfinite_skips``: one bad batch, whatever its k mini-batches
+        (counting k would make ``skip`` end the run at once wherever k exceeds the bound)."""
         where = self._where(rollout_step)
         self.step += k
         self.last_skip = what
-        self.guard.skipped(where, what, steps=k)
+        self.guard.skipped(where, what)
 
     def _where(self, rollout_step: int | None) -> str:
         at = f"optimizer step {self.step + 1}"

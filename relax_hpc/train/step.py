@@ -57,10 +57,11 @@ class NonFiniteGuard:
     def applied(self) -> None:
         self.streak = 0
 
-    def skipped(self, where: str, what: str, steps: int = 1) -> None:
-        """``steps`` optimizer steps were not applied at ``where`` (e.g. "rollout step 7, optimizer step 13")
-        because ``what`` (e.g. "loss = nan, grad_norm = nan"); raises when the run must end."""
-        self.streak += steps
+    def skipped(self, where: str, what: str) -> None:
+        """An optimizer step (or, at the door, a rollout step's batch) was not applied at ``where`` (e.g. "rollout
+        step 7, optimizer step 13") because ``what`` (e.g. "loss = nan, grad_norm = nan"); raises when the run
+        must end."""
+        self.streak += 1
         keys = f"train.nonfinite = {self.cfg.nonfinite}, train.max_nonfinite_skips = {self.cfg.max_nonfinite_skips}"
         if self.cfg.nonfinite == "fail":
             raise NonFiniteError(

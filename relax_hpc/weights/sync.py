@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.rollout.client import EngineClient, EngineError, update_protocol
+from relax_hpc.stores import master_store
 from relax_hpc.weights.buckets import (DEFAULT_BUCKET_BYTES, IN_PLACE_MIN_BYTES, Bucket, BufferRing, dtype_from_name, empty_flat, iter_buckets, plan,
                                        unpack)
 
@@ -302,8 +303,7 @@ class WeightSender:
         name = self.group_name or f"relax_weight_sync_{os.getpid()}_{next(_group_seq)}"
         timeout = timedelta(seconds=max(self.timeout, self.connect_timeout))
         # port 0: the kernel picks a free one, so two runs on a node never collide (DESIGN §3)
-        store = dist.TCPStore(master_address, 0, world_size=None, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
+        store = master_store(master_address, None, timeout)  # listening on master_address's address only
         port = store.port
         log.info("weight-sync group %s: %d ranks, store %s:%d, engines %s (TP %s)", name, self.world_size,
                  master_address, port, [e.url for e in engines], self.tp_sizes)

@@ -1,6 +1,8 @@
 """How the controller judges roles: phases, readiness, failures (first one wins), silence, completion."""
 
 import json
+import os
+import threading
 
 import pytest
 
@@ -240,6 +242,37 @@ def disk_state(small_disk, size_mib=8):
     ready_all(st)
     st.write()
     return disk, run, st
+
+
+def test_a_state_write_on_a_full_disk_lands_even_while_another_writer_takes_every_freed_block(small_disk):
+    """The failure goes into the reserve's own blocks: a role still writing to the full disk (here a thread that
+    takes every block that comes free, as fast as it can) cannot take the room before state.json does."""
+    disk, run, st = disk_state(small_disk)
+    disk.fill()
+    stop, took = threading.Event(), [0]
+
+    def thief():
+        fd = os.open(disk.path / "thief", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            while not stop.is_set():
+                try:
+                    took[0] += os.write(fd, b"\0" * 4096)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+
+    t = threading.Thread(target=thief, daemon=True)
+    t.start()
+    try:
+        st.apply(102.0, hb("actor", 0, "ready"))
+        st.write()
+    finally:
+        stop.set()
+        t.join()
+    on_disk = json.loads(run.state.read_text())
+    assert on_disk["state"] == "FAILED" and f"no space left on {disk.path}" in on_disk["reason"]
+    assert not run.reserve.exists() and not list(run.path.glob(".state.json.*"))  # no temporary file left
 
 
 def test_a_state_write_on_a_full_disk_frees_the_reserve_and_records_the_failure(small_disk):

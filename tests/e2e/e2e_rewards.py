@@ -40,17 +40,15 @@ async def raise_on_ones_killing_engines(args, sample, **kwargs):
 
 
 async def generate_in_segments(args, sample, sampling_params, evaluation=False):
-    """A Relax-form generate function (no relax_hpc import) that returns every odd-indexed rollout as two segments:
-    the response as sampled, then the same tokens again with loss mask 0 (so nothing trains twice)."""
+    """A Relax-form generate function (relax_hpc's post in place of Relax's) that returns every odd-indexed rollout as
+    two segments: the response as sampled, then the same tokens again with loss mask 0 (so nothing trains twice)."""
     import copy
 
-    import httpx
+    from relax_hpc.rollout.router import post  # sends the router's key
 
     url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
     ids = list(sample.tokens)
-    async with httpx.AsyncClient() as client:
-        out = (await client.post(url, json={"input_ids": ids, "sampling_params": sampling_params,
-                                            "return_logprob": True}, timeout=120)).json()
+    out = await post(url, {"input_ids": ids, "sampling_params": sampling_params, "return_logprob": True})
     pairs = out["meta_info"]["output_token_logprobs"]
     new = [int(p[1]) for p in pairs]
     sample.tokens, sample.response, sample.response_length = ids + new, out["text"], len(new)

@@ -97,6 +97,31 @@ def test_bad_recipe_refused_before_sbatch(slurm_cluster, tmp_path, overrides, ke
     assert jobs_named(name) == set()
 
 
+@pytest.mark.slurm
+def test_the_key_the_user_set_is_named_first_with_the_cluster_check(slurm_cluster, tmp_path):
+    """On the 4-node cluster, 999 actor nodes were refused as "train.global_batch_size = None: leaves 64 samples
+    per optimizer step for 999 data-parallel actor ranks", and the cluster check never ran (issue 28)."""
+    name = unique_job_name()
+    p = cli("relax-submit", "--dry-run", str(SMOKE), "roles.actor.nodes=999", f"slurm.job_name={name}", cwd=tmp_path)
+    assert p.returncode == 2, p.stderr
+    listed = [ln for ln in p.stderr.splitlines() if ln.startswith("  - ")]
+    assert listed and all(ln.startswith("  - roles.actor.nodes = 999: ") for ln in listed), p.stderr
+    assert "has only 4 node(s)" in p.stderr and "train.global_batch_size" not in p.stderr
+    assert no_run_dirs(tmp_path)
+    time.sleep(1)
+    assert jobs_named(name) == set()
+
+
+def test_a_byte_of_the_command_line_that_is_not_utf8_is_refused_by_key(no_slurm_env, tmp_path):
+    """argv reaches Python as text with a lone surrogate for the byte: refused naming the key, no traceback."""
+    import os
+
+    p = cli("relax-submit", "--local", "--dry-run", str(SMOKE), os.fsdecode(b"model.path=/m/\xff"), cwd=tmp_path,
+            env=no_slurm_env)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "  - model.path = '/m/\\udcff': contains a character that cannot be encoded as UTF-8" in p.stderr
+
+
 def test_refusal_as_json(no_slurm_env, tmp_path):
     p = cli("relax-submit", "--local", "--json", str(SMOKE), "roles.actor.nodes=two", cwd=tmp_path,
             env=no_slurm_env)

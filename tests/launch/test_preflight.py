@@ -150,3 +150,21 @@ def test_dry_run_refuses_a_bad_recipe_and_creates_nothing(tmp_path, monkeypatch,
         assert submit_main(["--local", "--dry-run", str(recipe_file), override]) == EXIT_REFUSED
         assert text in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]  # no run directory, no runs root
+
+
+def test_checks_against_the_place_skip_what_the_validator_refused(tmp_path, monkeypatch):
+    """relax-submit runs these on a recipe the validator refused too (both are reported at once): a refused
+    string is not opened or looked up again, and a refused share_with skips the layout checks."""
+    from relax_hpc.launch.preflight import preflight_problems
+
+    monkeypatch.chdir(tmp_path)
+    rec = recipe_from_dict({})
+    rec.model.path = "/x/" + "a" * 300  # too long to stat: an OSError if it were looked at
+    rec.slurm.template = "/dev/null/" + "b" * 300
+    rec.roles.actor.mem = "lots"  # not Slurm memory syntax: check_slurm cannot read it
+    refused = {"model.path", "slurm.template", "roles.actor.mem"}
+    assert preflight_problems(rec, "local", refused) == []
+    assert check_slurm(rec, NODES, "gpu") == []  # the bad mem is the validator's to name
+    assert rec.model.path.startswith("/x/")  # the caller's recipe is left as it was
+    rec.roles.reference.enabled, rec.roles.reference.share_with = True, "nobody"
+    assert preflight_problems(rec, "local", refused | {"roles.reference.share_with"}) == []

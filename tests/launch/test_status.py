@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import time
@@ -258,3 +259,141 @@ def test_audit_is_not_exactly_once_while_a_task_has_not_consumed_a_step(tmp_path
     assert out["exactly_once"] is False
     assert out["violations"] == ["step 2: 2 samples produced, 0 consumed by train"]
     assert out["steps"][1]["consumed"] == {"train": 0, "reference": 2}
+
+
+# ------------------------------------------------------------------------------- damaged run directories ---
+
+def _unreadable(path):
+    """A state.json that cannot be read: mode 000 (a user's own file made unreadable); as root, who reads any
+    mode, a link that loops on itself (ELOOP), unreadable for everyone."""
+    if os.geteuid() != 0:
+        path.chmod(0)
+        return
+    path.unlink()
+    path.symlink_to(path.name)
+
+
+def _truncated(path):
+    path.write_bytes(path.read_bytes()[:25])
+
+
+DAMAGE = {  # name: (what is done to the run directory, the file named, words the line must have)
+    "binary garbage": (lambda rd: rd.state.write_bytes(b"\x00\xff\xfe\x93garbage\x80"), "state.json",
+                       "not UTF-8"),
+    "JSON array": (lambda rd: rd.state.write_text("[1, 2, 3]"), "state.json", "holds an array where a JSON object"),
+    "JSON string": (lambda rd: rd.state.write_text('"COMPLETED"'), "state.json", "holds a string"),
+    "JSON number": (lambda rd: rd.state.write_text("42"), "state.json", "holds a number"),
+    "wrong-typed fields": (lambda rd: write_json(rd.state, {"state": "COMPLETED", "roles": ["actor"], "step": "two",
+                                                            "scale": [{"id": "s1"}], "engines": {"e0": 3}}),
+                           "state.json", "field 'roles' is ['actor'], not an object of objects"),
+    "unreadable file": (lambda rd: _unreadable(rd.state), "state.json", "cannot be read"),
+    "a directory in its place": (lambda rd: (rd.state.unlink(), rd.state.mkdir()), "state.json",
+                                 "is a directory, not a regular file"),
+    "garbage job.json": (lambda rd: rd.job.write_bytes(b"{\"job_id\": \x01\x02"), "job.json", "not valid JSON"),
+    "truncated state.json": (lambda rd: _truncated(rd.state), "state.json",
+                             "ends early: truncated?"),
+    "empty state.json": (lambda rd: rd.state.write_bytes(b""), "state.json", "is empty"),
+    "missing state.json": (lambda rd: rd.state.unlink(), "state.json",
+                           "missing, though the local process"),
+    "a FIFO in its place": (lambda rd: (rd.state.unlink(), os.mkfifo(rd.state)), "state.json",
+                            "is a FIFO (named pipe), not a regular file"),
+}
+
+
+@pytest.fixture
+def completed_local_run(tmp_path):
+    """A local run that ended well: its process gone, submitit's result "success", state.json COMPLETED."""
+    from submitit.core import utils as submitit_utils
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    start = localproc.start_ticks(dead.pid)
+    dead.wait()
+    rd = run_dir(tmp_path, "local", job_id=str(dead.pid), pid=dead.pid, pid_start=start or 1,
+                 submitit_folder=str(tmp_path / "runs" / "submitit"))
+    pickle = submitit_utils.JobPaths(tmp_path / "runs" / "submitit", job_id=str(dead.pid), task_id=0).result_pickle
+    pickle.parent.mkdir(parents=True, exist_ok=True)
+    submitit_utils.cloudpickle_dump(("success", None), pickle)
+    write_json(rd.state, {"state": "COMPLETED", "step": 2, "total_steps": 2, "attempt": 0,
+                          "roles": {"actor": {"phase": "done"}}})
+    return rd
+
+
+def test_a_completed_local_run_reads_completed(completed_local_run, capsys):
+    from relax_hpc.launch.cli import status_main
+
+    assert status_main([str(completed_local_run.path)]) == 0
+    assert "COMPLETED" in capsys.readouterr().out
+    assert status_main([str(completed_local_run.path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["state"] == "COMPLETED" and out["error"] is None
+
+
+@pytest.mark.timeout(60)  # a FIFO that blocks the read fails here instead of hanging the suite
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_a_damaged_run_directory_is_one_line_naming_the_file_and_a_non_zero_exit(completed_local_run, capsys, case):
+    """The 12 damaged run directories of issue 28: relax-status prints one line on stderr naming the file and what
+    is wrong, nothing else, exits non-zero, never hangs, and never says COMPLETED (submitit's "success" says only
+    that the process returned), with --json and --watch too."""
+    from relax_hpc.launch.cli import status_main
+
+    rd = completed_local_run
+    damage, name, words = DAMAGE[case]
+    damage(rd)
+    for argv in ([str(rd.path)], [str(rd.path), "--watch", "--interval", "0.01"], [rd.name, "--runs-root",
+                                                                                  str(rd.path.parent)]):
+        code = status_main(argv)
+        out, err = capsys.readouterr()
+        lines = err.splitlines()
+        assert code != 0 and out == "" and len(lines) == 1, (code, out, err)
+        assert lines[0].startswith(f"relax-status: {rd.path / name}: ") and words in lines[0], lines[0]
+        assert "Traceback" not in err and "COMPLETED" not in err.replace("Slurm says the job COMPLETED", "")
+    if name == "state.json":  # --json: the same line, and a status that says UNKNOWN with the reason
+        assert status_main([str(rd.path), "--json"]) == 1
+        out, err = capsys.readouterr()
+        info = json.loads(out)
+        assert info["state"] == "UNKNOWN" and info["error"] == info["reason"] == err.strip()[len("relax-status: "):]
+
+
+def test_a_missing_state_json_with_no_result_or_an_error_still_says_what_was_read(completed_local_run):
+    """Without state.json, a process that left no result, or raised, ended the run (FAILED, its last words);
+    only a clean return is no evidence of how the run ended."""
+    from submitit.core import utils as submitit_utils
+
+    rd = completed_local_run
+    rd.state.unlink()
+    job = json.loads(rd.job.read_text())
+    pickle = submitit_utils.JobPaths(job["submitit_folder"], job_id=job["job_id"], task_id=0).result_pickle
+    submitit_utils.cloudpickle_dump(("error", "Traceback ...\nValueError: data.path is not set"), pickle)
+    info = status.collect(rd)
+    assert info["state"] == "FAILED" and info["reason"] == "ValueError: data.path is not set" and not info["error"]
+    pickle.unlink()
+    info = status.collect(rd)
+    assert info["state"] == "FAILED" and "without a result" in info["reason"] and not info["error"]
+    os.mkfifo(pickle)  # the result's place taken by a FIFO: read as unreadable, not waited on
+    assert status.collect(rd)["state"] == "FAILED"
+
+
+def test_slurm_completed_without_state_json_is_unknown_not_completed(tmp_path, monkeypatch):
+    rd = run_dir(tmp_path)
+    with_comps(monkeypatch, comp(0, "RUNNING"), comp(1, "RUNNING"))
+    assert status.collect(rd)["state"] == "RUNNING"  # before the controller writes: no error
+    with_comps(monkeypatch, comp(0, "COMPLETED"), comp(1, "COMPLETED"))
+    info = status.collect(rd)
+    assert info["state"] == "UNKNOWN" and info["error"].startswith(f"{rd.state}: missing, though Slurm says")
+
+
+@pytest.mark.parametrize("job, words", [
+    ({"job_id": None}, "field 'job_id' is missing"),
+    ({"job_id": "7; rm -rf ~"}, "field 'job_id' is '7; rm -rf ~', not a job id (digits)"),
+    ({"executor": "cloud"}, "field 'executor' is 'cloud', not \"slurm\" or \"local\""),
+    ({"executor": "local", "pid": "123"}, "field 'pid' is '123', not a process id"),
+    ({"executor": "local"}, "field 'pid' is missing"),
+    ({"submitted_at": "yesterday"}, "field 'submitted_at' is 'yesterday', not a number"),
+])
+def test_a_job_json_with_a_wrong_field_is_named(tmp_path, capsys, job, words):
+    from relax_hpc.launch.cli import status_main
+
+    rd = run_dir(tmp_path, **job)
+    code = status_main([str(rd.path)])
+    err = capsys.readouterr().err
+    assert code != 0 and err.count("\n") == 1 and f"{rd.job}: " in err and words in err, err

@@ -69,3 +69,17 @@ def test_genrm_flags_enable_the_judge_role():
     assert data["genrm"] == {"model_path": "/m/judge"} and data["roles"]["genrm"] == {"enabled": True}
     said = "\n".join(notes)
     assert "roles.genrm.enabled: true" in said and "--genrm-engine-config {}: not supported yet" in said
+
+
+def test_a_single_turn_context_length_becomes_max_seq_len_and_the_recipe_validates():
+    """--rollout-max-context-len bounds multi-turn rollouts only here: a single-turn script's is left out (with a
+    note), after it sized train.max_seq_len, so the recipe made passes validation."""
+    from relax_hpc.recipe.validate import build, check
+    from relax_hpc.recipe.schema import Recipe
+
+    data, notes = convert(["--rollout-max-context-len", "8192", "--rollout-max-response-len", "2048"])
+    assert "max_context_len" not in data["rollout"] and data["train"]["max_seq_len"] == 8192
+    assert any(n.startswith("--rollout-max-context-len: left out") for n in notes)
+    problems: list = []
+    recipe = build(Recipe, data, "", problems)
+    assert not problems and not [p for p in check(recipe) if "max_context_len" in str(p)]

@@ -342,7 +342,7 @@ def test_custom_config_is_read_at_submit(tmp_path):
 
 def test_relative_data_path_is_resolved_against_the_submit_directory(tmp_path):
     (tmp_path / "prompts").mkdir()
-    (tmp_path / "prompts" / "train.jsonl").write_text('{"prompt": "1+1"}\n')
+    (tmp_path / "prompts" / "train.jsonl").write_text('{"prompt": "1+1", "label": "2"}\n')
     assert file_problems({"data": {"path": "prompts/train.jsonl"}}, tmp_path) == {}
     assert file_problems({"data": {"path": "prompts"}}, tmp_path) == {}  # a directory of files
     assert "data.path" in file_problems({"data": {"path": "prompts/train.jsonl"}}, tmp_path / "prompts")
@@ -373,7 +373,7 @@ def test_response_alone_longer_than_the_context_is_refused(tmp_path):
 
 def test_context_is_not_checked_without_a_model_config(tmp_path):
     long = {"rollout": {"max_response_len": 10 ** 6}, "train": {"max_seq_len": 2 * 10 ** 6}}
-    assert file_problems({**long, "model": {"path": "absent"}}, tmp_path) == {}
+    assert list(file_problems({**long, "model": {"path": "absent"}}, tmp_path)) == ["model.path"]  # only that
     model_dir(tmp_path, hidden_size=8)
     assert file_problems({**long, "model": {"path": "model"}}, tmp_path) == {}
 
@@ -656,3 +656,157 @@ def test_autoscale_keys_are_checked():
     assert "a share" in got["rollout.elastic.autoscale.scale_in_idle_ratio"]
     ok = {"mode": "fully_async", "rollout": {"elastic": {"autoscale": {"enabled": True, "max": 3}}}}
     assert recipe_from_dict(ok).rollout.elastic.autoscale.max == 3
+
+
+# --- datasets: the first rows read at submit as the rollout role reads them (issue 28) ------------------------
+
+def test_every_bad_row_of_a_dataset_is_refused_naming_file_line_and_key(tmp_path):
+    """check_files reads the datasets: one problem per kind of bad row, under the recipe key of its dataset."""
+    (tmp_path / "train.jsonl").write_bytes(b'{"prompt": "1+1=", "label": "2"}\n{"label": "3"}\n[1]\n'
+                                           b'{"prompt": "\xff", "label": "1"}\n')
+    (tmp_path / "ev.jsonl").write_text('{"prompt": 5, "label": "1"}\n')
+    problems = check_files(recipe_from_dict({"data": {"path": "train.jsonl", "eval_prompt_data": {"ev": "ev.jsonl"}}}),
+                           tmp_path)
+    train, ev = tmp_path / "train.jsonl", tmp_path / "ev.jsonl"
+    assert [(k, v, m.split(". Fix")[0]) for k, v, m in problems] == [
+        ("data.path", "train.jsonl", f"{train}: line 2: missing key 'prompt' (data.input_key); the record has keys 'label'"),
+        ("data.path", "train.jsonl", f'{train}: line 3: each line must be a JSON object ({{"key": value, ...}}), got an array'),
+        ("data.path", "train.jsonl", f"{train}: line 4: not UTF-8 (byte 0xff at column 13)"),
+        ("data.eval_prompt_data.ev", "ev.jsonl", f"{ev}: line 1: key 'prompt' (data.input_key) must be a string prompt, got int"),
+    ]
+
+
+def test_a_fifo_as_a_dataset_is_refused_without_reading_it(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "train.jsonl")
+    (value, msg), = file_problems({"data": {"path": "train.jsonl"}}, tmp_path).values()
+    assert value == "train.jsonl" and "train.jsonl: not a regular file" in msg
+
+
+# --- values no key takes, and paths of the wrong kind (issue 28) ------------------------------------------------
+
+def typed_keys(want: tuple[type, ...]) -> list[str]:
+    """Every recipe key whose type is one of ``want`` (or ``X | None`` of one)."""
+    import dataclasses
+    import typing
+
+    from relax_hpc.recipe import Recipe
+
+    out = []
+
+    def walk(cls, prefix):
+        for name, tp in typing.get_type_hints(cls).items():
+            args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+            if dataclasses.is_dataclass(args[0]):
+                walk(args[0], f"{prefix}{name}.")
+            elif args[0] in want:
+                out.append(f"{prefix}{name}")
+
+    walk(Recipe, "")
+    return out
+
+
+def nested(key: str, value) -> dict:
+    data: dict = {}
+    node = data
+    *parts, last = key.split(".")
+    for part in parts:
+        node = node.setdefault(part, {})
+    node[last] = value
+    return data
+
+
+FLOAT_KEYS = typed_keys((float,))
+
+
+def test_every_float_key_refuses_inf_and_nan():
+    """No number key documents inf or nan (temperature=.inf was accepted): the type pass refuses them all."""
+    assert len(FLOAT_KEYS) > 30 and "rollout.temperature" in FLOAT_KEYS and "train.lr" in FLOAT_KEYS
+    for key in FLOAT_KEYS:
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            msg = problems(nested(key, bad))[key]
+            assert "must be a finite number" in msg and "Fix:" in msg, (key, msg)
+        assert "overflows to inf" in problems(nested(key, "1e999"))[key]  # YAML 1.1 reads 1e999 as text
+        assert "too large" in problems(nested(key, 10 ** 400))[key]  # float() of it is an OverflowError
+
+
+def test_inf_nan_and_huge_integers_are_refused_everywhere():
+    for key in typed_keys((int,))[:10] + ["slurm.partition", "rollout.stop_token_ids"]:
+        assert "finite" in problems(nested(key, float("nan")))[key]
+    for value in (2 ** 63, -(2 ** 63), int("f" * 2000, 16)):
+        (msg,) = problems({"run": {"steps": value}}).values()
+        assert "is too large" in msg
+    text = str(error({"run": {"steps": int("f" * 5000, 16)}}))  # too long for Python to print in decimal
+    assert "run.steps = <an integer of 20000 bits>" in text
+
+
+def test_text_that_cannot_be_encoded_is_refused_by_key():
+    """A lone surrogate (a \\ud800 escape in YAML, a byte of argv that is not UTF-8) failed at the first
+    stat of the path with a UnicodeEncodeError."""
+    p = problems({"model": {"path": "/m/\ud800"}, "slurm": {"sbatch_extra": ["--a=\udcff"], "env": {"\udcff": "1"}},
+                  "run": {"name": "x\udfff"}})
+    assert set(p) == {"model.path", "slurm.sbatch_extra[0]", "slurm.env[\\udcff]", "run.name"}
+    assert "cannot be encoded as UTF-8" in p["model.path"]
+    assert "\\udcff" in str(error({"bogus\udcff": 1}))  # an unknown key is printed escaped
+
+
+def test_chat_template_kwargs_take_json_values_only():
+    import datetime
+
+    ok = {"genrm": {"sampling": {"chat_template_kwargs": {"enable_thinking": False, "n": [1, {"a": None}]}}}}
+    assert recipe_from_dict(ok).genrm.sampling.chat_template_kwargs["n"] == [1, {"a": None}]
+    p = problems({"genrm": {"sampling": {"chat_template_kwargs": {"a": float("nan"), "b": datetime.date(2024, 1, 1),
+                                                                  "c": [1, {2: 3}]}}}})
+    assert set(p) == {"genrm.sampling.chat_template_kwargs.a", "genrm.sampling.chat_template_kwargs.b",
+                      "genrm.sampling.chat_template_kwargs.c[1][2]"}
+
+
+def test_a_model_path_must_be_a_model_directory(tmp_path):
+    """model.path=/dev/null was accepted; a file, a FIFO or a directory without config.json too."""
+    import os
+
+    model_dir(tmp_path, max_position_embeddings=64)
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "badjson").mkdir()
+    (tmp_path / "badjson" / "config.json").write_text("[" * 10000)
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / "config.json")  # reading it would wait for ever
+    for path, says in (("/dev/null", "is not a directory"), ("model/config.json", "is not a directory"),
+                       ("absent", "there is no directory"), ("bare", "has no config.json"),
+                       ("badjson", "is not JSON"), ("fifo", "is not a regular file but a FIFO")):
+        for key in ("model.path", "genrm.model_path"):
+            data = {**nested(key, path), "roles": {"genrm": {"enabled": key.startswith("genrm")}}}
+            (value, msg), = file_problems(data, tmp_path).values()
+            assert value == path and says in msg and "Fix: the model's Hugging Face directory" in msg, (path, msg)
+    assert file_problems({"model": {"path": "model"}}, tmp_path) == {}
+
+
+def test_other_paths_of_the_wrong_kind_are_refused(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "cfg.yaml")
+    (value, msg), = file_problems({"rollout": {"custom_config_path": "cfg.yaml"}}, tmp_path).values()
+    assert "is not a regular file but a FIFO" in msg
+    (tmp_path / "deep.yaml").write_text("a: " + "[" * 100 + "]" * 100)
+    (value, msg), = file_problems({"rollout": {"custom_config_path": "deep.yaml"}}, tmp_path).values()
+    assert "nested more than 32 levels deep" in msg
+    (tmp_path / "file").write_text("x")
+    for root in ("file", "file/runs", "/dev/null/runs"):
+        (value, msg), = file_problems({"run": {"runs_root": root}}, tmp_path).values()
+        assert value == root and "is not a directory" in msg
+    assert file_problems({"run": {"runs_root": "new/runs"}}, tmp_path) == {}  # made at submit
+
+
+@pytest.mark.parametrize("key", ["model.path", "data.path", "slurm.template", "run.runs_root",
+                                 "rollout.custom_config_path", "data.eval_prompt_data.aime"])
+def test_paths_too_long_to_open_are_refused_by_the_validator(key):
+    for path in ("/x/" + "a" * 256, "/a" * 2100):
+        assert "too long for a path" in problems(nested(key, path))[key]
+
+
+def test_too_many_actor_ranks_name_the_actor_size_when_no_batch_key_is_set():
+    """roles.actor.nodes=999 was refused as "train.global_batch_size = None", a key the user never set."""
+    (key, value, msg), = error({"roles": {"actor": {"nodes": 999}}}).problems
+    assert key == "roles.actor.nodes" and value == 999
+    assert "999 data-parallel actor ranks" in msg and "64 samples" in msg and "Fix: at most 64 nodes" in msg

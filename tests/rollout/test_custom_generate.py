@@ -1,5 +1,6 @@
-"""A custom generate function written exactly in Relax's form (no relax_hpc import; it talks HTTP to
-``args.sglang_router_ip:args.sglang_router_port`` and fills the Sample itself) runs unchanged through
+"""A custom generate function written in Relax's form (it talks HTTP to
+``args.sglang_router_ip:args.sglang_router_port`` with the router's key, ``router_headers()``, and fills the Sample
+itself) runs unchanged through
 ``rollout.custom_generate_function_path`` and per sample through ``sample.generate_function_path``; the token
 ids and log-probs are the engine's; a function that fills a sample wrongly is named in the error."""
 
@@ -16,6 +17,8 @@ RELAX_GENERATE = '''
     import httpx
     from transformers import AutoTokenizer
 
+    from relax_hpc.rollout.router import router_headers
+
     TOKENIZERS = {}
     CALLS = []
 
@@ -26,7 +29,7 @@ RELAX_GENERATE = '''
         url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
         ids = list(sample.tokens) or tok.encode(sample.prompt, add_special_tokens=False)
         payload = {"input_ids": ids, "sampling_params": sampling_params, "return_logprob": not evaluation}
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(headers=router_headers()) as client:  # the router wants its key
             out = (await client.post(url, json=payload, timeout=60)).json()
         CALLS.append((sample.index, evaluation, sampling_params.get("sampling_seed")))
         pairs = out["meta_info"].get("output_token_logprobs") or [[0.0, t] for t in out["output_ids"]]

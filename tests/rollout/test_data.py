@@ -11,15 +11,20 @@ import pytest
 
 from relax_hpc.recipe.schema import DataConfig, RolloutConfig
 from relax_hpc.rollout.data import (
+    DataCheck,
     DataError,
     DataKeys,
     PromptDataset,
     RolloutDataSource,
     check_config,
+    check_data_files,
+    check_dataset,
     dataset_from_config,
     data_source_from_config,
     eval_datasets_from_config,
+    token_counter,
 )
+from relax_hpc.rollout.sample import Sample
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -98,8 +103,8 @@ def test_max_prompt_len_filters(tmp_path, tokenizer):
     ([{"input": "x", "label": "1"}, {"input": "y"}], (), r"d\.jsonl: line 2: missing key 'label' \(data\.label_key\)"),
     ([{"input": "x", "label": "1"}], ("{not json",), r"d\.jsonl: line 2: not valid JSON"),
     ([{"input": "x", "label": "1", "metadata": [1]}], (), r"line 1: key 'metadata' \(data\.metadata_key\) must be a mapping"),
-    ([{"input": [{"role": "user", "content": "x"}], "label": "1"}], (), r"line 1: key 'input' holds chat messages; set data\.apply_chat_template"),
-    ([{"input": 5, "label": "1"}], (), r"line 1: key 'input' must be a string prompt, got int"),
+    ([{"input": [{"role": "user", "content": "x"}], "label": "1"}], (), r"line 1: key 'input' \(data\.input_key\) holds chat messages; set data\.apply_chat_template"),
+    ([{"input": 5, "label": "1"}], (), r"line 1: key 'input' \(data\.input_key\) must be a string prompt, got int"),
     ([], ("[1, 2]",), r"line 1: each line must be a JSON object"),
 ])
 def test_jsonl_errors_name_file_line_and_key(tmp_path, records, raw, match):
@@ -215,3 +220,175 @@ def test_check_config():
                     "rollout.top_p", "data.apply_chat_template_kwargs"}
     msg = dict((k, m) for k, _, m in bad)["rollout.custom_rm_path"]
     assert "package.module.function" in msg
+
+
+# ----------------------------------------------------------------------------------- reading at run time ---
+
+def test_non_utf8_at_run_time_is_a_permanent_error_naming_file_and_line(tmp_path):
+    from relax_hpc.errors import is_permanent
+
+    p = write_jsonl(tmp_path / "d.jsonl", RECORDS)
+    with open(p, "ab") as f:
+        f.write(b'{"input": "caf\xe9", "label": "1"}\n')
+    with pytest.raises(DataError, match=r"d\.jsonl: line 4: not UTF-8 \(byte 0xe9 at column 15\)\. Fix: re-encode") as e:
+        PromptDataset(p, keys=KEYS)
+    assert is_permanent(e.value)
+    p.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in RECORDS).encode())  # a UTF-8 BOM: fine
+    assert [s.prompt for s in PromptDataset(p, keys=KEYS)] == ["1+1=", "2+3=", "4*4="]
+
+
+def test_dropped_and_skipped_rows_are_logged_once_with_their_lines_and_counted(tmp_path, tokenizer, caplog):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"input": "1+1=", "label": "2"}, {"input": "123456789+1=", "label": "x"}],
+                    raw_lines=["", "   ", json.dumps({"input": "99999999*9=", "label": "y"}), json.dumps(RECORDS[2])])
+    with caplog.at_level("WARNING", logger="relax_hpc.rollout.data"):
+        ds = PromptDataset(p, keys=KEYS, tokenizer=tokenizer, max_prompt_len=5)
+    assert [s.prompt for s in ds] == ["1+1=", "4*4="] and ds.num_filtered == 2 and ds.num_blank == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{p}: 2 blank line(s) skipped (lines 3, 4)",
+        f"{p}: 2 of 4 prompts dropped: longer than rollout.max_prompt_len = 5 tokens (lines 2, 5)"]
+    src = RolloutDataSource(ds, rollout_batch_size=1)
+    assert src.metrics() == {"rollout/data_dropped/too_long": 2.0, "rollout/data_dropped/blank_line": 2.0}
+    src.get_samples()
+    assert src.metrics()["rollout/data_dropped/too_long"] == 2.0  # a count of the data, not of the step
+    assert RolloutDataSource([Sample(prompt="x")], rollout_batch_size=1).metrics()["rollout/data_dropped/too_long"] == 0
+
+
+def test_a_fifo_as_data_path_is_refused_not_read(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "d.jsonl")
+    with pytest.raises(DataError, match=r"d\.jsonl: not a regular file"):
+        PromptDataset(tmp_path / "d.jsonl", keys=KEYS)
+
+
+# ------------------------------------------------------------------------------- the check before submit ---
+
+def _check(path, **kw):
+    kw.setdefault("keys", KEYS)
+    return check_dataset(path, **kw)
+
+
+def test_check_reports_every_problem_at_once_with_file_line_and_key(tmp_path):
+    """Each bad row of the first rows, not only the first: grouped by problem with its lines; a record the run
+    would accept is no problem."""
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b"\n".join([
+        json.dumps(RECORDS[0]).encode(),
+        json.dumps({"prompt": "x", "label": "1"}).encode(),        # line 2: no input key
+        b'{"input": "caf\xe9", "label": "1"}',                      # line 3: not UTF-8
+        b"[1, 2]",                                                  # line 4: an array
+        b'"just a string"',                                         # line 5: a string
+        b"{not json",                                               # line 6
+        json.dumps({"input": 7, "label": "1"}).encode(),           # line 7: wrong type
+        json.dumps({"input": "y"}).encode(),                       # line 8: no label
+        json.dumps({"prompt": "z", "label": "1"}).encode(),        # line 9: no input key again
+        json.dumps({"input": "ok", "label": "1", "metadata": 5}).encode(),  # line 10
+    ]) + b"\n")
+    res = _check(p)
+    assert res.notes == []
+    assert res.problems == [
+        f"{p}: lines 2, 9: missing key 'input' (data.input_key); the record has keys 'prompt', 'label'. "
+        "Fix: set data.input_key to the field that holds the prompt",
+        f"{p}: line 3: not UTF-8 (byte 0xe9 at column 15). Fix: re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)",
+        f"{p}: line 4: each line must be a JSON object ({{\"key\": value, ...}}), got an array",
+        f"{p}: line 5: each line must be a JSON object ({{\"key\": value, ...}}), got a string",
+        f"{p}: line 6: not valid JSON (Expecting property name enclosed in double quotes at column 2)",
+        f"{p}: line 7: key 'input' (data.input_key) must be a string prompt, got int",
+        f"{p}: line 8: missing key 'label' (data.label_key); the record has keys 'input'. "
+        "Fix: set data.label_key to the field that holds the label, or null for none",
+        f"{p}: line 10: key 'metadata' (data.metadata_key) must be a mapping, got int",
+    ]
+
+
+def test_check_empty_and_blank(tmp_path):
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    assert _check(tmp_path / "empty.jsonl").problems == [f"{tmp_path / 'empty.jsonl'}: empty: no records"]
+    (tmp_path / "blank.jsonl").write_text("\n  \n\n")
+    assert _check(tmp_path / "blank.jsonl").problems == [
+        f"{tmp_path / 'blank.jsonl'}: empty: no records (only blank lines)"]
+    # blank lines are skipped, as the run skips them: a note naming them, not a refusal
+    p = write_jsonl(tmp_path / "d.jsonl", RECORDS[:1], raw_lines=["", json.dumps(RECORDS[1])])
+    res = _check(p)
+    assert res.problems == [] and res.notes == [f"{p}: 1 blank line(s) will be skipped (line 2)"]
+    # an empty file among others: the run reads the others
+    (tmp_path / "sub").mkdir()
+    write_jsonl(tmp_path / "sub" / "a.jsonl", RECORDS)
+    (tmp_path / "sub" / "b.jsonl").write_bytes(b"")
+    res = _check(tmp_path / "sub")
+    assert res.problems == [] and res.notes == [f"{tmp_path / 'sub' / 'b.jsonl'}: empty: no records"]
+
+
+def test_check_parquet_not_parquet_and_wrong_column_type(tmp_path):
+    (tmp_path / "bad.parquet").write_text('{"input": "x"}\n')
+    (msg,) = _check(tmp_path / "bad.parquet").problems
+    assert msg.startswith(f"{tmp_path / 'bad.parquet'}: cannot read as Parquet (")
+    pq.write_table(pa.table({"input": [1, 2, 3], "label": ["a", "b", "c"]}), tmp_path / "d.parquet")
+    assert _check(tmp_path / "d.parquet").problems == [
+        f"{tmp_path / 'd.parquet'}: rows 0, 1, 2: key 'input' (data.input_key) must be a string prompt, got int"]
+    pq.write_table(pa.table({"question": ["a"] * 30, "label": ["a"] * 30}), tmp_path / "d.parquet")
+    assert _check(tmp_path / "d.parquet").problems == [
+        f"{tmp_path / 'd.parquet'}: rows 0, 1, 2, 3, 4, 5, 6, 7, 8, 9 and 20 more: missing key 'input' (data.input_key); "
+        "the record has keys 'question', 'label'. Fix: set data.input_key to the field that holds the prompt"]
+    pq.write_table(pa.table({"input": ["a"] * 3, "label": ["a"] * 3}), tmp_path / "d.parquet")
+    assert _check(tmp_path / "d.parquet") == DataCheck()
+    pq.write_table(pa.table({"input": pa.array([], pa.string()), "label": pa.array([], pa.string())}),
+                   tmp_path / "d.parquet")
+    assert _check(tmp_path / "d.parquet").problems == [f"{tmp_path / 'd.parquet'}: empty: no records"]
+
+
+def test_check_prompt_lengths(tmp_path, tokenizer):
+    """All checked prompts over max_prompt_len: refused (the run would have none); some: a note with the count
+    and lines. Counted as the run counts them (the same ids as the run's tokenizer)."""
+    def count(text):
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    p = write_jsonl(tmp_path / "d.jsonl", [{"input": "123456789+1=", "label": "x"}, {"input": "99999*9=", "label": "y"}])
+    (msg,) = _check(p, max_prompt_len=5, count_tokens=count).problems
+    assert msg == (f"all 2 prompts checked are longer than rollout.max_prompt_len = 5 tokens: every one would be "
+                   f"dropped ({p}: lines 1, 2). Fix: raise rollout.max_prompt_len, or shorten the prompts")
+    write_jsonl(p, [{"input": "123456789+1=", "label": "x"}, {"input": "1+1=", "label": "y"}])
+    res = _check(p, max_prompt_len=5, count_tokens=count)
+    assert res.problems == [] and res.notes == [
+        f"1 of the 2 prompts checked are longer than rollout.max_prompt_len = 5 tokens and will be dropped ({p}: line 1)"]
+    # with the chat template (not applied before submit): the messages' text, a lower bound
+    write_jsonl(p, [{"input": [{"role": "user", "content": "123456789+1="}], "label": "x"}])
+    (msg,) = _check(p, max_prompt_len=5, count_tokens=count, apply_chat_template=True).problems
+    assert "longer than rollout.max_prompt_len = 5 tokens (without the chat template)" in msg
+    # only the first rows are read: said when a file has more
+    write_jsonl(p, [{"input": "123456789+1=", "label": "x"}] * 5)
+    (msg,) = _check(p, max_prompt_len=5, count_tokens=count, rows=3).problems
+    assert "all 3 prompts checked" in msg and "the first 3 rows of each file were checked" in msg
+
+
+def test_token_counter_counts_as_the_runs_tokenizer(tmp_path, tokenizer):
+    """Before submit the tokens are counted with the ``tokenizers`` library alone (no transformers, no torch):
+    the same count as the run's tokenizer."""
+    tokenizer.save_pretrained(tmp_path / "model")
+    count, why = token_counter(tmp_path / "model")
+    assert why is None
+    for text in ("1+1=", "<|im_start|>user\nhi<|im_end|>", "ünïcödé 12345"):
+        assert count(text) == len(tokenizer.encode(text, add_special_tokens=False))
+    assert token_counter(tmp_path / "nope")[0] is None and "tokenizer.json" in token_counter(tmp_path / "nope")[1]
+    assert token_counter(None) == (None, "model.path is not set")
+
+
+def test_check_data_files_uses_each_datasets_keys(tmp_path, tokenizer):
+    """data.path with input_key/label_key, the eval sets with eval_input_key/eval_label_key, the lengths with
+    the model's tokenizer (or a note where there is none)."""
+    write_jsonl(tmp_path / "train.jsonl", [{"q": "1+1=", "a": "2"}])
+    write_jsonl(tmp_path / "ev.jsonl", [{"question": "2+2=", "a": "4"}, {"q": "3+3=", "a": "6"}])
+    data = DataConfig(path="train.jsonl", input_key="q", label_key="a", eval_prompt_data={"ev": "ev.jsonl"},
+                      eval_input_key="question")
+    files = {"data.path": tmp_path / "train.jsonl", "data.eval_prompt_data.ev": tmp_path / "ev.jsonl"}
+    problems, notes = check_data_files(data, RolloutConfig(), files, None)
+    assert problems == [("data.eval_prompt_data.ev", f"{tmp_path / 'ev.jsonl'}: line 2: missing key 'question' "
+                         "(data.eval_input_key); the record has keys 'q', 'a'. Fix: set data.eval_input_key to the "
+                         "field that holds the prompt")] and notes == []
+    roll = RolloutConfig(max_prompt_len=2)
+    problems, notes = check_data_files(data, roll, {"data.path": tmp_path / "train.jsonl"}, tmp_path / "none")
+    assert problems == [] and notes == [f"prompt lengths not checked against rollout.max_prompt_len: no "
+                                        f"{tmp_path / 'none' / 'tokenizer.json'} (a local fast tokenizer) to count "
+                                        "prompt tokens with"]
+    tokenizer.save_pretrained(tmp_path / "model")
+    problems, notes = check_data_files(data, roll, {"data.path": tmp_path / "train.jsonl"}, tmp_path / "model")
+    assert [k for k, _ in problems] == ["data.path"] and "all 1 prompts checked are longer" in problems[0][1]

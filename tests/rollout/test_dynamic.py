@@ -206,14 +206,19 @@ def test_a_saved_buffer_loads_back_and_a_wrong_one_is_refused(tmp_path):
 
     partial = PartialRollout(buffer=[_buffered_group(0, [1, 2])])
     ref = partial.save(tmp_path, 3)
-    assert ref["file"] == "partial_rollout/after_00000003.json" and (ref["groups"], ref["samples"]) == (1, 3)
+    assert ref["file"] == f"partial_rollout/after_00000003_{ref['sha256'][:16]}.json"
+    assert (ref["groups"], ref["samples"]) == (1, 3) and PartialRollout.file_step(ref["file"].split("/")[1]) == 3
     assert (tmp_path / ref["file"]).stat().st_size == ref["size"]
     back = PartialRollout()
     back.load(tmp_path, ref)
     assert back.buffer == partial.buffer
     assert PartialRollout().save(tmp_path, 4) == {"groups": 0, "samples": 0}  # an empty buffer: no file
-    assert not (tmp_path / "partial_rollout" / "after_00000004.json").exists()
-    PartialRollout(buffer=[_buffered_group(1, [1, 2])]).save(tmp_path, 3)  # the step generated again: another one
+    assert not list((tmp_path / "partial_rollout").glob("after_00000004*"))
+    other = PartialRollout(buffer=[_buffered_group(1, [1, 2])]).save(tmp_path, 3)  # the step generated again
+    assert other["file"] != ref["file"]  # under a name of its own: the first is still there for what names it
+    back.load(tmp_path, ref)
+    assert back.buffer == partial.buffer
+    (tmp_path / ref["file"]).write_bytes((tmp_path / other["file"]).read_bytes())  # damaged in place
     with pytest.raises(PartialStateError, match="not the buffer the data cursor names") as e:
         back.load(tmp_path, ref)
     assert is_permanent(e.value) and "Fix:" in str(e.value)

@@ -13,13 +13,13 @@ import time
 import pytest
 
 from relax_hpc.rollout.client import EngineClient, EngineError, SamplingParams
-from relax_hpc.rollout.engines import (EngineLaunchError, cpu_engine_command, free_port, launch_engine,
-                                       sglang_command, start_engine)
+from relax_hpc.rollout.engines import (SGLANG_LAUNCHER, EngineLaunchError, cpu_engine_command, free_port,
+                                       launch_engine, sglang_command, start_engine)
 
 
 def test_commands_and_argument_checks(monkeypatch, tmp_path):
     cmd = sglang_command("/envs/sgl/bin/python", "/m", "0.0.0.0", 31000, 2, ["--mem-fraction-static", "0.7"])
-    assert cmd[:3] == ["/envs/sgl/bin/python", "-m", "sglang.launch_server"]
+    assert cmd[:3] == ["/envs/sgl/bin/python", "-c", SGLANG_LAUNCHER] and "sglang.launch_server" in cmd[2]
     assert cmd[cmd.index("--port") + 1] == "31000" and cmd[cmd.index("--tp-size") + 1] == "2"
     assert cmd[-2:] == ["--mem-fraction-static", "0.7"]
     cpu = cpu_engine_command("py", "/m", "127.0.0.1", "/r")
@@ -88,10 +88,16 @@ def test_real_sglang_engine(tiny_llama, tmp_path):
     if py is None:
         pytest.skip("needs RELAX_SGLANG_PYTHON: an interpreter that can `import sglang`")
     tp = int(os.environ.get("RELAX_SGLANG_TP", "1"))
+    key = "sglang-test-key-0123456789"
     h = launch_engine("sglang", tiny_llama, python=py, tp=tp, log_path=tmp_path / "sglang.log", ready_timeout=900,
-                      extra_args=["--mem-fraction-static", "0.3", "--disable-cuda-graph"])
+                      extra_args=["--mem-fraction-static", "0.3", "--disable-cuda-graph"], api_key=key)
     try:
-        c = EngineClient(h.url)
+        # the key reached SGLang through its environment (the launcher), not its command line
+        assert key not in open(f"/proc/{h.pid}/cmdline", "rb").read().decode(errors="replace")
+        with pytest.raises(EngineError) as e:
+            EngineClient(h.url, retries=0).model_info()
+        assert e.value.status == 401
+        c = h.client()
         g = c.generate([1, 10, 11, 12],
                        SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1.0, sampling_seed=3))
         assert len(g.output_ids) == len(g.output_logprobs) == 8 and g.finish_reason.type == "length"

@@ -90,9 +90,10 @@ def test_nonfinite_keys_are_checked_and_the_guard_counts_consecutive_skips():
     g.skipped("optimizer step 2", "loss = nan")
     g.applied()  # an applied step ends the streak
     g.skipped("optimizer step 4", "grad_norm = inf")
-    with pytest.raises(NonFiniteError, match=r"^rollout step 3, optimizer step 5: raw_reward of sample 0 .*"
+    g.skipped("rollout step 3, optimizer step 5", "raw_reward of sample 0 is inf")  # a door skip counts once
+    with pytest.raises(NonFiniteError, match=r"^rollout step 4, optimizer step 7: raw_reward of sample 0 .*"
                        r"3 consecutive .*train.max_nonfinite_skips = 2\)") as e:
-        g.skipped("rollout step 3, optimizer step 5", "raw_reward of sample 0 is inf", steps=2)  # a step of k = 2
+        g.skipped("rollout step 4, optimizer step 7", "raw_reward of sample 0 is inf")
     assert is_permanent(e.value)
     with pytest.raises(NonFiniteError, match="train.nonfinite = skip, train.max_nonfinite_skips = 0"):
         NonFiniteGuard(TrainConfig(max_nonfinite_skips=0)).skipped("optimizer step 1", "loss = nan")
