@@ -26,7 +26,7 @@ from relax_hpc.launch.status import audit_run, collect, is_final, render, render
 from relax_hpc.launch.submit import SubmitError, dry_run, plan, submit
 from relax_hpc.recipe import RecipeError
 from relax_hpc.recipe.errors import short_repr
-from relax_hpc.rundir import FULL_BYTES, RunDir, free_bytes, no_space_message
+from relax_hpc.rundir import FULL_BYTES, RESERVE_BYTES, RunDir, free_bytes, no_space_message
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -172,7 +172,7 @@ def _resume(args: argparse.Namespace, console: Console) -> int:
         return EXIT_FAILED
     room = rd.ensure_reserve()  # a disk without room for the run's reserve would end it as its last attempt did
     free = free_bytes(rd.path)
-    if free is not None and free < FULL_BYTES:
+    if (free is not None and free < FULL_BYTES) or (not room and (free is None or free < RESERVE_BYTES + FULL_BYTES)):
         _err(f"relax-submit --resume: {no_space_message(rd, what=f'{free} bytes free')}")
         return EXIT_FAILED
     if not room:  # room on the disk, and still no reserve: not the disk's doing

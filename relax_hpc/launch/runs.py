@@ -36,8 +36,7 @@ def _text(v: Any) -> bool:
 # job.json's fields that relax-status, relax-cancel and --resume read: (test, what it must be); absent or null is
 # allowed for all but job_id
 _JOB_FIELDS = {
-    "job_id": (lambda v: (_text(v) or isinstance(v, int) and not isinstance(v, bool))
-               and str(v).split("+")[0].isdigit(), "a job id (digits)"),
+    "job_id": (lambda v: _text(v) or isinstance(v, int) and not isinstance(v, bool), "a job id (text or a number)"),
     "executor": (lambda v: v in ("slurm", "local"), '"slurm" or "local"'),
     "job_name": (_text, "a string"), "host": (_text, "a string"), "submitit_folder": (_text, "a string"),
     "submitted_at": (_number, "a number (seconds since the epoch)"),
@@ -50,8 +49,13 @@ def job_problem(job: dict) -> str | None:
     """What is wrong with ``job.json``'s fields (one phrase), or None."""
     bad = [f"field {k!r} is {_short(v)}, not {what}" for k, (ok, what) in _JOB_FIELDS.items()
            if (v := job.get(k)) is not None and not ok(v)]
-    if job.get("job_id") is None:
+    if job.get("executor") == "local" and job.get("pid") is None:  # relax-cancel and --resume need it too
+        bad.append("field 'pid' is missing (a local run's process id)")
+    jid = job.get("job_id")
+    if jid is None:
         bad.insert(0, "field 'job_id' is missing")
+    elif job.get("executor", "slurm") == "slurm" and not str(jid).split("+")[0].isdigit():
+        bad.insert(0, f"field 'job_id' is {_short(jid)}, not a Slurm job id (digits)")  # a local run's is any text
     return "; ".join(bad) or None
 
 

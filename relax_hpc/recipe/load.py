@@ -16,8 +16,8 @@ from pathlib import Path
 import yaml
 
 from relax_hpc.recipe.errors import _MISSING, RecipeError
-from relax_hpc.recipe.reader import MAX_BYTES, MAX_DEPTH, LimitError, TextError, height, parse_yaml, read_text, \
-    yaml_error_message
+from relax_hpc.recipe.reader import (MAX_BYTES, MAX_DEPTH, LimitError, TextError, encodable, height, parse_yaml,
+                                    read_text, yaml_error_message)
 from relax_hpc.recipe.schema import Recipe
 from relax_hpc.recipe.validate import Problem, build, check
 
@@ -147,7 +147,7 @@ def _load_with_defaults(path: Path, chain: tuple[Path, ...], budget: list[int], 
     if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
         raise RecipeError([("defaults", defaults, f"must be a list of file names (in {path})")], source=source)
     for name in defaults:
-        if not name or "\0" in name or not _encodable(name) or len(name) > 4096:
+        if not name or "\0" in name or not encodable(name) or len(name) > 4096:
             raise RecipeError([("defaults", name, f"is not a file name (in {path}). Fix: a path relative to that "
                                 "file, or a name under configs/ without .yaml (algorithm/grpo)")], source=source)
     merged: dict = {}
@@ -161,14 +161,6 @@ def _resolved(path: Path) -> Path:
         return path.resolve() if path.exists() else path
     except (OSError, ValueError):  # a name too long, a NUL byte, a character the file system cannot encode
         return path
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _merge(base: dict, over: dict) -> dict:

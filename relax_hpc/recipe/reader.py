@@ -181,3 +181,12 @@ def height(value: Any, limit: int = MAX_DEPTH + 1) -> int:
         return 1
     items = value.values() if isinstance(value, dict) else value
     return 1 + max((height(v, limit - 1) for v in items), default=0)
+
+
+def encodable(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (a lone surrogate, from argv's undecodable bytes, cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

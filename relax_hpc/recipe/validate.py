@@ -27,7 +27,7 @@ import yaml
 from relax_hpc.algo.config import PLUGIN_CALLS, check as check_algorithm
 from relax_hpc.plugins import PluginError, load_plugin
 from relax_hpc.recipe.errors import _MISSING
-from relax_hpc.recipe.reader import TextError, parse_yaml, read_text, yaml_error_message
+from relax_hpc.recipe.reader import TextError, encodable, parse_yaml, read_text, yaml_error_message
 from relax_hpc.recipe.relax_names import RELAX_NAMES, cli_flag, relax_flag
 from relax_hpc.recipe.schema import ROLE_NAMES, Recipe
 from relax_hpc.rollout.data import DataError, check_config as check_data, check_data_files, expand_paths
@@ -163,7 +163,7 @@ def _convert(tp: Any, value: Any, path: str, problems: list[Problem]) -> tuple[b
             return False, None
         out, good = {}, True
         for k, item in value.items():
-            if not isinstance(k, str) or not _encodable(k):
+            if not isinstance(k, str) or not encodable(k):
                 problems.append((f"{path}[{_show_key(k)}]", _MISSING, "keys must be strings of UTF-8 text"))
                 good = False
                 continue
@@ -189,7 +189,7 @@ def _refused_scalar(value: Any, path: str, problems: list[Problem]) -> bool:
                                       "e.g. 1.0, or remove the key for its default"))
     elif isinstance(value, int) and not isinstance(value, bool) and not -_INT_LIMIT < value < _INT_LIMIT:
         problems.append((path, value, "is too large: at most 2**63 - 1 in either direction. Fix: a smaller number"))
-    elif isinstance(value, str) and not _encodable(value):
+    elif isinstance(value, str) and not encodable(value):
         problems.append((path, value, "contains a character that cannot be encoded as UTF-8 (a lone surrogate: a "
                                       "\\ud800-style escape, or a byte that is not UTF-8 on the command line). "
                                       "Fix: UTF-8 text only"))
@@ -203,7 +203,7 @@ def _json_like(value: Any, path: str, problems: list[Problem]) -> bool:
     if isinstance(value, dict):
         good = True
         for k, item in value.items():
-            if not isinstance(k, str) or not _encodable(k):
+            if not isinstance(k, str) or not encodable(k):
                 problems.append((f"{path}[{_show_key(k)}]", _MISSING, "keys must be strings of UTF-8 text"))
                 good = False
             elif not _json_like(item, f"{path}.{k}", problems):
@@ -218,14 +218,6 @@ def _json_like(value: Any, path: str, problems: list[Problem]) -> bool:
     problems.append((path, value, f"must be a JSON value (text, number, true/false, null, list or mapping), not "
                                   f"{_kind(value)}. Fix: quote it to make it text"))
     return False
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _show_key(key: Any) -> str:

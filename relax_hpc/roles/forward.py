@@ -125,7 +125,9 @@ def work_forward(ctx: RoleContext, comm: Any, field: str) -> None:
         if rank != 0:
             return M.FollowResult(url="")
         st["follower"] = Follower(params, st["version"])
-        host = "127.0.0.1" if ctx.ident.node == "localhost" else "0.0.0.0"
+        from relax_hpc.roles.engine_host import engine_listen_host
+
+        host = engine_listen_host(ctx.ident.node == "localhost")  # where the engines listen: not every interface
         url = st["follower"].serve(host, ctx.run.api_key())
         return M.FollowResult(url=url.replace("0.0.0.0", reachable_host(ctx.ident)))
 

@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEALTH_PROBE_TIMEOUT = 10.0  # seconds for the /health_generate probe after a transport error
+MIN_ATTEMPT_S = 30.0  # the least share of a request's deadline an attempt gets while another engine could take it
 
 
 class RolloutError(RuntimeError):
@@ -512,13 +513,26 @@ class RolloutDriver:
                     if stop.is_set():
                         continue
                     self._inflight[rid] = engine
+                left = budget - spent
+                # with another live engine, an attempt gets half of what is left (down to MIN_ATTEMPT_S): a hung
+                # engine is given up in time for the request to finish elsewhere; with none, all of it
+                cap = left / 2 if len(self.pool.alive()) > 1 and left >= 2 * MIN_ATTEMPT_S else left
                 gen = await engine.client.agenerate(prompt_ids, sp, return_logprob=not evaluation, rid=rid,
-                                                    vocab_size=self.vocab_size, timeout=budget - spent)
+                                                    vocab_size=self.vocab_size, timeout=cap)
             except EngineError as err:
                 last = f"engine {engine.name}: {err.cause}"
-                if spent + time.monotonic() - t0 >= budget and (err.status is None or err.status >= 500) \
+                took = time.monotonic() - t0
+                if spent + took >= budget and (err.status is None or err.status >= 500) \
                         and not isinstance(err, EngineOutputError):
                     raise _timeout(who, budget, last) from err  # nothing left to retry with: no probe either
+                if err.status is None and took >= 0.95 * cap and not isinstance(err, EngineOutputError):
+                    # its share of the deadline ran out: slow or hung, not known dead (a probe could answer 503
+                    # while SGLang is paused for a weight sync), so the request goes elsewhere, the engine stays
+                    log.warning("generate of %s on engine %s got no answer in %.0f s; sent to another engine", who,
+                                engine.name, took)
+                    avoid = {engine.name}
+                    batch.retries += 1
+                    continue
                 # output that cannot be right: the engine is broken (whatever its health check says)
                 if isinstance(err, EngineOutputError) or await self._engine_is_dead(engine, err):
                     await self._declare_dead(engine, err, batch)

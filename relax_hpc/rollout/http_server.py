@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 1024  # above the driver's in-flight requests per engine (rollout.sglang_server_concurrency, 512)
 IDLE_S = 15.0  # above the clients' keep-alive expiry (4 s)
 MAX_BODY = 64 << 20  # bytes: a batch of long prompts as JSON token ids, or a large model's weight-update names
+OPEN_BODY = 4 << 10  # bytes of body a request to an open path (health, info) may send without the key
 
 _BUSY_BODY = b'{"error": "too many connections to this server; try again"}'
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
@@ -154,8 +155,10 @@ class BoundedHandler(BaseHTTPRequestHandler):
         starts with one of ``open_paths``); None after answering 401 (no or wrong key), 400 (a bad
         Content-Length), 411 (a chunked body) or 413 (over ``max_body``) without reading the body."""
         path = urlsplit(self.path).path
-        if api_key and not path.startswith(open_paths) and not key_matches(self.headers.get("Authorization"), api_key):
+        keyed = bool(api_key) and key_matches(self.headers.get("Authorization"), api_key)
+        if api_key and not keyed and not path.startswith(open_paths):
             return self.refuse(401, {"error": "Unauthorized"})
+        limit = self.server.max_body if keyed or not api_key else OPEN_BODY  # who showed no key sends next to nothing
         if self.headers.get("Transfer-Encoding"):
             return self.refuse(411, {"error": "send the body with a Content-Length"})
         try:
@@ -164,9 +167,8 @@ class BoundedHandler(BaseHTTPRequestHandler):
                 raise ValueError(n)
         except ValueError:
             return self.refuse(400, {"error": f"bad Content-Length {self.headers.get('Content-Length')!r}"})
-        if n > self.server.max_body:
-            return self.refuse(413, {"error": f"a body of {n} bytes is over this server's limit of "
-                                              f"{self.server.max_body}"})
+        if n > limit:
+            return self.refuse(413, {"error": f"a body of {n} bytes is over this server's limit of {limit}"})
         try:
             body = self.rfile.read(n) if n else b""
         except OSError:  # timed out or shut by the reaper

@@ -109,6 +109,9 @@ async def post(url: str, payload: Any, *, timeout: float | None = None) -> Any:
     return r.json()
 
 
+ROUTER_MAX_CONNECTIONS = 1 << 16
+
+
 class _Server(BoundedServer):
     # a step sends every sample's request at once (128 in the quickstart): the stdlib's listen backlog of 5 let
     # connections overflow the accept queue, and their clients saw resets (ReadError) instead of answers
@@ -150,7 +153,7 @@ class EngineRouter:
                 return super().refuse(status, payload)
 
             def do_GET(self) -> None:
-                if self.read_body(None) is None:
+                if self.read_body(router.api_key, ("/health",)) is None:  # open, and so a tiny body at most
                     return
                 self._answer(200 if self.path == "/health" else 404, {"ok": self.path == "/health"})
 
@@ -170,7 +173,9 @@ class EngineRouter:
                 except OSError:
                     self.close_connection = True  # the function gave up on it
 
-        self._server = _Server(("127.0.0.1", 0), Handler)
+        # every sample of a step may post at once (rollout_batch_size x n_samples_per_prompt): the router's own
+        # cap is far above that; the engines' caps stay where they are, the driver's pool bounds what reaches them
+        self._server = _Server(("127.0.0.1", 0), Handler, max_connections=ROUTER_MAX_CONNECTIONS)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="engine-router", daemon=True)
         self._thread.start()

@@ -86,7 +86,7 @@ def test_bad_data_fails_the_run_at_once_without_a_restart(tmp_path, tiny_model, 
     with pytest.raises(RunFailed) as err:
         run_controller(run.path)
     want = (f"rollout rank 0 on localhost failed: DataError: {bad}: line 1: missing key 'prompt' (data.input_key); "
-            "the record has keys 'question', 'label'")
+            "the record has keys 'question', 'label'. Fix: set data.input_key to the field that holds the prompt")
     assert str(err.value) == want
     st = state(run)
     assert st["state"] == "FAILED" and st["reason"] == want
