@@ -32,6 +32,9 @@ def cancel(rd: RunDir, grace_s: float = 30.0) -> dict:
     else:
         if job.get("host") and job["host"] != socket.gethostname():
             raise CancelError(f"run {rd.name} runs on host {job['host']}: run relax-cancel there")
+        if not isinstance(job.get("pid"), int):
+            raise CancelError(f"{rd.job} names no process id ('pid') of the local run {rd.name}: nothing to signal. "
+                              "Fix: relax-cancel --checkpoint asks its controller over its socket")
         outcome = localproc.stop_group(int(job["pid"]), job.get("pid_start"), grace_s=grace_s)
         if outcome == "pid reused":
             raise CancelError(f"process {job['pid']} of run {rd.name} has ended and its PID now belongs to "

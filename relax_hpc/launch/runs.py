@@ -49,8 +49,6 @@ def job_problem(job: dict) -> str | None:
     """What is wrong with ``job.json``'s fields (one phrase), or None."""
     bad = [f"field {k!r} is {_short(v)}, not {what}" for k, (ok, what) in _JOB_FIELDS.items()
            if (v := job.get(k)) is not None and not ok(v)]
-    if job.get("executor") == "local" and job.get("pid") is None:  # relax-cancel and --resume need it too
-        bad.append("field 'pid' is missing (a local run's process id)")
     jid = job.get("job_id")
     if jid is None:
         bad.insert(0, "field 'job_id' is missing")

@@ -19,7 +19,7 @@ from rich.text import Text
 
 from relax_hpc.launch import localproc, slurm
 from relax_hpc.launch.executors import read_result
-from relax_hpc.launch.runs import load_job
+from relax_hpc.launch.runs import RunUnreadable, load_job
 from relax_hpc.recipe import load_recipe
 from relax_hpc.recipe.layout import role_steps
 from relax_hpc.rundir import FULL_BYTES, RunDir, RunFileError, free_bytes, is_regular, no_space_message, read_json_file
@@ -177,6 +177,8 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
     now = time.time() if now is None else now
     job = load_job(rd)
     executor = job.get("executor", "slurm")
+    if executor == "local" and job.get("pid") is None:
+        raise RunUnreadable(f"{rd.job}: field 'pid' is missing (a local run's process id)")
     ctl, problem = read_state(rd)
     if executor == "slurm":
         try:
