@@ -9,11 +9,11 @@ import random
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from relax_hpc.rollout.client import Backoff, EngineClient, EngineError
+from tests.rollout.stub_http import StubHandler, StubServer
 
 FAST = Backoff(base=0.01, factor=2.0, cap=0.05, jitter=False)  # tests stay fast; the gaps stay checkable
 GEN = {"text": "ab", "output_ids": [1, 2], "meta_info": {
@@ -34,12 +34,7 @@ class FaultServer:
         self.lock = threading.Lock()
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
+        class Handler(StubHandler):
             def do_POST(self):
                 n = int(self.headers.get("Content-Length") or 0)
                 self.rfile.read(n)
@@ -51,33 +46,25 @@ class FaultServer:
 
             do_GET = do_POST
 
-            def _send(self, status, body: bytes, length=None):
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body) if length is None else length))
-                self.end_headers()
-                self.wfile.write(body)
-                self.wfile.flush()
-
             def _ok(self):
-                self._send(200, json.dumps(GEN).encode())
+                self.send_json(200, json.dumps(GEN).encode())
 
             def _500(self):
-                self._send(500, b'{"error": {"message": "scheduler hiccup"}}')
+                self.send_json(500, b'{"error": {"message": "scheduler hiccup"}}')
 
             def _400(self):
-                self._send(400, b'{"error": {"message": "prompt too long"}}')
+                self.send_json(400, b'{"error": {"message": "prompt too long"}}')
 
             def _garbage(self):
-                self._send(200, b"<html>502 bad gateway</html>")
+                self.send_json(200, b"<html>502 bad gateway</html>")
 
             def _drop(self):
-                self._send(200, b'{"text": "a', length=500)
+                self.send_json(200, b'{"text": "a', length=500)
                 self.connection.shutdown(socket.SHUT_RDWR)
                 self.close_connection = True
 
             def _trickle(self):
-                self._send(200, b"{", length=10**6)
+                self.send_json(200, b"{", length=10**6)
                 try:
                     while not outer.stop.is_set():
                         self.wfile.write(b" ")
@@ -92,16 +79,12 @@ class FaultServer:
                 outer.stop.wait()
                 self.close_connection = True
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
+        self.http = StubServer(Handler)
+        self.url = self.http.url
 
     def close(self):
         self.stop.set()
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
 
 @pytest.fixture

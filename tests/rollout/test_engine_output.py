@@ -11,7 +11,6 @@ import json
 import math
 import re
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -20,6 +19,7 @@ from relax_hpc.rollout.client import EngineClient, EngineError, EngineOutputErro
 from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, load_tokenizer
 from relax_hpc.rollout.driver import NoEngineError, RolloutDriver, vocabulary_size
 from tests.rollout.conftest import import_source
+from tests.rollout.stub_http import StubHandler, StubServer
 
 VOCAB = 128  # the tiny model's
 
@@ -43,35 +43,22 @@ class CannedEngine:
         self.calls = 0
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
+        class Handler(StubHandler):
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 outer.calls += 1
-                data = text.encode() if self.path == "/generate" else b"{}"
                 try:
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
+                    self.send_json(200, text.encode() if self.path == "/generate" else b"{}")
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # a failed batch cancels the requests it still had in flight
 
             do_GET = do_POST
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self.http = StubServer(Handler)
+        self.url = self.http.url
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -20,6 +19,7 @@ from relax_hpc.rollout.driver import RequestTimeout, RolloutDriver, RolloutError
 from relax_hpc.rollout.router import EngineRouter, post, router_api_key, router_headers
 from relax_hpc.rollout.sample import Sample
 from tests.rollout.conftest import import_source
+from tests.rollout.stub_http import StubHandler, StubServer
 
 FAST = Backoff(base=0.01, factor=2.0, cap=0.05, jitter=False)
 ANSWER = {"text": "ab", "output_ids": [5, 6], "meta_info": {
@@ -36,19 +36,10 @@ class Engine:
         self.released = threading.Event()
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
+        class Handler(StubHandler):
             def _send(self, status: int, data: bytes) -> None:
                 try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
+                    self.send_json(status, data)
                 except OSError:
                     self.close_connection = True  # the client gave up: its deadline
 
@@ -68,15 +59,12 @@ class Engine:
             def do_GET(self):
                 self._send(outer.health if self.path.startswith("/health") else 200, b"{}")
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self.http = StubServer(Handler)
+        self.url = self.http.url
 
     def close(self):
         self.released.set()
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
 
 @pytest.fixture
