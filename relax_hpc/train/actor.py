@@ -16,7 +16,8 @@ samples, each a mapping or object with ``tokens`` LongTensor[L] (prompt + respon
 int (first response index; response R = L − response_start tokens), ``advantage`` float or
 ``advantages`` [R], ``old_log_probs`` [R] (if absent and not ``use_rollout_logprobs``: π_old = this
 forward, ratio 1), optional ``loss_mask`` [R], ``ref_log_probs`` [R], ``rollout_log_probs`` [R].
-Padding, micro-batching (``train.micro_batch_size``) and DP sharding happen inside; see :mod:`.batch`.
+Padding or packing, micro-batching (``train.micro_batch_size`` samples, or ``train.max_tokens_per_micro_batch``
+tokens) and DP sharding happen inside; see :mod:`.batch`.
 """
 
 from __future__ import annotations
@@ -85,9 +86,11 @@ class MegatronActor:
     def compute_log_probs(self, batch: Sequence, *, share: bool = False) -> list[torch.Tensor]:
         """Forward only: per-sample log-probs of the response tokens ([R_i] float32, CPU). ``batch`` is the
         global batch (every rank gets all log-probs) or, with ``share``, this DP rank's share (its own only)."""
-        mbs = self.train_cfg.logprob_micro_batch_size or self.train_cfg.micro_batch_size
+        cfg = self.train_cfg
+        mbs = cfg.logprob_micro_batch_size or cfg.micro_batch_size
+        max_tokens = cfg.logprob_max_tokens_per_micro_batch or cfg.max_tokens_per_micro_batch
         return compute_log_probs(self.model, batch, mbs=mbs, pad_id=self.pad_id, temperature=self.temperature,
-                                 max_seq_len=self.train_cfg.max_seq_len, share=share)
+                                 max_seq_len=cfg.max_seq_len, share=share, max_tokens=max_tokens)
 
     def train_step(self, batch: Sequence | Share, *, rollout_step: int | None = None) -> dict[str, float]:
         """One optimizer step; metrics (same on every rank) incl. loss, pg_loss, grad_norm. ``batch``: the

@@ -11,10 +11,20 @@ A sample is a mapping (or an object with attributes) with:
 * ``old_log_probs`` [R] (π_old; optional only with ``use_rollout_logprobs``), ``ref_log_probs`` [R]
   (optional), ``rollout_log_probs`` [R] (optional).
 
-Why right padding with no attention mask: attention is causal, so pad tokens after a sequence never
-change the logits of its real tokens, and no mask tensor has to be built or sent through the pipeline.
-Log-probs are computed only at response positions (logits at position p score token p+1), which keeps
-the vocab-sized tensors as small as the responses.
+Two layouts of a micro-batch:
+
+* **padded** (:func:`make_micro_batch`, ``train.micro_batch_size`` samples): one row per sample, right padding
+  and no attention mask: attention is causal, so pad tokens after a sequence never change the logits of its real
+  tokens, and no mask tensor has to be built or sent through the pipeline.
+* **packed** (:func:`make_packed_micro_batch`, ``train.max_tokens_per_micro_batch`` tokens): one row holding the
+  samples back to back, with their boundaries (``cu_seqlens``) for Megatron's ``thd`` layout: attention stays
+  inside each sample and RoPE positions restart at each (the core attention and megatron's RoPE read them), so
+  no token is padding and each sample's logits are those of its own row in the padded layout.
+  :func:`pack` decides which samples share a micro-batch (first fit, longest first).
+
+Log-probs are computed only at response positions (logits at position p score token p+1), which keeps the
+vocab-sized tensors as small as the responses: ``logit_index`` holds those positions as indices into the
+micro-batch's flattened [B·S] logits, so the same gather serves both layouts.
 """
 
 from __future__ import annotations
@@ -53,16 +63,20 @@ def response_bounds(sample) -> tuple[int, int]:
 
 @dataclass
 class MicroBatch:
-    """One forward pass worth of samples. ``B`` rows (``n_real`` real, the rest all-pad filler for PP),
-    ``S`` padded sequence length, ``T`` longest response. Train fields are None for forward-only use."""
+    """One forward pass worth of samples. ``B`` rows × ``S`` tokens: padded, one row per sample (``n_real`` real,
+    the rest all-pad filler for PP); packed, one row of samples back to back (``packed`` set). ``T`` longest
+    response. Train fields are None for forward-only use."""
 
     tokens: torch.Tensor  # [B, S] long
-    position_ids: torch.Tensor  # [B, S] long
-    logit_index: torch.Tensor  # [n_real, T] position of the logits that score each response token
+    position_ids: torch.Tensor  # [B, S] long, restarting at each sample
+    logit_index: torch.Tensor  # [n_real, T] index into the flattened [B·S] logits of those scoring each response token
     targets: torch.Tensor  # [n_real, T] the response token ids (pad where t >= R)
     valid: torch.Tensor  # [n_real, T] bool, t < R
     response_lens: list[int]
+    lengths: list[int]  # each sample's prompt + response tokens
     n_real: int
+    index: list[int] | None = None  # which of the planned samples these are, in row order (None: in order)
+    packed: object | None = None  # megatron PackedSeqParams (qkv_format "thd") for a packed micro-batch
     loss_mask: torch.Tensor | None = None  # [n_real, T] float: valid × the sample's loss mask
     advantages: torch.Tensor | None = None  # [n_real, T]
     old_log_probs: torch.Tensor | None = None
@@ -73,6 +87,11 @@ class MicroBatch:
     @property
     def num_loss_tokens(self) -> float:
         return float(self.loss_mask.sum()) if self.loss_mask is not None else float(sum(self.response_lens))
+
+    @property
+    def real_tokens(self) -> int:
+        """Tokens of the samples themselves (the rest of ``tokens`` is padding)."""
+        return sum(self.lengths)
 
 
 def _per_token(sample, name: str, r: int, *, required: bool) -> torch.Tensor | None:
@@ -97,31 +116,97 @@ def _stack(rows: list[torch.Tensor | None], t: int) -> torch.Tensor | None:
 
 
 def make_micro_batch(samples: Sequence, *, pad_id: int, train: bool, seq_len: int | None = None,
-                     rows: int | None = None, max_seq_len: int | None = None) -> MicroBatch:
-    """Pad ``samples`` into one micro-batch; ``seq_len``/``rows`` force a fixed shape (pipeline p2p needs it)."""
+                     rows: int | None = None, max_seq_len: int | None = None, multiple: int = 1) -> MicroBatch:
+    """Pad ``samples`` into one micro-batch; ``seq_len``/``rows`` force a fixed shape (pipeline p2p needs it), and
+    the length is rounded up to a ``multiple`` (sequence parallelism splits it over the TP ranks)."""
     if not samples:
         raise ValueError("empty micro-batch")
     toks = [tokens_of(s) for s in samples]
-    bounds = [response_bounds(s) for s in samples]
     longest = max(t.numel() for t in toks)
-    if max_seq_len is not None and longest > max_seq_len:
-        raise ValueError(f"a sample has {longest} tokens, more than train.max_seq_len = {max_seq_len}")
-    S = seq_len or longest
+    _check_len(longest, max_seq_len)
+    S = _round_up(seq_len or longest, multiple)
     B = rows or len(samples)
     assert S >= longest and B >= len(samples)
     tokens = torch.full((B, S), pad_id, dtype=torch.long)
     for i, t in enumerate(toks):
         tokens[i, : t.numel()] = t
     position_ids = torch.arange(S, dtype=torch.long).unsqueeze(0).expand(B, S).contiguous()
+    return _finish(samples, tokens, position_ids, [i * S for i in range(len(samples))], train=train)
+
+
+def make_packed_micro_batch(samples: Sequence, *, pad_id: int, train: bool, seq_len: int | None = None,
+                            max_seq_len: int | None = None, multiple: int = 1) -> MicroBatch:
+    """Pack ``samples`` back to back into one row (Megatron's ``thd`` layout). ``seq_len`` forces the row's length
+    (pipeline p2p needs one shape); the row is rounded up to a ``multiple``. Padding, if any, is one more sequence
+    at the end, so no real token attends to it."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if not samples:
+        raise ValueError("empty micro-batch")
+    toks = [tokens_of(s) for s in samples]
+    lens = [t.numel() for t in toks]
+    _check_len(max(lens), max_seq_len)
+    total = sum(lens)
+    S = _round_up(max(seq_len or 0, total), multiple)
+    tokens = torch.full((1, S), pad_id, dtype=torch.long)
+    tokens[0, :total] = torch.cat(toks)
+    bounds = [0]
+    for n in lens:
+        bounds.append(bounds[-1] + n)
+    if S > total:
+        bounds.append(S)
+    position_ids = torch.cat([torch.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:])]).unsqueeze(0)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    mb = _finish(samples, tokens, position_ids, bounds[: len(samples)], train=train)
+    mb.packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                max_seqlen_kv=longest)
+    return mb
+
+
+def pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Which samples share a micro-batch of at most ``budget`` tokens: first fit, longest first (fewer micro-batches
+    than in order when lengths spread). Each group lists sample indices in ascending order; groups in the order
+    they were opened. A sample longer than the budget gets a group of its own (the recipe check keeps
+    ``train.max_seq_len`` within the budget)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for g, free in enumerate(room):
+            if lengths[i] <= free:
+                groups[g].append(i)
+                room[g] -= lengths[i]
+                break
+        else:
+            groups.append([i])
+            room.append(budget - lengths[i])
+    return [sorted(g) for g in groups]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _check_len(longest: int, max_seq_len: int | None) -> None:
+    if max_seq_len is not None and longest > max_seq_len:
+        raise ValueError(f"a sample has {longest} tokens, more than train.max_seq_len = {max_seq_len}")
+
+
+def _finish(samples: Sequence, tokens: torch.Tensor, position_ids: torch.Tensor, offsets: list[int], *,
+            train: bool) -> MicroBatch:
+    """The response gather (``logit_index`` into the flattened logits, targets, valid) and, for training, the
+    per-token columns, for samples whose tokens start at ``offsets`` of the flattened ``tokens``."""
+    bounds = [response_bounds(s) for s in samples]
     lens = [r for _, r in bounds]
     T = max(lens)
     ar = torch.arange(T)
-    starts = torch.tensor([s for s, _ in bounds])
+    first = torch.tensor([o + s - 1 for o, (s, _) in zip(offsets, bounds)])  # the logits scoring response token 0
     valid = ar.unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
-    logit_index = (starts.unsqueeze(1) - 1 + ar.unsqueeze(0)).clamp(max=S - 2)
-    targets = tokens[: len(samples)].gather(1, logit_index + 1)
+    logit_index = (first.unsqueeze(1) + ar.unsqueeze(0)).clamp(max=tokens.numel() - 2)
+    targets = tokens.reshape(-1)[logit_index + 1]
     mb = MicroBatch(tokens=tokens, position_ids=position_ids, logit_index=logit_index, targets=targets,
-                    valid=valid, response_lens=lens, n_real=len(samples))
+                    valid=valid, response_lens=lens, lengths=[s + r for s, r in bounds], n_real=len(samples))
     if not train:
         return mb
     masks, advs = [], []

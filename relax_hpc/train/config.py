@@ -33,6 +33,12 @@ class TrainConfig:
     seed: int = 1234  # seeds torch/numpy/python and Megatron's model-parallel RNG on every rank
     max_seq_len: int = 4096  # longest prompt+response accepted; longer samples are an error, not truncated
     logprob_micro_batch_size: int | None = None  # samples per forward-only pass (log-probs); None: micro_batch_size
+    max_tokens_per_micro_batch: int | None = None  # pack samples into micro-batches of at most this many tokens (no padding); None: micro_batch_size samples, padded
+    logprob_max_tokens_per_micro_batch: int | None = None  # the same for forward-only passes; None: max_tokens_per_micro_batch
+    recompute: Literal["none", "selective", "full"] = "none"  # activation recompute (Megatron recompute_granularity)
+    recompute_method: Literal["uniform", "block"] = "uniform"  # full recompute: layers in chunks (uniform) or the first N (block)
+    recompute_num_layers: int = 1  # full recompute: layers per chunk (uniform) or recomputed layers per stage (block)
+    sequence_parallel: bool = False  # split the sequence over TP ranks outside attention/MLP (needs tp > 1)
     nonfinite: Literal["skip", "fail"] = "skip"  # NaN/inf loss, grad norm or training value: skip the update, or fail
     max_nonfinite_skips: int = 3  # consecutive optimizer steps skipped before the run fails; 0: fail at the first
 
@@ -58,6 +64,15 @@ def check(cfg: TrainConfig) -> list[tuple[str, object, str]]:
         need(cfg.num_steps_per_rollout >= 1, "num_steps_per_rollout", "must be at least 1 or null. Fix: use null")
     if cfg.logprob_micro_batch_size is not None:
         need(cfg.logprob_micro_batch_size >= 1, "logprob_micro_batch_size", "must be at least 1 or null. Fix: use null")
+    for key in ("max_tokens_per_micro_batch", "logprob_max_tokens_per_micro_batch"):
+        v = getattr(cfg, key)
+        if v is not None:
+            need(v >= cfg.max_seq_len, key,
+                 f"is below train.max_seq_len = {cfg.max_seq_len}: the longest sample accepted must fit in one "
+                 "micro-batch. Fix: at least max_seq_len tokens (e.g. 2-4 x max_seq_len), or null for padded micro-batches")
+    need(cfg.recompute_num_layers >= 1, "recompute_num_layers", "must be at least 1. Fix: e.g. 1")
+    need(not cfg.sequence_parallel or cfg.tp > 1, "sequence_parallel",
+         f"needs tensor parallelism, and train.tp = {cfg.tp}. Fix: set train.tp >= 2, or sequence_parallel: false")
     need(cfg.lr > 0, "lr", "must be positive. Fix: e.g. 1e-6")
     need(0 <= cfg.min_lr <= cfg.lr, "min_lr", f"must be between 0 and train.lr = {cfg.lr}. Fix: e.g. 0")
     need(cfg.lr_warmup_steps >= 0, "lr_warmup_steps", "must be 0 or more. Fix: use 0 for no warmup")

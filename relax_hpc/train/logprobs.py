@@ -58,8 +58,8 @@ def response_logprobs(output: torch.Tensor, mb: B.MicroBatch, *, temperature: fl
                       with_entropy: bool = False, entropy_grad: bool = True):
     """From the model output ``[B, S, V/tp]``: log-probs (and entropy) ``[n_real, T]`` of the response tokens."""
     idx = mb.logit_index.to(output.device)
-    rows = output[: mb.n_real]
-    picked = rows.gather(1, idx.unsqueeze(-1).expand(-1, -1, rows.shape[-1]))
+    flat = output.reshape(-1, output.shape[-1])  # [B·S, V/tp]: padded rows or one packed row alike
+    picked = flat[idx.reshape(-1)].reshape(*idx.shape, flat.shape[-1])
     if temperature != 1.0:
         picked = picked / temperature
     lp, ent = vocab_parallel_logprobs(picked, mb.targets.to(output.device), with_entropy=with_entropy,
@@ -87,18 +87,62 @@ def _forward_step(loss_fn: Callable, data_iterator, model):
     if _on_micro_batch is not None:
         _on_micro_batch()
     dev = next(model.parameters()).device
-    out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None)
+    if mb.packed is None:
+        out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None)
+    else:
+        out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None, packed_seq_params=_on(mb.packed, dev))
     return out, partial(loss_fn, mb)
 
 
+def _on(params, dev):
+    """PackedSeqParams as the attention wants them: Transformer Engine's kernels read the boundaries on the GPU;
+    the pure-torch path (SDPAttention, megatron's unfused RoPE) reads them as Python ints, free from host memory
+    and a device sync per layer from the GPU's."""
+    from dataclasses import replace
+
+    from relax_hpc.train.model import te_available
+
+    if not te_available():
+        return params
+    return replace(params, cu_seqlens_q=params.cu_seqlens_q.to(dev), cu_seqlens_kv=params.cu_seqlens_kv.to(dev))
+
+
 def plan_micro_batches(samples: Sequence, mbs: int, *, pad_id: int, train: bool, pp: int,
-                       max_seq_len: int | None, global_seq_len: int) -> list[B.MicroBatch]:
-    """Split this rank's samples into micro-batches; with PP every one gets the same [mbs, S] shape."""
-    groups = B.chunks(samples, mbs)
-    if pp > 1:
-        return [B.make_micro_batch(g, pad_id=pad_id, train=train, seq_len=global_seq_len, rows=mbs,
-                                   max_seq_len=max_seq_len) for g in groups]
-    return [B.make_micro_batch(g, pad_id=pad_id, train=train, max_seq_len=max_seq_len) for g in groups]
+                       max_seq_len: int | None, global_seq_len: int, max_tokens: int | None = None,
+                       multiple: int = 1) -> list[B.MicroBatch]:
+    """Split this rank's samples into micro-batches: ``mbs`` samples each, padded (with PP every one gets the same
+    [mbs, global_seq_len] shape), or with ``max_tokens`` packed by token count (with PP every one gets the same
+    [1, max_tokens] shape). ``multiple``: lengths rounded up to it (TP size under sequence parallelism).
+    Each micro-batch's ``index`` says which of ``samples`` it holds."""
+    if max_tokens is not None:
+        groups = B.pack([B.tokens_of(s).numel() for s in samples], max_tokens)
+        out = []
+        for g in groups:
+            mb = B.make_packed_micro_batch([samples[i] for i in g], pad_id=pad_id, train=train,
+                                           seq_len=max_tokens if pp > 1 else None, max_seq_len=max_seq_len,
+                                           multiple=multiple)
+            mb.index = g
+            out.append(mb)
+        return out
+    out, start = [], 0
+    for g in B.chunks(samples, mbs):
+        if pp > 1:
+            mb = B.make_micro_batch(g, pad_id=pad_id, train=train, seq_len=global_seq_len, rows=mbs,
+                                    max_seq_len=max_seq_len, multiple=multiple)
+        else:
+            mb = B.make_micro_batch(g, pad_id=pad_id, train=train, max_seq_len=max_seq_len, multiple=multiple)
+        mb.index = list(range(start, start + len(g)))
+        start += len(g)
+        out.append(mb)
+    return out
+
+
+def seq_multiple(model: list) -> int:
+    """What every micro-batch's length must be a multiple of: the TP size under sequence parallelism, else 1."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_model_config
+
+    return ps.get_tensor_model_parallel_world_size() if get_model_config(model[0]).sequence_parallel else 1
 
 
 def run_forward(model: list, micro_batches: list[B.MicroBatch], loss_fn: Callable, *, forward_only: bool) -> list:
@@ -119,7 +163,8 @@ def run_forward(model: list, micro_batches: list[B.MicroBatch], loss_fn: Callabl
 
 
 def _forward_log_probs(model: list, samples: Sequence, *, mbs: int, pad_id: int, temperature: float,
-                       max_seq_len: int | None, rows: int, T: int, global_seq_len: int) -> torch.Tensor:
+                       max_seq_len: int | None, rows: int, T: int, global_seq_len: int,
+                       max_tokens: int | None) -> torch.Tensor:
     """Forward-only log-probs of ``samples`` (this DP rank's) as ``[rows, T]`` on every stage of the pipeline."""
     from megatron.core import parallel_state as ps
 
@@ -127,7 +172,8 @@ def _forward_log_probs(model: list, samples: Sequence, *, mbs: int, pad_id: int,
     out = torch.zeros(rows, T, dtype=torch.float32, device=cpu_compat.device())  # NCCL needs device tensors
     if samples:
         mbs_list = plan_micro_batches(samples, mbs, pad_id=pad_id, train=False, pp=pp, max_seq_len=max_seq_len,
-                                      global_seq_len=global_seq_len)
+                                      global_seq_len=global_seq_len, max_tokens=max_tokens,
+                                      multiple=seq_multiple(model))
 
         def loss_fn(mb, output):
             lp, _ = response_logprobs(output, mb, temperature=temperature)
@@ -140,11 +186,9 @@ def _forward_log_probs(model: list, samples: Sequence, *, mbs: int, pad_id: int,
         for m in model:
             m.train()
         if ps.is_pipeline_last_stage(ignore_virtual=True):
-            row = 0
             for mb, res in zip(mbs_list, results):
                 lp = res["log_probs"]
-                out[row: row + mb.n_real, : lp.shape[1]] = lp.to(out.device)
-                row += mb.n_real
+                out[mb.index, : lp.shape[1]] = lp.to(out.device)
     if pp > 1:
         src = ps.get_pipeline_model_parallel_last_rank()
         dist.broadcast(out, src=src, group=ps.get_pipeline_model_parallel_group())
@@ -152,7 +196,8 @@ def _forward_log_probs(model: list, samples: Sequence, *, mbs: int, pad_id: int,
 
 
 def compute_log_probs(model: list, samples: Sequence, *, mbs: int, pad_id: int, temperature: float = 1.0,
-                      max_seq_len: int | None = None, share: bool = False) -> list[torch.Tensor]:
+                      max_seq_len: int | None = None, share: bool = False,
+                      max_tokens: int | None = None) -> list[torch.Tensor]:
     """Forward-only response log-probs, one ``[R_i]`` tensor per sample, in the order of ``samples``.
 
     ``share=False``: ``samples`` is the global batch (the same on every rank); each DP rank computes its
@@ -168,13 +213,13 @@ def compute_log_probs(model: list, samples: Sequence, *, mbs: int, pad_id: int, 
             return []
         out = _forward_log_probs(model, samples, mbs=mbs, pad_id=pad_id, temperature=temperature,
                                  max_seq_len=max_seq_len, rows=len(samples), T=max(lens),
-                                 global_seq_len=max(B.tokens_of(s).numel() for s in samples))
+                                 global_seq_len=max(B.tokens_of(s).numel() for s in samples), max_tokens=max_tokens)
         return [row[:n].cpu().clone() for row, n in zip(out, lens)]
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = B.dp_shard(samples, dp, dp_rank)
     out = _forward_log_probs(model, mine, mbs=mbs, pad_id=pad_id, temperature=temperature, max_seq_len=max_seq_len,
                              rows=-(-len(samples) // dp), T=max(lens),
-                             global_seq_len=max(B.tokens_of(s).numel() for s in samples))
+                             global_seq_len=max(B.tokens_of(s).numel() for s in samples), max_tokens=max_tokens)
     if dp > 1:
         gathered = [torch.empty_like(out) for _ in range(dp)]
         dist.all_gather(gathered, out, group=ps.get_data_parallel_group())

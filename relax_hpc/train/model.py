@@ -95,6 +95,83 @@ def import_bridge():
     return AutoBridge
 
 
+# megatron-core's fused kernels that need more than torch: the extension module (apex's, or TE) that must import,
+# on CUDA. A flag left on without its kernel fails at the first forward of a real shape (masked softmax: "No module
+# named scaled_masked_softmax_cuda", seen on an H200 without apex). The pure-torch fusions (bias-activation,
+# bias-dropout: torch.compile'd functions) are left as the provider says.
+FUSIONS = {
+    "masked_softmax_fusion": "scaled_masked_softmax_cuda",  # apex; SDPAttention does not use it
+    "persist_layer_norm": "apex.contrib.layer_norm.layer_norm",  # apex FastLayerNorm
+    "apply_rope_fusion": "transformer_engine",  # megatron takes TE's fused RoPE
+    "gradient_accumulation_fusion": "fused_weight_gradient_mlp_cuda",  # apex; megatron's own linears need it with TE too
+}
+
+
+def _importable(name: str) -> bool:
+    if name == "transformer_engine":
+        return te_available()
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a missing parent package
+        return False
+
+
+def fusion_flags(asked: dict[str, bool], *, cuda: bool, importable) -> dict[str, bool]:
+    """Each fusion flag of ``asked`` (the provider's) kept on only where it can run: on CUDA, with the module it
+    needs importable (:data:`FUSIONS`). Pure: the test gives ``importable`` a stand-in."""
+    return {key: bool(on) and cuda and importable(FUSIONS[key]) for key, on in asked.items()}
+
+
+def recompute_settings(cfg: TrainConfig) -> dict:
+    """``train.recompute*`` as megatron-core's TransformerConfig fields (selective: core attention only)."""
+    if cfg.recompute == "none":
+        return {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
+    if cfg.recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_method": None, "recompute_num_layers": None,
+                "recompute_modules": ["core_attn"]}
+    return {"recompute_granularity": "full", "recompute_method": cfg.recompute_method,
+            "recompute_num_layers": cfg.recompute_num_layers}
+
+
+class TorchNorm:
+    """megatron-core's ``WrappedTorchNorm`` (torch LayerNorm/RMSNorm) that also runs with sequence parallelism.
+
+    ``WrappedTorchNorm`` refuses ``sequence_parallel`` (an assert at build) because its weights would then get
+    the grads of this rank's part of the sequence only. Like TE's and apex's norms, this one marks its weights
+    ``sequence_parallel``, so ``finalize_model_grads`` sums their grads over the TP group (without it the TP=2 tiny
+    Qwen3's weights after 2 steps differ from SP off by 4e-4; with it by 0)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in kinds or config.layernorm_zero_centered_gamma or config.persist_layer_norm \
+                or config.memory_efficient_layer_norm:
+            raise ValueError(f"torch norms do plain LayerNorm and RMSNorm, not {config.normalization!r} with "
+                             "zero-centered gamma, persist or memory-efficient layer norm")
+        norm = kinds[config.normalization](hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def torch_block_spec(config, vp_stage: int | None = None):
+    """The decoder without Transformer Engine: :func:`relax_hpc.train.attention.torch_layer_spec`'s layers and
+    final norm, each torch norm a :class:`TorchNorm` (the final one too, which a layer spec cannot set)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from relax_hpc.train.attention import torch_layer_spec
+
+    layer = torch_layer_spec(config)
+    sub, attn = layer.submodules, layer.submodules.self_attention.submodules
+    for owner, key in ((sub, "input_layernorm"), (sub, "pre_mlp_layernorm"), (attn, "q_layernorm"),
+                       (attn, "k_layernorm")):
+        if getattr(owner, key, None) is WrappedTorchNorm:
+            setattr(owner, key, TorchNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=sub.input_layernorm)
+
+
 @dataclass
 class BuiltModel:
     bridge: object  # megatron.bridge AutoBridge (HF config/tokenizer/artifacts, name mapping)
@@ -117,15 +194,17 @@ def build_model(hf_dir: str | Path, cfg: TrainConfig) -> BuiltModel:
     bridge = AutoBridge.from_hf_pretrained(str(hf_dir))
     provider = bridge.to_megatron_provider(load_weights=True)
     on_cpu = cpu_compat.needed()
-    if not te_available():
-        from megatron.bridge.models.gpt_provider import local_layer_spec
-
-        provider.transformer_layer_spec = local_layer_spec
-        provider.apply_rope_fusion = False  # needs TE >= 1.4
-        provider.persist_layer_norm = False  # not supported by torch LayerNorm
+    have_te = te_available()
+    if not have_te:
+        provider.transformer_layer_spec = torch_block_spec  # SDPA core attention, packed sequences too
+    for key, on in fusion_flags({k: getattr(provider, k, False) for k in FUSIONS}, cuda=not on_cpu,
+                                importable=_importable).items():
+        setattr(provider, key, on)
     provider.tensor_model_parallel_size = cfg.tp
     provider.pipeline_model_parallel_size = cfg.pp
-    provider.sequence_parallel = False
+    provider.sequence_parallel = cfg.sequence_parallel
+    for key, value in recompute_settings(cfg).items():
+        setattr(provider, key, value)
     provider.attention_dropout = 0.0  # RL: log-probs must be deterministic; also the CPU RNG tracker needs it
     provider.hidden_dropout = 0.0
     provider.bf16 = cfg.bf16
@@ -134,7 +213,6 @@ def build_model(hf_dir: str | Path, cfg: TrainConfig) -> BuiltModel:
     provider.pipeline_dtype = provider.params_dtype
     provider.autocast_dtype = provider.params_dtype
     provider.use_cpu_initialization = on_cpu  # also makes TP shards equal to the TP=1 init
-    provider.gradient_accumulation_fusion = False
     # megatron-bridge turns initialization off when it loads weights, but megatron-core sets the
     # `tensor_model_parallel` attributes of sharded weights only inside that initialization: without
     # them, grad-norm (and so clipping) counts every TP-sharded weight on TP rank 0 only (TP=2 tiny

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from relax_hpc.errors import PermanentError
 from relax_hpc.train import batch as B
 from relax_hpc.train.config import TrainConfig
-from relax_hpc.train.logprobs import plan_micro_batches, response_logprobs, run_forward
+from relax_hpc.train.logprobs import plan_micro_batches, response_logprobs, run_forward, seq_multiple
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -92,7 +92,8 @@ def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig
     :class:`~relax_hpc.train.batch.GlobalStats` give the loss weights of the whole global batch.
     Returns float metrics, the same on every rank: Relax's ``loss``, ``pg_loss``, ``pg_clipfrac``,
     ``ppo_kl``, ``entropy_loss`` (+ ``kl_loss``, ``tis``... as configured), plus ``grad_norm``, ``lr``,
-    ``update_successful``, ``num_samples``, ``num_loss_tokens`` and ``nonfinite_skipped`` (1: the loss or grad
+    ``update_successful``, ``num_samples``, ``num_loss_tokens``, ``padding_share`` (pad tokens / all tokens the
+    micro-batches held) and ``nonfinite_skipped`` (1: the loss or grad
     norm was not finite and the update was not applied; :func:`nonfinite_what` says why). Non-finite values stay
     in the metrics as they are.
     """
@@ -110,7 +111,8 @@ def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig
     per_token = bool(algo_cfg.calculate_per_token_loss)
     total = max(share.stats.loss_tokens if per_token else float(n), 1.0)
     mbs = plan_micro_batches(share.samples, train_cfg.micro_batch_size, pad_id=pad_id, train=True, pp=pp,
-                             max_seq_len=train_cfg.max_seq_len, global_seq_len=share.stats.max_seq_len)
+                             max_seq_len=train_cfg.max_seq_len, global_seq_len=share.stats.max_seq_len,
+                             max_tokens=train_cfg.max_tokens_per_micro_batch, multiple=seq_multiple(model))
     M = len(mbs)
     for mb in mbs:
         mb.weight = (mb.num_loss_tokens if per_token else mb.n_real) / total
@@ -144,6 +146,8 @@ def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig
         for r in results:
             for k, v in r.items():
                 metrics[k] = metrics.get(k, 0.0) + v
+        metrics["_held"] = float(sum(mb.tokens.numel() for mb in mbs))  # token slots the forwards ran over
+        metrics["_real"] = float(sum(mb.real_tokens for mb in mbs))
         if dp > 1:
             parts: list = [None] * dp
             dist.all_gather_object(parts, metrics, group=ps.get_data_parallel_group())
@@ -157,6 +161,8 @@ def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig
                                    group=ps.get_pipeline_model_parallel_group())
         metrics = box[0]
 
+    held, real = metrics.pop("_held", 0.0), metrics.pop("_real", 0.0)
+    metrics["padding_share"] = 1.0 - real / held if held else 0.0  # pad tokens / all tokens of the micro-batches
     lr = lr_at(train_cfg, step)
     for g in optimizer.param_groups:
         g["lr"] = lr * g.get("lr_mult", 1.0)

@@ -15,6 +15,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 # One GRPO setting for every layout, so TP=1, TP=2, DP=2 and PP=2 runs can be compared number by number.
 TRAIN_ARGS = {"n": 8, "steps": 5, "lr": 1e-4, "algo": {"eps_clip": 0.2}}
+# job_equal: 8 samples of 3-6 prompt + 4-40 response tokens, 2 steps, fp32; variants against micro_batch_size 2
+EQUAL_ARGS = {"n": 8, "lengths": [4, 40], "steps": 2, "lr": 1e-4, "base": {"micro_batch_size": 2, "max_seq_len": 64}}
+PACKED_VARIANTS = {"packed": {"max_tokens_per_micro_batch": 96},
+                   "packed_logprob": {"max_tokens_per_micro_batch": 64, "logprob_max_tokens_per_micro_batch": 200}}
+MEMORY_VARIANTS = {"selective": {"recompute": "selective"},
+                   "full_uniform": {"recompute": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+                   "full_block": {"recompute": "full", "recompute_method": "block", "recompute_num_layers": 1}}
+TP2_VARIANTS = {"sp": {"sequence_parallel": True}, "packed": PACKED_VARIANTS["packed"],
+                "packed_sp": {"sequence_parallel": True, **PACKED_VARIANTS["packed"]}}
 # Checkpoint runs: K steps, save, N more; data independent of the model (fixed old log-probs).
 RESUME_ARGS = {"k": 3, "n": 3, "lr": 2e-4, "n_samples": 4, "algo": {"eps_clip": 0.5}}
 
@@ -62,8 +71,12 @@ def single_run(tiny_models, tmp_path_factory) -> dict:
         "parity": ["parity", {"tp": 1, "models": tiny_models}],
         "train": ["train", dict(TRAIN_ARGS, hf=tiny_models["qwen3"], layouts=[{"tp": 1}])],
         "nonfinite": ["nonfinite", {"hf": tiny_models["qwen3"], "layouts": [{"tp": 1}]}],
+        "attention": ["attention", {}],
+        # padded micro-batches against packed ones (token budget), and activation recompute against none
+        "equal_packed": ["equal", dict(EQUAL_ARGS, hf=tiny_models["qwen3"], variants=PACKED_VARIANTS)],
+        "equal_memory": ["equal", dict(EQUAL_ARGS, hf=tiny_models["qwen3"], variants=MEMORY_VARIANTS)],
     }
-    return run_job("suite", jobs, nproc=1, out_dir=tmp_path_factory.mktemp("single"), timeout=240)
+    return run_job("suite", jobs, nproc=1, out_dir=tmp_path_factory.mktemp("single"), timeout=360)
 
 
 @pytest.fixture(scope="session")
@@ -80,7 +93,13 @@ def multi_run(tiny_models, tmp_path_factory) -> dict:
                                        layouts=resume_layouts(root))],
         # DP=2 with the optimizer state sharded, and PP=2 (the loss lives on the last stage only)
         "nonfinite": ["nonfinite", {"hf": tiny_models["qwen3"], "layouts": [{"tp": 1}, {"tp": 1, "pp": 2}]}],
+        # sequence parallel and packing at TP=2; packing with PP=2 (a fixed token budget) and with DP=2
+        "equal_tp2": ["equal", dict(EQUAL_ARGS, hf=tiny_models["qwen3"], layout={"tp": 2}, variants=TP2_VARIANTS)],
+        "equal_pp2": ["equal", dict(EQUAL_ARGS, hf=tiny_models["qwen3"], layout={"tp": 1, "pp": 2},
+                                    variants={"packed": PACKED_VARIANTS["packed"]})],
+        "equal_dp2": ["equal", dict(EQUAL_ARGS, hf=tiny_models["qwen3"], layout={"tp": 1},
+                                    variants={"packed": PACKED_VARIANTS["packed"]})],
     }
-    res = run_job("suite", jobs, nproc=2, out_dir=root, timeout=360)
+    res = run_job("suite", jobs, nproc=2, out_dir=root, timeout=480)
     res["ckpt_root"] = str(root)
     return res

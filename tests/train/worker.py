@@ -299,6 +299,126 @@ def job_nonfinite(args: dict, out: Path) -> dict:
     return res
 
 
+def spread_batch(n: int, seed: int, lengths: tuple[int, int], vocab: int = 128) -> list:
+    """n samples with a 3–6 token prompt and a response length drawn in ``lengths``: a spread like an RL step's."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        start = int(torch.randint(3, 7, (1,), generator=g))
+        r = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
+        out.append({"tokens": torch.randint(6, vocab, (start + r,), generator=g), "response_start": start,
+                    "advantage": [1.0, -1.0, 0.5, -0.25][i % 4]})
+    return out
+
+
+def job_equal(args: dict, out: Path) -> dict:
+    """The same training under ``base`` and each of ``variants`` (TrainConfig overrides) at one layout, from the
+    same weights: log-probs before, then per step loss, grad norm and the log-probs after, and the weights at the
+    end, as max |variant − base|. ``padding``: pad tokens / all tokens the micro-batches of each config hold."""
+    import torch
+
+    from relax_hpc.train import MegatronActor, init_parallel
+    from relax_hpc.train.logprobs import plan_micro_batches
+    from relax_hpc.train.parallel import destroy_parallel
+
+    layout = args.get("layout", {})
+    batch = spread_batch(args["n"], args.get("seed", 3), tuple(args.get("lengths", (4, 40))))
+
+    def run(over: dict) -> dict:
+        init_parallel(layout.get("tp", 1), layout.get("pp", 1), seed=1)
+        cfg = _train_cfg(layout, lr=args.get("lr", 1e-4), clip_grad=1.0, **{**args.get("base", {}), **over})
+        actor = MegatronActor.from_hf(args["hf"], cfg, _algo(**args.get("algo", {})))
+        from megatron.core.tensor_parallel.random import CheckpointFunction as CF
+        from megatron.core.utils import get_model_config
+
+        recomputed, fwd = [0], CF.forward  # chunks kept for recompute: a recompute variant must have some
+
+        def counted(ctx, *a):
+            recomputed[0] += 1
+            return fwd(ctx, *a)
+
+        CF.forward = staticmethod(counted)
+        old = actor.compute_log_probs(batch)
+        data = [dict(s, old_log_probs=o) for s, o in zip(batch, old)]
+        steps = []
+        for _ in range(args.get("steps", 2)):
+            m = actor.train_step(data)
+            steps.append([m["loss"], m["grad_norm"], m["pg_clipfrac"], m["entropy_loss"]])
+        CF.forward = staticmethod(fwd)
+        sp = get_model_config(actor.model[0]).sequence_parallel
+        after = actor.compute_log_probs(batch)
+        weights = [t.clone() for _, t in actor.named_hf_weights()]
+        mbs = plan_micro_batches(batch, cfg.micro_batch_size, pad_id=actor.pad_id, train=True, pp=1,
+                                 max_seq_len=cfg.max_seq_len, global_seq_len=0,
+                                 max_tokens=cfg.max_tokens_per_micro_batch)
+        real = sum(s["tokens"].numel() for s in batch)
+        held = sum(mb.tokens.numel() for mb in mbs)
+        del actor
+        destroy_parallel()
+        return {"old": old, "steps": steps, "after": after, "weights": weights, "padding": 1 - real / held,
+                "micro_batches": len(mbs), "recomputed": recomputed[0], "sequence_parallel": sp}
+
+    def gap(a, b) -> float:
+        return max(((x - y).abs().max().item() for x, y in zip(a, b)), default=0.0)
+
+    base = run({})
+    res = {"base": {"steps": base["steps"], "padding": base["padding"], "micro_batches": base["micro_batches"],
+                    "recomputed": base["recomputed"], "sequence_parallel": base["sequence_parallel"]}}
+    for name, over in args["variants"].items():
+        v = run(over)
+        res[name] = {"old": gap(v["old"], base["old"]), "after": gap(v["after"], base["after"]),
+                     "weights": gap(v["weights"], base["weights"]), "steps": v["steps"],
+                     "step_diff": max(abs(x - y) for a, b in zip(v["steps"], base["steps"]) for x, y in zip(a, b)),
+                     "padding": v["padding"], "micro_batches": v["micro_batches"], "recomputed": v["recomputed"],
+                     "sequence_parallel": v["sequence_parallel"]}
+    return res
+
+
+def job_attention(args: dict, out: Path) -> dict:
+    """SDPAttention against megatron-core's unfused DotProductAttention (fp32, GQA 4 heads / 2 groups, causal):
+    outputs and input grads; then packed (thd, three samples, two of one length, and a pad tail) against each sample
+    alone."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from relax_hpc.train import init_parallel
+    from relax_hpc.train.attention import SDPAttention
+    from relax_hpc.train.parallel import destroy_parallel
+
+    init_parallel(1, 1, seed=1)
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                            attention_dropout=0.0, hidden_dropout=0.0, masked_softmax_fusion=False)
+    ref = DotProductAttention(cfg, 1, AttnMaskType.causal, "self")
+    sdpa = SDPAttention(cfg, 1, AttnMaskType.causal, "self")
+    g = torch.Generator().manual_seed(0)
+
+    def qkv(s, b):
+        return [torch.randn(s, b, h, 16, generator=g, requires_grad=True) for h in (4, 2, 2)]
+
+    q, k, v = qkv(13, 3)
+    a, b = ref(q, k, v, None), sdpa(q, k, v, None)
+    ga = torch.autograd.grad(a.square().sum(), (q, k, v))
+    gb = torch.autograd.grad(b.square().sum(), (q, k, v))
+    res = {"shape": list(b.shape), "out": (a - b).abs().max().item(),
+           "grad": max((x - y).abs().max().item() for x, y in zip(ga, gb))}
+    lens, tail = [5, 9, 5], 4  # two of one length: one batched call
+    parts = [qkv(n, 1) for n in lens + [tail]]
+    cat = [torch.cat([p[i].detach() for p in parts]).squeeze(1) for i in range(3)]  # [t, heads, 16]
+    cu = torch.tensor([0, 5, 14, 19, 23], dtype=torch.int32)
+    packed = sdpa(*cat, None, packed_seq_params=PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9))
+    alone = torch.cat([ref(*[t.detach() for t in p], None).reshape(-1, 4, 16) for p in parts])
+    res["packed_shape"] = list(packed.shape)
+    res["packed"] = (packed - alone).abs().max().item()
+    destroy_parallel()
+    return res
+
+
 def job_suite(args: dict, out: Path) -> dict:
     """Several jobs in one launch (imports cost ~8 s per process): {"name": [job, args], ...}.
 
@@ -321,7 +441,7 @@ def job_suite(args: dict, out: Path) -> dict:
 
 
 JOBS = {"parity": job_parity, "train": job_train, "resume": job_resume, "nonfinite": job_nonfinite,
-        "suite": job_suite}
+        "equal": job_equal, "attention": job_attention, "suite": job_suite}
 
 
 def main() -> int:

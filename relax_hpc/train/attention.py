@@ -1,0 +1,113 @@
+"""Core attention for the pure-torch layer spec (no Transformer Engine): torch's SDPA, padded or packed.
+
+Why: megatron-core's local ``DotProductAttention`` builds the S×S scores in memory and runs an eager (or
+apex-fused) softmax; on a GPU without Transformer Engine that is the actor's slowest part, and it refuses packed
+sequences. ``torch.nn.functional.scaled_dot_product_attention`` runs the flash or memory-efficient kernels on CUDA
+and the math kernel on CPU, with the same numbers as the unfused path (to fp32 rounding).
+
+Two layouts, as Megatron's attention hands them over:
+
+* ``sbhd`` (padded micro-batches): q ``[s, b, np, hn]``, k/v ``[s, b, ng, hn]`` → ``[s, b, np·hn]``; causal.
+* ``thd`` (packed micro-batches, ``packed_seq_params.qkv_format == "thd"``): q ``[t, np, hn]``, k/v
+  ``[t, ng, hn]`` with ``cu_seqlens`` the sample boundaries → ``[t, np, hn]``; causal inside each sample, no
+  attention across samples. The samples of one length are one batched SDPA call: on CUDA flash kernels, with no
+  mask tensor and no padding.
+
+GQA: k/v heads are repeated to the query heads (``enable_gqa`` is not taken by every SDPA kernel).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+
+class SDPAttention(MegatronModule):
+    """Drop-in ``core_attention`` for megatron-core's local GPT layer spec (same constructor and forward)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention does not do context parallelism (context_parallel_size must be 1)")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla" or getattr(config, "window_size", None):
+            raise ValueError("SDPAttention does the vanilla softmax without a sliding window only")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"SDPAttention has no dropout (attention_dropout = {dropout}); RL training sets 0")
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"SDPAttention is causal only, got attn_mask_type = {attn_mask_type}")
+        if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
+            tp = pg_collection.tp.size()
+        else:
+            from megatron.core import parallel_state as ps
+
+            tp = ps.get_tensor_model_parallel_world_size()
+        self.heads = divide(config.num_attention_heads, tp)
+        self.groups = divide(config.num_query_groups or config.num_attention_heads, tp)
+        head_dim = config.kv_channels
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(head_dim)
+        if config.apply_query_key_layer_scaling:
+            softmax_scale /= max(1, layer_number)
+        self.scale = softmax_scale
+
+    def _expand(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        rep = self.heads // self.groups
+        return t if rep == 1 else t.repeat_interleave(rep, dim=dim)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None:
+            raise ValueError("SDPAttention takes no attention_bias")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._packed(query, key, value, packed_seq_params)
+        if attention_mask is not None:
+            raise ValueError("SDPAttention is causal with right padding only: no attention_mask")
+        s, b = query.shape[0], query.shape[1]
+        q = query.permute(1, 2, 0, 3)  # [b, np, s, hn]
+        k = self._expand(key.permute(1, 2, 0, 3), 1)
+        v = self._expand(value.permute(1, 2, 0, 3), 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, np·hn]
+
+    def _packed(self, query, key, value, params):
+        bounds = getattr(params, "_relax_bounds", None)
+        if bounds is None:  # once per micro-batch, not per layer
+            cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+            bounds = cu.tolist()
+            params._relax_bounds = bounds
+        if bounds[0] != 0 or bounds[-1] != query.shape[0]:
+            raise ValueError(f"cu_seqlens {bounds[0]}..{bounds[-1]} do not cover the {query.shape[0]} packed tokens")
+        # samples of one length go through one SDPA call as a batch (RL groups share prompts, and short answers
+        # repeat): fewer kernel launches than one call per sample, and still no mask and no padding
+        by_len: dict[int, list[int]] = {}
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if hi > lo:
+                by_len.setdefault(hi - lo, []).append(lo)
+        pieces: dict[int, torch.Tensor] = {}
+        for n, starts in by_len.items():
+            q, k, v = (torch.stack([t[lo: lo + n] for lo in starts]).transpose(1, 2) for t in (query, key, value))
+            o = F.scaled_dot_product_attention(q, self._expand(k, 1), self._expand(v, 1), is_causal=True,
+                                               scale=self.scale)  # [m, np, n, hn]
+            for lo, piece in zip(starts, o.transpose(1, 2)):
+                pieces[lo] = piece
+        return torch.cat([pieces[lo] for lo in sorted(pieces)])  # [t, np, hn]: Megatron makes it [t, 1, np·hn]
+
+
+def torch_layer_spec(config):
+    """megatron-bridge's local (no-TE) GPT layer spec with :class:`SDPAttention` as the core attention."""
+    import copy
+
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    spec = copy.deepcopy(local_layer_spec(config))
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
