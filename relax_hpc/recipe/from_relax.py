@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from relax_hpc.recipe.relax_names import RELAX_NAMES, relax_flag
+from relax_hpc.recipe.relax_names import ONLY_WITH, RELAX_NAMES, cli_flag, relax_flag
 from relax_hpc.recipe.schema import Recipe
 from relax_hpc.train.config import TrainConfig
 
@@ -94,7 +94,9 @@ def convert(argv: list[str]) -> tuple[dict, list[str]]:
     data: dict = {}
     notes: list[str] = []
     given: set[str] = set()
-    for flag, values in split_flags(argv):
+    flags = split_flags(argv)
+    named = {relax_flag(f) for f, _ in flags}
+    for flag, values in flags:
         name = relax_flag(flag)
         shown = " ".join([flag, *values])
         if name not in RELAX_NAMES:
@@ -103,6 +105,14 @@ def convert(argv: list[str]) -> tuple[dict, list[str]]:
         home = RELAX_NAMES[name]
         if home is None:
             notes.append(f"{shown}: not supported yet; left out (docs/migrating-from-relax.md)")
+            continue
+        if name in ONLY_WITH.values():  # a switch that says how Relax reads other flags: no key of its own
+            key, src = home.split(": <", 1)
+            if relax_flag(src.rstrip(">")) not in named:
+                notes.append(f"{shown}: without {src.rstrip('>')} (Relax refuses that); left out. Fix: set {key}")
+            continue
+        if name in ONLY_WITH and ONLY_WITH[name] not in named:
+            notes.append(f"{shown}: Relax reads it only with {cli_flag(ONLY_WITH[name])}; left out")
             continue
         if ": " in home:  # a flag that is a value of one key: --fully-async is mode: fully_async
             key, value = home.split(": ", 1)
@@ -129,6 +139,10 @@ def convert(argv: list[str]) -> tuple[dict, list[str]]:
             _put(data, key, value)
             notes.append(f"{key}: {value!r} is Relax's default (relax_hpc's differs), written out")
     _size_max_seq_len(data, notes)
+    tr = data.get("train") or {}
+    if tr.get("sequence_parallel") is True and tr.get("tp", 1) == 1:  # Megatron turns it off at TP 1, with a warning
+        del tr["sequence_parallel"]
+        notes.append("--sequence-parallel: left out, as Megatron turns it off without tensor parallelism (train.tp 1)")
     ro = data.get("rollout") or {}
     if "max_context_len" in ro and not ro.get("interaction_env_path") and not ro.get("custom_config_path"):
         del ro["max_context_len"]  # single-turn: relax_hpc bounds a sample by train.max_seq_len (sized above)

@@ -5,8 +5,8 @@ write them into a recipe. A "did you mean" by spelling points at the wrong key (
 ``runs_root``); this table points at the right one, or says plainly that relax_hpc has no such feature yet.
 Names are Relax's flags with ``_`` for ``-`` and no leading dashes (see /work/shared/reference/relax-flags.md).
 A value is a recipe key (``section.field``), ``key: value`` where Relax's flag is a value of one key
-(``--fully-async`` is ``mode: fully_async``), or None: no equivalent yet. tests/recipe/test_validate.py checks
-that every key named here exists in the schema.
+(``--fully-async`` is ``mode: fully_async``; ``<--flag>``: the value of that flag), or None: no equivalent yet.
+tests/recipe/test_validate.py checks that every key named here exists in the schema.
 """
 
 from __future__ import annotations
@@ -124,9 +124,16 @@ RELAX_NAMES: dict[str, str | None] = {
     "seed": "run.seed",
     "tensor_model_parallel_size": "train.tp",
     "pipeline_model_parallel_size": "train.pp",
-    "context_parallel_size": None, "expert_model_parallel_size": None, "sequence_parallel": None,
-    "num_steps_per_rollout": "train.num_steps_per_rollout", "use_dynamic_batch_size": None, "max_tokens_per_gpu": None,
-    "log_probs_max_tokens_per_gpu": None,
+    "context_parallel_size": None, "expert_model_parallel_size": None,
+    "sequence_parallel": "train.sequence_parallel",
+    "recompute_granularity": "train.recompute",
+    "recompute_activations": "train.recompute: selective",  # Megatron's older spelling of selective recompute
+    "recompute_method": "train.recompute_method",
+    "recompute_num_layers": "train.recompute_num_layers",
+    "num_steps_per_rollout": "train.num_steps_per_rollout",
+    "use_dynamic_batch_size": "train.max_tokens_per_micro_batch: <--max-tokens-per-gpu>",
+    "max_tokens_per_gpu": "train.max_tokens_per_micro_batch",
+    "log_probs_max_tokens_per_gpu": "train.logprob_max_tokens_per_micro_batch",
     # --- async -----------------------------------------------------------------------------------------
     "max_staleness": "max_staleness",
     "num_iters_per_train_update": None,
@@ -140,6 +147,11 @@ RELAX_NAMES: dict[str, str | None] = {
     "notify_urls": "logging.notify_urls",
     "use_wandb": None,
 }
+
+# Flags Relax reads only while a switch is on (its parser takes them either way): {flag: the switch}. Without the
+# switch they change nothing in Relax, so they are carried over only with it; the switch itself sets no key.
+ONLY_WITH: dict[str, str] = {"max_tokens_per_gpu": "use_dynamic_batch_size",
+                             "log_probs_max_tokens_per_gpu": "use_dynamic_batch_size"}
 
 
 def relax_flag(name: str) -> str:

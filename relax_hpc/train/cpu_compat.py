@@ -13,6 +13,10 @@ and the GPU code paths stay exactly as upstream wrote them. The facts behind eac
 * the attention always enters ``get_cuda_rng_tracker().fork()``, whose CUDA RNG cannot be seeded here:
   an "inference" tracker whose ``fork()`` is a no-op (valid because dropout is 0 in RL training,
   which :mod:`relax_hpc.train.model` enforces) — :func:`after_model_parallel`;
+* activation recompute saves and restores the CUDA RNG state around every recomputed chunk: CPU stand-ins
+  (:func:`_patch_recompute_rng`). Sequence parallelism needs nothing here: torch 2.13's gloo has the
+  ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` it uses (TP=2 with SP trains to the same numbers as
+  without, tests/train/test_memory.py);
 * four DistributedOptimizer bugs on the torch-Adam path (no apex/TE, so every CPU run hits them;
   one of them silently resumes with the wrong Adam bias correction) — :func:`_patch_distributed_optimizer`;
 * megatron-bridge's TP scatter hands non-contiguous views to gloo ``scatter``, which ignores strides and
@@ -88,6 +92,7 @@ def apply() -> bool:
         torch.cuda.set_rng_state = lambda state, device="cuda": None
         _mode = _CudaToCpu()
         _mode.__enter__()  # process-wide, for good: megatron calls these at any time
+        _patch_recompute_rng()
         _patch_distributed_optimizer(only_without_apex_or_te=False)
         _applied = True
         return True
@@ -119,6 +124,18 @@ def patch_bridge() -> None:
 
     pm.MegatronParamMapping.scatter_to_tp_ranks = scatter_to_tp_ranks
     _bridge_patched = True
+
+
+def _patch_recompute_rng() -> None:
+    """Megatron's activation recompute (``CheckpointFunction``, any ``train.recompute``) saves and restores the CUDA
+    RNG through ``tensor_parallel.random._get_cuda_rng_state``/``_set_cuda_rng_state``, which call
+    ``torch.cuda.random.get_rng_state`` ("Torch not compiled with CUDA enabled" at the first recomputed forward) and
+    queue a ``torch.cuda`` lazy call per backward. There is no CUDA RNG here: the stand-ins hand back the CPU state
+    and set nothing (``CheckpointFunction`` restores the CPU state itself, and dropout is 0)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: None
 
 
 _distopt_patched = False

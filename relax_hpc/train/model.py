@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from relax_hpc.errors import PermanentError
 from relax_hpc.train import cpu_compat
 from relax_hpc.train.config import TrainConfig
 
@@ -133,21 +134,33 @@ def recompute_settings(cfg: TrainConfig) -> dict:
             "recompute_num_layers": cfg.recompute_num_layers}
 
 
+def check_recompute(cfg: TrainConfig, num_layers: int) -> None:
+    """Uniform full recompute takes each pipeline stage's layers in chunks of ``recompute_num_layers``: one that does
+    not divide them fails at the first step inside Megatron (IndexError, measured), so refuse it at build."""
+    per_stage = num_layers // cfg.pp
+    if cfg.recompute == "full" and cfg.recompute_method == "uniform" and per_stage % cfg.recompute_num_layers:
+        raise PermanentError(
+            f"train.recompute_num_layers = {cfg.recompute_num_layers} does not divide the {per_stage} layers of a "
+            f"pipeline stage ({num_layers} layers / train.pp = {cfg.pp}), which uniform recompute takes in chunks of "
+            f"that many. Fix: a divisor of {per_stage} (e.g. 1), or train.recompute_method: block")
+
+
 class TorchNorm:
     """megatron-core's ``WrappedTorchNorm`` (torch LayerNorm/RMSNorm) that also runs with sequence parallelism.
 
     ``WrappedTorchNorm`` refuses ``sequence_parallel`` (an assert at build) because its weights would then get
     the grads of this rank's part of the sequence only. Like TE's and apex's norms, this one marks its weights
     ``sequence_parallel``, so ``finalize_model_grads`` sums their grads over the TP group (without it the TP=2 tiny
-    Qwen3's weights after 2 steps differ from SP off by 4e-4; with it by 0)."""
+    Qwen3's weights after 2 steps differ from SP off by 4e-4; with it by 0). ``persist_layer_norm`` (apex's
+    persistent LayerNorm kernel, a speed hint) is ignored where ``WrappedTorchNorm`` asserts on it."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
         kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
-        if config.normalization not in kinds or config.layernorm_zero_centered_gamma or config.persist_layer_norm \
+        if config.normalization not in kinds or config.layernorm_zero_centered_gamma \
                 or config.memory_efficient_layer_norm:
             raise ValueError(f"torch norms do plain LayerNorm and RMSNorm, not {config.normalization!r} with "
-                             "zero-centered gamma, persist or memory-efficient layer norm")
+                             "zero-centered gamma or memory-efficient layer norm")
         norm = kinds[config.normalization](hidden_size, eps=eps)
         for p in norm.parameters():
             p.sequence_parallel = config.sequence_parallel
@@ -203,6 +216,7 @@ def build_model(hf_dir: str | Path, cfg: TrainConfig) -> BuiltModel:
     provider.tensor_model_parallel_size = cfg.tp
     provider.pipeline_model_parallel_size = cfg.pp
     provider.sequence_parallel = cfg.sequence_parallel
+    check_recompute(cfg, provider.num_layers)
     for key, value in recompute_settings(cfg).items():
         setattr(provider, key, value)
     provider.attention_dropout = 0.0  # RL: log-probs must be deterministic; also the CPU RNG tracker needs it

@@ -83,3 +83,56 @@ def test_a_single_turn_context_length_becomes_max_seq_len_and_the_recipe_validat
     problems: list = []
     recipe = build(Recipe, data, "", problems)
     assert not problems and not [p for p in check(recipe) if "max_context_len" in str(p)]
+
+
+def _validates(data: dict) -> list:
+    from relax_hpc.recipe.schema import Recipe
+    from relax_hpc.recipe.validate import build, check
+
+    problems: list = []
+    recipe = build(Recipe, data, "", problems)
+    return problems + check(recipe)
+
+
+def test_memory_flags_land_on_the_train_keys():
+    """Megatron's recompute and sequence-parallel flags, as Relax passes them through; the recipe validates."""
+    data, notes = convert("--tensor-model-parallel-size 2 --sequence-parallel --recompute-granularity full "
+                          "--recompute-method block --recompute-num-layers 2 --actor-num-gpus-per-node 2".split())
+    assert data["train"] == {"tp": 2, "sequence_parallel": True, "recompute": "full", "recompute_method": "block",
+                             "recompute_num_layers": 2}
+    assert _validates(data) == []
+    assert convert(["--recompute-activations"])[0]["train"] == {"recompute": "selective"}  # Megatron's older flag
+    assert convert(["--recompute-granularity", "selective"])[0]["train"] == {"recompute": "selective"}
+
+
+def test_sequence_parallel_without_tp_is_left_out_as_megatron_does():
+    """Megatron turns --sequence-parallel off at TP 1 (a warning); the recipe would refuse it, so it is left out."""
+    data, notes = convert(["--sequence-parallel"])
+    assert "sequence_parallel" not in data.get("train", {}) and _validates(data) == []
+    assert any(n.startswith("--sequence-parallel: left out") for n in notes)
+
+
+def test_token_budgets_carry_over_only_with_dynamic_batch_size():
+    """Relax reads --max-tokens-per-gpu and --log-probs-max-tokens-per-gpu only with --use-dynamic-batch-size."""
+    budgets = ["--max-tokens-per-gpu", "16384", "--log-probs-max-tokens-per-gpu", "32768"]
+    data, notes = convert(["--use-dynamic-batch-size", *budgets])
+    assert data["train"] == {"max_tokens_per_micro_batch": 16384, "logprob_max_tokens_per_micro_batch": 32768}
+    assert not [n for n in notes if "tokens" in n] and _validates(data) == []
+    data, notes = convert(budgets)  # no switch: Relax batches by --micro-batch-size and ignores the budgets
+    assert "train" not in data
+    said = "\n".join(notes)
+    for flag in ("--max-tokens-per-gpu 16384", "--log-probs-max-tokens-per-gpu 32768"):
+        assert f"{flag}: Relax reads it only with --use-dynamic-batch-size; left out" in said
+    data, notes = convert(["--use-dynamic-batch-size"])  # Relax refuses the switch without a budget
+    assert "train" not in data
+    assert any("--use-dynamic-batch-size: without --max-tokens-per-gpu" in n and "train.max_tokens_per_micro_batch"
+               in n for n in notes)
+    data, _ = convert(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "2048"])  # below train.max_seq_len
+    assert [p[0] for p in _validates(data)] == ["train.max_tokens_per_micro_batch"]
+
+
+def test_dynamic_batch_size_written_into_a_recipe_points_at_the_budget_key():
+    from relax_hpc.recipe.validate import unknown_key_hint
+
+    hint = unknown_key_hint("use_dynamic_batch_size", ["tp"], True)
+    assert "--use-dynamic-batch-size is `train.max_tokens_per_micro_batch: <--max-tokens-per-gpu>`" in hint

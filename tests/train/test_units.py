@@ -117,3 +117,69 @@ def test_checkpoint_resolve_trusts_only_latest(tmp_path):
     (tmp_path / "latest").write_text(half.name + "\n")
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         ckpt.resolve(tmp_path)
+
+
+def test_memory_keys_are_checked():
+    """sequence_parallel needs TP (refused at tp 1, naming the key); recompute values are the recipe's choices."""
+    from relax_hpc.recipe.schema import Recipe
+    from relax_hpc.recipe.validate import build
+
+    [(key, value, msg)] = check(TrainConfig(sequence_parallel=True))
+    assert key == "sequence_parallel" and value is True and "train.tp = 1" in msg and "Fix: set train.tp >= 2" in msg
+    assert check(TrainConfig(tp=2, sequence_parallel=True, recompute="full", recompute_method="block",
+                              recompute_num_layers=2)) == []
+    assert [k for k, _, _ in check(TrainConfig(recompute="full", recompute_num_layers=0))] == ["recompute_num_layers"]
+    problems: list = []
+    build(Recipe, {"train": {"recompute": "partial", "recompute_method": "chunk"}}, "", problems)
+    assert {(k, v) for k, v, _ in problems} == {("train.recompute", "partial"), ("train.recompute_method", "chunk")}
+    assert all("must be one of" in m for _, _, m in problems)
+
+
+def test_recompute_settings_are_megatrons_fields():
+    from relax_hpc.train.model import recompute_settings
+
+    assert recompute_settings(TrainConfig()) == {"recompute_granularity": None, "recompute_method": None,
+                                                 "recompute_num_layers": None}
+    assert recompute_settings(TrainConfig(recompute="selective", recompute_method="block"))["recompute_modules"] == \
+        ["core_attn"]
+    assert recompute_settings(TrainConfig(recompute="full", recompute_method="block", recompute_num_layers=2)) == \
+        {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2}
+
+
+def test_uniform_recompute_chunks_must_divide_a_stages_layers():
+    """Megatron's uniform recompute indexes past the stage's last layer otherwise (IndexError at the first step)."""
+    from relax_hpc.errors import is_permanent
+    from relax_hpc.train.model import check_recompute
+
+    fine = [dict(recompute="full", recompute_num_layers=2), dict(recompute="full", recompute_method="block",
+            recompute_num_layers=3), dict(recompute="selective", recompute_num_layers=5),
+            dict(pp=2, recompute="full", recompute_num_layers=2)]
+    for kw in fine:
+        check_recompute(TrainConfig(**kw), num_layers=4)
+    with pytest.raises(Exception, match=r"train.recompute_num_layers = 3 does not divide the 4 layers .*"
+                       r"train.pp = 1.*Fix: a divisor of 4") as e:
+        check_recompute(TrainConfig(recompute="full", recompute_num_layers=3), num_layers=4)
+    assert is_permanent(e.value)
+    with pytest.raises(Exception, match="does not divide the 2 layers"):
+        check_recompute(TrainConfig(pp=2, recompute="full", recompute_num_layers=4), num_layers=4)
+
+
+def test_fusion_flags_are_on_only_where_their_kernels_import():
+    """Each fusion stays on only on CUDA with the module it needs (issue #26: masked softmax left on without apex
+    crashed an H200's first real-shape forward)."""
+    from relax_hpc.train.model import FUSIONS, _importable, fusion_flags
+
+    asked = dict.fromkeys(FUSIONS, True)
+    everything, nothing = (lambda name: True), (lambda name: False)
+    te_only = lambda name: name == "transformer_engine"  # noqa: E731  a TE install without apex
+    assert fusion_flags(asked, cuda=False, importable=everything) == dict.fromkeys(FUSIONS, False)  # CPU: none
+    assert fusion_flags(asked, cuda=True, importable=nothing) == dict.fromkeys(FUSIONS, False)  # no TE, no apex
+    assert fusion_flags(asked, cuda=True, importable=te_only) == {
+        "masked_softmax_fusion": False, "persist_layer_norm": False, "apply_rope_fusion": True,
+        "gradient_accumulation_fusion": False}  # megatron's own linears need apex's kernel even with TE
+    assert fusion_flags(asked, cuda=True, importable=everything) == asked
+    off = dict.fromkeys(FUSIONS, False)
+    assert fusion_flags(off, cuda=True, importable=everything) == off  # never turned on where the provider had off
+    # this machine: no Transformer Engine and no apex, so even on CUDA nothing would be on
+    assert not any(_importable(m) for m in FUSIONS.values())
+    assert fusion_flags(asked, cuda=True, importable=_importable) == dict.fromkeys(FUSIONS, False)
