@@ -1,0 +1,196 @@
+"""tools/gpu-check and tools/bench/actor_gpu.py on a machine without a GPU (CI): what can be checked without one.
+
+The GPU itself is checked where one is lent (docs/gpu.md). Here: the no-CUDA paths say so and write nothing; the
+plan lists the gpu tests and decides each wheel right; ``--cpu-dry-run`` runs every stage of gpu-check, the
+benchmark at its ``--cpu-smoke`` shape (the same code path as on a card: actor against transformers, fp32, gloo),
+whose numbers must agree where they must; the docs section is rewritten in place; the pins are the project's.
+CUDA is hidden from every child (``CUDA_VISIBLE_DEVICES=""``), so on a GPU machine these test the same paths.
+"""
+
+from __future__ import annotations
+
+import configparser
+import hashlib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+GPU_CHECK = REPO / "tools" / "gpu-check"
+BENCH = REPO / "tools" / "bench" / "actor_gpu.py"
+NEW_GPU_TESTS = ["test_sdpa_attention_matches_unfused_on_cuda", "test_packed_logprobs_match_padded_on_cuda_bf16",
+                 "test_real_shape_trains_bf16_packed", "test_gpu_parity_train_resume"]
+
+
+def load(path: Path, name: str):
+    loader = importlib.machinery.SourceFileLoader(name, str(path))
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+    loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def gc():
+    return load(GPU_CHECK, "gpu_check")
+
+
+def run(*args, timeout=240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def digest(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+
+
+def test_actor_gpu_without_cuda_says_so_and_writes_nothing():
+    docs, result = REPO / "docs" / "benchmarks.md", REPO / "tools" / "bench" / "results" / "actor_gpu.json"
+    before = digest(docs), digest(result)
+    p = run(REPO / "tools" / "bench" / "run", "--only", "actor-gpu")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "actor-gpu needs a CUDA GPU" in p.stdout and "nothing written" in p.stdout, p.stdout
+    assert (digest(docs), digest(result)) == before  # neither the docs nor a result touched
+
+
+def test_gpu_check_plan_and_no_cuda(gc, tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    from transformers import __version__ as have_tf
+
+    for name in (f"transformers-{have_tf}-py3-none-any.whl",  # the version installed here: skipped
+                 "tokenizers-0.99.0-cp39-abi3-manylinux_2_17_x86_64.whl",  # another version: installed
+                 "relax_nosuch_pkg-1.0-py3-none-any.whl",  # absent here: installed
+                 "antlr4-python3-runtime-4.9.3.tar.gz"):  # an sdist cannot go in
+        (wheels / name).write_bytes(b"")
+    p = run(GPU_CHECK, "--plan", "--json", "--wheels", wheels)
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)
+    w = plan["wheels"]
+    assert [e["name"] for e in w["skip"]] == ["transformers"]
+    assert sorted(e["name"] for e in w["install"]) == ["relax-nosuch-pkg", "tokenizers"]
+    assert w["missing"] == []  # every pin is installed here at its version (the CI venv is the reference)
+    assert len(w["errors"]) == 1 and "sdist" in w["errors"][0]
+    assert plan["cuda"] is False
+    assert "tests/train/test_gpu.py" in plan["test_files"]
+    ids = [t.split("::")[-1] for t in plan["tests"]]
+    assert all(t in ids for t in NEW_GPU_TESTS), plan["tests"]
+    assert "test_real_sglang_engine" in ids and not any("test_train_step" in t for t in plan["tests"])
+
+    # the run itself stops at its first stage, says why, installs nothing and still leaves its result
+    out, site = tmp_path / "out", tmp_path / "site"
+    p = run(GPU_CHECK, "--wheels", wheels, "--site", site, "--out", out)
+    assert p.returncode == 1
+    assert "no CUDA device" in p.stdout and "torch.cuda.is_available() is False" in p.stdout, p.stdout
+    res = json.loads((out / "gpu-check.json").read_text())
+    assert res["ok"] is False and [s["name"] for s in res["stages"]] == ["cuda"]
+    assert not site.exists()
+
+
+def test_gpu_check_cpu_dry_run_every_stage_and_the_bench(gc, tmp_path):
+    """Every stage of gpu-check on this CPU (the bench at its smoke shape), then the docs table from its result."""
+    empty, out = tmp_path / "wheels", tmp_path / "out"
+    empty.mkdir()
+    p = run(GPU_CHECK, "--cpu-dry-run", "--wheels", empty, "--site", tmp_path / "site", "--out", out, timeout=300)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    res = json.loads((out / "gpu-check.json").read_text())
+    assert res["ok"] and res["dry_run"]
+    assert [s["name"] for s in res["stages"]] == ["cuda", "wheels", "imports", "tests", "bench"]
+    stages = {s["name"]: s for s in res["stages"]}
+    pins = {n: v for n, v, _, _ in gc.PINS}
+    assert {n: stages["imports"]["detail"]["versions"][n] for n in pins} == pins
+    cases = {c["id"].split("::")[-1]: c for c in stages["tests"]["detail"]["cases"]}
+    assert all(cases[t]["status"] == "skipped" for t in NEW_GPU_TESTS)  # no CUDA here
+    assert {f.name for f in out.iterdir()} == {"gpu-check.json", "gpu-check.log", "actor_gpu.json", "pytest-gpu.xml"}
+
+    r = json.loads((out / "actor_gpu.json").read_text())
+    bench = load(BENCH, "actor_gpu")
+    b = bench.SHAPES["cpu-smoke"]["batch"]
+    batch = bench.make_batch(b["n"], b["group"], b["prompt"], tuple(b["response"]), vocab=128, seed=0)
+    assert r["batch"]["lengths"] == [s["tokens"].numel() for s in batch]
+    assert r["batch"]["real_tokens"] == sum(r["batch"]["lengths"])
+    for k in ("relax_train", "hf_train", "relax_logprobs", "hf_logprobs"):
+        assert r[k]["tokens_per_s"] == pytest.approx(r["batch"]["real_tokens"] / r[k]["time_s"])
+    assert r["ratio_train"] == pytest.approx(r["hf_train"]["time_s"] / r["relax_train"]["time_s"])
+    # fp32, the same weights: the actor's first pass and transformers' agree token for token, and the first step's
+    # gradient (same loss, same weights per micro-batch, same data) has the same norm
+    d = r["logprob_diff"]
+    assert d["tokens"] == sum(n - b["prompt"] for n in r["batch"]["lengths"])
+    assert d["max"] <= 1e-4 and d["within"], d
+    fs = r["first_step"]
+    assert fs["relax"]["grad_norm"] == pytest.approx(fs["hf"]["grad_norm"], rel=1e-4), fs
+    assert r["nonfinite_steps"] == 0 and 0 < r["hf_padding_share"] < 1
+
+    # the docs: the GPU section replaced, in place, everything else as it was
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text((REPO / "docs" / "benchmarks.md").read_text())
+    for _ in range(2):  # twice: a rewrite finds its own section
+        p = run(BENCH, "--from-json", out / "actor_gpu.json", "--docs", docs)
+        assert p.returncode == 0, p.stderr
+    text = docs.read_text()
+    assert text.count("\n## GPU\n") == 1
+    gpu = re.search(r"^## GPU\n.*?(?=^##+ )", text, re.S | re.M).group(0)
+    assert r["card"] in gpu and "| relax_hpc `MegatronActor.train_step`" in gpu and r["date"] in gpu
+    assert f"**{r['ratio_train']:.2f}×**" in gpu
+    orig = (REPO / "docs" / "benchmarks.md").read_text()
+    strip = re.compile(r"^## GPU\n.*?(?=^##+ )", re.S | re.M)
+    assert strip.sub("", text) == strip.sub("", orig)
+
+
+def test_wheel_names_and_tags(gc):
+    assert gc.wheel_name(Path("megatron_core-0.16.1-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl")) \
+        == ("megatron-core", "0.16.1")
+    assert gc.wheel_name(Path("foo-1.0-1-py3-none-any.whl")) == ("foo", "1.0")  # a build tag
+    with pytest.raises(ValueError):
+        gc.wheel_name(Path("foo-1.0.tar.gz"))
+    ok = ["transformers-4.57.6-py3-none-any.whl", "tokenizers-0.22.2-cp39-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+          "crc32c-2.9.post0-cp312-cp312-manylinux1_x86_64.manylinux_2_28_x86_64.whl",
+          "requests_oauthlib-2.0.0-py2.py3-none-any.whl"]
+    bad = ["crc32c-2.9.post0-cp311-cp311-manylinux_2_28_x86_64.whl", "x-1-cp312-cp312-macosx_11_0_arm64.whl",
+           "x-1-cp312-cp312-manylinux_2_28_aarch64.whl", "x-1-cp313-abi3-manylinux_2_28_x86_64.whl"]
+    assert [gc.compatible(f) for f in ok] == [True] * 4
+    assert [gc.compatible(f) for f in bad] == [False] * 4
+
+
+def test_only_sglang_tests_may_skip_on_a_gpu(gc):
+    cases = [{"id": "a::test_x", "status": "passed", "why": None},
+             {"id": "b::test_real_sglang_engine", "status": "skipped", "why": "needs RELAX_SGLANG_PYTHON: an "
+                                                                                "interpreter that can `import sglang`"},
+             {"id": "c::test_real_shape", "status": "skipped", "why": "needs a CUDA GPU"}]
+    assert gc.judge_skips(cases, dry=False) == (["b::test_real_sglang_engine"], ["c::test_real_shape (needs a CUDA GPU)"])
+    assert gc.judge_skips(cases, dry=True) == (["b::test_real_sglang_engine"], [])
+
+
+def test_pins_are_the_projects(gc):
+    """Every wheel gpu-check brings satisfies the project's own requirement for it (requirements-cpu.txt,
+    setup.cfg, tools/install); transformers stays < 5 and huggingface-hub < 1 (the image's are newer)."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    reqs = {}
+    lines = (REPO / "requirements-cpu.txt").read_text().splitlines()
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    lines += cfg["options"]["install_requires"].splitlines()
+    lines += re.findall(r"--no-deps (megatron-bridge==\S+)", (REPO / "tools" / "install").read_text())
+    for line in lines:
+        line = line.split("#")[0].strip()
+        if line:
+            r = Requirement(line)
+            reqs.setdefault(gc.norm(r.name), []).append(r.specifier)
+    pins = {gc.norm(n): Version(v) for n, v, _, _ in gc.PINS}
+    for name, v in pins.items():
+        for spec in reqs.get(name, []):
+            assert spec.contains(v), f"{name}=={v} is not {spec} ({name} in the project's requirements)"
+    # the GPU path's packages that such an image lacks or holds at another version are all brought
+    assert {"megatron-core", "megatron-bridge", "transformers", "huggingface-hub", "tokenizers", "omegaconf",
+            "antlr4-python3-runtime"} <= set(pins)
+    assert pins["transformers"] < Version("5") and pins["huggingface-hub"] < Version("1")
+    assert [n for n, _, kind, _ in gc.PINS if kind == "sdist"] == ["antlr4-python3-runtime"]
