@@ -140,6 +140,10 @@ def convert(argv: list[str]) -> tuple[dict, list[str]]:
             notes.append(f"{key}: {value!r} is Relax's default (relax_hpc's differs), written out")
     _size_max_seq_len(data, notes)
     tr = data.get("train") or {}
+    if "max_tokens_per_micro_batch" in tr and "micro_batch_size" in tr:  # packed by tokens: a sample count unused
+        del tr["micro_batch_size"]
+        notes.append("--micro-batch-size: left out; with --use-dynamic-batch-size micro-batches are packed by tokens "
+                     "(train.max_tokens_per_micro_batch), as in Relax")
     if tr.get("sequence_parallel") is True and tr.get("tp", 1) == 1:  # Megatron turns it off at TP 1, with a warning
         del tr["sequence_parallel"]
         notes.append("--sequence-parallel: left out, as Megatron turns it off without tensor parallelism (train.tp 1)")
@@ -166,6 +170,12 @@ def _size_max_seq_len(data: dict, notes: list[str]) -> None:
     elif ok[2]:
         need, why = resp + default, (f"--rollout-max-response-len + {default} tokens of prompt (set "
                                      "rollout.max_prompt_len to drop longer prompts)")
+        tr = data.get("train") or {}
+        budgets = [tr[k] for k in ("max_tokens_per_micro_batch", "logprob_max_tokens_per_micro_batch")
+                   if isinstance(tr.get(k), int) and not isinstance(tr.get(k), bool)]
+        if budgets and resp < min(budgets) < need:  # a guessed prompt length must not outgrow the token budget
+            need, why = min(budgets), (f"the token budget (--max-tokens-per-gpu / --log-probs-max-tokens-per-gpu): a "
+                                       "sample must fit one micro-batch, so prompts are bounded by it too")
     else:
         return
     if need > default:

@@ -13,7 +13,7 @@ Two layouts, as Megatron's attention hands them over:
   attention across samples. The samples of one length are one batched SDPA call: on CUDA flash kernels, with no
   mask tensor and no padding.
 
-GQA: k/v heads are repeated to the query heads (``enable_gqa`` is not taken by every SDPA kernel).
+GQA: SDPA's ``enable_gqa`` (the flash and math kernels take it; with it k/v are not copied per query head).
 """
 
 from __future__ import annotations
@@ -52,16 +52,15 @@ class SDPAttention(MegatronModule):
             tp = ps.get_tensor_model_parallel_world_size()
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups or config.num_attention_heads, tp)
-        head_dim = config.kv_channels
-        if softmax_scale is None:
-            softmax_scale = 1.0 / math.sqrt(head_dim)
-        if config.apply_query_key_layer_scaling:
-            softmax_scale /= max(1, layer_number)
-        self.scale = softmax_scale
+        # apply_query_key_layer_scaling is an fp16 overflow guard that megatron's own attention undoes in its softmax
+        # (scale / layer_number, then × layer_number): the attention is softmax(q·k / sqrt(d)) either way
+        self.scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
 
-    def _expand(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        rep = self.heads // self.groups
-        return t if rep == 1 else t.repeat_interleave(rep, dim=dim)
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal SDPA over [batch, heads, len, dim]; k/v keep their query groups (``enable_gqa``): no repeated
+        copies of k and v held for the backward."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                              enable_gqa=self.heads != self.groups)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -72,10 +71,7 @@ class SDPAttention(MegatronModule):
         if attention_mask is not None:
             raise ValueError("SDPAttention is causal with right padding only: no attention_mask")
         s, b = query.shape[0], query.shape[1]
-        q = query.permute(1, 2, 0, 3)  # [b, np, s, hn]
-        k = self._expand(key.permute(1, 2, 0, 3), 1)
-        v = self._expand(value.permute(1, 2, 0, 3), 1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        out = self._sdpa(*(t.permute(1, 2, 0, 3) for t in (query, key, value)))  # [b, np, s, hn]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, np·hn]
 
     def _packed(self, query, key, value, params):
@@ -94,9 +90,11 @@ class SDPAttention(MegatronModule):
                 by_len.setdefault(hi - lo, []).append(lo)
         pieces: dict[int, torch.Tensor] = {}
         for n, starts in by_len.items():
-            q, k, v = (torch.stack([t[lo: lo + n] for lo in starts]).transpose(1, 2) for t in (query, key, value))
-            o = F.scaled_dot_product_attention(q, self._expand(k, 1), self._expand(v, 1), is_causal=True,
-                                               scale=self.scale)  # [m, np, n, hn]
+            if len(starts) == 1:  # a view, no copy
+                q, k, v = (t[starts[0]: starts[0] + n].unsqueeze(0).transpose(1, 2) for t in (query, key, value))
+            else:
+                q, k, v = (torch.stack([t[lo: lo + n] for lo in starts]).transpose(1, 2) for t in (query, key, value))
+            o = self._sdpa(q, k, v)  # [m, np, n, hn]
             for lo, piece in zip(starts, o.transpose(1, 2)):
                 pieces[lo] = piece
         return torch.cat([pieces[lo] for lo in sorted(pieces)])  # [t, np, hn]: Megatron makes it [t, 1, np·hn]

@@ -15,7 +15,7 @@ from typing import Literal
 class TrainConfig:
     tp: int = 1  # tensor-parallel size (Megatron tensor_model_parallel_size)
     pp: int = 1  # pipeline-parallel size; data parallel = world / (tp × pp)
-    micro_batch_size: int = 1  # samples per forward/backward pass on one data-parallel rank
+    micro_batch_size: int = 1  # samples per forward/backward pass on one data-parallel rank (padded micro-batches)
     global_batch_size: int | None = None  # samples per optimizer step across all DP ranks; None: the rollout step / num_steps_per_rollout
     num_steps_per_rollout: int | None = None  # optimizer steps (mini-batches) per rollout step; None: from global_batch_size, else 1
     lr: float = 1e-6  # peak learning rate (Relax default 1e-6)
@@ -56,7 +56,7 @@ def check(cfg: TrainConfig) -> list[tuple[str, object, str]]:
     need(cfg.micro_batch_size >= 1, "micro_batch_size", "must be at least 1 sample. Fix: use 1")
     if cfg.global_batch_size is not None:
         need(cfg.global_batch_size >= 1, "global_batch_size", "must be at least 1 or null. Fix: use null")
-        if cfg.global_batch_size >= 1 and cfg.micro_batch_size >= 1:
+        if cfg.global_batch_size >= 1 and cfg.micro_batch_size >= 1 and cfg.max_tokens_per_micro_batch is None:
             need(cfg.global_batch_size % cfg.micro_batch_size == 0, "global_batch_size",
                  f"is not a multiple of train.micro_batch_size = {cfg.micro_batch_size}. "
                  "Fix: make it micro_batch_size × data-parallel size × a whole number of micro-batches")
@@ -64,6 +64,15 @@ def check(cfg: TrainConfig) -> list[tuple[str, object, str]]:
         need(cfg.num_steps_per_rollout >= 1, "num_steps_per_rollout", "must be at least 1 or null. Fix: use null")
     if cfg.logprob_micro_batch_size is not None:
         need(cfg.logprob_micro_batch_size >= 1, "logprob_micro_batch_size", "must be at least 1 or null. Fix: use null")
+    if cfg.max_tokens_per_micro_batch is not None:  # packing decides the micro-batches: a sample count would do nothing
+        need(cfg.micro_batch_size == 1, "micro_batch_size",
+             f"is not used when train.max_tokens_per_micro_batch = {cfg.max_tokens_per_micro_batch} packs the "
+             "micro-batches by tokens. Fix: remove micro_batch_size, or max_tokens_per_micro_batch for padded ones")
+    if cfg.logprob_micro_batch_size is not None:
+        packed = cfg.logprob_max_tokens_per_micro_batch or cfg.max_tokens_per_micro_batch
+        need(packed is None, "logprob_micro_batch_size",
+             f"is not used when the log-prob passes are packed by tokens ({packed} a micro-batch). "
+             "Fix: remove logprob_micro_batch_size")
     for key in ("max_tokens_per_micro_batch", "logprob_max_tokens_per_micro_batch"):
         v = getattr(cfg, key)
         if v is not None:
@@ -71,6 +80,13 @@ def check(cfg: TrainConfig) -> list[tuple[str, object, str]]:
                  f"is below train.max_seq_len = {cfg.max_seq_len}: the longest sample accepted must fit in one "
                  "micro-batch. Fix: at least max_seq_len tokens (e.g. 2-4 x max_seq_len), or null for padded micro-batches")
     need(cfg.recompute_num_layers >= 1, "recompute_num_layers", "must be at least 1. Fix: e.g. 1")
+    if cfg.recompute != "full":  # the two shape full recompute only
+        need(cfg.recompute_method == "uniform", "recompute_method",
+             f"applies to train.recompute: full only, and train.recompute = {cfg.recompute}. "
+             "Fix: set train.recompute: full, or remove recompute_method")
+        need(cfg.recompute_num_layers == 1, "recompute_num_layers",
+             f"applies to train.recompute: full only, and train.recompute = {cfg.recompute}. "
+             "Fix: set train.recompute: full, or remove recompute_num_layers")
     need(not cfg.sequence_parallel or cfg.tp > 1, "sequence_parallel",
          f"needs tensor parallelism, and train.tp = {cfg.tp}. Fix: set train.tp >= 2, or sequence_parallel: false")
     need(cfg.lr > 0, "lr", "must be positive. Fix: e.g. 1e-6")

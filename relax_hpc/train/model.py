@@ -12,8 +12,8 @@ so nothing can silently use it. With real TE installed nothing is stubbed.
 
 from __future__ import annotations
 
+import functools
 import importlib
-import importlib.util
 import sys
 import types
 from dataclasses import dataclass
@@ -44,12 +44,26 @@ _CORE_MODULES = (  # imported before any TE stub exists, so they keep HAVE_TE = 
 )
 
 
+@functools.cache
+def _imports(name: str) -> bool:
+    """Whether ``name`` really imports: a TE or apex build that is present but broken (built against another torch,
+    common on clusters) is found by ``find_spec`` and fails at its first kernel; here it counts as absent."""
+    try:
+        importlib.import_module(name)
+        return True
+    except Exception:  # ImportError, OSError of a missing .so, a version check's RuntimeError
+        if name.startswith("transformer_engine"):  # asked before megatron imports: leave it no half-imported TE
+            for mod in [m for m in sys.modules if m.split(".")[0] == "transformer_engine"]:
+                del sys.modules[mod]
+        return False
+
+
 def te_available() -> bool:
-    """Whether a real transformer_engine is importable (not our stub)."""
+    """Whether a real, working transformer_engine imports (not our stub)."""
     mod = sys.modules.get("transformer_engine")
-    if mod is not None:
-        return not getattr(mod, "_relax_stub", False)
-    return importlib.util.find_spec("transformer_engine") is not None
+    if mod is not None and getattr(mod, "_relax_stub", False):
+        return False
+    return _imports("transformer_engine.pytorch")
 
 
 def _install_te_stub() -> None:
@@ -109,18 +123,25 @@ FUSIONS = {
 
 
 def _importable(name: str) -> bool:
-    if name == "transformer_engine":
-        return te_available()
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # a missing parent package
-        return False
+    return te_available() if name == "transformer_engine" else _imports(name)
 
 
 def fusion_flags(asked: dict[str, bool], *, cuda: bool, importable) -> dict[str, bool]:
     """Each fusion flag of ``asked`` (the provider's) kept on only where it can run: on CUDA, with the module it
     needs importable (:data:`FUSIONS`). Pure: the test gives ``importable`` a stand-in."""
     return {key: bool(on) and cuda and importable(FUSIONS[key]) for key, on in asked.items()}
+
+
+def choose_kernels(provider, *, cuda: bool, importable) -> None:
+    """The layer spec and fusion flags the provider builds with: Transformer Engine's spec when TE imports, else the
+    pure-torch :func:`torch_block_spec` (SDPA attention, packed sequences, sequence parallel); each fusion flag
+    kept only where its kernel runs (:func:`fusion_flags`). ``importable`` is :func:`_importable`, or a test's
+    stand-in."""
+    if not importable("transformer_engine"):
+        provider.transformer_layer_spec = torch_block_spec
+    for key, on in fusion_flags({k: getattr(provider, k, False) for k in FUSIONS}, cuda=cuda,
+                                importable=importable).items():
+        setattr(provider, key, on)
 
 
 def recompute_settings(cfg: TrainConfig) -> dict:
@@ -207,12 +228,7 @@ def build_model(hf_dir: str | Path, cfg: TrainConfig) -> BuiltModel:
     bridge = AutoBridge.from_hf_pretrained(str(hf_dir))
     provider = bridge.to_megatron_provider(load_weights=True)
     on_cpu = cpu_compat.needed()
-    have_te = te_available()
-    if not have_te:
-        provider.transformer_layer_spec = torch_block_spec  # SDPA core attention, packed sequences too
-    for key, on in fusion_flags({k: getattr(provider, k, False) for k in FUSIONS}, cuda=not on_cpu,
-                                importable=_importable).items():
-        setattr(provider, key, on)
+    choose_kernels(provider, cuda=not on_cpu, importable=_importable)
     provider.tensor_model_parallel_size = cfg.tp
     provider.pipeline_model_parallel_size = cfg.pp
     provider.sequence_parallel = cfg.sequence_parallel

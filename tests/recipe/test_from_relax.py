@@ -136,3 +136,18 @@ def test_dynamic_batch_size_written_into_a_recipe_points_at_the_budget_key():
 
     hint = unknown_key_hint("use_dynamic_batch_size", ["tp"], True)
     assert "--use-dynamic-batch-size is `train.max_tokens_per_micro_batch: <--max-tokens-per-gpu>`" in hint
+
+
+def test_dynamic_batch_size_drops_the_sample_count_and_keeps_a_guessed_max_seq_len_within_the_budget():
+    """A sample must fit one packed micro-batch: a max_seq_len guessed from the response length and the default prompt
+    room is cut to the token budget; --micro-batch-size, unused when packing, is left out with a note. The result
+    validates."""
+    from relax_hpc.train.config import TrainConfig, check
+
+    data, notes = convert(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216", "--rollout-max-response-len",
+                           "8192", "--micro-batch-size", "4"])
+    tr = data["train"]
+    assert tr == {"max_tokens_per_micro_batch": 9216, "max_seq_len": 9216}
+    assert any(n.startswith("--micro-batch-size: left out") for n in notes)
+    assert any(n.startswith("train.max_seq_len: 9216 = the token budget") for n in notes)
+    assert check(TrainConfig(**tr)) == []

@@ -72,6 +72,7 @@ def single_run(tiny_models, tmp_path_factory) -> dict:
         "train": ["train", dict(TRAIN_ARGS, hf=tiny_models["qwen3"], layouts=[{"tp": 1}])],
         "nonfinite": ["nonfinite", {"hf": tiny_models["qwen3"], "layouts": [{"tp": 1}]}],
         "attention": ["attention", {}],
+        "kernels": ["kernels", {"hf": tiny_models["qwen3"]}],
         # padded micro-batches against packed ones (token budget), and activation recompute against none
         "equal_packed": ["equal", dict(EQUAL_ARGS, hf=tiny_models["qwen3"], variants=PACKED_VARIANTS)],
         "equal_memory": ["equal", dict(EQUAL_ARGS, hf=tiny_models["qwen3"], variants=MEMORY_VARIANTS)],

@@ -70,15 +70,16 @@ def test_gpu_parity_train_resume(tiny_models, tmp_path):
 
 # the Qwen3 shape of tools/bench/actor_gpu.py (hidden 1024, 16 layers, 16 heads, 8 KV heads, MLP 3072, vocab 128)
 REAL_SHAPE = dict(hidden=1024, layers=16, heads=16, kv_heads=8, intermediate=3072, max_pos=2304)
-# 16 samples of 256 prompt + 128-1792 response tokens (the bench's spread, a quarter of its batch)
-REAL_ARGS = {"model": REAL_SHAPE, "n": 16, "prompt": 256, "response": [128, 1792], "max_seq_len": 2048,
-             "max_tokens": 8192, "bf16": True, "lr": 1e-4, "steps": 3}
+# 8 samples of 256 prompt + 128-1792 response tokens (the bench's spread, an eighth of its batch: tools/gpu-check
+# gives the gpu tests about 4 minutes)
+REAL_ARGS = {"model": REAL_SHAPE, "n": 8, "prompt": 256, "response": [128, 1792], "max_seq_len": 2048,
+             "max_tokens": 8192, "bf16": True, "lr": 1e-4, "steps": 2}
 # q, k, v drawn N(0, 1): 16 heads of 64 over 8 KV groups; 2 sequences of 2048 padded, 4 of 1-1500 packed
 ATTN_ARGS = {"heads": 16, "groups": 8, "head_dim": 64, "seq": 2048, "batch": 2, "packed": [1500, 700, 37, 1]}
 # SDPA against the unfused path in bf16: outputs reach |x| ~ 3, where one bf16 rounding step is 2^-6 = 0.0156; the
 # unfused path also rounds the scores to bf16 before its fp32 softmax. Measured on CPU (bf16, these shapes): max
-# 0.0156 (one step), mean 2.1e-4. Bound: 2.5 steps, 5x the mean
-ATTN_BF16 = {"max": 0.04, "mean": 1e-3}
+# 0.0156 (one step), mean 2.1e-4. Bound: one step at |x| < 8 (0.031) with double rounding, 5x the mean
+ATTN_BF16 = {"max": 0.07, "mean": 1e-3}
 # fp32: TF32 is off for matmuls, but CUDA's memory-efficient SDPA kernel may still multiply on tensor cores in fp32
 # emulation; a wrong mask, head mapping or scale is off by O(0.1), so this bound is loose on purpose
 ATTN_FP32 = 2e-3
@@ -91,7 +92,7 @@ PACKED_BF16 = {"mean": 0.02, "max": 0.25}
 def real_shape(tmp_path_factory) -> dict:
     """Both jobs in one child process (imports cost ~15 s a process)."""
     return run_child({"attention": ["attention", ATTN_ARGS], "real": ["real_shape", REAL_ARGS]},
-                     tmp_path_factory.mktemp("real_shape"), timeout=420)
+                     tmp_path_factory.mktemp("real_shape"), timeout=240)
 
 
 def _ok(res: dict, name: str) -> dict:
@@ -154,9 +155,10 @@ def run_child(jobs: dict, out_dir: Path, timeout: float) -> dict:
                              stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        finally:  # a timeout, or pytest interrupted by tools/gpu-check: never leave it on the GPU
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
     result = out_dir / "result.json"
     if p.returncode != 0 or not result.exists():
         raise AssertionError(f"child (exit {p.returncode}) wrote no result:\n{log.read_text()[-8000:]}")

@@ -74,6 +74,7 @@ def test_sdpa_attention_equals_megatrons_unfused_attention(single_run):
     assert r["shape"] == [13, 3, 64] and r["packed_shape"] == [23, 4, 16]
     assert r["out"] <= BOUND and r["grad"] <= BOUND, r
     assert r["packed"] <= BOUND, r  # packed samples see only themselves
+    assert r["layer_scaling"] <= BOUND, r
 
 
 def _check_equal(r: dict, name: str) -> None:
@@ -96,3 +97,34 @@ def test_packed_training_equals_padded_at_tp1(single_run):
 @pytest.mark.parametrize("job", ["equal_tp2", "equal_pp2", "equal_dp2"])
 def test_packed_training_equals_padded_with_tp_pp_and_dp(multi_run, job):
     _check_equal(part(multi_run, job), "packed")
+
+
+def test_the_provider_gets_the_spec_and_fusions_its_kernels_allow(single_run):
+    """The real Qwen3 provider on CUDA: with nothing beyond torch, the pure-torch spec and every extension fusion off
+    (issue #26: masked softmax left on without apex crashed an H200's first real-shape forward); with a Transformer
+    Engine stand-in, TE's spec and fused RoPE but still no apex kernels; with both, the provider's own choices."""
+    r = part(single_run, "kernels")  # each case: a provider that asked for every fusion
+    assert r["none"]["asked"]["masked_softmax_fusion"]  # the bridge's own default: the flag that crashed
+    assert r["none"]["spec"] == "torch_block_spec" and not any(r["none"]["flags"].values())
+    assert r["te"]["default_spec_kept"] and r["te"]["spec"] != "torch_block_spec"
+    assert r["te"]["flags"] == {k: k == "apply_rope_fusion" for k in r["te"]["flags"]}
+    assert r["te_apex"]["default_spec_kept"] and all(r["te_apex"]["flags"].values())
+    assert not any(r["cpu"]["flags"].values())  # no CUDA: no extension kernel
+
+
+def test_keys_that_packing_or_recompute_would_ignore_are_refused_by_name():
+    from relax_hpc.train.config import TrainConfig, check
+
+    def keys(**kw):
+        return {k for k, _, _ in check(TrainConfig(**kw))}
+
+    assert keys(max_tokens_per_micro_batch=8192, micro_batch_size=4) == {"micro_batch_size"}
+    assert keys(max_tokens_per_micro_batch=8192, global_batch_size=6) == set()  # no sample-count divisibility then
+    assert keys(max_tokens_per_micro_batch=8192, logprob_micro_batch_size=8) == {"logprob_micro_batch_size"}
+    assert keys(logprob_max_tokens_per_micro_batch=8192, logprob_micro_batch_size=8) == {"logprob_micro_batch_size"}
+    assert keys(max_tokens_per_micro_batch=2048) == {"max_tokens_per_micro_batch"}  # below max_seq_len 4096
+    assert keys(recompute="selective", recompute_method="block") == {"recompute_method"}
+    assert keys(recompute_num_layers=2) == {"recompute_num_layers"}
+    assert keys(recompute="full", recompute_method="block", recompute_num_layers=2) == set()
+    (_, value, msg), = check(TrainConfig(max_tokens_per_micro_batch=8192, micro_batch_size=4))
+    assert value == 4 and "max_tokens_per_micro_batch = 8192" in msg and "Fix:" in msg

@@ -415,7 +415,39 @@ def job_attention(args: dict, out: Path) -> dict:
     alone = torch.cat([ref(*[t.detach() for t in p], None).reshape(-1, 4, 16) for p in parts])
     res["packed_shape"] = list(packed.shape)
     res["packed"] = (packed - alone).abs().max().item()
+    # query-key layer scaling (an fp16 guard megatron undoes in its softmax) leaves the attention as it is
+    scaled = TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                               kv_channels=16, attention_dropout=0.0, hidden_dropout=0.0, masked_softmax_fusion=False,
+                               apply_query_key_layer_scaling=True)
+    q, k, v = (t.detach() for t in qkv(7, 2))
+    res["layer_scaling"] = (DotProductAttention(scaled, 3, AttnMaskType.causal, "self")(q, k, v, None)
+                            - SDPAttention(scaled, 3, AttnMaskType.causal, "self")(q, k, v, None)).abs().max().item()
     destroy_parallel()
+    return res
+
+
+def job_kernels(args: dict, out: Path) -> dict:
+    """What the real provider of ``args['hf']`` is given by ``choose_kernels`` on CUDA with nothing extra installed,
+    with a Transformer Engine stand-in, and with TE and apex: its spec and its fusion flags."""
+    from relax_hpc.train.model import FUSIONS, choose_kernels, import_bridge
+
+    bridge = import_bridge().from_hf_pretrained(args["hf"])
+    stand_ins = {"none": lambda name: False, "te": lambda name: name == "transformer_engine",
+                 "te_apex": lambda name: True}
+    res = {}
+    for name, importable in stand_ins.items():
+        provider = bridge.to_megatron_provider(load_weights=False)
+        asked = {k: bool(getattr(provider, k, False)) for k in FUSIONS}  # the bridge's defaults here
+        for k in FUSIONS:  # a provider that asks for every fusion (as on a GPU box with TE)
+            setattr(provider, k, True)
+        default_spec = provider.transformer_layer_spec
+        choose_kernels(provider, cuda=True, importable=importable)
+        res[name] = {"asked": asked, "flags": {k: bool(getattr(provider, k)) for k in FUSIONS},
+                     "spec": getattr(provider.transformer_layer_spec, "__name__", "?"),
+                     "default_spec_kept": provider.transformer_layer_spec is default_spec}
+    provider = bridge.to_megatron_provider(load_weights=False)
+    choose_kernels(provider, cuda=False, importable=stand_ins["te_apex"])
+    res["cpu"] = {"flags": {k: bool(getattr(provider, k)) for k in FUSIONS}}
     return res
 
 
@@ -441,7 +473,7 @@ def job_suite(args: dict, out: Path) -> dict:
 
 
 JOBS = {"parity": job_parity, "train": job_train, "resume": job_resume, "nonfinite": job_nonfinite,
-        "equal": job_equal, "attention": job_attention, "suite": job_suite}
+        "equal": job_equal, "attention": job_attention, "kernels": job_kernels, "suite": job_suite}
 
 
 def main() -> int:

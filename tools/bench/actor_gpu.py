@@ -338,7 +338,7 @@ def run(a) -> dict:
     flops = a.peak_tflops * 1e12 if a.peak_tflops else (peak_flops(card) if cuda else None)
     max_tokens = a.max_tokens if a.max_tokens is not None else (8192 if cuda else 128)
     over = dict(parse_set(x) for x in a.set)
-    cfg = TrainConfig(**{**dict(bf16=shape["bf16"], micro_batch_size=a.micro_batch, lr=1e-6, seed=1,
+    cfg = TrainConfig(**{**dict(bf16=shape["bf16"], micro_batch_size=1 if max_tokens else a.micro_batch, lr=1e-6, seed=1,
                                 max_tokens_per_micro_batch=max_tokens or None, max_seq_len=shape["max_seq_len"]),
                          **over})
     bad = check(cfg)
