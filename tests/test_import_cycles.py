@@ -7,6 +7,11 @@ annotating ``Recipe``, which the recipe validator's checks import back) is not a
 under ``relax_hpc`` (``controller``, ``launch``, ...; a top-level module such as ``rundir.py`` is its own node, and
 ``relax_hpc/__init__.py`` is ``relax_hpc``). The test fails on any cycle in that graph and prints the edges, with
 file:line, that form it.
+
+The same check runs a level down, with modules as nodes (:func:`module_graph`): no cycle among the modules of one
+subpackage either, imports inside functions and under ``TYPE_CHECKING`` counted (within a subpackage a type-only
+import back is still a knot: the two modules are one unit that was split). An import names the deepest module it
+reaches (``from relax_hpc.x import y`` is ``relax_hpc.x.y`` when y is a module, else ``relax_hpc.x``).
 """
 
 from __future__ import annotations
@@ -39,11 +44,12 @@ def _node(dotted: str) -> str | None:
     return parts[1] if len(parts) > 1 else PKG
 
 
-def _imported(tree: ast.AST, module: str, is_pkg: bool) -> list[tuple[str, int]]:
-    """(absolute dotted target, line) for every import in a module, nested ones included."""
+def _imported(tree: ast.AST, module: str, is_pkg: bool, *, type_checking: bool = False) -> list[tuple[str, int]]:
+    """(absolute dotted target, line) for every import in a module, nested ones included (and those under
+    ``if TYPE_CHECKING:`` with ``type_checking``)."""
     package = module if is_pkg else module.rpartition(".")[0]
     out: list[tuple[str, int]] = []
-    for node in _executed(tree):
+    for node in (ast.walk(tree) if type_checking else _executed(tree)):
         if isinstance(node, ast.Import):
             out.extend((alias.name, node.lineno) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -160,8 +166,31 @@ def test_no_cycle_detected_in_a_chain_and_one_in_a_loop():
     assert find_cycles({("a", "b"): [], ("b", "c"): [], ("c", "a"): []}) == [["a", "b", "c"]]
 
 
+def module_graph() -> dict[tuple[str, str], list[str]]:
+    """(from module, to module) -> the places that make the edge, for imports within one subpackage."""
+    paths = {_module_name(p)[0]: p for p in ROOT.rglob("*.py")}
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for module, path in sorted(paths.items()):
+        is_pkg = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for target, line in _imported(tree, module, is_pkg, type_checking=True):
+            while target and target not in paths:  # a name inside a module: the module
+                target = target.rpartition(".")[0]
+            if not target or target == module or _node(target) != _node(module) or _node(module) == PKG:
+                continue
+            edges[(module, target)].append(f"{path.relative_to(ROOT.parent)}:{line}  {target}")
+    return edges
+
+
 def test_no_import_cycles_between_subpackages():
     edges = import_graph()
     assert edges, "no imports found: is the package root right?"
+    sccs = find_cycles(edges)
+    assert not sccs, "\n" + report(edges, sccs)
+
+
+def test_no_import_cycles_between_modules_of_a_subpackage():
+    edges = module_graph()
+    assert ("relax_hpc.rollout.driver", "relax_hpc.rollout.sample") in edges, "the module graph lost its edges"
     sccs = find_cycles(edges)
     assert not sccs, "\n" + report(edges, sccs)

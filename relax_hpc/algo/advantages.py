@@ -1,7 +1,7 @@
 """From scalar rewards to per-token advantages, as Relax does for its GRPO family.
 
 Two steps, as Relax has them (``post_process_rewards``, then the advantages step); Relax runs the first on
-the rollout side, relax_hpc runs both on the training side (:func:`relax_hpc.roles.samples.train_batch`), so
+the rollout side, relax_hpc runs both on the training side (:func:`relax_hpc.train.plan.train_batch`), so
 the exchange carries the raw reward R and a reward that a later role adds can take part:
 
 - :func:`postprocess_rewards`: R → R̃. For every estimator here (grpo, gspo, sapo, cispo),

@@ -111,7 +111,7 @@ class Elastic:
         self.seen: dict[str, float] = {}  # engine host → its last long poll
         self.restarts: dict[str, int] = {}  # engine → how often it was started again after it died
         self.start_step, self.stop_steps = start_engine_step, stop_processes  # how engine steps start and stop (a
-        #                          simulation of the loop, tests/e2e/test_eval.py, puts its own in)
+        #                          simulation of the loop, tests/controller/loop_sim.py, puts its own in)
         self.fresh = True  # the initial engines serve the run's weights as they start (step 0's: not a resume)
         self.failed_starts: dict[str, str] = {}  # engine of the run's allocation → why it could not be started
         #                                            (its tries used up)

@@ -13,10 +13,14 @@ Every message is checked where it is made and where it is decoded: a missing fie
 have, or a value of the wrong type raises :class:`MessageError`, which names the message, the field, the
 expected type and what came (a task the role cannot decode fails with that text). A field's annotation is
 what its JSON value must be: ``int`` (not a bool), ``float`` (an int too), ``str``, ``bool``, ``X | None``,
-``list[X]``, ``dict[str, X]``, ``dict``/``list`` (any contents) or ``Any``. Nested structures stay JSON:
-chunk refs are :meth:`relax_hpc.exchange.chunk.ChunkRef.to_dict` objects, side refs
-:meth:`~relax_hpc.exchange.chunk.SideRef.to_dict` objects, engines ``{name: url}``, a data cursor the data
-source's ``state_dict()``.
+``list[X]``, ``dict[str, X]``, ``dict``/``list`` (any contents), ``Any``, or one of the :data:`NESTED` types.
+
+The nested types are decoded here, once, for every reader: a field typed :class:`~relax_hpc.exchange.chunk.ChunkRef`
+or :class:`~relax_hpc.exchange.chunk.SideRef` holds that object (made from its JSON object when the message is
+made or decoded; a malformed one is a :class:`MessageError` naming the field), and goes on the wire as its
+``to_dict()``. Other nested values are JSON on purpose: engines ``{name: url}``; ``data_state``, the rollout role's
+own state (its data source's ``state_dict()`` and partial rollout's buffer reference), which the controller
+only keeps, forwards and checkpoints; failures and weight checks, which it only logs.
 
 A field with a default may be absent (it then has its default); every field is sent, except those marked
 ``omit_none`` (sent only when not None).
@@ -30,7 +34,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Union
 
+from relax_hpc.exchange.chunk import ChunkRef, SideRef
+
 DOC = "relax_hpc/controller/messages.py"
+NESTED = (ChunkRef, SideRef)  # typed fields inside a message: JSON objects on the wire (their to_dict/from_dict)
 
 
 class MessageError(ValueError):
@@ -69,9 +76,11 @@ def _type_name(tp: Any) -> str:
 
 
 def _fits(value: Any, tp: Any) -> bool:
-    """Whether a JSON value is of annotation ``tp`` (see the module's docstring for the ones understood)."""
+    """Whether a value is of annotation ``tp`` (see the module's docstring for the ones understood)."""
     if tp is Any:
         return True
+    if tp in NESTED:
+        return isinstance(value, tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType):
         return any(_fits(value, a) for a in args)
@@ -91,6 +100,37 @@ def _fits(value: Any, tp: Any) -> bool:
         return isinstance(value, dict) and (not args or all(_fits(k, args[0]) and _fits(v, args[1])
                                                              for k, v in value.items()))
     raise TypeError(f"{DOC}: annotation {tp!r} is not one a message field may have")
+
+
+def _has_nested(tp: Any) -> bool:
+    return tp in NESTED or any(_has_nested(a) for a in typing.get_args(tp))
+
+
+def _typed(value: Any, tp: Any) -> Any:
+    """A JSON value as annotation ``tp`` holds it: the :data:`NESTED` objects decoded from their dicts; a value of
+    the wrong shape is returned as it is (the type check then names it)."""
+    if tp in NESTED:
+        return tp.from_dict(value) if isinstance(value, Mapping) else value
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        nested = [a for a in args if _has_nested(a)]
+        return _typed(value, nested[0]) if nested and value is not None else value
+    if origin is list and args and isinstance(value, list):
+        return [_typed(v, args[0]) for v in value]
+    if origin is dict and len(args) == 2 and isinstance(value, dict):
+        return {k: _typed(v, args[1]) for k, v in value.items()}
+    return value
+
+
+def _json(value: Any) -> Any:
+    """A field's value as it goes on the wire: the :data:`NESTED` objects as their dicts."""
+    if isinstance(value, NESTED):
+        return value.to_dict()
+    if isinstance(value, list):
+        return [_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json(v) for k, v in value.items()}
+    return value
 
 
 class Message:
@@ -114,13 +154,25 @@ class Message:
     def __post_init__(self) -> None:
         hints = self._hints()
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if not _fits(value, hints[f.name]):
-                raise MessageError(self._name(), f.name, _type_name(hints[f.name]), _what(value))
+            value, tp = getattr(self, f.name), hints[f.name]
+            if _has_nested(tp):  # made from JSON (decoded, or a dict given in code): the typed objects
+                try:
+                    value = _typed(value, tp)
+                except (KeyError, TypeError, ValueError) as e:
+                    raise MessageError(self._name(), f.name, _type_name(tp),
+                                       f"{_what(value)} ({type(e).__name__}: {e})") from None
+                object.__setattr__(self, f.name, value)  # frozen: set once, here
+            if not _fits(value, tp):
+                raise MessageError(self._name(), f.name, _type_name(tp), _what(value))
 
     def _payload(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if not (f.metadata.get("omit_none") and getattr(self, f.name) is None)}
+        hints = self._hints()
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not (f.metadata.get("omit_none") and v is None):
+                out[f.name] = _json(v) if _has_nested(hints[f.name]) else v
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return self._payload()
@@ -205,7 +257,7 @@ class LogprobsTask(TaskMessage):
     """reference / actor_fwd: add per-token log-probs as side field ``field`` (default: the role's) to ``chunks``."""
 
     kind: ClassVar[str] = "logprobs"
-    chunks: list[dict]  # ChunkRef.to_dict()
+    chunks: list[ChunkRef]
     field: str | None = _omit_none()
     version: str | None = _omit_none()  # a follower: the synced weights to compute with (step N-1's for step N)
 
@@ -231,7 +283,7 @@ class TrainTask(TaskMessage):
 
     kind: ClassVar[str] = "train"
     step: int
-    chunks: list[dict]  # ChunkRef.to_dict(), with their side files
+    chunks: list[ChunkRef]  # with their side files
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -313,7 +365,7 @@ class ConnectResult(ResultMessage):
 @dataclass(frozen=True, kw_only=True)
 class GenerateResult(ResultMessage):
     kind: ClassVar[str] = "generate"
-    chunks: list[dict]  # ChunkRef.to_dict(), with checksums
+    chunks: list[ChunkRef]
     metrics: dict[str, Any] = field(default_factory=dict)  # rollout/*, perf/*
     n: int = 0  # samples
     weight_versions: list[str] = field(default_factory=list)  # the weight versions the samples carry
@@ -327,7 +379,7 @@ class GenerateResult(ResultMessage):
 @dataclass(frozen=True, kw_only=True)
 class LogprobsResult(ResultMessage):
     kind: ClassVar[str] = "logprobs"
-    sides: list[dict] = field(default_factory=list)  # SideRef.to_dict(), one per chunk, in the task's order
+    sides: list[SideRef] = field(default_factory=list)  # one per chunk, in the task's order
     metrics: dict[str, Any] = field(default_factory=dict)  # perf/ref_log_probs_time (reference), perf/log_probs_time (actor_fwd)
 
 

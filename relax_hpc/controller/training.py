@@ -75,26 +75,29 @@ resume sync) only when K's row in ``metrics.jsonl`` has no ``eval/*`` yet, and a
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from relax_hpc.controller import messages as M
 from relax_hpc.controller.channel import Channel
+from relax_hpc.controller.dispatch import Dispatcher, Task
 from relax_hpc.controller.elastic import Autoscaler, Capacity, Elastic
 from relax_hpc.controller.engines import EngineRegistry
+from relax_hpc.controller.eval_schedule import EvalSchedule
+from relax_hpc.controller.fixed_staleness import FixedStaleness
+from relax_hpc.controller.generation import Generation
+from relax_hpc.controller.resume_plan import plan_resume
 from relax_hpc.controller.state import RunState
+from relax_hpc.controller.step_rows import StepRows
 from relax_hpc.exchange.broker import Broker
 from relax_hpc.exchange.chunk import ChunkRef, SideRef
-from relax_hpc.exchange.fields import LOGPROB_FIELDS, PRODUCER, SIDE_FIELD, task_fields
+from relax_hpc.exchange.fields import LOGPROB_FIELDS, PRODUCER, task_fields
 from relax_hpc.ops.metrics import REWARD, RunMetrics
 from relax_hpc.recipe import Recipe, initial_engines
-from relax_hpc.rollout.eval import should_eval, should_eval_before_train
 from relax_hpc.rundir import RunDir
-from relax_hpc.train.latest import read_latest, run_step
 
 log = logging.getLogger("relax_hpc.controller")
 
@@ -103,308 +106,258 @@ MAX_REGENERATIONS = 3  # lives of one step voided for damaged chunks before the 
 
 
 @dataclass
-class Task:
-    role: str
-    kind: str
-    step: int
-    life: int = 0  # which life of the step's partition it works on (a step voided for damage starts a new one)
-    engines: dict[str, str] | None = None  # generate/sync: the engines it was given, so a death it reports is of those
-    versions: dict[str, str | None] | None = None  # generate: their weight versions when it was given them
+class Readiness:
+    """What the loop waits for before its first step (the engines up, rollout's cursor, the judges and followers
+    known, the actor connected), and the engines' last catch-up sync."""
+    judges: dict[str, str] | None  # the GenRM judges (roles.genrm): rollout gets them with every generate and eval
+    followers: dict[str, str] | None  # forward roles in the weight-sync group (actor_fwd): {role: url}
+    engines_started: bool = False  # the run's own engine steps (started at the first tick)
+    cursor_known: bool = False  # rollout reported its data cursor (start_engines)
+    connecting: bool = False  # the actor's connect went out
+    catch_up: tuple | None = None  # (step, engines) of the last catch-up sync for engines started again
+
+
+@dataclass
+class Stop:
+    request: tuple[str, str] | None = None  # (outcome, why) asked for by request_stop
+    outcome: str | None = None  # "requeue" or "cancel" once a requested stop is done
 
 
 class TrainingLoop:
+    """The decisions: :meth:`tick` and :meth:`_pump` (who does what next), the ``_<kind>_done`` handlers (a report in).
+    The bookkeeping is in objects of their own: :attr:`resume` (:mod:`~relax_hpc.controller.resume_plan`),
+    :attr:`evals` (:mod:`~relax_hpc.controller.eval_schedule`), :attr:`fixed`
+    (:mod:`~relax_hpc.controller.fixed_staleness`), :attr:`gen` (:mod:`~relax_hpc.controller.generation`),
+    :attr:`rows` (:mod:`~relax_hpc.controller.step_rows`), :attr:`tasks` (:mod:`~relax_hpc.controller.dispatch`)."""
+
     def __init__(self, recipe: Recipe, run: RunDir, state: RunState, channel: Channel, executor: str = "local",
                  capacity: Capacity | None = None):
         if recipe.algorithm.use_kl_loss and not recipe.roles.reference.enabled:
             raise ValueError("algorithm.use_kl_loss needs reference log-probs. Fix: set roles.reference.enabled: true")
-        self.recipe, self.run, self.state, self.channel = recipe, run, state, channel
-        # the forward roles with work to do, and the field each adds to every chunk
-        self.fwd = {r: SIDE_FIELD[r] for r, on in (("reference", recipe.algorithm.use_kl_loss),
-                                                   ("actor_fwd", recipe.roles.actor_fwd.enabled)) if on}
-        self.total = recipe.run.steps
-        latest = read_latest(run.path / "checkpoints")
-        self.resume_path = str(latest[0]) if latest else None
-        self.last_ckpt_step = run_step(latest[1]) if latest else None
-        k = self.last_ckpt_step or 0
-        extra = (latest[1].get("extra_state") or {}) if latest else {}
-        # staleness_mode fixed: step n is generated with exactly step n-1-k's weights, so sync(m) waits until rollout
-        # has generated step m+k (the last step that needs the weights before m)
-        self.fixed = recipe.mode == "fully_async" and recipe.staleness_mode == "fixed" and recipe.max_staleness > 0
-        # the steps after K generated before K's checkpoint (fixed: with weights older than K's, which a resume no
-        # longer has): kept, not generated again
-        kept = extra.get("kept") if self.fixed else None
-        # what each consuming task reads: train the rollout's fields and the enabled forward roles' side fields
-        tasks = {"train": task_fields("train", (PRODUCER, *self.fwd)), **{r: LOGPROB_FIELDS for r in self.fwd}}
-        self.broker = Broker(run.path / "exchange", tasks=tasks,
+        self.recipe, self.run, self.state = recipe, run, state
+        self.fwd = _forward_roles(recipe)  # the forward roles with work to do -> the step whose weights each holds
+        self.fixed = FixedStaleness.of(recipe)  # staleness_mode fixed (None: not in effect)
+        self.broker = Broker(run.path / "exchange", tasks=_consumers(self.fwd),
                              max_staleness=recipe.max_staleness if recipe.mode == "fully_async" else 0)
-        if kept and not self._keepable(k, int(kept["generated"]), state):
-            kept = None
-        g = int(kept["generated"]) if kept else k
-        # fixed, resumed without the steps generated before the checkpoint: those are made on step k's weights
-        self.unfixed_upto = min(k + recipe.max_staleness, self.total) if self.fixed and k else 0
-        if self.unfixed_upto <= g:  # every step that needed older weights was kept
-            self.unfixed_upto = 0
-        if self.broker.rewind(g):  # steps an earlier attempt did after its last checkpoint
-            log.info("exchange: partitions after step %d voided; they are produced again", g)
-        for lease in self.broker.outstanding():  # an earlier attempt's (a kept step's): handed out again
-            self.broker.release(lease.id, "an earlier attempt")
-        self.metrics = RunMetrics(run.path, recipe.logging.tensorboard, start_step=k, started=state.doc.get("started_at"))
-        self._ids = itertools.count(1)
-        self.pending: dict[int, Task] = {}
-        self.outbox: list[tuple[str, dict]] | None = None  # tasks held until the report's journal group is durable
-        self.fwd_weights = {r: 0 for r in self.fwd}  # the step whose weights it holds (0: the model on disk)
-        # enabled forward roles serve tasks until told to stop, work or not
-        self.roles = ["rollout", "actor"] + [r for r in ("reference", "actor_fwd", "genrm") if recipe.role(r).enabled]
+        self.resume = plan_resume(run.path, self.broker, state, fixed=self.fixed is not None,
+                                  max_staleness=recipe.max_staleness, total=self.total)
+        self.resume.rewind(self.broker)
+        self.metrics = RunMetrics(run.path, recipe.logging.tensorboard, start_step=self.resume.step,
+                                  started=state.doc.get("started_at"))
+        self.tasks, self.rows, self.gen = Dispatcher(channel), StepRows(), Generation.of(self.resume)
+        self.step, self.last_ckpt_step = self.resume.step, self.resume.checkpoint  # synced steps; the last checkpoint
         self.started = False  # engines up, weights connected (and resynced on a resume)
-        self.step, self.generated = k, g  # synced steps; steps generated
-        self.gen_done = g  # the last step whose generate is done
-        self.loose: set[int] = set()  # fixed: steps generated on newer weights than N-1-k (theirs were gone)
-        self.gen_rows: dict[int, dict[str, float]] = {}  # fixed: a generated step's metrics, for a checkpoint's kept
-        self.ready: dict[int, set[str]] = {}  # steps generated (chunks announced), not yet trained -> the
-        #                                       forward roles that added their field to them
-        self.lives: dict[int, int] = {}  # step -> how often its partition was voided for damaged chunks
-        self.regen: set[int] = set()  # steps voided for damaged chunks, to be generated again
+        self.ready: dict[int, set[str]] = {}  # steps generated, not yet trained -> the forward roles that added theirs
         self.leases: dict[Any, Any] = {}  # step (train) or (role, step) (a forward role) -> its lease
-        self.cur: dict[int, dict[str, float]] = {}  # step -> its metrics so far
-        self.t0: dict[int, float] = {}
-        self.last_sync = None
-        self.ctl_s = 0.0  # controller time (handling task reports: broker, journal, metrics) since the last sync
-        self.data_states: dict[int, dict | None] = {k: extra.get("data")}
-        self.paused = False  # RUN_DIR/pause seen (see _paused)
-        self.stop_request: tuple[str, str] | None = None  # (outcome, why) asked for by request_stop
-        self.outcome: str | None = None  # "requeue" or "cancel" once a requested stop is done
-        self.registry = EngineRegistry()  # the rollout engines: state, origin, weight version, where they run
-        self.catch_up: tuple | None = None  # (step, engines) of the last catch-up sync for engines started again
-        # engines added and removed while the run goes (relax-scale): joins, drains, attached jobs
-        self.elastic = Elastic(recipe, run, self.registry, state, channel, executor, holds=self._holds,
-                               on_change=self._engines_changed, assign=channel.assign, capacity=capacity)
-        self.autoscaler = Autoscaler(self.elastic)
-        self.free_at: dict[str, float] = {}  # role -> when it last finished a task (its idle time's start)
-        # the GenRM judges (roles.genrm): rollout gets them with every generate and eval, so none starts before
-        self.judges: dict[str, str] | None = None if recipe.roles.genrm.enabled else {}
-        # forward roles in the weight-sync group (actor_fwd): {role: url}; the actor connects once they are known
-        self.followers: dict[str, str] | None = None if "actor_fwd" in self.fwd else {}
-        self.connecting = False
-        self.cursor_known = False  # rollout reported its data cursor (start_engines)
-        self.engines_started = False  # the run's own engine steps (started at the first tick)
-        self.evals: list[int] = []  # steps whose eval is due, not yet handed to rollout (ascending)
-        self.evaluating: int | None = None  # the step whose eval rollout is doing
         self.held_sync: int | None = None  # a trained step whose sync waits (an earlier step's eval; fixed: rollout)
-        if kept:
-            self._keep(k, kept)
-        if self._eval_due(k) and k not in self.metrics.evaluated:  # step 0's, or K's when its eval was cut off
-            self.evals.append(k)
-            if k:
-                log.info("eval: step %d's eval did not finish before the attempt ended; it runs again", k)
-        if latest:
-            log.info("resuming from %s (step %d of %d)", self.resume_path, k, self.total)
-            state.event("resumed", f"from the checkpoint of step {k}")
-        state.progress(step=k, generated=g, phase="starting engines", reward=None, engines={}, mode=recipe.mode)
-        self._assign("rollout", k, M.StartEnginesTask())  # generate(n) carries the cursor (data_states[n-1])
-        if self.judges is None:
+        self.stop, self.paused = Stop(), False  # paused: RUN_DIR/pause seen (see _paused)
+        self.boot = Readiness(judges=None if recipe.roles.genrm.enabled else {},
+                              followers=None if "actor_fwd" in self.fwd else {})
+        self.elastic = Elastic(recipe, run, EngineRegistry(), state, channel, executor, holds=self.tasks.holds,
+                               on_change=self._engines_changed, assign=channel.assign, capacity=capacity)
+        self.autoscaler = Autoscaler(self.elastic)  # elastic: engines added and removed while the run goes
+        self.evals = EvalSchedule(recipe.rollout.eval_interval, recipe.rollout.skip_eval_before_train, self.total)
+        self._begin()
+
+    @property
+    def total(self) -> int:
+        return self.recipe.run.steps
+
+    @property
+    def registry(self) -> EngineRegistry:
+        """The rollout engines: state, origin, weight version, where they run (shared with :attr:`elastic`)."""
+        return self.elastic.registry
+
+    @property
+    def roles(self) -> list[str]:
+        """The roles told to stop at the end: enabled forward roles serve tasks until then, work or not."""
+        return ["rollout", "actor"] + [r for r in ("reference", "actor_fwd", "genrm") if self.recipe.role(r).enabled]
+
+    @property
+    def outcome(self) -> str | None:
+        return self.stop.outcome
+
+    @property
+    def stop_request(self) -> tuple[str, str] | None:
+        return self.stop.request
+
+    def _begin(self) -> None:
+        """The attempt's first tasks: the kept steps (fixed) and an owed eval taken in, rollout's (and the judges')
+        engines, the forward roles' weights."""
+        k, path = self.resume.step, self.resume.path
+        if self.fixed:
+            self.fixed.unfixed_upto = self.resume.unfixed_upto
+        if self.resume.kept:
+            self._keep(k)
+        self.evals.resume(k, self.metrics.evaluated)  # step 0's, or K's when its eval was cut off
+        if path:
+            log.info("resuming from %s (step %d of %d)", path, k, self.total)
+            self.state.event("resumed", f"from the checkpoint of step {k}")
+        self.state.progress(step=k, generated=self.gen.generated, phase="starting engines", reward=None, engines={},
+                            mode=self.recipe.mode)
+        self._assign("rollout", k, M.StartEnginesTask())  # generate(n) carries the cursor (the one after n-1)
+        if self.boot.judges is None:
             self._assign("genrm", k, M.StartEnginesTask())
         for r in self.fwd:  # a resumed actor_fwd follows the checkpoint; a refreshed reference too (the latest)
-            if latest and (r == "actor_fwd" or recipe.algorithm.ref_update_interval):
-                self._assign(r, k, M.LoadTask(path=self.resume_path))
-        if self.followers is None:
+            if path and (r == "actor_fwd" or self.recipe.algorithm.ref_update_interval):
+                self._assign(r, k, M.LoadTask(path=path))
+        if self.boot.followers is None:
             self._assign("actor_fwd", k, M.FollowTask())
 
-    def _keepable(self, k: int, g: int, state: RunState) -> bool:
-        """Whether steps k+1..g are in the exchange, whole and untrained. Not so when the earlier attempt trained one
-        after the checkpoint and then crashed: those steps are generated again, on step k's weights (the trajectory
-        leaves that of the run uninterrupted; a stop with a checkpoint, a requeue, never gets here)."""
-        from relax_hpc.exchange.broker import ExchangeError
-
-        try:
-            ok = all((p := self.broker.progress("train", n)).get("ended") and not p["cleared"] for n in range(k + 1, g + 1))
-        except ExchangeError:
-            ok = False
-        if not ok:
-            log.warning("staleness_mode fixed: steps %d-%d, generated before the checkpoint of step %d, were trained "
-                        "(or lost) after it; they are generated again on step %d's weights", k + 1, g, k, k)
-            state.event("fixed_staleness_broken", f"steps {k + 1}-{g} generated again on step {k}'s weights")
-        return ok
-
-    def _keep(self, k: int, kept: dict) -> None:
+    def _keep(self, k: int) -> None:
         """Resume the steps generated before step ``k``'s checkpoint (fixed staleness): trained, not generated again;
         their generate metrics came with the checkpoint, the forward roles' fields with the exchange."""
-        g = int(kept["generated"])
-        self.data_states[g] = kept["data"]
-        for n in range(k + 1, g + 1):
+        for n, row in self.resume.kept_rows().items():
             self.ready[n] = {r for r in self.fwd if (p := self.broker.progress(r, n)).get("samples")
                              and p["consumed"] == p["samples"]}
-            self.gen_rows[n] = {key: float(v) for key, v in kept["metrics"][str(n)].items()}
-            self.cur[n] = dict(self.gen_rows[n])
-            self.t0[n] = time.monotonic()
+            self.fixed.rows[n] = row
+            self.rows.kept(n, row)
         log.info("staleness_mode fixed: steps %d-%d were generated before the checkpoint of step %d; trained now, "
-                 "not generated again", k + 1, g, k)
+                 "not generated again", k + 1, self.gen.generated, k)
 
     def request_stop(self, outcome: str, why: str) -> None:
         """No new generation; the actor's step finishes, a checkpoint, then stop with ``outcome``."""
-        if self.stop_request is None and self.outcome is None:
+        if self.stop.request is None and self.stop.outcome is None:
             log.info("%s: the step in flight finishes, then a checkpoint, then %s", why, outcome)
-            self.stop_request = (outcome, why)
+            self.stop.request = (outcome, why)
             self.state.event("stop requested", f"{why}: checkpoint, then {outcome}")
             self._pump()
 
+    # -- the loop: each turn of the controller, and after each report
+    def tick(self) -> None:
+        """Every turn of the controller loop: a pause file removed or moved on lets the next step start; drains,
+        joins and attached jobs move on."""
+        if not self.boot.engines_started:  # after the role steps: their start is not held up by the engines'
+            self.boot.engines_started = True
+            self.elastic.start_initial(initial_engines(self.recipe), fresh=self.resume.path is None)
+        self.elastic.started = self.started
+        before = (len(self.elastic.expected), self.registry.count("ready"))
+        self.elastic.tick()
+        if self.started and before != (len(self.elastic.expected), self.registry.count("ready")):
+            self._pump()  # e.g. an engine given up: a generate that waited for it goes (and fails naming them)
+        if not self.boot.connecting and not self.elastic.initial_pending():
+            if not self.registry.live() and self.state.running:  # none of the run's engines could be started
+                why = "; ".join(f"{n}: {w}" for n, w in sorted(self.elastic.failed_starts.items()))
+                self.state.fail("rollout", None, self._node("rollout"),
+                                f"no rollout engine could be started ({why or 'none joined'})", kind="task")
+                return
+            self._connect()
+        if self.paused and self.started and not self._paused(self.gen.next()):
+            self._pump()
+
+    def _pump(self) -> None:
+        """Give each idle role its next task (the one place that decides)."""
+        if not self.started or self.boot.judges is None or self.stop.outcome is not None or not self.state.running:
+            return
+        if self._idle("actor") and self.held_sync is None:  # a held sync: the actor's step is not done yet
+            if self.stop.request is not None:
+                if self.step > (self.last_ckpt_step or 0):
+                    return self._checkpoint(self.step)
+                self.stop.outcome = self.stop.request[0]
+                return
+            if self.step >= self.total:
+                if not self.evals.owed():  # the last step's eval comes first
+                    return self._stop_roles()
+            else:
+                n = self.step + 1
+                if n in self.ready and self.ready[n].issuperset(self.fwd):
+                    self._train(n)
+            self._pump_catch_up()
+        if self.fixed and self.held_sync is not None and self._idle("actor") and self._idle("rollout"):
+            self._unfix_if_stuck()
+        for r in self.fwd:
+            self._pump_logprobs(r)
+        if self._idle("rollout") and (n := self.evals.take()) is not None:  # a due eval before the next generate:
+            self._assign("rollout", n, M.EvalTask(step=n, judges=self.boot.judges,  # the weights it is due on
+                                                  engines=self.registry.routable(min_version=n)))
+        self._pump_generate()
+        self.state.progress(phase=self._phase(), generated=self.gen.generated)
+
+    def _stop_roles(self) -> None:
+        self.state.progress(phase="stopping")
+        for role in self.roles:
+            self._assign(role, self.step, M.StopTask())
+        self.started = False
+
+    def _pump_catch_up(self) -> None:
+        """An engine started again (or joined) gets the weights the actor holds (step self.step's) now, once."""
+        syncing = frozenset(n for n, e in self.registry.engines.items() if e.state == "syncing")
+        if self._idle("actor") and syncing and self.boot.catch_up != (self.step, syncing):
+            self.boot.catch_up = (self.step, syncing)
+            self._sync(self.step)
+
+    def _pump_logprobs(self, r: str) -> None:
+        """Forward role ``r``'s field for the oldest step without it (actor_fwd: once it holds step n−1's weights)."""
+        n = min((s for s, done in self.ready.items() if r not in done), default=None)
+        if n is not None and self._idle(r) and (r != "actor_fwd" or self.fwd[r] == n - 1):
+            lease = self._lease(r, n, holder=r)
+            if lease is not None:
+                self.leases[(r, n)] = lease
+                self._assign(r, n, M.LogprobsTask(chunks=list(lease.chunks),
+                                                  version=str(n - 1) if r == "actor_fwd" else None))
+
+    def _pump_generate(self) -> None:
+        """Rollout's next generate, if it is idle and the gate, the engines and a pause let it start."""
+        n = self.gen.next()
+        owed = self._owed(n)  # fixed: a held sync waits for this step, so a stop does not hold it back
+        if self._idle("rollout") and (self.stop.request is None or owed) and (self.gen.regen or
+                                                                              self.gen.generated < self.total):
+            # an engine to send to (none ready while the only ones left are catching up, or are being started
+            # again: wait for them; none alive or starting: the generate fails naming them), then the staleness gate
+            engines = self._routable(n)
+            serving = bool(engines) or not (self.registry.live() or self.elastic.own_starting())
+            held = self._paused(n) and not (owed and self.stop.request is not None)
+            if self.state.running and serving and not held and self.broker.start_step(n):
+                self.gen.started(n)
+                self.rows.begin(n)
+                self.rows.waited("rollout", n, "perf/rollout_wait_time")  # idle: the staleness gate, a pause
+                # data_state: the cursor after step n-1, so that step n (also when generated again) gets its prompts
+                self._assign("rollout", n, M.GenerateTask(step=n, engines=engines,
+                                                          seq=self.broker.next_seq(PRODUCER),
+                                                          data_state=self.gen.cursor(n), judges=self.boot.judges))
+
+    def _train(self, n: int) -> None:
+        lease = self._lease("train", n, holder="actor")
+        if lease is not None:
+            del self.ready[n]
+            self.leases[n] = lease
+            self.rows.waited("actor", n, "perf/actor_wait_time")  # idle until step n's samples were there
+            self._assign("actor", n, M.TrainTask(step=n, chunks=list(lease.chunks)))
+
+    def _sync(self, n: int) -> None:
+        """The actor puts step ``n``'s weights on the live engines, as version ``"n"``."""
+        self._assign("actor", n, M.SyncTask(version=str(n), engines=self.registry.live()))
+
+    def _checkpoint(self, n: int) -> None:
+        extra: dict[str, Any] = {"step": n, "data": self.gen.data.get(n)}
+        kept = self.fixed.kept(n, self.gen.data) if self.fixed else None
+        if kept:  # fixed: steps n+1..g were generated on weights a resume from this checkpoint no longer has
+            extra["kept"] = kept
+        self._assign("actor", n, M.CheckpointTask(extra=extra))
+
     # -- tasks out
     def _assign(self, role: str, at: int, task: M.TaskMessage) -> None:
-        """Queue ``task`` for ``role``, as part of step ``at`` (a role does its tasks in order); gives it its id."""
-        tid = next(self._ids)
+        """Queue ``task`` for ``role``, as part of step ``at`` (a role does its tasks in order)."""
         engines = getattr(task, "engines", None)
         versions = ({n: self.registry.engines[n].weight_version for n in engines if n in self.registry.engines}
                     if engines else None)
-        self.pending[tid] = Task(role, task.kind, at, self.lives.get(at, 0), engines, versions)
-        if self.outbox is not None:  # handling a report: sent once its journal records are durable
-            self.outbox.append((role, replace(task, id=tid).to_dict()))
-        else:
-            self.channel.assign(role, replace(task, id=tid).to_dict())
+        self.tasks.assign(role, at, task, self.gen.life(at), versions)
 
     def _idle(self, role: str) -> bool:
-        return not any(t.role == role for t in self.pending.values())
+        return self.tasks.idle(role)
 
     def _routable(self, n: int) -> dict[str, str]:
         """The engines generate(n) may use: ready, serving the weights of step n−1−k or newer (k: the staleness
         bound; the exchange's gate already holds n back until those are synced); exactly those with ``fixed``."""
         v = max(0, n - 1 - self.broker.max_staleness)
-        # exact, but not for a voided step or one whose weights no engine holds any more (they are gone)
-        exact = self.fixed and n > self.unfixed_upto and n not in self.regen and n not in self.loose
+        exact = self.fixed is not None and self.fixed.exact(n, self.gen.regen)
         return self.registry.routable(min_version=v, max_version=v if exact else None)
-
-    def _waited(self, role: str, n: int, key: str) -> None:
-        """How long ``role`` sat idle before this task of step ``n`` (the autoscaler's signals)."""
-        if role in self.free_at:
-            self.cur.setdefault(n, {})[key] = time.monotonic() - self.free_at[role]
 
     def _engines_changed(self) -> None:
         self.state.progress(engines=self.registry.to_state())
 
-    def _holds(self, engine: str) -> bool:
-        """Whether a task in flight (a generate or a sync) was given ``engine``: a drain waits for it."""
-        return any(t.engines and engine in t.engines for t in self.pending.values())
-
-    def _pump(self) -> None:
-        """Give each idle role its next task (the one place that decides)."""
-        if not self.started or self.judges is None or self.outcome is not None or not self.state.running:
-            return
-        if self._idle("actor") and self.held_sync is None:  # a held sync: the actor's step is not done yet
-            if self.stop_request is not None:
-                if self.step > (self.last_ckpt_step or 0):
-                    return self._checkpoint(self.step)
-                self.outcome = self.stop_request[0]
-                return
-            if self.step >= self.total:
-                if not self._eval_outstanding():  # the last step's eval comes first
-                    self.state.progress(phase="stopping")
-                    for role in self.roles:
-                        self._assign(role, self.step, M.StopTask())
-                    self.started = False
-                    return
-            else:
-                n = self.step + 1
-                if n in self.ready and self.ready[n].issuperset(self.fwd):
-                    self._train(n)
-            syncing = frozenset(n for n, e in self.registry.engines.items() if e.state == "syncing")
-            if self._idle("actor") and syncing and self.catch_up != (self.step, syncing):  # an engine started again
-                self.catch_up = (self.step, syncing)  # gets the weights the actor holds (step self.step's) now, once
-                self._sync(self.step)
-        if self.fixed and self.held_sync is not None and self._idle("actor") and self._idle("rollout"):
-            self._unfix_if_stuck()
-        for r in self.fwd:
-            n = min((s for s, done in self.ready.items() if r not in done), default=None)
-            if n is not None and self._idle(r) and (r != "actor_fwd" or self.fwd_weights[r] == n - 1):
-                lease = self._lease(r, n, holder=r)
-                if lease is not None:
-                    self.leases[(r, n)] = lease
-                    self._assign(r, n, M.LogprobsTask(chunks=[c.to_dict() for c in lease.chunks],
-                                                      version=str(n - 1) if r == "actor_fwd" else None))
-        if self._idle("rollout") and self.evals:  # a due eval before the next generate: the weights it is due on
-            n = self.evals.pop(0)
-            self.evaluating = n
-            self._assign("rollout", n, M.EvalTask(step=n, judges=self.judges,
-                                                  engines=self.registry.routable(min_version=n)))
-        self._pump_generate()
-        self.state.progress(phase=self._phase(), generated=self.generated)
-
-    def _next_generate(self) -> int:
-        """The step rollout generates next: a step voided for damage comes first."""
-        return min(self.regen) if self.regen else self.generated + 1
-
-    def _pump_generate(self) -> None:
-        """Rollout's next generate, if it is idle and the gate, the engines and a pause let it start."""
-        n = self._next_generate()
-        owed = self._owed(n)  # fixed: a held sync waits for this step, so a stop does not hold it back
-        if self._idle("rollout") and (self.stop_request is None or owed) and (self.regen or self.generated < self.total):
-            # an engine to send to (none ready while the only ones left are catching up, or are being started
-            # again: wait for them; none alive or starting: the generate fails naming them), then the staleness gate
-            engines = self._routable(n)
-            serving = bool(engines) or not (self.registry.live() or self.elastic.own_starting())
-            held = self._paused(n) and not (owed and self.stop_request is not None)
-            if self.state.running and serving and not held and self.broker.start_step(n):
-                self.regen.discard(n)
-                self.generated = max(self.generated, n)
-                self.cur.setdefault(n, {}).setdefault("exchange/quarantined", 0.0)
-                self.t0.setdefault(n, time.monotonic())
-                self._waited("rollout", n, "perf/rollout_wait_time")  # idle: the staleness gate, a pause
-                # data_state: the cursor after step n-1, so that step n (also when generated again) gets its prompts
-                self._assign("rollout", n, M.GenerateTask(step=n, engines=engines,
-                                                          seq=self.broker.next_seq(PRODUCER),
-                                                          data_state=self.data_states.get(n - 1),
-                                                          judges=self.judges))
-
-    def _eval_due(self, n: int) -> bool:
-        """Whether step ``n`` is evaluated (after its sync; ``n`` = 0: before training). Relax's rule on its 0-based
-        rollout id ``n - 1``: every ``rollout.eval_interval`` steps and after the last; before training unless
-        ``rollout.skip_eval_before_train``."""
-        ro = self.recipe.rollout
-        if n == 0:
-            return should_eval_before_train(ro.eval_interval, ro.skip_eval_before_train)
-        return should_eval(n - 1, ro.eval_interval, num_steps=self.total)
-
-    def _sync_waits(self, n: int) -> bool:
-        """Whether step ``n``'s sync must wait: the engines keep the weights an earlier step's eval runs on (fully
-        async), or (fixed staleness) rollout has not yet generated step n+k, the last one on the weights before n
-        (unless those steps were let go: :meth:`_unfix_if_stuck`)."""
-        return self._eval_outstanding(before=n) or (self.fixed and self.gen_done < self._last_on_old(n)
-                                                    and self._last_on_old(n) not in self.loose)
-
-    def _last_on_old(self, n: int) -> int:
-        """Fixed staleness: the last step generated with weights older than step ``n``'s."""
-        return min(n + self.broker.max_staleness, self.total)
-
-    def _owed(self, n: int) -> bool:
-        """Fixed staleness: a held sync waits for step ``n``'s generate."""
-        return self.fixed and self.held_sync is not None and n <= self._last_on_old(self.held_sync)
-
-    def _unfix_if_stuck(self) -> None:
-        """Fixed staleness: the generate a held sync waits for has no engine with its weights (the only ones left were
-        started again, or joined, and hold the model on disk; a catch-up sync would give them the held step's, too
-        new). The held sync goes out, and the steps it waited for are generated on its weights: the run goes on,
-        off the fixed trajectory, with an event."""
-        n = self._next_generate()
-        if not self._owed(n) or self._routable(n) or not self.registry.live():
-            return
-        m, last = self.held_sync, self._last_on_old(self.held_sync)
-        self.loose.update(range(n, last + 1))
-        log.warning("staleness_mode fixed: no engine holds step %d's weights for step %d any more; steps %d-%d are "
-                    "generated on step %d's", n - 1 - self.broker.max_staleness, n, n, last, m)
-        self.state.event("fixed_staleness_broken", f"steps {n}-{last} generated on step {m}'s weights (no engine "
-                                                   f"held step {n - 1 - self.broker.max_staleness}'s any more)")
-        self.held_sync = None
-        self._sync(m)
-
-    def _release_sync(self) -> None:
-        if self.held_sync is not None and not self._sync_waits(self.held_sync):
-            m, self.held_sync = self.held_sync, None
-            self._sync(m)
-
-    def _eval_outstanding(self, before: int | None = None) -> bool:
-        """An eval due or running (of a step before ``before``, if given)."""
-        steps = self.evals + ([self.evaluating] if self.evaluating is not None else [])
-        return any(before is None or s < before for s in steps)
-
     def _phase(self) -> str:
-        kinds = sorted({t.kind for t in self.pending.values()})
+        kinds = self.tasks.kinds()
         return "+".join(kinds) if kinds else "paused" if self.paused else "idle"
 
     def _paused(self, n: int) -> bool:
@@ -424,34 +377,38 @@ class TrainingLoop:
                              f"{path}: step {n} {'waits' if paused else 'starts'}")
         return paused
 
-    def tick(self) -> None:
-        """Every turn of the controller loop: a pause file removed or moved on lets the next step start; drains,
-        joins and attached jobs move on."""
-        if not self.engines_started:  # after the role steps: their start is not held up by the engines'
-            self.engines_started = True
-            self.elastic.start_initial(initial_engines(self.recipe), fresh=self.resume_path is None)
-        self.elastic.started = self.started
-        before = (len(self.elastic.expected), self.registry.count("ready"))
-        self.elastic.tick()
-        if self.started and before != (len(self.elastic.expected), self.registry.count("ready")):
-            self._pump()  # e.g. an engine given up: a generate that waited for it goes (and fails naming them)
-        if not self.connecting and not self.elastic.initial_pending():
-            if not self.registry.live() and self.state.running:  # none of the run's engines could be started
-                why = "; ".join(f"{n}: {w}" for n, w in sorted(self.elastic.failed_starts.items()))
-                self.state.fail("rollout", None, self._node("rollout"),
-                                f"no rollout engine could be started ({why or 'none joined'})", kind="task")
-                return
-            self._connect()
-        if self.paused and self.started and not self._paused(self._next_generate()):
-            self._pump()
+    # -- held syncs: an earlier step's eval, and (fixed staleness) rollout
+    def _sync_waits(self, n: int) -> bool:
+        """Whether step ``n``'s sync must wait: the engines keep the weights an earlier step's eval runs on (fully
+        async), or (fixed staleness) rollout has not yet generated step n+k, the last one on the weights before n
+        (unless those steps were let go: :meth:`_unfix_if_stuck`)."""
+        return self.evals.owed(before=n) or (self.fixed is not None and self.fixed.waits(n, self.gen.done))
 
-    def _train(self, n: int) -> None:
-        lease = self._lease("train", n, holder="actor")
-        if lease is not None:
-            del self.ready[n]
-            self.leases[n] = lease
-            self._waited("actor", n, "perf/actor_wait_time")  # idle until step n's samples were there
-            self._assign("actor", n, M.TrainTask(step=n, chunks=[c.to_dict() for c in lease.chunks]))
+    def _owed(self, n: int) -> bool:
+        """Fixed staleness: a held sync waits for step ``n``'s generate."""
+        return self.fixed is not None and self.fixed.owed(n, self.held_sync)
+
+    def _unfix_if_stuck(self) -> None:
+        """Fixed staleness: the generate a held sync waits for has no engine with its weights (the only ones left were
+        started again, or joined, and hold the model on disk; a catch-up sync would give them the held step's, too
+        new). The held sync goes out, and the steps it waited for are generated on its weights: the run goes on,
+        off the fixed trajectory, with an event."""
+        n = self.gen.next()
+        if not self._owed(n) or self._routable(n) or not self.registry.live():
+            return
+        m, last = self.held_sync, self.fixed.last_on_old(self.held_sync)
+        self.fixed.loose.update(range(n, last + 1))
+        log.warning("staleness_mode fixed: no engine holds step %d's weights for step %d any more; steps %d-%d are "
+                    "generated on step %d's", n - 1 - self.broker.max_staleness, n, n, last, m)
+        self.state.event("fixed_staleness_broken", f"steps {n}-{last} generated on step {m}'s weights (no engine "
+                                                   f"held step {n - 1 - self.broker.max_staleness}'s any more)")
+        self.held_sync = None
+        self._sync(m)
+
+    def _release_sync(self) -> None:
+        if self.held_sync is not None and not self._sync_waits(self.held_sync):
+            m, self.held_sync = self.held_sync, None
+            self._sync(m)
 
     # -- damaged chunks
     def _lease(self, task: str, n: int, holder: str) -> Any:
@@ -490,32 +447,22 @@ class TrainingLoop:
         names = "; ".join(f"{d['chunk']} ({d['reason']})" for d in bad)
         log.error("step %d: quarantined %s; step %d is generated again", n, names, n)
         self.state.event("chunk_quarantined", f"step {n}: {names}")
-        cur = self.cur.setdefault(n, {})
+        cur = self.rows.cur.setdefault(n, {})
         cur["exchange/quarantined"] = cur.get("exchange/quarantined", 0.0) + len(bad)
         self.broker.regenerate(n, f"quarantined: {names}")  # its leases are void; late results are dropped
         if self.fixed:  # the engines serve newer weights than step n's by now
             self.state.event("fixed_staleness_broken", f"step {n} generated again on newer weights (damaged chunks)")
-        self.lives[n] = self.lives.get(n, 0) + 1
+        lives = self.gen.void(n)
         self.ready.pop(n, None)
         for key in [key for key in self.leases if key == n or (isinstance(key, tuple) and key[1] == n)]:
             del self.leases[key]
-        if self.lives[n] > MAX_REGENERATIONS:
+        if lives > MAX_REGENERATIONS:
             self.state.fail("controller", None, None, f"step {n}: chunk {names} was quarantined; the step was generated "
                             f"{MAX_REGENERATIONS + 1} times and damaged each time. Fix: check the filesystem under "
                             f"{self.broker.root} (the damaged files are in {self.broker.root / 'quarantine'}), then "
                             f"relax-submit --resume {self.run.path}", kind="task")
             return
-        self.regen.add(n)
-
-    def _checkpoint(self, n: int) -> None:
-        extra: dict[str, Any] = {"step": n, "data": self.data_states.get(n)}
-        g = n
-        while self.fixed and g < self._last_on_old(n) and g + 1 in self.gen_rows:
-            g += 1
-        if g > n:  # fixed: steps n+1..g were generated on weights a resume from this checkpoint no longer has
-            extra["kept"] = {"generated": g, "data": self.data_states.get(g),
-                             "metrics": {str(m): self.gen_rows[m] for m in range(n + 1, g + 1)}}
-        self._assign("actor", n, M.CheckpointTask(extra=extra))
+        self.gen.regen.add(n)
 
     # -- results in
     def on_message(self, msg: dict) -> None:
@@ -535,22 +482,19 @@ class TrainingLoop:
         if kind != "task_done":
             return
         t0 = time.perf_counter()
-        self.outbox = []
         try:
-            with self.broker.group():  # one fdatasync for the report's records (a step's announces, a lease, ...)
+            # tasks go out once the report's records are durable: one fdatasync for them (announces, a lease, ...)
+            with self.tasks.holding(), self.broker.group():
                 self._on_task_done(msg)
         finally:
-            out, self.outbox = self.outbox, None
-            for role, task in out:  # only now: nothing acts on a record before it is durable
-                self.channel.assign(role, task)
-            self.ctl_s += time.perf_counter() - t0
+            self.rows.ctl_s += time.perf_counter() - t0
 
     def _on_task_done(self, msg: dict) -> None:
-        task = self.pending.pop(msg["task_id"], None)
+        task = self.tasks.done(msg["task_id"])
         if task is None or not self.state.running:
             return
-        self.free_at[task.role] = time.monotonic()
-        if task.kind in ("logprobs", "train") and task.life != self.lives.get(task.step, 0):
+        self.rows.freed(task.role)
+        if task.kind in ("logprobs", "train") and task.life != self.gen.life(task.step):
             return self._pump()  # its step was voided (damaged chunks) since: it is generated again, this is void
         at = f"step {task.step} {task.kind}" if task.kind not in ("start_engines", "connect") else task.kind
         try:
@@ -565,11 +509,11 @@ class TrainingLoop:
             self.state.fail(task.role, msg["rank"], self._node(task.role), f"{at}: {res.error}",
                             kind="role" if res.restartable else "task")
             return
-        if isinstance(res, (M.GenerateResult, M.LogprobsResult, M.TrainResult, M.SyncResult)) and task.step in self.cur:
-            self.cur[task.step].update(res.metrics)  # a step's own metrics
-        if isinstance(msg.get("work_s"), (int, float)) and task.step in self.cur:  # the role's own time on it
+        if isinstance(res, (M.GenerateResult, M.LogprobsResult, M.TrainResult, M.SyncResult)) and task.step in self.rows.cur:
+            self.rows.cur[task.step].update(res.metrics)  # a step's own metrics
+        if isinstance(msg.get("work_s"), (int, float)):  # the role's own time on it
             key = f"perf/task_{task.kind}_time" if task.kind != "logprobs" else f"perf/task_{task.role}_time"
-            self.cur[task.step][key] = self.cur[task.step].get(key, 0.0) + float(msg["work_s"])
+            self.rows.add_time(task.step, key, float(msg["work_s"]))
         getattr(self, f"_{task.kind}_done")(task, res)
         self._pump()
 
@@ -579,31 +523,32 @@ class TrainingLoop:
 
     def _start_engines_done(self, task: Task, res: M.StartEnginesResult) -> None:
         if task.role == "genrm":  # judges: frozen, no weight sync; rollout gets them with its tasks
-            self.judges = dict(res.engines)
-            log.info("genrm judges: %s", ", ".join(f"{n} {u}" for n, u in self.judges.items()))
+            self.boot.judges = dict(res.engines)
+            log.info("genrm judges: %s", ", ".join(f"{n} {u}" for n, u in self.boot.judges.items()))
             self.state.progress(judges={n: {"url": u, "pid": res.pids.get(n), "node": res.nodes.get(n)}
-                                        for n, u in self.judges.items()})
+                                        for n, u in self.boot.judges.items()})
             return
-        if self.data_states.get(self.step) is None and res.data_state:  # the cursor step k+1 starts from
-            self.data_states[self.step] = res.data_state
-        self.cursor_known = True  # the engines are the controller's steps (they join on their own)
+        if self.gen.data.get(self.step) is None and res.data_state:  # the cursor step k+1 starts from
+            self.gen.data[self.step] = res.data_state
+        self.boot.cursor_known = True  # the engines are the controller's steps (they join on their own)
         self._connect()
 
     def _follow_done(self, task: Task, res: M.FollowResult) -> None:
-        self.followers = {task.role: res.url}
+        self.boot.followers = {task.role: res.url}
         log.info("%s follows the actor's weights at %s", task.role, res.url)
         self._connect()
 
     def _connect(self) -> None:
         """The weight-sync group, once the run's engines joined (or failed to start), the followers are known and
         rollout is up."""
-        if (self.registry.live() and self.followers is not None and self.cursor_known and not self.connecting
+        b = self.boot
+        if (self.registry.live() and b.followers is not None and b.cursor_known and not b.connecting
                 and not self.elastic.initial_pending()):
-            self.connecting = True
+            b.connecting = True
             log.info("engines: %s", ", ".join(f"{n} {u}" for n, u in self.registry.live().items()))
             self.state.progress(engines=self.registry.to_state(), phase="connecting weight sync")
-            self._assign("actor", self.step, M.ConnectTask(engines=self.registry.live(), load=self.resume_path,
-                                                           followers=self.followers))
+            self._assign("actor", self.step, M.ConnectTask(engines=self.registry.live(), load=self.resume.path,
+                                                           followers=b.followers))
 
     def _died(self, task: Task, dead: dict[str, str]) -> None:
         """Engines ``task`` found dead: gone or dead (:meth:`Elastic.lost`), and one of the run's own or a step
@@ -619,7 +564,7 @@ class TrainingLoop:
             self.elastic.lost(name, f"found dead: {why}")
 
     def _connect_done(self, task: Task, res: M.ConnectResult) -> None:
-        if self.resume_path is None:
+        if self.resume.path is None:
             self.started = True
         else:  # the engines serve the model on disk: give them the checkpoint's weights first
             self._sync(self.step)
@@ -630,44 +575,49 @@ class TrainingLoop:
             log.error("step %d: rollout engine %s (%s) died: %s; its requests went to the other engines",
                       n, f["name"], f["url"], f["error"])
         self._died(task, dict(res.dead_engines))
-        for name, k in res.engine_requests.items():
-            e = self.registry.engines.get(name)
-            if e is not None and (task.engines or {}).get(name) == e.url:
-                e.requests += k
-                if e.first_step is None:
-                    e.first_step, e.first_version = n, (task.versions or {}).get(name)
-        # the run's counts (an engine found dead at a sync is no longer in the driver's set)
-        self.cur[n]["rollout/engines_dead"] = float(self.registry.count("dead"))
-        self.cur[n]["rollout/engines"] = float(self.registry.count("starting", "syncing", "ready", "draining"))
-        self.cur[n]["rollout/engines_ready"] = float(self.registry.count("ready"))
+        self._count_engines(task, res)
         for f in res.reward_failures:
             log.warning("step %d: reward failed for sample index=%s group_index=%s (prompt %r, response %r, label %r): "
                         "%s", n, f.get("index"), f.get("group_index"), f.get("prompt"), f.get("response"),
                         f.get("label"), f.get("error"))
         versions = [int(v) for v in res.weight_versions if str(v).isdigit()]
         if versions:
-            self.cur[n]["rollout/weight_version"] = float(max(versions))
-            self.cur[n]["rollout/weight_version_min"] = float(min(versions))
-        self.data_states[n] = res.data_state
-        refs = [ChunkRef.from_dict(c) for c in res.chunks]
+            self.rows.cur[n]["rollout/weight_version"] = float(max(versions))
+            self.rows.cur[n]["rollout/weight_version_min"] = float(min(versions))
+        self.gen.data[n] = res.data_state
+        refs = list(res.chunks)
         for ref in refs:
             self.broker.announce(ref)
         _test_damage(self.broker, n, refs)
         self.broker.end_step(n)
         self.ready[n] = set()
-        self.gen_done = max(self.gen_done, n)
+        self.gen.finished(n)
         if self.fixed:
-            self.gen_rows[n] = dict(self.cur[n])
+            self.fixed.rows[n] = dict(self.rows.cur[n])
         self._release_sync()
+
+    def _count_engines(self, task: Task, res: M.GenerateResult) -> None:
+        """Each engine's requests (and the step and version of its first), and the run's engine counts (an engine
+        found dead at a sync is no longer in the driver's set) into step ``task.step``'s row."""
+        n = task.step
+        for name, k in res.engine_requests.items():
+            e = self.registry.engines.get(name)
+            if e is not None and (task.engines or {}).get(name) == e.url:
+                e.requests += k
+                if e.first_step is None:
+                    e.first_step, e.first_version = n, (task.versions or {}).get(name)
+        self.rows.cur[n]["rollout/engines_dead"] = float(self.registry.count("dead"))
+        self.rows.cur[n]["rollout/engines"] = float(self.registry.count("starting", "syncing", "ready", "draining"))
+        self.rows.cur[n]["rollout/engines_ready"] = float(self.registry.count("ready"))
 
     def _logprobs_done(self, task: Task, res: M.LogprobsResult) -> None:
         for side in res.sides:
-            self.broker.add_fields(SideRef.from_dict(side))
+            self.broker.add_fields(side)
         self.broker.ack(self.leases.pop((task.role, task.step)).id)
         self.ready[task.step].add(task.role)
 
     def _load_done(self, task: Task, res: M.LoadResult) -> None:
-        self.fwd_weights[task.role] = res.step
+        self.fwd[task.role] = res.step
 
     def _train_done(self, task: Task, res: M.TrainResult) -> None:
         for why in res.skipped or []:  # train.nonfinite = skip: not applied; train/nonfinite_skipped counts them
@@ -680,30 +630,15 @@ class TrainingLoop:
 
     def _eval_done(self, task: Task, res: M.EvalResult) -> None:
         n = task.step
-        self.evaluating = None
+        self.evals.done()
         vals = self.metrics.amend(n, res.metrics)  # into step n's row (step 0: a row of its own)
         names = [f"eval/{name}" for name in self.recipe.data.eval_prompt_data if f"eval/{name}" in vals]
         log.info("step %d eval: %s", n, ", ".join(f"{k} {vals[k]:.3f}" for k in names) or "no eval set")
         self._release_sync()
 
-    def _sync(self, n: int) -> None:
-        """The actor puts step ``n``'s weights on the live engines, as version ``"n"``."""
-        self._assign("actor", n, M.SyncTask(version=str(n), engines=self.registry.live()))
-
     def _sync_done(self, task: Task, res: M.SyncResult) -> None:
         n = task.step
-        for name, why in res.dead_engines.items():  # found dead at the sync: left out until started again
-            if self.registry.engines.get(name) is not None and self.registry.engines[name].state != "dead":
-                log.error("rollout engine %s (%s) died: %s; the sync went to the other engines", name,
-                          self.registry.engines[name].url, why)
-        self._died(task, dict(res.dead_engines))
-        given = task.engines or {}  # versions of the engines this sync went to (not of one started again since)
-        self.registry.synced({e: v for e, v in res.engine_versions.items() if e not in res.dead_engines
-                              and e in self.registry.engines and given.get(e) == self.registry.engines[e].url})
-        self._engines_changed()
-        for role, v in res.follower_versions.items():  # a follower holds step n's weights now
-            if v == str(n):
-                self.fwd_weights[role] = n
+        self._synced_engines(task, res)
         if not self.started:  # the resume sync
             self.started = True
             return
@@ -714,31 +649,38 @@ class TrainingLoop:
         if bad:
             log.warning("step %d: engines report other weight versions than %d after the sync: %s", n, n, bad)
         self.broker.ack(self.leases.pop(n).id)  # consumed by every task: the step is cleared; the gate moves
-        if not self.evals and not self._eval_due(n) and self.outcome is None and self.state.running:
+        if not self.evals.queue and not self.evals.due(n) and self.stop.outcome is None and self.state.running:
             self._pump_generate()  # the next generate first (an eval due on these weights would go before it)
-        now = time.monotonic()
-        cur = self.cur.pop(n)
-        self.gen_rows.pop(n, None)
-        cur["perf/step_time"] = now - self.t0.pop(n)
-        if self.last_sync is not None:
-            cur["perf/step_interval"] = now - self.last_sync
-        cur["perf/controller_time"], self.ctl_s = self.ctl_s, 0.0
-        span = cur.get("perf/step_interval") or cur["perf/step_time"]
-        cur["perf/actor_wait_ratio"] = cur.get("perf/actor_wait_time", 0.0) / span
-        cur["perf/rollout_idle_ratio"] = cur.get("perf/rollout_wait_time", 0.0) / span
-        self.last_sync, self.step = now, n
+        cur = self.rows.close(n)
+        if self.fixed:
+            self.fixed.rows.pop(n, None)
+        self.step = n
         vals = self.metrics.log(n, cur)
         self.autoscaler.after_step(n, cur["perf/actor_wait_ratio"], cur["perf/rollout_idle_ratio"],
                                    cur.get("rollout/queue_per_engine"))
-        if self._eval_due(n):  # on the weights just synced; the pump hands it to rollout before its next generate
-            self.evals.append(n)
+        self.evals.synced(n)  # if due: on the weights just synced; the pump hands it to rollout before the generate
         first, _ = self.metrics.reward_ends()
         self.state.progress(step=n, reward=vals.get(REWARD), reward_first10=first)
         every = self.recipe.checkpoint.interval  # 0: only after the last step
         if (every and n % every == 0) or n == self.total:
             self._checkpoint(n)
-        for old in [s for s in self.data_states if s < n - 1 and s != (self.last_ckpt_step or 0)]:
-            del self.data_states[old]
+        self.gen.forget(n, keep=self.last_ckpt_step or 0)
+
+    def _synced_engines(self, task: Task, res: M.SyncResult) -> None:
+        """The engines and followers a sync of step ``task.step`` reached hold its weights now; the ones it found dead
+        are left out until started again."""
+        for name, why in res.dead_engines.items():
+            if self.registry.engines.get(name) is not None and self.registry.engines[name].state != "dead":
+                log.error("rollout engine %s (%s) died: %s; the sync went to the other engines", name,
+                          self.registry.engines[name].url, why)
+        self._died(task, dict(res.dead_engines))
+        given = task.engines or {}  # versions of the engines this sync went to (not of one started again since)
+        self.registry.synced({e: v for e, v in res.engine_versions.items() if e not in res.dead_engines
+                              and e in self.registry.engines and given.get(e) == self.registry.engines[e].url})
+        self._engines_changed()
+        for role, v in res.follower_versions.items():  # a follower holds step n's weights now
+            if v == str(task.step):
+                self.fwd[role] = task.step
 
     def _checkpoint_done(self, task: Task, res: M.CheckpointResult) -> None:
         self.last_ckpt_step = task.step
@@ -772,6 +714,17 @@ class TrainingLoop:
             finally:
                 self.broker.close()
         return summary
+
+
+def _forward_roles(recipe: Recipe) -> dict[str, int]:
+    """The forward roles with work to do (each adds its field to every chunk), each holding the model on disk."""
+    return {r: 0 for r, on in (("reference", recipe.algorithm.use_kl_loss),
+                               ("actor_fwd", recipe.roles.actor_fwd.enabled)) if on}
+
+
+def _consumers(fwd: dict[str, int]) -> dict[str, tuple[str, ...]]:
+    """What each consuming task reads: train the rollout's fields and the enabled forward roles' side fields."""
+    return {"train": task_fields("train", (PRODUCER, *fwd)), **{r: LOGPROB_FIELDS for r in fwd}}
 
 
 def _test_damage(broker: Broker, n: int, refs: list[ChunkRef]) -> None:

@@ -6,7 +6,7 @@
   clearing, the staleness gate), rebuilt from its journal;
 - :mod:`.staleness` — the gate rule and its audit from a journal.
 
-Roles write chunks and side files with :mod:`.chunk` (through :mod:`relax_hpc.roles.samples` and
+Roles write chunks and side files with :mod:`.chunk` (through :mod:`relax_hpc.train.samples` and
 :mod:`relax_hpc.roles.forward`); the controller owns the broker and announces, adds fields, leases and acks.
 
 See ``docs/exchange.md``.

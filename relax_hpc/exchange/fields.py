@@ -1,7 +1,7 @@
 """The one schema of a sample's fields in the exchange: name, dtype, shape, who writes it, which tasks read it.
 
 Every place that writes or reads chunk fields takes its lists from here: the rollout role's chunk writer
-(:func:`relax_hpc.roles.samples.write_step`), the chunk reader, the broker's per-task field lists (a task
+(:func:`relax_hpc.train.samples.write_step`), the chunk reader, the broker's per-task field lists (a task
 is ready once its chunks carry the fields it reads), the forward roles (which add a side field) and the
 actor's batch builder. Names are Relax's where Relax has one.
 
@@ -52,7 +52,7 @@ FIELDS: tuple[Field, ...] = (
 BY_NAME = {f.name: f for f in FIELDS}
 
 # The values a number field may hold, checked where numbers enter (the rollout client, the reward runner) and again
-# at the trainer's door (relax_hpc.roles.samples): a log-prob is never above 0, beyond float rounding of a
+# at the trainer's door (relax_hpc.train.plan): a log-prob is never above 0, beyond float rounding of a
 # near-certain token's (far below this); and every number must be finite in the dtype its column stores it in.
 LOGPROB_TOLERANCE = 1e-3
 

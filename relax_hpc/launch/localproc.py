@@ -72,11 +72,6 @@ def run_processes(pgid: int) -> dict[int, int]:
     return {pid: live[pid][3] for pid in found}
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is ``pgid``."""
-    return [pid for pid, t in _table().items() if t[0] not in ("Z", "X") and t[2] == pgid]
-
-
 def _kill(procs: dict[int, int], sig: int) -> None:
     for pid, ticks in procs.items():
         if start_ticks(pid) == ticks:  # still the same process

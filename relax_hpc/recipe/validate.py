@@ -312,7 +312,7 @@ def check(recipe: Recipe) -> list[Problem]:
     return problems
 
 
-# sglang.launch_server arguments relax_hpc sets itself (relax_hpc/rollout/engines.py and roles/engine_host.py): a
+# sglang.launch_server arguments relax_hpc sets itself (relax_hpc/engines/launcher.py and roles/engine_host.py): a
 # second value would fight the run's own (the model, where it listens, its key, TP from roles.rollout, the seed
 # and weight version the run's reproducibility rests on)
 ENGINE_ARGS_SET = {
@@ -779,7 +779,7 @@ def _check_roles(r: Recipe) -> list[Problem]:
 def check_files(recipe: Recipe, cwd: str | Path | None = None) -> list[Problem]:
     """Checks that read the filesystem, so ``relax-submit`` runs them (through preflight) and the roles, which
     reload the recipe elsewhere, do not. Relative paths are resolved as the roles resolve them
-    (``relax_hpc.roles.model.resolve``): against the directory the run is submitted from, ``cwd``."""
+    (``relax_hpc.roles.runtime.resolve``): against the directory the run is submitted from, ``cwd``."""
     base = Path.cwd() if cwd is None else Path(cwd)
     problems = _check_data_paths(recipe, base)
     problems += _check_model_dirs(recipe, base)

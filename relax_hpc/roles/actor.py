@@ -1,7 +1,7 @@
 """The actor role: trains the policy (Megatron) and pushes weights to the engines.
 
 After the bootstrap (:mod:`relax_hpc.roles.runtime`) every rank builds the Megatron model from
-``model.path`` (:func:`relax_hpc.roles.model.build_megatron`: the builder the forward roles share) and serves
+``model.path`` (:func:`relax_hpc.train.build.build_megatron`: the builder the forward roles share) and serves
 the controller's tasks (:mod:`relax_hpc.roles.tasks`; every task's fields and its result's:
 :mod:`relax_hpc.controller.messages`):
 
@@ -18,7 +18,7 @@ the controller's tasks (:mod:`relax_hpc.roles.tasks`; every task's fields and it
   ``train/train_rollout_logprob_abs_diff`` (mean |π_old − engine| log-prob over the response tokens; with
   identical weights this is the numerical gap, ~1e-7 on CPU) and ``perf/train_time``. Non-finite numbers
   (``train.nonfinite``): a training column that is not fit to train on (NaN/inf reward, log-prob NaN or above 0:
-  :func:`relax_hpc.roles.samples.check_train_columns`) skips the whole step before any tensor is built, a
+  :func:`relax_hpc.train.plan.check_train_columns`) skips the whole step before any tensor is built, a
   non-finite loss or grad norm skips its optimizer step; ``train/nonfinite_skipped`` counts them and the result's
   ``skipped`` says why (or the run fails: :class:`relax_hpc.train.step.NonFiniteError`).
 - ``sync {version, engines}``: every rank walks ``named_hf_weights`` (a collective); rank 0 pushes them with
@@ -39,11 +39,12 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from relax_hpc.identity import reachable_host
-from relax_hpc.roles.model import build_megatron, resolve
-from relax_hpc.roles.runtime import RoleContext, main
+from relax_hpc.roles.runtime import RoleContext, main, resolve
+
+if TYPE_CHECKING:
+    from relax_hpc.controller import messages as M
 
 ROLE = "actor"
 SYNC_TRIES = 3  # pushes of one sync: an engine that leaves mid-push (scancel, preemption) costs one more
@@ -53,84 +54,95 @@ log = logging.getLogger("relax_hpc.actor")
 def work(ctx: RoleContext, comm: Any) -> None:
     if ctx.recipe.model.path is None:
         return
-    import torch
-    import torch.distributed as dist
-
-    from relax_hpc.controller import messages as M
-    from relax_hpc.exchange.chunk import ChunkRef
-    from relax_hpc.roles import samples as S
     from relax_hpc.roles.tasks import serve
-    from relax_hpc.roles.weight_sync import ROWS, EngineChecker
-    from relax_hpc.train.config import steps_per_rollout
-    from relax_hpc.train.logprobs import rollout_logprob_gap, sample_means, set_progress_hook
-    from relax_hpc.weights import WeightSender, WeightSyncError, push_from_actor
+    from relax_hpc.train.build import build_megatron
+    from relax_hpc.train.logprobs import set_progress_hook
 
-    r = ctx.recipe
-    rank = ctx.ident.rank
-    actor = build_megatron(r, ROLE, forward_only=False)
+    model = build_megatron(ctx.recipe, ROLE, resolve(ctx.recipe.model.path), forward_only=False)
     set_progress_hook(ctx.progress)  # each micro-batch counts as progress for logging.task_timeout_s
-    ctx.report("ready", model=resolve(r.model.path))
-    st: dict[str, Any] = {"sender": None, "engines": {}, "followers": {}}
-    checker = EngineChecker(ctx.run.api_key())
+    ctx.report("ready", model=resolve(ctx.recipe.model.path))
+    actor = Actor(ctx, comm, model)
+    try:
+        serve(ctx, comm, actor.handlers())
+    finally:
+        actor.close()
 
-    def connect(task: M.ConnectTask) -> M.ConnectResult:
+
+class Actor:
+    """The actor between tasks: the model, the weight sender (rank 0) and the engines and followers it pushes to.
+    One method per task kind."""
+
+    def __init__(self, ctx: RoleContext, comm: Any, model: Any):
+        from relax_hpc.roles.weight_sync import EngineChecker
+
+        self.ctx, self.comm, self.model, self.recipe = ctx, comm, model, ctx.recipe
+        self.rank = ctx.ident.rank
+        self.sender: Any = None  # rank 0's WeightSender, once connected
+        self.engines: dict[str, str] = {}  # the weight-sync group's engines {name: url}
+        self.followers: dict[str, str] = {}  # forward roles that get every sync too {role: url}
+        self.checker = EngineChecker(ctx.run.api_key())
+
+    def handlers(self) -> dict[str, Any]:
+        from relax_hpc.controller import messages as M
+
+        return {"connect": self.connect, "train": self.train, "sync": self.sync, "checkpoint": self.checkpoint,
+                "stop": lambda task: M.StopResult()}
+
+    def close(self) -> None:
+        self.checker.close()
+        if self.sender is not None:  # the engines are going away too: leave without asking them
+            self.sender.close(destroy_on_engines=False)
+
+    # -- connect
+    def connect(self, task: M.ConnectTask) -> M.ConnectResult:
+        from relax_hpc.controller import messages as M
+
         loaded = None
         if task.load:  # collective: every rank got this task
-            actor.load_checkpoint(task.load)
-            loaded = actor.step
-        st["engines"], st["followers"] = dict(task.engines), dict(task.followers)
-        members = [*st["engines"].values(), *st["followers"].values()]
-        if rank == 0:
-            if st["sender"] is None:
-                st["sender"] = WeightSender(backend="nccl" if comm.backend == "nccl" else "gloo",
-                                            api_key=ctx.run.api_key())
-                st["sender"].connect(members, reachable_host(ctx.ident))
-            else:  # the engine set changed (an engine died): a group's size is fixed, so a new group
-                st["sender"].reconnect(members)
-        return M.ConnectResult(engines=sorted(st["engines"]), loaded_step=loaded)
+            self.model.load_checkpoint(task.load)
+            loaded = self.model.step
+        self.engines, self.followers = dict(task.engines), dict(task.followers)
+        if self.rank == 0:
+            self._group([*self.engines.values(), *self.followers.values()])
+        return M.ConnectResult(engines=sorted(self.engines), loaded_step=loaded)
 
-    def train(task: M.TrainTask) -> M.TrainResult:
+    def _group(self, members: list[str]) -> None:
+        """Rank 0: the weight-sync group with ``members``, a new one if the set changed (a group's size is fixed)."""
+        from relax_hpc.identity import reachable_host
+        from relax_hpc.weights import WeightSender
+
+        if self.sender is None:
+            self.sender = WeightSender(backend="nccl" if self.comm.backend == "nccl" else "gloo",
+                                       api_key=self.ctx.run.api_key())
+            self.sender.connect(members, reachable_host(self.ctx.ident))
+        else:  # the engine set changed (an engine died)
+            self.sender.reconnect(members)
+
+    # -- train
+    def train(self, task: M.TrainTask) -> M.TrainResult:
+        from relax_hpc.controller import messages as M
+        from relax_hpc.train import plan as P
+        from relax_hpc.train.config import steps_per_rollout
+        from relax_hpc.train.logprobs import rollout_logprob_gap, sample_means
+
         t0 = time.monotonic()
-        refs = [ChunkRef.from_dict(c) for c in task.chunks]
-        cols = S.read_train_columns(refs, agree=True)  # the forward roles' side fields too, when every chunk has them
-        p = actor.parallel
-        n = len(cols["raw_reward"])
-        k = steps_per_rollout(r.train, n)
+        r, p = self.recipe, self.model.parallel
+        cols = P.read_train_columns(task.chunks, agree=True)  # the forward roles' side fields too, when every chunk has them
+        k = steps_per_rollout(r.train, len(cols["raw_reward"]))
         try:  # every rank reads the same columns: every rank skips (or fails) alike
-            plan = S.train_plan(cols, r.algorithm, r.rollout.n_samples_per_prompt, k=k,
+            plan = P.train_plan(cols, r.algorithm, r.rollout.n_samples_per_prompt, k=k,
                                 seed=r.run.seed, step=task.step, dp=p.dp, dp_rank=p.dp_rank)
-        except S.UnsoundTrainData as e:  # the whole step is skipped, or the run fails (train.nonfinite)
-            steps = f"steps {actor.step + 1}-{actor.step + k}" if k > 1 else f"step {actor.step + 1}"
-            why = f"optimizer {steps}: {e}"
-            actor.skip_steps(k, str(e), rollout_step=task.step)
-            log.warning("step %d: not trained (train.nonfinite = skip): %s", task.step, why)
-            return M.TrainResult(metrics={"train/nonfinite_skipped": float(k), "train/num_steps": float(k),
-                                          "train/step": float(actor.step),
-                                          "perf/train_time": time.monotonic() - t0,
-                                          "perf/train_get_data_time": time.monotonic() - t0}, skipped=[why])
+        except P.UnsoundTrainData as e:  # the whole step is skipped, or the run fails (train.nonfinite)
+            return self._not_trained(task.step, k, e, t0)
         mine = plan.samples  # this rank's samples of every mini-batch: only these become tensors
         t_read = time.monotonic() - t0
-        if mine and all("old_log_probs" in s for s in mine):  # π_old from actor_fwd, with the weights held now
-            old = [s["old_log_probs"] for s in mine]
-        elif not r.algorithm.use_rollout_logprobs:  # π_old: this actor before the step's first update
-            old = actor.compute_log_probs(mine, share=True)
-            for s, lp in zip(mine, old):
-                s["old_log_probs"] = lp
-        else:
-            old = None
-        diff = rollout_logprob_gap(mine, old) if old is not None else {}
+        old = self._old_log_probs(mine)
+        out = rollout_logprob_gap(mine, old) if old is not None else {}
         means = sample_means(mine, list(ROLLOUT_MEANS))  # before the updates: π_old as the step saw it
         t_train = time.monotonic()
-        steps, skipped = [], []
-        for share in plan.shares:
-            steps.append(actor.train_step(share, rollout_step=task.step))
-            if actor.last_skip is not None:  # not applied (train.nonfinite = skip); NaN/inf stay in its metrics
-                skipped.append(f"optimizer step {actor.step}: {actor.last_skip}")
-                log.warning("step %d: optimizer step %d not applied: %s", task.step, actor.step, actor.last_skip)
+        metrics, skipped = self._optimizer_steps(plan.shares, task.step)
         t_train = time.monotonic() - t_train
-        out = {f"train/{k}": v for k, v in _over_steps(steps).items()}
-        out.update(diff)
-        out.update(plan.metrics)  # rollout/rewards: the mean R̃ this step trains on
+        out = {**metrics, **out, **plan.metrics}  # plan.metrics: rollout/rewards, the mean R̃ this step trains on
         out.update({ROLLOUT_MEANS[k]: v for k, v in means.items()})
         if "rollout/advantages" in out:  # outcome rewards, no critic: the return is the advantage (Relax's GRPO)
             out["rollout/returns"] = out["rollout/advantages"]
@@ -142,49 +154,111 @@ def work(ctx: RoleContext, comm: Any) -> None:
         out["perf/train_get_data_time"] = t_read
         return M.TrainResult(metrics=out, skipped=skipped or None)
 
-    def sync(task: M.SyncTask) -> M.SyncResult:
+    def _not_trained(self, step: int, k: int, e: Exception, t0: float) -> M.TrainResult:
+        """Step ``step``'s data is not fit to train on: its ``k`` optimizer steps are skipped (``train.nonfinite``)."""
+        from relax_hpc.controller import messages as M
+
+        steps = f"steps {self.model.step + 1}-{self.model.step + k}" if k > 1 else f"step {self.model.step + 1}"
+        why = f"optimizer {steps}: {e}"
+        self.model.skip_steps(k, str(e), rollout_step=step)
+        log.warning("step %d: not trained (train.nonfinite = skip): %s", step, why)
+        return M.TrainResult(metrics={"train/nonfinite_skipped": float(k), "train/num_steps": float(k),
+                                      "train/step": float(self.model.step),
+                                      "perf/train_time": time.monotonic() - t0,
+                                      "perf/train_get_data_time": time.monotonic() - t0}, skipped=[why])
+
+    def _old_log_probs(self, mine: list) -> list | None:
+        """π_old of this rank's samples, set on them: actor_fwd's ``log_probs`` (the weights held now), else this
+        actor's before the step's first update; None with ``algorithm.use_rollout_logprobs`` (the engine's)."""
+        if mine and all(s.old_log_probs is not None for s in mine):
+            return [s.old_log_probs for s in mine]
+        if self.recipe.algorithm.use_rollout_logprobs:
+            return None
+        old = self.model.compute_log_probs(mine, share=True)
+        for s, lp in zip(mine, old):
+            s.old_log_probs = lp
+        return old
+
+    def _optimizer_steps(self, shares: list, step: int) -> tuple[dict[str, float], list[str]]:
+        """One ``train_step`` per mini-batch: the ``train/*`` metrics over them, and why steps were not applied."""
+        steps, skipped = [], []
+        for share in shares:
+            steps.append(self.model.train_step(share, rollout_step=step))
+            if self.model.last_skip is not None:  # not applied (train.nonfinite = skip); NaN/inf stay in its metrics
+                skipped.append(f"optimizer step {self.model.step}: {self.model.last_skip}")
+                log.warning("step %d: optimizer step %d not applied: %s", step, self.model.step, self.model.last_skip)
+        return {f"train/{k}": v for k, v in _over_steps(steps).items()}, skipped
+
+    # -- sync
+    def sync(self, task: M.SyncTask) -> M.SyncResult:
+        import torch.distributed as dist
+
+        from relax_hpc.controller import messages as M
+
         t0 = time.monotonic()
         version = str(task.version)
-        engines = dict(task.engines or st["engines"])
-        dead = checker.unreachable(engines) if rank == 0 else {}  # died after its last request: left out
-        heads: dict[str, torch.Tensor] = {}
+        engines = dict(task.engines or self.engines)
+        dead = self.checker.unreachable(engines) if self.rank == 0 else {}  # died after its last request: left out
+        out, engines, heads = self._push(version, engines, dead)
+        dist.barrier()
+        out["perf/weight_sync_time"] = time.monotonic() - t0
+        if self.rank != 0:
+            return M.SyncResult(metrics=out)
+        return self._checked(version, engines, dead, heads, out)
+
+    def _push(self, version: str, engines: dict[str, str], dead: dict[str, str]) -> tuple[dict, dict, dict]:
+        """Every rank: push the weights to ``engines`` less ``dead``; an engine that dies during the push is added
+        to ``dead`` and the push goes again to the others, up to ``SYNC_TRIES`` times. (The sender's metrics, the
+        engines pushed to, and rank 0's first rows of every tensor for the check.)"""
+        import torch.distributed as dist
+
+        from relax_hpc.controller import messages as M
+        from relax_hpc.roles.weight_sync import ROWS
+        from relax_hpc.weights import WeightSyncError, push_from_actor
+
+        heads: dict[str, Any] = {}
 
         def stream():  # every rank walks the collective gather; rank 0 keeps each tensor's first rows
-            for name, t in actor.named_hf_weights():
+            for name, t in self.model.named_hf_weights():
                 heads[name] = t[:ROWS].detach().clone()
-                ctx.progress()
+                self.ctx.progress()
                 yield name, t
 
-        for attempt in range(1, SYNC_TRIES + 1):  # an engine that dies during the push is left out, and it goes again
+        for attempt in range(1, SYNC_TRIES + 1):
             engines = {n: u for n, u in engines.items() if n not in dead}
             if not engines:
                 raise WeightSyncError(f"no rollout engine left to sync: {dead}")
-            if engines != st["engines"]:  # an engine died, joined or left since the last sync
-                connect(M.ConnectTask(engines=engines, load=None, followers=st["followers"]))
+            if engines != self.engines:  # an engine died, joined or left since the last sync
+                self.connect(M.ConnectTask(engines=engines, load=None, followers=self.followers))
             err: WeightSyncError | None = None
             try:
-                out: dict[str, Any] = dict(push_from_actor(stream(), st["sender"] if rank == 0 else None, version,
-                                                           in_place=actor.in_place()))
+                out: dict[str, Any] = dict(push_from_actor(stream(), self.sender if self.rank == 0 else None, version,
+                                                           in_place=self.model.in_place()))
             except WeightSyncError as e:
                 err = e
             # rank 0 decides for every rank: done, again without the engines that are gone now, or failed
-            verdict: list[Any] = [None if err is None else (str(err), _gone(checker, engines))]
+            verdict: list[Any] = [None if err is None else (str(err), _gone(self.checker, engines))]
             if dist.get_world_size() > 1:
                 dist.broadcast_object_list(verdict, src=0)
             if verdict[0] is None:
-                break
+                return out, engines, heads
             why, lost = verdict[0]
             if not lost or attempt == SYNC_TRIES:
                 raise err if err is not None else WeightSyncError(why)
             log.warning("step sync %s: %s left during the push (%s); pushing again to the others", version,
                         ", ".join(sorted(lost)), why)
             dead.update(lost)
-        dist.barrier()
-        out["perf/weight_sync_time"] = time.monotonic() - t0
-        if rank != 0:
-            return M.SyncResult(metrics=out)
-        followers = st["followers"]
-        checks = checker.check({**engines, **followers}, heads, version) if r.logging.check_weight_sync else {}
+        raise AssertionError("unreachable: the last try returns or raises")
+
+    def _checked(self, version: str, engines: dict[str, str], dead: dict[str, str], heads: dict,
+                 out: dict[str, Any]) -> M.SyncResult:
+        """Rank 0, after the push: each engine's and follower's spot fingerprint and version
+        (``logging.check_weight_sync``), and the engines that left right after it."""
+        from relax_hpc.controller import messages as M
+
+        followers = self.followers
+        checks = (self.checker.check({**engines, **followers}, heads, version)
+                  if self.recipe.logging.check_weight_sync else {})
         fchecks = {f: checks.pop(f) for f in followers if f in checks}
         held = {f: fchecks[f].get("version") if f in fchecks else version for f in followers}
         for name in [n for n, c in checks.items() if "unreachable" in c]:  # left right after the push
@@ -200,18 +274,14 @@ def work(ctx: RoleContext, comm: Any) -> None:
         return M.SyncResult(metrics=out, engine_versions=versions, checks=checks, dead_engines=dead,
                             follower_versions=held)
 
-    def checkpoint(task: M.CheckpointTask) -> M.CheckpointResult:
-        t0 = time.monotonic()
-        path = actor.save_checkpoint(ctx.run.path / "checkpoints", dict(task.extra or {}), keep=r.checkpoint.keep)
-        return M.CheckpointResult(path=str(path), metrics={"perf/save_model_time": time.monotonic() - t0})
+    # -- checkpoint
+    def checkpoint(self, task: M.CheckpointTask) -> M.CheckpointResult:
+        from relax_hpc.controller import messages as M
 
-    try:
-        serve(ctx, comm, {"connect": connect, "train": train, "sync": sync, "checkpoint": checkpoint,
-                          "stop": lambda task: M.StopResult()})
-    finally:
-        checker.close()
-        if st["sender"] is not None:  # the engines are going away too: leave without asking them
-            st["sender"].close(destroy_on_engines=False)
+        t0 = time.monotonic()
+        path = self.model.save_checkpoint(self.ctx.run.path / "checkpoints", dict(task.extra or {}),
+                                          keep=self.recipe.checkpoint.keep)
+        return M.CheckpointResult(path=str(path), metrics={"perf/save_model_time": time.monotonic() - t0})
 
 
 # Relax's rollout/* per-sample means of the per-token fields the step trains on (relax_hpc.train.logprobs.sample_means)

@@ -32,8 +32,8 @@ from relax_hpc.identity import cross_members, reachable_host
 from relax_hpc.rundir import write_json
 from relax_hpc.stores import master_store
 
-if TYPE_CHECKING:  # runtime.main imports this module (after its hello); this one needs the class for hints only
-    from relax_hpc.roles.runtime import RoleContext
+if TYPE_CHECKING:  # torch-free leaf; for hints only
+    from relax_hpc.roles.context import RoleContext
 
 CROSS_KEY = "cross_group"
 

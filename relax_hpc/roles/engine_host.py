@@ -14,7 +14,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
-from relax_hpc.roles.model import resolve
+from relax_hpc.roles.runtime import resolve
 from relax_hpc.stores import listen_address
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def start_node_engine(run: RunDir, group: RoleGroup, model_path: str, *, name: s
     node's GPUs, or the CPU engine; it answers only requests carrying the run's API key. ``local``: no Slurm, listen
     on the loopback only (:func:`engine_listen_host`). The start of every rollout engine
     (:mod:`relax_hpc.roles.engine`), and of each genrm rank's judge."""
-    from relax_hpc.rollout.engines import start_engine
+    from relax_hpc.engines.launcher import start_engine
 
     host = engine_listen_host(local)
     logf = run.logs / f"{name}.log"

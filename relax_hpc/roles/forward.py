@@ -12,9 +12,9 @@ like an engine (:mod:`relax_hpc.weights.follower`): every sync stages the new we
 
 Tasks (:mod:`relax_hpc.roles.tasks`; their fields and results: :mod:`relax_hpc.controller.messages`):
 
-- ``logprobs {chunks: [ChunkRef dicts], field?}``: every rank reads the samples (checksums verified) and
+- ``logprobs {chunks: [ChunkRef], field?}``: every rank reads the samples (checksums verified) and
   runs the forward (a collective); rank 0 writes ``field`` (default: the role's) for each chunk that lacks
-  it (a chunk that has it already returns its existing side). Returns ``{"sides": [SideRef dicts], "metrics":
+  it (a chunk that has it already returns its existing side). Returns ``{"sides": [SideRef], "metrics":
   {"perf/<field>_time": s}}`` on rank 0: Relax's timer names, ``perf/ref_log_probs_time`` (reference) and
   ``perf/log_probs_time`` (actor_fwd). With ``version`` (actor_fwd), the staged weights of that version are
   copied into the model first, once per version (every rank takes part; rank 0 broadcasts them).
@@ -32,20 +32,24 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from relax_hpc.roles.runtime import RoleContext
+from relax_hpc.roles.runtime import RoleContext, resolve
 
 if TYPE_CHECKING:
-    from relax_hpc.exchange.chunk import ChunkRef
+    from relax_hpc.exchange.chunk import ChunkRef, SideRef
 
-def compute_and_write(actor: Any, refs: Sequence[dict | ChunkRef], field: str, writer: str, rank: int) -> list[dict]:
+
+def compute_and_write(actor: Any, refs: Sequence[dict | ChunkRef], field: str, writer: str,
+                      rank: int) -> list[SideRef]:
     """Log-probs of every response token of these chunks as side field ``field`` (ragged float32).
 
     Collective (every rank calls it with the same refs); rank 0 writes the side files and returns their
-    :class:`~relax_hpc.exchange.chunk.SideRef` dicts in the order of ``refs``, the other ranks ``[]``."""
+    :class:`~relax_hpc.exchange.chunk.SideRef` in the order of ``refs``, the other ranks ``[]``."""
     import numpy as np  # here, not at the top: a role imports numpy, h5py and torch after its hello
 
     from relax_hpc.exchange.chunk import write_fields
-    from relax_hpc.roles.samples import LOGPROB_FIELDS, as_ref, logprob_batch, read_columns
+    from relax_hpc.exchange.fields import LOGPROB_FIELDS
+    from relax_hpc.train.plan import logprob_batch
+    from relax_hpc.train.samples import as_ref, read_columns
 
     chunks = [as_ref(r) for r in refs]
     todo = [c for c in chunks if field not in c.all_fields]
@@ -57,10 +61,10 @@ def compute_and_write(actor: Any, refs: Sequence[dict | ChunkRef], field: str, w
     for c in todo:
         arrays = [lp.detach().cpu().numpy().astype(np.float32) for lp in lps[pos: pos + c.n]]
         pos += c.n
-        sides[c.id] = write_fields(c, writer, {field: arrays}).to_dict()
+        sides[c.id] = write_fields(c, writer, {field: arrays})
     for c in chunks:  # chunks that had the field already: their existing side
         if c.id not in sides:
-            sides[c.id] = next(s.to_dict() for s in c.sides if field in s.fields)
+            sides[c.id] = next(s for s in c.sides if field in s.fields)
     return [sides[c.id] for c in chunks]
 
 
@@ -106,12 +110,12 @@ def work_forward(ctx: RoleContext, comm: Any, field: str) -> None:
     if ctx.recipe.model.path is None:
         return
     from relax_hpc.controller import messages as M
-    from relax_hpc.roles.model import build_megatron, resolve
     from relax_hpc.roles.tasks import serve
+    from relax_hpc.train.build import build_megatron
     from relax_hpc.train.logprobs import set_progress_hook
 
     role, rank = ctx.ident.role, ctx.ident.rank
-    actor = build_megatron(ctx.recipe, role, forward_only=True)
+    actor = build_megatron(ctx.recipe, role, resolve(ctx.recipe.model.path), forward_only=True)
     set_progress_hook(ctx.progress)
     ctx.report("ready", model=resolve(ctx.recipe.model.path))
     st: dict[str, Any] = {"follower": None, "version": "0"}  # the weights in the model: "0" is the model on disk

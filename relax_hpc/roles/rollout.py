@@ -45,8 +45,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from relax_hpc.roles.model import resolve
-from relax_hpc.roles.runtime import RoleContext, main
+from relax_hpc.roles.runtime import RoleContext, main, resolve
 
 if TYPE_CHECKING:
     from relax_hpc.controller.messages import EvalResult, EvalTask, GenerateResult, GenerateTask
@@ -201,9 +200,7 @@ class Generator:
 
     def generate(self, task: GenerateTask) -> GenerateResult:
         from relax_hpc.controller.messages import GenerateResult
-        from relax_hpc.roles import samples as S
-        from relax_hpc.rollout.dynamic import generate_step
-        from relax_hpc.rollout.rewards import RewardError
+        from relax_hpc.train import samples as S
 
         step = task.step
         self._judges(task.judges)
@@ -214,25 +211,11 @@ class Generator:
         again = self.made.get(step) if self.partial is not None else None
         if again is not None and again["from"] != before:
             again = None
-        ro = self.recipe.rollout
         sent = {n: st["requests"] for n, st in self.driver.engine_stats().items()}
         pool = self.driver.pool
         q0, live0 = pool.queue_clock(), len(pool.alive())
         t0 = time.monotonic()
-        seed = self.recipe.run.seed * 1_000_003 + step  # a resumed run samples what the uninterrupted one would have
-        try:
-            if again is not None:  # generated here before (its chunk was damaged): the same groups, finished
-                result = self._again(step, again, seed)
-            else:
-                result = generate_step(self.driver, self.data, target=ro.rollout_batch_size, seed=seed,
-                                       group_filter=self.group_filter, args=self.driver.reward.args,
-                                       over_sampling=ro.over_sampling_batch_size,
-                                       max_rounds=ro.dynamic_sampling_max_rounds, sample_filter=self.sample_filter,
-                                       partial=self.partial)
-        except RewardError as e:  # the full report (tracebacks too) goes to this log; the run's reason gets
-            log.error("step %d: %s", step, e)  # the samples and the errors, without the tracebacks
-            e.report = f"{type(e).__name__}: {str(e).split(chr(10) + 'Traceback of the first failure:')[0]}"
-            raise
+        result = self._samples(step, again)
         t_gen = time.monotonic() - t0
         q1 = pool.queue_clock()
         t1 = time.monotonic()
@@ -260,7 +243,7 @@ class Generator:
         versions = sorted({str(s.weight_version) for s in result.samples})
         return GenerateResult(
             metrics=metrics,
-            chunks=[ref.to_dict()],
+            chunks=[ref],
             n=len(result.samples),
             weight_versions=versions,
             data_state=after,
@@ -270,6 +253,27 @@ class Generator:
             engine_requests={n: st["requests"] - sent.get(n, 0) for n, st in self.driver.engine_stats().items()
                              if st["requests"] > sent.get(n, 0)},
         )
+
+    def _samples(self, step: int, again: dict | None) -> Any:
+        """Step ``step``'s scored samples: anew, or (``again``: its chunk was damaged) the same groups, finished."""
+        from relax_hpc.rollout.dynamic import generate_step
+        from relax_hpc.rollout.rewards import RewardError
+
+        ro = self.recipe.rollout
+        seed = self.recipe.run.seed * 1_000_003 + step  # a resumed run samples what the uninterrupted one would have
+        try:
+            if again is not None:  # generated here before (its chunk was damaged): the same groups, finished
+                return self._again(step, again, seed)
+            else:
+                return generate_step(self.driver, self.data, target=ro.rollout_batch_size, seed=seed,
+                                     group_filter=self.group_filter, args=self.driver.reward.args,
+                                     over_sampling=ro.over_sampling_batch_size,
+                                     max_rounds=ro.dynamic_sampling_max_rounds, sample_filter=self.sample_filter,
+                                     partial=self.partial)
+        except RewardError as e:  # the full report (tracebacks too) goes to this log; the run's reason gets
+            log.error("step %d: %s", step, e)  # the samples and the errors, without the tracebacks
+            e.report = f"{type(e).__name__}: {str(e).split(chr(10) + 'Traceback of the first failure:')[0]}"
+            raise
 
     def _again(self, step: int, made: dict, seed: int) -> Any:
         """Step ``step`` generated again from the state it was first generated from (its chunk was damaged),
@@ -313,7 +317,7 @@ class Generator:
 
     def evaluate(self, task: EvalTask) -> EvalResult:
         from relax_hpc.controller.messages import EvalResult
-        from relax_hpc.rollout.driver import sample_seed
+        from relax_hpc.rollout.sample import sample_seed
         from relax_hpc.rollout.eval import run_eval
         from relax_hpc.rollout.rewards import RewardError
 

@@ -115,7 +115,7 @@ def serve(ctx: RoleContext, comm: Any, handlers: dict[str, Callable[[Any], Resul
     A handler that raises reports the error as the task's outcome and re-raises (the role then fails),
     except :class:`~relax_hpc.exchange.chunk.DamagedChunk` (a chunk that cannot be read: the controller
     quarantines it and generates the step again), after which the role serves on. Handlers raise it on every
-    rank at once (:func:`relax_hpc.roles.samples.read_samples` with ``agree=True``), so the ranks stay in step.
+    rank at once (:func:`relax_hpc.train.samples.read_samples` with ``agree=True``), so the ranks stay in step.
     An unknown kind is an error too: controller and role disagree about the protocol.
     """
     stream = TaskStream(ctx, comm)

@@ -32,7 +32,7 @@ class EngineChecker:
         self._api_key = api_key  # the run's engine key
 
     def _client(self, url: str) -> Any:
-        from relax_hpc.rollout.client import EngineClient
+        from relax_hpc.engines.client import EngineClient
 
         if url not in self._clients:
             self._clients[url] = EngineClient(url, api_key=self._api_key)
@@ -43,7 +43,7 @@ class EngineChecker:
         """Per engine: fingerprint equal, max |engine − actor| over the probed slices, and its weight version; or
         ``{"unreachable": why}`` for an engine that no longer answers at all (it left after the push: scancel,
         preemption), which the actor then reports dead instead of failing the sync."""
-        from relax_hpc.rollout.client import EngineError
+        from relax_hpc.engines.client import EngineError
         from relax_hpc.weights.fingerprint import fingerprint
 
         names = probe(heads)
@@ -69,7 +69,7 @@ class EngineChecker:
     def unreachable(self, engines: dict[str, str]) -> dict[str, str]:
         """The engines that do not answer ``/health`` at all (no HTTP reply: the process is gone), with why.
         An engine that died after its last generate request is found here, before a sync would fail on it."""
-        from relax_hpc.rollout.client import EngineError
+        from relax_hpc.engines.client import EngineError
 
         dead = {}
         for name, url in engines.items():

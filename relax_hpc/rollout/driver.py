@@ -12,13 +12,13 @@ per group) and, as Relax's default ``generate_rollout`` does:
    ``weight_versions`` (SGLang's ``meta_info["weight_version"]``) and ``status`` from ``finish_reason``;
 3. scores each group as soon as it is complete (:class:`~relax_hpc.rollout.rewards.RewardRunner`);
 4. computes Relax's ``rollout/...`` metrics. Rewards stay raw (R): group normalization and advantages run on
-   the training side (:func:`relax_hpc.roles.samples.train_batch`), which also reports ``rollout/rewards``.
+   the training side (:func:`relax_hpc.train.plan.train_batch`), which also reports ``rollout/rewards``.
 
 Engine failures: a request that fails without an HTTP answer (connection refused or closed, timeout) makes
 the driver probe that engine's ``/health_generate``; if the probe fails too the engine is declared dead —
 logged and recorded by name (URL unless a name is given) in :attr:`RolloutResult.engine_failures`, reported
 to ``on_engine_dead`` — and never used again by this driver; the request goes to another engine, from
-scratch. An engine whose answer cannot be right (:class:`~relax_hpc.rollout.client.EngineOutputError`: NaN,
+scratch. An engine whose answer cannot be right (:class:`~relax_hpc.engines.client.EngineOutputError`: NaN,
 infinite or positive log-probs, none where asked, a token id outside the model's vocabulary (:attr:`vocab_size`),
 counts that disagree, an empty output that was not aborted) is declared dead the same way, at once and with that
 reason, and the request goes to another engine: a broken engine's output never reaches training. Only if no
@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import inspect
 import json
 import logging
@@ -57,10 +56,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from relax_hpc.rollout.client import Backoff, EngineClient, EngineError, EngineOutputError, Generation, SamplingParams
-from relax_hpc.rollout.eval import sample_metrics
+from relax_hpc.engines.client import Backoff, EngineClient, EngineError, EngineOutputError, Generation, SamplingParams
+from relax_hpc.rollout.metrics import sample_metrics
 from relax_hpc.rollout.rewards import GENERATE_PARAMS, RewardFailure, RewardRunner, positive_seconds
-from relax_hpc.rollout.sample import Sample, SampleStatus
+from relax_hpc.rollout.errors import NoEngineError, RequestTimeout, RolloutError
+from relax_hpc.rollout.multiturn import MultiTurn, env_factory, generate_multiturn
+from relax_hpc.rollout.sample import Sample, SampleStatus, sample_seed
 
 if TYPE_CHECKING:
     from relax_hpc.recipe.schema import Recipe
@@ -69,22 +70,6 @@ log = logging.getLogger(__name__)
 
 HEALTH_PROBE_TIMEOUT = 10.0  # seconds for the /health_generate probe after a transport error
 MIN_ATTEMPT_S = 30.0  # the least share of a request's deadline an attempt gets while another engine could take it
-
-
-class RolloutError(RuntimeError):
-    """A rollout batch could not be produced (an engine refused a request, retries ran out, ...)."""
-
-
-class NoEngineError(RolloutError):
-    """Every engine of the driver is dead; the message names each one and why."""
-
-    restartable = True  # a restart starts the engines again (roles.tasks: the controller restarts the steps)
-
-
-class RequestTimeout(RolloutError):
-    """A request got no answer within ``rollout.request_timeout_s`` (its total, across attempts and engines)."""
-
-    restartable = True  # the engines did not answer: the machinery (a restart starts them again), not the recipe
 
 
 @dataclass
@@ -400,7 +385,7 @@ class RolloutDriver:
         )
 
     # --- one sample ----------------------------------------------------------------------------------
-    def _prompt_ids(self, sample: Sample) -> list[int]:
+    def prompt_ids(self, sample: Sample) -> list[int]:
         if sample.tokens:
             return list(sample.tokens)
         if self.tokenizer is None:
@@ -476,7 +461,7 @@ class RolloutDriver:
                 return sample
             sp = dataclasses.replace(sp, max_new_tokens=left if sp.max_new_tokens is not None else None)
         else:
-            prompt_ids = self._prompt_ids(sample)
+            prompt_ids = self.prompt_ids(sample)
         gen = await self.request(prompt_ids, sp, evaluation=evaluation, batch=batch, stop=stop,
                                  who=f"sample index={sample.index} group_index={sample.group_index}")
         if gen is None:  # the step ended before it was sent
@@ -583,16 +568,14 @@ class RolloutDriver:
                             seed: int | None) -> Sample | list[Sample]:
         custom = self.generate_function(sample)
         if custom is None and self.multiturn is not None:
-            from relax_hpc.rollout.multiturn import generate_multiturn
-
-            return await generate_multiturn(self, self.multiturn, sample, sp, evaluation=evaluation, batch=batch,
+            return await generate_multiturn(_TurnSession(self, evaluation, batch), self.multiturn, sample, sp,
                                             seed=seed)
         if custom is None:
             return await self.generate_sample(sample, sp, evaluation=evaluation, batch=batch, seed=seed)
         path, fn = custom
         args = self.reward.args
         if self.router is None:  # where a Relax function finds "SGLang's router": this driver's engines
-            from relax_hpc.rollout.router import EngineRouter
+            from relax_hpc.engines.router import EngineRouter
 
             self.router = EngineRouter(self)
         args.sglang_router_ip, args.sglang_router_port = "127.0.0.1", self.router.port
@@ -804,7 +787,6 @@ def multiturn_from(recipe: Recipe, args: Any) -> Any:
     if not path:
         return None
     from relax_hpc.plugins import load_plugin
-    from relax_hpc.rollout.multiturn import MultiTurn, env_factory
 
     key = "rollout.interaction_env_path" if ro.interaction_env_path else "rollout_interaction_env_path (custom_config_path)"
     turns = ro.max_turns if ro.max_turns is not None else getattr(args, "max_turns", None)
@@ -858,7 +840,28 @@ def vocabulary_size(model_path: str | None, tokenizer: Any = None) -> int | None
     return None
 
 
-def sample_seed(seed: int, k: int) -> int:
-    """A 63-bit request seed for sample ``k`` of a batch seeded ``seed`` (a hash, so nearby seeds differ)."""
-    h = hashlib.blake2b(f"{seed}:{k}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") >> 1
+@dataclass
+class _TurnSession:
+    """The driver as a multi-turn rollout sees it (:class:`~relax_hpc.rollout.multiturn.EngineSession`): requests
+    of one batch, on this driver's engines."""
+
+    driver: RolloutDriver
+    evaluation: bool
+    batch: BatchCounters
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.driver.tokenizer
+
+    @property
+    def fail_on_env_error(self) -> bool:
+        return self.driver.cfg.reward_error_policy == "fail"
+
+    def prompt_ids(self, sample: Sample) -> list[int]:
+        return self.driver.prompt_ids(sample)
+
+    async def request(self, ids: list[int], sp: SamplingParams, *, who: str) -> Generation:
+        return await self.driver.request(ids, sp, evaluation=self.evaluation, batch=self.batch, who=who)
+
+    def response_text(self, gen: Generation) -> str:
+        return self.driver.response_text(gen)

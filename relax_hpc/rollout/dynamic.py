@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from relax_hpc.errors import PermanentError
-from relax_hpc.rollout.driver import RolloutDriver, RolloutResult, BatchCounters, first_error, sample_seed
-from relax_hpc.rollout.sample import Sample, SampleStatus
+from relax_hpc.rollout.driver import RolloutDriver, RolloutResult, BatchCounters, first_error
+from relax_hpc.rollout.sample import Sample, SampleStatus, sample_seed
 from relax_hpc.rundir import fsync_dir
 
 

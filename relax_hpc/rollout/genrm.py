@@ -42,8 +42,8 @@ import time
 import zlib
 from typing import TYPE_CHECKING, Any, Sequence
 
-from relax_hpc.rollout.client import EngineClient, EngineError
-from relax_hpc.rollout.router import LeastBusy
+from relax_hpc.engines.client import EngineClient, EngineError
+from relax_hpc.engines.picker import LeastBusy
 
 if TYPE_CHECKING:
     from relax_hpc.recipe.schema import GenRMConfig

@@ -38,15 +38,15 @@ import asyncio
 import dataclasses
 import inspect
 import logging
-import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from relax_hpc.errors import PermanentError
-from relax_hpc.rollout.sample import Sample, SampleStatus
+from relax_hpc.rollout.errors import RolloutError
+from relax_hpc.rollout.sample import Sample, SampleStatus, sample_seed
+from relax_hpc.threads import in_daemon_thread
 
 if TYPE_CHECKING:
-    from relax_hpc.rollout.client import SamplingParams
-    from relax_hpc.rollout.driver import BatchCounters, RolloutDriver
+    from relax_hpc.engines.client import Generation, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -58,37 +58,26 @@ def env_factory(path: str) -> str:
     return f"{path}:build_env" if path.endswith(".py") else f"{path}.build_env"
 
 
+class EngineSession(Protocol):
+    """What a multi-turn rollout needs of the engines, for one batch (the driver gives one)."""
+
+    tokenizer: Any
+    fail_on_env_error: bool  # rollout.reward_error_policy = fail: an env failure fails the batch, not the sample
+
+    def prompt_ids(self, sample: Sample) -> list[int]: ...
+
+    async def request(self, ids: list[int], sp: SamplingParams, *, who: str) -> Generation: ...
+
+    def response_text(self, gen: Generation) -> str: ...
+
+
 class EnvError(RuntimeError):
     """The environment raised, timed out or broke its contract, for one sample."""
 
 
-def _in_thread(fn: Callable, *args: Any) -> asyncio.Future:
-    """``fn(*args)`` on a daemon thread of its own: a sync env call that hangs past its timeout is abandoned
-    there, where asyncio's default executor would make the batch (and the process) wait for it at the end."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def settle(value: Any, error: BaseException | None) -> None:
-        if not fut.done():
-            fut.set_exception(error) if error is not None else fut.set_result(value)
-
-    def run() -> None:
-        try:
-            value, error = fn(*args), None
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            value, error = None, e
-        try:
-            loop.call_soon_threadsafe(settle, value, error)
-        except RuntimeError:  # the loop is gone: nobody waits for this call any more
-            pass
-
-    threading.Thread(target=run, name="env-call", daemon=True).start()
-    return fut
-
-
 async def _call(fn: Callable, *args: Any, timeout: float | None) -> Any:
     """Call a sync or async env method under ``timeout`` seconds (a sync one runs on a thread of its own)."""
-    coro = fn(*args) if inspect.iscoroutinefunction(fn) else _in_thread(fn, *args)
+    coro = fn(*args) if inspect.iscoroutinefunction(fn) else in_daemon_thread(fn, *args, thread_name="env-call")
     name = getattr(fn, "__name__", "env call")
     try:
         return await asyncio.wait_for(coro, timeout)
@@ -161,7 +150,7 @@ def _check_obs(obs: Any, where: str) -> dict:
 
 @dataclasses.dataclass
 class MultiTurn:
-    """What the loop needs besides the driver: the env factory and the limits."""
+    """What the loop needs besides the engines: the env factory and the limits."""
 
     build_env: Callable
     args: Any
@@ -173,12 +162,10 @@ class MultiTurn:
     continue_truncated: bool = False
 
 
-async def generate_multiturn(driver: RolloutDriver, mt: MultiTurn, sample: Sample, sp: SamplingParams, *,
-                             evaluation: bool, batch: BatchCounters, seed: int | None) -> Sample:
+async def generate_multiturn(engines: EngineSession, mt: MultiTurn, sample: Sample, sp: SamplingParams, *,
+                             seed: int | None) -> Sample:
     """One multi-turn rollout of ``sample`` (see the module docstring); the sample is filled in place."""
-    from relax_hpc.rollout.driver import sample_seed
-
-    prompt_ids = driver._prompt_ids(sample)
+    prompt_ids = engines.prompt_ids(sample)
     sample.reset_response(prompt_ids)
     traces: list[dict] = []
     md = sample.metadata
@@ -201,9 +188,8 @@ async def generate_multiturn(driver: RolloutDriver, mt: MultiTurn, sample: Sampl
             new = sp.max_new_tokens if budget is None else min(sp.max_new_tokens or budget, budget)
             turn_sp = dataclasses.replace(sp, max_new_tokens=new,
                                           sampling_seed=None if seed is None else sample_seed(seed, turn))
-            gen = await driver.request(list(sample.tokens), turn_sp, evaluation=evaluation, batch=batch,
-                                       who=f"sample index={sample.index} turn {turn + 1}")
-            text = driver.response_text(gen)
+            gen = await engines.request(list(sample.tokens), turn_sp, who=f"sample index={sample.index} turn {turn + 1}")
+            text = engines.response_text(gen)
             sample.append_response(gen.output_ids, text, gen.output_logprobs,
                                    loss_mask_value=0 if sample.remove_sample else 1)
             sample.update_from_meta_info(gen.meta_info)
@@ -232,7 +218,7 @@ async def generate_multiturn(driver: RolloutDriver, mt: MultiTurn, sample: Sampl
                 sample.status, md["rollout_stop_reason"] = SampleStatus.COMPLETED, "turns"
                 break
             room = None if mt.max_context_len is None else mt.max_context_len - len(sample.tokens) - 1
-            ids, obs_text, left_out = _observation(driver.tokenizer, obs, env, mt, room)
+            ids, obs_text, left_out = _observation(engines.tokenizer, obs, env, mt, room)
             if left_out:
                 trace["obs_truncated"] = left_out
                 if not ids:
@@ -241,7 +227,7 @@ async def generate_multiturn(driver: RolloutDriver, mt: MultiTurn, sample: Sampl
             trace["obs"] = obs_text
             sample.append_response(ids, obs_text, [0.0] * len(ids), loss_mask_value=0)
     except EnvError as e:
-        _env_failed(sample, str(e), driver)
+        _env_failed(sample, str(e), engines)
     finally:
         md["rollout_turns"] = len(traces)
         md["rollout_traces"] = traces
@@ -253,17 +239,15 @@ async def generate_multiturn(driver: RolloutDriver, mt: MultiTurn, sample: Sampl
     return sample
 
 
-def _env_failed(sample: Sample, why: str, driver: RolloutDriver) -> None:
-    from relax_hpc.rollout.driver import RolloutError
-
-    if driver.cfg.reward_error_policy == "fail":
+def _env_failed(sample: Sample, why: str, engines: EngineSession) -> None:
+    if engines.fail_on_env_error:
         raise RolloutError(f"sample index={sample.index}: the environment failed: {why} "
                            "(rollout.reward_error_policy = fail; 'skip' fails only the sample)")
     log.error("sample index=%s: the environment failed, the sample is FAILED with loss mask 0: %s", sample.index, why)
     sample.metadata["env_error"] = why
     sample.metadata["rollout_stop_reason"] = "env_error"
     if sample.response_length == 0:
-        pad = getattr(driver.tokenizer, "eos_token_id", None) or 0
+        pad = getattr(engines.tokenizer, "eos_token_id", None) or 0
         sample.append_response([int(pad)], "", [0.0], loss_mask_value=0)
     sample.loss_mask = [0] * sample.response_length
     sample.status = SampleStatus.FAILED

@@ -19,6 +19,7 @@ Pure Python (no torch, no numpy) so any role and the login-node tools can import
 from __future__ import annotations
 
 import copy
+import hashlib
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
@@ -189,3 +190,9 @@ def reward_value(reward: Any, reward_key: str | None) -> float:
         return float(reward)
     except (TypeError, ValueError):
         raise TypeError(f"the reward must be a number, got {type(reward).__name__}: {reward!r}") from None
+
+
+def sample_seed(seed: int, k: int) -> int:
+    """A 63-bit request seed for sample ``k`` of a batch seeded ``seed`` (a hash, so nearby seeds differ)."""
+    h = hashlib.blake2b(f"{seed}:{k}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1

@@ -54,7 +54,7 @@ async def judged_reward(args: Any, sample: Any, **kwargs: Any) -> dict[str, floa
     ``judge_agrees`` whether the judge called it right exactly when the rule did. The judge runs in shadow: its
     verdicts are logged (``rollout/judge/mean``, ``rollout/judge_agrees/mean``) before a recipe trusts it."""
     from relax_hpc.rollout import genrm
-    from relax_hpc.rollout.builtin_rewards import dapo_genrm_reward
+    from relax_hpc.rollout.rewards.builtin import dapo_genrm_reward
 
     rule = score(sample.response, sample.label)
     judged = await dapo_genrm_reward(sample.prompt, f"Answer: {sample.response}", sample.label, {}, genrm.generate)

@@ -8,7 +8,10 @@ Modules, one job each:
   cpu_compat  the CPU-only compatibility layer (gloo, torch.cuda calls, RNG tracker, optimizer/bridge fixes)
   parallel    init_parallel(tp, pp) on an existing default process group; rank/group helpers
   model       HF dir -> megatron-bridge -> GPTModel (+ Megatron DDP, optimizer); transformer_engine stub
-  batch       samples -> padded micro-batch tensors, and back
+  samples     rollout samples <-> chunk files <-> columns (both sides of the exchange)
+  plan        the trainer's data plan: columns -> checked, normalized TrainingSamples, mini-batches, DP shares
+  build       build_megatron: the model every Megatron role (actor, reference, actor_fwd) builds alike
+  batch       TrainingSample -> padded micro-batch tensors, and back
   logprobs    vocab-parallel per-token log-probs and entropy; forward-only log-probs
   step        one optimizer step with the policy loss from relax_hpc.algo
   checkpoint  dist_checkpointing save/load (model, optimizer, RNG, step, extra state; ``latest`` last)

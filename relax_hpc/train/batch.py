@@ -1,6 +1,7 @@
 """Samples → padded micro-batch tensors (and per-sample results back), for the Megatron forward.
 
-A sample is a mapping (or an object with attributes) with:
+A sample is a :class:`TrainingSample` (what the data plan, :mod:`relax_hpc.train.plan`, builds), or a mapping
+with the same keys (tests, tools), with:
 
 * ``tokens``: LongTensor[L] (or list of ints), prompt + response;
 * ``response_start``: int ≥ 1, index in ``tokens`` of the first response token (the response is
@@ -35,8 +36,22 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(slots=True)
+class TrainingSample:
+    """One sample at the trainer's seam (the fields above). Tensors are views into the step's verified chunk
+    bytes; ``old_log_probs`` is set once π_old is known (from actor_fwd, or the actor's own forward pass)."""
+
+    tokens: torch.Tensor
+    response_start: int
+    loss_mask: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    rollout_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    old_log_probs: torch.Tensor | None = None
+
+
 def field(sample, name: str, default=None):
-    """``sample[name]`` for mappings, ``sample.name`` otherwise; ``default`` when absent or None."""
+    """``sample.name`` (a :class:`TrainingSample`), ``sample[name]`` for mappings; ``default`` when absent or None."""
     if isinstance(sample, Mapping):
         v = sample.get(name, default)
     else:
@@ -268,8 +283,3 @@ def dp_shard(samples: Sequence, dp: int, dp_rank: int) -> list:
 
 def chunks(samples: Sequence, size: int) -> list[list]:
     return [list(samples[i: i + size]) for i in range(0, len(samples), size)]
-
-
-def unpad(rows: torch.Tensor, lens: Sequence[int]) -> list[torch.Tensor]:
-    """[B, T] → B tensors of their true lengths."""
-    return [rows[i, :n].clone() for i, n in enumerate(lens)]

@@ -292,7 +292,3 @@ def _view_bucket(run: list[tuple[str, torch.Tensor]]) -> Bucket:
     first = run[0][1]
     flat = first.detach().as_strided((meta[-1].end_idx,), (1,))  # from the first tensor's start, in its storage
     return Bucket(flat, meta, in_place=True)
-
-
-def buckets_bytes(buckets: Iterable[Bucket]) -> int:
-    return sum(b.nbytes for b in buckets)

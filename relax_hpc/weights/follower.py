@@ -3,7 +3,7 @@
 actor_fwd computes π_old for step N with the weights of step N−1. It used to load the actor's checkpoint after
 every step, which forced the actor to save a full checkpoint, optimizer included, every step: tens of GB per
 step for a 7B model. Now rank 0 of the role answers the weight-update half of SGLang's HTTP API, the same
-:class:`~relax_hpc.rollout.cpu_engine.WeightReceiver` the CPU engine uses. The actor's
+:class:`~relax_hpc.engines.receiver.WeightReceiver` the CPU engine uses. The actor's
 :class:`~relax_hpc.weights.WeightSender` adds it to the group beside the engines, so every sync puts the new
 weights, tagged with their version, into its HF-named staging tensors. Before a forward, the role copies the
 version its task names into the Megatron model (:func:`relax_hpc.train.export.load_hf_weights`). Checkpoints go
@@ -21,8 +21,8 @@ import threading
 
 import torch
 
-from relax_hpc.rollout.cpu_engine import (ENGINE_VERSION, WeightReceiver, _Server, advertised_host, ok,
-                                          route_handler, weight_routes)
+from relax_hpc.engines.http import ENGINE_VERSION, EngineServer, advertised_host, ok, route_handler
+from relax_hpc.engines.receiver import WeightReceiver, weight_routes
 
 log = logging.getLogger("relax_hpc.follower")
 
@@ -34,7 +34,7 @@ class Follower(WeightReceiver):
         super().__init__(params, weight_version)
         # on GPU nodes the group is NCCL: broadcasts land on this node's GPU, then are copied to the staging tensors
         self.device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        self.server: _Server | None = None
+        self.server: EngineServer | None = None
         self.url = ""
 
     def backend(self, body: dict) -> str:
@@ -66,7 +66,7 @@ class Follower(WeightReceiver):
             "/continue_generation": lambda b: ok({"message": "Generation continued successfully.", "status": "ok"}),
             "/flush_cache": lambda b: (200, "Cache flushed."),
         }
-        self.server = _Server((host, 0), route_handler(routes, api_key))
+        self.server = EngineServer((host, 0), route_handler(routes, api_key))
         self.url = f"http://{advertised_host(host)}:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2}, name="follower",
                          daemon=True).start()

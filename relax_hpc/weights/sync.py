@@ -31,7 +31,6 @@ import concurrent.futures as cf
 import itertools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -41,8 +40,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relax_hpc.rollout.client import EngineClient, EngineError, update_protocol
+from relax_hpc.engines.client import EngineClient, EngineError, update_protocol
 from relax_hpc.stores import master_store
+from relax_hpc.threads import daemon_call
 from relax_hpc.weights.buckets import (DEFAULT_BUCKET_BYTES, IN_PLACE_MIN_BYTES, Bucket, BufferRing, dtype_from_name, empty_flat, iter_buckets, plan,
                                        unpack)
 
@@ -64,23 +64,6 @@ class WeightSyncError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------------------- helpers
-
-def _in_thread(fn: Callable, *args, name: str = "weight-sync", **kwargs) -> Future:
-    """Run ``fn`` in a daemon thread. Daemon, because a thread stuck in a collective whose peer died
-    must never hold up interpreter exit (a ThreadPoolExecutor's workers would, until the group's timeout)."""
-    fut: Future = Future()
-
-    def run():
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - handed to the waiter
-            fut.set_exception(e)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return fut
-
 
 def _wait_engines(futs: dict[Future, EngineClient], timeout: float, what: str,
                   extra: Callable[[], None] | None = None) -> list[Any]:
@@ -286,7 +269,7 @@ class WeightSender:
             raise ValueError("connect needs at least one engine")
         self.sessions = {e.url: True for e in engines}
         if tp_sizes is None:
-            infos = _wait_engines({_in_thread(e.server_info): e for e in engines}, self.control_timeout,
+            infos = _wait_engines({daemon_call(e.server_info, thread_name="weight-sync"): e for e in engines}, self.control_timeout,
                                   "asking the engine's TP size (/server_info)")
             tp_sizes = [int(i.get("tp_size") or 1) for i in infos]
             try:
@@ -308,11 +291,12 @@ class WeightSender:
         log.info("weight-sync group %s: %d ranks, store %s:%d, engines %s (TP %s)", name, self.world_size,
                  master_address, port, [e.url for e in engines], self.tp_sizes)
         t0 = time.monotonic()
-        futs = {_in_thread(e.init_weights_update_group, master_address, port, off, self.world_size,
+        futs = {daemon_call(e.init_weights_update_group, master_address, port, off, self.world_size,
                            group_name=name, backend=self.backend, timeout=self.connect_timeout + 30,
-                           name=f"weight-sync-init-{i}"): e
+                           thread_name=f"weight-sync-init-{i}"): e
                 for i, (e, off) in enumerate(zip(engines, self.rank_offsets))}
-        ours = _in_thread(new_group, store, 0, self.world_size, name, self.backend, timeout, name="weight-sync-rank0")
+        ours = daemon_call(new_group, store, 0, self.world_size, name, self.backend, timeout,
+                           thread_name="weight-sync-rank0")
 
         def check_ours():
             if ours.done() and ours.exception() is not None:
@@ -340,7 +324,7 @@ class WeightSender:
         if self.pg is None:
             return
         if destroy_on_engines and not self._broken:
-            futs = [_in_thread(e.destroy_weights_update_group, self.group_name) for e in self.engines]
+            futs = [daemon_call(e.destroy_weights_update_group, self.group_name, thread_name="weight-sync") for e in self.engines]
             for f, e in zip(futs, self.engines):
                 try:
                     f.result(timeout=self.control_timeout)
@@ -441,9 +425,9 @@ class WeightSender:
     def _send_all(self, named_weights, mode: str, stats: dict, in_place=None) -> None:
         def announce(bucket: Bucket):  # the engines learn what comes, then wait in the broadcast
             fmt = "flattened_bucket" if mode == "bucketed" else None
-            return {_in_thread(e.update_weights_from_distributed, bucket.names, bucket.dtypes, bucket.shapes,
+            return {daemon_call(e.update_weights_from_distributed, bucket.names, bucket.dtypes, bucket.shapes,
                                self.group_name, flush_cache=False, load_format=fmt, timeout=self.timeout,
-                               name="weight-sync-update"): e for e in self.engines}
+                               thread_name="weight-sync-update"): e for e in self.engines}
 
         def confirm(bucket: Bucket, futs: dict) -> None:
             what = (f"/update_weights_from_distributed ({len(bucket)} tensors, {bucket.nbytes / 1e6:.1f} MB, "
@@ -473,7 +457,7 @@ class WeightSender:
                 only: Sequence[EngineClient] | None = None) -> list[Any]:
         """``fn(engine)`` on every engine (or those ``only``) at once; raises WeightSyncError naming every engine
         that failed."""
-        futs = {_in_thread(fn, e, name=f"weight-sync{what.replace('/', '-')}"): e
+        futs = {daemon_call(fn, e, thread_name=f"weight-sync{what.replace('/', '-')}"): e
                 for e in (self.engines if only is None else only)}
         deadline = time.monotonic() + self.control_timeout + 5
         failed, results = [], []

@@ -188,7 +188,7 @@ def test_wrong_types_inside_containers_and_bools_for_ints():
         M.decode_task({**good, "step": True})
     with pytest.raises(M.MessageError, match=r"field 'data_state': expected dict \| None, got str"):
         M.decode_task({**good, "data_state": "cursor"})
-    with pytest.raises(M.MessageError, match=r"'chunks': expected list\[dict\], got list \['a'\]"):
+    with pytest.raises(M.MessageError, match=r"'chunks': expected list\[ChunkRef\], got list \['a'\]"):
         M.decode_result("generate", {"chunks": ["a"]})
     assert M.decode_result("train", {"metrics": {"train/loss": 1}}) == M.TrainResult(metrics={"train/loss": 1})
     with pytest.raises(M.MessageError, match=r"malformed eval result: field 'metrics': expected dict\[str, float\]"):
@@ -225,3 +225,31 @@ def test_encode_result_checks_the_kind_and_fills_the_empty_result():
         M.encode_result("train", M.SyncResult())
     with pytest.raises(M.MessageError, match="expected TrainResult, got dict"):
         M.encode_result("train", {"metrics": {}})
+
+
+def test_chunk_and_side_refs_are_decoded_once_into_their_types():
+    """Nested refs arrive typed (every reader gets ChunkRef/SideRef, no hand decoding) and leave as the same JSON."""
+    from relax_hpc.exchange.chunk import ChunkRef, SideRef
+
+    side_in = {**SIDE, "chunk": "step_3/rollout-0"}
+    task = M.decode_task({"id": 6, "kind": "train", "step": 3, "chunks": [{**CHUNK, "sides": [side_in]}]})
+    (ref,) = task.chunks
+    assert isinstance(ref, ChunkRef) and ref.n == 4 and isinstance(ref.sides[0], SideRef)
+    assert ref.all_fields == {"tokens", "ref_log_probs"}
+    assert task.to_dict()["chunks"] == [{**CHUNK, "sides": [side_in]}]  # the wire dict, unchanged
+    assert M.TrainTask(id=6, step=3, chunks=[ref]) == task  # made in code from the typed ref: the same message
+    res = M.decode_result("logprobs", {"sides": [SIDE]})
+    assert res.sides == [SideRef.from_dict(SIDE)] and json.loads(json.dumps(res.to_dict())) == {"sides": [SIDE],
+                                                                                               "metrics": {}}
+    assert M.decode_result("generate", {"chunks": [CHUNK]}).chunks == [ChunkRef.from_dict(CHUNK)]
+
+
+def test_a_malformed_ref_names_the_field_and_what_it_lacks():
+    with pytest.raises(M.MessageError, match=r"malformed train task: field 'chunks': expected list\[ChunkRef\], "
+                                             r"got list .*\(KeyError: 'checksum'\)"):
+        M.decode_task({"id": 1, "kind": "train", "step": 3, "chunks": [{k: v for k, v in CHUNK.items()
+                                                                        if k != "checksum"}]})
+    with pytest.raises(M.MessageError, match=r"malformed logprobs result: field 'sides': expected list\[SideRef\]"):
+        M.decode_result("logprobs", {"sides": [{"chunk": "c"}]})
+    with pytest.raises(M.MessageError, match=r"field 'sides': expected list\[SideRef\], got list \[7\]"):
+        M.LogprobsResult(sides=[7])

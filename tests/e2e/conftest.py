@@ -149,3 +149,19 @@ def submit_detached(tmp_path: Path, model: Path, *overrides: str, recipe: Path =
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return RunDir(Path(json.loads(out.stdout)["run_dir"]))
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory, tiny_model):
+    """``uninterrupted(*overrides, steps=, recipe=)``: :func:`reference_rows` of that recipe, run once per session, so
+    the tests comparing against the same recipe share one run (tests/e2e/interrupt.py)."""
+    runs: dict[tuple, dict[int, dict]] = {}
+
+    def rows(*overrides: str, steps: int, recipe: Path = QUICKSTART) -> dict[int, dict]:
+        key = (str(recipe), overrides, steps)
+        if key not in runs:
+            runs[key] = reference_rows(tmp_path_factory.mktemp("uninterrupted"), tiny_model, *overrides,
+                                       name=f"ref{len(runs)}", steps=steps, recipe=recipe)
+        return runs[key]
+
+    return rows

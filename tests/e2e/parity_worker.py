@@ -28,8 +28,9 @@ def main(model: str, out: str) -> None:
     from relax_hpc.recipe import load_recipe
     from relax_hpc.rollout.data import data_source_from_config, dataset_from_config, load_tokenizer
     from relax_hpc.rollout.driver import RolloutDriver
-    from relax_hpc.rollout.engines import launch_engine
-    from relax_hpc.roles import samples as S
+    from relax_hpc.engines.launcher import launch_engine
+    from relax_hpc.train import plan as P
+    from relax_hpc.train.samples import write_step
     from relax_hpc.train.actor import MegatronActor
     from relax_hpc.train.config import TrainConfig
     from relax_hpc.train.parallel import init_parallel
@@ -77,10 +78,10 @@ def main(model: str, out: str) -> None:
         driver = RolloutDriver(recipe, {"engine0": engine.url}, tokenizer=tok)
         result = driver.generate_rollout_sync(src.get_samples())
         res["sample_versions"] = sorted({s.weight_version for s in result.samples})
-        ref = S.write_step(Path(out).parent / "run", 1, result)  # the same path the run takes: chunk → batch
-        train_batch, _ = S.read_train_batch([ref.to_dict()], algo, result.group_size)
+        ref = write_step(Path(out).parent / "run", 1, result)  # the same path the run takes: chunk → batch
+        train_batch, _ = P.read_train_batch([ref.to_dict()], algo, result.group_size)
         lps = actor.compute_log_probs(train_batch)
-        diffs = [float((lp - s["rollout_log_probs"]).abs().max()) for s, lp in zip(train_batch, lps)]
+        diffs = [float((lp - s.rollout_log_probs).abs().max()) for s, lp in zip(train_batch, lps)]
         res["n_samples"] = len(diffs)
         res["n_tokens"] = int(sum(len(lp) for lp in lps))
         res["logprob_max_abs_diff"] = max(diffs)

@@ -1,25 +1,25 @@
 """Deterministic resume, the promise: a run interrupted and brought back ends with the same per-step losses
 and rewards as the same run uninterrupted.
 
-The interrupted run goes through the real local path (``relax-submit --local --detach``: submitit's local
-runner, which starts the controller again when it asks to be requeued) and is hit twice:
+The interrupted run goes through the real local path (:func:`interrupt.interrupted_run`: ``relax-submit --local
+--detach``, whose runner starts the controller again when it asks to be requeued) and is hit twice:
 
 1. SIGUSR2 to the controller (what Slurm sends before the time limit): the step in flight finishes, a
    checkpoint is saved, the attempt ends REQUEUED and the runner starts attempt 1, which resumes from it;
 2. ``kill -9`` of the actor rank in attempt 1: the controller restarts every step from the latest periodic
    checkpoint (``checkpoint.interval``), in place.
 
-The reference is the same recipe run straight through. Every step's training loss, policy-gradient loss,
-gradient norm and mean reward must match to 1e-6, each step must be logged exactly once (metrics.jsonl and
-TensorBoard), and state.json must tell what happened (attempts, restarts, the failure, checkpoints).
+The recipe is the mini-batch test's (:data:`interrupt.SHORT`: k updates per rollout step), so the reference, the
+same recipe run straight through, is one run for both. Every step's training loss, policy-gradient loss, clip
+fraction, KL, gradient norm and mean reward must match to 1e-6 (a requeued mini-batch run redoes its steps exactly
+as the uninterrupted one did), each step must be logged exactly once (metrics.jsonl and TensorBoard), and
+state.json must tell what happened (attempts, restarts, the failure, checkpoints).
 """
 
 from __future__ import annotations
 
 import http.server
 import json
-import os
-import signal
 import subprocess
 import threading
 import time
@@ -29,30 +29,26 @@ import httpx
 import pytest
 
 from relax_hpc.exchange.audit import audit, exactly_once
-from relax_hpc.launch.cancel import CancelError, cancel, checkpoint_then_stop
+from relax_hpc.launch.cancel import CancelError, checkpoint_then_stop
 from relax_hpc.launch.status import collect, is_final
 from relax_hpc.rundir import RunDir
 
-from .conftest import (REPO, held_at, hold, metrics, quickstart_overrides, reference_rows, state,
-                       submit_detached, submit_slurm, tensorboard_tags, wait_until)
+from . import interrupt
+from .conftest import REPO, held_at, hold, metrics, quickstart_overrides, state, submit_slurm, tensorboard_tags, wait_until
+from .interrupt import SHORT as SMALL
+from .interrupt import STEPS, Hit
 
-STEPS = 10
-KEYS = ("train/loss", "train/pg_loss", "train/grad_norm", "rollout/raw_reward")
-SMALL = (f"run.steps={STEPS}", "checkpoint.interval=2", "checkpoint.keep=3", "rollout.rollout_batch_size=8")
+KEYS = ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/grad_norm", "rollout/raw_reward")
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_model) -> dict[int, dict]:
-    """Per-step metrics of the run uninterrupted."""
-    return reference_rows(tmp_path_factory.mktemp("ref"), tiny_model, *SMALL, name="ref", steps=STEPS)
+def reference(uninterrupted) -> dict[int, dict]:
+    """Per-step metrics of the run uninterrupted (shared with test_minibatch.py)."""
+    return uninterrupted(*SMALL, steps=STEPS)
 
 
 def same_steps(run: RunDir, want: dict[int, dict]) -> None:
-    got = metrics(run)
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1)), "a step logged twice or missing"
-    for r in got:
-        for k in KEYS:
-            assert r[k] == pytest.approx(want[r["step"]][k], abs=1e-6), (r["step"], k, r[k], want[r["step"]][k])
+    interrupt.same_steps(run, want, KEYS, STEPS)
     tags = tensorboard_tags(run.path / "tensorboard")
     assert [s for s, _ in tags["train/loss"]] == list(range(1, STEPS + 1))
     assert [v for _, v in tags["train/loss"]] == pytest.approx([want[s]["train/loss"] for s in range(1, STEPS + 1)],
@@ -84,39 +80,11 @@ def inbox(monkeypatch):
 
 @pytest.mark.slow
 def test_an_interrupted_run_ends_as_if_never_interrupted(reference, tmp_path, tiny_model, local_executor, inbox):
-    want = reference
-
-    run = submit_detached(tmp_path, tiny_model, *SMALL)
-    try:
-        # 1. the time-limit warning, once step 1 is done (RUN_DIR/pause "1": no step after 1 starts)
-        hold(run, 1)
-        wait_until(lambda: held_at(run, 1), 300, every=0.05, what="step 1 done, the run held")
-        ctl = run.read_json(run.controller_addr)
-        os.kill(ctl["pid"], signal.SIGUSR2)
-        wait_until(lambda: state(run).get("attempt") == 1 and held_at(run, 1), 300, what="attempt 1 running")
-        st = state(run)
-        first = st["history"][-1]
-        assert first["state"] == "REQUEUED" and "SIGUSR2" in first["reason"]
-        resumed_at = st["last_checkpoint"]["step"]
-        assert resumed_at == 1
-
-        # 2. kill -9 of the actor rank at step 5, a step after the periodic checkpoint of step 4
-        hold(run, 5)
-        wait_until(lambda: held_at(run, 5), 300, every=0.05, what="step 5 done, the run held")
-        assert state(run)["last_checkpoint"]["step"] == 4
-        actor_pid = state(run)["roles"]["actor"]["pids"][0]
-        os.kill(actor_pid, signal.SIGKILL)
-        wait_until(lambda: state(run).get("restarts") == 1 and held_at(run, 5), 300, what="the restart, held")
-        (run.path / "pause").unlink()
-        wait_until(lambda: state(run).get("state") not in (None, "RUNNING", "REQUEUED")
-                   and state(run)["events"][-1]["event"] in ("finished", "failed", "cancelled"), 600, every=0.5,
-                   what="the run's end")
-    finally:
-        if state(run).get("state") in (None, "RUNNING", "REQUEUED"):  # a failed assertion: leave no processes
-            cancel(run, grace_s=5)
+    # 1. the time-limit warning once step 1 is done: checkpoint 1, attempt 1 resumes from it; 2. kill -9 of the actor
+    # rank at step 5, a step after the periodic checkpoint of step 4: every step restarts from it
+    run = interrupt.interrupted_run(tmp_path, tiny_model, SMALL, (Hit("requeue", hold=1, checkpoint=1),
+                                                                  Hit("kill", hold=5, checkpoint=4)))
     st = state(run)
-    assert st["state"] == "COMPLETED", st.get("reason")
-    assert st["attempt"] == 1 and st["restarts"] == 1
     assert "actor" in st["last_failure"] and ("-9" in st["last_failure"] or "signal" in st["last_failure"].lower()
                                               or "exited" in st["last_failure"])
     events = [e["event"] for e in st["events"]]
@@ -129,8 +97,7 @@ def test_an_interrupted_run_ends_as_if_never_interrupted(reference, tmp_path, ti
     assert "SIGUSR2" in told["requeued"]["message"] and "code -9" in told["step_restarted"]["message"]
     assert told["step_restarted"]["type"] == "warning" and told["finished"]["type"] == "success"
 
-    same_steps(run, want)
-    assert exactly_once(run.path / "exchange" / "journal.jsonl", ["train"]) == []
+    same_steps(run, reference)
     assert sorted(a for a, s in audit(run.path / "exchange" / "journal.jsonl").items() if s.cleared) == \
         list(range(1, STEPS + 1))
 

@@ -39,7 +39,7 @@ VALIDATORS = {"algo/config.py": {"check", "_plugin_form"}, "train/config.py": {"
               "rollout/data.py": {"check_config"}}
 # functions that hand recipe values on to a user's function as keyword arguments (Relax's ``args``): a key that only
 # reaches ``args`` there does nothing in the run, so those arguments are not reads
-PASS_THROUGH = {"rollout/rewards.py": {"relax_args"}}
+PASS_THROUGH = {"rollout/rewards/runner.py": {"relax_args"}}
 # sections a module reads whole (``dataclasses.asdict``), field by field into something that acts on each
 WHOLE_SECTIONS = {"AttachDefaults": ("launch/attach.py", "relax-scale's sbatch options where it gives none: "
                                                          "AttachOptions.from_dict(asdict(...)) takes every field")}

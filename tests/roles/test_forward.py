@@ -49,7 +49,8 @@ def test_train_batch_picks_up_forward_log_probs(tmp_path):
 
     from relax_hpc.algo import AlgorithmConfig
     from relax_hpc.exchange.chunk import write_fields
-    from relax_hpc.roles import samples as S
+    from relax_hpc.train import plan as P
+    from relax_hpc.train.samples import read_columns
 
     ref = _write_chunk(tmp_path)
     lens = [len(r) for _, r in SAMPLES]
@@ -57,13 +58,13 @@ def test_train_batch_picks_up_forward_log_probs(tmp_path):
     old = [np.arange(n, dtype=np.float32) - 7.0 for n in lens]
     ref = ref.with_side(write_fields(ref, "reference", {"ref_log_probs": refl}))
     ref = ref.with_side(write_fields(ref, "actor_fwd", {"log_probs": old[:3] + [np.zeros(1, np.float32)]}))
-    batch, _ = S.read_train_batch([ref.to_dict()], AlgorithmConfig(), group_size=1)  # picks up the side fields
+    batch, _ = P.read_train_batch([ref.to_dict()], AlgorithmConfig(), group_size=1)  # picks up the side fields
     for i, b in enumerate(batch):
-        assert b["ref_log_probs"].dtype == torch.float32 and torch.equal(b["ref_log_probs"], torch.as_tensor(refl[i]))
-    assert all(torch.equal(batch[i]["old_log_probs"], torch.as_tensor(old[i])) for i in range(3))
-    assert "old_log_probs" not in batch[3]  # not the response's length: left out, as rollout_log_probs is
-    plain, _ = S.train_batch(S.read_columns([ref]), AlgorithmConfig(), 1)  # not asked for: not on the batch
-    assert not any("ref_log_probs" in b or "old_log_probs" in b for b in plain)
+        assert b.ref_log_probs.dtype == torch.float32 and torch.equal(b.ref_log_probs, torch.as_tensor(refl[i]))
+    assert all(torch.equal(batch[i].old_log_probs, torch.as_tensor(old[i])) for i in range(3))
+    assert batch[3].old_log_probs is None  # not the response's length: left out, as rollout_log_probs is
+    plain, _ = P.train_batch(read_columns([ref]), AlgorithmConfig(), 1)  # not asked for: not on the batch
+    assert all(b.ref_log_probs is None and b.old_log_probs is None for b in plain)
 
 
 def test_forward_logprobs_match_megatron_and_transformers(tmp_path):
@@ -103,10 +104,10 @@ def _child(model: str, ref_json: str, out: Path) -> dict:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from relax_hpc.exchange.chunk import ChunkRef, SideRef, read_chunk
+    from relax_hpc.exchange.chunk import ChunkRef, read_chunk
     from relax_hpc.recipe.schema import Recipe
     from relax_hpc.roles import forward as F
-    from relax_hpc.roles.model import build_megatron
+    from relax_hpc.train.build import build_megatron
     from relax_hpc.train import cpu_compat
 
     tm: dict[str, float] = {}
@@ -115,14 +116,14 @@ def _child(model: str, ref_json: str, out: Path) -> dict:
     recipe = Recipe()
     recipe.roles.reference.cpus_per_task = 2
     recipe.model.path = str(model)
-    actor = build_megatron(recipe, "reference", forward_only=True)
+    actor = build_megatron(recipe, "reference", str(model), forward_only=True)
     tm["build_s"] = time.monotonic() - t
     ref = ChunkRef.from_dict(json.loads(ref_json))
     t = time.monotonic()
-    (side,) = F.compute_and_write(actor, [ref.to_dict()], "ref_log_probs", "reference", rank=0)
+    (side,) = F.compute_and_write(actor, [ref.to_dict()], "ref_log_probs", "reference", rank=0)  # a SideRef
     tm["logprobs_s"] = time.monotonic() - t
-    got = read_chunk(ref.with_side(SideRef.from_dict(side)), ["ref_log_probs"])["ref_log_probs"]
-    (again,) = F.compute_and_write(actor, [ref.with_side(SideRef.from_dict(side))], "ref_log_probs", "reference", 0)
+    got = read_chunk(ref.with_side(side), ["ref_log_probs"])["ref_log_probs"]
+    (again,) = F.compute_and_write(actor, [ref.with_side(side)], "ref_log_probs", "reference", 0)
 
     cols = read_chunk(ref, ["tokens", "response_length"])
     batch = [{"tokens": torch.as_tensor(tk), "response_start": len(tk) - int(n)}
@@ -149,7 +150,7 @@ def _child(model: str, ref_json: str, out: Path) -> dict:
     step = F.load_weights(actor, str(out / "ckpt"))
     tm["load_s"] = time.monotonic() - t
     back = actor.compute_log_probs(batch)
-    return {"lengths": [len(g) for g in got], "dtype": str(got[0].dtype), "side": side, "vs_megatron": vs_meg,
+    return {"lengths": [len(g) for g in got], "dtype": str(got[0].dtype), "side": side.to_dict(), "vs_megatron": vs_meg,
             "vs_hf": vs_hf, "values_range": [float(min(g.min() for g in got)), float(max(g.max() for g in got))],
             "again_same_side": again == side, "loaded_step": step,
             "perturbed_diff": max((a - b).abs().max().item() for a, b in zip(moved, meg)),

@@ -160,7 +160,9 @@ def test_serve_sends_the_typed_result_as_its_dict(run, monkeypatch):
     from relax_hpc.controller.messages import TrainResult, TrainTask
 
     got = []
-    task = TrainTask(id=1, step=3, chunks=[{"path": "x"}])
+    chunk = {"path": "/x/step_3/chunk_rollout_0.h5", "step": 3, "n": 1, "fields": ["tokens"], "checksum": "c",
+             "size": 1, "attrs": {}, "sides": []}
+    task = TrainTask(id=1, step=3, chunks=[chunk])
     done, raised = _serve_once(run, monkeypatch, task.to_dict(),
                                lambda t: got.append(t) or TrainResult(metrics={"train/loss": 0.5}))
     assert raised is None and got == [task]

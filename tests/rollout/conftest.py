@@ -1,4 +1,4 @@
-"""Engine fixtures for the rollout tests: a tiny HF model made offline, and CPU engine processes stopped by PID.
+"""Engine fixtures for the rollout tests (and, through :func:`engine_fixtures`, the engine tests): a tiny HF model made offline, and CPU engine processes stopped by PID.
 
 One engine per test module (module scope): starting one costs a few seconds (python + torch + transformers
 import), and modules that change weights must not leak them into others.
@@ -48,42 +48,50 @@ def import_source(tmp_path, monkeypatch, name: str, source: str):
     return importlib.import_module(name)
 
 
-@pytest.fixture(scope="session")
-def _prestarted_engines(request, tiny_llama, tmp_path_factory):
-    """Start the engine of every collected module that uses ``cpu_engine`` at once, without waiting.
+def engine_fixtures(here: Path):
+    """``_prestarted_engines`` and ``cpu_engine`` for the test modules under ``here`` (a conftest's folder)."""
 
-    Start-up is mostly importing torch and transformers; overlapping it across modules saves most of it.
-    Each module still gets its own engine process."""
-    from relax_hpc.rollout.engines import start_engine
+    @pytest.fixture(scope="session")
+    def _prestarted_engines(request, tiny_llama, tmp_path_factory):
+        """Start the engine of every collected module under ``here`` that uses ``cpu_engine`` at once, without
+        waiting. Start-up is mostly importing torch and transformers; overlapping it across modules saves most of
+        it. Each module still gets its own engine process."""
+        from relax_hpc.engines.launcher import start_engine
 
-    modules = sorted({item.module.__name__ for item in request.session.items if "cpu_engine" in item.fixturenames})
-    logs = tmp_path_factory.mktemp("engine-logs")
-    handles = {m: start_engine("cpu", tiny_llama, log_path=logs / f"{m}.log", extra_args=ENGINE_ARGS) for m in modules}
-    try:
-        yield handles
-    finally:
-        for h in handles.values():
-            h.stop()
+        modules = sorted({item.module.__name__ for item in request.session.items
+                          if "cpu_engine" in item.fixturenames and here in Path(item.path).parents})
+        logs = tmp_path_factory.mktemp("engine-logs")
+        handles = {m: start_engine("cpu", tiny_llama, log_path=logs / f"{m}.log", extra_args=ENGINE_ARGS)
+                   for m in modules}
+        try:
+            yield handles
+        finally:
+            for h in handles.values():
+                h.stop()
+
+    @pytest.fixture(scope="module")
+    def cpu_engine(request, _prestarted_engines, tiny_llama, tmp_path_factory):
+        """This module's CPU engine serving ``tiny_llama``, ready; stopped (its PID's process group) afterwards."""
+        from relax_hpc.engines.launcher import start_engine
+
+        handle = _prestarted_engines.get(request.module.__name__)
+        if handle is None:  # not seen at collection (e.g. requested dynamically): start one now
+            handle = start_engine("cpu", tiny_llama, log_path=tmp_path_factory.mktemp("engine-log") / "cpu-engine.log",
+                                  extra_args=ENGINE_ARGS)
+        try:
+            yield handle.wait_ready(120)
+        finally:
+            handle.stop()
+
+    return _prestarted_engines, cpu_engine
 
 
-@pytest.fixture(scope="module")
-def cpu_engine(request, _prestarted_engines, tiny_llama, tmp_path_factory):
-    """This module's CPU engine serving ``tiny_llama``, ready; stopped (its PID's process group) afterwards."""
-    from relax_hpc.rollout.engines import start_engine
-
-    handle = _prestarted_engines.get(request.module.__name__)
-    if handle is None:  # not seen at collection (e.g. requested dynamically): start one now
-        handle = start_engine("cpu", tiny_llama, log_path=tmp_path_factory.mktemp("engine-log") / "cpu-engine.log",
-                              extra_args=ENGINE_ARGS)
-    try:
-        yield handle.wait_ready(120)
-    finally:
-        handle.stop()
+_prestarted_engines, cpu_engine = engine_fixtures(Path(__file__).resolve().parent)
 
 
 @pytest.fixture(scope="module")
 def client(cpu_engine):
-    from relax_hpc.rollout.client import EngineClient
+    from relax_hpc.engines.client import EngineClient
 
     c = EngineClient(cpu_engine.url, timeout=60)
     yield c

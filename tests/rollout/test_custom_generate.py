@@ -17,7 +17,7 @@ RELAX_GENERATE = '''
     import httpx
     from transformers import AutoTokenizer
 
-    from relax_hpc.rollout.router import router_headers
+    from relax_hpc.engines.router import router_headers
 
     TOKENIZERS = {}
     CALLS = []
@@ -139,7 +139,8 @@ def test_a_list_return_is_segments_of_one_rollout(tmp_path, tiny_llama, cpu_engi
     """Each segment is a sample of its own, in its group, with the rollout's id; rewards and group statistics
     count each rollout once (its segments' mean); the segments go through the exchange to the actor's batch."""
     from relax_hpc.algo import AlgorithmConfig
-    from relax_hpc.roles import samples as S
+    from relax_hpc.train import plan as P
+    from relax_hpc.train.samples import write_step
 
     driver = _driver(tiny_llama, cpu_engine, "relax_gen.split")
     groups = _groups(tmp_path, driver.tokenizer)
@@ -154,11 +155,11 @@ def test_a_list_return_is_segments_of_one_rollout(tmp_path, tiny_llama, cpu_engi
              for i in sorted(origin)]
     assert res.metrics["rollout/raw_reward"] == pytest.approx(sum(means) / len(means))
     assert res.metrics["rollout/segments_per_rollout"] == len(res.samples) / len(origin)
-    ref = S.write_step(tmp_path, 1, res)
-    batch, _ = S.train_batch(S.read_train_columns([ref]), AlgorithmConfig(), group_size=2)
+    ref = write_step(tmp_path, 1, res)
+    batch, _ = P.train_batch(P.read_train_columns([ref]), AlgorithmConfig(), group_size=2)
     assert len(batch) == len(res.samples)
     split = next(i for i, s in enumerate(res.samples) if s.response == "first")
-    assert batch[split + 1]["loss_mask"][:2].tolist() == [0.0, 0.0]  # the tokens the first segment trains
+    assert batch[split + 1].loss_mask[:2].tolist() == [0.0, 0.0]  # the tokens the first segment trains
     driver.router.close()
 
 

@@ -16,8 +16,9 @@ import pytest
 from relax_hpc.recipe.schema import Recipe, RolloutConfig
 from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, load_tokenizer
 from relax_hpc.rollout.driver import NoEngineError, RolloutDriver, RolloutError
-from relax_hpc.rollout.engines import free_port, launch_engine
-from relax_hpc.rollout.eval import compute_pass_rate, pass_at_k, run_eval, should_eval, should_eval_before_train
+from relax_hpc.engines.launcher import free_port, launch_engine
+from relax_hpc.rollout.eval import run_eval, should_eval, should_eval_before_train
+from relax_hpc.rollout.metrics import compute_pass_rate, pass_at_k
 from relax_hpc.rollout.rewards import RewardError
 from relax_hpc.rollout.sample import SampleStatus
 
@@ -127,7 +128,7 @@ def test_batch_of_groups(cpu_engine, client, dataset, tokenizer, reward_mod):
     assert [s.index for s in res.samples] == list(range(12))
 
     raw = [len(set(s.response)) / 10.0 for s in res.samples]
-    assert res.raw_rewards == pytest.approx(raw)  # raw: normalization is the training side's (roles.samples)
+    assert res.raw_rewards == pytest.approx(raw)  # raw: normalization is the training side's (train.plan)
 
     m = res.metrics
     assert m["rollout/raw_reward"] == pytest.approx(sum(raw) / 12)

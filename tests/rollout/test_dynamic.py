@@ -159,7 +159,7 @@ def test_a_sample_whose_step_ended_is_not_sent_and_a_partial_one_continues(setup
     assert a.status is SampleStatus.PENDING and a.response_length == 0
     assert sum(st["requests"] for st in driver.engine_stats().values()) == sent  # never sent
 
-    prompt = driver._prompt_ids(b)
+    prompt = driver.prompt_ids(b)
     b.tokens = prompt
     b.append_response([5, 6], "ab", [-1.0, -1.0], loss_mask_value=0)  # what an earlier step left
     b.status = SampleStatus.ABORTED
@@ -259,7 +259,7 @@ def test_generate_restores_the_buffer_its_cursor_names(generator, cpu_engine):
 
     from relax_hpc.controller.messages import GenerateTask
     from relax_hpc.exchange.audit import chunk_prompts
-    from relax_hpc.roles.samples import read_samples
+    from relax_hpc.train.samples import read_samples
     from relax_hpc.rollout.sample import SampleStatus
 
     seq = itertools.count()
@@ -269,7 +269,7 @@ def test_generate_restores_the_buffer_its_cursor_names(generator, cpu_engine):
         return GenerateTask(id=n, step=step, engines={"e0": cpu_engine.url}, seq=n, data_state=state)
 
     def groups(res):
-        return chunk_prompts(res.chunks[0]["attrs"])[1]
+        return chunk_prompts(res.chunks[0].attrs)[1]
 
     def continued(got, before):  # each sample of a buffered group goes on from the tokens it had
         for s in got:

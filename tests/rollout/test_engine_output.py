@@ -15,11 +15,11 @@ import threading
 import pytest
 
 from relax_hpc.recipe.schema import ModelConfig, Recipe, RolloutConfig
-from relax_hpc.rollout.client import EngineClient, EngineError, EngineOutputError
+from relax_hpc.engines.client import EngineClient, EngineError, EngineOutputError
 from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, load_tokenizer
 from relax_hpc.rollout.driver import NoEngineError, RolloutDriver, vocabulary_size
 from tests.rollout.conftest import import_source
-from tests.rollout.stub_http import StubHandler, StubServer
+from tests.engines.stub_http import StubHandler, StubServer
 
 VOCAB = 128  # the tiny model's
 
@@ -193,7 +193,7 @@ def test_with_every_engine_bad_the_batch_fails_naming_each_and_why(canned, tiny_
 
 
 RELAX_GENERATE = '''
-    from relax_hpc.rollout.router import post
+    from relax_hpc.engines.router import post
 
 
     async def generate(args, sample, sampling_params, evaluation=False):
@@ -233,7 +233,8 @@ def test_the_router_declares_a_bad_engine_dead_too(canned, cpu_engine, tiny_llam
 @pytest.fixture(scope="module")
 def hooked(tiny_llama):
     """An in-process CPU engine started with RELAX_TEST_ENGINE_BAD_OUTPUT=nan_logprobs:1 (served on a thread)."""
-    from relax_hpc.rollout.cpu_engine import BAD_OUTPUT_ENV, CPUEngine, serve
+    from relax_hpc.engines.bad_output import BAD_OUTPUT_ENV
+    from relax_hpc.engines.cpu_engine import CPUEngine, serve
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(BAD_OUTPUT_ENV, "nan_logprobs:1")
@@ -253,7 +254,7 @@ HOOKED = [("nan_logprobs", "is nan"), ("positive_logprobs", "is 0.5 > 0"), ("no_
 
 @pytest.mark.parametrize("kind, want", HOOKED, ids=[h[0] for h in HOOKED])
 def test_the_cpu_engine_hook_spoils_its_first_answers(hooked, kind, want):
-    from relax_hpc.rollout.cpu_engine import BadOutput
+    from relax_hpc.engines.bad_output import BadOutput
 
     hooked.bad_output = BadOutput(f"{kind}:1", hooked.vocab_size)  # each case its own, in any order
     with pytest.raises(EngineOutputError, match=re.escape(want)):
@@ -263,7 +264,7 @@ def test_the_cpu_engine_hook_spoils_its_first_answers(hooked, kind, want):
 
 
 def test_the_hook_with_a_claim_spoils_one_engine_only(tmp_path):
-    from relax_hpc.rollout.cpu_engine import BadOutput
+    from relax_hpc.engines.bad_output import BadOutput
 
     first, second = (BadOutput(f"nan_logprobs:3:{tmp_path / 'claim'}", VOCAB) for _ in range(2))
     assert (first.left, second.left) == (3, 0)
@@ -273,7 +274,7 @@ def test_the_hook_with_a_claim_spoils_one_engine_only(tmp_path):
 
 def test_an_answer_is_spoiled_only_where_it_can_be(tmp_path):
     """An aborted answer or one without log-prob rows is passed on untouched: the count waits for a real one."""
-    from relax_hpc.rollout.cpu_engine import BadOutput
+    from relax_hpc.engines.bad_output import BadOutput
 
     hook = BadOutput("nan_logprobs:1", VOCAB)
     for body in (answer(finish="abort"), answer(lps=None), answer(ids=(), lps=())):
@@ -287,7 +288,7 @@ def test_an_answer_is_spoiled_only_where_it_can_be(tmp_path):
 
 def test_the_router_checks_each_answer_of_a_batch():
     """SGLang's batch form: one answer per prompt, checked with that prompt's return_logprob and max_new_tokens."""
-    from relax_hpc.rollout.router import check_answer
+    from relax_hpc.engines.router import check_answer
 
     body = {"input_ids": [[1, 2], [3, 4]], "return_logprob": [True, False],
             "sampling_params": [{"max_new_tokens": 4}, {"max_new_tokens": 0}]}

@@ -14,7 +14,7 @@ import pytest
 
 from relax_hpc.recipe.schema import GenRMConfig, GenRMSampling, Recipe
 from relax_hpc.rollout import genrm
-from relax_hpc.rollout.builtin_rewards import (GENRM_JUDGE_PROMPT, dapo_genrm_reward, genrm_extract_answer,
+from relax_hpc.rollout.rewards.builtin import (GENRM_JUDGE_PROMPT, dapo_genrm_reward, genrm_extract_answer,
                                                genrm_verdict)
 from relax_hpc.rollout.genrm import GenRMClient, GenRMError
 
@@ -205,7 +205,7 @@ def test_every_judge_dead_is_a_genrm_error_after_the_retries(tokenizer):
 
 
 def test_a_4xx_is_not_retried(cpu_engine, tiny_llama, tmp_path, tokenizer):
-    from relax_hpc.rollout.engines import start_engine
+    from relax_hpc.engines.launcher import start_engine
 
     h = start_engine("cpu", tiny_llama, log_path=tmp_path / "keyed.log", api_key="right",
                      extra_args=["--threads", "1"]).wait_ready(120)
@@ -249,7 +249,7 @@ def tiny_judge(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def judge_engine(tiny_judge, tmp_path_factory):
-    from relax_hpc.rollout.engines import start_engine
+    from relax_hpc.engines.launcher import start_engine
 
     h = start_engine("cpu", tiny_judge, log_path=tmp_path_factory.mktemp("judge-log") / "judge.log",
                      extra_args=["--threads", "1", "--seed", "0"])

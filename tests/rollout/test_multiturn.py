@@ -11,7 +11,7 @@ import pytest
 
 from relax_hpc.errors import PermanentError
 from relax_hpc.recipe.schema import Recipe, RolloutConfig
-from relax_hpc.roles import samples as S
+from relax_hpc.train import samples as S
 from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, load_tokenizer
 from relax_hpc.rollout.driver import RolloutDriver, RolloutError
 from relax_hpc.rollout.multiturn import fit_observation

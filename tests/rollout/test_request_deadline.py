@@ -14,12 +14,12 @@ import httpx
 import pytest
 
 from relax_hpc.recipe.schema import Recipe, RolloutConfig
-from relax_hpc.rollout.client import Backoff
+from relax_hpc.engines.client import Backoff
 from relax_hpc.rollout.driver import RequestTimeout, RolloutDriver, RolloutError
-from relax_hpc.rollout.router import EngineRouter, post, router_api_key, router_headers
+from relax_hpc.engines.router import EngineRouter, post, router_api_key, router_headers
 from relax_hpc.rollout.sample import Sample
 from tests.rollout.conftest import import_source
-from tests.rollout.stub_http import StubHandler, StubServer
+from tests.engines.stub_http import StubHandler, StubServer
 
 FAST = Backoff(base=0.01, factor=2.0, cap=0.05, jitter=False)
 ANSWER = {"text": "ab", "output_ids": [5, 6], "meta_info": {

@@ -7,16 +7,9 @@ import pytest
 
 from relax_hpc.algo import AlgorithmConfig
 from relax_hpc.recipe.schema import DataConfig, Recipe, RolloutConfig, RunConfig
-from relax_hpc.rollout.rewards import (
-    RewardError,
-    RewardRunner,
-    builtin_reward,
-    extract_answer,
-    load_function,
-    math_equal,
-    math_reward,
-    relax_args,
-)
+from relax_hpc.rollout.rewards import RewardError, RewardRunner, builtin_reward, load_function, relax_args
+from relax_hpc.rollout.rewards.answers import extract_answer, math_equal
+from relax_hpc.rollout.rewards.builtin import math_reward
 from relax_hpc.rollout.sample import Sample, SampleStatus
 
 

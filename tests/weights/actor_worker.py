@@ -25,7 +25,7 @@ def main() -> int:
         import torch.distributed as dist
 
         from relax_hpc.algo import AlgorithmConfig
-        from relax_hpc.rollout.client import EngineClient
+        from relax_hpc.engines.client import EngineClient
         from relax_hpc.train import MegatronActor, TrainConfig, init_parallel
         from relax_hpc.train import cpu_compat
         from relax_hpc.weights import WeightSender, fingerprint, push_from_actor

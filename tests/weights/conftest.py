@@ -33,7 +33,7 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def engines(request, tiny_model, tmp_path_factory):
     """``N_ENGINES`` (module attribute, default 2) CPU engines started together, so their imports overlap."""
-    from relax_hpc.rollout.engines import start_engine
+    from relax_hpc.engines.launcher import start_engine
 
     logs = tmp_path_factory.mktemp("weights-engine-logs")
     handles = [start_engine("cpu", tiny_model, log_path=logs / f"engine{i}.log", extra_args=ENGINE_ARGS)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax_hpc.rollout.client import EngineClient, SamplingParams
+from relax_hpc.engines.client import EngineClient, SamplingParams
 from relax_hpc.weights import engine_fingerprint, fingerprint
 
 from .conftest import teacher_forced_logprobs

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from relax_hpc.roles.weight_sync import EngineChecker
-from relax_hpc.rollout.client import EngineClient
+from relax_hpc.engines.client import EngineClient
 from relax_hpc.weights import WeightSender
 from relax_hpc.weights.follower import Follower
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax_hpc.rollout.client import EngineClient, SamplingParams
+from relax_hpc.engines.client import EngineClient, SamplingParams
 from relax_hpc.weights import WeightSender, WeightSyncError, engine_fingerprint, fingerprint, load_from_disk
-from relax_hpc.weights.sync import _in_thread
+from relax_hpc.threads import daemon_call
 
 from .conftest import perturb, teacher_forced_logprobs
 
@@ -117,7 +117,7 @@ def test_retract_resumes_inflight_generation_on_new_weights(sender, clients, hf_
     c = clients[0]
     old_sd = perturb(hf_model, seed=4)
     sender.push(old_sd.items(), version="r-old")
-    fut = _in_thread(c.generate, PROMPT, LONG)
+    fut = daemon_call(c.generate, PROMPT, LONG)
     wait_running(c)
     new_sd = perturb(hf_model, seed=5)
     sender.push(new_sd.items(), version="r-new", pause_mode="retract")
@@ -136,7 +136,7 @@ def test_abort_returns_inflight_generation_unchanged(sender, clients, hf_model):
     c = clients[1]
     old_sd = perturb(hf_model, seed=6)
     sender.push(old_sd.items(), version="a-old")
-    fut = _in_thread(c.generate, PROMPT, LONG)
+    fut = daemon_call(c.generate, PROMPT, LONG)
     wait_running(c)
     new_sd = perturb(hf_model, seed=7)
     sender.push(new_sd.items(), version="a-new", pause_mode="abort")
@@ -181,7 +181,7 @@ def test_reconnect_with_a_new_engine_list(clients, hf_model):
 
 
 def test_engine_not_answering_at_connect_is_named():
-    from relax_hpc.rollout.engines import free_port
+    from relax_hpc.engines.launcher import free_port
 
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
     s = WeightSender(connect_timeout=20, control_timeout=10)
@@ -255,13 +255,13 @@ def test_misuse():
                                                ("0.5.30", "session"), ("0.5.22", "plain"), ("v0.5.15", "plain"),
                                                ("relax_hpc-cpu-engine/1", "session"), (None, "session")])
 def test_the_update_protocol_follows_the_sglang_release(version, protocol):
-    from relax_hpc.rollout.client import update_protocol
+    from relax_hpc.engines.client import update_protocol
 
     assert update_protocol(version) == protocol
 
 
 def test_an_sglang_older_than_relax_pins_is_refused_at_connect(tiny_model, tmp_path):
-    from relax_hpc.rollout.engines import start_engine
+    from relax_hpc.engines.launcher import start_engine
 
     h = start_engine("cpu", tiny_model, log_path=tmp_path / "old.log",
                      extra_args=["--threads", "1", "--sglang-version", "0.5.14"]).wait_ready(180)
@@ -275,7 +275,7 @@ def test_an_sglang_older_than_relax_pins_is_refused_at_connect(tiny_model, tmp_p
 def test_one_group_with_an_older_and_a_current_sglang(clients, hf_model, tiny_model, tmp_path):
     """An engine answering as SGLang 0.5.20 has no update sessions (begin/end answer 404 there, and its updates
     come alone); one answering as the current release refuses updates outside a session. One push serves both."""
-    from relax_hpc.rollout.engines import start_engine
+    from relax_hpc.engines.launcher import start_engine
 
     h = start_engine("cpu", tiny_model, log_path=tmp_path / "legacy.log",
                      extra_args=["--threads", "1", "--sglang-version", "0.5.20"]).wait_ready(180)

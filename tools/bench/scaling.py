@@ -353,7 +353,7 @@ def sim_engine_polls(recipe, run, st, token: str, reps: int) -> dict:
 
 STUB = r"""
 import collections, sys, threading
-from relax_hpc.rollout.cpu_engine import _Server, ok, route_handler
+from relax_hpc.engines.http import EngineServer as _Server, ok, route_handler
 counts, lock = collections.Counter(), threading.Lock()
 def counted(path, fn):
     def call(body):
@@ -389,7 +389,7 @@ def sim_weights(engines: list[int], buckets: int, reps: int = 3) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from relax_hpc.rollout.client import EngineClient
+    from relax_hpc.engines.client import EngineClient
     from relax_hpc.roles.weight_sync import ROWS, EngineChecker
     from relax_hpc.weights import WeightSender
 

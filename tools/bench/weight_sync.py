@@ -170,7 +170,7 @@ def transport(named: list, reps: int, bucket_sizes: list[int], reuse: bool, in_p
 
 
 def end_to_end(model_dir: Path, named: list, reps: int, log_dir: Path, in_place=None) -> dict[str, list[float]]:
-    from relax_hpc.rollout.engines import launch_engine
+    from relax_hpc.engines.launcher import launch_engine
     from relax_hpc.weights import WeightSender, engine_fingerprint, fingerprint
 
     h = launch_engine("cpu", model_dir, log_path=log_dir / "bench-engine.log",

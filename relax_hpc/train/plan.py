@@ -1,158 +1,46 @@
-"""Rollout samples ↔ chunk files ↔ the actor's training batch.
-
-The rollout role writes one step's samples as one chunk (:mod:`relax_hpc.exchange.chunk`) in
-``RUN_DIR/exchange/step_<N>/``; the chunk's ref (path, checksum, size, ...) travels to the actor in its
-``train`` task through the controller, and the actor reads it back, checksum verified, into the batch
-format of :mod:`relax_hpc.train.batch`. Which fields make the trip, their dtypes and who writes them is
-:mod:`relax_hpc.exchange.fields`; this module only converts.
+"""The trainer's data plan: one step's columns (:mod:`relax_hpc.train.samples`) → the actor's batch.
 
 Rewards travel raw (``raw_reward`` = R): group normalization and advantages (R → R̃ → A,
 :mod:`relax_hpc.algo.advantages`) run here, on the training side, so a reward field can come from a role
-that runs after the rollout.
-
-Representations of one sample on the way to the loss: the engine's response → :class:`Sample` → columns
-(one numpy array per field) → the HDF5 chunk → flat columns read back (views into the verified bytes) →
-per-sample tensors of this DP rank's share only (views again, no copies) → the padded micro-batch of
-:mod:`relax_hpc.train.batch`.
+that runs after the rollout. The plan checks every value an update reads (:func:`check_train_columns`), splits
+the step into mini-batches (:func:`mini_batch_order`) and DP shares, and builds a
+:class:`~relax_hpc.train.batch.TrainingSample` for each of this rank's samples only (views into the verified
+chunk bytes, no copies): the type :mod:`relax_hpc.train.batch` takes.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from relax_hpc.errors import PermanentError
-from relax_hpc.exchange.chunk import ChunkRef, DamagedChunk, Ragged, columns_to_samples, read_chunk, write_chunk
-from relax_hpc.exchange.fields import (BY_NAME, FORWARD_FIELDS, LOGPROB_FIELDS, LOGPROB_TOLERANCE, PRODUCER,
-                                      SEGMENT_FIELDS, TRAIN_FIELDS, rollout_fields)
+from relax_hpc.exchange.chunk import ChunkRef, Ragged
+from relax_hpc.exchange.fields import FORWARD_FIELDS, LOGPROB_TOLERANCE, SEGMENT_FIELDS, TRAIN_FIELDS
+from relax_hpc.train.samples import as_ref, read_columns
 
-__all__ = ["FORWARD_FIELDS", "LOGPROB_FIELDS", "PRODUCER", "TRAIN_FIELDS", "exchange_root", "write_step",
-           "read_columns", "read_samples", "logprob_batch", "mini_batch_order", "TrainPlan", "train_plan", "train_batch",
-           "read_train_columns", "read_train_batch", "UnsoundTrainData", "check_train_columns"]
+if TYPE_CHECKING:
+    from relax_hpc.train.batch import TrainingSample
+
+__all__ = ["logprob_batch", "mini_batch_order", "TrainPlan", "train_plan", "train_batch", "read_train_columns",
+           "read_train_batch", "UnsoundTrainData", "check_train_columns"]
 
 LOGPROB_COLUMNS = ("rollout_log_probs", "ref_log_probs", "log_probs")
 
 
-def exchange_root(run_path: str | os.PathLike) -> str:
-    return os.path.join(str(run_path), "exchange")
-
-
-def _rollout_values(s: Any) -> dict[str, list]:
-    """Each rollout field's per-sample values (the names and order of :func:`rollout_fields`)."""
-    return {
-        "tokens": [x.tokens for x in s],
-        "response_length": [x.response_length for x in s],
-        "loss_mask": [x.loss_mask if x.loss_mask is not None else [1] * x.response_length for x in s],
-        "rollout_log_probs": [x.rollout_log_probs or [] for x in s],
-        "raw_reward": None,  # the result's, set by write_step
-        "index": [-1 if x.index is None else x.index for x in s],
-        "group_index": [-1 if x.group_index is None else x.group_index for x in s],
-        "rollout_id": [x.rollout_id if x.rollout_id is not None else -1 if x.index is None else x.index for x in s],
-        "weight_version": [x.weight_version for x in s],
-        "status": [x.status.value for x in s],
-        "prompt": [x.prompt for x in s],
-        "response": [x.response for x in s],
-        "label": [x.label for x in s],
-    }
-
-
-def _column(name: str, values: list) -> Any:
-    """One field's values as the column its schema says: ndarray, a list of per-sample arrays, or a JSON list."""
-    f = BY_NAME[name]
-    if f.kind == "fixed":
-        return np.asarray(values, dtype=f.dtype)
-    if f.kind == "ragged":  # per-sample arrays: write_chunk writes them as they are, not concatenated first
-        return [np.asarray(v, dtype=f.dtype) for v in values]
-    return list(values)
-
-
-def write_step(run_path: str | os.PathLike, step: int, result: Any, seq: int = 0,
-               attrs: dict | None = None) -> ChunkRef:
-    """Write a :class:`~relax_hpc.rollout.driver.RolloutResult` as the chunk of rollout step ``step``;
-    ``attrs`` join the chunk's (and its journal record's), e.g. the prompts it holds
-    (:func:`~relax_hpc.exchange.audit.prompt_attrs`)."""
-    values = _rollout_values(result.samples)
-    values["raw_reward"] = list(result.raw_rewards)
-    names = rollout_fields()
-    assert set(values) == set(names), sorted(set(values) ^ set(names))  # the schema and this writer agree
-    root = exchange_root(run_path)
-    os.makedirs(os.path.join(root, f"step_{int(step)}"), exist_ok=True)
-    fields = {name: _column(name, values[name]) for name in names}
-    return write_chunk(root, step, PRODUCER, seq, fields, attrs={"group_size": result.group_size, **(attrs or {})})
-
-
-def as_ref(r: dict | ChunkRef) -> ChunkRef:
-    """A chunk ref as tasks carry it (a dict) or already decoded."""
-    return r if isinstance(r, ChunkRef) else ChunkRef.from_dict(r)
-
-
-def read_columns(refs: Sequence[dict | ChunkRef], fields: Sequence[str] = TRAIN_FIELDS, *,
-                 agree: bool = False) -> dict[str, Any]:
-    """The ``fields`` of these chunks (samples in order) as columns: ``fixed`` → ndarray, ``ragged`` → one
-    flat :class:`Ragged`, ``json`` → list. Raises DamagedChunk on a bad file.
-
-    ``agree``: a collective of the role's ranks (each reads the same chunks): if any rank could not read, every
-    rank raises DamagedChunk, so none goes on into a collective that the others never join."""
-    parts: list[dict[str, Any]] = []
-    damage = None
-    try:
-        parts = [read_chunk(as_ref(r), list(fields), ragged="flat") for r in refs]
-    except DamagedChunk as e:
-        damage = e
-    if agree and _any_rank(damage is not None) and damage is None:
-        path = as_ref(refs[0]).path if refs else "?"
-        damage = DamagedChunk(path, "another rank of this role could not read this task's chunks")
-    if damage is not None:
-        raise damage
-    return {name: _concat([p[name] for p in parts]) for name in fields}
-
-
-def _concat(cols: list) -> Any:
-    if len(cols) == 1:
-        return cols[0]
-    if cols and isinstance(cols[0], Ragged):
-        lengths = np.concatenate([c.lengths() for c in cols])
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        return Ragged(np.concatenate([c.data for c in cols]), offsets)
-    if cols and isinstance(cols[0], np.ndarray):
-        return np.concatenate(cols)
-    return [v for c in cols for v in c]
-
-
-def read_samples(refs: Sequence[dict | ChunkRef], fields: Sequence[str] = TRAIN_FIELDS, *,
-                 agree: bool = False) -> list[dict[str, Any]]:
-    """The samples of these chunks (in order) as dicts of ``fields``, for readers that walk samples one by
-    one (the forward roles, people); the actor reads columns (:func:`read_train_batch`)."""
-    cols = read_columns(refs, fields, agree=agree)
-    return columns_to_samples({k: v.to_list() if isinstance(v, Ragged) else v for k, v in cols.items()})
-
-
-def _any_rank(flag: bool) -> bool:
-    """Whether ``flag`` holds on any rank of the role's process group (just ``flag`` without one)."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
-def logprob_batch(cols: dict[str, Any]) -> list[dict[str, Any]]:
+def logprob_batch(cols: dict[str, Any]) -> list[TrainingSample]:
     """What a forward pass needs of each sample, from the ``tokens`` and ``response_length`` columns:
     ``tokens`` (a view) and ``response_start`` (the response is the last ``response_length`` tokens)."""
     import torch
 
+    from relax_hpc.train.batch import TrainingSample
+
     out = []
     for tok, r in zip(cols["tokens"], cols["response_length"]):
         t = torch.from_numpy(tok)
-        out.append({"tokens": t, "response_start": int(t.numel() - int(r))})
+        out.append(TrainingSample(tokens=t, response_start=int(t.numel() - int(r))))
     return out
 
 
@@ -226,7 +114,7 @@ class TrainPlan:
     metrics: dict[str, float]
 
     @property
-    def samples(self) -> list[dict[str, Any]]:
+    def samples(self) -> list[TrainingSample]:
         """Every sample this rank trains on, in order: π_old is computed for all of them before the first update."""
         return [s for sh in self.shares for s in sh.samples]
 
@@ -248,16 +136,30 @@ def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int =
 
     Raises :class:`UnsoundTrainData` where a value is not fit to train on: the columns (:func:`check_train_columns`,
     before any tensor), then R̃ and the advantages built from them (float32 overflow in a group's statistics)."""
-    import torch
-
-    from relax_hpc.algo.advantages import has_segments, masked_whiten, postprocess_rewards
     from relax_hpc.train.batch import GlobalStats, Share, dp_shard
 
     check_train_columns(cols)
+    rewards, adv = _advantages(cols, algo_cfg, group_size)
+    mask: Ragged = cols["loss_mask"]
+    loss_tokens = _row_sums(mask)
+    seq_lens = cols["tokens"].lengths()
+    shares = []
+    for part in mini_batch_order(len(rewards), k, seed, step):
+        stats = GlobalStats(n=len(part), loss_tokens=float(loss_tokens[part].sum()),
+                            max_seq_len=int(seq_lens[part].max()) if len(part) else 0)
+        shares.append(Share([_sample(cols, adv, int(i)) for i in dp_shard(part, dp, dp_rank)], stats))
+    return TrainPlan(shares, _reward_metrics(cols, rewards, group_size))
+
+
+def _advantages(cols: dict[str, Any], algo_cfg: Any, group_size: int) -> tuple[Any, Any]:
+    """(R̃ per sample, A per token as one flat tensor over the ragged layout): :func:`train_plan`'s statistics."""
+    import torch
+
+    from relax_hpc.algo.advantages import masked_whiten, postprocess_rewards
+
     raw = torch.from_numpy(np.asarray(cols["raw_reward"], dtype=np.float32))
     rewards = postprocess_rewards(algo_cfg, raw, group_size, group_ids=cols.get("group_index"),
                                   rollout_ids=cols.get("rollout_id"))
-    n = len(raw)
     lens = np.asarray(cols["response_length"], dtype=np.int64)
     mask: Ragged = cols["loss_mask"]
     bad = np.flatnonzero(mask.lengths() != lens)
@@ -267,41 +169,51 @@ def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int =
     flat_mask = torch.from_numpy(mask.data)
     zero = torch.zeros((), dtype=rewards.dtype)
     adv = torch.where(flat_mask.bool(), torch.repeat_interleave(rewards, torch.from_numpy(lens)), zero)
-    if algo_cfg.normalize_advantages and n:
+    if algo_cfg.normalize_advantages and len(raw):
         adv = masked_whiten(adv, flat_mask.bool())
     _check_built(rewards, adv, mask, cols.get("index"))
-    loss_tokens = _row_sums(mask)
-    seq_lens = cols["tokens"].lengths()
-    sides = [(name, key) for name, key in (("ref_log_probs", "ref_log_probs"), ("log_probs", "old_log_probs"))
-             if name in cols]
+    return rewards, adv
 
-    def sample(i: int) -> dict[str, Any]:
-        r, o = int(lens[i]), int(mask.offsets[i])
-        t = torch.from_numpy(cols["tokens"][i])
-        item = {"tokens": t, "response_start": int(t.numel() - r), "loss_mask": flat_mask[o: o + r],
-                "advantages": adv[o: o + r]}
-        lp = cols["rollout_log_probs"][i]
-        if lp.size == r:
-            item["rollout_log_probs"] = torch.from_numpy(lp)
-        for name, key in sides:
-            if cols[name][i].size == r:
-                item[key] = torch.from_numpy(cols[name][i])
-        return item
 
-    shares = []
-    for part in mini_batch_order(n, k, seed, step):
-        stats = GlobalStats(n=len(part), loss_tokens=float(loss_tokens[part].sum()),
-                            max_seq_len=int(seq_lens[part].max()) if len(part) else 0)
-        shares.append(Share([sample(int(i)) for i in dp_shard(part, dp, dp_rank)], stats))
+# the forward roles' side columns and the sample fields they fill
+SIDES = (("ref_log_probs", "ref_log_probs"), ("log_probs", "old_log_probs"))
+
+
+def _sample(cols: dict[str, Any], adv: Any, i: int) -> TrainingSample:
+    """Sample ``i`` of the columns as tensors, views of the columns (and of ``adv``): no copies."""
+    import torch
+
+    from relax_hpc.train.batch import TrainingSample
+
+    mask: Ragged = cols["loss_mask"]
+    r, o = int(cols["response_length"][i]), int(mask.offsets[i])
+    t = torch.from_numpy(cols["tokens"][i])
+    s = TrainingSample(tokens=t, response_start=int(t.numel() - r), loss_mask=torch.from_numpy(mask.data[o: o + r]),
+                       advantages=adv[o: o + r])
+    lp = cols["rollout_log_probs"][i]
+    if lp.size == r:
+        s.rollout_log_probs = torch.from_numpy(lp)
+    for name, key in SIDES:
+        if name in cols and cols[name][i].size == r:
+            setattr(s, key, torch.from_numpy(cols[name][i]))
+    return s
+
+
+def _reward_metrics(cols: dict[str, Any], rewards: Any, group_size: int) -> dict[str, float]:
+    """``rollout/rewards`` (the mean R̃) and ``rollout/zero_std_group_ratio`` (groups whose raw rewards are all equal:
+    GRPO learns nothing from them)."""
+    from relax_hpc.algo.advantages import has_segments
+
     metrics = {"rollout/rewards": statistics.fmean(rewards.tolist())}
     raw64 = np.asarray(cols["raw_reward"], dtype=np.float64)
+    n = len(raw64)
     if has_segments(cols.get("rollout_id")):  # per group, over its segments: all equal, all advantages 0
         flat = [raw64[np.asarray(cols["group_index"]) == g] for g in np.unique(cols["group_index"])]
         metrics["rollout/zero_std_group_ratio"] = float(np.mean([g.max() == g.min() for g in flat]))
     elif group_size >= 1 and n % group_size == 0:  # groups GRPO learns nothing from: all rewards equal
         groups = raw64.reshape(-1, group_size)
         metrics["rollout/zero_std_group_ratio"] = float(np.mean(groups.max(axis=1) == groups.min(axis=1)))
-    return TrainPlan(shares, metrics)
+    return metrics
 
 
 def _check_built(rewards: Any, adv: Any, mask: Ragged, idx: Any) -> None:
@@ -318,7 +230,7 @@ def _check_built(rewards: Any, adv: Any, mask: Ragged, idx: Any) -> None:
                                    "group-normalized reward, A = R̃ on the response tokens)", index)
 
 
-def train_batch(cols: dict[str, Any], algo_cfg: Any, group_size: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
+def train_batch(cols: dict[str, Any], algo_cfg: Any, group_size: int) -> tuple[list[TrainingSample], dict[str, float]]:
     """:func:`train_plan` for one process holding the whole step as one batch: (samples, reward metrics)."""
     plan = train_plan(cols, algo_cfg, group_size)
     return plan.samples, plan.metrics
@@ -333,6 +245,6 @@ def read_train_columns(refs: Sequence[dict | ChunkRef], *, agree: bool = True) -
 
 
 def read_train_batch(refs: Sequence[dict | ChunkRef], algo_cfg: Any, group_size: int, *,
-                     agree: bool = True) -> tuple[list[dict[str, Any]], dict[str, float]]:
+                     agree: bool = True) -> tuple[list[TrainingSample], dict[str, float]]:
     """:func:`read_train_columns`, then :func:`train_batch`."""
     return train_batch(read_train_columns(refs, agree=agree), algo_cfg, group_size)

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from relax_hpc.rollout.client import EngineClient, EngineError, SamplingParams
-from relax_hpc.rollout.engines import (SGLANG_LAUNCHER, EngineLaunchError, cpu_engine_command, free_port,
+from relax_hpc.engines.client import EngineClient, EngineError, SamplingParams
+from relax_hpc.engines.launcher import (SGLANG_LAUNCHER, EngineLaunchError, cpu_engine_command, free_port,
                                        launch_engine, sglang_command, start_engine)
 
 
@@ -23,7 +23,7 @@ def test_commands_and_argument_checks(monkeypatch, tmp_path):
     assert cmd[cmd.index("--port") + 1] == "31000" and cmd[cmd.index("--tp-size") + 1] == "2"
     assert cmd[-2:] == ["--mem-fraction-static", "0.7"]
     cpu = cpu_engine_command("py", "/m", "127.0.0.1", "/r")
-    assert cpu[1:3] == ["-m", "relax_hpc.rollout.cpu_engine"] and cpu[cpu.index("--port") + 1] == "0"
+    assert cpu[1:3] == ["-m", "relax_hpc.engines.cpu_engine"] and cpu[cpu.index("--port") + 1] == "0"
     assert 0 < free_port() < 65536
     with pytest.raises(ValueError, match="TP=1"):
         start_engine("cpu", tmp_path, tp=2)
@@ -131,7 +131,7 @@ def test_an_engine_dies_with_the_rank_that_started_it(tiny_llama, tmp_path):
 
     import psutil
 
-    code = ("import sys, time; from relax_hpc.rollout.engines import start_engine; "
+    code = ("import sys, time; from relax_hpc.engines.launcher import start_engine; "
             "h = start_engine('cpu', sys.argv[1], log_path=sys.argv[2], extra_args=['--threads', '1']).wait_ready(300); "
             "print(h.pid, flush=True); time.sleep(600)")
     rank = subprocess.Popen([sys.executable, "-c", code, str(tiny_llama), str(tmp_path / "engine.log")],

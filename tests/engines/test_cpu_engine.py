@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from relax_hpc.rollout.client import EngineError, SamplingParams
-from relax_hpc.rollout.cpu_engine import init_weight_update_group
-from relax_hpc.rollout.engines import free_port
+from relax_hpc.engines.client import EngineError, SamplingParams
+from relax_hpc.engines.receiver import init_weight_update_group
+from relax_hpc.engines.launcher import free_port
 
 PROMPT = [1, 10, 11, 12, 13, 14]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)

@@ -1,5 +1,4 @@
-"""What the Megatron roles (actor, reference, actor_fwd) share to get their model, and how every role reads
-a path from the recipe.
+"""What the Megatron roles (actor, reference, actor_fwd) share to get their model.
 
 One builder, so the three hold the same model built the same way (the CPU settings, the parallel layout,
 the sampling temperature their log-probs assume); they differ only in ``forward_only`` (no DDP wrapper,
@@ -8,20 +7,13 @@ no optimizer).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 
-def resolve(path: str) -> str:
-    """A recipe path as an absolute one: relative paths are relative to the directory the run was submitted
-    from (the role's working directory)."""
-    p = Path(path).expanduser()
-    return str(p if p.is_absolute() else (Path.cwd() / p).resolve())
-
-
-def build_megatron(recipe: Any, role: str, *, forward_only: bool) -> Any:
+def build_megatron(recipe: Any, role: str, model_path: str, *, forward_only: bool) -> Any:
     """Every rank: Megatron's groups over the role's ranks (``train.tp``/``train.pp``), then the model from
-    ``model.path`` as a :class:`~relax_hpc.train.actor.MegatronActor`."""
+    ``model_path`` (``model.path``, resolved: :func:`relax_hpc.roles.runtime.resolve`) as a
+    :class:`~relax_hpc.train.actor.MegatronActor`."""
     import torch
 
     from relax_hpc.train.actor import MegatronActor
@@ -36,5 +28,5 @@ def build_megatron(recipe: Any, role: str, *, forward_only: bool) -> Any:
         torch.set_num_threads(max(1, recipe.role(role).cpus_per_task))
     init_parallel(recipe.train.tp, recipe.train.pp, seed=recipe.train.seed)
     temperature = recipe.rollout.temperature if recipe.rollout.temperature > 1e-6 else 1.0  # greedy: the engine uses T=1
-    return MegatronActor.from_hf(resolve(recipe.model.path), recipe.train, recipe.algorithm, temperature=temperature,
+    return MegatronActor.from_hf(model_path, recipe.train, recipe.algorithm, temperature=temperature,
                                  forward_only=forward_only)

@@ -14,7 +14,7 @@ connections held 300 threads for ever, and one request claiming a 1 GB body held
   (constant-time) from the headers and answers 401 without reading a byte of the body; a claimed body over
   ``max_body`` bytes is answered 413 unread. Either closes the connection.
 
-``idle_s`` must stay above the clients' keep-alive expiry (:class:`~relax_hpc.rollout.client.EngineClient`: 4 s)
+``idle_s`` must stay above the clients' keep-alive expiry (:class:`~relax_hpc.engines.client.EngineClient`: 4 s)
 so that a client never reuses a connection the server is closing.
 """
 

@@ -1,35 +1,5 @@
-"""Rewards: built-in rule rewards, Relax-style custom reward functions, group rewards, and failure reporting.
-
-The contract is Relax's (``--custom-rm-path``, ``--reward-key``, ``--group-rm``, ``--rm-type``):
-
-- ``rollout.custom_rm_path: package.module.function`` names ``async def reward_func(args, sample, **kwargs)``
-  returning a float, or a dict whose scalar is read through ``rollout.reward_key`` (the whole dict is kept
-  in ``sample.reward``; its other numeric keys are logged as ``rollout/<key>/mean`` etc.). A plain ``def``
-  works too (it runs in a worker thread). The module must be importable (on ``sys.path``/``PYTHONPATH``).
-- ``rollout.group_rm: true``: ``reward_func(args, samples, **kwargs)`` gets a whole group (the
-  ``n_samples_per_prompt`` samples of one prompt) and returns one float or dict per sample, in order.
-- ``args`` is a namespace with Relax's flag names (``args.reward_key``, ``args.n_samples_per_prompt``,
-  ``args.rollout_max_response_len``, ...; see :func:`relax_args`) plus every key of
-  ``rollout.custom_config_path`` (Relax's ``--custom-config-path``). It is made for the user's function
-  only: relax_hpc reads its own settings from the typed recipe.
-- Without a custom function, ``rollout.rm_type`` (or ``sample.metadata["rm_type"]``, which wins) picks a
-  built-in: ``math``, ``exact_match``, ``f1``, ``dummy``, and Relax's ``dapo``, ``deepscaler``,
-  ``multiple_choice``, ``gpqa``, ``random``, ``remote_rm``, ``dapo-genrm`` (the run's judge, ``roles.genrm``;
-  :mod:`relax_hpc.rollout.genrm`) (:mod:`relax_hpc.rollout.builtin_rewards`);
-  ``boxed_<type>`` first extracts the last ``\\boxed{...}`` of the response.
-
-A reward that raises, runs longer than ``rollout.reward_timeout_s``, or returns something that is not a
-finite number (None, NaN, a string such as "0.5", a bool) or has no ``reward_key`` is a
-:class:`RewardFailure`. Finite means finite where the reward is stored: the exchange's ``raw_reward`` column
-is float32 (:mod:`relax_hpc.exchange.fields`), so 1e39, finite as a Python float, is refused (it would be
-stored as inf and make every advantage, the loss and then the weights NaN). A reward a custom generate
-function set on its sample is checked the same way. A failure holds the sample's index, group, prompt,
-response and label with the exception and its traceback. ``rollout.reward_error_policy`` decides what follows:
-``fail`` raises :class:`RewardError` with the report (the run stops), ``skip`` logs it, sets the sample's reward
-to 0.0 and status FAILED (its error in ``metadata["reward_error"]``) and the run goes on.
-
-No torch here.
-"""
+"""The reward runner: custom reward functions (Relax's contract), the built-ins by ``rm_type``, group rewards,
+timeouts and failure reporting (:mod:`relax_hpc.rollout.rewards` has the whole contract)."""
 
 from __future__ import annotations
 
@@ -40,198 +10,20 @@ import inspect
 import logging
 import math
 import numbers
-import re
-import threading
 import traceback as tb
 from dataclasses import dataclass
-from fractions import Fraction
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from relax_hpc.plugins import load_plugin
-from relax_hpc.rollout.builtin_rewards import (dapo_genrm_reward, dapo_genrm_unawaited, dapo_reward, deepscaler_reward, f1_reward,
-                                               gpqa_reward, multiple_choice_reward, random_reward, remote_rm,
-                                               remote_rm_unawaited)
+from relax_hpc.rollout.rewards.builtin import builtin_reward, dapo_genrm_reward, remote_rm
 from relax_hpc.rollout.sample import Sample, SampleStatus, reward_value
+from relax_hpc.threads import in_daemon_thread
 
 if TYPE_CHECKING:  # relax_hpc.recipe imports this module (validate: BUILTIN_REWARDS), so only for annotations
     from relax_hpc.recipe.schema import Recipe, RolloutConfig
 
 log = logging.getLogger(__name__)
-
-# --------------------------------------------------------------------------------------------------
-# Answer extraction and comparison
-# --------------------------------------------------------------------------------------------------
-
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
-_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?|[-+]?\.\d+")
-_FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
-_FRAC_SHORT = re.compile(r"\\[dt]?frac(\d)(\d)")
-_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``, or ``\\boxed 5``), braces balanced; None if none."""
-    if not text:
-        return None
-    matches = list(_BOXED.finditer(text))
-    for m in reversed(matches):
-        i = m.end()
-        if i < len(text) and text[i] == "{":
-            depth, j = 0, i
-            while j < len(text):
-                if text[j] == "{":
-                    depth += 1
-                elif text[j] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        return text[i + 1:j].strip()
-                j += 1
-            continue  # unbalanced: try an earlier one
-        word = re.match(r"[^\s$]+", text[i:])
-        if word:
-            return word.group(0).strip()
-    return None
-
-
-def extract_last_number(text: str) -> str | None:
-    """The last number in ``text`` ("1,234", "-3.5", "7/2"), or None."""
-    if not text:
-        return None
-    found = _NUMBER.findall(text)
-    return found[-1].strip() if found else None
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer of a solution: the last ``\\boxed{}``, else what follows "####" (GSM8K), else the last number."""
-    if text is None:
-        return None
-    boxed = extract_boxed(text)
-    if boxed is not None:
-        return boxed
-    if "####" in text:
-        tail = text.rsplit("####", 1)[1].strip()
-        if tail:
-            return tail.split("\n", 1)[0].strip()
-    return extract_last_number(text)
-
-
-def normalize_answer(ans: str) -> str:
-    """A canonical string for a math answer: LaTeX wrappers, spaces, ``$``, trailing dots and units marks dropped."""
-    s = str(ans).strip()
-    inner = extract_boxed(s)
-    if inner is not None:
-        s = inner
-    s = _TEXT.sub(r"\1", s)
-    for tok in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "^\\circ", "^{\\circ}", "\\%", "%",
-                "\\displaystyle"):
-        s = s.replace(tok, "")
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
-    s = re.sub(r"\s+", "", s)
-    s = s.rstrip(".")
-    if s.startswith("x=") or s.startswith("y=") or s.startswith("k=") or s.startswith("n="):
-        s = s[2:]
-    return s.lower()
-
-
-def to_number(ans: str) -> Fraction | float | None:
-    """The value of a numeric answer ("1,000", "-3.50", "7/2", "\\frac{7}{2}", "-\\frac{1}{3}", "2.5e3"), else None."""
-    s = normalize_answer(ans)
-    m = re.fullmatch(r"([-+]?)\\frac\{([^{}]*)\}\{([^{}]*)\}", s)
-    if m:
-        num, den = to_number(m.group(2)), to_number(m.group(3))
-        if num is None or den is None or den == 0:
-            return None
-        val = Fraction(num) / Fraction(den) if not isinstance(num, float) and not isinstance(den, float) else num / den
-        return -val if m.group(1) == "-" else val
-    s = s.replace(",", "") if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", s) else s
-    if "/" in s:
-        a, _, b = s.partition("/")
-        na, nb = to_number(a), to_number(b)
-        if na is None or nb is None or nb == 0:
-            return None
-        return Fraction(na) / Fraction(nb) if isinstance(na, Fraction) and isinstance(nb, Fraction) else na / nb
-    try:
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
-        pass
-    try:
-        v = float(s)
-    except ValueError:
-        return None
-    return v if math.isfinite(v) else None
-
-
-def math_equal(pred: str | None, label: Any, *, rel_tol: float = 1e-6) -> bool:
-    """Numerically equal when both are numbers (relative tolerance ``rel_tol``), else equal after normalization."""
-    if pred is None or label is None:
-        return False
-    label = str(label)
-    a, b = to_number(pred), to_number(label)
-    if a is not None and b is not None:
-        if isinstance(a, Fraction) and isinstance(b, Fraction):
-            return a == b
-        return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=rel_tol)
-    return normalize_answer(pred) == normalize_answer(label)
-
-
-def _label_answer(label: Any) -> str:
-    """The answer in a label: the label itself, or the final answer when it is a whole solution."""
-    s = str(label)
-    if "\\boxed" in s or "####" in s:
-        return extract_answer(s) or s
-    return s
-
-
-# --------------------------------------------------------------------------------------------------
-# Built-in rewards: (response, label, metadata) -> float
-# --------------------------------------------------------------------------------------------------
-
-
-def math_reward(response: str, label: Any, metadata: dict | None = None) -> float:
-    """1.0 if the response's final answer (last ``\\boxed{}``, else "####", else last number) equals the label."""
-    return 1.0 if math_equal(extract_answer(response), _label_answer(label)) else 0.0
-
-
-def exact_match_reward(response: str, label: Any, metadata: dict | None = None) -> float:
-    """1.0 if the response, stripped, equals the label, stripped."""
-    return 1.0 if label is not None and (response or "").strip() == str(label).strip() else 0.0
-
-
-def dummy_reward(response: str, label: Any, metadata: dict | None = None) -> float:
-    """0.0 for everything (the real score comes later, e.g. from a post-process step)."""
-    return 0.0
-
-
-BUILTIN_REWARDS: dict[str, Callable[[str, Any, dict | None], Any]] = {
-    "math": math_reward,
-    "exact_match": exact_match_reward,
-    "f1": f1_reward,
-    "dummy": dummy_reward,
-    # Relax's others, by Relax's rules (relax_hpc.rollout.builtin_rewards)
-    "dapo": dapo_reward,  # a dict {score, acc, pred}: use rollout.reward_key: score
-    "deepscaler": deepscaler_reward,
-    "multiple_choice": multiple_choice_reward,
-    "gpqa": gpqa_reward,
-    "random": random_reward,
-    "remote_rm": remote_rm_unawaited,  # awaited by RewardRunner (POST to rollout.rm_url)
-    "dapo-genrm": dapo_genrm_unawaited,  # awaited by RewardRunner (asks the run's judge, roles.genrm)
-}
-AWAITED_REWARDS = ("remote_rm", "dapo-genrm")  # scored by the runner itself, never as boxed_<name>
-
-
-def builtin_reward(rm_type: str, response: str, label: Any, metadata: dict | None = None) -> float:
-    """Score with built-in ``rm_type``; ``boxed_<type>`` scores the last ``\\boxed{}`` content with ``<type>``."""
-    if rm_type.startswith("boxed_"):
-        inner = rm_type[len("boxed_"):]
-        return builtin_reward(inner, extract_boxed(response) or "", label, metadata)
-    fn = BUILTIN_REWARDS.get(rm_type)
-    if fn is None:
-        raise ValueError(f"unknown rm_type {rm_type!r}. Fix: use one of {', '.join(BUILTIN_REWARDS)} "
-                         "(or boxed_<one of them>), or set rollout.custom_rm_path")
-    return fn(response, label, metadata)
-
 
 # --------------------------------------------------------------------------------------------------
 # Custom reward functions
@@ -457,7 +249,8 @@ class RewardRunner:
             async with asyncio.timeout(self.timeout_s):
                 if self.fn_is_async:
                     return await self.fn(self.args, payload, **kwargs)
-                result = await _in_daemon_thread(self.fn, self.args, payload, **kwargs)
+                result = await in_daemon_thread(self.fn, self.args, payload, **kwargs,
+                                                thread_name=f"reward {getattr(self.fn, '__name__', self.fn)}")
                 if inspect.isawaitable(result):
                     result = await result
                 return result
@@ -620,27 +413,3 @@ def _raw_reward_max() -> float:
     from relax_hpc.exchange.fields import finite_max  # imported here: the recipe validator imports this module
 
     return finite_max("raw_reward")
-
-
-def _in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future:
-    """``fn(*args, **kwargs)`` in a new daemon thread, as a future of the running loop. Unlike
-    ``asyncio.to_thread``, nobody ever joins the thread: a call that never returns is simply left behind."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def deliver(ok: bool, value: Any) -> None:
-        if not fut.done():  # cancelled (timed out) meanwhile: nobody wants the answer any more
-            fut.set_result(value) if ok else fut.set_exception(value)
-
-    def run() -> None:
-        try:
-            out = (True, fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            out = (False, e)
-        try:
-            loop.call_soon_threadsafe(deliver, *out)
-        except RuntimeError:  # the loop is closed: the rollout moved on long ago
-            pass
-
-    threading.Thread(target=run, name=f"reward {getattr(fn, '__name__', fn)}", daemon=True).start()
-    return fut

@@ -19,8 +19,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from relax_hpc.rollout.client import EngineClient, EngineError
-from relax_hpc.rollout.engines import SGLANG_KEY_ENV, _masked, launch_engine, sglang_command, start_engine
+from relax_hpc.engines.client import EngineClient, EngineError
+from relax_hpc.engines.launcher import SGLANG_KEY_ENV, _masked, launch_engine, sglang_command, start_engine
 from relax_hpc.rundir import RunDir
 
 KEY = "test-key-0123456789abcdef"

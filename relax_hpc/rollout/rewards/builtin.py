@@ -1,12 +1,13 @@
 """Relax's other built-in rewards: ``dapo``, ``deepscaler``, ``multiple_choice``, ``gpqa``, ``f1``, ``random`` and
-``remote_rm``, scored by Relax's rules (``relax/engine/rewards/``); :data:`relax_hpc.rollout.rewards.BUILTIN_REWARDS`
+``remote_rm``, scored by Relax's rules (``relax/engine/rewards/``); :data:`BUILTIN_REWARDS`
 lists them. Each scorer is ``(response, label, metadata) -> float`` (``dapo``: a dict, read with
-``rollout.reward_key: score``), except :func:`remote_rm`, which the :class:`~relax_hpc.rollout.rewards.RewardRunner`
+``rollout.reward_key: score``), except :func:`remote_rm`, which the :class:`~relax_hpc.rollout.rewards.runner.RewardRunner`
 awaits itself (it needs the prompt and ``rollout.rm_url``), and :func:`dapo_genrm_reward`, which it awaits with the run's
 judge (:mod:`relax_hpc.rollout.genrm`).
 
-The math helpers come from :mod:`relax_hpc.rollout.rewards` inside the functions that use them: that module
-imports this one for its table. No torch here.
+Also the rule rewards ``math``, ``exact_match`` and ``dummy``, and the table of all of them
+(:data:`BUILTIN_REWARDS`, :func:`builtin_reward`). The math helpers come from the leaf
+:mod:`relax_hpc.rollout.rewards.answers`. No torch here.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
+
+from relax_hpc.rollout.rewards.answers import label_answer, extract_answer, extract_boxed, math_equal
+from relax_hpc.threads import in_daemon_thread
 
 _log = logging.getLogger(__name__)
 
@@ -90,7 +94,6 @@ def deepscaler_reward(response: str, label: Any, metadata: dict | None = None) -
     ``###Response``) counts, no such marker is 0; its last ``\\boxed{}`` must equal the label (itself reduced to
     its ``\\boxed{}`` when it has one). An empty label is 0. Equality is relax_hpc's ``math_equal`` (Relax uses
     the MATH and sympy graders; both accept the same numeric and normalized-string forms in the common cases)."""
-    from relax_hpc.rollout.rewards import extract_boxed, math_equal
 
     response = response or ""
     if "</think>" in response:
@@ -286,7 +289,6 @@ async def remote_rm(url: str | None, prompt: Any, response: str, label: Any, *, 
     retried up to ``attempts`` (10) in all, sleeping ``min(2**k, 30) + U(0, 1)`` s between them, as Relax does;
     ``timeout_s`` (``rollout.reward_timeout_s``) bounds the whole call, retries and sleeps included. Raises
     :class:`RemoteRewardError` or :class:`RemoteRewardTimeout`, naming the URL and the last error."""
-    from relax_hpc.rollout.rewards import _in_daemon_thread
 
     if not url:
         raise ValueError("rm_type remote_rm needs rollout.rm_url (Relax --rm-url), the reward server's http(s) URL. "
@@ -302,7 +304,8 @@ async def remote_rm(url: str | None, prompt: Any, response: str, label: Any, *, 
                 tried = k + 1
                 left = max(deadline - time.monotonic(), 0.001)
                 try:
-                    return await _in_daemon_thread(_post_json, url, body, min(REMOTE_RM_REQUEST_TIMEOUT_S, left))
+                    return await in_daemon_thread(_post_json, url, body, min(REMOTE_RM_REQUEST_TIMEOUT_S, left),
+                                                  thread_name="reward _post_json")
                 except Exception as e:  # any failure is retried, as Relax's remote_rm does
                     last = e
                 if k + 1 < attempts:
@@ -415,3 +418,52 @@ async def dapo_genrm_reward(prompt: Any, response: str, label: Any, metadata: di
     if score is None:
         _log.warning("dapo-genrm: the judge's answer %r has no 1 or 0 in its head; scored 0", pred[:80])
     return {"score": score or 0.0, "acc": score or 0.0, "pred": pred, "judge_response": judged, "format_error": ""}
+
+
+# --------------------------------------------------------------------------------------------------
+# Built-in rewards: (response, label, metadata) -> float
+# --------------------------------------------------------------------------------------------------
+
+
+def math_reward(response: str, label: Any, metadata: dict | None = None) -> float:
+    """1.0 if the response's final answer (last ``\\boxed{}``, else "####", else last number) equals the label."""
+    return 1.0 if math_equal(extract_answer(response), label_answer(label)) else 0.0
+
+
+def exact_match_reward(response: str, label: Any, metadata: dict | None = None) -> float:
+    """1.0 if the response, stripped, equals the label, stripped."""
+    return 1.0 if label is not None and (response or "").strip() == str(label).strip() else 0.0
+
+
+def dummy_reward(response: str, label: Any, metadata: dict | None = None) -> float:
+    """0.0 for everything (the real score comes later, e.g. from a post-process step)."""
+    return 0.0
+
+
+BUILTIN_REWARDS: dict[str, Callable[[str, Any, dict | None], Any]] = {
+    "math": math_reward,
+    "exact_match": exact_match_reward,
+    "f1": f1_reward,
+    "dummy": dummy_reward,
+    # Relax's others, by Relax's rules (this module)
+    "dapo": dapo_reward,  # a dict {score, acc, pred}: use rollout.reward_key: score
+    "deepscaler": deepscaler_reward,
+    "multiple_choice": multiple_choice_reward,
+    "gpqa": gpqa_reward,
+    "random": random_reward,
+    "remote_rm": remote_rm_unawaited,  # awaited by RewardRunner (POST to rollout.rm_url)
+    "dapo-genrm": dapo_genrm_unawaited,  # awaited by RewardRunner (asks the run's judge, roles.genrm)
+}
+AWAITED_REWARDS = ("remote_rm", "dapo-genrm")  # scored by the runner itself, never as boxed_<name>
+
+
+def builtin_reward(rm_type: str, response: str, label: Any, metadata: dict | None = None) -> float:
+    """Score with built-in ``rm_type``; ``boxed_<type>`` scores the last ``\\boxed{}`` content with ``<type>``."""
+    if rm_type.startswith("boxed_"):
+        inner = rm_type[len("boxed_"):]
+        return builtin_reward(inner, extract_boxed(response) or "", label, metadata)
+    fn = BUILTIN_REWARDS.get(rm_type)
+    if fn is None:
+        raise ValueError(f"unknown rm_type {rm_type!r}. Fix: use one of {', '.join(BUILTIN_REWARDS)} "
+                         "(or boxed_<one of them>), or set rollout.custom_rm_path")
+    return fn(response, label, metadata)

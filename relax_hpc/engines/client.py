@@ -3,7 +3,7 @@
 Everything relax_hpc asks of an inference engine goes through :class:`EngineClient`: generation for the
 rollout driver, health/info for launch and supervision, pause/flush/abort around weight syncs, and the
 weight-update calls for the actor. Real SGLang servers and relax_hpc's CPU engine
-(:mod:`relax_hpc.rollout.cpu_engine`) answer the same calls the same way, so nothing above this module
+(:mod:`relax_hpc.engines.cpu_engine`) answer the same calls the same way, so nothing above this module
 knows which one it is talking to.
 
 Failure policy (why it is shaped this way):

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from relax_hpc.rollout.client import EngineClient, EngineError, SamplingParams
+from relax_hpc.engines.client import EngineClient, EngineError, SamplingParams
 
 PROMPT = [1, 10, 11, 12, 13, 14]
 

@@ -1,4 +1,4 @@
-"""Rollout samples → chunk file → the actor's batch: the fields survive the trip, checksums guard it, and
+"""Rollout samples → chunk file → the actor's batch (relax_hpc.train.samples, relax_hpc.train.plan): the fields survive the trip, checksums guard it, and
 advantages are the rewards, group-normalized on the training side, over the response tokens."""
 
 import numpy as np
@@ -7,7 +7,9 @@ import torch
 
 from relax_hpc.algo import AlgorithmConfig
 from relax_hpc.exchange.chunk import DamagedChunk
-from relax_hpc.roles import samples as S
+from relax_hpc.train import plan as P
+from relax_hpc.train.batch import TrainingSample
+from relax_hpc.train.samples import read_samples, write_step
 from relax_hpc.rollout.driver import RolloutResult
 from relax_hpc.rollout.sample import Sample, SampleStatus
 
@@ -26,40 +28,40 @@ def result() -> RolloutResult:
 
 
 def test_chunk_round_trip_and_train_batch(tmp_path):
-    ref = S.write_step(tmp_path, 3, result())
+    ref = write_step(tmp_path, 3, result())
     assert ref.step == 3 and ref.n == 4 and (tmp_path / "exchange" / "step_3").is_dir()
-    rows = S.read_samples([ref.to_dict()])
+    rows = read_samples([ref.to_dict()])
     assert [list(r["tokens"]) for r in rows] == [[5, 6, 7, 8], [5, 6, 7, 9, 2], [3, 4, 1], [3, 4, 1, 2, 2]]
     assert [r["weight_version"] for r in rows] == ["7"] * 4 and [int(r["index"]) for r in rows] == [0, 1, 2, 3]
     assert "rewards" not in ref.all_fields and "raw_reward" in ref.all_fields  # R travels, R̃ is computed by the actor
-    batch, metrics = S.read_train_batch([ref.to_dict()], AlgorithmConfig(), group_size=2)
-    assert [b["response_start"] for b in batch] == [3, 3, 2, 2]
+    batch, metrics = P.read_train_batch([ref.to_dict()], AlgorithmConfig(), group_size=2)
+    assert [b.response_start for b in batch] == [3, 3, 2, 2]
     # group (1, 0): mean 0.5, unbiased std of (0.5, -0.5) = √0.5, so R̃ = ±0.5/√0.5 = ±0.7071; group (0.5, 0.5): 0
-    assert torch.allclose(batch[0]["advantages"], torch.tensor([0.70711]), atol=1e-5)
-    assert torch.allclose(batch[1]["advantages"], torch.tensor([-0.70711, -0.70711]), atol=1e-5)
+    assert torch.allclose(batch[0].advantages, torch.tensor([0.70711]), atol=1e-5)
+    assert torch.allclose(batch[1].advantages, torch.tensor([-0.70711, -0.70711]), atol=1e-5)
     assert metrics["rollout/rewards"] == pytest.approx(0.0, abs=1e-6)
-    assert torch.equal(batch[3]["loss_mask"], torch.tensor([1.0, 1.0, 0.0]))
-    assert torch.allclose(batch[3]["advantages"], torch.zeros(3))  # A = R̃ on valid tokens, 0 under the mask
-    assert torch.allclose(batch[1]["rollout_log_probs"], torch.tensor([-1.0, -0.1]))
+    assert torch.equal(batch[3].loss_mask, torch.tensor([1.0, 1.0, 0.0]))
+    assert torch.allclose(batch[3].advantages, torch.zeros(3))  # A = R̃ on valid tokens, 0 under the mask
+    assert torch.allclose(batch[1].rollout_log_probs, torch.tensor([-1.0, -0.1]))
 
 
 def test_a_damaged_chunk_is_never_read(tmp_path):
-    ref = S.write_step(tmp_path, 1, result())
+    ref = write_step(tmp_path, 1, result())
     data = bytearray(open(ref.path, "rb").read())
     data[-100] ^= 0xFF
     open(ref.path, "wb").write(bytes(data))
     with pytest.raises(DamagedChunk):
-        S.read_samples([ref])
+        read_samples([ref])
 
 
 def test_normalization_settings_reach_the_training_side(tmp_path):
     """Dr.GRPO (no std) and no normalization at all: R̃ computed from the raw rewards in the chunk."""
-    ref = S.write_step(tmp_path, 1, result())
-    drgrpo, m = S.read_train_batch([ref], AlgorithmConfig(disable_grpo_std_normalization=True), group_size=2)
-    assert [float(b["advantages"][0]) for b in drgrpo] == pytest.approx([0.5, -0.5, 0.0, 0.0])
+    ref = write_step(tmp_path, 1, result())
+    drgrpo, m = P.read_train_batch([ref], AlgorithmConfig(disable_grpo_std_normalization=True), group_size=2)
+    assert [float(b.advantages[0]) for b in drgrpo] == pytest.approx([0.5, -0.5, 0.0, 0.0])
     assert m["rollout/rewards"] == pytest.approx(0.0)
-    raw, m = S.read_train_batch([ref], AlgorithmConfig(disable_rewards_normalization=True), group_size=2)
-    assert [float(b["advantages"][0]) for b in raw] == pytest.approx([1.0, 0.0, 0.5, 0.5])
+    raw, m = P.read_train_batch([ref], AlgorithmConfig(disable_rewards_normalization=True), group_size=2)
+    assert [float(b.advantages[0]) for b in raw] == pytest.approx([1.0, 0.0, 0.5, 0.5])
     assert m["rollout/rewards"] == pytest.approx(0.5)
 
 
@@ -67,9 +69,9 @@ def test_whitened_advantages_match_the_padded_computation(tmp_path):
     """``normalize_advantages`` whitens over the loss-mask tokens of the batch, as the padded [B, T] form does."""
     from relax_hpc.algo.advantages import compute_advantages
 
-    ref = S.write_step(tmp_path, 1, result())
+    ref = write_step(tmp_path, 1, result())
     cfg = AlgorithmConfig(normalize_advantages=True)
-    batch, _ = S.read_train_batch([ref], cfg, group_size=2)
+    batch, _ = P.read_train_batch([ref], cfg, group_size=2)
     lens = [1, 2, 1, 3]
     mask = torch.zeros(4, 3)
     for i, n in enumerate(lens):
@@ -77,17 +79,17 @@ def test_whitened_advantages_match_the_padded_computation(tmp_path):
     mask[3, 2] = 0.0
     want = compute_advantages(cfg, torch.tensor([1.0, 0.0, 0.5, 0.5]), 2, mask)
     for i, b in enumerate(batch):
-        assert torch.allclose(b["advantages"], want[i, : lens[i]], atol=1e-6)
+        assert torch.allclose(b.advantages, want[i, : lens[i]], atol=1e-6)
 
 
 def test_two_chunks_read_as_one_batch(tmp_path):
     """A train task over several chunks: columns concatenate in order, ragged offsets included."""
-    a = S.write_step(tmp_path, 1, result(), seq=0)
-    b = S.write_step(tmp_path, 1, result(), seq=1)
-    batch, _ = S.read_train_batch([a, b], AlgorithmConfig(), group_size=2)
+    a = write_step(tmp_path, 1, result(), seq=0)
+    b = write_step(tmp_path, 1, result(), seq=1)
+    batch, _ = P.read_train_batch([a, b], AlgorithmConfig(), group_size=2)
     assert len(batch) == 8
-    assert [b["tokens"].tolist() for b in batch[4:]] == [b["tokens"].tolist() for b in batch[:4]]
-    rows = S.read_samples([a, b], ("tokens", "index"))
+    assert [b.tokens.tolist() for b in batch[4:]] == [b.tokens.tolist() for b in batch[:4]]
+    rows = read_samples([a, b], ("tokens", "index"))
     assert [int(r["index"]) for r in rows] == [0, 1, 2, 3] * 2 and list(rows[5]["tokens"]) == [5, 6, 7, 9, 2]
 
 
@@ -105,26 +107,26 @@ def _bigger(n_groups: int = 6, g: int = 2) -> RolloutResult:
 def test_train_plan_splits_the_step_into_mini_batches_and_dp_shares(tmp_path):
     """k mini-batches × dp shares cover every sample exactly once; every rank sees the same global statistics;
     the split is a function of (seed, step) only; advantages are normalized over the whole step, not per share."""
-    ref = S.write_step(tmp_path, 1, _bigger())
-    cols = S.read_train_columns([ref])
+    ref = write_step(tmp_path, 1, _bigger())
+    cols = P.read_train_columns([ref])
     cfg = AlgorithmConfig(normalize_advantages=True)
-    whole, _ = S.train_batch(cols, cfg, 2)
-    key = [(tuple(b["tokens"].tolist()), tuple(b["advantages"].tolist())) for b in whole]
-    plans = [S.train_plan(cols, cfg, 2, k=3, seed=9, step=4, dp=2, dp_rank=r) for r in (0, 1)]
+    whole, _ = P.train_batch(cols, cfg, 2)
+    key = [(tuple(b.tokens.tolist()), tuple(b.advantages.tolist())) for b in whole]
+    plans = [P.train_plan(cols, cfg, 2, k=3, seed=9, step=4, dp=2, dp_rank=r) for r in (0, 1)]
     assert [len(p.shares) for p in plans] == [3, 3]
     for j in range(3):
         a, b = plans[0].shares[j], plans[1].shares[j]
         assert a.stats == b.stats and a.stats.n == 4 and len(a.samples) == len(b.samples) == 2
-        want = sum(float(s["loss_mask"].sum()) for s in a.samples + b.samples)
+        want = sum(float(s.loss_mask.sum()) for s in a.samples + b.samples)
         assert a.stats.loss_tokens == want
-        assert a.stats.max_seq_len == max(s["tokens"].numel() for s in a.samples + b.samples)
-    seen = [(tuple(s["tokens"].tolist()), tuple(s["advantages"].tolist())) for p in plans for s in p.samples]
+        assert a.stats.max_seq_len == max(s.tokens.numel() for s in a.samples + b.samples)
+    seen = [(tuple(s.tokens.tolist()), tuple(s.advantages.tolist())) for p in plans for s in p.samples]
     assert sorted(seen) == sorted(key)  # each sample once, with the advantages the whole-step batch gives it
-    order = [int(i) for part in S.mini_batch_order(12, 3, 9, 4) for i in part]
-    assert order == [int(i) for part in S.mini_batch_order(12, 3, 9, 4) for i in part]  # a redone step splits alike
+    order = [int(i) for part in P.mini_batch_order(12, 3, 9, 4) for i in part]
+    assert order == [int(i) for part in P.mini_batch_order(12, 3, 9, 4) for i in part]  # a redone step splits alike
     assert order != list(range(12)) and sorted(order) == list(range(12))
-    assert order != [int(i) for part in S.mini_batch_order(12, 3, 9, 5) for i in part]
-    assert [list(p) for p in S.mini_batch_order(5, 1, 9, 4)] == [[0, 1, 2, 3, 4]]  # k = 1: in order, unshuffled
+    assert order != [int(i) for part in P.mini_batch_order(12, 3, 9, 5) for i in part]
+    assert [list(p) for p in P.mini_batch_order(5, 1, 9, 4)] == [[0, 1, 2, 3, 4]]  # k = 1: in order, unshuffled
 
 
 def test_segments_travel_with_their_rollout_and_normalize_over_rollouts(tmp_path):
@@ -138,13 +140,13 @@ def test_segments_travel_with_their_rollout_and_normalize_over_rollouts(tmp_path
     r.samples[1].rollout_id = 1
     r.samples.insert(2, seg)  # rollout 1 = samples[1] and this segment
     r.raw_rewards.insert(2, 1.0)  # rollout 1's segments score 0 and 1: its value 0.5
-    ref = S.write_step(tmp_path, 1, r)
-    cols = S.read_train_columns([ref])
+    ref = write_step(tmp_path, 1, r)
+    cols = P.read_train_columns([ref])
     assert list(cols["rollout_id"]) == [0, 1, 1, 2, 3] and list(cols["group_index"]) == [0, 0, 0, 1, 1]
-    batch, metrics = S.train_batch(cols, AlgorithmConfig(), group_size=2)
+    batch, metrics = P.train_batch(cols, AlgorithmConfig(), group_size=2)
     # group 0 over rollouts: values (1, 0.5), mean 0.75, std of (0.25, -0.25) = √0.125
     s = 0.125 ** 0.5 + 1e-6
-    got = [float(b["advantages"][0]) for b in batch[:3]]
+    got = [float(b.advantages[0]) for b in batch[:3]]
     assert got == pytest.approx([0.25 / s, -0.75 / s, 0.25 / s], abs=1e-4)
     assert metrics["rollout/zero_std_group_ratio"] == 0.5  # group 1's segments all score 0.5
 
@@ -168,43 +170,44 @@ def test_values_no_update_may_use_stop_the_step_at_the_trainers_door(tmp_path):
     r = result()
     r.raw_rewards[2] = 1e39  # finite in float64, inf in the float32 column
     with np.errstate(over="ignore"):
-        ref = S.write_step(tmp_path, 1, r)
-    cols = S.read_train_columns([ref])
-    with pytest.raises(S.UnsoundTrainData, match=r"raw_reward of sample 2 \(index 2\) is inf: not finite") as e:
-        S.train_plan(cols, AlgorithmConfig(), 2)
+        ref = write_step(tmp_path, 1, r)
+    cols = P.read_train_columns([ref])
+    with pytest.raises(P.UnsoundTrainData, match=r"raw_reward of sample 2 \(index 2\) is inf: not finite") as e:
+        P.train_plan(cols, AlgorithmConfig(), 2)
     assert e.value.field == "raw_reward" and e.value.sample == 2 and is_permanent(e.value)
 
-    good = S.read_train_columns([S.write_step(tmp_path, 2, result())])
-    S.check_train_columns(good)  # the sound columns pass
-    S.check_train_columns(_with(good, "rollout_log_probs", 1, 0, 5e-4))  # rounding of a log-prob near 0: accepted
+    good = P.read_train_columns([write_step(tmp_path, 2, result())])
+    P.check_train_columns(good)  # the sound columns pass
+    P.check_train_columns(_with(good, "rollout_log_probs", 1, 0, 5e-4))  # rounding of a log-prob near 0: accepted
     cases = [("rollout_log_probs", 1, 1, float("nan"), "not finite, at response token 1"),
              ("rollout_log_probs", 3, 2, 0.5, "a log-prob above 0"),  # under loss_mask 0: still refused
              ("ref_log_probs", 0, 0, float("-inf"), "not finite, at response token 0"),
              ("log_probs", 2, 0, float("inf"), "not finite")]
     for name, sample, token, value, what in cases:
         bad = _with(good, name, sample, token, value)
-        with pytest.raises(S.UnsoundTrainData, match=f"{name} of sample {sample} \\(index {sample}\\) is .*{what}"):
-            S.train_plan(bad, AlgorithmConfig(), 2)
+        with pytest.raises(P.UnsoundTrainData, match=f"{name} of sample {sample} \\(index {sample}\\) is .*{what}"):
+            P.train_plan(bad, AlgorithmConfig(), 2)
 
     # raw rewards finite in float32 whose group statistics overflow: R̃ is not finite
     big = result()
     big.raw_rewards[:2] = [3e38, 3e38]  # their sum is inf in float32
-    cols = S.read_train_columns([S.write_step(tmp_path, 3, big)])
-    S.check_train_columns(cols)
-    with np.errstate(over="ignore"), pytest.raises(S.UnsoundTrainData, match=r"^(rewards|advantages) of sample 0 "):
-        S.train_plan(cols, AlgorithmConfig(), 2)
+    cols = P.read_train_columns([write_step(tmp_path, 3, big)])
+    P.check_train_columns(cols)
+    with np.errstate(over="ignore"), pytest.raises(P.UnsoundTrainData, match=r"^(rewards|advantages) of sample 0 "):
+        P.train_plan(cols, AlgorithmConfig(), 2)
 
 
-def test_a_skipped_optimizer_step_shows_in_the_steps_metrics():
-    """The actor role's train/* over k updates: a skipped update's NaN stays visible in the means, and the skips
-    are counted, not averaged."""
-    import math
+def test_the_plan_builds_slotted_samples_that_batch_like_mappings(tmp_path):
+    """The trainer's seam is typed: the plan builds TrainingSample (slotted: a misspelt field fails), and a micro-batch
+    of them holds the same tensors as one of the same samples as mappings (what tests and tools pass)."""
+    from relax_hpc.train.batch import make_micro_batch
 
-    from relax_hpc.roles.actor import _over_steps
-
-    ok = {"loss": 0.5, "grad_norm": 1.0, "nonfinite_skipped": 0.0, "num_samples": 4.0, "step": 1.0}
-    bad = {"loss": math.nan, "grad_norm": math.inf, "nonfinite_skipped": 1.0, "num_samples": 4.0, "step": 2.0}
-    out = _over_steps([ok, bad, dict(ok, step=3.0)])
-    assert math.isnan(out["loss"]) and out["grad_norm"] == math.inf
-    assert out["nonfinite_skipped"] == 1.0 and out["num_samples"] == 12.0 and out["step"] == 3.0
-    assert out["num_steps"] == 3.0
+    batch, _ = P.read_train_batch([write_step(tmp_path, 1, result())], AlgorithmConfig(), group_size=2)
+    assert batch and all(type(b) is TrainingSample for b in batch)
+    with pytest.raises(AttributeError):
+        batch[0].advantage = 1.0  # not a field: no silent extra attribute
+    plain = [{f: getattr(b, f) for f in TrainingSample.__slots__ if getattr(b, f) is not None} for b in batch]
+    typed, mapped = (make_micro_batch(x, pad_id=0, train=True) for x in (batch, plain))
+    for name in ("tokens", "targets", "valid", "loss_mask", "advantages", "rollout_log_probs"):
+        assert torch.equal(getattr(typed, name), getattr(mapped, name)), name
+    assert typed.old_log_probs is None and mapped.old_log_probs is None  # no π_old yet: the actor sets it

@@ -2,7 +2,7 @@
 
 The rollout role calls :func:`launch_engine` (or :func:`start_engine` for many, then
 :meth:`EngineHandle.wait_ready` on each, so N engines load their weights in parallel). Either kind comes
-back as an :class:`EngineHandle` with a URL that :class:`~relax_hpc.rollout.client.EngineClient` talks to.
+back as an :class:`EngineHandle` with a URL that :class:`~relax_hpc.engines.client.EngineClient` talks to.
 
 Why it looks like this:
 
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from relax_hpc.rollout.client import EngineClient
+from relax_hpc.engines.client import EngineClient
 
 KINDS = ("sglang", "cpu")
 API_KEY_ENV = "RELAX_ENGINE_API_KEY"  # the CPU engine's API key
@@ -93,7 +93,7 @@ def _masked(command: Sequence[str]) -> str:
 
 def cpu_engine_command(python: str, model_path: str, host: str, ready_file: str,
                        extra_args: Sequence[str] = ()) -> list[str]:
-    return [python, "-m", "relax_hpc.rollout.cpu_engine", "--model", str(model_path), "--host", host,
+    return [python, "-m", "relax_hpc.engines.cpu_engine", "--model", str(model_path), "--host", host,
             "--port", "0", "--ready-file", ready_file, *extra_args]
 
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from relax_hpc.rollout.client import Backoff, EngineClient, EngineError
-from tests.rollout.stub_http import StubHandler, StubServer
+from relax_hpc.engines.client import Backoff, EngineClient, EngineError
+from tests.engines.stub_http import StubHandler, StubServer
 
 FAST = Backoff(base=0.01, factor=2.0, cap=0.05, jitter=False)  # tests stay fast; the gaps stay checkable
 GEN = {"text": "ab", "output_ids": [1, 2], "meta_info": {

@@ -1,0 +1,271 @@
+"""The CPU engine's model: an HF transformers model and its tokenizer, the ``/generate`` request checks and
+answers in SGLang's wire format, the health check and the server/model info. HTTP-free; the batches run on its
+:class:`~relax_hpc.engines.scheduler.Scheduler`, the weights arrive through its
+:class:`~relax_hpc.engines.receiver.WeightReceiver` half.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+import time
+import traceback
+import uuid
+
+import torch
+
+from relax_hpc.engines.bad_output import BAD_OUTPUT_ENV, BadOutput
+from relax_hpc.engines.http import ENGINE_VERSION, HTTPError
+from relax_hpc.engines.receiver import WeightReceiver
+from relax_hpc.engines.scheduler import Req, Scheduler
+
+log = logging.getLogger("relax_hpc.cpu_engine")
+
+TOP_K_ALL = 1 << 30  # SGLang's "top_k off" value (1073741824); -1 also means off
+
+# SGLang 0.5.23 SamplingParams keys (unknown keys are rejected, as SGLang does). The ones in _SUPPORTED
+# change what we generate; the others are accepted only at a neutral value (None, default, empty).
+_SAMPLING_KEYS = {
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+    "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width",
+    "watermark", "choice",
+}
+_SUPPORTED = {"max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "ignore_eos",
+              "sampling_seed", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+              "stream_interval", "custom_params"}
+_NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+            "min_new_tokens": 0, "n": 1}
+
+
+class CPUEngine(WeightReceiver):
+    """The model, its weights and the endpoint logic (HTTP-free, so it reads like SGLang's request structs)."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", max_batch: int = 64, batch_wait_ms: float = 5.0,
+                 seed: int | None = None, weight_version: str = "default", served_model_name: str | None = None):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.model_path = str(model_path)
+        self.served_model_name = served_model_name or self.model_path
+        self.dtype = getattr(torch, dtype)
+        self.config = AutoConfig.from_pretrained(self.model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).eval()
+        self.model.requires_grad_(False)
+        super().__init__(self.model.state_dict(keep_vars=True), weight_version)
+        self.tokenizer = _load_tokenizer(self.model_path)
+        self.vocab_size = int(self.config.vocab_size)
+        self.context_len = int(getattr(self.config, "max_position_embeddings", 4096))
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        self.rng = random.Random(seed)
+        spec = os.environ.get(BAD_OUTPUT_ENV)
+        self.bad_output = BadOutput(spec, self.vocab_size) if spec else None
+        self.started = time.time()
+        self.scheduler = Scheduler(self, max_batch, batch_wait_ms / 1000.0)
+        self.scheduler.thread.start()
+        self.host, self.port, self.url = "", 0, ""
+
+    # ------------------------------------------------------------------ generate
+    def finish_reason(self, r: Req, tok: int) -> dict | None:
+        # SGLang order: the length check wins over a matched stop token on the last position.
+        if len(r.output_ids) >= r.max_new_tokens:
+            return {"type": "length", "length": r.max_new_tokens}
+        if (tok in self.eos_ids and not r.ignore_eos) or tok in r.stop_ids:
+            return {"type": "stop", "matched": tok}
+        if r.stop_strs:  # decode a tail long enough to hold any stop string (a token is at least one char here)
+            tail = self.tokenizer.decode(r.output_ids[-(max(map(len, r.stop_strs)) + 8):],
+                                         skip_special_tokens=r.skip_special_tokens)
+            for s in r.stop_strs:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        return None
+
+    def generate(self, body: dict):
+        if body.get("stream"):
+            raise HTTPError(400, "stream=true is not supported by the CPU engine")
+        if body.get("top_logprobs_num"):
+            raise HTTPError(400, "top_logprobs_num is not supported by the CPU engine")
+        has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
+        if has_ids == has_text:
+            raise HTTPError(400, "Either text or input_ids should be provided (exactly one).")
+        if has_text:
+            if self.tokenizer is None:
+                raise HTTPError(400, "text input needs a tokenizer in the model directory; send input_ids")
+            texts = body["text"]
+            batched = isinstance(texts, list)
+            prompts = [self.tokenizer.encode(t) for t in (texts if batched else [texts])]
+        else:
+            ids = body["input_ids"]
+            if not isinstance(ids, list) or not ids:
+                raise HTTPError(400, "input_ids must be a non-empty list of token ids (or a list of such lists)")
+            batched = isinstance(ids[0], list)
+            prompts = ids if batched else [ids]
+        n = len(prompts)
+        sps, rlps, rids = (_per_item(body.get(k), n, k) for k in ("sampling_params", "return_logprob", "rid"))
+        text_in_lp = bool(body.get("return_text_in_logprobs"))
+        reqs = [self._make_req(p, sp or {}, bool(lp), rid) for p, sp, lp, rid in zip(prompts, sps, rlps, rids)]
+        todo = [r for r in reqs if not r.done.is_set()]
+        self.scheduler.submit(todo)
+        for r in reqs:
+            r.done.wait()
+        errors = [r.error for r in reqs if r.error]
+        if errors:
+            raise HTTPError(500, f"generation failed: {errors[0]}")
+        outs = [self._response(r, text_in_lp) for r in reqs]
+        if self.bad_output is not None:
+            for o in outs:
+                self.bad_output.spoil(o)
+        return outs if batched else outs[0]
+
+    def _make_req(self, input_ids, sp: dict, return_logprob: bool, rid) -> Req:
+        if not input_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in input_ids):
+            raise HTTPError(400, f"input_ids must be a non-empty list of ints in [0, {self.vocab_size})")
+        sp = _check_sampling(sp)
+        if sp["stop"] and self.tokenizer is None:
+            raise HTTPError(400, "stop strings need a tokenizer in the model directory; use stop_token_ids")
+        if len(input_ids) >= self.context_len:
+            raise HTTPError(400, f"The input ({len(input_ids)} tokens) is longer than the model's context "
+                                 f"length ({self.context_len} tokens).")
+        if sp["max_new_tokens"] is None:
+            sp["max_new_tokens"] = self.context_len - len(input_ids)
+        if sp["max_new_tokens"] + len(input_ids) > self.context_len:
+            raise HTTPError(400, f"Requested token count exceeds the model's maximum context length of "
+                                 f"{self.context_len} tokens: {len(input_ids)} prompt + {sp['max_new_tokens']} new.")
+        seed = sp["sampling_seed"]
+        gen = torch.Generator().manual_seed(int(seed) if seed is not None else self.rng.getrandbits(63))
+        r = Req(str(rid) if rid else uuid.uuid4().hex, list(input_ids), sp, return_logprob, gen)
+        if r.max_new_tokens == 0:
+            r.finish_with({"type": "length", "length": 0}, self.weight_version)
+        return r
+
+    def _response(self, r: Req, text_in_lp: bool) -> dict:
+        meta = {"id": r.rid, "finish_reason": r.finish, "prompt_tokens": len(r.input_ids),
+                "completion_tokens": len(r.output_ids), "cached_tokens": 0, "weight_version": r.weight_version,
+                "e2e_latency": time.monotonic() - r.created}
+        if r.return_logprob:
+            dec = (lambda t: self.tokenizer.decode([t])) if (text_in_lp and self.tokenizer) else (lambda t: None)
+            meta["output_token_logprobs"] = [[lp, t, dec(t)] for lp, t in zip(r.logprobs, r.output_ids)]
+        out = {"output_ids": r.output_ids, "meta_info": meta}
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=r.skip_special_tokens)
+            m = (r.finish or {}).get("matched")
+            if isinstance(m, str) and not r.no_stop_trim and m in text:  # SGLang trims a matched stop string
+                text = text[:text.rindex(m)]
+            out = {"text": text, **out}
+        return out
+
+    def health_generate(self, timeout_s: float = 20.0) -> bool:
+        """A 1-token forward of ``input_ids=[0]`` (SGLang's default health check generates one token).
+
+        It runs between decode steps instead of queueing behind a batch: with static batching a long batch
+        would otherwise make a healthy engine look dead (SGLang's continuous batching answers at once). It
+        answers while paused too, as the model is still there."""
+        if not self.model_lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            with torch.inference_mode():
+                logits = self.model(input_ids=torch.tensor([[0]])).logits[0, -1]
+            return bool(torch.isfinite(logits).all())
+        except Exception:
+            log.error("health check failed: %s", traceback.format_exc())
+            return False
+        finally:
+            self.model_lock.release()
+
+    # ------------------------------------------------------------------ control
+    def flush_cache(self) -> tuple[bool, str]:
+        running, waiting = self.scheduler.busy()
+        if running or (waiting and self.scheduler.paused is None):
+            return False, (f"Cache not flushed because there are pending requests: #queue-req: {waiting}, "
+                           f"#running-req: {running}")
+        return True, "Cache flushed.\nPlease check backend logs for more details. (When there are running or " \
+                     "waiting requests, the operation will not be performed.)\n"
+
+    def server_info(self) -> dict:
+        running, waiting = self.scheduler.busy()
+        return {
+            "model_path": self.model_path, "tokenizer_path": self.model_path,
+            "served_model_name": self.served_model_name, "host": self.host, "port": self.port, "tp_size": 1,
+            "dp_size": 1, "device": "cpu",
+            "dtype": str(self.dtype).replace("torch.", ""), "context_length": self.context_len,
+            "skip_tokenizer_init": self.tokenizer is None, "max_running_requests": self.scheduler.max_batch,
+            "launch_command": " ".join(sys.argv), "status": "ready", "max_total_num_tokens": None,
+            "max_req_input_len": self.context_len - 1, "startup_time": self.started,
+            "internal_states": [{"last_gen_throughput": self.scheduler.stats["last_gen_throughput"],
+                                 "num_running_reqs": running, "num_waiting_reqs": waiting,
+                                 "paused": self.scheduler.paused, **self.scheduler.stats}],
+            "version": self.reported_version or ENGINE_VERSION, "engine": "relax_hpc-cpu", "frontend": "python",
+        }
+
+    def abort_all(self, message: str) -> None:
+        self.scheduler.abort(None, message)
+
+    def model_info(self) -> dict:
+        return {
+            "model_path": self.model_path, "tokenizer_path": self.model_path,
+            "served_model_name": self.served_model_name, "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "load_format": "safetensors", "model_type": getattr(self.config, "model_type", None),
+            "architectures": getattr(self.config, "architectures", None), "has_image_understanding": False,
+            "has_audio_understanding": False,
+        }
+
+def _check_sampling(sp: dict) -> dict:
+    if not isinstance(sp, dict):
+        raise HTTPError(400, "sampling_params must be an object")
+    unknown = set(sp) - _SAMPLING_KEYS
+    if unknown:
+        raise HTTPError(400, f"unknown sampling_params keys: {sorted(unknown)}")
+    for k, v in sp.items():
+        if k in _SUPPORTED or v in (None, "", [], {}) or (k in _NEUTRAL and v == _NEUTRAL[k]):
+            continue
+        raise HTTPError(400, f"sampling param {k}={v!r} is not supported by the CPU engine")
+    out = {"max_new_tokens": sp.get("max_new_tokens", 128), "temperature": sp.get("temperature", 1.0),
+           "top_p": sp.get("top_p", 1.0), "top_k": sp.get("top_k", -1), "stop_token_ids": sp.get("stop_token_ids"),
+           "ignore_eos": sp.get("ignore_eos", False), "sampling_seed": sp.get("sampling_seed"),
+           "stop": [sp["stop"]] if isinstance(sp.get("stop"), str) and sp["stop"] else list(sp.get("stop") or []),
+           "skip_special_tokens": sp.get("skip_special_tokens", True), "no_stop_trim": sp.get("no_stop_trim", False)}
+    if out["top_k"] in (-1, None) or out["top_k"] >= TOP_K_ALL:
+        out["top_k"] = TOP_K_ALL
+    if out["max_new_tokens"] is not None and out["max_new_tokens"] < 0:
+        raise HTTPError(400, "max_new_tokens must be at least 0")
+    if out["temperature"] < 0:
+        raise HTTPError(400, "temperature must be non-negative")
+    if not 0 < out["top_p"] <= 1:
+        raise HTTPError(400, "top_p must be in (0, 1]")
+    if out["top_k"] < 1:
+        raise HTTPError(400, "top_k must be -1 (disable), or at least 1")
+    return out
+
+
+def _per_item(v, n: int, key: str) -> list:
+    """SGLang batch fields: one value for all items, or a list with one value per item."""
+    if isinstance(v, list):
+        if len(v) != n:
+            raise HTTPError(400, f"{key} has {len(v)} items for a batch of {n}")
+        return v
+    if key == "rid" and n > 1 and v is not None:
+        raise HTTPError(400, "a batch needs one rid per item")
+    return [v] * n
+
+
+def _load_tokenizer(path: str):
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # no tokenizer in the dir: like SGLang's --skip-tokenizer-init, no "text"
+        log.warning("no tokenizer loaded from %s (%s): responses carry no text", path, e)
+        return None
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        ids.update(e if isinstance(e, (list, tuple)) else ([e] if e is not None else []))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,232 @@
+"""The receiving side of SGLang's weight-update API: process groups beside the default one, update sessions, the
+updates themselves (per tensor or one flattened bucket), the version tag and the read-back, by HF parameter name.
+
+The CPU engine (:mod:`relax_hpc.engines.model_runner`) is a :class:`WeightReceiver`; so is the forward role that
+follows the actor (:mod:`relax_hpc.weights.follower`), so both answer the sender (:mod:`relax_hpc.weights.sync`)
+with this one wire format. :func:`weight_routes` is its HTTP half.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from relax_hpc.engines.http import HTTPError, ok
+
+
+def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
+                             group_name: str = "weight_update_group", backend: str = "gloo",
+                             timeout_s: float = 600.0):
+    """Create a torch.distributed group *beside* the default one, the way SGLang's engine joins its weight group.
+
+    Both ends (trainer rank 0 and every engine rank) must build the group the same way: a TCPStore
+    rendezvous at ``tcp://master_address:master_port`` (rank 0 hosts it), keys under a
+    ``PrefixStore(group_name)``, and registration in torch's group table so ``dist.broadcast(..., group=g)``
+    works. It never touches the default process group, so a trainer that already has one (Megatron) and a
+    pytest process can both use it. Uses private torch API like SGLang/OpenRLHF/verl do; torch 2.13 checked.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
+                                                    rendezvous)
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    assert pg.rank() == rank and pg.size() == world_size
+    return pg
+
+
+def flat_bucket_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
+    """dtype of SGLang's flattened bucket: what ``torch.cat`` of the flattened tensors promotes to."""
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
+
+
+def _resolve_dtype(name) -> torch.dtype:
+    dt = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dt, torch.dtype):
+        raise HTTPError(400, f"unknown dtype {name!r}")
+    return dt
+
+
+
+class WeightReceiver:
+    """The receiving side of SGLang's weight-update API, by HF parameter name into ``params``: groups, update
+    sessions, the updates themselves, the version tag. The CPU engine is one; a forward role following the actor
+    (:mod:`relax_hpc.weights.follower`) is another, so both answer the sender with this one wire format."""
+
+    device = "cpu"  # where broadcasts land
+    # SGLang before 0.5.23 (``--sglang-version``): no update sessions; the updates come alone
+    legacy_updates = False
+    reported_version: str | None = None  # what /server_info says the version is (``--sglang-version``)
+
+    def __init__(self, params: dict[str, torch.Tensor], weight_version: str = "default"):
+        self.params = params  # HF names → live tensors (tied names included)
+        self.weight_version = weight_version
+        self.model_lock = threading.Lock()  # readers of params vs weight loads
+        self.groups: dict[str, object] = {}
+        self.session = False
+        self.session_lock = threading.Lock()
+
+    def backend(self, body: dict) -> str:
+        """The group's backend: gloo here whatever was asked ("nccl" is served by gloo on CPU)."""
+        return "gloo"
+
+    def abort_all(self, message: str) -> None:
+        """Requests in flight when an update asks to abort them (an engine has some)."""
+
+    def loaded(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Called after tensors were copied into ``params``."""
+
+    def init_weights_update_group(self, body: dict) -> tuple[bool, str]:
+        name = body.get("group_name", "weight_update_group")
+        if name in self.groups:
+            return False, f"weight update group {name!r} already exists"
+        try:
+            pg = init_weight_update_group(body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
+                                          int(body["world_size"]), name, backend=self.backend(body),
+                                          timeout_s=float(body.get("timeout", 600.0)))
+        except KeyError as e:
+            return False, f"missing field {e}"
+        except Exception as e:
+            return False, f"Failed to init process group: {type(e).__name__}: {e}"
+        self.groups[name] = pg
+        return True, (f"Succeeded to initialize custom process group (rank {body['rank_offset']} of "
+                      f"{body['world_size']}, backend {self.backend(body)}; requested {body.get('backend', 'nccl')}).")
+
+    def destroy_weights_update_group(self, body: dict) -> tuple[bool, str]:
+        import torch.distributed as dist
+        pg = self.groups.pop(body.get("group_name", "weight_update_group"), None)
+        if pg is None:
+            return False, "no such weight update group"
+        dist.destroy_process_group(pg)
+        return True, "Succeeded to destroy custom process group."
+
+    def begin_weight_update(self) -> tuple[bool, str]:
+        with self.session_lock:
+            if self.session:
+                return False, "A weight update session is already active; call end_weight_update() first."
+            self.session = True
+        return True, "Weight update session started."
+
+    def end_weight_update(self) -> tuple[bool, str]:
+        with self.session_lock:
+            if not self.session:
+                return False, "No weight update session is active; call begin_weight_update() first."
+            self.session = False
+        return True, "Weight update session ended."
+
+    def update_weights_from_distributed(self, body: dict) -> tuple[bool, str]:
+        import torch.distributed as dist
+        if not self.session and not self.legacy_updates:
+            return False, ("update_weights_from_distributed must run between begin_weight_update() and "
+                           "end_weight_update().")
+        group_name = body.get("group_name", "weight_update_group")
+        pg = self.groups.get(group_name)
+        if pg is None:
+            return False, (f"Group {group_name} not in {list(self.groups)}. "
+                           "Please call `init_weights_update_group` first.")
+        names, shapes = list(body.get("names") or []), [list(s) for s in body.get("shapes") or []]
+        dtypes = [_resolve_dtype(d) for d in body.get("dtypes") or []]
+        if not names or not (len(names) == len(dtypes) == len(shapes)):
+            return False, (f"names, dtypes and shapes must be non-empty and equally long "
+                           f"({len(names)}, {len(dtypes)}, {len(shapes)})")
+        if body.get("abort_all_requests"):
+            self.abort_all("Abort by update_weights_from_distributed (abort_all_requests).")
+        fmt = body.get("load_format")
+        # Receive everything the trainer sends before judging names/shapes: refusing halfway would hang its broadcast.
+        if fmt == "flattened_bucket":
+            numels = [int(torch.Size(s).numel()) for s in shapes]
+            flat = torch.empty(sum(numels), dtype=flat_bucket_dtype(dtypes), device=self.device)
+            dist.broadcast(flat, src=0, group=pg)
+            tensors, off = [], 0
+            for s, d, k in zip(shapes, dtypes, numels):
+                tensors.append(flat[off:off + k].view(s).to(d))
+                off += k
+        elif fmt in (None, "", "direct"):
+            tensors = [torch.empty(s, dtype=d, device=self.device) for s, d in zip(shapes, dtypes)]
+            works = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors]
+            for w in works:
+                w.wait()
+        else:
+            return False, f"load_format {fmt!r} is not supported by the CPU engine (null or 'flattened_bucket')"
+        self.load_named(list(zip(names, tensors)))
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+        return True, f"Succeeded to update parameter online ({len(names)} tensors)."
+
+    def update_weights_from_disk(self, body: dict) -> tuple[bool, str]:
+        from safetensors.torch import load_file
+        path = Path(body.get("model_path") or "")
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+        if not files:
+            return False, f"Failed to update weights: no *.safetensors files in model_path {str(path)!r}"
+        if body.get("abort_all_requests"):
+            self.abort_all("Abort by update_weights_from_disk (abort_all_requests).")
+        named = [kv for f in files for kv in load_file(str(f)).items()]
+        self.load_named(named)
+        self.model_path = str(path)
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+        return True, f"Succeeded to update model weights from {path} ({len(named)} tensors)."
+
+    def load_named(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into the model by HF name; all are checked before any is copied."""
+        for name, t in named:
+            p = self.params.get(name)
+            if p is None:
+                raise HTTPError(400, f"unknown parameter {name!r} (not in the HF model's state_dict)")
+            if tuple(p.shape) != tuple(t.shape):
+                raise HTTPError(400, f"shape mismatch for {name}: model {tuple(p.shape)}, received {tuple(t.shape)}")
+        with self.model_lock, torch.no_grad():
+            for name, t in named:
+                self.params[name].data.copy_(t)
+        self.loaded(named)
+
+    def get_weights_by_name(self, body: dict):
+        name = body.get("name")
+        p = self.params.get(name)
+        if p is None:
+            raise HTTPError(400, f"unknown parameter {name!r}")
+        return p.detach()[: int(body.get("truncate_size", 100))].float().tolist()
+
+
+def weight_routes(receiver: WeightReceiver) -> dict:
+    """The weight-update endpoints of SGLang's HTTP API (groups, sessions, updates, version, read-back)."""
+    def result(fn, **extra):
+        """Weight/session endpoints answer {"success", "message"} with 200/400, never an error object."""
+        def call(b):
+            try:
+                success, message = fn(b)
+            except HTTPError as e:
+                success, message = False, e.message
+            return (200 if success else 400), {"success": success, "message": message, **extra}
+        return call
+
+    def version(b):
+        if b.get("abort_all_requests", True):
+            receiver.abort_all("Abort by update_weight_version.")
+        receiver.weight_version = str(b["new_version"])
+        return 200, {"success": True, "message": "Weight version updated.", "new_version": receiver.weight_version}
+
+    return {
+        "/init_weights_update_group": result(receiver.init_weights_update_group),
+        "/destroy_weights_update_group": result(receiver.destroy_weights_update_group),
+        **({} if receiver.legacy_updates else {  # older SGLang has no such routes: 404, as there
+            "/begin_weight_update": result(lambda b: receiver.begin_weight_update()),
+            "/end_weight_update": result(lambda b: receiver.end_weight_update())}),
+        "/update_weights_from_distributed": result(receiver.update_weights_from_distributed),
+        "/update_weights_from_disk": result(receiver.update_weights_from_disk, num_paused_requests=0),
+        "/update_weight_version": version,
+        "/get_weights_by_name": lambda b: ok(receiver.get_weights_by_name(b)),
+    }

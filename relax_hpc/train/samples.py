@@ -1,0 +1,135 @@
+"""Rollout samples ↔ chunk files ↔ columns: the conversions on both sides of the exchange.
+
+The rollout role writes one step's samples as one chunk (:mod:`relax_hpc.exchange.chunk`) in
+``RUN_DIR/exchange/step_<N>/`` (:func:`write_step`); the chunk's ref (path, checksum, size, ...) travels to the
+actor in its ``train`` task through the controller, and the trainer's roles read it back, checksum verified, as
+columns (:func:`read_columns`: one numpy array per field, views into the verified bytes), which the data plan
+(:mod:`relax_hpc.train.plan`) turns into the actor's batch. Which fields make the trip, their dtypes and who
+writes them is :mod:`relax_hpc.exchange.fields`; this module only converts.
+
+Representations of one sample on the way to the loss: the engine's response → :class:`Sample` → columns
+(one numpy array per field) → the HDF5 chunk → flat columns read back → per-sample tensors of this DP rank's
+share only (:class:`~relax_hpc.train.batch.TrainingSample`, views again, no copies) → the padded micro-batch of
+:mod:`relax_hpc.train.batch`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from relax_hpc.exchange.chunk import ChunkRef, DamagedChunk, Ragged, columns_to_samples, read_chunk, write_chunk
+from relax_hpc.exchange.fields import BY_NAME, PRODUCER, TRAIN_FIELDS, rollout_fields
+
+__all__ = ["exchange_root", "write_step", "as_ref", "read_columns", "read_samples"]
+
+
+def exchange_root(run_path: str | os.PathLike) -> str:
+    return os.path.join(str(run_path), "exchange")
+
+
+def _rollout_values(s: Any) -> dict[str, list]:
+    """Each rollout field's per-sample values (the names and order of :func:`rollout_fields`)."""
+    return {
+        "tokens": [x.tokens for x in s],
+        "response_length": [x.response_length for x in s],
+        "loss_mask": [x.loss_mask if x.loss_mask is not None else [1] * x.response_length for x in s],
+        "rollout_log_probs": [x.rollout_log_probs or [] for x in s],
+        "raw_reward": None,  # the result's, set by write_step
+        "index": [-1 if x.index is None else x.index for x in s],
+        "group_index": [-1 if x.group_index is None else x.group_index for x in s],
+        "rollout_id": [x.rollout_id if x.rollout_id is not None else -1 if x.index is None else x.index for x in s],
+        "weight_version": [x.weight_version for x in s],
+        "status": [x.status.value for x in s],
+        "prompt": [x.prompt for x in s],
+        "response": [x.response for x in s],
+        "label": [x.label for x in s],
+    }
+
+
+def _column(name: str, values: list) -> Any:
+    """One field's values as the column its schema says: ndarray, a list of per-sample arrays, or a JSON list."""
+    f = BY_NAME[name]
+    if f.kind == "fixed":
+        return np.asarray(values, dtype=f.dtype)
+    if f.kind == "ragged":  # per-sample arrays: write_chunk writes them as they are, not concatenated first
+        return [np.asarray(v, dtype=f.dtype) for v in values]
+    return list(values)
+
+
+def write_step(run_path: str | os.PathLike, step: int, result: Any, seq: int = 0,
+               attrs: dict | None = None) -> ChunkRef:
+    """Write a :class:`~relax_hpc.rollout.driver.RolloutResult` as the chunk of rollout step ``step``;
+    ``attrs`` join the chunk's (and its journal record's), e.g. the prompts it holds
+    (:func:`~relax_hpc.exchange.audit.prompt_attrs`)."""
+    values = _rollout_values(result.samples)
+    values["raw_reward"] = list(result.raw_rewards)
+    names = rollout_fields()
+    assert set(values) == set(names), sorted(set(values) ^ set(names))  # the schema and this writer agree
+    root = exchange_root(run_path)
+    os.makedirs(os.path.join(root, f"step_{int(step)}"), exist_ok=True)
+    fields = {name: _column(name, values[name]) for name in names}
+    return write_chunk(root, step, PRODUCER, seq, fields, attrs={"group_size": result.group_size, **(attrs or {})})
+
+
+def as_ref(r: dict | ChunkRef) -> ChunkRef:
+    """A chunk ref as tasks carry it (a dict) or already decoded."""
+    return r if isinstance(r, ChunkRef) else ChunkRef.from_dict(r)
+
+
+def read_columns(refs: Sequence[dict | ChunkRef], fields: Sequence[str] = TRAIN_FIELDS, *,
+                 agree: bool = False) -> dict[str, Any]:
+    """The ``fields`` of these chunks (samples in order) as columns: ``fixed`` → ndarray, ``ragged`` → one
+    flat :class:`Ragged`, ``json`` → list. Raises DamagedChunk on a bad file.
+
+    ``agree``: a collective of the role's ranks (each reads the same chunks): if any rank could not read, every
+    rank raises DamagedChunk, so none goes on into a collective that the others never join."""
+    parts: list[dict[str, Any]] = []
+    damage = None
+    try:
+        parts = [read_chunk(as_ref(r), list(fields), ragged="flat") for r in refs]
+    except DamagedChunk as e:
+        damage = e
+    if agree and _any_rank(damage is not None) and damage is None:
+        path = as_ref(refs[0]).path if refs else "?"
+        damage = DamagedChunk(path, "another rank of this role could not read this task's chunks")
+    if damage is not None:
+        raise damage
+    return {name: _concat([p[name] for p in parts]) for name in fields}
+
+
+def _concat(cols: list) -> Any:
+    if len(cols) == 1:
+        return cols[0]
+    if cols and isinstance(cols[0], Ragged):
+        lengths = np.concatenate([c.lengths() for c in cols])
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return Ragged(np.concatenate([c.data for c in cols]), offsets)
+    if cols and isinstance(cols[0], np.ndarray):
+        return np.concatenate(cols)
+    return [v for c in cols for v in c]
+
+
+def read_samples(refs: Sequence[dict | ChunkRef], fields: Sequence[str] = TRAIN_FIELDS, *,
+                 agree: bool = False) -> list[dict[str, Any]]:
+    """The samples of these chunks (in order) as dicts of ``fields``, for readers that walk samples one by
+    one (the forward roles, people); the actor reads columns (:func:`read_train_batch`)."""
+    cols = read_columns(refs, fields, agree=agree)
+    return columns_to_samples({k: v.to_list() if isinstance(v, Ragged) else v for k, v in cols.items()})
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of the role's process group (just ``flag`` without one)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
