@@ -194,3 +194,28 @@ def test_no_import_cycles_between_modules_of_a_subpackage():
     assert ("relax_hpc.rollout.driver", "relax_hpc.rollout.sample") in edges, "the module graph lost its edges"
     sccs = find_cycles(edges)
     assert not sccs, "\n" + report(edges, sccs)
+
+
+def documented_arrows() -> dict[str, set[str]]:
+    """docs/architecture.md's ```arrows block: ``a -> b c`` per line."""
+    text = (ROOT.parent / "docs" / "architecture.md").read_text()
+    block = text.split("```arrows\n", 1)[1].split("```", 1)[0]
+    out: dict[str, set[str]] = {}
+    for line in block.splitlines():
+        if line.strip():
+            src, _, dsts = line.partition("->")
+            out[src.strip()] = set(dsts.split())
+    return out
+
+
+def test_the_arrows_between_packages_are_those_docs_architecture_md_draws():
+    """A new arrow between packages is a design decision: it fails here until docs/architecture.md draws it (and
+    one the code dropped fails until the drawing does too)."""
+    actual: dict[str, set[str]] = defaultdict(set)
+    for src, dst in import_graph():
+        actual[src].add(dst)
+    drawn = documented_arrows()
+    new = sorted(f"{a} -> {b}" for a in actual for b in actual[a] - drawn.get(a, set()))
+    gone = sorted(f"{a} -> {b}" for a in drawn for b in drawn[a] - actual.get(a, set()))
+    assert not new, f"arrows the code has and docs/architecture.md does not draw: {new}"
+    assert not gone, f"arrows docs/architecture.md draws and the code no longer has: {gone}"

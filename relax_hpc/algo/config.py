@@ -13,12 +13,15 @@ what :mod:`relax_hpc.recipe.validate` understands.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
-ESTIMATORS = ("grpo", "gspo", "sapo", "cispo")
+Estimator = Literal["grpo", "gspo", "sapo", "cispo"]
+ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 """Advantage estimators / policy losses relax_hpc implements (Relax also has ppo, reinforce_plus_plus*, rloo)."""
 
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+KlType = Literal["k1", "k2", "k3", "low_var_kl"]
+KL_TYPES: tuple[str, ...] = get_args(KlType)
+"""KL estimators (:func:`relax_hpc.algo.kl.approx_kl`)."""
 
 PLUGIN_CALLS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "custom_tis_function_path": (("cfg",), ("pg_loss", "train_log_probs", "rollout_log_probs", "loss_mask")),
@@ -32,7 +35,7 @@ the recipe validator checks a function's signature against the very call the tra
 class AlgorithmConfig:
     # --- objective (see relax_hpc/algo/losses.py for the formulas) -------------------------------------
     # grpo: PPO-clip per token; gspo: one ratio per sequence; sapo: soft gate; cispo: clipped-IS REINFORCE
-    advantage_estimator: Literal["grpo", "gspo", "sapo", "cispo"] = "grpo"  # which objective is trained
+    advantage_estimator: Estimator = "grpo"  # which objective is trained
     eps_clip: float = 0.2  # lower clip margin: the ratio is clipped below at 1 − eps_clip
     eps_clip_high: float | None = None  # upper clip margin: ratio clipped above at 1 + eps_clip_high; None = eps_clip
     eps_clip_c: float | None = None  # dual clip c > 1: the loss of A < 0 tokens is capped at −c·A; None = off
@@ -45,7 +48,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.0  # Relax's reward-shaping KL, which its GRPO family ignores: only 0 is accepted (see check)
     use_kl_loss: bool = False  # add kl_loss_coef · KL(π_θ ‖ π_ref) to the loss (needs a reference role)
     kl_loss_coef: float = 0.0  # weight of the KL-to-reference loss
-    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"  # KL estimator (relax_hpc/algo/kl.py)
+    kl_loss_type: KlType = "k1"  # KL estimator (relax_hpc/algo/kl.py)
     use_unbiased_kl: bool = False  # multiply each KL token term by π_θ/π_old (DeepSeek-V3.2 unbiased KL)
     ref_update_interval: int | None = None  # copy actor weights into the reference every N steps; None = never
     # --- rewards and advantages --------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from relax_hpc.algo.config import KL_TYPES
+
 LOW_VAR_KL_CLAMP = 10.0
 
 
@@ -40,7 +42,7 @@ def approx_kl(
     elif kl_type in ("k3", "low_var_kl"):
         kl = torch.exp(-d) - 1.0 + d
     else:
-        raise ValueError(f"unknown kl_loss_type {kl_type!r}; use one of k1, k2, k3, low_var_kl")
+        raise ValueError(f"unknown kl_loss_type {kl_type!r}; use one of {', '.join(KL_TYPES)}")
     if importance_ratio is not None:
         kl = importance_ratio * kl
     if kl_type == "low_var_kl":

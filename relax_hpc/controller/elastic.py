@@ -37,17 +37,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol
 
+from relax_hpc.controller.backend import Backend, backend_for
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.engines import EngineRegistry
 from relax_hpc.controller.state import RunState
-from relax_hpc.controller.steps import start_engine_step, stop_processes
+from relax_hpc.controller.steps import start_engine_step
 from relax_hpc.recipe import Recipe
 from relax_hpc.rundir import RunDir, write_json
 
 log = logging.getLogger("relax_hpc.controller")
 TARGET = re.compile(r"^([+\-=])(\d+)$")
 CHECK_JOBS_S = 5.0  # how often pending attached jobs are looked up in Slurm
-LOCAL_STEPS = 4  # step engines a local run may add when rollout.elastic.max_engines is unset (one machine)
 STOP_WAIT_S = 30.0  # after stop, how long a host may take to report before its engine counts as gone anyway
 RESTART = "restart"  # the op of an engine started again after it died (no relax-scale request behind it)
 INITIAL = "initial"  # the op of the engines the run starts with
@@ -94,10 +94,10 @@ class _Drain:
 
 class Elastic:
     def __init__(self, recipe: Recipe, run: RunDir, registry: EngineRegistry, state: RunState, channel: Channel,
-                 executor: str, *, holds: Callable[[str], bool], on_change: Callable[[], None],
+                 executor: str | Backend, *, holds: Callable[[str], bool], on_change: Callable[[], None],
                  assign: Callable[[str, dict], None], capacity: Capacity | None = None):
         self.recipe, self.run, self.registry, self.state, self.channel = recipe, run, registry, state, channel
-        self.executor = executor
+        self.backend = backend_for(executor)  # where engine steps run (and whether jobs may be attached)
         self.cap = capacity  # None: no attached jobs (started without a launcher, e.g. a test); steps still start
         self.holds = holds  # whether a task in flight was given this engine
         self.on_change = on_change  # the registry changed (state.json)
@@ -110,7 +110,7 @@ class Elastic:
         self.draining: dict[str, _Drain] = {}
         self.seen: dict[str, float] = {}  # engine host → its last long poll
         self.restarts: dict[str, int] = {}  # engine → how often it was started again after it died
-        self.start_step, self.stop_steps = start_engine_step, stop_processes  # how engine steps start and stop (a
+        self.start_step, self.stop_steps = start_engine_step, self.backend.stop  # how engine steps start and stop (a
         #                          simulation of the loop, tests/controller/loop_sim.py, puts its own in)
         self.fresh = True  # the initial engines serve the run's weights as they start (step 0's: not a resume)
         self.failed_starts: dict[str, str] = {}  # engine of the run's allocation → why it could not be started
@@ -154,7 +154,7 @@ class Elastic:
             return _no(f"{target} engines is more than rollout.elastic.max_engines ({cap}). Fix: raise it")
         op = self._new_op(msg, target, "attached" if attach is not None else "step")
         if attach is not None:
-            if self.executor != "slurm":
+            if not self.backend.attaches:
                 return self._refuse(op, "--attach needs Slurm (this run is local). Fix: scale without --attach")
             prefix = f"{op.id}-"
             try:
@@ -167,9 +167,8 @@ class Elastic:
         else:
             free = self._spare()
             if n > free:
-                fix = ("add spare nodes (roles.rollout.elastic) or use --attach" if self.executor == "slurm"
-                       else "lower the target")
-                return self._refuse(op, f"{n} more engine(s) asked, room for {free} in the run's allocation. Fix: {fix}")
+                return self._refuse(op, f"{n} more engine(s) asked, room for {free} in the run's allocation. "
+                                        f"Fix: {self.backend.no_room_fix}")
             taken = set(self.registry.engines) | set(self.expected)
             op.engines = []
             k = 0
@@ -180,7 +179,7 @@ class Elastic:
                     op.engines.append(name)
             for name in op.engines:
                 self._start_step(name, op.id, "step")
-            where = "new job step(s)" if self.executor == "slurm" else "local process(es)"
+            where = self.backend.engine_places
         for name in op.engines:
             self.expected[name] = op.id
         op.detail = f"{n} engine(s) as {where}: {', '.join(op.engines)}"
@@ -427,22 +426,18 @@ class Elastic:
 
     def _spare(self) -> int:
         """Room for more step engines: the spare nodes' engines under Slurm (``roles.rollout.elastic``); locally
-        ``rollout.elastic.max_engines`` in all, or :data:`LOCAL_STEPS` step engines."""
-        g = self.recipe.roles.rollout
+        ``rollout.elastic.max_engines`` in all, or a few step engines (:meth:`~.backend.Backend.spare_engines`)."""
         steps = [n for n, e in self.registry.engines.items() if e.origin == "step" and e.state not in ("gone", "dead")]
         used = len(steps) + sum(1 for n in self.expected if n.startswith("step"))
-        if self.executor == "slurm":
-            return max(0, (0 if g.elastic is None else (g.nodes - g.elastic.initial) * g.tasks_per_node) - used)
-        cap = self.cfg.max_engines
-        return max(0, cap - self.count() if cap is not None else LOCAL_STEPS - used)
+        return self.backend.spare_engines(self.recipe, used, self.count())
 
     def _start_step(self, name: str, op: str, origin: str) -> None:
         """Engine ``name`` as a new step on rollout's component; one added by scale-out goes off the nodes of the
         run's own engines (onto the spare ones ``roles.rollout.elastic`` reserved)."""
-        spare = self.recipe.roles.rollout.elastic is not None and self.executor == "slurm"
+        spare = self.backend.spares_apart(self.recipe)
         exclude = sorted({e.node for e in self.registry.engines.values()
                           if e.origin == "initial" and e.node}) if origin == "step" and spare else []
-        self.procs[name] = self.start_step(self.recipe, self.run.path, self.executor, name, origin, op, exclude)
+        self.procs[name] = self.start_step(self.recipe, self.run.path, self.backend, name, origin, op, exclude)
 
     def _new_op(self, msg: dict, target: int, origin: str) -> ScaleOp:
         by = msg.get("by") or "relax-scale"

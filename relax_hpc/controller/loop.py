@@ -29,12 +29,12 @@ import contextlib
 import fcntl
 import logging
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 from typing import Iterator
 
+from relax_hpc.controller.backend import Backend, backend_from_env
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.elastic import Capacity
 from relax_hpc.controller.training import TrainingLoop
@@ -42,7 +42,7 @@ from relax_hpc.controller.procs import StepProcess, stop_steps
 from relax_hpc.controller.requeue import RequeueJob, Resubmit, come_back
 from relax_hpc.controller.signals import Signals
 from relax_hpc.controller.state import COMPLETED, FAILED, REQUEUED, RunState
-from relax_hpc.controller.steps import executor_from_env, step_commands
+from relax_hpc.controller.steps import step_commands
 from relax_hpc.errors import no_space
 from relax_hpc.ops.notify import EVENTS, Notifier, notify_urls
 from relax_hpc.recipe import Recipe, load_recipe, role_steps
@@ -105,7 +105,7 @@ def run_controller(run_dir: str | os.PathLike, *, requeue_job: RequeueJob | None
 
 
 def _run(run: RunDir, requeue_job: RequeueJob | None, resubmit: Resubmit | None, capacity: Capacity | None) -> dict:
-    recipe, executor = load_recipe(run.recipe), executor_from_env()
+    recipe, backend = load_recipe(run.recipe), backend_from_env()
     if not run.ensure_reserve():  # gone after a full disk (or a run made before it existed): made again
         log.warning("could not reserve space in %s (is its filesystem full?): a full disk may end this run "
                     "without state.json saying so", run.path)
@@ -113,12 +113,12 @@ def _run(run: RunDir, requeue_job: RequeueJob | None, resubmit: Resubmit | None,
     restart = False
     with Signals() as sig:  # held through the cleanup too: a second Ctrl-C must not cut the stop short
         while True:
-            state = RunState(run, recipe, role_steps(recipe), executor, restart=restart)
+            state = RunState(run, recipe, role_steps(recipe), backend, restart=restart)
             state.on_event = lambda name, detail: name in EVENTS and notifier.send(
                 name, detail, LEVELS.get(name, "info"))
             if not restart:
-                state.event("started", f"attempt {state.doc['attempt']}, job {state.doc['job_id']} ({executor})")
-            _attempt(run, recipe, executor, state, sig, capacity)
+                state.event("started", f"attempt {state.doc['attempt']}, job {state.doc['job_id']} ({backend.name})")
+            _attempt(run, recipe, backend, state, sig, capacity)
             f = state.failure
             restart = (state.doc["state"] == FAILED and f is not None and f.kind == "role"
                        and state.doc["restarts"] < recipe.checkpoint.max_restarts)
@@ -138,7 +138,7 @@ def _run(run: RunDir, requeue_job: RequeueJob | None, resubmit: Resubmit | None,
             state.write()
             try:
                 # locally, and mostly on Slurm, this does not return
-                state.doc["requeue"] = come_back(run, recipe, executor, requeue_job, resubmit)
+                state.doc["requeue"] = come_back(run, recipe, backend, requeue_job, resubmit)
                 state.write()
                 return state.doc
             except Exception as e:  # neither requeue nor a continuation: say so instead of waiting for ever
@@ -154,18 +154,17 @@ def _run(run: RunDir, requeue_job: RequeueJob | None, resubmit: Resubmit | None,
     return doc
 
 
-def _attempt(run: RunDir, recipe: Recipe, executor: str, state: RunState, sig: Signals,
+def _attempt(run: RunDir, recipe: Recipe, backend: Backend, state: RunState, sig: Signals,
              capacity: Capacity | None = None) -> None:
     """Start the steps, run until the state is final, stop the steps."""
-    local = executor == "local"
-    host = "127.0.0.1" if local else os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    steps = [StepProcess(c, run.path) for c in step_commands(recipe, run.path, executor)]
-    channel = Channel(run.token(), bind_host="127.0.0.1" if local else "0.0.0.0")  # a new port per attempt:
-    log.info("run %s: executor %s, control socket %s:%d", run.name, executor, host, channel.port)  # no stragglers
+    host = backend.control_host(os.environ)
+    steps = [StepProcess(c, run.path) for c in step_commands(recipe, run.path, backend)]
+    channel = Channel(run.token(), bind_host=backend.bind_host)  # a new port per attempt: no stragglers
+    log.info("run %s: executor %s, control socket %s:%d", run.name, backend.name, host, channel.port)
     train = None
     try:
         write_json(run.controller_addr, {"host": host, "port": channel.port, "pid": os.getpid()})
-        train = TrainingLoop(recipe, run, state, channel, executor, capacity) if recipe.model.path else None
+        train = TrainingLoop(recipe, run, state, channel, backend, capacity) if recipe.model.path else None
         state.write()  # this attempt (and restart count) is on disk before any role can read it
         for s in steps:
             log.info("starting %s: %s", s.role, " ".join(s.cmd.procs[0].argv))
@@ -193,7 +192,7 @@ def _attempt(run: RunDir, recipe: Recipe, executor: str, state: RunState, sig: S
             if name == "SIGUSR2":
                 _on_stop(state, train, "requeue", "SIGUSR2: the time limit is near")
             elif name:
-                _on_interrupt(run, state, executor, name)
+                _on_interrupt(run, state, backend, name)
             if train is not None:
                 train.tick()
             if train is not None and train.outcome is not None:
@@ -242,10 +241,10 @@ def _on_stop(state: RunState, train: TrainingLoop | None, outcome: str, why: str
         state.cancel(why)
 
 
-def _on_interrupt(run: RunDir, state: RunState, executor: str, name: str) -> None:
+def _on_interrupt(run: RunDir, state: RunState, backend: Backend, name: str) -> None:
     ck = state.doc.get("last_checkpoint") or {}
     since = f"the checkpoint of step {ck['step']}" if ck else "the start (no checkpoint yet)"
-    if executor == "slurm" and name == "SIGTERM" and not (run.path / "cancel.json").exists():
+    if backend.preemption_requeues and name == "SIGTERM" and not (run.path / "cancel.json").exists():
         state.event("preempted", f"SIGTERM (preemption or scancel); a requeued job resumes from {since}")
         state.cancel(f"received SIGTERM (preemption or scancel); a requeued job resumes from {since}")
     else:

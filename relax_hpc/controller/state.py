@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from relax_hpc.controller.backend import Backend, backend_for
 from relax_hpc.controller.protocol import PHASES
 from relax_hpc.errors import NO_SPACE, PERMANENT, no_space
 from relax_hpc.identity import cross_members
@@ -86,10 +87,12 @@ def _get(d: Any, *keys: str) -> Any:
 
 
 class RunState:
-    def __init__(self, run: RunDir, recipe: Recipe, steps: list[RoleStep], executor: str,
+    def __init__(self, run: RunDir, recipe: Recipe, steps: list[RoleStep], executor: str | Backend,
                  env: dict[str, str] | None = None, restart: bool = False):
-        """``restart``: the steps are being restarted inside this attempt (not a new attempt of the job)."""
+        """``executor``: the run's backend (or its name). ``restart``: the steps are being restarted inside this
+        attempt (not a new attempt of the job)."""
         env = os.environ if env is None else env
+        backend = backend_for(executor)
         prev = run.read_json(run.state, {}) or {}
         self.run, self.steps = run, {s.role: s for s in steps}
         self.ranks = {s.role: [Rank() for _ in range(s.ntasks)] for s in steps}
@@ -101,15 +104,14 @@ class RunState:
         now = time.time()
         job = run.read_json(run.job, {}) or {}
         self.doc: dict[str, Any] = {
-            "run": run.name, "job_id": env.get("SLURM_JOB_ID") or job.get("job_id"), "executor": executor,
+            "run": run.name, "job_id": env.get("SLURM_JOB_ID") or job.get("job_id"), "executor": backend.name,
             "state": RUNNING, "reason": None, "attempt": int(prev.get("attempt", -1)) + (0 if restart else 1),
             "slurm_restart_count": int(env.get("SLURM_RESTART_COUNT") or 0), "restarts": 0, "history": [],
             "last_checkpoint": None, "last_failure": None, "events": [],
             "step": 0, "total_steps": recipe.run.steps, "started_at": now, "updated_at": now,
             "roles": {s.role: {
                 "het_group": s.het_group,
-                "het_nodelist": env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{s.het_group}", "localhost")
-                if executor == "slurm" else "localhost",
+                "het_nodelist": backend.nodelist(s.het_group, env),
                 "nodes": [None] * s.ntasks, "ranks": s.ntasks, "ranks_ready": 0, "phase": "starting",
                 "last_heartbeat": None, "collective_ok": None, "error": None, "pids": [None] * s.ntasks,
                 "exit_code": None,

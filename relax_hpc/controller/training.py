@@ -82,6 +82,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relax_hpc.controller import messages as M
+from relax_hpc.controller.backend import Backend
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.dispatch import Dispatcher, Task
 from relax_hpc.controller.elastic import Autoscaler, Capacity, Elastic
@@ -93,7 +94,7 @@ from relax_hpc.controller.resume_plan import plan_resume
 from relax_hpc.controller.state import RunState
 from relax_hpc.controller.step_rows import StepRows
 from relax_hpc.exchange.broker import Broker
-from relax_hpc.exchange.chunk import ChunkRef, SideRef
+from relax_hpc.exchange.chunk import ChunkRef
 from relax_hpc.exchange.fields import LOGPROB_FIELDS, PRODUCER, task_fields
 from relax_hpc.ops.metrics import REWARD, RunMetrics
 from relax_hpc.recipe import Recipe, initial_engines
@@ -130,7 +131,7 @@ class TrainingLoop:
     (:mod:`~relax_hpc.controller.fixed_staleness`), :attr:`gen` (:mod:`~relax_hpc.controller.generation`),
     :attr:`rows` (:mod:`~relax_hpc.controller.step_rows`), :attr:`tasks` (:mod:`~relax_hpc.controller.dispatch`)."""
 
-    def __init__(self, recipe: Recipe, run: RunDir, state: RunState, channel: Channel, executor: str = "local",
+    def __init__(self, recipe: Recipe, run: RunDir, state: RunState, channel: Channel, executor: str | Backend = "local",
                  capacity: Capacity | None = None):
         if recipe.algorithm.use_kl_loss and not recipe.roles.reference.enabled:
             raise ValueError("algorithm.use_kl_loss needs reference log-probs. Fix: set roles.reference.enabled: true")

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import math
 import random
@@ -47,6 +48,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import httpx
@@ -641,3 +643,29 @@ class EngineClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def vocabulary_size(model_path: str | None, tokenizer: Any = None) -> int | None:
+    """The bound of a token id the engine may send: the model's ``vocab_size`` (``config.json`` of ``model_path``,
+    else of the tokenizer's directory; a multimodal model's ``text_config``), else ``len(tokenizer)``, else None
+    (not checked). The model's, not the tokenizer's: it is the rows of the embedding and of the logits, what the
+    engine samples from and what the trainer indexes. It is often larger than ``len(tokenizer)`` (padded for the
+    kernels), and an id in between is a legitimate, if unlikely, sample; one past it fails the trainer's embedding
+    lookup. A relative ``model_path`` is relative to the working directory, as the roles read recipe paths."""
+    for where in (model_path, getattr(tokenizer, "name_or_path", None)):
+        if not where:
+            continue
+        try:
+            config = json.loads((Path(where).expanduser() / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        for c in (config, config.get("text_config") or {}):
+            v = c.get("vocab_size") if isinstance(c, dict) else None
+            if isinstance(v, int) and v > 0:
+                return v
+    if tokenizer is not None:
+        try:
+            return len(tokenizer)
+        except TypeError:
+            return None
+    return None

@@ -28,7 +28,6 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
     works. It never touches the default process group, so a trainer that already has one (Megatron) and a
     pytest process can both use it. Uses private torch API like SGLang/OpenRLHF/verl do; torch 2.13 checked.
     """
-    import torch.distributed as dist
     from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
                                                     rendezvous)
 

@@ -5,6 +5,7 @@ Modules, one job each:
   slurm      sinfo/squeue/sacct/scancel in JSON, Slurm's state words
   preflight  checks against the cluster (sinfo) or this machine (CUDA) before anything is submitted
   executors  submitit extended for het jobs; the local executor (own process group)
+  backend    the launcher's half of a run's backend (Slurm or local): labels, checks, cancel
   submit     relax-submit's order: check → run directory → submit → job.json
   runs       find a run by name, directory or job id
   status     squeue/sacct + state.json → one status; rich rendering

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,21 +19,14 @@ from relax_hpc.controller.steps import engine_argv, pythonpath
 from relax_hpc.launch import slurm
 from relax_hpc.launch.render import PACKAGE_ROOT, SBATCH_DIR, make_environment
 from relax_hpc.recipe import Recipe
+from relax_hpc.rollout.config import ATTACH_OPTIONS, AttachDefaults
 
 ATTACH_TEMPLATE = "attach.sbatch.j2"
-# sbatch options relax-scale --attach takes (and rollout.elastic.attach holds); anything else goes in `extra`
-ATTACH_OPTIONS = ("partition", "time", "qos", "account", "constraint", "mem")
 
 
-@dataclass
-class AttachOptions:
-    partition: str | None = None
-    time: str | None = None
-    qos: str | None = None
-    account: str | None = None
-    constraint: str | None = None
-    mem: str | None = None
-    extra: list[str] = field(default_factory=list)  # more #SBATCH lines, e.g. "--reservation=r1"
+class AttachOptions(AttachDefaults):
+    """An attached job's sbatch options: the fields of the recipe's ``rollout.elastic.attach`` (said there once,
+    :data:`ATTACH_OPTIONS` and ``extra``), read from relax-scale's request and merged with the recipe's."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "AttachOptions":

@@ -7,18 +7,13 @@ reported CANCELLED (not FAILED) by ``relax-status`` even when nothing else could
 
 from __future__ import annotations
 
-import socket
 import time
 
 from relax_hpc.controller.protocol import Client, ProtocolError
 
-from relax_hpc.launch import localproc, slurm
+from relax_hpc.launch.backend import CancelError, launcher_for
 from relax_hpc.launch.runs import load_job
 from relax_hpc.rundir import RunDir, write_json
-
-
-class CancelError(RuntimeError):
-    pass
 
 
 def cancel(rd: RunDir, grace_s: float = 30.0) -> dict:
@@ -26,19 +21,7 @@ def cancel(rd: RunDir, grace_s: float = 30.0) -> dict:
     job = load_job(rd)
     executor = job.get("executor", "slurm")
     write_json(rd.path / "cancel.json", {"requested_at": time.time(), "by": "relax-cancel"})
-    if executor == "slurm":
-        slurm.scancel(job["job_id"])
-        outcome = f"scancel {job['job_id']}"
-    else:
-        if job.get("host") and job["host"] != socket.gethostname():
-            raise CancelError(f"run {rd.name} runs on host {job['host']}: run relax-cancel there")
-        if not isinstance(job.get("pid"), int):
-            raise CancelError(f"{rd.job} names no process id ('pid') of the local run {rd.name}: nothing to signal. "
-                              "Fix: relax-cancel --checkpoint asks its controller over its socket")
-        outcome = localproc.stop_group(int(job["pid"]), job.get("pid_start"), grace_s=grace_s)
-        if outcome == "pid reused":
-            raise CancelError(f"process {job['pid']} of run {rd.name} has ended and its PID now belongs to "
-                              "another process; nothing was signalled")
+    outcome = launcher_for(executor).cancel(rd, job, grace_s)
     return {"run": rd.name, "run_dir": str(rd.path), "job_id": str(job.get("job_id")), "executor": executor,
             "action": outcome}
 

@@ -18,6 +18,8 @@ from typing import Any
 from rich.console import Console
 
 from relax_hpc.launch import slurm
+from relax_hpc.launch.attach import ATTACH_OPTIONS
+from relax_hpc.launch.backend import launcher_for
 from relax_hpc.launch.cancel import CancelError, cancel, checkpoint_then_stop
 from relax_hpc.launch.follow import follow
 from relax_hpc.launch.runs import DEFAULT_RUNS_ROOT, RunNotFound, find_run
@@ -98,8 +100,9 @@ def submit_main(argv: list[str] | None = None) -> int:
         return _from_relax_args(argv[1:])
     args = _submit_parser().parse_intermixed_args(argv)
     console = Console(stderr=args.json)
-    executor = "local" if args.local or not slurm.have_sbatch() else "slurm"
-    if executor == "local" and not args.local:
+    no_sbatch = not args.local and not slurm.have_sbatch()
+    executor = "local" if args.local or no_sbatch else "slurm"
+    if no_sbatch:
         _err("relax-submit: no sbatch on PATH: running with the local executor (processes on this machine)")
     if args.resume:
         return _resume(args, console)
@@ -134,12 +137,13 @@ def submit_main(argv: list[str] | None = None) -> int:
     record["next"] = _next_commands(record, named_by_path=p.runs_root != Path(DEFAULT_RUNS_ROOT).resolve())
     rd = RunDir(p.runs_root / record["run"])
 
-    if executor == "slurm" or args.detach:
+    backend = launcher_for(executor)
+    if not backend.follows or args.detach:
         if args.json:
             _print_json(record)
         else:
-            what = f"Slurm job {record['job_id']}" if executor == "slurm" else f"local process {record['pid']}"
-            console.print(f"Submitted run [bold]{record['run']}[/bold] as {what}.", highlight=False)
+            console.print(f"Submitted run [bold]{record['run']}[/bold] as {backend.job_label(record)}.",
+                          highlight=False)
             console.print(f"Run directory: {record['run_dir']}", highlight=False)
             console.print("Next:", highlight=False)
             for c in record["next"]:
@@ -344,7 +348,7 @@ def _scale_parser() -> argparse.ArgumentParser:
     ap.add_argument("target", nargs="?", help="rollout=+N (add N engines), rollout=-N (drain N), rollout=N (exactly N)")
     ap.add_argument("--attach", action="store_true",
                     help="add the engines as a separate Slurm job (any partition) instead of steps of the run's job")
-    for opt in ("partition", "time", "qos", "account", "constraint", "mem"):
+    for opt in ATTACH_OPTIONS:
         ap.add_argument(f"--{opt}", help=f"with --attach: the attached job's --{opt} (default: rollout.elastic.attach, "
                                          "then the run's slurm.*)")
     ap.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
@@ -361,9 +365,9 @@ def scale_main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if bool(args.target) == bool(args.cancel):
         ap.error("give either a target (rollout=+N, -N, N) or --cancel OP")
-    opts = {k: getattr(args, k) for k in ("partition", "time", "qos", "account", "constraint", "mem")}
+    opts = {k: getattr(args, k) for k in ATTACH_OPTIONS}
     if not args.attach and (any(v is not None for v in opts.values()) or args.sbatch):
-        ap.error("--partition/--time/--qos/--account/--constraint/--mem/--sbatch need --attach")
+        ap.error(f"{'/'.join(f'--{k}' for k in (*ATTACH_OPTIONS, 'sbatch'))} need --attach")
     attach = {**{k: v for k, v in opts.items() if v is not None}, "extra": args.sbatch} if args.attach else None
     try:
         rd = find_run(args.run, args.runs_root)

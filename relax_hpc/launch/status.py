@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from relax_hpc.launch import localproc, slurm
+from relax_hpc.launch.backend import launcher_for
 from relax_hpc.launch.executors import read_result
 from relax_hpc.launch.runs import RunUnreadable, load_job
 from relax_hpc.recipe import load_recipe
@@ -177,7 +178,8 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
     now = time.time() if now is None else now
     job = load_job(rd)
     executor = job.get("executor", "slurm")
-    if executor == "local" and job.get("pid") is None:
+    backend = launcher_for(executor)
+    if backend.needs_pid and job.get("pid") is None:
         raise RunUnreadable(f"{rd.job}: field 'pid' is missing (a local run's process id)")
     ctl, problem = read_state(rd)
     if executor == "slurm":
@@ -189,7 +191,7 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
         overall, reason, components, source = _local_state(rd, job, ctl)
     error = None if problem == "missing" and overall != "COMPLETED" else problem
     if error == "missing":
-        how = "Slurm says the job COMPLETED" if executor == "slurm" else f"the local process {job['pid']} returned"
+        how = backend.ended_cleanly(job)
         error = (f"{rd.state}: missing, though {how}: the controller never wrote the run's state, so how the run "
                  f"ended is unknown. See {rd.logs}")
     if error:
@@ -205,9 +207,8 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
         roles[entry["role"]] = r
     if not components:  # local, or Slurm forgot the job: one entry per het group from the recipe
         for k in sorted({e["het_group"] for e in layout if e["het_group"] is not None}):
-            label = "local" if executor == "local" else f"{job.get('job_id')}+{k}"
-            components.append({"het_group": k, "label": label, "state": overall,
-                               "reason": None, "nodes": "localhost" if executor == "local" else None,
+            components.append({"het_group": k, "label": backend.component_label(job, k), "state": overall,
+                               "reason": None, "nodes": backend.component_nodes,
                                "source": source})
     for c in components:
         k = c.get("het_offset", c.get("het_group"))
@@ -268,7 +269,7 @@ def _cell(v: Any) -> str:
 def render(info: dict) -> RichGroup:
     """The rich view of :func:`collect`'s result (relax-status, and relax-submit's local progress view)."""
     step = "" if info.get("step") is None else f"  step {info['step']}/{info.get('total_steps') or '?'}"
-    left = "" if info["executor"] == "local" or not info.get("components") else \
+    left = "" if not launcher_for(info["executor"]).time_limited or not info.get("components") else \
         f"  time left {slurm.format_seconds(info.get('time_left_s'))}"
     head = Text.assemble((info["run"], "bold"), f"  job {info['job_id']} ({info['executor']})  ",
                          _styled(info["state"]), step, left)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import getpass
 import os
-import shlex
 import shutil
 import socket
 import sys
@@ -19,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.controller.steps import describe_steps, engine_lines, step_commands
+from relax_hpc.controller.steps import describe_steps
 from relax_hpc.launch import localproc
+from relax_hpc.launch.backend import launcher_for
 from relax_hpc.launch.executors import ControllerTask, HetSlurmExecutor, RelaxLocalExecutor, runner_argv
 from relax_hpc.launch.preflight import preflight_problems
 from relax_hpc.launch.render import PACKAGE_ROOT, render_script
@@ -91,15 +91,7 @@ def step_lines(p: Plan, run_dir: Path) -> list[str]:
     """The role steps' and the run's own engine steps' command lines, from the controller's own builder
     (:mod:`relax_hpc.controller.steps`)."""
     try:
-        if p.executor == "local":
-            lines = []
-            for sc in step_commands(p.recipe, run_dir, "local", p.python):
-                for proc in sc.procs:
-                    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(proc.env.items())
-                                   if k.startswith("RELAX_") and k not in ("RELAX_LAUNCH_ID",))
-                    lines.append(f"{env} {shlex.join(proc.argv)}".strip())
-            return lines + engine_lines(p.recipe, run_dir, "local", p.python)
-        return list(describe_steps(p.recipe, run_dir, p.python))
+        return describe_steps(p.recipe, run_dir, p.python, p.executor)
     except Exception as e:  # the step builder belongs to the controller; a dry run should still print the script
         return [f"# (step commands unavailable: {type(e).__name__}: {e})"]
 
@@ -107,7 +99,7 @@ def step_lines(p: Plan, run_dir: Path) -> list[str]:
 def dry_run(p: Plan) -> dict:
     run_dir = would_be_run_dir(p)
     return {"dry_run": True, "executor": p.executor, "run_dir": str(run_dir), "run": run_dir.name,
-            "job_id": None, "script": p.script(run_dir) if p.executor == "slurm" else None,
+            "job_id": None, "script": p.script(run_dir) if launcher_for(p.executor).batch_script else None,
             "steps": step_lines(p, run_dir)}
 
 

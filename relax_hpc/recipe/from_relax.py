@@ -174,7 +174,7 @@ def _size_max_seq_len(data: dict, notes: list[str]) -> None:
         budgets = [tr[k] for k in ("max_tokens_per_micro_batch", "logprob_max_tokens_per_micro_batch")
                    if isinstance(tr.get(k), int) and not isinstance(tr.get(k), bool)]
         if budgets and resp < min(budgets) < need:  # a guessed prompt length must not outgrow the token budget
-            need, why = min(budgets), (f"the token budget (--max-tokens-per-gpu / --log-probs-max-tokens-per-gpu): a "
+            need, why = min(budgets), ("the token budget (--max-tokens-per-gpu / --log-probs-max-tokens-per-gpu): a "
                                        "sample must fit one micro-batch, so prompts are bounded by it too")
     else:
         return

@@ -95,7 +95,8 @@ class Generator:
         from relax_hpc.rollout.data import (data_source_from_config, dataset_from_config, eval_datasets_from_config,
                                             load_tokenizer)
         from relax_hpc.plugins import load_plugin
-        from relax_hpc.rollout.driver import NamesFile, RolloutDriver
+        from relax_hpc.engines.pool import NamesFile
+        from relax_hpc.rollout.driver import RolloutDriver
         from relax_hpc.rollout.dynamic import PartialRollout
 
         r = ctx.recipe

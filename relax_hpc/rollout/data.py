@@ -38,9 +38,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
 from relax_hpc.errors import PermanentError
 from relax_hpc.rollout.sample import Sample
+from relax_hpc.seed import DEFAULT_SEED
 
-if TYPE_CHECKING:  # relax_hpc.recipe imports this module (validate: check_config), so only for annotations
-    from relax_hpc.recipe.schema import DataConfig, RolloutConfig
+if TYPE_CHECKING:
+    from relax_hpc.rollout.config import DataConfig, RolloutConfig
 
 log = logging.getLogger(__name__)
 
@@ -583,7 +584,7 @@ def eval_datasets_from_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig, 
 
 
 def data_source_from_config(dataset: PromptDataset, data_cfg: DataConfig, rollout_cfg: RolloutConfig,
-                            run_seed: int = 1234) -> RolloutDataSource:
+                            run_seed: int = DEFAULT_SEED) -> RolloutDataSource:
     seed = data_cfg.seed if data_cfg.seed is not None else run_seed
     return RolloutDataSource(
         dataset, rollout_batch_size=rollout_cfg.rollout_batch_size,

@@ -47,16 +47,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
-import json
 import logging
 import statistics
-import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from relax_hpc.engines.client import Backoff, EngineClient, EngineError, EngineOutputError, Generation, SamplingParams
+from relax_hpc.engines.client import (Backoff, EngineError, EngineOutputError, Generation, SamplingParams,
+                                     vocabulary_size)
+from relax_hpc.engines.pool import Engine, EngineLike, EnginePool, as_client
 from relax_hpc.rollout.metrics import sample_metrics
 from relax_hpc.rollout.rewards import GENERATE_PARAMS, RewardFailure, RewardRunner, positive_seconds
 from relax_hpc.rollout.errors import NoEngineError, RequestTimeout, RolloutError
@@ -80,117 +79,6 @@ class EngineFailure:
     url: str
     error: str
     time: float  # time.time() when declared dead
-
-
-@dataclass
-class _Engine:
-    name: str
-    client: EngineClient
-    in_flight: int = 0
-    served: int = 0  # requests sent to it
-    peak: int = 0  # most requests in flight at once
-    dead: str | None = None
-    probe: Any = None  # the health probe in flight (an asyncio task), shared by the requests that failed meanwhile
-
-
-class _EnginePool:
-    """Least-loaded choice among live engines, with a bound on in-flight requests per engine. Requests that find
-    every engine at its bound wait here: the run's request queue, which :meth:`queue_clock` integrates over time
-    (the autoscaler's "requests queued per engine")."""
-
-    def __init__(self, engines: list[_Engine], per_engine: int,
-                 leaving: Callable[[], frozenset[str]] = frozenset) -> None:
-        self.engines = engines
-        self.per_engine = per_engine
-        self.leaving = leaving  # engines draining: no new requests (those in flight finish)
-        self._cond: asyncio.Condition | None = None
-        self._loop: Any = None
-        self._dead_lock = threading.Lock()  # dead marks come from the loop and from the EngineRouter's threads
-        self.waiting = 0  # requests queued for a free engine now
-        self._area = 0.0  # ∫ waiting dt (request-seconds)
-        self._since = time.monotonic()
-
-    def _queue(self, delta: int) -> None:
-        now = time.monotonic()
-        self._area += self.waiting * (now - self._since)
-        self._since, self.waiting = now, self.waiting + delta
-
-    def queue_clock(self) -> tuple[float, float]:
-        """(∫ queued requests dt, now): two readings give the mean queue over the time between them."""
-        self._queue(0)
-        return self._area, self._since
-
-    def _condition(self) -> asyncio.Condition:
-        loop = asyncio.get_running_loop()
-        if self._cond is None or self._loop is not loop:
-            self._cond, self._loop = asyncio.Condition(), loop
-        return self._cond
-
-    def alive(self) -> list[_Engine]:
-        return [e for e in self.engines if e.dead is None]
-
-    def dead_report(self) -> str:
-        return "; ".join(f"{e.name}: {e.dead}" for e in self.engines if e.dead is not None) or "no engine was given"
-
-    async def acquire(self, avoid: set[str] = frozenset()) -> _Engine:
-        cond = self._condition()
-        async with cond:
-            while True:
-                alive = self.alive()
-                if not alive:
-                    raise NoEngineError(f"no rollout engine left to generate with ({self.dead_report()})")
-                gone = self.leaving()
-                staying = [e for e in alive if e.name not in gone] or alive  # all leaving: better late than hung
-                free = [e for e in staying if e.in_flight < self.per_engine]
-                if free:
-                    pick = min([e for e in free if e.name not in avoid] or free, key=lambda e: (e.in_flight, e.served))
-                    pick.in_flight += 1
-                    pick.served += 1
-                    pick.peak = max(pick.peak, pick.in_flight)
-                    return pick
-                self._queue(+1)
-                try:
-                    await cond.wait()
-                finally:
-                    self._queue(-1)
-
-    async def release(self, engine: _Engine) -> None:
-        cond = self._condition()
-        async with cond:
-            engine.in_flight -= 1
-            cond.notify_all()
-
-    def _set_dead(self, engine: _Engine, reason: str) -> bool:
-        with self._dead_lock:
-            if engine.dead is not None:
-                return False
-            engine.dead = reason
-            return True
-
-    async def _wake(self) -> None:
-        cond = self._condition()
-        async with cond:
-            cond.notify_all()
-
-    async def mark_dead(self, engine: _Engine, reason: str) -> bool:
-        """Declare ``engine`` dead; True if this call did it (False if it already was)."""
-        if not self._set_dead(engine, reason):
-            return False
-        await self._wake()
-        return True
-
-    def mark_dead_threadsafe(self, engine: _Engine, reason: str) -> bool:
-        """:meth:`mark_dead` from another thread (the EngineRouter's): the mark holds at once; requests waiting
-        on the pool's event loop are woken there."""
-        if not self._set_dead(engine, reason):
-            return False
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                asyncio.run_coroutine_threadsafe(self._wake(), loop)
-            except RuntimeError:  # the loop closed meanwhile: nobody waits
-                pass
-        return True
 
 
 @dataclass
@@ -255,43 +143,6 @@ class BatchCounters:
     engine_failures: list[EngineFailure] = field(default_factory=list)
 
 
-EngineLike = EngineClient | Any  # an EngineClient, or anything with .client() (EngineHandle) or .url
-
-
-def _as_client(e: Any, **client_kwargs: Any) -> EngineClient:
-    """An EngineClient is used as given; a handle or URL gets one built with the driver's settings."""
-    if isinstance(e, EngineClient):
-        return e
-    if hasattr(e, "client") and callable(e.client):
-        return e.client(**client_kwargs)
-    if isinstance(e, str):
-        return EngineClient(e, **client_kwargs)
-    raise TypeError(f"not an engine: {e!r} (give EngineClient, EngineHandle or a URL)")
-
-
-class NamesFile:
-    """A JSON list of names in a file another process rewrites (the controller's ``RUN_DIR/draining``), read again
-    only when its mtime changed, and looked at no more often than every ``every_s``: cheap per request."""
-
-    def __init__(self, path: Path, every_s: float = 0.2) -> None:
-        self.path, self.every_s = Path(path), every_s
-        self._names: frozenset[str] = frozenset()
-        self._mtime: float | None = None
-        self._checked = 0.0
-
-    def __call__(self) -> frozenset[str]:
-        now = time.monotonic()
-        if now - self._checked >= self.every_s:
-            self._checked = now
-            try:
-                mtime = self.path.stat().st_mtime
-                if mtime != self._mtime:
-                    self._names, self._mtime = frozenset(json.loads(self.path.read_text() or "[]")), mtime
-            except (OSError, ValueError):
-                pass  # absent (nothing drains) or mid-rewrite (the next look reads it)
-        return self._names
-
-
 class RolloutDriver:
     """Generates rollout batches over a set of engines. See the module docstring for the behaviour.
 
@@ -327,7 +178,7 @@ class RolloutDriver:
                                               "api_key": api_key, "backoff": backoff}
         self.engine_failures: list[EngineFailure] = []
         self._unbatched: list[EngineFailure] = []  # declared dead by the EngineRouter: the next batch reports them
-        self._inflight: dict[str, _Engine] = {}  # rid -> engine, for requests abort_inflight may abort
+        self._inflight: dict[str, Engine] = {}  # rid -> engine, for requests abort_inflight may abort
         self._generate_fns: dict[str, Callable] = {}  # custom generate functions, loaded once
         self.router: Any = None  # the EngineRouter custom generate functions call, started on first use
         self.multiturn = multiturn_from(recipe, self.reward.args)  # None: one /generate per sample
@@ -338,14 +189,14 @@ class RolloutDriver:
     def set_engines(self, engines: Sequence[EngineLike] | dict[str, EngineLike]) -> None:
         """Replace the engine set (elastic scaling, restarted engines); dead marks are forgotten."""
         items = engines.items() if isinstance(engines, dict) else ((None, e) for e in engines)
-        pool: list[_Engine] = []
+        pool: list[Engine] = []
         for name, e in items:
-            client = _as_client(e, **self.client_kwargs)
-            pool.append(_Engine(name=str(name) if name is not None else client.url, client=client))
+            client = as_client(e, **self.client_kwargs)
+            pool.append(Engine(name=str(name) if name is not None else client.url, client=client))
         names = [e.name for e in pool]
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
-        self.pool = _EnginePool(pool, self.per_engine, lambda: self.leaving())
+        self.pool = EnginePool(pool, self.per_engine, lambda: self.leaving(), none_left=NoEngineError)
 
     @property
     def live_engines(self) -> list[str]:
@@ -395,7 +246,7 @@ class RolloutDriver:
                                "first (data.apply_chat_template)")
         return list(self.tokenizer.encode(sample.prompt, add_special_tokens=False))
 
-    async def _engine_is_dead(self, engine: _Engine, err: EngineError) -> bool:
+    async def _engine_is_dead(self, engine: Engine, err: EngineError) -> bool:
         """After an error without an HTTP answer: is the engine gone (probe fails) or was it this request?"""
         if engine.dead is not None:
             return True
@@ -403,7 +254,7 @@ class RolloutDriver:
             return False
         return not await self._healthy(engine)
 
-    async def _healthy(self, engine: _Engine) -> bool:
+    async def _healthy(self, engine: Engine) -> bool:
         """Whether ``engine`` answers ``/health_generate``; a probe already in flight is shared (the requests an
         engine had in flight fail together when it dies: one probe, not hundreds)."""
         loop = asyncio.get_running_loop()
@@ -418,16 +269,16 @@ class RolloutDriver:
             probe = engine.probe = loop.create_task(probe_once())
         return await asyncio.shield(probe)
 
-    async def _declare_dead(self, engine: _Engine, err: EngineError, batch: BatchCounters) -> None:
+    async def _declare_dead(self, engine: Engine, err: EngineError, batch: BatchCounters) -> None:
         if await self.pool.mark_dead(engine, err.cause):
             batch.engine_failures.append(self._dead(engine, err))
 
-    def declare_dead_threadsafe(self, engine: _Engine, err: EngineError) -> None:
+    def declare_dead_threadsafe(self, engine: Engine, err: EngineError) -> None:
         """:meth:`_declare_dead` from another thread (the EngineRouter's); the next batch to end reports it."""
         if self.pool.mark_dead_threadsafe(engine, err.cause):
             self._unbatched.append(self._dead(engine, err))
 
-    def _dead(self, engine: _Engine, err: EngineError) -> EngineFailure:
+    def _dead(self, engine: Engine, err: EngineError) -> EngineFailure:
         """Record, log and report (``on_engine_dead``) an engine just marked dead."""
         fail = EngineFailure(name=engine.name, url=engine.client.url, error=str(err), time=time.time())
         self.engine_failures.append(fail)
@@ -812,32 +663,6 @@ def check_generated(s: Sample, path: str) -> None:
         v = getattr(s, name)
         if v is not None and len(v) != s.response_length:
             raise RolloutError(f"{where} with {len(v)} {name} values for a response of {s.response_length} tokens")
-
-
-def vocabulary_size(model_path: str | None, tokenizer: Any = None) -> int | None:
-    """The bound of a token id the engine may send: the model's ``vocab_size`` (``config.json`` of ``model_path``,
-    else of the tokenizer's directory; a multimodal model's ``text_config``), else ``len(tokenizer)``, else None
-    (not checked). The model's, not the tokenizer's: it is the rows of the embedding and of the logits, what the
-    engine samples from and what the trainer indexes. It is often larger than ``len(tokenizer)`` (padded for the
-    kernels), and an id in between is a legitimate, if unlikely, sample; one past it fails the trainer's embedding
-    lookup. A relative ``model_path`` is relative to the working directory, as the roles read recipe paths."""
-    for where in (model_path, getattr(tokenizer, "name_or_path", None)):
-        if not where:
-            continue
-        try:
-            config = json.loads((Path(where).expanduser() / "config.json").read_text())
-        except (OSError, ValueError):
-            continue
-        for c in (config, config.get("text_config") or {}):
-            v = c.get("vocab_size") if isinstance(c, dict) else None
-            if isinstance(v, int) and v > 0:
-                return v
-    if tokenizer is not None:
-        try:
-            return len(tokenizer)
-        except TypeError:
-            return None
-    return None
 
 
 @dataclass

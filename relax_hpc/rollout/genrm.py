@@ -46,7 +46,7 @@ from relax_hpc.engines.client import EngineClient, EngineError
 from relax_hpc.engines.picker import LeastBusy
 
 if TYPE_CHECKING:
-    from relax_hpc.recipe.schema import GenRMConfig
+    from relax_hpc.rollout.config import GenRMConfig
 
 DOWN_S = 5.0  # a judge that refused a connection is skipped this long (Relax's engine-cache cooldown)
 BACKOFF_S = 0.5

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from relax_hpc.seed import DEFAULT_SEED
+
 
 @dataclass
 class TrainConfig:
@@ -30,7 +32,7 @@ class TrainConfig:
     clip_grad: float = 1.0  # global gradient-norm clip (0: off)
     use_distributed_optimizer: bool = True  # shard optimizer state over data-parallel ranks (ZeRO-1)
     bf16: bool = False  # bf16 weights/activations with fp32 master weights (GPU); False: fp32 everywhere
-    seed: int = 1234  # seeds torch/numpy/python and Megatron's model-parallel RNG on every rank
+    seed: int = DEFAULT_SEED  # seeds torch/numpy/python and Megatron's model-parallel RNG on every rank
     max_seq_len: int = 4096  # longest prompt+response accepted; longer samples are an error, not truncated
     logprob_micro_batch_size: int | None = None  # samples per forward-only pass (log-probs); None: micro_batch_size
     max_tokens_per_micro_batch: int | None = None  # pack samples into micro-batches of at most this many tokens (no padding); None: micro_batch_size samples, padded

@@ -9,7 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from relax_hpc.recipe.schema import Recipe, RolloutConfig
+from relax_hpc.recipe.schema import Recipe
+from relax_hpc.rollout.config import RolloutConfig
 from relax_hpc.rollout.rewards import builtin as br
 from relax_hpc.rollout.rewards import BUILTIN_REWARDS, RewardError, RewardRunner, builtin_reward
 from relax_hpc.rollout.sample import Sample, SampleStatus

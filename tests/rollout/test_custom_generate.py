@@ -7,7 +7,8 @@ ids and log-probs are the engine's; a function that fills a sample wrongly is na
 
 import pytest
 
-from relax_hpc.recipe.schema import ModelConfig, Recipe, RolloutConfig
+from relax_hpc.recipe.schema import ModelConfig, Recipe
+from relax_hpc.rollout.config import RolloutConfig
 from relax_hpc.rollout.data import RolloutDataSource
 from relax_hpc.rollout.driver import RolloutDriver, RolloutError
 from relax_hpc.rollout.sample import SampleStatus

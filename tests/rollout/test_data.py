@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from relax_hpc.recipe.schema import DataConfig, RolloutConfig
+from relax_hpc.rollout.config import DataConfig, RolloutConfig
 from relax_hpc.rollout.data import (
     DataCheck,
     DataError,

@@ -13,7 +13,8 @@ import textwrap
 
 import pytest
 
-from relax_hpc.recipe.schema import Recipe, RolloutConfig
+from relax_hpc.recipe.schema import Recipe
+from relax_hpc.rollout.config import RolloutConfig
 from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, load_tokenizer
 from relax_hpc.rollout.driver import NoEngineError, RolloutDriver, RolloutError
 from relax_hpc.engines.launcher import free_port, launch_engine

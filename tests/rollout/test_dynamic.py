@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from relax_hpc.recipe.schema import Recipe, RolloutConfig
+from relax_hpc.recipe.schema import Recipe
+from relax_hpc.rollout.config import RolloutConfig
 from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, load_tokenizer
 from relax_hpc.rollout.driver import RolloutDriver
 from relax_hpc.rollout.dynamic import DynamicSamplingError, check_reward_nonzero_std, generate_step
@@ -233,7 +234,8 @@ def generator(tmp_path, tiny_llama, cpu_engine, mod):
     directory), on the module's CPU engine; ``make()`` builds another, as a restarted role would."""
     from types import SimpleNamespace
 
-    from relax_hpc.recipe.schema import DataConfig, ModelConfig
+    from relax_hpc.recipe.schema import ModelConfig
+    from relax_hpc.rollout.config import DataConfig
     from relax_hpc.roles.rollout import Generator
     from relax_hpc.rundir import create_run_dir
 

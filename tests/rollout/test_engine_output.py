@@ -14,10 +14,12 @@ import threading
 
 import pytest
 
-from relax_hpc.recipe.schema import ModelConfig, Recipe, RolloutConfig
+from relax_hpc.recipe.schema import ModelConfig, Recipe
+from relax_hpc.rollout.config import RolloutConfig
 from relax_hpc.engines.client import EngineClient, EngineError, EngineOutputError
 from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, load_tokenizer
-from relax_hpc.rollout.driver import NoEngineError, RolloutDriver, vocabulary_size
+from relax_hpc.engines.client import vocabulary_size
+from relax_hpc.rollout.driver import NoEngineError, RolloutDriver
 from tests.rollout.conftest import import_source
 from tests.engines.stub_http import StubHandler, StubServer
 

@@ -12,7 +12,8 @@ import socket
 
 import pytest
 
-from relax_hpc.recipe.schema import GenRMConfig, GenRMSampling, Recipe
+from relax_hpc.recipe.schema import Recipe
+from relax_hpc.rollout.config import GenRMConfig, GenRMSampling
 from relax_hpc.rollout import genrm
 from relax_hpc.rollout.rewards.builtin import (GENRM_JUDGE_PROMPT, dapo_genrm_reward, genrm_extract_answer,
                                                genrm_verdict)

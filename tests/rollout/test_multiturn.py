@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from relax_hpc.errors import PermanentError
-from relax_hpc.recipe.schema import Recipe, RolloutConfig
+from relax_hpc.recipe.schema import Recipe
+from relax_hpc.rollout.config import RolloutConfig
 from relax_hpc.train import samples as S
 from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, load_tokenizer
 from relax_hpc.rollout.driver import RolloutDriver, RolloutError

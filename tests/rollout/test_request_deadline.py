@@ -13,7 +13,8 @@ import time
 import httpx
 import pytest
 
-from relax_hpc.recipe.schema import Recipe, RolloutConfig
+from relax_hpc.recipe.schema import Recipe
+from relax_hpc.rollout.config import RolloutConfig
 from relax_hpc.engines.client import Backoff
 from relax_hpc.rollout.driver import RequestTimeout, RolloutDriver, RolloutError
 from relax_hpc.engines.router import EngineRouter, post, router_api_key, router_headers

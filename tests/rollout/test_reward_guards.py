@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from relax_hpc.recipe.schema import Recipe, RolloutConfig
+from relax_hpc.recipe.schema import Recipe
+from relax_hpc.rollout.config import RolloutConfig
 from relax_hpc.rollout.rewards import RewardError, RewardRunner, RewardTimeout
 from relax_hpc.rollout.sample import Sample, SampleStatus
 from tests.rollout.conftest import import_source

@@ -6,7 +6,8 @@ import textwrap
 import pytest
 
 from relax_hpc.algo import AlgorithmConfig
-from relax_hpc.recipe.schema import DataConfig, Recipe, RolloutConfig, RunConfig
+from relax_hpc.recipe.schema import Recipe, RunConfig
+from relax_hpc.rollout.config import DataConfig, RolloutConfig
 from relax_hpc.rollout.rewards import RewardError, RewardRunner, builtin_reward, load_function, relax_args
 from relax_hpc.rollout.rewards.answers import extract_answer, math_equal
 from relax_hpc.rollout.rewards.builtin import math_reward

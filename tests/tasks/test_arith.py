@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from relax_hpc.recipe.schema import Recipe, RolloutConfig
+from relax_hpc.recipe.schema import Recipe
+from relax_hpc.rollout.config import RolloutConfig
 from relax_hpc.rollout.rewards import RewardRunner
 from relax_hpc.rollout.sample import Sample
 from relax_hpc.tasks import arith

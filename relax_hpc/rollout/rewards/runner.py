@@ -21,7 +21,8 @@ from relax_hpc.rollout.sample import Sample, SampleStatus, reward_value
 from relax_hpc.threads import in_daemon_thread
 
 if TYPE_CHECKING:  # relax_hpc.recipe imports this module (validate: BUILTIN_REWARDS), so only for annotations
-    from relax_hpc.recipe.schema import Recipe, RolloutConfig
+    from relax_hpc.recipe.schema import Recipe
+    from relax_hpc.rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
 

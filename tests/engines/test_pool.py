@@ -1,4 +1,4 @@
-"""A draining engine gets no new request from the driver (RUN_DIR/draining, read through NamesFile); the requests
+"""The engine pool: a draining engine gets no new request from the driver (RUN_DIR/draining, read through NamesFile); the requests
 go to the others, and only when every engine is leaving do they still go to a leaving one."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 import json
 import os
 
-from relax_hpc.rollout.driver import NamesFile, _Engine, _EnginePool
+from relax_hpc.engines.pool import Engine, EnginePool, NamesFile
 
 
 def test_names_file_follows_the_controllers_rewrites(tmp_path):
@@ -23,7 +23,7 @@ def test_names_file_follows_the_controllers_rewrites(tmp_path):
 
 def test_the_pool_skips_leaving_engines():
     leaving = {"e0"}
-    pool = _EnginePool([_Engine(name=n, client=None) for n in ("e0", "e1")], per_engine=4,
+    pool = EnginePool([Engine(name=n, client=None) for n in ("e0", "e1")], per_engine=4,
                        leaving=lambda: frozenset(leaving))
 
     async def picks(k):
@@ -37,11 +37,11 @@ def test_the_pool_skips_leaving_engines():
 def test_the_pool_integrates_its_request_queue(monkeypatch):
     """Requests that find every engine at its bound wait in the pool; queue_clock integrates how many waited over
     time (the autoscaler's "requests queued per engine"). A clock stepped by hand makes the integral exact."""
-    from relax_hpc.rollout import driver as driver_mod
+    from relax_hpc.engines import pool as pool_mod
 
     now = [100.0]
-    monkeypatch.setattr(driver_mod.time, "monotonic", lambda: now[0])
-    pool = _EnginePool([_Engine(name="e0", client=None)], per_engine=1)
+    monkeypatch.setattr(pool_mod.time, "monotonic", lambda: now[0])
+    pool = EnginePool([Engine(name="e0", client=None)], per_engine=1)
 
     async def scenario():
         first = await pool.acquire()
@@ -63,3 +63,16 @@ def test_the_pool_integrates_its_request_queue(monkeypatch):
 
     (area0, t0), (area1, t1) = asyncio.run(scenario())
     assert (area1 - area0, t1 - t0) == (2 * 10.0 + 1 * 5.0, 22.0)
+
+
+def test_the_pool_raises_the_error_it_is_given_when_no_engine_is_left():
+    """The pool is the engines' side; what "no engine left" means to its user (the rollout driver's NoEngineError,
+    which a restart can cure) is the user's to say."""
+    import pytest
+
+    from relax_hpc.rollout.errors import NoEngineError
+
+    pool = EnginePool([Engine(name="e0", client=None, dead="refused a connection")], per_engine=1,
+                      none_left=NoEngineError)
+    with pytest.raises(NoEngineError, match="e0: refused a connection"):
+        asyncio.run(pool.acquire())
