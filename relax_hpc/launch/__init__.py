@@ -3,9 +3,12 @@
 Modules, one job each:
   render     recipe → sbatch script (Jinja2; every value shell-quoted)
   slurm      sinfo/squeue/sacct/scancel in JSON, Slurm's state words
-  preflight  checks against the cluster (sinfo) or this machine (CUDA) before anything is submitted
+  preflight  relax-submit's checks: the files the run opens, then the place (its backend's)
+  places     does the recipe fit the cluster's nodes (sinfo) or this machine (CUDA)
   executors  submitit extended for het jobs; the local executor (own process group)
-  backend    the launcher's half of a run's backend (Slurm or local): labels, checks, cancel
+  backend    the launcher's half of a run's backend (Slurm or local): labels, checks, state, submit, cancel
+  jobs       starting a run's job: the het job, the local process, a Slurm run's continuation job
+  jobstate   a job's state from Slurm or its process, joined with state.json
   submit     relax-submit's order: check → run directory → submit → job.json
   runs       find a run by name, directory or job id
   status     squeue/sacct + state.json → one status; rich rendering

@@ -39,7 +39,7 @@ class ControllerTask:
     then resumes from the run directory's ``latest`` checkpoint. The controller is imported when the task
     runs, not when it is pickled, so submitting never imports training code.
 
-    ``resubmit`` (``launch.submit.resubmit`` for Slurm runs, pickled by reference) submits a continuation job
+    ``resubmit`` (``launch.jobs.resubmit`` for Slurm runs, pickled by reference) submits a continuation job
     when Slurm refuses to requeue; with ``scontrol requeue`` it is how the controller comes back
     (:mod:`relax_hpc.controller.requeue`)."""
 

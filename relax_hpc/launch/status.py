@@ -9,7 +9,6 @@ RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT, ...), for local runs too, so scr
 from __future__ import annotations
 
 import datetime as _dt
-import socket
 import time
 from typing import Any
 
@@ -17,13 +16,12 @@ from rich.console import Group as RichGroup
 from rich.table import Table
 from rich.text import Text
 
-from relax_hpc.launch import localproc, slurm
+from relax_hpc.launch import slurm
 from relax_hpc.launch.backend import launcher_for
-from relax_hpc.launch.executors import read_result
 from relax_hpc.launch.runs import RunUnreadable, load_job
 from relax_hpc.recipe import load_recipe
 from relax_hpc.recipe.layout import role_steps
-from relax_hpc.rundir import FULL_BYTES, RunDir, RunFileError, free_bytes, is_regular, no_space_message, read_json_file
+from relax_hpc.rundir import RunDir, RunFileError, is_regular, read_json_file
 
 STATE_STYLE = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow", "FAILED": "bold red",
                "CANCELLED": "magenta", "TIMEOUT": "red", "UNKNOWN": "dim"}
@@ -96,77 +94,6 @@ def _layout(rd: RunDir, state: dict) -> list[dict]:
                  "ntasks": None} for name, r in roles.items()]
 
 
-def _failure_reason(rd: RunDir, job: dict, state: dict) -> str | None:
-    if state.get("reason"):
-        return str(state["reason"])
-    full = _full_disk(rd)  # the controller could not even write its end: the disk is the likely news
-    res = read_result(job.get("submitit_folder") or rd.path / "submitit", str(job.get("job_id")))
-    if res and res[0] == "error":
-        lines = [ln for ln in str(res[1]).strip().splitlines() if ln.strip()]
-        return (lines[-1] if lines else "the controller raised an error") + (f"; {full}" if full else "")
-    return full
-
-
-def _full_disk(rd: RunDir) -> str | None:
-    """"no space left on <mount> ..." if the run directory's filesystem is full now, else None."""
-    free = free_bytes(rd.path)
-    if free is None or free >= FULL_BYTES:
-        return None
-    return f"the run directory's filesystem is full: {no_space_message(rd, what=f'{free} bytes free')}"
-
-
-def _slurm_state(rd: RunDir, job: dict, ctl: dict) -> tuple[str, str | None, list[dict], str]:
-    comps = slurm.job_components(job["job_id"], job.get("job_name"))
-    ctl_state = slurm.state_word(ctl["state"]) if ctl.get("state") else None
-    slurm_reason = next((c.reason for c in comps if c.reason), None)
-    if comps:
-        overall, source = slurm.aggregate_state([c.state for c in comps]), comps[0].source
-    elif ctl_state and slurm.is_finished(ctl_state):
-        overall, source = ctl_state, "state.json"
-    else:
-        overall, source = "UNKNOWN", "none"
-        slurm_reason = (f"Slurm no longer lists job {job['job_id']} and accounting has no record of it (yet); "
-                        "sacct lags a few seconds behind the end of a job")
-    if overall == "COMPLETED" and ctl_state and slurm.is_finished(ctl_state) and ctl_state != "COMPLETED":
-        overall = ctl_state  # the job ended cleanly but the controller says the run did not
-    if overall == "COMPLETED":
-        reason = None
-    elif slurm.is_finished(overall):  # why it ended; a pending reason left over from the queue is no answer
-        if overall == "CANCELLED" and (rd.path / "cancel.json").exists():
-            reason = "cancelled by relax-cancel"
-        else:
-            reason = _failure_reason(rd, job, ctl) or slurm_reason
-    else:
-        reason = slurm_reason if overall != "RUNNING" else None
-    components = [dict(c.as_dict(), time_left=slurm.format_seconds(c.time_left_s())) for c in comps]
-    return overall, reason, components, source
-
-
-def _local_state(rd: RunDir, job: dict, ctl: dict) -> tuple[str, str | None, list[dict], str]:
-    ctl_state = slurm.state_word(ctl["state"]) if ctl.get("state") else None
-    cancelled = (rd.path / "cancel.json").exists()
-    host = job.get("host")
-    if host and host != socket.gethostname():
-        return "UNKNOWN", f"a local run on host {host}: run relax-status there", [], "none"
-    if localproc.alive(int(job["pid"]), job.get("pid_start")):
-        if cancelled:
-            return "RUNNING", "cancel requested; stopping", [], "process"
-        active = ctl_state if ctl_state and not slurm.is_finished(ctl_state) and ctl_state != "PENDING" else None
-        return active or "RUNNING", None, [], "process"
-    if ctl_state == "COMPLETED":
-        return "COMPLETED", None, [], "state.json"
-    if cancelled:
-        return "CANCELLED", "cancelled by relax-cancel", [], "process"
-    res = read_result(job.get("submitit_folder") or rd.path / "submitit", str(job["job_id"]))
-    if ctl_state and slurm.is_finished(ctl_state):
-        return ctl_state, _failure_reason(rd, job, ctl), [], "state.json"
-    if res and res[0] == "success":
-        return "COMPLETED", None, [], "process"
-    reason = _failure_reason(rd, job, ctl) or (
-        f"the local process {job['pid']} ended without a result; see {rd.logs}")
-    return "FAILED", reason, [], "process"
-
-
 def collect(rd: RunDir, now: float | None = None) -> dict:
     """Everything ``relax-status --json`` prints for one run.
 
@@ -182,13 +109,7 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
     if backend.needs_pid and job.get("pid") is None:
         raise RunUnreadable(f"{rd.job}: field 'pid' is missing (a local run's process id)")
     ctl, problem = read_state(rd)
-    if executor == "slurm":
-        try:
-            overall, reason, components, source = _slurm_state(rd, job, ctl)
-        except slurm.SlurmError as e:
-            overall, reason, components, source = "UNKNOWN", f"cannot ask Slurm: {e}", [], "none"
-    else:
-        overall, reason, components, source = _local_state(rd, job, ctl)
+    overall, reason, components, source = backend.job_state(rd, job, ctl)
     error = None if problem == "missing" and overall != "COMPLETED" else problem
     if error == "missing":
         how = backend.ended_cleanly(job)

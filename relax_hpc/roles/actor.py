@@ -23,11 +23,12 @@ the controller's tasks (:mod:`relax_hpc.roles.tasks`; every task's fields and it
   ``skipped`` says why (or the run fails: :class:`relax_hpc.train.step.NonFiniteError`).
 - ``sync {version, engines}``: every rank walks ``named_hf_weights`` (a collective); rank 0 pushes them with
   :class:`relax_hpc.weights.WeightSender` (a new group first if the engine set changed) and, with
-  ``logging.check_weight_sync``, checks a spot fingerprint against each engine (:mod:`.weight_sync`). An engine
-  that dies during the push (an attached job scancelled or preempted) is left out and the push goes again to the
-  others, up to ``SYNC_TRIES`` times; it is reported in ``dead_engines``. Returns the sender's ``perf/weight_sync_*`` metrics, ``weights/fingerprint_match``,
-  ``weights/engine_max_abs_diff`` and ``weights/versions_ok`` (every engine serves the new version; the followers
-  are checked alike), and ``follower_versions``.
+  ``logging.check_weight_sync``, checks a spot fingerprint against each engine. An engine that dies during the
+  push (an attached job scancelled or preempted) is left out and the push goes again to the others, up to
+  ``SYNC_TRIES`` (3) times; it is reported in ``dead_engines``. The push, the check and the retry are one call,
+  :meth:`relax_hpc.weights.push.ActorSync.sync`. Returns the sender's ``perf/weight_sync_*`` metrics,
+  ``weights/fingerprint_match``, ``weights/engine_max_abs_diff`` and ``weights/versions_ok`` (every engine serves
+  the new version; the followers are checked alike), and ``follower_versions``.
 - ``checkpoint {extra}``: ``save_checkpoint`` under ``RUN_DIR/checkpoints``.
 - ``stop``.
 
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
     from relax_hpc.controller import messages as M
 
 ROLE = "actor"
-SYNC_TRIES = 3  # pushes of one sync: an engine that leaves mid-push (scancel, preemption) costs one more
 log = logging.getLogger("relax_hpc.actor")
 
 
@@ -69,18 +69,17 @@ def work(ctx: RoleContext, comm: Any) -> None:
 
 
 class Actor:
-    """The actor between tasks: the model, the weight sender (rank 0) and the engines and followers it pushes to.
-    One method per task kind."""
+    """The actor between tasks: the model and its weight sync (the group with the engines and followers it pushes
+    to: :class:`relax_hpc.weights.push.ActorSync`). One method per task kind."""
 
     def __init__(self, ctx: RoleContext, comm: Any, model: Any):
-        from relax_hpc.roles.weight_sync import EngineChecker
+        from relax_hpc.identity import reachable_host
+        from relax_hpc.weights.push import ActorSync
 
         self.ctx, self.comm, self.model, self.recipe = ctx, comm, model, ctx.recipe
         self.rank = ctx.ident.rank
-        self.sender: Any = None  # rank 0's WeightSender, once connected
-        self.engines: dict[str, str] = {}  # the weight-sync group's engines {name: url}
-        self.followers: dict[str, str] = {}  # forward roles that get every sync too {role: url}
-        self.checker = EngineChecker(ctx.run.api_key())
+        self.weights = ActorSync(self.rank, "nccl" if comm.backend == "nccl" else "gloo", ctx.run.api_key(),
+                                 address=lambda: reachable_host(ctx.ident))
 
     def handlers(self) -> dict[str, Any]:
         from relax_hpc.controller import messages as M
@@ -89,9 +88,7 @@ class Actor:
                 "stop": lambda task: M.StopResult()}
 
     def close(self) -> None:
-        self.checker.close()
-        if self.sender is not None:  # the engines are going away too: leave without asking them
-            self.sender.close(destroy_on_engines=False)
+        self.weights.close()
 
     # -- connect
     def connect(self, task: M.ConnectTask) -> M.ConnectResult:
@@ -101,22 +98,8 @@ class Actor:
         if task.load:  # collective: every rank got this task
             self.model.load_checkpoint(task.load)
             loaded = self.model.step
-        self.engines, self.followers = dict(task.engines), dict(task.followers)
-        if self.rank == 0:
-            self._group([*self.engines.values(), *self.followers.values()])
-        return M.ConnectResult(engines=sorted(self.engines), loaded_step=loaded)
-
-    def _group(self, members: list[str]) -> None:
-        """Rank 0: the weight-sync group with ``members``, a new one if the set changed (a group's size is fixed)."""
-        from relax_hpc.identity import reachable_host
-        from relax_hpc.weights import WeightSender
-
-        if self.sender is None:
-            self.sender = WeightSender(backend="nccl" if self.comm.backend == "nccl" else "gloo",
-                                       api_key=self.ctx.run.api_key())
-            self.sender.connect(members, reachable_host(self.ctx.ident))
-        else:  # the engine set changed (an engine died)
-            self.sender.reconnect(members)
+        self.weights.connect(task.engines, task.followers)  # rank 0 builds the weight-sync group
+        return M.ConnectResult(engines=sorted(self.weights.engines), loaded_step=loaded)
 
     # -- train
     def train(self, task: M.TrainTask) -> M.TrainResult:
@@ -191,88 +174,12 @@ class Actor:
 
     # -- sync
     def sync(self, task: M.SyncTask) -> M.SyncResult:
-        import torch.distributed as dist
-
         from relax_hpc.controller import messages as M
 
-        t0 = time.monotonic()
-        version = str(task.version)
-        engines = dict(task.engines or self.engines)
-        dead = self.checker.unreachable(engines) if self.rank == 0 else {}  # died after its last request: left out
-        out, engines, heads = self._push(version, engines, dead)
-        dist.barrier()
-        out["perf/weight_sync_time"] = time.monotonic() - t0
-        if self.rank != 0:
-            return M.SyncResult(metrics=out)
-        return self._checked(version, engines, dead, heads, out)
-
-    def _push(self, version: str, engines: dict[str, str], dead: dict[str, str]) -> tuple[dict, dict, dict]:
-        """Every rank: push the weights to ``engines`` less ``dead``; an engine that dies during the push is added
-        to ``dead`` and the push goes again to the others, up to ``SYNC_TRIES`` times. (The sender's metrics, the
-        engines pushed to, and rank 0's first rows of every tensor for the check.)"""
-        import torch.distributed as dist
-
-        from relax_hpc.controller import messages as M
-        from relax_hpc.roles.weight_sync import ROWS
-        from relax_hpc.weights import WeightSyncError, push_from_actor
-
-        heads: dict[str, Any] = {}
-
-        def stream():  # every rank walks the collective gather; rank 0 keeps each tensor's first rows
-            for name, t in self.model.named_hf_weights():
-                heads[name] = t[:ROWS].detach().clone()
-                self.ctx.progress()
-                yield name, t
-
-        for attempt in range(1, SYNC_TRIES + 1):
-            engines = {n: u for n, u in engines.items() if n not in dead}
-            if not engines:
-                raise WeightSyncError(f"no rollout engine left to sync: {dead}")
-            if engines != self.engines:  # an engine died, joined or left since the last sync
-                self.connect(M.ConnectTask(engines=engines, load=None, followers=self.followers))
-            err: WeightSyncError | None = None
-            try:
-                out: dict[str, Any] = dict(push_from_actor(stream(), self.sender if self.rank == 0 else None, version,
-                                                           in_place=self.model.in_place()))
-            except WeightSyncError as e:
-                err = e
-            # rank 0 decides for every rank: done, again without the engines that are gone now, or failed
-            verdict: list[Any] = [None if err is None else (str(err), _gone(self.checker, engines))]
-            if dist.get_world_size() > 1:
-                dist.broadcast_object_list(verdict, src=0)
-            if verdict[0] is None:
-                return out, engines, heads
-            why, lost = verdict[0]
-            if not lost or attempt == SYNC_TRIES:
-                raise err if err is not None else WeightSyncError(why)
-            log.warning("step sync %s: %s left during the push (%s); pushing again to the others", version,
-                        ", ".join(sorted(lost)), why)
-            dead.update(lost)
-        raise AssertionError("unreachable: the last try returns or raises")
-
-    def _checked(self, version: str, engines: dict[str, str], dead: dict[str, str], heads: dict,
-                 out: dict[str, Any]) -> M.SyncResult:
-        """Rank 0, after the push: each engine's and follower's spot fingerprint and version
-        (``logging.check_weight_sync``), and the engines that left right after it."""
-        from relax_hpc.controller import messages as M
-
-        followers = self.followers
-        checks = (self.checker.check({**engines, **followers}, heads, version)
-                  if self.recipe.logging.check_weight_sync else {})
-        fchecks = {f: checks.pop(f) for f in followers if f in checks}
-        held = {f: fchecks[f].get("version") if f in fchecks else version for f in followers}
-        for name in [n for n, c in checks.items() if "unreachable" in c]:  # left right after the push
-            dead[name] = checks.pop(name)["unreachable"]
-            engines.pop(name)
-        every = [c for c in (*checks.values(), *fchecks.values()) if "unreachable" not in c]
-        if every:  # the followers' weights are checked like the engines'
-            out["weights/fingerprint_match"] = float(all(c["fingerprint_equal"] for c in every))
-            out["weights/engine_max_abs_diff"] = max(c["max_abs_diff"] for c in every)
-            out["weights/versions_ok"] = float(all(c["version_ok"] for c in every))
-        # the versions the engines report (the check asks them); unchecked, the version every engine of the push got
-        versions = {n: c["version"] for n, c in checks.items()} if checks else {n: version for n in engines}
-        return M.SyncResult(metrics=out, engine_versions=versions, checks=checks, dead_engines=dead,
-                            follower_versions=held)
+        done = self.weights.sync(str(task.version), task.engines, self.model, progress=self.ctx.progress,
+                                 check=self.recipe.logging.check_weight_sync)
+        return M.SyncResult(metrics=done.metrics, engine_versions=done.engine_versions, checks=done.checks,
+                            dead_engines=done.dead_engines, follower_versions=done.follower_versions)
 
     # -- checkpoint
     def checkpoint(self, task: M.CheckpointTask) -> M.CheckpointResult:
@@ -287,16 +194,6 @@ class Actor:
 # Relax's rollout/* per-sample means of the per-token fields the step trains on (relax_hpc.train.logprobs.sample_means)
 ROLLOUT_MEANS = {"old_log_probs": "rollout/log_probs", "ref_log_probs": "rollout/ref_log_probs",
                  "rollout_log_probs": "rollout/rollout_log_probs", "advantages": "rollout/advantages"}
-
-
-def _gone(checker: Any, engines: dict[str, str], settle_s: float = 2.0) -> dict[str, str]:
-    """The engines that no longer answer after a failed push; a second look after ``settle_s`` catches one that
-    was signalled and is still exiting (a failure with every engine answering fails the sync)."""
-    lost = checker.unreachable(engines)
-    if not lost:
-        time.sleep(settle_s)
-        lost = checker.unreachable(engines)
-    return lost
 
 
 def _over_steps(steps: list[dict[str, float]]) -> dict[str, float]:

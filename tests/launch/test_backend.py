@@ -10,19 +10,20 @@ import pytest
 
 import relax_hpc
 from relax_hpc.launch import localproc
-from relax_hpc.launch.backend import CancelError, LocalLauncher, SlurmLauncher, launcher_for
+from relax_hpc.controller.backend import SlurmBackend
+from relax_hpc.launch.backend import CancelError, Launcher, LocalLauncher, SlurmLauncher, launcher_for
+from relax_hpc.launch.places import cuda_device_count
+from relax_hpc.recipe import recipe_from_dict
 from relax_hpc.rundir import RunDir
 
 ROOT = Path(relax_hpc.__file__).resolve().parent
-# Places still asking an executor's name rather than its backend (the launcher's submit, status, checks): each
-# one moved behind the backend comes off this list. A new one fails the test.
-LEFT = {"launch/preflight.py", "launch/status.py", "launch/submit.py"}
 
 
 def test_no_branch_on_an_executor_s_name_outside_the_backends():
     name = re.compile(r"""[!=]=\s*["'](slurm|local)["']""")
-    found = {str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if name.search(p.read_text())}
-    assert found <= LEFT, f"compare with the run's backend instead (its properties): {sorted(found - LEFT)}"
+    found = sorted(f"{p.relative_to(ROOT)}:{i}" for p in ROOT.rglob("*.py")
+                   for i, line in enumerate(p.read_text().splitlines(), 1) if name.search(line))
+    assert not found, f"ask the run's backend instead (a method or property of launch.backend.Launcher): {found}"
 
 
 def test_launcher_for_a_job_json():
@@ -52,3 +53,29 @@ def test_local_cancel_stops_the_run_s_process_group_and_refuses_what_it_cannot_s
     finally:
         p.kill()
         p.wait()
+
+
+def test_each_launcher_answers_the_whole_interface():
+    class Half(SlurmBackend, Launcher):  # the controller's half only
+        pass
+
+    with pytest.raises(TypeError, match="abstract"):
+        Half()
+    asked = Launcher.__abstractmethods__
+    assert {"place_problems", "job_state", "submit", "resume", "cancel"} <= asked
+    for cls in (SlurmLauncher, LocalLauncher):
+        assert not cls.__abstractmethods__, cls
+
+
+def test_the_checks_of_a_place_are_its_backend_s(no_slurm_env, monkeypatch):
+    monkeypatch.setenv("PATH", no_slurm_env["PATH"])
+    rec = recipe_from_dict({"roles": {"actor": {"gpus_per_node": 1}}})
+    [(key, _, message)] = SlurmLauncher().place_problems(rec, layout=True)  # sinfo is not there to ask
+    assert key == "<cluster>" and message.startswith("cannot check the recipe against the cluster: ")
+    assert message.endswith("Fix: check that Slurm answers (sinfo), or run with --local")
+    assert SlurmLauncher().place_problems(rec, layout=False)[0][0] == "<cluster>"  # asked even without a layout
+    have = cuda_device_count()
+    local = LocalLauncher().place_problems(rec, layout=True)
+    assert [k for k, _, _ in local] == ([] if have else ["roles.actor.gpus_per_node"])
+    assert LocalLauncher().place_problems(rec, layout=False) == []  # a refused share_with: no layout to check
+    assert LocalLauncher().place_problems(recipe_from_dict({}), layout=True) == []

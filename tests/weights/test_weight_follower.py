@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax_hpc.roles.weight_sync import EngineChecker
 from relax_hpc.engines.client import EngineClient
 from relax_hpc.weights import WeightSender
+from relax_hpc.weights.check import EngineChecker
 from relax_hpc.weights.follower import Follower
 
 from .conftest import REPO, perturb

@@ -390,8 +390,8 @@ def sim_weights(engines: list[int], buckets: int, reps: int = 3) -> list[dict]:
     import torch.distributed as dist
 
     from relax_hpc.engines.client import EngineClient
-    from relax_hpc.roles.weight_sync import ROWS, EngineChecker
     from relax_hpc.weights import WeightSender
+    from relax_hpc.weights.check import ROWS, EngineChecker
 
     proc = subprocess.Popen([sys.executable, "-c", STUB], stdout=subprocess.PIPE, text=True, cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -1,8 +1,8 @@
-"""The actor role's check that a weight sync landed: a spot fingerprint against every engine.
+"""The check that a weight sync landed: a spot fingerprint against every engine (and follower).
 
-After ``WeightSender.push`` (``relax_hpc.weights``), the actor keeps the first ``rows`` rows of every tensor
-it sent (cheap: rows × width each); :func:`check_engines` picks three of them (first, middle and last by
-name) and compares them with what each engine serves (``/get_weights_by_name`` with ``truncate_size =
+After the push (:mod:`relax_hpc.weights.push`, the actor's sync), the actor keeps the first ``rows`` rows of
+every tensor it sent (cheap: rows × width each); :meth:`EngineChecker.check` picks three of them (first, middle
+and last by name) and compares them with what each engine serves (``/get_weights_by_name`` with ``truncate_size =
 rows``): the sha256 fingerprint of :mod:`relax_hpc.weights.fingerprint` over those slices must be equal, and
 the largest absolute difference is reported. Whole-tensor fingerprints of a large model through JSON would
 be slow; the tests fingerprint the tiny model whole.

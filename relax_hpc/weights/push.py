@@ -1,0 +1,158 @@
+"""The actor's side of one weight sync: push to the engines and followers, check, push again without an engine
+that left mid-push, and the verdict (``docs/weights.md``).
+
+:class:`ActorSync` holds what lasts between syncs: rank 0's :class:`~relax_hpc.weights.sync.WeightSender` and its
+group, the engines and followers in it ({name: url}) and an :class:`~relax_hpc.weights.check.EngineChecker`.
+:meth:`ActorSync.sync` is collective over the actor's ranks (each walks the bridge's gather):
+
+1. rank 0 leaves out the engines that no longer answer ``/health`` (died after their last request);
+2. every rank pushes (:func:`~relax_hpc.weights.sync.push_from_actor`), after a new group if the engine set
+   changed; rank 0 keeps the first :data:`~relax_hpc.weights.check.ROWS` rows of every tensor;
+3. after a failed push rank 0 looks which engines are gone (again after 2 s if none) and broadcasts the verdict
+   to every rank: done, again without those (at most :data:`SYNC_TRIES` pushes), or failed (none gone: a retry
+   would change nothing);
+4. a barrier; then rank 0 checks each member's spot fingerprint and version (``check``: the recipe's
+   ``logging.check_weight_sync``); an engine that no longer answers then is reported dead, not a failed sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from relax_hpc.weights.check import ROWS, EngineChecker
+from relax_hpc.weights.sync import WeightSender, WeightSyncError, push_from_actor
+
+SYNC_TRIES = 3  # pushes of one sync: an engine that leaves mid-push (scancel, preemption) costs one more
+log = logging.getLogger("relax_hpc.actor")  # the actor role's log: its lines kept their logger when they moved here
+
+
+@dataclass
+class Synced:
+    """One sync's verdict, the fields of the controller's ``SyncResult``; ranks other than 0 fill only ``metrics``."""
+
+    metrics: dict[str, Any]
+    engine_versions: dict[str, str | None] = field(default_factory=dict)  # the version each engine reports
+    checks: dict[str, dict] = field(default_factory=dict)  # per engine: the spot fingerprint check
+    dead_engines: dict[str, str] = field(default_factory=dict)  # found dead at the sync: {name: why}
+    follower_versions: dict[str, str | None] = field(default_factory=dict)  # {role: the version it holds}
+
+
+class ActorSync:
+    """The actor's weight-sync group and its syncs. ``backend``: the group's (``"nccl"`` or ``"gloo"``);
+    ``api_key``: the run's engine key; ``address``: rank 0's address for the engines, asked at the first connect."""
+
+    def __init__(self, rank: int, backend: str, api_key: str | None, address: Callable[[], str]):
+        self.rank, self.backend, self.api_key, self.address = rank, backend, api_key, address
+        self.sender: WeightSender | None = None  # rank 0's, once connected
+        self.engines: dict[str, str] = {}  # the weight-sync group's engines {name: url}
+        self.followers: dict[str, str] = {}  # forward roles that get every sync too {role: url}
+        self.checker = EngineChecker(api_key)
+
+    def connect(self, engines: dict[str, str], followers: dict[str, str]) -> None:
+        """Every rank: these are the members now; rank 0 builds the group (a new one if the set changed: a group's
+        size is fixed)."""
+        self.engines, self.followers = dict(engines), dict(followers)
+        if self.rank != 0:
+            return
+        members = [*self.engines.values(), *self.followers.values()]
+        if self.sender is None:
+            self.sender = WeightSender(backend=self.backend, api_key=self.api_key)
+            self.sender.connect(members, self.address())
+        else:  # the engine set changed (an engine died)
+            self.sender.reconnect(members)
+
+    def close(self) -> None:
+        self.checker.close()
+        if self.sender is not None:  # the engines are going away too: leave without asking them
+            self.sender.close(destroy_on_engines=False)
+
+    def sync(self, version: str, engines: dict[str, str] | None, model: Any, *, progress: Callable[[], None],
+             check: bool) -> Synced:
+        """Every rank: push ``model``'s weights (``named_hf_weights()``, a collective; ``in_place()``) as
+        ``version`` to ``engines`` (default: the group's) and the followers, check them on rank 0 with ``check``.
+        ``progress`` is called once per tensor. Raises :class:`WeightSyncError` when the push fails for good."""
+        t0 = time.monotonic()
+        engines = dict(engines or self.engines)
+        dead = self.checker.unreachable(engines) if self.rank == 0 else {}  # died after its last request: left out
+        out, engines, heads = self._push(version, engines, dead, model, progress)
+        dist.barrier()
+        out["perf/weight_sync_time"] = time.monotonic() - t0
+        if self.rank != 0:
+            return Synced(metrics=out)
+        return self._checked(version, engines, dead, heads, out, check)
+
+    def _push(self, version: str, engines: dict[str, str], dead: dict[str, str], model: Any,
+              progress: Callable[[], None]) -> tuple[dict, dict, dict]:
+        """Every rank: push the weights to ``engines`` less ``dead``; an engine that dies during the push is added
+        to ``dead`` and the push goes again to the others, up to ``SYNC_TRIES`` times. (The sender's metrics, the
+        engines pushed to, and rank 0's first rows of every tensor for the check.)"""
+        heads: dict[str, Any] = {}
+
+        def stream():  # every rank walks the collective gather; rank 0 keeps each tensor's first rows
+            for name, t in model.named_hf_weights():
+                heads[name] = t[:ROWS].detach().clone()
+                progress()
+                yield name, t
+
+        for attempt in range(1, SYNC_TRIES + 1):
+            engines = {n: u for n, u in engines.items() if n not in dead}
+            if not engines:
+                raise WeightSyncError(f"no rollout engine left to sync: {dead}")
+            if engines != self.engines:  # an engine died, joined or left since the last sync
+                self.connect(engines, self.followers)
+            err: WeightSyncError | None = None
+            try:
+                out: dict[str, Any] = dict(push_from_actor(stream(), self.sender if self.rank == 0 else None, version,
+                                                           in_place=model.in_place()))
+            except WeightSyncError as e:
+                err = e
+            # rank 0 decides for every rank: done, again without the engines that are gone now, or failed
+            verdict: list[Any] = [None if err is None else (str(err), _gone(self.checker, engines))]
+            if dist.get_world_size() > 1:
+                dist.broadcast_object_list(verdict, src=0)
+            if verdict[0] is None:
+                return out, engines, heads
+            why, lost = verdict[0]
+            if not lost or attempt == SYNC_TRIES:
+                raise err if err is not None else WeightSyncError(why)
+            log.warning("step sync %s: %s left during the push (%s); pushing again to the others", version,
+                        ", ".join(sorted(lost)), why)
+            dead.update(lost)
+        raise AssertionError("unreachable: the last try returns or raises")
+
+    def _checked(self, version: str, engines: dict[str, str], dead: dict[str, str], heads: dict,
+                 out: dict[str, Any], check: bool) -> Synced:
+        """Rank 0, after the push: each engine's and follower's spot fingerprint and version (with ``check``),
+        and the engines that left right after it."""
+        followers = self.followers
+        checks = self.checker.check({**engines, **followers}, heads, version) if check else {}
+        fchecks = {f: checks.pop(f) for f in followers if f in checks}
+        held = {f: fchecks[f].get("version") if f in fchecks else version for f in followers}
+        for name in [n for n, c in checks.items() if "unreachable" in c]:  # left right after the push
+            dead[name] = checks.pop(name)["unreachable"]
+            engines.pop(name)
+        every = [c for c in (*checks.values(), *fchecks.values()) if "unreachable" not in c]
+        if every:  # the followers' weights are checked like the engines'
+            out["weights/fingerprint_match"] = float(all(c["fingerprint_equal"] for c in every))
+            out["weights/engine_max_abs_diff"] = max(c["max_abs_diff"] for c in every)
+            out["weights/versions_ok"] = float(all(c["version_ok"] for c in every))
+        # the versions the engines report (the check asks them); unchecked, the version every engine of the push got
+        versions = {n: c["version"] for n, c in checks.items()} if checks else {n: version for n in engines}
+        return Synced(metrics=out, engine_versions=versions, checks=checks, dead_engines=dead,
+                      follower_versions=held)
+
+
+def _gone(checker: EngineChecker, engines: dict[str, str], settle_s: float = 2.0) -> dict[str, str]:
+    """The engines that no longer answer after a failed push; a second look after ``settle_s`` catches one that
+    was signalled and is still exiting (a failure with every engine answering fails the sync)."""
+    lost = checker.unreachable(engines)
+    if not lost:
+        time.sleep(settle_s)
+        lost = checker.unreachable(engines)
+    return lost
