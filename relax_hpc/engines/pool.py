@@ -33,7 +33,7 @@ class EnginePool:
 
     def __init__(self, engines: list[Engine], per_engine: int,
                  leaving: Callable[[], frozenset[str]] = frozenset, *,
-                 none_left: type[Exception] = RuntimeError) -> None:
+                 none_left: type[Exception]) -> None:
         self.engines = engines
         self.none_left = none_left  # raised by acquire when every engine is dead (the driver's NoEngineError)
         self.per_engine = per_engine

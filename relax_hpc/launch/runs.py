@@ -53,7 +53,7 @@ def job_problem(job: dict) -> str | None:
     jid = job.get("job_id")
     if jid is None:
         bad.insert(0, "field 'job_id' is missing")
-    elif job.get("executor", "slurm") in LAUNCHERS and not launcher_for(job.get("executor")).job_id_ok(jid):
+    elif (job.get("executor") or "slurm") in LAUNCHERS and not launcher_for(job.get("executor")).job_id_ok(jid):
         bad.insert(0, f"field 'job_id' is {_short(jid)}, not a Slurm job id (digits)")  # a local run's is any text
     return "; ".join(bad) or None
 

@@ -1,4 +1,4 @@
-"""Samples → padded micro-batch tensors (and per-sample results back), for the Megatron forward.
+"""Samples → micro-batch tensors, padded or packed (and per-sample results back), for the Megatron forward.
 
 A sample is a :class:`TrainingSample` (what the data plan, :mod:`relax_hpc.train.plan`, builds), or a mapping
 with the same keys (tests, tools), with:

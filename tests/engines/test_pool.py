@@ -24,7 +24,7 @@ def test_names_file_follows_the_controllers_rewrites(tmp_path):
 def test_the_pool_skips_leaving_engines():
     leaving = {"e0"}
     pool = EnginePool([Engine(name=n, client=None) for n in ("e0", "e1")], per_engine=4,
-                       leaving=lambda: frozenset(leaving))
+                       leaving=lambda: frozenset(leaving), none_left=RuntimeError)
 
     async def picks(k):
         return [(await pool.acquire()).name for _ in range(k)]
@@ -41,7 +41,7 @@ def test_the_pool_integrates_its_request_queue(monkeypatch):
 
     now = [100.0]
     monkeypatch.setattr(pool_mod.time, "monotonic", lambda: now[0])
-    pool = EnginePool([Engine(name="e0", client=None)], per_engine=1)
+    pool = EnginePool([Engine(name="e0", client=None)], per_engine=1, none_left=RuntimeError)
 
     async def scenario():
         first = await pool.acquire()

@@ -77,6 +77,10 @@ def test_controller_task_is_checkpointable_and_picklable(tmp_path):
     task = ControllerTask(tmp_path, resubmit)
     assert task.checkpoint().function.resubmit is resubmit  # a requeued task can still resubmit
     assert pickle.loads(cloudpickle.dumps(task)).resubmit is resubmit  # pickled by reference
+    # a job pickled before the submit helpers moved to launch.jobs names the old module: it must still load
+    from relax_hpc.launch import jobs
+
+    assert pickle.loads(b"crelax_hpc.launch.submit\nresubmit\n.") is jobs.resubmit
     legacy = ControllerTask.__new__(ControllerTask)
     legacy.__dict__.update(run_dir=str(tmp_path))  # pickled before the attribute existed
     assert legacy.resubmit is None

@@ -385,6 +385,7 @@ def test_slurm_completed_without_state_json_is_unknown_not_completed(tmp_path, m
 @pytest.mark.parametrize("job, words", [
     ({"job_id": None}, "field 'job_id' is missing"),
     ({"job_id": "7; rm -rf ~"}, "field 'job_id' is '7; rm -rf ~', not a Slurm job id (digits)"),
+    ({"job_id": "7; rm", "executor": None}, "field 'job_id' is '7; rm', not a Slurm job id (digits)"),  # null: Slurm
     ({"executor": "cloud"}, "field 'executor' is 'cloud', not \"slurm\" or \"local\""),
     ({"executor": "local", "pid": "123"}, "field 'pid' is '123', not a process id"),
     ({"executor": "local"}, "field 'pid' is missing"),
