@@ -360,6 +360,7 @@ class ConnectResult(ResultMessage):
     kind: ClassVar[str] = "connect"
     engines: list[str]  # the names of the engines in the weight-sync group
     loaded_step: int | None = None  # the step of the checkpoint loaded, if one was
+    weights: str = ""  # how the weights travel to the engines (the sender's path and backend), said to the user
 
 
 @dataclass(frozen=True, kw_only=True)

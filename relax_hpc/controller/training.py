@@ -565,6 +565,10 @@ class TrainingLoop:
             self.elastic.lost(name, f"found dead: {why}")
 
     def _connect_done(self, task: Task, res: M.ConnectResult) -> None:
+        if res.weights:
+            log.info("weights: %s", res.weights)
+            self.state.event("weights", res.weights)
+            self.state.progress(weights=res.weights)  # relax-status and relax-submit --local say it
         if self.resume.path is None:
             self.started = True
         else:  # the engines serve the model on disk: give them the checkpoint's weights first

@@ -15,7 +15,8 @@ Failure policy (why it is shaped this way):
 * retries only where they cannot duplicate work, with exponential backoff and full jitter (:class:`Backoff`)
   inside the same deadline: idempotent calls (health, info, flush, weight reads) retry on any transport error
   or 5xx; ``/generate`` on a 5xx, a dropped connection or a failed connect (it has no side effect beyond
-  compute); every other call only when the connection was never made, i.e. the engine cannot have seen the
+  compute); every other call (weight updates, pause, the memory release and resume, which are refused or
+  fail when sent twice) only when the connection was never made, i.e. the engine cannot have seen the
   request. A call whose deadline ran out is *not* resent. 4xx and an answer that is not JSON are not retried;
 * ``api_key`` is sent as ``Authorization: Bearer KEY`` on every call (what SGLang's ``--api-key`` checks);
 * a ``/generate`` answer is checked before anyone believes it (:func:`output_problem`): log-probs finite, at most
@@ -549,6 +550,26 @@ class EngineClient:
         r = await self.arequest("POST", "/continue_generation", {}, timeout=timeout)
         return self._json("/continue_generation", r)
 
+    def release_memory_occupation(self, tags: Sequence[str] | None = None, timeout: float | None = None) -> dict:
+        """``POST /release_memory_occupation``: the engine gives back the device memory of ``tags`` (``"weights"``,
+        ``"kv_cache"``, ``"cuda_graph"``; None: all), so a colocated trainer can use it. Refused (HTTP 400 →
+        EngineError) while requests run or wait: pause with ``mode="abort"`` first. Resent only when the connection
+        was never made: a second release is refused (here) or pauses memory twice (SGLang)."""
+        body = {"tags": None if tags is None else list(tags)}
+        d = self._json("/release_memory_occupation", self.request("POST", "/release_memory_occupation", body,
+                                                                  timeout=timeout))
+        return d if isinstance(d, dict) else {}  # SGLang answers a JSON null
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None, timeout: float | None = None) -> dict:
+        """``POST /resume_memory_occupation``: the engine takes the memory of ``tags`` (None: all) again. The weights
+        come back with undefined contents: update them (e.g. :meth:`update_weights_from_tensor`) before generating.
+        Resent only when the connection was never made: resuming what is not released is refused (here) or fails
+        in SGLang's scheduler."""
+        body = {"tags": None if tags is None else list(tags)}
+        d = self._json("/resume_memory_occupation", self.request("POST", "/resume_memory_occupation", body,
+                                                                 timeout=timeout))
+        return d if isinstance(d, dict) else {}
+
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """``POST /abort_request``: the request ``rid`` (or all) finishes with ``finish_reason.type == "abort"``."""
         if not rid and not abort_all:
@@ -591,6 +612,18 @@ class EngineClient:
                 "shapes": [list(s) for s in shapes], "group_name": group_name, "flush_cache": flush_cache,
                 "abort_all_requests": abort_all_requests, "weight_version": weight_version, "load_format": load_format}
         return self._success("/update_weights_from_distributed", body, timeout)
+
+    def update_weights_from_tensor(self, serialized_named_tensors: Sequence[str], *, load_format: str | None = None,
+                                   flush_cache: bool = False, abort_all_requests: bool = False,
+                                   weight_version: str | None = None, timeout: float | None = None) -> dict:
+        """``POST /update_weights_from_tensor``: one entry per TP rank of the engine, each a
+        :func:`~relax_hpc.engines.tensor_wire.serialize_named` list of (HF name, tensor) handles (CUDA IPC on the
+        same GPU, shared memory on the CPU). The engine copies them in before answering: keep the tensors alive
+        until this returns. ``timeout`` defaults to :data:`WEIGHTS_TIMEOUT`. Resent only when the connection was
+        never made."""
+        body = {"serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format,
+                "flush_cache": flush_cache, "abort_all_requests": abort_all_requests, "weight_version": weight_version}
+        return self._success("/update_weights_from_tensor", body, WEIGHTS_TIMEOUT if timeout is None else timeout)
 
     def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
                                  load_format: str | None = None, flush_cache: bool = True,

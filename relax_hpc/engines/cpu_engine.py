@@ -1,11 +1,13 @@
-"""relax_hpc's CPU engine: an HF transformers model behind the subset of SGLang's native HTTP API that relax_hpc uses.
+"""relax_hpc's reference engine (the "CPU engine"): an HF transformers model behind the subset of SGLang's native
+HTTP API that relax_hpc uses, on the CPU or on one GPU.
 
 Why it exists: SGLang cannot be installed on CPU-only machines (CI, laptops; see
-``reference/ml-cpu-notes.md`` §4), yet the rollout code must be exercised end to end there. This server
-speaks the same wire format as SGLang 0.5.23 for the calls in :mod:`relax_hpc.engines.client`, so the
-client, the rollout driver and the weight sync cannot tell the two apart.
+``reference/ml-cpu-notes.md`` §4), yet the rollout code must be exercised end to end there; and on one GPU box it
+runs the whole loop without SGLang. This server speaks the same wire format as SGLang 0.5.23 for the calls in
+:mod:`relax_hpc.engines.client`, so the client, the rollout driver and the weight sync cannot tell the two apart.
 
-    python -m relax_hpc.engines.cpu_engine --model DIR [--host 127.0.0.1] [--port 0] [--ready-file F]
+    python -m relax_hpc.engines.cpu_engine --model DIR [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|float16]
+        [--host 127.0.0.1] [--port 0] [--ready-file F]
 
 Semantics (``docs/engines.md`` has the full list):
 
@@ -16,10 +18,19 @@ Semantics (``docs/engines.md`` has the full list):
 * **Log-probs.** ``output_token_logprobs[i][0]`` is ``log_softmax(raw_logits / T)[token]`` where ``T`` is the
   request temperature (1 for greedy, as SGLang does), taken *before* top-k/top-p filtering: the value a
   trainer recomputes with a teacher-forced forward at the same temperature. Never HF "scores".
-* **Weights.** ``/init_weights_update_group`` joins a gloo group as rank ``rank_offset`` (TP=1; "nccl" is
-  served by gloo), ``/update_weights_from_distributed`` receives ``dist.broadcast(src=0)`` per tensor or
-  one flat buffer (``load_format="flattened_bucket"``) and copies by HF parameter name; as in SGLang
-  0.5.23 it is refused outside ``/begin_weight_update`` … ``/end_weight_update``.
+* **Device.** ``--device auto`` puts the model on ``cuda:0`` of the visible GPUs when torch sees one, else on the
+  CPU; ``--dtype auto`` is bfloat16 on CUDA, float32 on the CPU. Sampling runs on the CPU either way.
+* **Weights.** ``/init_weights_update_group`` joins a group as rank ``rank_offset`` (TP=1) with the backend asked,
+  if served (``/server_info``: ``weight_sync_backends``; gloo on the CPU, nccl and gloo on CUDA), and refuses
+  any other at once; ``/update_weights_from_distributed`` receives ``dist.broadcast(src=0)`` per tensor or one
+  flat buffer (``load_format="flattened_bucket"``), ``/update_weights_from_tensor`` opens CUDA IPC or
+  shared-memory handles (:mod:`~relax_hpc.engines.tensor_wire`); both copy by HF parameter name and, as in
+  SGLang 0.5.23, are refused outside ``/begin_weight_update`` … ``/end_weight_update``.
+* **Memory hand-over.** ``/release_memory_occupation`` frees the weights on CUDA (refused while requests run or
+  wait), ``/resume_memory_occupation`` takes them again; while released ``/generate`` is refused and the health
+  checks answer without the model. On the CPU the same states, nothing freed.
+* **Log of control calls.** One INFO line ``call PATH k=v ...`` per control call and per ``/generate`` call
+  (:data:`LOGGED`), written when the call arrives, so the order of calls can be read from the engine's log.
 * **API key.** With ``RELAX_ENGINE_API_KEY`` set (or ``--api-key-file``), every request but ``/health*``
   needs ``Authorization: Bearer KEY`` and is answered 401 otherwise, as SGLang's ``--api-key`` does (it
   leaves ``/health`` and ``/health_generate`` open too). The key comes through the environment or a file,
@@ -52,12 +63,47 @@ from pathlib import Path
 
 import torch
 
-from relax_hpc.engines.http import API_KEY_ENV, EngineServer, HTTPError, advertised_host, ok, read_api_key, route_handler
+from relax_hpc.engines.http import (API_KEY_ENV, JSON_NULL, EngineServer, HTTPError, advertised_host, ok, read_api_key,
+                                   route_handler)
 from relax_hpc.engines.http_server import IDLE_S, MAX_BODY, MAX_CONNECTIONS
 from relax_hpc.engines.model_runner import CPUEngine
 from relax_hpc.engines.receiver import weight_routes
 
 log = logging.getLogger("relax_hpc.cpu_engine")
+
+# the calls logged as "call PATH k=v ..." (one INFO line each, when it arrives), with the body fields shown
+LOGGED = {
+    "/generate": (), "/pause_generation": ("mode",), "/continue_generation": (), "/flush_cache": (),
+    "/release_memory_occupation": ("tags",), "/resume_memory_occupation": ("tags",),
+    "/begin_weight_update": (), "/end_weight_update": (),
+    "/update_weights_from_distributed": ("load_format", "weight_version"),
+    "/update_weights_from_tensor": ("load_format", "weight_version"),
+    "/update_weights_from_disk": ("model_path", "weight_version"), "/update_weight_version": ("new_version",),
+}
+
+
+def logged(path: str, fn, fields: tuple[str, ...]):
+    """``fn`` that first logs ``call PATH k=v ...`` (``n=`` the number of prompts for /generate, ``tensors=`` of
+    names for a distributed update), and a refusal (4xx) as a warning."""
+    def call(b: dict):
+        extra = [f"{k}={b.get(k)}" for k in fields]
+        if path == "/generate":
+            ids, text = b.get("input_ids"), b.get("text")
+            batched = isinstance(text, list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
+            extra.append(f"n={len(ids if ids is not None else text) if batched else 1}")
+        elif path == "/update_weights_from_distributed":
+            extra.append(f"tensors={len(b.get('names') or [])}")
+        log.info("call %s%s", path, "".join(" " + e for e in extra))
+        try:
+            status, data = fn(b)
+        except HTTPError as e:
+            log.warning("refused %s (%d): %s", path, e.status, e.message)
+            raise
+        if status >= 400 and path != "/generate":
+            message = data.get("message") if isinstance(data, dict) else data
+            log.warning("refused %s (%d): %s", path, status, message)
+        return status, data
+    return call
 
 
 def engine_handler(engine: CPUEngine, api_key: str | None = None):
@@ -87,14 +133,23 @@ def engine_handler(engine: CPUEngine, api_key: str | None = None):
     def health(_):
         return (200 if engine.health_generate() else 503), None
 
+    def memory(fn):
+        def call(b):  # SGLang answers these 200 with a JSON null, an error object (400) otherwise
+            fn(b)
+            return 200, JSON_NULL
+        return call
+
     routes = {
         "/generate": lambda b: ok(engine.generate(b)),
         "/health": health, "/health_generate": health, "/ready": lambda b: (200, None),
         "/server_info": lambda b: ok(engine.server_info()), "/get_server_info": lambda b: ok(engine.server_info()),
         "/model_info": lambda b: ok(engine.model_info()), "/get_model_info": lambda b: ok(engine.model_info()),
         "/flush_cache": flush, "/pause_generation": pause, "/continue_generation": cont, "/abort_request": abort,
+        "/release_memory_occupation": memory(engine.release_memory_occupation),
+        "/resume_memory_occupation": memory(engine.resume_memory_occupation),
         **weight_routes(engine),
     }
+    routes.update({path: logged(path, routes[path], fields) for path, fields in LOGGED.items() if path in routes})
     return route_handler(routes, api_key)
 
 
@@ -113,7 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0: the kernel picks a free port (default)")
     p.add_argument("--ready-file", help="written (atomically) with the URL once the server accepts requests")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda:0 of the visible GPUs when torch sees one, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--weight-sync-backends", default=None,
+                   help="the weight-sync group backends served, comma-separated (default: gloo on the CPU, nccl,gloo "
+                        "on CUDA); a test hook, so a test can start an engine that serves only one")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long a batch gathers concurrent requests")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
@@ -137,8 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cpu_engine %(levelname)s %(message)s")
     if a.threads > 0:
         torch.set_num_threads(a.threads)
-    engine = CPUEngine(a.model, a.dtype, a.max_batch_size, a.batch_wait_ms, a.seed, a.weight_version,
-                       a.served_model_name)
+    backends = [b.strip() for b in a.weight_sync_backends.split(",") if b.strip()] if a.weight_sync_backends else None
+    if backends and not set(backends) <= {"nccl", "gloo"}:
+        p.error(f"--weight-sync-backends {a.weight_sync_backends}: each must be nccl or gloo")
+    try:
+        engine = CPUEngine(a.model, a.dtype, a.max_batch_size, a.batch_wait_ms, a.seed, a.weight_version,
+                           a.served_model_name, device=a.device, weight_sync_backends=backends)
+    except ValueError as e:  # --device / --dtype that cannot be served here
+        p.error(str(e))
     if a.sglang_version:
         from relax_hpc.engines.client import update_protocol
 
@@ -154,8 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(a.ready_file + ".tmp")
         tmp.write_text(engine.url + "\n")
         os.replace(tmp, a.ready_file)
-    print(f"relax_hpc cpu engine ready at {engine.url} (pid {os.getpid()}, model {a.model}, "
-          f"API key {'required' if api_key else 'off'})", flush=True)
+    dtype = str(engine.dtype).replace("torch.", "")
+    print(f"relax_hpc reference engine ready at {engine.url} (pid {os.getpid()}, model {a.model}, device "
+          f"{engine.device}, dtype {dtype}, API key {'required' if api_key else 'off'})", flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:

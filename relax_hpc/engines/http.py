@@ -2,7 +2,8 @@
 as SGLang answers them, on a bounded server (:mod:`relax_hpc.engines.http_server`), with the API key checked from
 the headers before the body is read.
 
-A route is ``path -> fn(body) -> (status, data)``; ``data`` is JSON, text, or None (an empty body). An
+A route is ``path -> fn(body) -> (status, data)``; ``data`` is JSON, text, None (an empty body) or
+:data:`JSON_NULL` (the body ``null``). An
 :class:`HTTPError` raised by a route is answered ``{"error": {"message": ...}}`` with its status, as SGLang does.
 """
 
@@ -33,6 +34,8 @@ class HTTPError(Exception):
 
 
 
+JSON_NULL = object()  # a route's data answered as the JSON body ``null`` (what a FastAPI route returning None sends)
+
 API_KEY_ENV = "RELAX_ENGINE_API_KEY"
 _OPEN_PREFIXES = ("/health",)  # as SGLang's add_api_key_middleware: health checks need no key
 
@@ -52,6 +55,8 @@ def route_handler(routes: dict, api_key: str | None = None):
         def _send(self, status: int, data) -> None:
             if data is None:
                 payload, ctype = b"", "application/json"
+            elif data is JSON_NULL:
+                payload, ctype = b"null", "application/json"
             elif isinstance(data, str):
                 payload, ctype = data.encode(), "text/plain; charset=utf-8"
             else:

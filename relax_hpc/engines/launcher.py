@@ -1,4 +1,5 @@
-"""Launch inference engines: real SGLang servers on GPU nodes, relax_hpc's CPU engine elsewhere.
+"""Launch inference engines: real SGLang servers on GPU nodes, relax_hpc's reference engine elsewhere (on the
+CPU, or on one GPU: its ``--device``/``--dtype`` go through ``extra_args``).
 
 The rollout role calls :func:`launch_engine` (or :func:`start_engine` for many, then
 :meth:`EngineHandle.wait_ready` on each, so N engines load their weights in parallel). Either kind comes
@@ -42,7 +43,8 @@ from typing import Sequence
 
 from relax_hpc.engines.client import EngineClient
 
-KINDS = ("sglang", "cpu")
+KINDS = ("sglang", "reference")
+KIND_ALIASES = {"cpu": "reference"}  # the reference engine's former name
 API_KEY_ENV = "RELAX_ENGINE_API_KEY"  # the CPU engine's API key
 SGLANG_KEY_ENV = "RELAX_SGLANG_API_KEY"  # SGLang's, turned into --api-key inside its process by SGLANG_LAUNCHER
 # run as `python -c SGLANG_LAUNCHER ARGS...` by SGLang's interpreter: nothing of relax_hpc is imported there
@@ -99,7 +101,8 @@ def cpu_engine_command(python: str, model_path: str, host: str, ready_file: str,
 
 @dataclass
 class EngineHandle:
-    """A launched engine process. ``url`` is empty until the CPU engine reports it (see :meth:`wait_ready`)."""
+    """A launched engine process. ``url`` is empty until the reference engine reports it (see :meth:`wait_ready`).
+    ``kind`` is ``"sglang"`` or ``"reference"`` (a ``"cpu"`` asked for is the reference engine)."""
 
     kind: str
     model_path: str
@@ -259,20 +262,23 @@ def start_engine(kind: str, model_path: str | os.PathLike, *, python: str | None
     command line.
 
     kind: ``"sglang"`` (``python`` must be an interpreter with SGLang; ``tp`` GPUs per engine, which ones via
-    ``env={"CUDA_VISIBLE_DEVICES": ...}``) or ``"cpu"`` (TP must be 1; ``python`` defaults to this one).
+    ``env={"CUDA_VISIBLE_DEVICES": ...}``) or ``"reference"`` (``"cpu"`` is the same: TP must be 1; ``python``
+    defaults to this one; ``extra_args`` such as ``--device cuda --dtype bfloat16`` go to
+    :mod:`relax_hpc.engines.cpu_engine`).
     """
+    kind = KIND_ALIASES.get(kind, kind)
     if kind not in KINDS:
-        raise ValueError(f"engine kind must be one of {KINDS}, not {kind!r}")
-    if kind == "cpu" and tp != 1:
-        raise ValueError(f"the CPU engine serves TP=1 only, got tp={tp}")
+        raise ValueError(f"engine kind must be one of {KINDS} (or 'cpu', the reference engine), not {kind!r}")
+    if kind == "reference" and tp != 1:
+        raise ValueError(f"the reference engine serves TP=1 only, got tp={tp}")
     if kind == "sglang" and not python:
         python = os.environ.get("RELAX_SGLANG_PYTHON")
         if not python:
             raise ValueError("kind='sglang' needs python= (the interpreter of an SGLang environment), "
                              "or RELAX_SGLANG_PYTHON in the environment")
     python = python or sys.executable
-    if kind == "cpu" and not (Path(model_path) / "config.json").is_file():  # fail now, not after a torch import
-        raise EngineLaunchError(f"cpu engine: no HF model at {model_path} (config.json missing)")
+    if kind == "reference" and not (Path(model_path) / "config.json").is_file():  # now, not after a torch import
+        raise EngineLaunchError(f"reference engine: no HF model at {model_path} (config.json missing)")
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix=f"relax-{kind}-engine-", suffix=".log")
         os.close(fd)
@@ -281,7 +287,7 @@ def start_engine(kind: str, model_path: str | os.PathLike, *, python: str | None
     env = dict(env or {})
     ready_file = None
     command: list[str] = []
-    if kind == "cpu":
+    if kind == "reference":
         ready_file = log_path.with_name(log_path.name + f".{os.getpid()}.{time.monotonic_ns()}.url")
         ready_file.unlink(missing_ok=True)
         command = cpu_engine_command(python, str(model_path), host, str(ready_file), extra_args)
@@ -289,7 +295,7 @@ def start_engine(kind: str, model_path: str | os.PathLike, *, python: str | None
         old = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, old) if p)
     if api_key:
-        env[API_KEY_ENV if kind == "cpu" else SGLANG_KEY_ENV] = api_key
+        env[API_KEY_ENV if kind == "reference" else SGLANG_KEY_ENV] = api_key
     h = EngineHandle(kind=kind, model_path=str(model_path), url="", pid=-1, log_path=log_path, command=command,
                      host=host, tp=tp, python=python, env=env, extra_args=tuple(extra_args), ready_file=ready_file,
                      api_key=api_key)

@@ -1,7 +1,11 @@
-"""The CPU engine's model: an HF transformers model and its tokenizer, the ``/generate`` request checks and
-answers in SGLang's wire format, the health check and the server/model info. HTTP-free; the batches run on its
+"""The reference engine's model: an HF transformers model and its tokenizer, the ``/generate`` request checks and
+answers in SGLang's wire format, the health check, the server/model info and the memory hand-over
+(``/release_memory_occupation``, ``/resume_memory_occupation``). HTTP-free; the batches run on its
 :class:`~relax_hpc.engines.scheduler.Scheduler`, the weights arrive through its
 :class:`~relax_hpc.engines.receiver.WeightReceiver` half.
+
+The model sits on one device (``cpu`` or ``cuda:N``); the scheduler builds each batch's inputs on the CPU and moves
+them there, and samples on the CPU from float32 logits, so a seeded request draws the same way on either.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import logging
 import os
 import random
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -39,22 +44,61 @@ _SUPPORTED = {"max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p"
               "stream_interval", "custom_params"}
 _NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
             "min_new_tokens": 0, "n": 1}
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's GPU memory types (sglang.srt.constants)
+
+
+def resolve_device(device: str = "auto") -> str:
+    """``auto``: ``cuda:0`` of the visible GPUs when torch sees one, else ``cpu``; ``cuda`` is ``cuda:0``."""
+    if device == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}, but torch sees no CUDA device here. Fix: --device auto or cpu")
+        return "cuda:0" if device == "cuda" else str(torch.device(device))
+    if device != "cpu":
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, not {device!r}")
+    return "cpu"
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA, float32 on the CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dt = getattr(torch, dtype, None)
+    if dtype not in ("float32", "bfloat16", "float16") or not isinstance(dt, torch.dtype):
+        raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {dtype!r}")
+    return dt
 
 
 class CPUEngine(WeightReceiver):
-    """The model, its weights and the endpoint logic (HTTP-free, so it reads like SGLang's request structs)."""
+    """The model, its weights and the endpoint logic (HTTP-free, so it reads like SGLang's request structs). The
+    reference engine: on the CPU, or on one GPU (``device``)."""
 
-    def __init__(self, model_path: str, dtype: str = "float32", max_batch: int = 64, batch_wait_ms: float = 5.0,
-                 seed: int | None = None, weight_version: str = "default", served_model_name: str | None = None):
+    update_paths = ("distributed", "tensor", "disk")
+
+    def __init__(self, model_path: str, dtype: str = "auto", max_batch: int = 64, batch_wait_ms: float = 5.0,
+                 seed: int | None = None, weight_version: str = "default", served_model_name: str | None = None,
+                 device: str = "auto", weight_sync_backends: list[str] | None = None):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.model_path = str(model_path)
         self.served_model_name = served_model_name or self.model_path
-        self.dtype = getattr(torch, dtype)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        if weight_sync_backends:
+            self.weight_sync_backends = list(weight_sync_backends)
         self.config = AutoConfig.from_pretrained(self.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).eval()
+        if self.device != "cpu":
+            torch.cuda.set_device(self.device)
+            self.model.to(self.device)
         self.model.requires_grad_(False)
         super().__init__(self.model.state_dict(keep_vars=True), weight_version)
+        self.released: set[str] = set()  # SGLang memory tags released and not yet resumed
+        self.memory_lock = threading.Lock()  # one release or resume at a time
+        # whether a release frees the weights: on CUDA (a test sets it on the CPU, to run that path in CI)
+        self.frees_memory = self.device != "cpu"
+        self.stash: dict[int, tuple[torch.Tensor, torch.Size, torch.dtype]] = {}  # released params: shape, dtype
         self.tokenizer = _load_tokenizer(self.model_path)
         self.vocab_size = int(self.config.vocab_size)
         self.context_len = int(getattr(self.config, "max_position_embeddings", 4096))
@@ -162,12 +206,17 @@ class CPUEngine(WeightReceiver):
 
         It runs between decode steps instead of queueing behind a batch: with static batching a long batch
         would otherwise make a healthy engine look dead (SGLang's continuous batching answers at once). It
-        answers while paused too, as the model is still there."""
+        answers while paused too, as the model is still there. While the memory is released it answers healthy
+        without the model (the engine is alive; a controller must not take it for dead)."""
+        if self.released:  # alive, its memory handed over: nothing to run the model with, and nothing wrong
+            return True
         if not self.model_lock.acquire(timeout=timeout_s):
             return False
         try:
+            if self.released:
+                return True
             with torch.inference_mode():
-                logits = self.model(input_ids=torch.tensor([[0]])).logits[0, -1]
+                logits = self.model(input_ids=torch.tensor([[0]], device=self.device)).logits[0, -1]
             return bool(torch.isfinite(logits).all())
         except Exception:
             log.error("health check failed: %s", traceback.format_exc())
@@ -189,7 +238,7 @@ class CPUEngine(WeightReceiver):
         return {
             "model_path": self.model_path, "tokenizer_path": self.model_path,
             "served_model_name": self.served_model_name, "host": self.host, "port": self.port, "tp_size": 1,
-            "dp_size": 1, "device": "cpu",
+            "dp_size": 1,
             "dtype": str(self.dtype).replace("torch.", ""), "context_length": self.context_len,
             "skip_tokenizer_init": self.tokenizer is None, "max_running_requests": self.scheduler.max_batch,
             "launch_command": " ".join(sys.argv), "status": "ready", "max_total_num_tokens": None,
@@ -198,10 +247,92 @@ class CPUEngine(WeightReceiver):
                                  "num_running_reqs": running, "num_waiting_reqs": waiting,
                                  "paused": self.scheduler.paused, **self.scheduler.stats}],
             "version": self.reported_version or ENGINE_VERSION, "engine": "relax_hpc-cpu", "frontend": "python",
+            **self.sync_info(), "memory_released": bool(self.released),
         }
 
     def abort_all(self, message: str) -> None:
         self.scheduler.abort(None, message)
+
+    # ------------------------------------------------------------------ memory hand-over
+    def updates_refused(self) -> str | None:
+        if "weights" in self.released:
+            return ("the engine's weights are released (/release_memory_occupation): resume first "
+                    "(/resume_memory_occupation with the weights tag), then update them")
+        return None
+
+    @staticmethod
+    def _tags(body: dict) -> list[str]:
+        tags = body.get("tags")
+        if tags is None or tags == []:  # SGLang: none or empty = every type
+            return list(MEMORY_TAGS)
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            raise HTTPError(400, f"tags must be null or a list of {list(MEMORY_TAGS)}, not {tags!r}")
+        unknown = [t for t in tags if t not in MEMORY_TAGS]
+        if unknown:
+            raise HTTPError(400, f"unknown memory tags {unknown}: the tags are {list(MEMORY_TAGS)} (null: all)")
+        return list(dict.fromkeys(tags))
+
+    def release_memory_occupation(self, body: dict) -> None:
+        """SGLang's ``/release_memory_occupation``: give the device memory of ``tags`` (weights, KV cache, CUDA
+        graphs; null: all) back, so another process on the same GPU (the colocated actor) can use it. Refused while
+        requests run or wait. On CUDA each parameter's storage is freed (its shape and dtype kept) and the cache
+        emptied; this engine keeps no KV cache or CUDA graphs between batches, so those tags free nothing. On the
+        CPU nothing is freed, but the state is the same: until resumed, ``/generate`` is refused, updates are
+        refused while the weights are released, and the health checks answer without the model."""
+        tags = self._tags(body)
+        with self.memory_lock:
+            self._release(tags)
+        log.info("memory released: %s (released now: %s)", tags, sorted(self.released))
+
+    def _release(self, tags: list[str]) -> None:
+        again = [t for t in tags if t in self.released]
+        if again:
+            raise HTTPError(400, f"memory of {again} is already released; resume it first (/resume_memory_occupation)")
+        with self.scheduler.cv:  # no request can be queued between this check and the refusal being set
+            running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+            if running or waiting:
+                raise HTTPError(400, f"release_memory_occupation should be called only when no ongoing request: "
+                                     f"#running-req: {running}, #queue-req: {waiting}. Pause with mode abort (or "
+                                     "let them finish) first")
+            self.released.update(tags)
+            self.scheduler.refusal = ("the engine's memory is released (/release_memory_occupation): call "
+                                      "/resume_memory_occupation before /generate")
+        if not self.frees_memory:
+            return
+        with self.model_lock:
+            if "weights" in tags:
+                for p in self._weights():
+                    self.stash[id(p)] = (p, p.shape, p.dtype)
+                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            if self.device != "cpu":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()  # the freed weights, and the last batches' KV blocks the allocator held
+
+    def resume_memory_occupation(self, body: dict) -> None:
+        """SGLang's ``/resume_memory_occupation``: take the memory of ``tags`` (null: all released) again. The
+        weights come back with undefined contents (SGLang without a weight backup): update them before the next
+        generate."""
+        with self.memory_lock:
+            tags = self._tags(body) if body.get("tags") else sorted(self.released)
+            missing = [t for t in tags if t not in self.released]
+            if missing or not tags:
+                raise HTTPError(400, f"memory of {missing or list(MEMORY_TAGS)} is not released; nothing to resume "
+                                     f"(released now: {sorted(self.released)})")
+            if "weights" in tags and self.stash:
+                with self.model_lock:
+                    for p, shape, dtype in self.stash.values():
+                        p.data = torch.empty(shape, dtype=dtype, device=self.device)
+                    self.stash.clear()
+            with self.scheduler.cv:
+                self.released.difference_update(tags)
+                if not self.released:
+                    self.scheduler.refusal = None
+        log.info("memory resumed: %s (released now: %s)", tags, sorted(self.released))
+
+    def _weights(self) -> list[torch.Tensor]:
+        """The model's parameters, once each (tied ones share a parameter). Buffers stay: they are small, and the
+        weight updates do not send them."""
+        return list(self.model.parameters())
 
     def model_info(self) -> dict:
         return {

@@ -1,5 +1,11 @@
 """The receiving side of SGLang's weight-update API: process groups beside the default one, update sessions, the
-updates themselves (per tensor or one flattened bucket), the version tag and the read-back, by HF parameter name.
+updates themselves (broadcast per tensor or as one flattened bucket, tensors handed over by handle, files), the
+version tag and the read-back, by HF parameter name.
+
+A receiver says what it serves (:meth:`WeightReceiver.sync_info`, merged into ``/server_info``): the group backends
+(``weight_sync_backends``: gloo on CPU; nccl and gloo on CUDA, where gloo lands in host memory and is copied to the
+device), the update paths, its device, GPU and host. A group asking for a backend it does not serve is refused at
+once, naming both, instead of joining a group that can never form.
 
 The CPU engine (:mod:`relax_hpc.engines.model_runner`) is a :class:`WeightReceiver`; so is the forward role that
 follows the actor (:mod:`relax_hpc.weights.follower`), so both answer the sender (:mod:`relax_hpc.weights.sync`)
@@ -8,6 +14,7 @@ with this one wire format. :func:`weight_routes` is its HTTP half.
 
 from __future__ import annotations
 
+import socket
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -64,7 +71,9 @@ class WeightReceiver:
     sessions, the updates themselves, the version tag. The CPU engine is one; a forward role following the actor
     (:mod:`relax_hpc.weights.follower`) is another, so both answer the sender with this one wire format."""
 
-    device = "cpu"  # where broadcasts land
+    device = "cpu"  # where nccl broadcasts land and what is refilled ("cpu" or "cuda:N"); gloo ones land on the CPU
+    weight_sync_backends: list[str] | None = None  # the backends served, when not the device's (a test hook)
+    update_paths: tuple[str, ...] = ("distributed", "disk")  # the /update_weights_from_* this receiver answers
     # SGLang before 0.5.23 (``--sglang-version``): no update sessions; the updates come alone
     legacy_updates = False
     reported_version: str | None = None  # what /server_info says the version is (``--sglang-version``)
@@ -74,12 +83,34 @@ class WeightReceiver:
         self.weight_version = weight_version
         self.model_lock = threading.Lock()  # readers of params vs weight loads
         self.groups: dict[str, object] = {}
+        self.group_backends: dict[str, str] = {}  # group name → the backend it was built with
         self.session = False
         self.session_lock = threading.Lock()
 
+    def served_backends(self) -> list[str]:
+        """The weight-sync group backends this receiver joins: ``weight_sync_backends`` if set, else gloo on the
+        CPU, nccl and gloo on CUDA (gloo lands in host memory, then is copied to the device)."""
+        if self.weight_sync_backends:
+            return list(self.weight_sync_backends)
+        return ["gloo"] if torch.device(self.device).type == "cpu" else ["nccl", "gloo"]
+
+    def sync_info(self) -> dict:
+        """What the sender needs to pick a backend and an update path; merged into ``/server_info``."""
+        dev = torch.device(self.device)
+        uuids = [str(torch.cuda.get_device_properties(dev).uuid)] if dev.type == "cuda" else []
+        return {"weight_sync_backends": self.served_backends(), "weight_update_paths": list(self.update_paths),
+                "device": str(self.device), "gpu_uuids": uuids, "hostname": socket.gethostname()}
+
     def backend(self, body: dict) -> str:
-        """The group's backend: gloo here whatever was asked ("nccl" is served by gloo on CPU)."""
-        return "gloo"
+        """The group's backend: the one asked (SGLang's default "nccl"), if this receiver serves it; else a 400
+        naming both, at once (a group built with two backends never forms, and both ends would wait for it)."""
+        asked = str(body.get("backend") or "nccl")
+        served = self.served_backends()
+        if asked not in served:
+            raise HTTPError(400, f"this engine serves {', '.join(served)}; the sender asked {asked} (engine device "
+                                 f"{self.device}). Fix: build the weight-sync group with a backend every member serves "
+                                 "(each says which in /server_info: weight_sync_backends)")
+        return asked
 
     def abort_all(self, message: str) -> None:
         """Requests in flight when an update asks to abort them (an engine has some)."""
@@ -87,25 +118,33 @@ class WeightReceiver:
     def loaded(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Called after tensors were copied into ``params``."""
 
+    def updates_refused(self) -> str | None:
+        """Why weight updates are refused now (an engine whose weights are released), or None."""
+        return None
+
     def init_weights_update_group(self, body: dict) -> tuple[bool, str]:
         name = body.get("group_name", "weight_update_group")
         if name in self.groups:
             return False, f"weight update group {name!r} already exists"
+        backend = self.backend(body)  # before any rendezvous: a backend not served is refused at once
         try:
             pg = init_weight_update_group(body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
-                                          int(body["world_size"]), name, backend=self.backend(body),
+                                          int(body["world_size"]), name, backend=backend,
                                           timeout_s=float(body.get("timeout", 600.0)))
         except KeyError as e:
             return False, f"missing field {e}"
         except Exception as e:
             return False, f"Failed to init process group: {type(e).__name__}: {e}"
         self.groups[name] = pg
+        self.group_backends[name] = backend
         return True, (f"Succeeded to initialize custom process group (rank {body['rank_offset']} of "
-                      f"{body['world_size']}, backend {self.backend(body)}; requested {body.get('backend', 'nccl')}).")
+                      f"{body['world_size']}, backend {backend}).")
 
     def destroy_weights_update_group(self, body: dict) -> tuple[bool, str]:
         import torch.distributed as dist
-        pg = self.groups.pop(body.get("group_name", "weight_update_group"), None)
+        name = body.get("group_name", "weight_update_group")
+        pg = self.groups.pop(name, None)
+        self.group_backends.pop(name, None)
         if pg is None:
             return False, "no such weight update group"
         dist.destroy_process_group(pg)
@@ -130,6 +169,8 @@ class WeightReceiver:
         if not self.session and not self.legacy_updates:
             return False, ("update_weights_from_distributed must run between begin_weight_update() and "
                            "end_weight_update().")
+        if (why := self.updates_refused()) is not None:
+            return False, why
         group_name = body.get("group_name", "weight_update_group")
         pg = self.groups.get(group_name)
         if pg is None:
@@ -143,17 +184,19 @@ class WeightReceiver:
         if body.get("abort_all_requests"):
             self.abort_all("Abort by update_weights_from_distributed (abort_all_requests).")
         fmt = body.get("load_format")
+        # nccl lands on this receiver's device; gloo in host memory (load_named copies it to the device)
+        device = self.device if self.group_backends.get(group_name, "gloo") == "nccl" else "cpu"
         # Receive everything the trainer sends before judging names/shapes: refusing halfway would hang its broadcast.
         if fmt == "flattened_bucket":
             numels = [int(torch.Size(s).numel()) for s in shapes]
-            flat = torch.empty(sum(numels), dtype=flat_bucket_dtype(dtypes), device=self.device)
+            flat = torch.empty(sum(numels), dtype=flat_bucket_dtype(dtypes), device=device)
             dist.broadcast(flat, src=0, group=pg)
             tensors, off = [], 0
             for s, d, k in zip(shapes, dtypes, numels):
                 tensors.append(flat[off:off + k].view(s).to(d))
                 off += k
         elif fmt in (None, "", "direct"):
-            tensors = [torch.empty(s, dtype=d, device=self.device) for s, d in zip(shapes, dtypes)]
+            tensors = [torch.empty(s, dtype=d, device=device) for s, d in zip(shapes, dtypes)]
             works = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors]
             for w in works:
                 w.wait()
@@ -164,12 +207,47 @@ class WeightReceiver:
             self.weight_version = str(body["weight_version"])
         return True, f"Succeeded to update parameter online ({len(names)} tensors)."
 
+    def update_weights_from_tensor(self, body: dict) -> tuple[bool, str]:
+        """SGLang's ``/update_weights_from_tensor``: one ``serialized_named_tensors`` entry per TP rank (TP 1 here),
+        each a :mod:`~relax_hpc.engines.tensor_wire` list of (name, tensor) handles, copied into ``params``."""
+        from relax_hpc.engines.tensor_wire import deserialize_named
+
+        entries = body.get("serialized_named_tensors")
+        if not isinstance(entries, list) or len(entries) != 1 or not isinstance(entries[0], str):
+            n = len(entries) if isinstance(entries, list) else type(entries).__name__
+            return False, (f"serialized_named_tensors must be a list of one base64 string (one per TP rank; this "
+                           f"engine has TP 1), got {n}")
+        fmt = body.get("load_format")
+        if fmt == "flattened_bucket":
+            return False, ("load_format 'flattened_bucket' needs SGLang's own bucket metadata class; this engine "
+                           "reads plain (name, tensor) lists: send load_format null or 'direct'")
+        if fmt not in (None, "", "direct"):
+            return False, f"load_format {fmt!r} is not supported by this engine (null or 'direct')"
+        try:  # opened even when the call is then refused: an opened handle is released, an unopened one is leaked
+            named = deserialize_named(entries[0], device=self.device if self.device != "cpu" else None)
+        except ValueError as e:
+            return False, f"Failed to read serialized_named_tensors: {e}"
+        if not self.session and not self.legacy_updates:
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()."
+        if (why := self.updates_refused()) is not None:
+            return False, why
+        if body.get("abort_all_requests"):
+            self.abort_all("Abort by update_weights_from_tensor (abort_all_requests).")
+        self.load_named(named)
+        for dev in {t.device for _, t in named if t.device.type == "cuda"}:
+            torch.cuda.synchronize(dev)  # the copies are done before the sender may reuse or free its tensors
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+        return True, f"Succeeded to update parameter online from tensors ({len(named)} tensors)."
+
     def update_weights_from_disk(self, body: dict) -> tuple[bool, str]:
         from safetensors.torch import load_file
         path = Path(body.get("model_path") or "")
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
         if not files:
             return False, f"Failed to update weights: no *.safetensors files in model_path {str(path)!r}"
+        if (why := self.updates_refused()) is not None:
+            return False, why
         if body.get("abort_all_requests"):
             self.abort_all("Abort by update_weights_from_disk (abort_all_requests).")
         named = [kv for f in files for kv in load_file(str(f)).items()]
@@ -188,6 +266,8 @@ class WeightReceiver:
             if tuple(p.shape) != tuple(t.shape):
                 raise HTTPError(400, f"shape mismatch for {name}: model {tuple(p.shape)}, received {tuple(t.shape)}")
         with self.model_lock, torch.no_grad():
+            if (why := self.updates_refused()) is not None:  # released since the call was accepted
+                raise HTTPError(400, why)
             for name, t in named:
                 self.params[name].data.copy_(t)
         self.loaded(named)
@@ -197,6 +277,8 @@ class WeightReceiver:
         p = self.params.get(name)
         if p is None:
             raise HTTPError(400, f"unknown parameter {name!r}")
+        if (why := self.updates_refused()) is not None:  # the released weights hold nothing to read
+            raise HTTPError(400, why)
         return p.detach()[: int(body.get("truncate_size", 100))].float().tolist()
 
 
@@ -225,6 +307,8 @@ def weight_routes(receiver: WeightReceiver) -> dict:
             "/begin_weight_update": result(lambda b: receiver.begin_weight_update()),
             "/end_weight_update": result(lambda b: receiver.end_weight_update())}),
         "/update_weights_from_distributed": result(receiver.update_weights_from_distributed),
+        **({"/update_weights_from_tensor": result(receiver.update_weights_from_tensor)}
+           if "tensor" in receiver.update_paths else {}),
         "/update_weights_from_disk": result(receiver.update_weights_from_disk, num_paused_requests=0),
         "/update_weight_version": version,
         "/get_weights_by_name": lambda b: ok(receiver.get_weights_by_name(b)),

@@ -1,10 +1,12 @@
-"""The CPU engine's scheduler: static batching of ``/generate`` requests over one HF model, with SGLang's pause
-modes and aborts, and the sampler (top-k, top-p, per-request generators).
+"""The reference engine's scheduler: static batching of ``/generate`` requests over one HF model, with SGLang's
+pause modes and aborts, and the sampler (top-k, top-p, per-request generators).
 
 One scheduler thread collects waiting requests for ``batch_wait_s`` (or until ``max_batch``), left-pads them,
 prefills once and decodes the whole batch with the HF KV cache; finished rows are dropped from the cache.
-Requests arriving meanwhile wait for the next batch (no continuous batching). The model, its lock and the finish
-rule come from the engine (:class:`~relax_hpc.engines.model_runner.CPUEngine`).
+Requests arriving meanwhile wait for the next batch (no continuous batching). The model, its device, its lock and
+the finish rule come from the engine (:class:`~relax_hpc.engines.model_runner.CPUEngine`). Inputs are built on the
+CPU and moved to the model's device; the last position's logits come back to the CPU as float32, where the
+sampler draws from each request's CPU generator, so sampling is the same code on the CPU and on CUDA.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ log = logging.getLogger("relax_hpc.cpu_engine")
 
 
 class Model(Protocol):
-    """What the scheduler runs (the CPU engine): the HF model under its lock, padding, the finish rule, the version."""
+    """What the scheduler runs (the engine): the HF model on its device under its lock, padding, the finish rule,
+    the version."""
 
     model: Any
+    device: str
     model_lock: Any
     pad_id: int
     weight_version: str
@@ -86,13 +90,17 @@ class Scheduler:
         self.running: list[Req] = []
         self.paused: str | None = None
         self.parked = False
+        self.refusal: str | None = None  # why new requests are refused now (the engine's memory is released)
         self.stats = {"num_batches": 0, "max_batch_size": 0, "num_requests": 0, "num_generated_tokens": 0,
                       "last_gen_throughput": 0.0}
         self.thread = threading.Thread(target=self._loop, name="cpu-engine-scheduler", daemon=True)
 
     # -- called from HTTP threads
     def submit(self, reqs: list[Req]) -> None:
+        """Queue ``reqs``; a 400 naming the reason while the engine refuses new requests (:attr:`refusal`)."""
         with self.cv:
+            if self.refusal is not None:
+                raise HTTPError(400, self.refusal)
             self.waiting.extend(reqs)
             self.stats["num_requests"] += len(reqs)
             self.cv.notify_all()
@@ -204,9 +212,11 @@ class Scheduler:
             ids[i, L - len(s):] = torch.tensor(s)
             mask[i, L - len(s):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        dev = eng.device
+        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)  # no-ops on the CPU
         with eng.model_lock:
             out = eng.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1, :].float()
+        cache, logits = out.past_key_values, _last_logits(out)
         pos = pos[:, -1:]
         while True:
             next_tokens, lps = sample_batch(rows, logits)
@@ -222,19 +232,24 @@ class Scheduler:
                 return
             keep = [i for i, r in enumerate(rows) if not r.done.is_set()]
             if len(keep) < len(rows):  # drop finished rows from the batch and the KV cache
-                idx = torch.tensor(keep, dtype=torch.long)
+                idx = torch.tensor(keep, dtype=torch.long, device=dev)
                 cache.batch_select_indices(idx)
                 mask, pos = mask[idx], pos[idx]
                 rows = [rows[i] for i in keep]
                 next_tokens = [next_tokens[i] for i in keep]
                 with self.cv:
                     self.running = list(rows)
-            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long, device=dev)], dim=1)
             pos = pos + 1
             with eng.model_lock:
-                out = eng.model(input_ids=torch.tensor(next_tokens)[:, None], attention_mask=mask,
+                out = eng.model(input_ids=torch.tensor(next_tokens, device=dev)[:, None], attention_mask=mask,
                                 position_ids=pos, past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1, :].float()
+            cache, logits = out.past_key_values, _last_logits(out)
+
+
+def _last_logits(out) -> torch.Tensor:
+    """The last position's logits [B, V] on the CPU as float32 (a no-op for a float32 model on the CPU)."""
+    return out.logits[:, -1, :].to("cpu", torch.float32)
 
 
 def sample_batch(rows: list[Req], logits: torch.Tensor) -> tuple[list[int], list[float]]:

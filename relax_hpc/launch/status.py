@@ -49,7 +49,7 @@ _OBJECTS = (lambda v: isinstance(v, dict) and all(isinstance(x, dict) or x is No
 _SCALE_KEYS = ("id", "spec", "origin", "state")
 _STATE_FIELDS = {
     "state": (lambda v: isinstance(v, str) and v in _WORDS, f"one of {', '.join(sorted(_WORDS))}"),
-    "reason": _STR, "phase": _STR, "last_failure": _STR,
+    "reason": _STR, "phase": _STR, "last_failure": _STR, "weights": _STR,
     "step": _INT, "total_steps": _INT, "attempt": _INT, "restarts": _INT,
     "reward": _NUMBER, "updated_at": (lambda v: _epoch(v) is not None, "a time"),
     "roles": _OBJECTS, "engines": _OBJECTS, "judges": _OBJECTS,
@@ -154,6 +154,7 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
         "last_failure": ctl.get("last_failure"),
         "events": (ctl.get("events") or [])[-5:],
         "phase": ctl.get("phase"),
+        "weights": ctl.get("weights"),  # how the weights travel to the engines (the actor's connect)
         "reward": ctl.get("reward"),
         "step": ctl.get("step"),
         "total_steps": ctl.get("total_steps"),
@@ -225,6 +226,8 @@ def render(info: dict) -> RichGroup:
             engines.add_row(e["name"], _styled_engine(e), _cell(e.get("weight_version")), _cell(e.get("origin")),
                             _cell(e.get("node")), _cell(where), _cell(e.get("url")))
         parts += [Text(""), engines]
+    if info.get("weights"):
+        parts.append(Text(f"weights: {info['weights']}", style="dim"))
     for op in info.get("scale", [])[-3:]:
         job = f", job {op['job_id']}" if op.get("job_id") else ""
         parts.append(Text(f"scale {op['id']} {op['spec']} ({op['origin']}{job}): {op['state']}: {op.get('detail', '')}",

@@ -22,7 +22,7 @@ RELAX_NAMES: dict[str, str | None] = {
     "rollout_num_gpus": "roles.rollout",
     "num_gpus_per_node": "roles",
     "rollout_num_gpus_per_engine": None,
-    "offload": None, "offload_train": None, "offload_rollout": None,
+    "offload": None, "offload_train": None, "offload_rollout": "rollout.engine.offload",
     "debug_rollout_only": None, "debug_train_only": None,
     "train_backend": None,
     # --- data ------------------------------------------------------------------------------------------

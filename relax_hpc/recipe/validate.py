@@ -395,6 +395,18 @@ def _check_engine_args(r: Recipe) -> list[Problem]:
             out.append((key, arg, f"relax_hpc sets {flag} itself (from {ENGINE_ARGS_SET[flag]}). Fix: remove it"))
         elif any(c in arg for c in "\n\r\0"):
             out.append((key, arg, "contains a line break or NUL. Fix: one argument per list item"))
+    eng = r.rollout.engine
+    if eng.kind == "reference" and eng.args:
+        out.append(("rollout.engine.args", eng.args, "are sglang.launch_server arguments; rollout.engine.kind: "
+                    "reference takes none. Fix: remove them, or kind: sglang / auto"))
+    if eng.offload:
+        if r.mode != "colocate":
+            out.append(("rollout.engine.offload", True, f"hands the GPU between rollout and the actor, which take "
+                        f"turns only in mode: colocate (this recipe: {r.mode}). Fix: mode: colocate, or offload: false"))
+        if r.roles.actor_fwd.enabled:
+            out.append(("rollout.engine.offload", True, "sends the weights to the engines by CUDA IPC, but roles."
+                        "actor_fwd follows the actor through a weight-sync group. Fix: disable roles.actor_fwd, or "
+                        "offload: false"))
     return out
 
 

@@ -7,8 +7,9 @@ the controller's tasks (:mod:`relax_hpc.roles.tasks`; every task's fields and it
 
 - ``connect {engines, load, followers}``: every rank loads the checkpoint ``load`` if given (a resumed run), then
   rank 0 builds the weight-sync group with the engines and the followers (actor_fwd's rank 0, which gets every
-  sync like an engine: :mod:`relax_hpc.weights.follower`).
-- ``train {step, chunks}``: read the step's samples from the exchange (checksums verified; with the side
+  sync like an engine: :mod:`relax_hpc.weights.follower`) on a backend they all serve; engines on the actor's GPU
+  get the weights by CUDA IPC instead, and hand their memory over while it trains (``rollout.engine.offload``).
+- ``train {step, chunks}``: engines that hand over release their memory first (``perf/engine_release_time``); read the step's samples from the exchange (checksums verified; with the side
   fields ``ref_log_probs``/``log_probs`` when the reference/actor_fwd roles added them), broadcast the
   normalized rewards over the response tokens (advantages), split the samples into k mini-batches
   (``train.num_steps_per_rollout``, shuffled with the run's seed and the step) and build tensors only for
@@ -21,7 +22,8 @@ the controller's tasks (:mod:`relax_hpc.roles.tasks`; every task's fields and it
   :func:`relax_hpc.train.plan.check_train_columns`) skips the whole step before any tensor is built, a
   non-finite loss or grad norm skips its optimizer step; ``train/nonfinite_skipped`` counts them and the result's
   ``skipped`` says why (or the run fails: :class:`relax_hpc.train.step.NonFiniteError`).
-- ``sync {version, engines}``: every rank walks ``named_hf_weights`` (a collective); rank 0 pushes them with
+- ``sync {version, engines}``: released engines take their memory back (``perf/engine_resume_time``); every rank
+  walks ``named_hf_weights`` (a collective); rank 0 pushes them with
   :class:`relax_hpc.weights.WeightSender` (a new group first if the engine set changed) and, with
   ``logging.check_weight_sync``, checks a spot fingerprint against each engine. An engine that dies during the
   push (an attached job scancelled or preempted) is left out and the push goes again to the others, up to
@@ -78,8 +80,10 @@ class Actor:
 
         self.ctx, self.comm, self.model, self.recipe = ctx, comm, model, ctx.recipe
         self.rank = ctx.ident.rank
-        self.weights = ActorSync(self.rank, "nccl" if comm.backend == "nccl" else "gloo", ctx.run.api_key(),
-                                 address=lambda: reachable_host(ctx.ident))
+        # the backend is one every engine serves (nccl from the GPU, or gloo from host memory), or CUDA IPC to engines
+        # on the actor's GPU, which then hand their memory over while it trains (rollout.engine.offload)
+        self.weights = ActorSync(self.rank, None, ctx.run.api_key(), address=lambda: reachable_host(ctx.ident),
+                                 offload=ctx.recipe.rollout.engine.offload)
 
     def handlers(self) -> dict[str, Any]:
         from relax_hpc.controller import messages as M
@@ -99,10 +103,16 @@ class Actor:
             self.model.load_checkpoint(task.load)
             loaded = self.model.step
         self.weights.connect(task.engines, task.followers)  # rank 0 builds the weight-sync group
-        return M.ConnectResult(engines=sorted(self.weights.engines), loaded_step=loaded)
+        return M.ConnectResult(engines=sorted(self.weights.engines), loaded_step=loaded, weights=self.weights.route())
 
     # -- train
     def train(self, task: M.TrainTask) -> M.TrainResult:
+        released = self.weights.release()  # engines sharing the GPU give it up first (rank 0 asks them)
+        result = self._train(task)
+        result.metrics.update(released)
+        return result
+
+    def _train(self, task: M.TrainTask) -> M.TrainResult:
         from relax_hpc.controller import messages as M
         from relax_hpc.train import plan as P
         from relax_hpc.train.config import steps_per_rollout

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     seed = recipe.run.seed + (int(k) if name.startswith("engine") and k.isdigit() else 10_000 + sum(map(ord, name)))
     engine = start_node_engine(run, recipe.roles.rollout, recipe.model.path, name=name, local=local,
                                local_rank=int(os.environ.get("SLURM_LOCALID", "0")), seed=seed,
-                               sglang_args=recipe.rollout.engine.args)
+                               sglang_args=recipe.rollout.engine.args, kind=recipe.rollout.engine.kind)
     try:
         engine.wait_ready(ENGINE_READY_S)
         if signalled:

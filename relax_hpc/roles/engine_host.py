@@ -46,30 +46,48 @@ def start_rank_engine(ctx: RoleContext, group: RoleGroup, model_path: str, *, se
 
 
 def start_node_engine(run: RunDir, group: RoleGroup, model_path: str, *, name: str, local: bool, local_rank: int,
-                      seed: int, sglang_args: list[str] | tuple[str, ...] = ()) -> Any:
+                      seed: int, sglang_args: list[str] | tuple[str, ...] = (), kind: str = "auto") -> Any:
     """Engine ``name`` on this node (log ``RUN_DIR/logs/<name>.log``): SGLang on the ``local_rank``-th share of this
-    node's GPUs, or the CPU engine; it answers only requests carrying the run's API key. ``local``: no Slurm, listen
-    on the loopback only (:func:`engine_listen_host`). The start of every rollout engine
-    (:mod:`relax_hpc.roles.engine`), and of each genrm rank's judge."""
+    node's GPUs, or the reference engine (on this node's GPU when there is one); it answers only requests carrying
+    the run's API key. ``kind``: ``rollout.engine.kind`` (:func:`engine_kind`). ``local``: no Slurm, listen on the
+    loopback only (:func:`engine_listen_host`). The start of every rollout engine (:mod:`relax_hpc.roles.engine`),
+    and of each genrm rank's judge."""
     from relax_hpc.engines.launcher import start_engine
 
     host = engine_listen_host(local)
     logf = run.logs / f"{name}.log"
     key = run.api_key()  # every engine of the run answers only requests that carry it
-    if os.environ.get("RELAX_SGLANG_PYTHON") and has_cuda():
-        gpus = max(1, group.gpus_per_node // max(1, group.tasks_per_node))
-        first = local_rank * gpus
-        # an engine step given its GPUs (--gres) sees Slurm's choice in CUDA_VISIBLE_DEVICES: keep it
-        env = ({} if os.environ.get("SLURM_STEP_GPUS") and os.environ.get("CUDA_VISIBLE_DEVICES")
-               else {"CUDA_VISIBLE_DEVICES": ",".join(str(first + k) for k in range(gpus))})
+    gpus = max(1, group.gpus_per_node // max(1, group.tasks_per_node))
+    first = local_rank * gpus
+    # an engine step given its GPUs (--gres) sees Slurm's choice in CUDA_VISIBLE_DEVICES: keep it
+    env = ({} if os.environ.get("SLURM_STEP_GPUS") and os.environ.get("CUDA_VISIBLE_DEVICES")
+           else {"CUDA_VISIBLE_DEVICES": ",".join(str(first + k) for k in range(gpus))})
+    if engine_kind(kind) == "sglang":
         return start_engine("sglang", resolve(model_path), tp=gpus, host=host, env=env, log_path=logf, api_key=key,
                             extra_args=["--weight-version", "0", "--random-seed", str(seed), *sglang_args])
     if sglang_args:
-        print(f"[{name}] rollout.engine.args {list(sglang_args)} are SGLang's; the CPU engine on this node (no CUDA, "
-              "or no RELAX_SGLANG_PYTHON) does not take them", file=sys.stderr, flush=True)
-    return start_engine("cpu", resolve(model_path), host=host, log_path=logf, api_key=key,
-                        extra_args=["--weight-version", "0", "--seed", str(seed),
+        print(f"[{name}] rollout.engine.args {list(sglang_args)} are SGLang's; the reference engine on this node (no "
+              "CUDA, or no RELAX_SGLANG_PYTHON) does not take them", file=sys.stderr, flush=True)
+    # the reference engine takes its share of GPUs only where the role was given some (a local run on a one-GPU box
+    # gives none: the engine and the actor share device 0)
+    return start_engine("reference", resolve(model_path), host=host, env=env if group.gpus_per_node else {},
+                        log_path=logf, api_key=key,
+                        extra_args=["--weight-version", "0", "--seed", str(seed), "--device", "auto",
                                     "--threads", str(max(1, group.cpus_per_task))])
+
+
+def engine_kind(kind: str) -> str:
+    """The engine this node runs for ``rollout.engine.kind``: ``sglang`` needs ``RELAX_SGLANG_PYTHON`` and CUDA here
+    (else a clear error), ``reference`` is relax_hpc's own server, ``auto`` is SGLang where both are there."""
+    sglang = bool(os.environ.get("RELAX_SGLANG_PYTHON"))
+    if kind == "sglang" and not (sglang and has_cuda()):
+        why = "RELAX_SGLANG_PYTHON is not set" if not sglang else "this node has no CUDA device"
+        raise RuntimeError(f"rollout.engine.kind: sglang, but {why} on {socket.gethostname()}. Fix: run the engines on "
+                           "GPU nodes with RELAX_SGLANG_PYTHON set to an SGLang environment's python (docs/engines.md), "
+                           "or rollout.engine.kind: reference")
+    if kind == "sglang" or (kind == "auto" and sglang and has_cuda()):
+        return "sglang"
+    return "reference"
 
 
 def engine_listen_host(local: bool) -> str:

@@ -38,6 +38,13 @@ class EngineConfig:
     # the ones relax_hpc sets itself are refused (validate.ENGINE_ARGS_SET); the CPU engine has none to take
     args: list[str] = field(default_factory=list)
     max_restarts: int = 2  # an engine found dead is started again this many times (it rejoins at the next sync)
+    # which server generates: "sglang" (needs RELAX_SGLANG_PYTHON and a GPU on the node), "reference" (relax_hpc's
+    # own server, on the node's GPU when there is one, else its CPU), "auto": SGLang where both are there, else reference
+    kind: Literal["auto", "sglang", "reference"] = "auto"
+    # hand the GPU over while the actor trains (Relax --offload-rollout): the engines release their memory after
+    # generating, take it back before the weight sync, and get the weights by CUDA IPC (/update_weights_from_tensor)
+    # instead of a weight-sync group; null = when the engines share a GPU with the actor (a one-GPU box, share_with)
+    offload: bool | None = None
 
 
 @dataclass

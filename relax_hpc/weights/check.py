@@ -31,7 +31,7 @@ class EngineChecker:
         self._clients: dict[str, Any] = {}
         self._api_key = api_key  # the run's engine key
 
-    def _client(self, url: str) -> Any:
+    def client(self, url: str) -> Any:
         from relax_hpc.engines.client import EngineClient
 
         if url not in self._clients:
@@ -50,7 +50,7 @@ class EngineChecker:
         want = {n: heads[n][:rows] for n in names}
         out: dict[str, Any] = {}
         for name, url in engines.items():
-            c = self._client(url)
+            c = self.client(url)
             try:
                 got = {n: torch.tensor(c.get_weights_by_name(n, truncate_size=rows), dtype=torch.float64)
                        for n in names}
@@ -74,7 +74,7 @@ class EngineChecker:
         dead = {}
         for name, url in engines.items():
             try:
-                self._client(url).request("GET", "/health", timeout=10.0, retries=1)
+                self.client(url).request("GET", "/health", timeout=10.0, retries=1)
             except EngineError as e:
                 if e.status is None:  # an HTTP error status means something answered
                     dead[name] = str(e)

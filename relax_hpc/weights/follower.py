@@ -37,13 +37,11 @@ class Follower(WeightReceiver):
         self.server: EngineServer | None = None
         self.url = ""
 
-    def backend(self, body: dict) -> str:
-        return str(body.get("backend") or "nccl") if self.device != "cpu" else "gloo"
-
     def server_info(self) -> dict:
-        # a CPU engine's version: the sender then uses update sessions, which this receiver has
+        # a CPU engine's version: the sender then uses update sessions, which this receiver has; the backends it
+        # serves (nccl and gloo on a GPU, gloo on CPU) and its one update path (a group) for the sender's choice
         return {"tp_size": 1, "dp_size": 1, "version": ENGINE_VERSION, "engine": "relax_hpc-follower",
-                "status": "ready", "weight_version": self.weight_version}
+                "status": "ready", "weight_version": self.weight_version, **self.sync_info()}
 
     def take(self, version: str) -> dict[str, torch.Tensor]:
         """The staged tensors, which must be ``version``'s (the controller gives a task only once its sync is done)."""

@@ -13,6 +13,9 @@ group, the engines and followers in it ({name: url}) and an :class:`~relax_hpc.w
    would change nothing);
 4. a barrier; then rank 0 checks each member's spot fingerprint and version (``check``: the recipe's
    ``logging.check_weight_sync``); an engine that no longer answers then is reported dead, not a failed sync.
+
+With engines on the actor's GPU (the sender's tensor path; ``rollout.engine.offload``) they hand their memory over:
+:meth:`ActorSync.release` before the actor trains, and step 1 of the next sync resumes them first.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from relax_hpc.threads import daemon_call
 from relax_hpc.weights.check import ROWS, EngineChecker
 from relax_hpc.weights.sync import WeightSender, WeightSyncError, push_from_actor
 
@@ -44,15 +50,26 @@ class Synced:
 
 
 class ActorSync:
-    """The actor's weight-sync group and its syncs. ``backend``: the group's (``"nccl"`` or ``"gloo"``);
-    ``api_key``: the run's engine key; ``address``: rank 0's address for the engines, asked at the first connect."""
+    """The actor's weight-sync group and its syncs. ``backend``: the group's (``"nccl"``, ``"gloo"``, or None: one
+    every member serves); ``api_key``: the run's engine key; ``address``: rank 0's address for the engines, asked at
+    the first connect. ``offload`` (``rollout.engine.offload``): the engines hand their GPU memory over while the
+    actor trains (:meth:`release`; the sync takes it back first) and get the weights by ``/update_weights_from_tensor``;
+    None: when they share the actor's GPU (the sender's path); False: never."""
 
-    def __init__(self, rank: int, backend: str, api_key: str | None, address: Callable[[], str]):
+    def __init__(self, rank: int, backend: str | None, api_key: str | None, address: Callable[[], str], *,
+                 offload: bool | None = None):
         self.rank, self.backend, self.api_key, self.address = rank, backend, api_key, address
+        self.offload = offload
         self.sender: WeightSender | None = None  # rank 0's, once connected
         self.engines: dict[str, str] = {}  # the weight-sync group's engines {name: url}
         self.followers: dict[str, str] = {}  # forward roles that get every sync too {role: url}
         self.checker = EngineChecker(api_key)
+        self.released: dict[str, str] = {}  # engines whose memory is handed over to the actor now {name: url}
+
+    @property
+    def hands_over(self) -> bool:
+        """Whether the engines give their memory up while the actor trains (rank 0 knows, once connected)."""
+        return self.sender is not None and self.sender.path == "tensor"
 
     def connect(self, engines: dict[str, str], followers: dict[str, str]) -> None:
         """Every rank: these are the members now; rank 0 builds the group (a new one if the set changed: a group's
@@ -62,7 +79,8 @@ class ActorSync:
             return
         members = [*self.engines.values(), *self.followers.values()]
         if self.sender is None:
-            self.sender = WeightSender(backend=self.backend, api_key=self.api_key)
+            path = None if self.offload is None else "tensor" if self.offload else "distributed"
+            self.sender = WeightSender(backend=self.backend, api_key=self.api_key, path=path)
             self.sender.connect(members, self.address())
         else:  # the engine set changed (an engine died)
             self.sender.reconnect(members)
@@ -72,6 +90,53 @@ class ActorSync:
         if self.sender is not None:  # the engines are going away too: leave without asking them
             self.sender.close(destroy_on_engines=False)
 
+    def route(self) -> str:
+        """How the weights travel, in words (rank 0; others ""): for the run's events and the user."""
+        s = self.sender
+        if s is None:
+            return ""
+        if s.path == "tensor":
+            return (f"to {len(s.engines)} engine(s) on the actor's {s.device.type.upper()} by /update_weights_from_tensor "
+                    f"({'CUDA IPC' if s.device.type == 'cuda' else 'shared memory'}); they hand their memory over while "
+                    "the actor trains (rollout.engine.offload)")
+        return f"to {len(s.engines)} member(s) over a {s.backend} group, sent from {s.device.type.upper()} memory"
+
+    def release(self) -> dict[str, float]:
+        """Rank 0, before the actor trains, when the engines hand over (:attr:`hands_over`): each engine releases
+        its weights and KV cache (``/release_memory_occupation``; generation is done in colocate mode), so the
+        actor has the GPU. Returns ``perf/engine_release_time``; other ranks and other runs get ``{}``."""
+        if self.rank != 0 or not self.hands_over or self.released:
+            return {}
+        t0 = time.monotonic()
+        failed = self._on_engines(self.engines, "release_memory_occupation")
+        for n, e in failed.items():  # still busy or gone: it keeps its memory this step (the actor may run short)
+            log.warning("engine %s (%s) did not release its memory before training: %s", n, self.engines[n], e)
+        self.released = {n: u for n, u in self.engines.items() if n not in failed}
+        return {"perf/engine_release_time": time.monotonic() - t0}
+
+    def _resume(self, alive: dict[str, str]) -> dict[str, float]:
+        """Rank 0, before a push: the released engines still alive take their memory back (the actor's cached blocks
+        are returned to the GPU first). Their weights are undefined until the push that follows."""
+        back = {n: u for n, u in self.released.items() if n in alive}
+        self.released = {}
+        if not back:
+            return {}
+        t0 = time.monotonic()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        failed = self._on_engines(back, "resume_memory_occupation")
+        if failed:  # an engine without its memory cannot take the weights nor generate
+            raise WeightSyncError("/resume_memory_occupation failed on " + "; ".join(
+                f"{n} ({back[n]}): {e}" for n, e in failed.items()), [back[n] for n in failed])
+        return {"perf/engine_resume_time": time.monotonic() - t0}
+
+    def _on_engines(self, engines: dict[str, str], call: str) -> dict[str, BaseException]:
+        """``call`` on every engine at once (its memory hand-over); the engines it failed on, with why."""
+        clients = {n: self.checker.client(u) for n, u in engines.items()}
+        futs = {n: daemon_call(getattr(c, call), thread_name=f"weight-{call}") for n, c in clients.items()}
+        wait(list(futs.values()))
+        return {n: f.exception() for n, f in futs.items() if f.exception() is not None}
+
     def sync(self, version: str, engines: dict[str, str] | None, model: Any, *, progress: Callable[[], None],
              check: bool) -> Synced:
         """Every rank: push ``model``'s weights (``named_hf_weights()``, a collective; ``in_place()``) as
@@ -80,7 +145,9 @@ class ActorSync:
         t0 = time.monotonic()
         engines = dict(engines or self.engines)
         dead = self.checker.unreachable(engines) if self.rank == 0 else {}  # died after its last request: left out
+        resumed = self._resume({n: u for n, u in engines.items() if n not in dead}) if self.rank == 0 else {}
         out, engines, heads = self._push(version, engines, dead, model, progress)
+        out.update(resumed)
         dist.barrier()
         out["perf/weight_sync_time"] = time.monotonic() - t0
         if self.rank != 0:

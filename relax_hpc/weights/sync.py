@@ -22,6 +22,12 @@ bridge's TP/PP gather). One sync looks like this (``docs/weights.md`` has the wh
   The session calls (begin/end) go only to engines whose ``/server_info`` version needs them
   (:func:`update_protocol`: SGLang >= 0.5.23 and the CPU engine); SGLang 0.5.15-0.5.22 take the updates alone.
 
+Before any of that, ``connect`` settles from each member's ``/server_info`` how the weights travel (``_choose``):
+the **backend** is one every member serves (:func:`agree_backend`; none in common is :class:`WeightSyncRefused` at
+once, naming both sides), and engines on this process's GPU, which cannot join an NCCL group with it, get the
+**tensor path** instead of a group: per bucket, one ``/update_weights_from_tensor`` with the bucket's tensors as
+CUDA IPC handles (shared memory on CPU; :mod:`relax_hpc.engines.tensor_wire`), inside the same pause … continue.
+
 Every wait has a deadline; every failure is a :class:`WeightSyncError` that names the engine(s).
 """
 
@@ -31,6 +37,7 @@ import concurrent.futures as cf
 import itertools
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -41,6 +48,8 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.engines.client import EngineClient, EngineError, update_protocol
+from relax_hpc.engines.tensor_wire import serialize_named
+from relax_hpc.errors import PermanentError
 from relax_hpc.stores import master_store
 from relax_hpc.threads import daemon_call
 from relax_hpc.weights.buckets import (DEFAULT_BUCKET_BYTES, IN_PLACE_MIN_BYTES, Bucket, BufferRing, dtype_from_name, empty_flat, iter_buckets, plan,
@@ -50,6 +59,7 @@ log = logging.getLogger("relax_hpc.weights")
 
 PAUSE_MODES = ("retract", "abort", "in_place")
 MODES = ("bucketed", "per_tensor")
+PATHS = ("distributed", "tensor")
 _group_seq = itertools.count()
 
 
@@ -61,6 +71,59 @@ class WeightSyncError(RuntimeError):
     def __init__(self, message: str, engines: Sequence[str] = ()):
         super().__init__(message)
         self.engines = list(engines)
+
+
+class WeightSyncRefused(WeightSyncError, PermanentError):
+    """The members cannot form the group asked for (no backend or update path they all serve): refused at connect,
+    before anything waits; a restart would meet the same members."""
+
+    restartable = False
+
+
+# what SGLang serves, which its /server_info does not say: it receives on its GPUs (NCCL), by every update path
+SGLANG_BACKENDS = ("nccl",)
+SGLANG_PATHS = ("distributed", "tensor", "disk")
+
+
+def served(info: dict) -> tuple[list[str], list[str]]:
+    """(weight-sync backends, update paths) a member serves, from its ``/server_info`` (SGLang's when unsaid)."""
+    return (list(info.get("weight_sync_backends") or SGLANG_BACKENDS),
+            list(info.get("weight_update_paths") or SGLANG_PATHS))
+
+
+def my_gpu() -> str | None:
+    """This process's GPU (its UUID, as the engines report theirs in ``gpu_uuids``), None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
+def agree_backend(asked: str | None, members: dict[str, dict], *, cuda: bool, shared_gpu: Sequence[str] = ()) -> str:
+    """The weight-sync group's backend: ``asked`` when given (strict), else the first of nccl (with CUDA here) and
+    gloo (from host memory) that every member serves (``/server_info``'s ``weight_sync_backends``). NCCL is left out
+    when a member (``shared_gpu``: their URLs) is on this process's GPU: NCCL refuses two ranks on one device.
+    Raises :class:`WeightSyncRefused` naming each member that serves none of ours, the backends of both sides, and
+    the fix; nothing waits for a group that cannot form."""
+    mine = [asked] if asked else ["nccl", "gloo"] if cuda and not shared_gpu else ["gloo"]
+    for b in mine:
+        if all(b in served(i)[0] for i in members.values()):
+            return b
+    odd = {u: served(i)[0] for u, i in members.items() if not set(mine) & set(served(i)[0])} or \
+        {u: served(i)[0] for u, i in members.items()}
+    theirs = "; ".join(f"engine {u} serves {' or '.join(b)}" for u, b in odd.items())
+    if asked:
+        why, fix = f"this actor asked for {asked}", ("leave the backend to the sender (it picks one every member "
+                                                     "serves)")
+    elif shared_gpu:
+        why = f"engine(s) {', '.join(shared_gpu)} share this actor's GPU, where NCCL cannot take two ranks, so it asks gloo"
+        fix = "rollout.engine.offload: true (the weights go by CUDA IPC), or give the engines GPUs of their own"
+    elif not cuda:
+        why, fix = "this actor has no GPU, so it asks gloo", ("run the actor on GPU nodes (NCCL needs a GPU at both "
+                                                               "ends), or rollout.engine.kind: reference (it serves gloo)")
+    else:
+        why, fix = "this actor asks nccl or gloo", "run every engine with one backend in common (docs/weights.md)"
+    raise WeightSyncRefused(f"no weight-sync backend that every member serves: {why}; {theirs}. Fix: {fix}",
+                            list(odd))
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -194,8 +257,14 @@ class WeightSender:
         their KV cache; the cache is not flushed). The CPU engine and SGLang support all three.
     mode: ``"bucketed"`` (default; one broadcast of a flat buffer per bucket, ``load_format="flattened_bucket"``)
         or ``"per_tensor"`` (one broadcast per tensor, SGLang's default load format; for comparison).
-    backend: of the group; default ``"nccl"`` when CUDA is available else ``"gloo"``. ``device``: where
-        buckets are sent from (default ``cuda`` for nccl, else ``cpu``); tensors elsewhere are moved there.
+    backend: of the group; None (default): the first of ``"nccl"`` (with CUDA) and ``"gloo"`` that every member
+        serves (:func:`agree_backend`, at ``connect``); a named one is asked strictly. ``device``: where buckets are
+        sent from (default ``cuda`` for nccl, else ``cpu``); tensors elsewhere are moved there.
+    path: how the weights travel: ``"distributed"`` (a group, broadcasts), ``"tensor"`` (SGLang's
+        ``/update_weights_from_tensor``: each bucket's tensors as CUDA IPC handles, or shared memory on CPU; for
+        engines on this process's GPU, which cannot join an NCCL group with it), or None (default): ``"tensor"``
+        when every member shares this process's GPU, ``"distributed"`` when none does (``/server_info``'s
+        ``gpu_uuids``).
     timeout: seconds for each bucket (HTTP call + broadcast) and the group's collective timeout;
         connect_timeout: seconds for the group to form; control_timeout: pause/flush/begin/end/continue.
     reuse_buffers: pack into two buffers kept between pushes (default on CPU, where fresh allocations of
@@ -207,7 +276,7 @@ class WeightSender:
                  mode: str = "bucketed", backend: str | None = None, device: str | torch.device | None = None,
                  group_name: str | None = None, timeout: float = 600.0, connect_timeout: float = 120.0,
                  control_timeout: float = 60.0, reuse_buffers: bool | None = None, api_key: str | None = None,
-                 in_place_min_bytes: int = IN_PLACE_MIN_BYTES):
+                 in_place_min_bytes: int = IN_PLACE_MIN_BYTES, path: str | None = None):
         """``api_key``: the run's engine key (``RunDir.api_key()``), sent with every call to an engine given by URL.
         ``in_place_min_bytes``: the shortest run of in-place tensors sent without a pack copy (see ``push``)."""
         if pause_mode not in PAUSE_MODES:
@@ -216,21 +285,23 @@ class WeightSender:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if path not in (None, *PATHS):
+            raise ValueError(f"path must be one of {PATHS} or None, not {path!r}")
         self.bucket_bytes = int(bucket_bytes)
         self.in_place_min_bytes = int(in_place_min_bytes)
         self.pause_mode = pause_mode
         self.mode = mode
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.device = torch.device(device if device is not None else ("cuda" if self.backend == "nccl" else "cpu"))
+        self.asked_backend, self.asked_path, self.asked_device = backend, path, device
+        self.path = path or "distributed"  # settled at connect
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")  # settled at connect
+        self.reuse_buffers = reuse_buffers
+        self._place(self.backend)
         self.group_name = group_name
         self._explicit_name = group_name
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
         self.control_timeout = float(control_timeout)
         self.api_key = api_key
-        if reuse_buffers is None:  # on GPU the caching allocator already recycles bucket memory
-            reuse_buffers = self.device.type == "cpu"
-        self.ring = BufferRing(2, self.device) if reuse_buffers else None
         self.engines: list[EngineClient] = []
         self.sessions: dict[str, bool] = {}  # by engine URL: wrap updates in /begin…/end_weight_update (update_protocol)
         self.tp_sizes: list[int] = []
@@ -240,13 +311,25 @@ class WeightSender:
         self._store: dist.TCPStore | None = None
         self._broken: str | None = None  # set when a collective may be left half-done: the group is unusable
 
+    def _place(self, backend: str | None) -> None:
+        """Where buckets are packed from: the group's device (CUDA for nccl), or this process's GPU for the tensor
+        path; and the reusable pack buffers."""
+        dev = self.asked_device
+        if dev is None:
+            dev = "cuda" if backend == "nccl" or (backend is None and torch.cuda.is_available()) else "cpu"
+        self.device = torch.device(dev)
+        reuse = self.reuse_buffers
+        if reuse is None:  # on GPU the caching allocator already recycles bucket memory
+            reuse = self.device.type == "cpu"
+        self.ring = BufferRing(2, self.device) if reuse else None
+
     def __repr__(self) -> str:
-        return (f"WeightSender({len(self.engines)} engines, group={self.group_name!r}, "
+        return (f"WeightSender({len(self.engines)} engines, path={self.path}, group={self.group_name!r}, "
                 f"world={self.world_size}, mode={self.mode}, pause={self.pause_mode})")
 
     @property
     def connected(self) -> bool:
-        return self.pg is not None
+        return self.pg is not None or (self.path == "tensor" and bool(self.engines))
 
     @property
     def world_size(self) -> int:
@@ -262,12 +345,13 @@ class WeightSender:
         """Create the weight-sync group with these engines (URLs or clients). ``master_address``: this host's
         name or address as the engines can reach it. ``tp_sizes``: each engine's TP size (default: asked from
         ``/server_info``; this also fails fast, by URL, for an engine that is not answering)."""
-        if self.pg is not None:
+        if self.connected:
             raise WeightSyncError(f"already connected ({self!r}); call close() or reconnect()")
         engines = [e if isinstance(e, EngineClient) else EngineClient(str(e), api_key=self.api_key) for e in engines]
         if not engines:
             raise ValueError("connect needs at least one engine")
         self.sessions = {e.url: True for e in engines}
+        infos = None
         if tp_sizes is None:
             infos = _wait_engines({daemon_call(e.server_info, thread_name="weight-sync"): e for e in engines}, self.control_timeout,
                                   "asking the engine's TP size (/server_info)")
@@ -282,6 +366,13 @@ class WeightSender:
                                           "weight-sync ranks would collide. Run one server per replica.", [e.url])
         if len(tp_sizes) != len(engines) or any(int(t) < 1 for t in tp_sizes):
             raise ValueError(f"tp_sizes {list(tp_sizes)} do not fit {len(engines)} engines")
+        if infos is not None:
+            self._choose({e.url: i for e, i in zip(engines, infos)})
+        if self.path == "tensor":  # no group: each update carries its tensors' handles
+            self.engines, self.tp_sizes = engines, [int(t) for t in tp_sizes]
+            log.info("weights to %s by /update_weights_from_tensor (%s, same %s)", [e.url for e in engines],
+                     "CUDA IPC" if self.device.type == "cuda" else "shared memory", self.device.type.upper())
+            return self
         self.engines, self.tp_sizes = engines, [int(t) for t in tp_sizes]
         name = self.group_name or f"relax_weight_sync_{os.getpid()}_{next(_group_seq)}"
         timeout = timedelta(seconds=max(self.timeout, self.connect_timeout))
@@ -319,8 +410,38 @@ class WeightSender:
         log.info("weight-sync group %s ready in %.2f s", name, time.monotonic() - t0)
         return self
 
+    def _choose(self, infos: dict[str, dict]) -> None:
+        """The path and backend every member serves (``/server_info``), or :class:`WeightSyncRefused` at once."""
+        gpu = my_gpu()
+        shared = [u for u, i in infos.items() if gpu is not None and gpu in (i.get("gpu_uuids") or [])]
+        if self.asked_path is None and shared and len(shared) != len(infos):
+            raise WeightSyncRefused(
+                f"engine(s) {', '.join(shared)} share this actor's GPU and {', '.join(sorted(set(infos) - set(shared)))} "
+                "do not: the weights cannot go by CUDA IPC to some and a weight-sync group to the others. Fix: put "
+                "every engine on the actor's GPUs or none", [u for u in infos if u not in shared])
+        self.path = self.asked_path or ("tensor" if shared else "distributed")
+        if self.path == "tensor":
+            host = socket.gethostname()
+            odd = {u: why for u, i in infos.items() for why in [
+                "does not serve /update_weights_from_tensor" if "tensor" not in served(i)[1] else
+                f"runs on {i['hostname']}, not on this actor's host {host}" if i.get("hostname") not in (None, host)
+                else ""] if why}
+            if odd:
+                raise WeightSyncRefused("the weights go by /update_weights_from_tensor (rollout.engine.offload, or "
+                                        "engines on the actor's GPU), which needs every member on this host: "
+                                        + "; ".join(f"{u} {w}" for u, w in odd.items()) + ". Fix: rollout.engine."
+                                        "offload: false, or place the engines with the actor (roles.rollout.share_with: "
+                                        "actor), and no roles.actor_fwd", list(odd))
+            self.backend = None
+        else:
+            self.backend = agree_backend(self.asked_backend, infos, cuda=torch.cuda.is_available(), shared_gpu=shared)
+        self._place(self.backend)
+
     def close(self, *, destroy_on_engines: bool = True) -> None:
         """Leave the group (and ask each engine to destroy its side, ignoring failures)."""
+        if self.path == "tensor" and self.pg is None:
+            self.engines, self.tp_sizes = [], []
+            return
         if self.pg is None:
             return
         if destroy_on_engines and not self._broken:
@@ -361,7 +482,7 @@ class WeightSender:
         any failure; the engines are still ended and continued, but the group may then be unusable
         (``reconnect``).
         """
-        if self.pg is None:
+        if not self.connected:
             raise WeightSyncError("not connected: call connect(engines, master_address) first")
         if self._broken:
             raise WeightSyncError(f"the weight-sync group is unusable after an earlier failure ({self._broken}); "
@@ -423,6 +544,9 @@ class WeightSender:
         return metrics
 
     def _send_all(self, named_weights, mode: str, stats: dict, in_place=None) -> None:
+        if self.path == "tensor":
+            return self._hand_all(named_weights, stats)
+
         def announce(bucket: Bucket):  # the engines learn what comes, then wait in the broadcast
             fmt = "flattened_bucket" if mode == "bucketed" else None
             return {daemon_call(e.update_weights_from_distributed, bucket.names, bucket.dtypes, bucket.shapes,
@@ -448,6 +572,28 @@ class WeightSender:
         except Exception as e:
             self._broken = f"broadcast failed: {e}"
             raise WeightSyncError(f"weight broadcast failed: {type(e).__name__}: {e}") from e
+
+    def _hand_all(self, named_weights, stats: dict) -> None:
+        """The tensor path: per bucket (one dtype, packed on this process's device), its tensors as views of the
+        bucket, serialized for each receiving rank (CUDA IPC handles or shared memory: :mod:`relax_hpc.engines.tensor_wire`) and
+        given to every engine by ``/update_weights_from_tensor`` (one entry per TP rank, as SGLang asks); the
+        bucket stays alive until every engine answered, as the handles point into it."""
+        dev = self.device
+        moved = ((n, t if t.device == dev else t.to(dev)) for n, t in named_weights)
+        for bucket in iter_buckets(moved, self.bucket_bytes, ring=self.ring):
+            if dev.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # the packing copies are done before another process reads
+            what = (f"/update_weights_from_tensor ({len(bucket)} tensors, {bucket.nbytes / 1e6:.1f} MB, "
+                    f"first {bucket.names[0]})")
+            # one serialization per receiving rank: each takes its own reference on the shared block, which the
+            # receiver's load gives back (an entry loaded twice would leave the block to be reused while read)
+            _wait_engines({daemon_call(e.update_weights_from_tensor,
+                                       [serialize_named(bucket.unpack()) for _ in range(tp)], timeout=self.timeout,
+                                       thread_name="weight-sync-tensor"): e
+                           for e, tp in zip(self.engines, self.tp_sizes)}, self.timeout, what)
+            stats["bytes"] += bucket.nbytes
+            stats["buckets"] += 1
+            stats["tensors"] += len(bucket)
 
     # ------------------------------------------------------------------ helpers
     def _in_sessions(self) -> list[EngineClient]:

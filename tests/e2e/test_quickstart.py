@@ -1,7 +1,9 @@
 """The quickstart learns: a shortened run on the local executor (and, marked slurm, as a Slurm het job).
 
 The local test runs the quickstart recipe for 25 steps (the full quickstart runs 200; docs/quickstart.md
-has its numbers) and checks what a user is told to look at: summary.json's rewards (the last 10 steps'
+has its numbers), with the engine handing its memory over to the actor as on a one-GPU box
+(``rollout.engine.offload``: release before training, resume and ``/update_weights_from_tensor`` at the sync; on
+CPU the release is a no-op and the tensors go through shared memory, so the whole sequence runs), and checks what a user is told to look at: summary.json's rewards (the last 10 steps'
 mean well above the first 10's), TensorBoard events with Relax's metric names, state.json's progress,
 reward.png; and what the run checks on the way: every step's samples carry the weights of the step
 before, every sync lands (fingerprint), engine and actor log-probs agree. Both runs read their TensorBoard tags
@@ -48,6 +50,7 @@ NOT_IN_THE_QUICKSTART = {
         "no multi-turn environment",
 }
 FORWARD_ROLES = r"perf/(ref_)?log_probs_time|rollout/ref_log_probs|train/kl_loss"
+OFFLOAD = {r"perf/engine_(release|resume)_time": "the engines keep their memory (rollout.engine.offload)"}
 
 
 def metrics_doc() -> tuple[dict[str, re.Pattern], set[str]]:
@@ -110,7 +113,7 @@ def test_the_metrics_doc_reads_as_the_tag_check_reads_it():
 def test_quickstart_learns_locally(tmp_path, tiny_model, local_executor):
     from .conftest import make_run
 
-    run = make_run(tmp_path, tiny_model, f"run.steps={STEPS}", name="quickstart")
+    run = make_run(tmp_path, tiny_model, f"run.steps={STEPS}", "rollout.engine.offload=true", name="quickstart")
     t0 = time.monotonic()
     final = run_controller(run.path)
     wall = time.monotonic() - t0
@@ -134,7 +137,7 @@ def test_quickstart_learns_locally(tmp_path, tiny_model, local_executor):
     tags = tensorboard_tags(run.path / "tensorboard")
     for tag in ("rollout/raw_reward", "rollout/response_len/mean", "train/pg_loss", "train/grad_norm", "train/loss",
                 "perf/rollout_time", "perf/train_time", "perf/weight_sync_time", "perf/step_time",
-                "perf/train_get_data_time"):
+                "perf/train_get_data_time", "perf/engine_release_time", "perf/engine_resume_time"):
         assert [s for s, _ in tags.get(tag, [])] == list(range(1, STEPS + 1)), tag
     check_tags_against_doc(set(tags), NOT_IN_THE_QUICKSTART)
     assert tags["rollout/raw_reward"][-1][1] == pytest.approx(summary["reward_final"], abs=1e-6)
@@ -152,6 +155,13 @@ def test_quickstart_learns_locally(tmp_path, tiny_model, local_executor):
     assert [s["step"] for s in starts] == list(range(1, STEPS + 1))
     assert all(s["min_uncleared"] is None for s in starts)
     assert exactly_once(journal, ["train"]) == []
+    # the hand-over, from the engine's own log of calls: each step generates, gives its memory up while the actor
+    # trains, takes it back, and only then gets the new weights (by tensor: no weight-sync group) and generates
+    calls = re.findall(r"INFO call (/\w+)", (run.path / "logs" / "engine0.log").read_text())
+    steps = "".join({"/generate": "g", "/release_memory_occupation": "r", "/resume_memory_occupation": "m",
+                     "/update_weights_from_tensor": "t", "/update_weight_version": "v"}.get(c, "") for c in calls)
+    assert re.fullmatch(r"(t+v)?(g+rmt+v){%d}" % STEPS, steps), steps
+    assert "/update_weights_from_distributed" not in calls
     print(f"quickstart {STEPS} steps: reward {first:.3f} -> {last:.3f}, {wall:.0f} s")
 
 
@@ -192,7 +202,7 @@ def test_quickstart_learns_on_slurm_with_four_groups_at_once(slurm_cluster, tmp_
     assert all("train/kl_loss" in r and "perf/ref_log_probs_time" in r and "perf/log_probs_time" in r for r in rows)
     # the forward roles' names too, as Relax names them: read from the run's TensorBoard against docs/metrics.md
     check_tags_against_doc(set(tensorboard_tags(run_dir / "tensorboard")),
-                           {k: v for k, v in NOT_IN_THE_QUICKSTART.items() if k != FORWARD_ROLES})
+                           {**{k: v for k, v in NOT_IN_THE_QUICKSTART.items() if k != FORWARD_ROLES}, **OFFLOAD})
     # actor_fwd follows the actor through the weight syncs (its weights checked like an engine's), so checkpoints
     # stay at checkpoint.interval (0: one, after the last step), not one per step
     assert all(r["weights/fingerprint_match"] == 1.0 for r in rows)

@@ -29,7 +29,7 @@ def hf_model(tiny_llama):
 def group(client):
     """Rank 0 (here) + the engine as rank 1, as the actor and one TP=1 engine would be."""
     port = free_port("127.0.0.1")
-    fut = client.submit(client.init_weights_update_group, "127.0.0.1", port, 1, 2, group_name=GROUP, backend="nccl")
+    fut = client.submit(client.init_weights_update_group, "127.0.0.1", port, 1, 2, group_name=GROUP, backend="gloo")
     pg = init_weight_update_group("127.0.0.1", port, 0, 2, GROUP, backend="gloo", timeout_s=60)
     assert "Succeeded" in fut.result(timeout=60)["message"]
     yield pg

@@ -151,3 +151,10 @@ def test_dynamic_batch_size_drops_the_sample_count_and_keeps_a_guessed_max_seq_l
     assert any(n.startswith("--micro-batch-size: left out") for n in notes)
     assert any(n.startswith("train.max_seq_len: 9216 = the token budget") for n in notes)
     assert check(TrainConfig(**tr)) == []
+
+
+def test_offload_rollout_hands_the_engines_memory_over():
+    data, notes = convert(["--colocate", "--offload-rollout"])
+    assert data["rollout"]["engine"]["offload"] is True and data["mode"] == "colocate", data
+    data, notes = convert(["--offload-train"])
+    assert "engine" not in (data.get("rollout") or {}) and any("--offload-train: not supported" in n for n in notes)

@@ -810,3 +810,18 @@ def test_too_many_actor_ranks_name_the_actor_size_when_no_batch_key_is_set():
     (key, value, msg), = error({"roles": {"actor": {"nodes": 999}}}).problems
     assert key == "roles.actor.nodes" and value == 999
     assert "999 data-parallel actor ranks" in msg and "64 samples" in msg and "Fix: at most 64 nodes" in msg
+
+
+def test_engine_kind_and_offload_rules():
+    p = problems({"mode": "fully_async", "max_staleness": 1, "rollout": {"engine": {"offload": True}}})
+    assert "mode: colocate" in p["rollout.engine.offload"]
+    p = problems({"roles": {"actor_fwd": {"enabled": True}}, "rollout": {"engine": {"offload": True}}})
+    assert "roles.actor_fwd" in p["rollout.engine.offload"]
+    p = problems({"rollout": {"engine": {"kind": "reference", "args": ["--mem-fraction-static", "0.8"]}}})
+    assert "kind: reference takes none" in p["rollout.engine.args"]
+    p = problems({"rollout": {"engine": {"kind": "vllm"}}})
+    assert "rollout.engine.kind" in p
+    r = recipe_from_dict({"rollout": {"engine": {"kind": "sglang", "offload": True, "args": ["--mem-fraction-static",
+                                                                                            "0.5"]}}})
+    assert (r.rollout.engine.kind, r.rollout.engine.offload) == ("sglang", True)
+    assert recipe_from_dict({}).rollout.engine.offload is None  # auto: when the engines share the actor's GPU

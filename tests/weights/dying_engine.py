@@ -22,7 +22,7 @@ class H(BaseHTTPRequestHandler):
             self.rfile.read(n)
         if self.path.startswith("/init_weights_update_group"):
             os._exit(3)  # dies mid-request: the client sees the connection close
-        body = json.dumps({"tp_size": 1, "version": "dying-engine"}).encode()
+        body = json.dumps({"tp_size": 1, "version": "dying-engine", "weight_sync_backends": ["gloo"]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
