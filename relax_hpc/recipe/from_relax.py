@@ -72,6 +72,8 @@ def _scalar(text: str, hint: Any) -> Any:
 
 
 def _value(values: list[str], hint: Any) -> Any:
+    if typing.get_origin(hint) is dict and len(values) % 2 == 0:  # Relax's NAME PATH [NAME PATH ...] pairs
+        return dict(zip(values[::2], values[1::2]))
     parsed = [_scalar(v, hint) for v in values]
     is_list = typing.get_origin(hint) is list
     if not parsed:

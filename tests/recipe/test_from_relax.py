@@ -158,3 +158,8 @@ def test_offload_rollout_hands_the_engines_memory_over():
     assert data["rollout"]["engine"]["offload"] is True and data["mode"] == "colocate", data
     data, notes = convert(["--offload-train"])
     assert "engine" not in (data.get("rollout") or {}) and any("--offload-train: not supported" in n for n in notes)
+
+
+def test_eval_prompt_data_pairs_become_the_mapping():
+    data, _ = convert(["--eval-prompt-data", "aime", "/d/aime.jsonl", "math500", "/d/math500.jsonl"])
+    assert data["data"]["eval_prompt_data"] == {"aime": "/d/aime.jsonl", "math500": "/d/math500.jsonl"}
