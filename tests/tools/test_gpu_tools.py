@@ -102,13 +102,22 @@ def test_gpu_check_cpu_dry_run_every_stage_and_the_bench(gc, tmp_path):
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     res = json.loads((out / "gpu-check.json").read_text())
     assert res["ok"] and res["dry_run"]
-    assert [s["name"] for s in res["stages"]] == ["cuda", "wheels", "imports", "tests", "bench"]
+    assert [s["name"] for s in res["stages"]] == ["cuda", "wheels", "imports", "tests", "bench", "handover"]
     stages = {s["name"]: s for s in res["stages"]}
     pins = {n: v for n, v, _, _ in gc.PINS}
     assert {n: stages["imports"]["detail"]["versions"][n] for n in pins} == pins
     cases = {c["id"].split("::")[-1]: c for c in stages["tests"]["detail"]["cases"]}
     assert all(cases[t]["status"] == "skipped" for t in NEW_GPU_TESTS)  # no CUDA here
-    assert {f.name for f in out.iterdir()} == {"gpu-check.json", "gpu-check.log", "actor_gpu.json", "pytest-gpu.xml"}
+    assert {f.name for f in out.iterdir()} == {"gpu-check.json", "gpu-check.log", "actor_gpu.json", "handover_gpu.json",
+                                               "pytest-gpu.xml"}
+    # the colocate step (tools/bench/handover_gpu.py): its parts within the step, the pushes' figures on one basis
+    h = json.loads((out / "handover_gpu.json").read_text())
+    st, push = h["step"], h["push"]
+    assert st["generate_s"] + st["release_s"] + st["train_s"] + st["resume_s"] + st["push_s"] <= st["step_s"] * 1.001
+    assert st["idle_share"] == pytest.approx(1 - (st["generate_s"] + st["train_s"] + st["push_s"]) / st["step_s"])
+    assert push["transfer_gbps"] == pytest.approx(push["bytes"] / push["transfer_s"] / 1e9)
+    assert push["transfer_over_copy"] == pytest.approx(push["transfer_s"] / push["device_copy_s"])
+    assert push["tensors"] > 0 and push["transfer_s"] <= push["sync_s"] and h["targets"]["transfer <= 10 ms"] is None
 
     r = json.loads((out / "actor_gpu.json").read_text())
     bench = load(BENCH, "actor_gpu")
