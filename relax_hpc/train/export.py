@@ -1,9 +1,10 @@
-"""Megatron weights ↔ HF: a full HF directory on disk, (name, full tensor) pairs for weight sync, and those
-pairs loaded back (a forward role following the actor through the weight-sync group).
+"""Megatron weights ↔ HF: a full HF directory on disk, (name, full tensor) pairs for weight sync, those
+pairs loaded back (a forward role following the actor through the weight-sync group), and a saved checkpoint
+as an HF directory (:func:`export_checkpoint`, what ``relax-export`` runs).
 
-Both go through megatron-bridge, the same mapping that loaded the model, so names, fused-QKV splits and
-TP/PP gathering agree with the HF checkpoint we started from. Both are collective: every rank of the
-actor must call them (the bridge gathers TP shards and PP stages).
+All go through megatron-bridge, the same mapping that loaded the model, so names, fused-QKV splits and
+TP/PP gathering agree with the HF checkpoint we started from. All but :func:`export_checkpoint` (one process) are
+collective: every rank of the actor must call them (the bridge gathers TP shards and PP stages).
 """
 
 from __future__ import annotations
@@ -48,3 +49,27 @@ def load_hf_weights(bridge, model: list, named: Mapping[str, torch.Tensor]) -> N
     """Copy full HF-named tensors into the Megatron model (the bridge splits them to this rank's TP/PP shards).
     Collective over the model's ranks; every rank passes every tensor."""
     bridge._model_bridge.load_weights_hf_to_megatron(_InMemory(named), model)
+
+
+def export_checkpoint(step_dir: str | os.PathLike, model_path: str | os.PathLike, out_dir: str | os.PathLike, *,
+                      bf16: bool = False) -> Path:
+    """A checkpoint step directory as an HF directory, in a process whose default group has one rank.
+
+    The model is built at TP=1, PP=1 from ``model_path`` (the run's ``model.path``: architecture, config,
+    tokenizer) and its weights replaced by the checkpoint's; dist_checkpointing reshards whatever TP/PP the
+    checkpoint was saved with. ``bf16`` must be the run's ``train.bf16`` (the dtype the weights were saved in).
+    """
+    from relax_hpc.train import checkpoint as ckpt
+    from relax_hpc.train.config import TrainConfig
+    from relax_hpc.train.model import build_model
+    from relax_hpc.train.parallel import init_parallel
+
+    if dist.get_world_size() != 1:
+        raise RuntimeError(f"export_checkpoint runs in one process (world size 1), not {dist.get_world_size()}")
+    cfg = TrainConfig(tp=1, pp=1, bf16=bf16)
+    init_parallel(1, 1, seed=cfg.seed)
+    built = build_model(model_path, cfg)
+    for m in built.chunks:
+        m.requires_grad_(False)
+    ckpt.load(step_dir, built.chunks, None, load_optimizer=False)
+    return export_hf(built.bridge, built.chunks, out_dir)

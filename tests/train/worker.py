@@ -212,6 +212,9 @@ def job_resume(args: dict, out: Path) -> dict:
             t0 = time.time()
             actor.save_checkpoint(layout["ckpt"], {"data_pos": args["k"], "note": "hello"})
             r["save_s"] = time.time() - t0
+            if layout.get("pp", 1) == 1:  # test_export_cli's: the saved model's logits
+                tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+                r["tokens"], r["logits"] = tokens.tolist(), _full_logits(actor, tokens).tolist()
         else:
             t0 = time.time()
             r["extra"] = actor.load_checkpoint(layout["ckpt"])

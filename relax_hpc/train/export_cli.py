@@ -1,0 +1,239 @@
+"""relax-export RUN [--step N] OUT_DIR: a run's checkpoint as an HF model directory that transformers loads.
+
+Runs on a login node: one process, no GPU (they are hidden), a world-1 gloo group, the model built at TP=1, PP=1
+from the run's ``model.path`` and the checkpoint loaded into it, whatever TP/PP it was saved with
+(dist_checkpointing reshards); then megatron-bridge writes config and safetensors
+(:func:`relax_hpc.train.export.export_checkpoint`) and the tokenizer files are copied from ``model.path``.
+
+Everything that can refuse (no run, no checkpoint, no such step, OUT_DIR not empty, no model) is checked before
+megatron is imported, so a mistake costs a second, not the model's build. Of the run's resolved recipe
+(``RUN/recipe.yaml``, relax-submit's) it reads two keys: ``model.path`` and ``train.bf16``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from relax_hpc.errors import PermanentError
+from relax_hpc.train.latest import BrokenLatest, complete, read_latest, run_step, step_dir_name
+
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".index.json")
+PROVENANCE = "relax_export.json"  # what was exported from where, written beside the weights
+
+
+class ExportError(PermanentError):
+    """An export refused before any work: the message names the run, the step and the fix."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    run: Path  # the run directory
+    step_dir: Path  # the checkpoint's step directory
+    step: int  # the run's step it was taken after (what relax-status and the metrics count)
+    meta: dict  # its meta.json
+    model_path: Path  # the run's model.path, resolved
+    bf16: bool  # the run's train.bf16: the dtype the weights were saved in
+    out: Path
+
+
+def find_run(run: str | os.PathLike) -> Path:
+    """A run directory given as a path, or as a name under ``./runs``."""
+    p = Path(run).expanduser()
+    for cand in (p, Path("runs") / p):
+        if cand.is_dir() and ((cand / "recipe.yaml").exists() or (cand / "checkpoints").is_dir()):
+            return cand.resolve()
+    raise ExportError(f"{run} is not a run directory (no recipe.yaml nor checkpoints/ there). Fix: give the run "
+                      f"directory relax-submit printed (e.g. runs/quickstart-20260101-120000)")
+
+
+def find_checkpoint(run: Path, step: int | None) -> tuple[Path, int, dict]:
+    """(step directory, run step, meta) of the checkpoint to export: ``checkpoints/latest``'s, or the complete one
+    taken after run step ``step`` (its ``step_NNNNNNNN`` name counts optimizer steps, which can differ)."""
+    root = run / "checkpoints"
+    done = complete(root) if root.is_dir() else []
+    if step is None:
+        try:
+            found = read_latest(root)
+        except BrokenLatest:
+            raise ExportError(f"run {run}: {root / 'latest'} names no complete checkpoint. Fix: --step with one of "
+                              f"{_steps(done) if done else 'none: the run has no complete checkpoint'}") from None
+        if found is None:
+            more = f"; complete ones: {_steps(done)}: export one with --step" if done else ""
+            raise ExportError(f"run {run} has no checkpoint ({root / 'latest'} does not exist{more}). Fix: export "
+                              "after the run saved one (checkpoint.interval, or `relax-cancel --checkpoint RUN` "
+                              "to save one and stop)")
+        step_dir, meta = found
+        return step_dir, run_step(meta), meta
+    metas = {d: _meta(d) for d in done}
+    hits = [d for d, m in metas.items() if run_step(m) == step] or [d for d in done if d.name == step_dir_name(step)]
+    if not hits:
+        raise ExportError(f"run {run} has no complete checkpoint of step {step} under {root}. Fix: --step one of "
+                          f"{_steps(done) if done else 'none: the run has saved no checkpoint yet'}, or leave "
+                          "--step out for the latest")
+    return hits[-1], step, metas[hits[-1]]
+
+
+def _meta(step_dir: Path) -> dict:
+    try:
+        return json.loads((step_dir / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{step_dir / 'meta.json'} cannot be read ({e}). Fix: export another step") from None
+
+
+def _steps(done: list[Path]) -> str:
+    return ", ".join(str(run_step(_meta(d))) for d in done) or "none"
+
+
+def read_recipe_keys(run: Path) -> tuple[str | None, bool, dict]:
+    """(model.path, train.bf16, run.runs_root and job.json's recipe_source) of the run's resolved recipe."""
+    import yaml
+
+    try:
+        recipe = yaml.safe_load((run / "recipe.yaml").read_text()) or {}
+    except FileNotFoundError:
+        recipe = {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ExportError(f"{run / 'recipe.yaml'} cannot be read ({e}). Fix: --model DIR, the run's HF model "
+                          "directory") from None
+    try:
+        job = json.loads((run / "job.json").read_text())
+    except (OSError, ValueError):
+        job = {}
+    where = {"runs_root": (recipe.get("run") or {}).get("runs_root"), "recipe_source": job.get("recipe_source")}
+    return (recipe.get("model") or {}).get("path"), bool((recipe.get("train") or {}).get("bf16", False)), where
+
+
+def resolve_model(run: Path, path: str | None, where: dict) -> Path:
+    """``model.path`` as the run's roles saw it: relative paths are relative to the directory relax-submit ran in,
+    found from ``run.runs_root`` (the run directory's parent is that directory / runs_root); else this directory,
+    else the recipe file's."""
+    if not path:
+        raise ExportError(f"run {run} names no model.path in {run / 'recipe.yaml'}. Fix: --model DIR, the HF model "
+                          "directory the run started from")
+    p = Path(path).expanduser()
+    cands = [p] if p.is_absolute() else []
+    if not p.is_absolute():
+        if where.get("runs_root"):
+            cands += [a / p for a in run.parents if (a / where["runs_root"]).resolve() == run.parent]
+        cands.append(Path.cwd() / p)
+        if where.get("recipe_source"):
+            cands.append(Path(where["recipe_source"]).parent / p)
+    for c in cands:
+        if (c / "config.json").exists():
+            return c.resolve()
+    raise ExportError(f"run {run}: model.path {path!r} is not an HF model directory (no config.json; looked in "
+                      f"{', '.join(str(c) for c in dict.fromkeys(cands))}). Fix: --model DIR, the HF model directory "
+                      "the run started from")
+
+
+def check_out_dir(out: Path, force: bool, run: Path, step: int) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"OUT_DIR {out} is a file. Fix: name a directory for the export of run {run} step {step}")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ExportError(f"OUT_DIR {out} is not empty: refusing to mix the export of run {run} step {step} with "
+                          "what is there. Fix: a new or empty directory, or --force to write into it (its weight "
+                          "files are removed first)")
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    run = find_run(args.run)
+    step_dir, step, meta = find_checkpoint(run, args.step)
+    path, bf16, where = read_recipe_keys(run)
+    model = resolve_model(run, str(args.model) if args.model else path, where)
+    out = Path(args.out_dir).expanduser().resolve()
+    check_out_dir(out, args.force, run, step)
+    return Plan(run, step_dir, step, meta, model, bf16, out)
+
+
+def copy_tokenizer_files(src: Path, out: Path) -> list[str]:
+    """The model directory's other files (tokenizer, chat template, generation config) the export lacks."""
+    copied = []
+    for f in sorted(src.iterdir()):
+        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and not (out / f.name).exists():
+            shutil.copy2(f, out / f.name)
+            copied.append(f.name)
+    return copied
+
+
+def export(p: Plan) -> Path:
+    """Build, load, write (imports megatron). Runs in this process with one gloo rank and no GPU."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a login node's rules on a GPU node too: the CPU layer, gloo
+    import warnings
+
+    for cat in (FutureWarning, DeprecationWarning):  # megatron's and torch's, about their own APIs: noise here
+        warnings.filterwarnings("ignore", category=cat)
+    warnings.filterwarnings("ignore", module=r"megatron\.")  # "Apex is not installed", deprecations of specs
+    import torch
+    import torch._dynamo
+    import torch.distributed as dist
+
+    from relax_hpc.train.export import export_checkpoint
+
+    torch._dynamo.config.disable = True  # Megatron's torch.compile'd fusions cost ~20 s of C++ on a CPU, for nothing
+    p.out.mkdir(parents=True, exist_ok=True)
+    for f in p.out.iterdir():  # --force: no stale shard of an earlier export may sit beside the new ones
+        if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES):
+            f.unlink()
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        export_checkpoint(p.step_dir, p.model_path, p.out, bf16=p.bf16)
+    finally:
+        if own:
+            dist.destroy_process_group()
+    copy_tokenizer_files(p.model_path, p.out)
+    (p.out / PROVENANCE).write_text(json.dumps({
+        "run": str(p.run), "step": p.step, "checkpoint": str(p.step_dir), "saved_layout": p.meta.get("layout"),
+        "model_path": str(p.model_path), "dtype": "bfloat16" if p.bf16 else "float32", "time": time.time()},
+        indent=1) + "\n")
+    return p.out
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="relax-export",
+        description="Write a run's checkpoint as an HF model directory (config, safetensors, tokenizer) that "
+                    "transformers loads; any TP/PP it was saved with; no GPU needed (docs/checkpoints.md).")
+    ap.add_argument("run", metavar="RUN", help="the run directory (or its name under ./runs)")
+    ap.add_argument("out_dir", metavar="OUT_DIR", help="where to write the HF directory (new or empty)")
+    ap.add_argument("--step", type=int, default=None, metavar="N",
+                    help="the run step whose checkpoint to export (default: checkpoints/latest)")
+    ap.add_argument("--model", default=None, metavar="DIR",
+                    help="the HF model directory the run started from (default: the run's model.path)")
+    ap.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        p = plan(args)
+    except ExportError as e:
+        print(f"relax-export: {e}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
+    layout = p.meta.get("layout") or {}
+    print(f"relax-export: run {p.run.name} step {p.step} ({p.step_dir.name}, saved at TP={layout.get('tp', '?')}, "
+          f"PP={layout.get('pp', '?')}) with {p.model_path} -> {p.out}", flush=True)
+    t0 = time.time()
+    try:
+        export(p)
+    except Exception as e:
+        print(f"relax-export: exporting run {p.run} step {p.step} failed: {type(e).__name__}: {e}", file=sys.stderr,
+              flush=True)
+        return EXIT_FAILED
+    print(f"relax-export: wrote {p.out} in {time.time() - t0:.1f} s; load it with "
+          f"AutoModelForCausalLM.from_pretrained({str(p.out)!r})", flush=True)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
