@@ -48,6 +48,18 @@ def engines(request, tiny_model, tmp_path_factory):
 
 
 @pytest.fixture()
+def world():
+    """A world-1 gloo default group, as the actor's rank 0 of a one-rank actor has."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture()
 def hf_model(tiny_model):
     """The actor's copy of the weights (fresh per test)."""
     from transformers import AutoModelForCausalLM

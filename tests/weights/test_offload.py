@@ -14,7 +14,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from relax_hpc.engines.client import EngineClient, EngineError
 from relax_hpc.weights import ActorSync, engine_fingerprint, fingerprint
@@ -133,15 +132,6 @@ class HFModel:
 
     def in_place(self):
         return None
-
-
-@pytest.fixture()
-def world():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_offload_releases_before_training_and_resumes_before_the_push(engines, hf_model, world):

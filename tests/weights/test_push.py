@@ -10,7 +10,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from relax_hpc.weights import SYNC_TRIES, ActorSync, WeightSyncError
 from tests.engines.stub_http import StubHandler, StubServer
@@ -58,15 +57,6 @@ class Sender:
 
     def close(self, destroy_on_engines=True):
         pass
-
-
-@pytest.fixture()
-def world():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture()

@@ -513,17 +513,28 @@ def section(r: dict) -> str:
 PLACEHOLDER_MARK = "No card has run it yet."
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace the "## GPU" section (up to the next ``## `` or ``### `` heading), or put one before the first
+def write_section(path: Path, text: str, heading: str = "## GPU") -> None:
+    """Replace the ``heading`` section (up to the next ``## `` or ``### `` heading), or put one before the first
     ``### `` section (the appended logs)."""
     doc = path.read_text() if path.exists() else "# Benchmarks\n"
-    pat = re.compile(r"^## GPU\n.*?(?=^##+ |\Z)", re.S | re.M)
+    pat = re.compile("^" + re.escape(heading) + r"\n.*?(?=^##+ |\Z)", re.S | re.M)
     if pat.search(doc):
         doc = pat.sub(lambda _: text + "\n", doc, count=1)
     else:
         i = doc.find("\n### ")
         doc = doc + "\n" + text if i < 0 else doc[: i + 1] + text + "\n" + doc[i + 1:]
     path.write_text(doc)
+
+
+def save(res: dict, out: str | None, docs: str | None, text: str, heading: str = "## GPU") -> None:
+    """A benchmark's result: its JSON at ``out``, its docs section (``text``) in ``docs``; either may be None."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(res, indent=1) + "\n")
+        print(f"wrote {out}")
+    if docs:
+        write_section(Path(docs), text, heading)
+        print(f"{heading[3:]} section of {docs} rewritten")
 
 
 def main(argv=None) -> int:
@@ -565,15 +576,8 @@ def main(argv=None) -> int:
         a.reps, a.warmup = min(a.reps, 2), min(a.warmup, 1)
     res = run(a)
     print(summary(res))
-    out = a.out or (None if a.cpu_smoke else str(DEFAULT_OUT))
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(res, indent=1) + "\n")
-        print(f"wrote {out}")
-    docs = None if a.no_write else (a.docs or (None if a.cpu_smoke else str(DEFAULT_DOCS)))
-    if docs:
-        write_section(Path(docs), section(res))
-        print(f"GPU section of {docs} rewritten")
+    save(res, a.out or (None if a.cpu_smoke else str(DEFAULT_OUT)),
+         None if a.no_write else (a.docs or (None if a.cpu_smoke else str(DEFAULT_DOCS))), section(res))
     return 0
 
 

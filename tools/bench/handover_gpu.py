@@ -28,7 +28,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -204,19 +203,6 @@ def section(r: dict) -> str:
     ])
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace this benchmark's section (up to the next ``## `` or ``### `` heading), or put it before the first
-    ``### `` section (the appended logs)."""
-    doc = path.read_text() if path.exists() else "# Benchmarks\n"
-    pat = re.compile("^" + re.escape(HEADING) + r"\n.*?(?=^##+ |\Z)", re.S | re.M)
-    if pat.search(doc):
-        doc = pat.sub(lambda _: text + "\n", doc, count=1)
-    else:
-        i = doc.find("\n### ")
-        doc = doc + "\n" + text if i < 0 else doc[: i + 1] + text + "\n" + doc[i + 1:]
-    path.write_text(doc)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help=f"JSON result (default {DEFAULT_OUT.relative_to(REPO)}; with --cpu-smoke: none)")
@@ -231,7 +217,7 @@ def main(argv=None) -> int:
     p.add_argument("--from-json", help="only rewrite the docs section from this saved result")
     a = p.parse_args(argv)
     if a.from_json:
-        write_section(Path(a.docs or DEFAULT_DOCS), section(json.loads(Path(a.from_json).read_text())))
+        A.write_section(Path(a.docs or DEFAULT_DOCS), section(json.loads(Path(a.from_json).read_text())), HEADING)
         print(f"{HEADING[3:]} section of {a.docs or DEFAULT_DOCS} rewritten from {a.from_json}")
         return 0
     if a.cpu_smoke:
@@ -245,15 +231,8 @@ def main(argv=None) -> int:
         return 0
     res = run(a)
     print(summary(res))
-    out = a.out or (None if a.cpu_smoke else str(DEFAULT_OUT))
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(res, indent=1) + "\n")
-        print(f"wrote {out}")
-    docs = None if a.no_write else (a.docs or (None if a.cpu_smoke else str(DEFAULT_DOCS)))
-    if docs:
-        write_section(Path(docs), section(res))
-        print(f"{HEADING[3:]} section of {docs} rewritten")
+    A.save(res, a.out or (None if a.cpu_smoke else str(DEFAULT_OUT)),
+           None if a.no_write else (a.docs or (None if a.cpu_smoke else str(DEFAULT_DOCS))), section(res), HEADING)
     return 0
 
 
