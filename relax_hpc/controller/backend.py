@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from relax_hpc.controller import container
+from relax_hpc.errors import PermanentError
 from relax_hpc.recipe import Recipe, RoleStep, role_steps
 from relax_hpc.rundir import RunDir
 
@@ -102,6 +104,8 @@ class Backend(ABC):
     engine_places: str  # what a scale-out's engines are started as (the scale event says it)
     no_room_fix: str  # what to do when a scale-out finds no room in the run's allocation
     bind_host: str  # the control socket's bind address
+    container_runtimes: tuple[str, ...] = ()  # the slurm.container runtimes its steps can run in
+    steps_here = False  # its steps start on this machine (a container's runner must be on this PATH)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -129,6 +133,14 @@ class Backend(ABC):
     def engine_step_argv(self, recipe: Recipe, run_dir: Path, name: str, argv: list[str],
                          exclude: list[str] = ()) -> list[str]:
         """Engine ``name``'s step around its host's command ``argv`` (off the ``exclude`` nodes)."""
+
+    def in_container(self, recipe: Recipe, run_dir: Path, argv: list[str], pythonpath: str | None = None) -> list[str]:
+        """A step's own command as it runs in ``slurm.container`` (:func:`.container.command`); PermanentError
+        for a runtime this backend cannot start."""
+        why = container.unserved(recipe, self.container_runtimes, self.steps_here)
+        if why:
+            raise PermanentError(f"slurm.container.runtime: {why}")
+        return container.command(recipe, run_dir, argv, pythonpath)
 
     def describe(self, proc: Proc) -> str:
         """One started process as ``relax-submit --dry-run`` prints it, shell-quoted."""
@@ -165,6 +177,7 @@ class SlurmBackend(Backend):
     engine_places = "new job step(s)"
     no_room_fix = "add spare nodes (roles.rollout.elastic) or use --attach"
     bind_host = "0.0.0.0"
+    container_runtimes = ("pyxis", "apptainer")
 
     def control_host(self, env: Mapping[str, str]) -> str:
         return env.get("SLURMD_NODENAME") or socket.gethostname()
@@ -175,18 +188,22 @@ class SlurmBackend(Backend):
     def rendezvous(self, recipe: Recipe) -> str:
         return "mpi" if recipe.slurm.mpi == "pmix" else "file"
 
-    def srun_argv(self, step: RoleStep, recipe: Recipe, run_dir: Path, argv: list[str]) -> list[str]:
+    def srun_argv(self, step: RoleStep, recipe: Recipe, run_dir: Path, argv: list[str],
+                  pythonpath: str | None = None) -> list[str]:
+        """The role's step; in ``slurm.container`` (:mod:`.container`) when the recipe has one."""
         out = ["srun", f"--het-group={step.het_group}"]
         if step.shared or step.overlap:
             out.append("--overlap")
         return [*out, f"--nodes={step.nodes}", f"--ntasks={step.ntasks}", f"--ntasks-per-node={step.tasks_per_node}",
                 f"--cpus-per-task={recipe.role(step.role).cpus_per_task}", f"--mpi={recipe.slurm.mpi}",
                 "--kill-on-bad-exit=1", f"--output={task_log_pattern(run_dir, step.role)}",
-                *recipe.slurm.srun_args, *argv]
+                *container.srun_options(recipe, run_dir), *recipe.slurm.srun_args,
+                *self.in_container(recipe, run_dir, argv, pythonpath)]
 
     def role_procs(self, step: RoleStep, recipe: Recipe, run_dir: Path, argv: list[str],
                    env: dict[str, str]) -> list[Proc]:
-        return [Proc(self.srun_argv(step, recipe, run_dir, argv), env, run_dir / "logs" / f"{step.role}.srun.log")]
+        return [Proc(self.srun_argv(step, recipe, run_dir, argv, env.get("PYTHONPATH")), env,
+                     run_dir / "logs" / f"{step.role}.srun.log")]
 
     def engine_step_argv(self, recipe: Recipe, run_dir: Path, name: str, argv: list[str],
                          exclude: list[str] = ()) -> list[str]:
@@ -197,7 +214,8 @@ class SlurmBackend(Backend):
                 "--ntasks=1", f"--cpus-per-task={g.cpus_per_task}", *([f"--gres=gpu:{gpus}"] if gpus else []),
                 *([f"--exclude={','.join(exclude)}"] if exclude else []), "--kill-on-bad-exit=1",
                 f"--job-name=engine-{name}", f"--output={Path(run_dir) / 'logs' / (name + '.host.log')}",
-                *recipe.slurm.srun_args, *argv]
+                *container.srun_options(recipe, run_dir), *recipe.slurm.srun_args,
+                *self.in_container(recipe, run_dir, argv)]
 
     def spare_engines(self, recipe: Recipe, used: int, count: int) -> int:
         g = recipe.roles.rollout
@@ -237,6 +255,8 @@ class LocalBackend(Backend):
     engine_places = "local process(es)"
     no_room_fix = "lower the target"
     bind_host = "127.0.0.1"
+    container_runtimes = ("apptainer",)  # pyxis needs srun
+    steps_here = True
 
     def control_host(self, env: Mapping[str, str]) -> str:
         return "127.0.0.1"
@@ -251,6 +271,7 @@ class LocalBackend(Backend):
                    env: dict[str, str]) -> list[Proc]:
         bind = local_cpus().get(step.role)
         taskset = ["taskset", "-c", bind] if bind else []  # the engines it starts inherit the binding
+        argv = self.in_container(recipe, run_dir, argv, env.get("PYTHONPATH"))  # Apptainer runs here too
         procs = []
         for rank in range(step.ntasks):
             rank_env = {**env, "RELAX_RANK": str(rank), "RELAX_WORLD_SIZE": str(step.ntasks),
@@ -268,7 +289,7 @@ class LocalBackend(Backend):
     def engine_step_argv(self, recipe: Recipe, run_dir: Path, name: str, argv: list[str],
                          exclude: list[str] = ()) -> list[str]:
         bind = local_cpus().get("rollout")
-        return [*(["taskset", "-c", bind] if bind else []), *argv]
+        return [*(["taskset", "-c", bind] if bind else []), *self.in_container(recipe, run_dir, argv)]
 
     def spare_engines(self, recipe: Recipe, used: int, count: int) -> int:
         """``rollout.elastic.max_engines`` in all, or :data:`LOCAL_STEPS` step engines (one machine)."""

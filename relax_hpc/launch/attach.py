@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from relax_hpc.controller import container
 from relax_hpc.controller.steps import engine_argv, pythonpath
 from relax_hpc.launch import slurm
 from relax_hpc.launch.render import PACKAGE_ROOT, SBATCH_DIR, make_environment
@@ -74,7 +75,8 @@ def render_attach(recipe: Recipe, run_dir: Path, op: str, names_prefix: str, n: 
         "ntasks": n, "ntasks_per_node": g.tasks_per_node, "cpus_per_task": g.cpus_per_task,
         "gpus_per_node": g.gpus_per_node, "mem": opts.mem or g.mem, "extra": list(opts.extra),
         "env": dict(s.env), "pythonpath": str(PACKAGE_ROOT),
-        "command": engine_argv(run_dir, names_prefix, "attached", op, python),
+        "command": [*container.srun_options(recipe, run_dir),  # slurm.container, as the run's own engine steps
+                    *container.command(recipe, run_dir, engine_argv(run_dir, names_prefix, "attached", op, python))],
     }
     return make_environment([SBATCH_DIR]).get_template(ATTACH_TEMPLATE).render(ctx)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from rich.console import Console
 
+from relax_hpc.controller import container
 from relax_hpc.launch import slurm
 from relax_hpc.launch.attach import ATTACH_OPTIONS
 from relax_hpc.launch.backend import launcher_for
@@ -123,7 +124,7 @@ def submit_main(argv: list[str] | None = None) -> int:
                 print(d["script"], end="" if d["script"].endswith("\n") else "\n")
             print("# ---------------- role steps (the controller starts these) ----------------")
             for line in d["steps"]:
-                print(line)
+                print(container.readable(line))  # the container's parts on lines of their own
         return EXIT_OK
 
     try:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from relax_hpc.controller import container
 from relax_hpc.controller.steps import describe_steps
 from relax_hpc.launch.backend import launcher_for
 from relax_hpc.launch.jobs import Plan, SubmitError, pythonpath, resubmit
@@ -40,6 +41,10 @@ def plan(recipe_path: str | Path, overrides: list[str] | tuple[str, ...] = (), e
     if loaded.typed:  # every value is the user's: check it against the place it runs too, even if refused already
         refused = {k for k, _, _ in problems}
         problems += [x for x in preflight_problems(loaded.recipe, executor, refused) if x not in problems]
+        place = launcher_for(executor)
+        why = container.unserved(loaded.recipe, place.container_runtimes, place.steps_here)
+        if why and "slurm.container.runtime" not in refused:
+            problems.append(("slurm.container.runtime", loaded.recipe.slurm.container.runtime, why))
     if problems:  # the keys the user set first: the command line's, then the file's, then derived ones
         raise RecipeError(loaded.ordered(problems), source=str(recipe_path))
     recipe = loaded.recipe

@@ -62,6 +62,20 @@ class Roles:
 
 
 @dataclass
+class ContainerConfig:
+    """The image the role and engine steps run in (docs/containers.md); the controller stays on the host."""
+
+    runtime: Literal["pyxis", "apptainer"] | None = None  # pyxis: srun --container-image; apptainer: apptainer exec
+    image: str = ""  # pyxis: an enroot URI or a .sqsh path; apptainer: a .sif path (or docker://...)
+    # SRC:DST[:ro|rw], absolute paths; the run directory, relax_hpc's checkout and the working directory are
+    # mounted at their own paths as well (the steps' command lines name them)
+    mounts: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # set inside the container, over the image's own values
+    workdir: str | None = None  # None: the directory relax-submit ran in (relative recipe paths resolve there)
+    python: str = "python3"  # the image's interpreter that runs the steps (not the host's)
+
+
+@dataclass
 class SlurmConfig:
     partition: str | None = None  # None = the cluster's default partition
     account: str | None = None
@@ -77,6 +91,7 @@ class SlurmConfig:
     max_requeues: int = 5  # give up (fail) after this many restarts
     mpi: Literal["pmix", "none"] = "pmix"  # srun --mpi for role steps (pmix: rendezvous through MPI)
     template: str | None = None  # your own Jinja2 sbatch template (default: sbatch/hetjob.sbatch.j2)
+    container: ContainerConfig | None = None  # run the role and engine steps in this image; None: on the host
 
 
 @dataclass

@@ -309,6 +309,7 @@ def check(recipe: Recipe) -> list[Problem]:
     problems += _check_genrm(recipe)
     problems += _check_engine_args(recipe)
     problems += _check_elastic(recipe)
+    problems += _check_container(recipe)
     return problems
 
 
@@ -322,6 +323,73 @@ ENGINE_ARGS_SET = {
     "--tensor-parallel-size": "roles.rollout.gpus_per_node / tasks_per_node",
     "--random-seed": "run.seed and the engine's rank", "--weight-version": "the run's weight versions",
 }
+
+
+_IMAGE = re.compile(r"[A-Za-z0-9_./][A-Za-z0-9_.:/@#+=-]*")  # enroot URIs (nvcr.io#nvidia/...), paths, docker://
+_MOUNT_PATH = re.compile(r"/[A-Za-z0-9_./+@%=-]*")  # absolute; ',' and ':' separate mounts, the rest is shell syntax
+_PYTHON = re.compile(r"[A-Za-z0-9_./+-]+")
+
+
+def _bad_chars(val: str, allowed: re.Pattern) -> str:
+    bad = sorted({c for c in val if not allowed.fullmatch("/" + c)})  # each pattern takes '/' first
+    return f"contains {' '.join(repr(c) for c in bad)}, refused" if bad else "is not allowed here"
+
+
+def _check_container(r: Recipe) -> list[Problem]:
+    """``slurm.container`` (docs/containers.md): every value becomes an srun option or an ``apptainer exec``
+    argument, so each is a plain word or an absolute path, and the options it sets are not set twice."""
+    c = r.slurm.container
+    if c is None:
+        return []
+    key = "slurm.container"
+    out: list[Problem] = []
+    if c.runtime is None:
+        out.append((f"{key}.runtime", None, "says which runtime starts the image. Fix: runtime: pyxis (srun "
+                                            "--container-image, on clusters with pyxis/enroot) or runtime: apptainer "
+                                            "(apptainer exec --nv)"))
+    example = ("an Apptainer image such as '/shared/images/relax.sif'" if c.runtime == "apptainer" else
+               "an enroot image such as 'nvcr.io#nvidia/pytorch:25.09-py3' or '/shared/images/relax.sqsh'")
+    if not c.image.strip():
+        out.append((f"{key}.image", c.image, f"is empty: the steps need an image to run in. Fix: {example}"))
+    elif not _IMAGE.fullmatch(c.image):
+        out.append((f"{key}.image", c.image, f"{_bad_chars(c.image, _IMAGE)}: an image is a registry URI or a path "
+                                             f"without spaces or shell syntax. Fix: {example}"))
+    for i, m in enumerate(c.mounts):
+        src, dst, *flags = [*m.split(":"), ""][:max(2, m.count(":") + 1)]
+        if not (m.count(":") in (1, 2) and _MOUNT_PATH.fullmatch(src) and _MOUNT_PATH.fullmatch(dst)
+                and flags in ([], ["ro"], ["rw"])):
+            out.append((f"{key}.mounts[{i}]", m, "is not SRC:DST (two absolute paths without ',' ':' spaces or "
+                                                 "shell syntax, then ':ro' or ':rw' if you like). Fix: e.g. "
+                                                 "'/lustre/models:/lustre/models:ro'"))
+    for k, v in c.env.items():
+        name = f"{key}.env.{k}" if k.isprintable() else f"{key}.env[{k!r}]"
+        if not _ENV_NAME.fullmatch(k):
+            out.append((name, v, f"the variable name {k!r} must be letters, digits and '_'. Fix: rename it"))
+        elif k == "PYTHONPATH" or launcher_env_var(k):
+            out.append((name, v, f"{k} is set by relax_hpc for every step (PYTHONPATH puts this relax_hpc first; "
+                                 "RELAX_*/SLURM_* say who a rank is). Fix: remove it from slurm.container.env"))
+        elif any(ch in v for ch in ",\n\r\0"):
+            out.append((name, v, "contains ',' or a line break: srun --export and apptainer --env split values at "
+                                 "','. Fix: set it in slurm.env instead (the job's environment reaches the steps "
+                                 "unless the image sets the same variable)"))
+    if c.workdir is not None and not _MOUNT_PATH.fullmatch(c.workdir):
+        out.append((f"{key}.workdir", c.workdir, f"{_bad_chars(c.workdir, _MOUNT_PATH)}: the working directory is "
+                                                 "an absolute path without ',' ':' or shell syntax. Fix: e.g. "
+                                                 "'/lustre/project', or remove it for the directory relax-submit "
+                                                 "runs in"))
+    if not _PYTHON.fullmatch(c.python):
+        out.append((f"{key}.python", c.python, f"{_bad_chars(c.python, _PYTHON)}: the image's interpreter, a "
+                                               "command or a path. Fix: e.g. 'python3' or '/usr/bin/python'"))
+    if any(ch in r.run.runs_root for ch in ",:"):
+        out.append(("run.runs_root", r.run.runs_root, "contains ',' or ':', which separate container mounts, and "
+                                                      "the run directory is mounted into the container. Fix: a "
+                                                      "directory path without them"))
+    for i, opt in enumerate(r.slurm.srun_args):
+        if opt.startswith("--container-") or (opt.startswith("--export") and c.env and c.runtime == "pyxis"):
+            out.append((f"slurm.srun_args[{i}]", opt, "sets what slurm.container sets itself (the container "
+                                                      "options, and --export for its env). Fix: remove it, and "
+                                                      "say it in slurm.container"))
+    return out
 
 
 def _check_elastic(r: Recipe) -> list[Problem]:
