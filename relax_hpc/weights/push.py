@@ -84,6 +84,10 @@ class ActorSync:
             self.sender.connect(members, self.address())
         else:  # the engine set changed (an engine died)
             self.sender.reconnect(members)
+        # an engine still released by an actor before this one (restarted mid-step) takes its memory back at the
+        # next sync, before the weights come
+        self.released.update({n: u for n, u in self.engines.items()
+                              if (self.sender.infos.get(u) or {}).get("memory_released")})
 
     def close(self) -> None:
         self.checker.close()

@@ -303,6 +303,7 @@ class WeightSender:
         self.control_timeout = float(control_timeout)
         self.api_key = api_key
         self.engines: list[EngineClient] = []
+        self.infos: dict[str, dict] = {}  # each member's /server_info at the last connect, by URL
         self.sessions: dict[str, bool] = {}  # by engine URL: wrap updates in /begin…/end_weight_update (update_protocol)
         self.tp_sizes: list[int] = []
         self.pg: dist.ProcessGroup | None = None
@@ -366,8 +367,9 @@ class WeightSender:
                                           "weight-sync ranks would collide. Run one server per replica.", [e.url])
         if len(tp_sizes) != len(engines) or any(int(t) < 1 for t in tp_sizes):
             raise ValueError(f"tp_sizes {list(tp_sizes)} do not fit {len(engines)} engines")
+        self.infos = {e.url: i for e, i in zip(engines, infos)} if infos is not None else {}
         if infos is not None:
-            self._choose({e.url: i for e, i in zip(engines, infos)})
+            self._choose(self.infos)
         if self.path == "tensor":  # no group: each update carries its tensors' handles
             self.engines, self.tp_sizes = engines, [int(t) for t in tp_sizes]
             log.info("weights to %s by /update_weights_from_tensor (%s, same %s)", [e.url for e in engines],

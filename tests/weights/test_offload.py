@@ -158,6 +158,12 @@ def test_offload_releases_before_training_and_resumes_before_the_push(engines, h
     assert g.weight_version == "1"
     c.release_memory_occupation()  # an engine that cannot release (here: already released) keeps what it has:
     assert "perf/engine_release_time" in sync.release() and sync.released == {}  # training goes on, no resume owed
-    c.resume_memory_occupation()
     sync.close()
+    # an actor started again (a restart mid-step) finds the engine released: its first sync resumes it
+    again = ActorSync(0, None, None, address=lambda: "127.0.0.1", offload=True)
+    again.connect({"engine0": url}, {})
+    assert again.released == {"engine0": url}
+    done = again.sync("2", None, HFModel(hf_model), progress=lambda: None, check=True)
+    assert "perf/engine_resume_time" in done.metrics and c.server_info()["memory_released"] is False
+    again.close()
     c.close()
