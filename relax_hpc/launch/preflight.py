@@ -14,6 +14,7 @@ import copy
 import dataclasses
 
 from relax_hpc.launch.backend import launcher_for
+from relax_hpc.launch.doctor import submit_problems
 from relax_hpc.launch.places import Problem, check_local, check_slurm, cuda_device_count, mem_mb
 from relax_hpc.recipe import Recipe, RecipeError
 from relax_hpc.recipe.validate import check_files
@@ -32,7 +33,9 @@ def preflight(recipe: Recipe, executor: str, source: str | None = None) -> None:
 def preflight_problems(recipe: Recipe, executor: str,
                        refused: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
     """What keeps ``recipe`` from running on ``executor``: first the files the run will open (``data.path``, the
-    model, relative to this working directory, which becomes the roles'), then the cluster or this machine.
+    model, relative to this working directory, which becomes the roles'), then the cluster or this machine, then
+    relax-doctor's checks that cost milliseconds (:func:`~relax_hpc.launch.doctor.submit_problems`: the SGLang
+    interpreter).
 
     Runs on a recipe whose meaning checks failed too (``relax-submit`` reports both at once, so that
     ``roles.actor.nodes=999`` is named by the cluster's node count, not only by what it implies for the batch):
@@ -43,6 +46,7 @@ def preflight_problems(recipe: Recipe, executor: str,
     problems = check_files(recipe)
     layout = not any(k.endswith(".share_with") for k in refused)
     problems += launcher_for(executor).place_problems(recipe, layout)
+    problems += submit_problems(recipe, executor)  # relax-doctor's cheap ones: the SGLang interpreter
     return problems
 
 

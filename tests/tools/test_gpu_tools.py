@@ -179,7 +179,7 @@ def test_only_sglang_tests_may_skip_on_a_gpu(gc):
 
 def test_pins_are_the_projects(gc):
     """Every wheel gpu-check brings satisfies the project's own requirement for it (requirements-cpu.txt,
-    setup.cfg, tools/install); transformers stays < 5 and huggingface-hub < 1 (the image's are newer)."""
+    setup.cfg, requirements-pins.txt: tools/install's); transformers stays < 5 and huggingface-hub < 1 (the image's are newer)."""
     from packaging.requirements import Requirement
     from packaging.version import Version
 
@@ -188,7 +188,7 @@ def test_pins_are_the_projects(gc):
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
     lines += cfg["options"]["install_requires"].splitlines()
-    lines += re.findall(r"--no-deps (megatron-bridge==\S+)", (REPO / "tools" / "install").read_text())
+    lines += (REPO / "requirements-pins.txt").read_text().splitlines()  # tools/install's pins (megatron-bridge, ...)
     for line in lines:
         line = line.split("#")[0].strip()
         if line:
