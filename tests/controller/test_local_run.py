@@ -55,12 +55,13 @@ def test_roles_bootstrap_and_complete(tmp_path):
 
 def test_a_failing_role_fails_the_run_fast_with_its_error(tmp_path, monkeypatch):
     monkeypatch.setenv("RELAX_TEST_FAIL_ROLE", "rollout")
-    run = make_run(tmp_path)
+    run = make_run(tmp_path, dict(TINY, checkpoint={"max_restarts": 1}))  # one restart fails too: no more left
     want = "rollout rank 0 on localhost failed: RuntimeError: RELAX_TEST_FAIL_ROLE=rollout"
     with pytest.raises(RunFailed, match=want):  # the report, not a heartbeat timeout, ends it
         run_controller(run.path)
     state = json.loads(run.state.read_text())
     assert state["state"] == "FAILED" and "injected failure" in state["reason"]
+    assert state["restarts"] == 1 and [e["event"] for e in state["events"]] == ["started", "step_restarted", "failed"]
     assert state["roles"]["rollout"]["phase"] == "failed"
     assert "injected failure" in state["roles"]["rollout"]["error"]
     log = (run.logs / "controller.log").read_text()

@@ -1,5 +1,6 @@
 """End-to-end fixtures: the quickstart's tiny model (made offline), run directories made as relax-submit makes
-them, and readers for what a run leaves behind (state.json, metrics.jsonl, summary.json, TensorBoard)."""
+them, readers for what a run leaves behind (state.json, metrics.jsonl, summary.json, TensorBoard), and the runs
+that several test files assert on (session-scoped: one whole run, each file its own checks)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -60,30 +62,58 @@ def submit_slurm(recipe: Path, cwd: Path, env: dict, overrides: list[str]) -> di
 
 def follow_slurm(sub: dict, cwd: Path, env: dict, components: int, timeout_s: float) -> tuple[dict, set[str]]:
     """Poll a submitted run until it ends: (its last ``relax-status --json``, the ids ``J+K`` of its components if
-    all ``components`` were once seen RUNNING together, else an empty set)."""
+    all ``components`` were once seen RUNNING together, else an empty set). squeue and the controller's state.json
+    are polled while it goes; relax-status (a Python process of its own) once either says the run is over, until
+    it says so too."""
+    run = RunDir(Path(sub["run_dir"]))
     deadline = time.monotonic() + timeout_s
     st: dict = {}
     seen: set[str] = set()
-    while time.monotonic() < deadline:
-        out = subprocess.run(["squeue", "-h", "-j", sub["job_id"], "-t", "RUNNING", "-o", "%i"], capture_output=True,
-                             text=True, env=env).stdout.split()
-        if len(out) == components:
-            seen = set(out)
+
+    def status() -> dict:
         q = subprocess.run([str(REPO / ".venv" / "bin" / "relax-status"), "--json", sub["run"]], capture_output=True,
                            text=True, cwd=cwd, env=env)
-        st = json.loads(q.stdout) if q.returncode == 0 else {}
-        if st.get("state") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-            break
-        time.sleep(2)
-    return st, seen
+        return json.loads(q.stdout) if q.returncode == 0 else {}
+
+    while time.monotonic() < deadline:
+        rows = [line.split() for line in subprocess.run(["squeue", "-h", "-j", sub["job_id"], "-o", "%i %T"],
+                                                        capture_output=True, text=True, env=env).stdout.splitlines()]
+        running = [i for i, t in rows if t == "RUNNING"]
+        if len(running) == components:
+            seen = set(running)
+        ctl = state(run)
+        if not rows or ended_state(ctl):
+            st = status()
+            if st.get("state") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+                break
+        time.sleep(1)
+    return st or status(), seen
+
+
+def ended_state(ctl: dict) -> bool:
+    """The controller's state.json says its run is over (its final event written)."""
+    return ctl.get("state") in ("COMPLETED", "FAILED", "CANCELLED") and \
+        (ctl.get("events") or [{}])[-1].get("event") in ("finished", "failed", "cancelled")
+
+
+@contextmanager
+def locally(**env: str):
+    """The local executor, the reward and generate functions written for the tests (tests/e2e/e2e_rewards.py)
+    importable by the rollout role, ``env`` set; undone at the end (pytest's ``monkeypatch`` is function-scoped:
+    this also serves session-scoped fixtures)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RELAX_EXECUTOR", "local")
+        mp.delenv("RELAX_TEST_FAIL_ROLE", raising=False)
+        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p))
+        for k, v in env.items():
+            mp.setenv(k, v)
+        yield
 
 
 @pytest.fixture
-def local_executor(monkeypatch):
-    monkeypatch.setenv("RELAX_EXECUTOR", "local")
-    monkeypatch.delenv("RELAX_TEST_FAIL_ROLE", raising=False)
-    # reward functions written for the tests (tests/e2e/test_rewards.py) must be importable by the rollout role
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p))
+def local_executor():
+    with locally():
+        yield
 
 
 def metrics(run: RunDir) -> list[dict]:
@@ -114,19 +144,17 @@ def tensorboard_tags(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def reference_rows(tmp_dir: Path, model: Path, *overrides: str, name: str, steps: int,
-                   recipe: Path = QUICKSTART) -> dict[int, dict]:
-    """Per-step metrics of the quickstart with ``overrides`` run straight through locally: what an interrupted run
-    must end equal to. For module-scoped fixtures (pytest's ``monkeypatch`` fixture is function-scoped)."""
+def reference_run(tmp_dir: Path, model: Path, *overrides: str, name: str, steps: int,
+                  recipe: Path = QUICKSTART) -> RunDir:
+    """The quickstart with ``overrides`` run straight through locally, every step logged: what an interrupted run
+    must end equal to. For session- and module-scoped fixtures (pytest's ``monkeypatch`` is function-scoped)."""
     from relax_hpc.controller import run_controller
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RELAX_EXECUTOR", "local")
+    with locally():
         run = make_run(tmp_dir, model, *overrides, name=name, recipe=recipe)
         assert run_controller(run.path)["state"] == "COMPLETED"
-    rows = {r["step"]: r for r in metrics(run)}
-    assert sorted(rows) == list(range(1, steps + 1))
-    return rows
+    assert [r["step"] for r in metrics(run)] == list(range(1, steps + 1))
+    return run
 
 
 def hold(run: RunDir, step: int) -> None:
@@ -152,16 +180,68 @@ def submit_detached(tmp_path: Path, model: Path, *overrides: str, recipe: Path =
 
 
 @pytest.fixture(scope="session")
-def uninterrupted(tmp_path_factory, tiny_model):
-    """``uninterrupted(*overrides, steps=, recipe=)``: :func:`reference_rows` of that recipe, run once per session, so
-    the tests comparing against the same recipe share one run (tests/e2e/interrupt.py)."""
-    runs: dict[tuple, dict[int, dict]] = {}
+def uninterrupted_run(tmp_path_factory, tiny_model):
+    """``uninterrupted_run(*overrides, steps=, recipe=)``: :func:`reference_run` of that recipe, run once per session,
+    so the tests comparing against the same recipe share one run (tests/e2e/interrupt.py). Read it, never write."""
+    runs: dict[tuple, RunDir] = {}
 
-    def rows(*overrides: str, steps: int, recipe: Path = QUICKSTART) -> dict[int, dict]:
+    def run(*overrides: str, steps: int, recipe: Path = QUICKSTART) -> RunDir:
         key = (str(recipe), overrides, steps)
         if key not in runs:
-            runs[key] = reference_rows(tmp_path_factory.mktemp("uninterrupted"), tiny_model, *overrides,
-                                       name=f"ref{len(runs)}", steps=steps, recipe=recipe)
+            runs[key] = reference_run(tmp_path_factory.mktemp("uninterrupted"), tiny_model, *overrides,
+                                      name=f"ref{len(runs)}", steps=steps, recipe=recipe)
         return runs[key]
 
+    return run
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(uninterrupted_run):
+    """``uninterrupted(*overrides, steps=, recipe=)``: the per-step metrics of :func:`uninterrupted_run`'s run."""
+
+    def rows(*overrides: str, steps: int, recipe: Path = QUICKSTART) -> dict[int, dict]:
+        return {r["step"]: r for r in metrics(uninterrupted_run(*overrides, steps=steps, recipe=recipe))}
+
     return rows
+
+
+def eval_overrides(interval: int) -> tuple[str, ...]:
+    """A periodic eval of the arithmetic prompts: every ``interval`` steps, the last and before training, pass@1..4."""
+    return (f"rollout.eval_interval={interval}", "rollout.n_samples_per_eval_prompt=4",
+            f"data.eval_prompt_data={{arith: {ARITH}}}")
+
+
+ASYNC_STEPS = 25
+ASYNC_EVAL_INTERVAL = 10
+
+
+@pytest.fixture(scope="session")
+def fully_async_run(tmp_path_factory, tiny_model) -> tuple[RunDir, dict]:
+    """recipes/quickstart-async.yaml for :data:`ASYNC_STEPS` steps with a periodic eval: one run (its directory and
+    the controller's final state) for test_async.py (it learns within its staleness bound) and test_eval.py (eval
+    runs between generates). Eval changes neither what training samples nor its seeds."""
+    from relax_hpc.controller import run_controller
+
+    with locally():
+        run = make_run(tmp_path_factory.mktemp("fully-async"), tiny_model, f"run.steps={ASYNC_STEPS}",
+                       *eval_overrides(ASYNC_EVAL_INTERVAL), recipe=REPO / "recipes" / "quickstart-async.yaml",
+                       name="async")
+        return run, run_controller(run.path)
+
+
+SEGMENT_STEPS = 3
+
+
+@pytest.fixture(scope="session")
+def damaged_segments_run(tmp_path_factory, tiny_model) -> tuple[RunDir, dict]:
+    """The quickstart with a custom generate function that returns some rollouts as segments
+    (e2e_rewards.generate_in_segments), 2 optimizer steps per rollout step, and step 2's chunk cut in half right
+    after its announce (the controller's hook ``RELAX_TEST_DAMAGE_CHUNK``): one run (its directory and the final
+    state) for test_segments.py and test_damage.py."""
+    from relax_hpc.controller import run_controller
+
+    with locally(RELAX_TEST_DAMAGE_CHUNK="2:truncate"):
+        run = make_run(tmp_path_factory.mktemp("segments"), tiny_model, f"run.steps={SEGMENT_STEPS}",
+                       "train.num_steps_per_rollout=2",
+                       "rollout.custom_generate_function_path=e2e_rewards.generate_in_segments", name="segments")
+        return run, run_controller(run.path)

@@ -96,7 +96,7 @@ def same_steps(run: RunDir, want: dict[int, dict], keys: tuple[str, ...], steps:
 
 # the recipe the resume and mini-batch tests share (one uninterrupted run for both): the quickstart, short, with k
 # optimizer steps per rollout step (train.num_steps_per_rollout) and a periodic checkpoint for a kill to go back to
-STEPS = 6
+STEPS = 4
 K = 4
 SHORT = (f"run.steps={STEPS}", f"train.num_steps_per_rollout={K}", "checkpoint.interval=2", "checkpoint.keep=3",
          "rollout.rollout_batch_size=8")

@@ -1,7 +1,8 @@
 """Fully-async mode learns, and the exchange's journal shows the staleness bound held.
 
-``recipes/quickstart-async.yaml`` for a shortened run: rollout generates step N+1 while the actor trains
-and syncs step N. From the journal: every partition started with ``N − min(uncleared) ≤ max_staleness``
+``recipes/quickstart-async.yaml`` for a shortened run (with test_eval.py's periodic eval: ``fully_async_run``, one
+run for both; eval changes neither what training samples nor its seeds): rollout generates step N+1 while the
+actor trains and syncs step N. From the journal: every partition started with ``N − min(uncleared) ≤ max_staleness``
 (rollout never more than k steps ahead) and every sample consumed exactly once; from the metrics: every
 step's samples were made with weights no older than ``N − 1 − k``, and rollout did run ahead (a sample
 made with weights older than the step before: impossible in colocate mode).
@@ -13,22 +14,19 @@ import json
 
 import pytest
 
-from relax_hpc.controller import run_controller
 from relax_hpc.exchange.audit import exactly_once
 from relax_hpc.exchange.journal import iter_ops, replay
 
-from .conftest import REPO, make_run, metrics
+from .conftest import ASYNC_STEPS, metrics
 
-STEPS = 25
+STEPS = ASYNC_STEPS
 RISE = 0.15
 
 
 @pytest.mark.slow
-def test_fully_async_learns_within_its_staleness_bound(tmp_path, tiny_model, local_executor):
+def test_fully_async_learns_within_its_staleness_bound(fully_async_run):
     k = 1
-    run = make_run(tmp_path, tiny_model, f"run.steps={STEPS}", recipe=REPO / "recipes" / "quickstart-async.yaml",
-                   name="async")
-    final = run_controller(run.path)
+    run, final = fully_async_run
     assert final["state"] == "COMPLETED" and final["mode"] == "fully_async"
     summary = json.loads((run.path / "summary.json").read_text())
     assert summary["reward_last10"] > summary["reward_first10"] + RISE, summary
@@ -41,6 +39,8 @@ def test_fully_async_learns_within_its_staleness_bound(tmp_path, tiny_model, loc
     assert exactly_once(journal, ["train"]) == []
 
     rows = metrics(run)
+    assert rows[0]["step"] == 0 and "rollout/raw_reward" not in rows[0]  # step 0's row: the eval before training
+    rows = rows[1:]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
         assert r["step"] - 1 - k <= r["rollout/weight_version_min"] <= r["rollout/weight_version"] <= r["step"] - 1

@@ -4,27 +4,24 @@ The controller's test hook ``RELAX_TEST_DAMAGE_CHUNK=<step>:truncate`` cuts step
 its announce (deterministic: no timer races the actor). The train request's hand-out check finds it, the broker
 quarantines it, the training loop voids step 2 and assigns ``generate(2)`` again: the run completes, state.json
 has the ``chunk_quarantined`` event, the step's metrics count it, and the journal audit is exactly once (the
-quarantined samples count neither as produced nor consumed).
+quarantined samples count neither as produced nor consumed). The run is test_segments.py's
+(``damaged_segments_run``: some rollouts come as segments, which the regenerated step makes again).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from relax_hpc.controller import run_controller
 from relax_hpc.exchange.audit import audit, exactly_once
 
-from .conftest import make_run, metrics, state
+from .conftest import SEGMENT_STEPS, metrics, state
 
-STEPS = 3
+STEPS = SEGMENT_STEPS
 
 
 @pytest.mark.slow
-def test_a_truncated_chunk_is_quarantined_and_its_step_generated_again(tmp_path, tiny_model, local_executor,
-                                                                        monkeypatch):
-    monkeypatch.setenv("RELAX_TEST_DAMAGE_CHUNK", "2:truncate")
-    run = make_run(tmp_path, tiny_model, f"run.steps={STEPS}", "rollout.rollout_batch_size=4", name="damage")
-    final = run_controller(run.path)
+def test_a_truncated_chunk_is_quarantined_and_its_step_generated_again(damaged_segments_run):
+    run, final = damaged_segments_run
     assert final["state"] == "COMPLETED", final["reason"]
     events = [e for e in state(run)["events"] if e["event"] == "chunk_quarantined"]
     assert len(events) == 1 and events[0]["detail"].startswith("step 2: step_2/chunk_rollout_"), events

@@ -1,12 +1,14 @@
 """DAPO dynamic sampling on the quickstart: with ``check_reward_nonzero_std`` and over-sampling, every group the
 actor trains on has rewards that differ (measured on the training side, from the chunks it read:
-``rollout/zero_std_group_ratio``), and the filtered share is logged; the same run without the filter trains on
-such groups."""
+``rollout/zero_std_group_ratio``), and the filtered share is logged (above 0: the filter had groups to drop); a run
+without the filter trains on such groups (the session's uninterrupted run of :data:`interrupt.SHORT`, the resume
+tests' reference: no run of its own)."""
 
 from __future__ import annotations
 
 from relax_hpc.controller import run_controller
 
+from . import interrupt
 from .conftest import make_run, metrics
 
 STEPS = 3
@@ -17,11 +19,9 @@ FILTER = ("rollout.dynamic_sampling_filter_path=relax_hpc.rollout.dynamic.check_
           "rollout.over_sampling_batch_size=8", "rollout.dynamic_sampling_max_rounds=0")
 
 
-def test_every_trained_group_has_a_reward_spread(tmp_path, tiny_model, local_executor):
-    plain = make_run(tmp_path / "plain", tiny_model, *SMALL, name="plain")
-    assert run_controller(plain.path)["state"] == "COMPLETED"
-    without = metrics(plain)
-    assert max(r["rollout/zero_std_group_ratio"] for r in without) > 0  # the filter has work to do
+def test_every_trained_group_has_a_reward_spread(tmp_path, tiny_model, local_executor, uninterrupted):
+    without = uninterrupted(*interrupt.SHORT, steps=interrupt.STEPS).values()
+    assert max(r["rollout/zero_std_group_ratio"] for r in without) > 0  # measured, and above 0 without the filter
 
     run = make_run(tmp_path / "dyn", tiny_model, *SMALL, *FILTER, name="dyn")
     assert run_controller(run.path)["state"] == "COMPLETED"

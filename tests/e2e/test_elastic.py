@@ -27,8 +27,8 @@ from relax_hpc.rundir import RunDir, write_json
 from .conftest import (REPO, follow_slurm, held_at, hold, make_run, metrics, quickstart_overrides, state, submit_slurm,
                        wait_until)
 
-STEPS = 8
-SLURM_STEPS = 10
+STEPS = 6  # held at 2 and 5 (the scale operations), then one step after the drain
+SLURM_STEPS = 8  # the last hold is at step 7: one step after it
 K = 1  # quickstart-async's max_staleness
 
 
@@ -146,7 +146,7 @@ def test_attached_jobs_join_drain_and_survive_scancel_on_slurm(slurm_cluster, tm
                        quickstart_overrides(tiny_model, tmp_path / "runs", f"run.steps={SLURM_STEPS}"))
     run = RunDir(Path(sub["run_dir"]))
     hold(run, 2)
-    wait_until(lambda: state(run).get("phase") == "paused", 300, every=1, what="the run held at step 2")
+    wait_until(lambda: state(run).get("phase") == "paused", 300, what="the run held at step 2")
 
     p = _cli("relax-scale", sub["run"], "rollout=+1", "--attach", "--time", "00:10:00", "--json", "--wait", "240",
              env=env, cwd=tmp_path)
@@ -158,22 +158,25 @@ def test_attached_jobs_join_drain_and_survive_scancel_on_slurm(slurm_cluster, tm
     assert e["origin"] == "attached" and e["state"] == "ready" and e["job_id"] == job, e
 
     hold(run, 5)
-    wait_until(lambda: _listed(_status(sub, env, tmp_path), "s1-0").get("requests", 0) > 0 and held_at(run, 5), 600,
-               every=1, what="the attached engine served requests")
+    # waits read state.json (relax-status, a process of its own, is asked once the awaited state is there)
+    wait_until(lambda: _engine(run, "s1-0").get("requests", 0) > 0 and held_at(run, 5), 600,
+               what="the attached engine served requests")
+    assert _listed(_status(sub, env, tmp_path), "s1-0")["requests"] > 0
     p = _cli("relax-scale", sub["run"], "rollout=-1", "--json", "--wait", "120", env=env, cwd=tmp_path)
     assert p.returncode == 0 and json.loads(p.stdout)["operation"]["state"] == "done", p.stdout
     assert _listed(_status(sub, env, tmp_path), "s1-0")["state"] == "gone"
-    wait_until(lambda: job not in _squeue_ids(env), 120, every=1, what=f"attached job {job} ended")
+    wait_until(lambda: job not in _squeue_ids(env), 120, every=0.5, what=f"attached job {job} ended")
 
     p = _cli("relax-scale", sub["run"], "rollout=+1", "--attach", "--json", "--wait", "240", env=env, cwd=tmp_path)
     out = json.loads(p.stdout)
     assert p.returncode == 0 and out["operation"]["state"] == "done", p.stdout
     hold(run, 7)  # it serves steps 6-7; the run then waits, so the scancel lands before the run could end
-    wait_until(lambda: _listed(_status(sub, env, tmp_path), "s3-0").get("requests", 0) > 0, 600, every=0.5,
+    wait_until(lambda: _engine(run, "s3-0").get("requests", 0) > 0, 600,
                what="the second attached engine served requests")
+    assert _listed(_status(sub, env, tmp_path), "s3-0")["requests"] > 0
     subprocess.run(["scancel", out["job_id"]], env=env, check=True)
-    wait_until(lambda: _listed(_status(sub, env, tmp_path), "s3-0").get("state") == "gone", 300, every=1,
-               what="the scancelled engine declared gone")
+    wait_until(lambda: _engine(run, "s3-0").get("state") == "gone", 300, what="the scancelled engine declared gone")
+    assert _listed(_status(sub, env, tmp_path), "s3-0")["state"] == "gone"
     (run.path / "pause").unlink()
 
     st, _ = follow_slurm(sub, tmp_path, env, 4, 900)
@@ -201,7 +204,7 @@ def test_spare_nodes_take_a_new_step_of_the_same_job(slurm_cluster, tmp_path, ti
                                             "roles.rollout.elastic.initial=1"))
     run = RunDir(Path(sub["run_dir"]))
     hold(run, 1)
-    wait_until(lambda: state(run).get("phase") == "paused", 300, every=1, what="the run held at step 1")
+    wait_until(lambda: state(run).get("phase") == "paused", 300, what="the run held at step 1")
     p = _cli("relax-scale", sub["run"], "rollout=+1", "--json", "--wait", "240", env=env, cwd=tmp_path)
     out = json.loads(p.stdout)
     assert p.returncode == 0 and out["operation"]["state"] == "done" and out["job_id"] is None, p.stdout

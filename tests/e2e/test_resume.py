@@ -81,9 +81,9 @@ def inbox(monkeypatch):
 @pytest.mark.slow
 def test_an_interrupted_run_ends_as_if_never_interrupted(reference, tmp_path, tiny_model, local_executor, inbox):
     # 1. the time-limit warning once step 1 is done: checkpoint 1, attempt 1 resumes from it; 2. kill -9 of the actor
-    # rank at step 5, a step after the periodic checkpoint of step 4: every step restarts from it
+    # rank at step 3, a step after the periodic checkpoint of step 2: every step restarts from it
     run = interrupt.interrupted_run(tmp_path, tiny_model, SMALL, (Hit("requeue", hold=1, checkpoint=1),
-                                                                  Hit("kill", hold=5, checkpoint=4)))
+                                                                  Hit("kill", hold=3, checkpoint=2)))
     st = state(run)
     assert "actor" in st["last_failure"] and ("-9" in st["last_failure"] or "signal" in st["last_failure"].lower()
                                               or "exited" in st["last_failure"])
@@ -117,17 +117,17 @@ def test_a_requeued_slurm_job_resumes_and_ends_as_if_never_interrupted(reference
     try:
         wait_until(lambda: held_at(run, 1), 600, every=0.2, what="step 1 done, the run held")
         subprocess.run(["scancel", "-b", "-s", "USR2", sub["job_id"]], check=True, env=slurm_cluster.env)
-        wait_until(lambda: state(run).get("attempt") == 1 and held_at(run, 1), 600, every=0.5,
+        wait_until(lambda: state(run).get("attempt") == 1 and held_at(run, 1), 600, every=0.2,
                    what="attempt 1 running")
         hold(run, 3)  # the periodic checkpoint of step 2, then step 3 (lost to the preemption, done again)
         wait_until(lambda: held_at(run, 3), 600, every=0.2, what="step 3 done, the run held")
         assert state(run)["last_checkpoint"]["step"] == 2
         subprocess.run(["sbatch", "-p", "urgent", "-N", "4", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 2"],
                        check=True, env=slurm_cluster.env, capture_output=True)
-        wait_until(lambda: state(run).get("attempt") == 2 and held_at(run, 3), 900, every=0.5,
+        wait_until(lambda: state(run).get("attempt") == 2 and held_at(run, 3), 900, every=0.2,
                    what="attempt 2 running, held")
         (run.path / "pause").unlink()
-        wait_until(lambda: state(run).get("state") == "COMPLETED", 900, every=1.0, what="attempt 2 completed")
+        wait_until(lambda: state(run).get("state") == "COMPLETED", 900, every=0.5, what="attempt 2 completed")
     finally:
         if state(run).get("state") != "COMPLETED":
             subprocess.run(["scancel", sub["job_id"]], env=slurm_cluster.env)
@@ -185,7 +185,7 @@ def test_a_time_limited_job_checkpoints_before_the_kill_and_goes_on(slurm_cluste
         "slurm.max_requeues=15", "rollout.rollout_batch_size=8"))
     run = RunDir(Path(sub["run_dir"]))
     try:
-        wait_until(lambda: state(run).get("attempt", 0) >= 1, 600, every=1.0, what="a requeued attempt")
+        wait_until(lambda: state(run).get("attempt", 0) >= 1, 600, every=0.5, what="a requeued attempt")
         st = stop_with_a_checkpoint(run, after_step=state(run)["history"][-1]["step"])
     finally:
         if state(run).get("state") in ("RUNNING", "REQUEUED"):

@@ -1,23 +1,21 @@
 """A custom generate function that returns some rollouts as segments (a list of samples), through the whole loop:
-the router under a full step's load, the exchange, the actor's mini-batches. Every segment is trained as a sample."""
+the router under a full step's load, the exchange, the actor's mini-batches. Every segment is trained as a sample,
+step 2 too, whose chunk was damaged and generated again (the run is test_damage.py's: ``damaged_segments_run``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from relax_hpc.controller import run_controller
 from relax_hpc.exchange.audit import audit, exactly_once
 
-from .conftest import make_run, metrics
+from .conftest import SEGMENT_STEPS, metrics
 
-STEPS = 3
+STEPS = SEGMENT_STEPS
 
 
-@pytest.mark.slow
-def test_segments_train_through_the_whole_loop(tmp_path, tiny_model, local_executor):
-    run = make_run(tmp_path, tiny_model, f"run.steps={STEPS}", "train.num_steps_per_rollout=2",
-                   "rollout.custom_generate_function_path=e2e_rewards.generate_in_segments", name="segments")
-    assert run_controller(run.path)["state"] == "COMPLETED"
+def test_segments_train_through_the_whole_loop(damaged_segments_run):
+    run, final = damaged_segments_run
+    assert final["state"] == "COMPLETED", final["reason"]
     rows = metrics(run)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:  # 128 rollouts a step, the 64 with an odd index in two segments

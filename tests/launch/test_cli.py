@@ -36,8 +36,7 @@ def test_dry_run_prints_script_and_steps_and_submits_nothing(slurm_cluster, tmp_
     assert "relax_hpc.roles.actor_fwd" in p.stdout
     assert no_run_dirs(tmp_path)
     assert f"#SBATCH --job-name={name}" in p.stdout
-    time.sleep(1)
-    assert jobs_named(name) == set()
+    assert jobs_named(name) == set()  # squeue lists a job from the moment sbatch returns: no wait needed
 
 
 @pytest.mark.slurm
@@ -93,7 +92,6 @@ def test_bad_recipe_refused_before_sbatch(slurm_cluster, tmp_path, overrides, ke
     name = unique_job_name()
     p = cli("relax-submit", str(SMOKE), *overrides, f"slurm.job_name={name}", cwd=tmp_path)
     assert_refused(p, key, text, tmp_path)
-    time.sleep(1)
     assert jobs_named(name) == set()
 
 
@@ -108,7 +106,6 @@ def test_the_key_the_user_set_is_named_first_with_the_cluster_check(slurm_cluste
     assert listed and all(ln.startswith("  - roles.actor.nodes = 999: ") for ln in listed), p.stderr
     assert "has only 4 node(s)" in p.stderr and "train.global_batch_size" not in p.stderr
     assert no_run_dirs(tmp_path)
-    time.sleep(1)
     assert jobs_named(name) == set()
 
 
@@ -151,6 +148,18 @@ def test_status_and_cancel_without_runs(tmp_path):
 
 # ---------------------------------------------------------------------------------------- local runs ---
 
+def going(cwd: Path) -> bool:
+    """The run under ``cwd/runs`` reports itself running: its controller's state.json, every role started."""
+    for path in (cwd / "runs").glob("*/state.json"):
+        try:
+            st = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return False
+        roles = (st.get("roles") or {}).values()
+        return st.get("state") == "RUNNING" and bool(roles) and all(None not in r["pids"] for r in roles)
+    return False
+
+
 @pytest.mark.slow
 def test_local_smoke_run_without_slurm(no_slurm_env, tmp_path):
     """No sbatch on PATH: relax-submit runs the smoke recipe here, in the foreground, to COMPLETED."""
@@ -171,12 +180,20 @@ def test_local_smoke_run_without_slurm(no_slurm_env, tmp_path):
 
 @pytest.mark.slow
 def test_local_detach_then_cancel(no_slurm_env, tmp_path):
+    """--detach, relax-cancel, then ``relax-submit --resume --json`` in the foreground: it follows the run to its end
+    and reports the final state as JSON (the same foreground report as ``relax-submit --local --json``)."""
     # the rollout role is held ready in the first attempt: the cancel always finds the run going
     env = dict(no_slurm_env, RELAX_TEST_HOLD_ROLE="rollout")
     p = cli("relax-submit", "--local", "--detach", "--json", str(SMOKE), cwd=tmp_path, env=env)
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     assert {"run", "run_dir", "job_id", "pid"} <= set(d)
+    # cancel once the run is going: a SIGTERM before the controller handles it is swallowed by submitit's runner
+    # (which bypasses SIGTERM), and relax-cancel waits out its grace, then kills
+    deadline = time.monotonic() + 120
+    while not going(tmp_path):
+        assert time.monotonic() < deadline, "the detached run never reported itself running"
+        time.sleep(0.05)
     c = cli("relax-cancel", d["run"], "--json", cwd=tmp_path, env=no_slurm_env)
     assert c.returncode == 0, c.stderr
     assert json.loads(c.stdout)["action"] in ("terminated", "killed")
@@ -186,36 +203,39 @@ def test_local_detach_then_cancel(no_slurm_env, tmp_path):
     assert cli("relax-submit", "--resume", d["run"], "x=1", cwd=tmp_path, env=no_slurm_env).returncode != 0
     r = cli("relax-submit", "--resume", d["run"], "--json", cwd=tmp_path, env=no_slurm_env, timeout=300)
     assert r.returncode == 0, r.stderr
-    again = json.loads(r.stdout)
-    assert again["state"] == "COMPLETED" and again["run_dir"] == d["run_dir"] and again["job_id"] != d["job_id"]
+    again = json.loads(r.stdout)  # --json in the foreground: the final state, reported once the run has ended
+    assert again["state"] == "COMPLETED" and again["executor"] == "local" and again["reason"] is None
+    assert again["run_dir"] == d["run_dir"] and again["job_id"] != d["job_id"]
     assert again["previous_job_ids"] == [d["job_id"]]
     state = json.loads((Path(d["run_dir"]) / "state.json").read_text())
-    assert state["attempt"] == len(state["history"])  # 0 if the first was cancelled before its controller wrote
+    assert state["attempt"] == len(state["history"]) == 1  # the first, cancelled while going, in the history
+    assert state["history"][0]["state"] == "CANCELLED", state["history"]
     done = cli("relax-submit", "--resume", d["run"], cwd=tmp_path, env=no_slurm_env)
     assert done.returncode != 0 and "COMPLETED" in done.stderr  # a finished run is not started again
 
 
 @pytest.mark.slow
-def test_local_json_foreground_reports_final_state(no_slurm_env, tmp_path):
-    p = cli("relax-submit", "--local", "--json", str(SMOKE), cwd=tmp_path, env=no_slurm_env, timeout=300)
-    assert p.returncode == 0, p.stderr
-    d = json.loads(p.stdout)
-    assert d["state"] == "COMPLETED" and d["executor"] == "local"
-
-
-@pytest.mark.slow
 def test_ctrl_c_in_foreground_cancels_the_run(no_slurm_env, tmp_path):
     code = "import sys; from relax_hpc.launch.cli import submit_main; sys.exit(submit_main(sys.argv[1:]))"
-    env = dict(no_slurm_env, RELAX_TEST_HOLD_ROLE="rollout")  # held ready: Ctrl-C always finds the run going
-    p = subprocess.Popen([sys.executable, "-c", code, "--local", str(SMOKE)], cwd=tmp_path, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not list((tmp_path / "runs").glob("*/job.json")):
-        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
-        time.sleep(0.1)
-    time.sleep(1.0)
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=90)
+    # the rollout role held ready: Ctrl-C always finds the run going. Unbuffered, unwrapped output: relax-submit's
+    # "Ctrl-C cancels" line is in the file the moment it follows the run
+    env = dict(no_slurm_env, RELAX_TEST_HOLD_ROLE="rollout", PYTHONUNBUFFERED="1", COLUMNS="1000")
+    out_file, err_file = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out_file, "w") as out, open(err_file, "w") as err:
+        p = subprocess.Popen([sys.executable, "-c", code, "--local", str(SMOKE)], cwd=tmp_path, env=env,
+                             stdout=out, stderr=err)
+    try:
+        # Ctrl-C once relax-submit follows the run (its Ctrl-C handler is in place) and the run is going
+        deadline = time.monotonic() + 120
+        while not ("Ctrl-C cancels" in out_file.read_text() and going(tmp_path)):
+            assert time.monotonic() < deadline and p.poll() is None, (out_file.read_text(), err_file.read_text())
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    out, err = out_file.read_text(), err_file.read_text()
     assert p.returncode == 130, (out, err)
     assert "cancelling" in err
     d = json.loads(cli("relax-status", "--json", cwd=tmp_path, env=no_slurm_env).stdout)

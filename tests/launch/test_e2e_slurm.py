@@ -47,29 +47,32 @@ def squeue_ids(job_id: str) -> set[str]:
     return {x for x in out.split() if x.startswith(f"{job_id}+")}
 
 
-def test_submit_status_complete(slurm_cluster, tmp_path):
-    ncomp = len(het_groups(load_recipe(SMOKE)))
-    d = submit(tmp_path)
+def submitted(cwd, ncomp: int) -> dict:
+    """relax-submit, then what squeue and relax-status show at once: one het job J+0..J+K, its roles."""
+    d = submit(cwd)
     job = d["job_id"]
-    assert job.isdigit() and d["executor"] == "slurm" and (tmp_path / "runs" / d["run"] / "job.sbatch").exists()
+    assert job.isdigit() and d["executor"] == "slurm" and (cwd / "runs" / d["run"] / "job.sbatch").exists()
     assert squeue_ids(job) == {f"{job}+{k}" for k in range(ncomp)}
-    s = status(tmp_path, d["run"])
+    s = status(cwd, d["run"])
     assert s["run"] == d["run"] and s["job_id"] == job and s["state"] in ("PENDING", "RUNNING", "COMPLETED")
     assert [c["label"] for c in s["components"]] == [f"{job}+{k}" for k in range(ncomp)]
     assert set(s["roles"]) == ROLES and s["roles"]["actor_fwd"]["het_group"] == s["roles"]["reference"]["het_group"]
-    s = wait_for(tmp_path, d["run"], {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
-    assert s["state"] == "COMPLETED", s
-    assert all(c["state"] == "COMPLETED" for c in s["components"])
-    assert all(r["phase"] == "done" for r in s["roles"].values()), s["roles"]
-    assert s["components"][0]["nodes"]  # the nodes it ran on
+    return d
 
 
-def test_two_runs_at_once_both_complete(slurm_cluster, tmp_path):
-    a, b = submit(tmp_path), submit(tmp_path)
+def test_two_runs_at_once_submit_show_their_status_and_complete(slurm_cluster, tmp_path):
+    """Each submitted run is one het job with its components and roles in relax-status; the second is submitted
+    while the first is queued or going, and both complete (every component, every role done)."""
+    ncomp = len(het_groups(load_recipe(SMOKE)))
+    a = submitted(tmp_path, ncomp)
+    b = submitted(tmp_path, ncomp)
     assert a["run"] != b["run"] and a["job_id"] != b["job_id"]
     for d in (a, b):
         s = wait_for(tmp_path, d["run"], {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=400)
         assert s["state"] == "COMPLETED", s
+        assert all(c["state"] == "COMPLETED" for c in s["components"])
+        assert all(r["phase"] == "done" for r in s["roles"].values()), s["roles"]
+        assert s["components"][0]["nodes"]  # the nodes it ran on
 
 
 def test_cancel_running_job(slurm_cluster, tmp_path):
