@@ -372,6 +372,8 @@ def submit_problems(recipe: Any, executor: str) -> list[tuple[str, object, str]]
     but is not executable; locally: also missing), and, when ``rollout.engine.kind`` is ``sglang``, an SGLang
     release outside the range relax_hpc speaks (its metadata, read by that interpreter: tens of ms).
     (key, value, message with fix) triples. Unset is no finding: the steps may get it elsewhere."""
+    from relax_hpc.launch.backend import launcher_for
+
     kind = recipe.rollout.engine.kind
     if kind == "reference":
         return []
@@ -381,7 +383,7 @@ def submit_problems(recipe: Any, executor: str) -> list[tuple[str, object, str]]
     if not python:  # may be set where the steps run (a container's env, a site module): not wrong for sure
         return []
     bad = _not_executable(python)
-    if bad == "no such file" and executor != "local":
+    if bad == "no such file" and not launcher_for(executor).steps_here:
         return []  # may exist on the compute nodes only: relax-doctor --nodes N looks there
     if bad:
         return [(key, python, f"{bad}: engines could not start. Fix: {_SGLANG_FIX}")]
