@@ -38,6 +38,9 @@ class Sender:
     """Rank 0's WeightSender stand-in: each push in ``dies`` stops that engine and fails naming it, as a push to an
     engine that was scancelled mid-sync does."""
 
+    path = "distributed"  # a group, as WeightSender's to engines off the actor's GPU
+    infos: dict[str, dict] = {}  # no engine says its memory is released
+
     def __init__(self, servers: dict[str, StubServer], dies: list[str | None]):
         self.servers, self.dies = servers, list(dies)
         self.pushes: list[list[str]] = []  # the tensors each push walked
