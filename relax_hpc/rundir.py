@@ -17,6 +17,7 @@ import errno
 import functools
 import json
 import os
+import re
 import secrets
 import stat
 import sys
@@ -192,6 +193,12 @@ class RunDir:
             return size
         except FileNotFoundError:
             return 0
+
+
+def named_like(name: str) -> "re.Pattern[str]":
+    """The directory names of runs of recipe ``run.name`` ``name``: ``<name>-<stamp>[-i]`` (:func:`create_run_dir`);
+    what lets a user say ``relax-status quickstart`` for the latest of them."""
+    return re.compile(re.escape(name) + r"-\d{8}-\d{6}(-\d+)?")
 
 
 def create_run_dir(runs_root: str | Path, name: str) -> RunDir:

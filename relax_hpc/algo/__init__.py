@@ -10,15 +10,18 @@ Why pure torch: the same code runs in the Megatron actor on GPUs, in the CPU pat
   user's ``custom_loss_path``) and :func:`policy_loss`, the trainer's entry.
 - :mod:`.tis`: truncated importance sampling against the rollout engine's log-probs.
 - :mod:`.reductions`: per-sample token-mean and per-token reductions.
+- :mod:`.opd`: on-policy distillation's per-token divergence to a teacher, as an advantage penalty or a loss term
+  (the recipe's ``opd:`` section, :class:`OPDConfig`).
 """
 
-from relax_hpc.algo.config import ESTIMATORS, KL_TYPES, AlgorithmConfig, check, clip_high
+from relax_hpc.algo.config import ESTIMATORS, KL_TYPES, AlgorithmConfig, OPDConfig, check, check_opd, clip_high
 
 # The torch-using names load on first use, so that the recipe validator (which imports
 # ``relax_hpc.algo.config`` on a login node, possibly without torch) never imports torch.
 _LAZY = {
     "broadcast_advantages": "advantages",
     "compute_advantages": "advantages",
+    "finish_advantages": "advantages",
     "group_normalize": "advantages",
     "masked_whiten": "advantages",
     "postprocess_rewards": "advantages",
@@ -37,6 +40,9 @@ _LAZY = {
     "sample_mean": "reductions",
     "sum_of_sample_mean": "reductions",
     "token_mean": "reductions",
+    "apply_opd_penalty": "opd",
+    "opd_loss": "opd",
+    "opd_signal": "opd",
     "icepop_function": "tis",
     "load_tis_function": "tis",
     "vanilla_tis_function": "tis",
@@ -55,6 +61,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "AlgorithmConfig",
+    "OPDConfig",
+    "apply_opd_penalty",
     "ESTIMATORS",
     "KL_TYPES",
     "LOSSES",
@@ -62,14 +70,18 @@ __all__ = [
     "approx_kl",
     "broadcast_advantages",
     "check",
+    "check_opd",
     "cispo_loss",
     "clip_high",
     "compute_advantages",
+    "finish_advantages",
     "group_normalize",
     "icepop_function",
     "load_tis_function",
     "loss_function",
     "masked_whiten",
+    "opd_loss",
+    "opd_signal",
     "per_sample_mean",
     "policy_loss",
     "postprocess_rewards",

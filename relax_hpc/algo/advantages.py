@@ -9,8 +9,10 @@ the exchange carries the raw reward R and a reward that a later role adds can ta
   consecutive samples, then, unless ``disable_grpo_std_normalization`` (Dr.GRPO), divide by that group's
   unbiased std + 1e-6.
 - :func:`broadcast_advantages`: A_{i,t} = R̃_i on every response token (0 where the loss
-  mask is 0), then, if ``normalize_advantages``, whiten A over all valid tokens (of the data-parallel
-  group when a process group is given).
+  mask is 0), then :func:`finish_advantages`: with on-policy distillation (``opd:``) the OPD penalty
+  A_t ← A_t − opd.kl_coef·D_t (:func:`relax_hpc.algo.opd.apply_opd_penalty`; with ``opd.only_reward`` the
+  task advantages are 0 first), then, if ``normalize_advantages``, whiten A over all valid tokens (of the
+  data-parallel group when a process group is given). Relax's order: estimator, OPD, whitening.
 - :func:`compute_advantages` does both, from raw rewards: the one-call form for tests and local runs.
 
 All take rewards as a 1-D tensor of ``num_groups * n_samples_per_prompt`` samples, the samples of one
@@ -25,7 +27,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from relax_hpc.algo.config import ESTIMATORS, AlgorithmConfig
+from relax_hpc.algo.config import ESTIMATORS, AlgorithmConfig, OPDConfig
+from relax_hpc.algo.opd import apply_opd_penalty
 
 REWARD_STD_EPS = 1e-6
 WHITEN_EPS = 1e-8
@@ -122,9 +125,27 @@ def broadcast_advantages(
         raise ValueError(f"loss_mask must be [B, T] with B = {rewards.numel()} rewards, got {tuple(loss_mask.shape)}")
     zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
     adv = torch.where(mask, rewards[:, None].expand(mask.shape), zero)
+    return finish_advantages(cfg, adv, mask, process_group=process_group)[0]
+
+
+def finish_advantages(
+    cfg: AlgorithmConfig, advantages: torch.Tensor, loss_mask: torch.Tensor, *, opd: OPDConfig | None = None,
+    student_log_probs: torch.Tensor | None = None, teacher_log_probs: torch.Tensor | None = None,
+    student_topk: torch.Tensor | None = None, teacher_topk: torch.Tensor | None = None,
+    topk_mask: torch.Tensor | None = None, process_group=None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(A, metrics) from the estimator's per-token advantages (R̃ on the loss tokens), in Relax's order: the OPD
+    penalty when ``opd`` is on (:func:`relax_hpc.algo.opd.apply_opd_penalty`: ``student_log_probs`` the rollout
+    engine's, ``teacher_log_probs`` the teacher's, same shape; its ``opd/*`` metrics), then whitening with
+    ``normalize_advantages``. Any shape: ``[B, T]``, or one flat tensor over a ragged layout."""
+    metrics: dict[str, float] = {}
+    if opd is not None and opd.enabled:
+        advantages, metrics = apply_opd_penalty(opd, advantages, loss_mask, student_log_probs, teacher_log_probs,
+                                                student_topk=student_topk, teacher_topk=teacher_topk,
+                                                topk_mask=topk_mask)
     if cfg.normalize_advantages:
-        adv = masked_whiten(adv, mask, process_group=process_group)
-    return adv
+        advantages = masked_whiten(advantages, loss_mask, process_group=process_group)
+    return advantages, metrics
 
 
 def compute_advantages(

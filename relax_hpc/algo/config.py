@@ -3,8 +3,11 @@
 Keys are Relax's command-line flags with the leading dashes dropped and ``-`` turned into ``_``
 (``--eps-clip-high`` → ``eps_clip_high``), with Relax's defaults, so a Relax user's numbers carry over
 unchanged (see ``reference/relax-inventory.md`` §4 and §10). Only the flags that change what
-:mod:`relax_hpc.algo` computes are here; flags of features relax_hpc does not have (critic/PPO, OPD,
-routing replay) are left out so that setting them is an "unknown key" error instead of a silent no-op.
+:mod:`relax_hpc.algo` computes are here; flags of features relax_hpc does not have (critic/PPO, routing
+replay) are left out so that setting them is an "unknown key" error instead of a silent no-op.
+
+:class:`OPDConfig` is the recipe's top-level ``opd:`` section (on-policy distillation, Relax's ``--opd-*`` flags;
+the formulas are in :mod:`relax_hpc.algo.opd`), and :func:`check_opd` its meaning checks.
 
 Pure Python on purpose: the recipe validator imports this on the login node. Field types stay within
 what :mod:`relax_hpc.recipe.validate` understands.
@@ -12,6 +15,7 @@ what :mod:`relax_hpc.recipe.validate` understands.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -134,3 +138,113 @@ def _plugin_form(key: str, value: str | None) -> list[tuple[str, object, str]]:
     except PluginError as e:
         return [(key, value, e.message)]
     return []
+
+
+# --------------------------------------------------------------------------------------------------
+# opd: on-policy distillation (Relax's --opd-* flags, relax/utils/opd/opd_utils.py)
+# --------------------------------------------------------------------------------------------------
+
+OpdKlType = Literal["reverse_kl", "low_var_kl", "forward_kl", "jsd"]
+OPD_KL_TYPES: tuple[str, ...] = get_args(OpdKlType)
+"""Per-token OPD divergences (Relax's ``OPD_KL_TYPES``); forward_kl and jsd need top-k log-probs of both models."""
+
+OpdTokenSelection = Literal["student_sampled", "student_topk", "teacher_topk"]
+OPD_TOKEN_SELECTIONS: tuple[str, ...] = get_args(OpdTokenSelection)
+"""Which tokens the divergence is over (Relax's ``--opd-token-selection``; its ``union`` is not here)."""
+
+OPD_SAMPLED_KL_TYPES = ("reverse_kl", "low_var_kl")
+"""The estimators that need only the sampled token's log-probs (Relax refuses the others with student_sampled)."""
+
+_HTTP_URL = re.compile(r"https?://[^\s/?#]+[^\s]*")
+
+
+@dataclass
+class OPDConfig:
+    """On-policy distillation: the student samples, a teacher scores the student's own tokens, and the per-token
+    divergence D_t between the two is folded into the advantages (``kl_coef``) or added to the loss
+    (``loss_coef``). Writing the section turns it on. Formulas: :mod:`relax_hpc.algo.opd`, docs/distillation.md."""
+
+    enabled: bool = True  # the section turns OPD on; false keeps it written but off (Relax --use-opd)
+    teacher_url: str | None = None  # the teacher SGLang server's /generate endpoint, http(s)://... (--opd-teacher-url)
+    teacher_timeout_s: float = 30.0  # one teacher request (--opd-teacher-timeout-s)
+    # the run's own teacher engines (roles.teacher) serve this HF directory (--teacher-hf-checkpoint); None: teacher_url
+    teacher_model_path: str | None = None
+    # exactly one of the two is non-zero (Relax's rule)
+    kl_coef: float = 1.0  # advantage form: A_t ← A_t − kl_coef·D_t, after group normalization (--opd-kl-coef)
+    loss_coef: float = 0.0  # loss form: loss ← loss + loss_coef·D̄, D with gradient through log π_θ (--opd-loss-coef)
+    only_reward: bool = False  # OPD is the only signal: the task reward's advantages are set to 0 (--opd-only-reward)
+    kl_type: OpdKlType = "reverse_kl"  # the per-token divergence D_t (--opd-kl-type)
+    jsd_alpha: float = 0.5  # kl_type jsd: the teacher's mixture weight; 0 = reverse KL, 1 = forward (--opd-jsd-alpha)
+    norm_mode: Literal["tail", "norm", "trunc"] = "tail"  # top-k: the mass outside the k tokens (--opd-norm-mode)
+    token_selection: OpdTokenSelection = "student_sampled"  # tokens D is over (--opd-token-selection)
+    log_prob_top_k: int = 0  # k of the top-k log-probs; > 0 only with a top-k token_selection (--opd-log-prob-top-k)
+    per_token_clip: float | None = None  # D_t ← min(D_t, per_token_clip) in both forms (--opd-per-token-clip)
+    is_clip: float | None = None  # loss form: D_t × min(π_θ/π_old, is_clip), the ratio detached (--opd-is-clip)
+    log_prob_min_clamp: float | None = None  # both log-probs clamped below at this before D (--opd-log-prob-min-clamp)
+
+
+def check_opd(cfg: OPDConfig) -> list[tuple[str, object, str]]:
+    """Meaning checks of the ``opd:`` section: (key, value, "problem. Fix: ...") for every bad value; the recipe
+    validator prefixes the keys with ``opd.``. A section with ``enabled: false`` is not checked (it is off)."""
+    if not cfg.enabled:
+        return []
+    out: list[tuple[str, object, str]] = []
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            out.append((key, getattr(cfg, key), msg))
+
+    if cfg.teacher_url is None:
+        out.append(("teacher_url", None, "is required: the teacher scores the student's tokens there (Relax "
+                    "--opd-teacher-url). Fix: the teacher SGLang server's /generate endpoint, e.g. "
+                    "'http://teacher-host:30000/generate'"))
+    else:
+        need(bool(_HTTP_URL.fullmatch(cfg.teacher_url)), "teacher_url",
+             "is not an http(s) URL. Fix: the teacher SGLang server's /generate endpoint, e.g. "
+             "'http://teacher-host:30000/generate'")
+    need(cfg.teacher_timeout_s > 0, "teacher_timeout_s", "must be more than 0 seconds. Fix: e.g. 30")
+    kl_on, loss_on = cfg.kl_coef != 0, cfg.loss_coef != 0
+    if kl_on == loss_on:  # Relax: exactly one of --opd-kl-coef / --opd-loss-coef is non-zero
+        key = "loss_coef" if kl_on else "kl_coef"
+        out.append((key, getattr(cfg, key),
+                    f"exactly one of opd.kl_coef and opd.loss_coef must be non-zero (got kl_coef = {cfg.kl_coef}, "
+                    f"loss_coef = {cfg.loss_coef}). Fix: kl_coef: X with loss_coef: 0 (advantage form, the default), "
+                    "or kl_coef: 0 with loss_coef: X (loss form)"))
+    need(cfg.kl_coef >= 0, "kl_coef", "must be 0 or more (a negative weight pushes the student away from the "
+         "teacher). Fix: e.g. 1.0")
+    need(cfg.loss_coef >= 0, "loss_coef", "must be 0 or more (a negative weight pushes the student away from the "
+         "teacher). Fix: e.g. 1.0")
+    need(cfg.kl_type in OPD_KL_TYPES, "kl_type", f"is not an OPD divergence. Fix: one of {', '.join(OPD_KL_TYPES)}")
+    need(cfg.token_selection in OPD_TOKEN_SELECTIONS, "token_selection",
+         f"is not a token selection here. Fix: one of {', '.join(OPD_TOKEN_SELECTIONS)}")
+    sampled = cfg.token_selection == "student_sampled"
+    need(not sampled or cfg.kl_type in OPD_SAMPLED_KL_TYPES, "kl_type",
+         f"needs the top-k log-probs of both models, and with token_selection student_sampled only the sampled "
+         f"token's are known (a divergence over one token is not a {cfg.kl_type}; Relax refuses it too). Fix: "
+         "kl_type: reverse_kl (or low_var_kl), or token_selection: student_topk with log_prob_top_k > 0")
+    need(cfg.log_prob_top_k >= 0, "log_prob_top_k", "must be 0 or more. Fix: 0 (sampled tokens) or e.g. 16")
+    if sampled:
+        need(cfg.log_prob_top_k == 0, "log_prob_top_k",
+             "does nothing with token_selection student_sampled (Relax collects top-k there for overlap metrics "
+             "only, which relax_hpc does not log). Fix: remove it, or set token_selection: student_topk")
+    else:
+        need(cfg.log_prob_top_k > 0, "log_prob_top_k",
+             f"must be more than 0 with token_selection {cfg.token_selection} (Relax's rule: the divergence is "
+             "over the top-k tokens). Fix: e.g. 16")
+    need(0.0 <= cfg.jsd_alpha <= 1.0, "jsd_alpha", "must be between 0 and 1. Fix: e.g. 0.5")
+    need(cfg.jsd_alpha == 0.5 or cfg.kl_type == "jsd", "jsd_alpha",
+         f"is used only with kl_type jsd (kl_type is {cfg.kl_type}). Fix: remove it, or set kl_type: jsd")
+    need(cfg.norm_mode == "tail" or not sampled, "norm_mode",
+         "is used only over top-k tokens (token_selection student_topk or teacher_topk). Fix: remove it")
+    if cfg.per_token_clip is not None:
+        need(cfg.per_token_clip > 0, "per_token_clip", "must be more than 0, or null for no clip. Fix: e.g. 5.0")
+    if cfg.is_clip is not None:
+        need(cfg.is_clip > 0, "is_clip", "must be more than 0, or null for no clip. Fix: e.g. 2.0")
+        need(loss_on, "is_clip",
+             "acts only in the loss form (opd.loss_coef non-zero): the advantage form's D is data, with no "
+             "importance ratio to clip (Relax ignores it there). Fix: remove it, or use loss_coef")
+    if cfg.log_prob_min_clamp is not None:
+        need(cfg.log_prob_min_clamp < 0, "log_prob_min_clamp",
+             "must be below 0 (log-probs are at most 0: a clamp at 0 or above makes every D_t zero). "
+             "Fix: e.g. -20, or null for none")
+    return out

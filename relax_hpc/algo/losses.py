@@ -22,7 +22,9 @@ TIS multiplies by the truncated π_old/π_roll (:mod:`relax_hpc.algo.tis`; with 
 with ``get_mismatch_metrics`` and a ``custom_tis_function_path``: L ← L·w and the function's mask becomes
 the reduction mask); the result is reduced (:mod:`relax_hpc.algo.reductions`: mean over samples of each
 sample's token-mean, or a token mean with ``calculate_per_token_loss``).
-loss = pg_loss − entropy_coef·H̄ [+ kl_loss_coef·KL̄(π_θ ‖ π_ref)].
+loss = pg_loss − entropy_coef·H̄ [+ kl_loss_coef·KL̄(π_θ ‖ π_ref)] [+ opd.loss_coef·D̄], the last the loss form of
+on-policy distillation (:func:`relax_hpc.algo.opd.opd_loss`: D_t between π_θ and the teacher, reduced like the
+pg loss over the loss mask).
 
 The reduction is over the samples of *this call*: to reproduce Relax's global-batch mean when a global
 batch is split into micro-batches, the trainer weights each call's loss by B_micro / B_global (or by the
@@ -46,8 +48,9 @@ from typing import Callable
 
 import torch
 
-from relax_hpc.algo.config import PLUGIN_CALLS, AlgorithmConfig, clip_high
+from relax_hpc.algo.config import PLUGIN_CALLS, AlgorithmConfig, OPDConfig, clip_high
 from relax_hpc.algo.kl import approx_kl
+from relax_hpc.algo.opd import opd_loss
 from relax_hpc.algo.reductions import reduce
 from relax_hpc.algo.tis import load_tis_function, weights_the_loss
 from relax_hpc.plugins import load_plugin
@@ -116,7 +119,8 @@ class LossInputs:
     ``log_probs`` (π_θ) and ``entropy`` carry this forward's gradient; the rest are data (detached).
     ``old_log_probs`` is π_old: the trainer's recompute, or the rollout engine's log-probs with
     ``use_rollout_logprobs``. ``ref_log_probs`` is there with a reference role, ``rollout_log_probs`` when the
-    engine returned them, ``entropy`` when the trainer computed it.
+    engine returned them, ``entropy`` when the trainer computed it, ``teacher_log_probs`` (the OPD teacher's log-probs
+    of the sampled tokens) with on-policy distillation.
     """
 
     log_probs: torch.Tensor
@@ -126,6 +130,7 @@ class LossInputs:
     ref_log_probs: torch.Tensor | None = None
     rollout_log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    teacher_log_probs: torch.Tensor | None = None
 
     @property
     def valid(self) -> torch.Tensor:
@@ -143,7 +148,7 @@ LOSSES: dict[str, LossFn] = {}
 """Built-in policy losses by ``advantage_estimator`` name."""
 
 _RESERVED = ("loss", "pg_loss", "entropy_loss", "kl_loss", "ois", "opsm_clipfrac", "train_rollout_logprob_abs_diff",
-             "train_rollout_prob_abs_diff")
+             "train_rollout_prob_abs_diff", "opd_loss", "opd_per_token_clip_frac", "opd_is_clip_frac")
 """Metric names :func:`policy_loss` reports itself, which a loss must not return."""
 
 
@@ -262,6 +267,11 @@ def policy_loss(
     ref_log_probs: torch.Tensor | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    opd: OPDConfig | None = None,
+    teacher_log_probs: torch.Tensor | None = None,
+    student_topk_log_probs: torch.Tensor | None = None,
+    teacher_topk_log_probs: torch.Tensor | None = None,
+    topk_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Scalar loss to backprop and detached scalar metrics, for one batch of ``[B, T]`` tensors.
 
@@ -270,15 +280,19 @@ def policy_loss(
     ``rollout_log_probs`` (π_roll, needed with use_tis / get_mismatch_metrics / use_rollout_logprobs)
     and ``advantages`` (per token) are data and are not differentiated. With ``use_rollout_logprobs``
     π_old is ``rollout_log_probs`` and ``old_log_probs`` may be None. Values at masked positions are
-    ignored, whatever they are.
+    ignored, whatever they are. ``opd`` (the recipe's ``opd:`` section) with a non-zero ``loss_coef`` adds the OPD
+    loss: ``teacher_log_probs`` ``[B, T]`` (data), or with a top-k ``token_selection`` ``student_topk_log_probs``
+    (this forward's, with grad) and ``teacher_topk_log_probs`` ``[B, T, K]`` and ``topk_mask``.
 
     Metrics (Relax's names): loss, pg_loss, pg_clipfrac, ppo_kl; entropy_loss when entropy is given;
     kl_loss with use_kl_loss; tis, tis_clipfrac, tis_abs, ois with use_tis or get_mismatch_metrics;
     opsm_clipfrac with use_opsm; train_rollout_logprob_abs_diff, train_rollout_prob_abs_diff whenever
-    rollout_log_probs is given; a custom loss's own metrics.
+    rollout_log_probs is given; opd_loss (+ opd_per_token_clip_frac, opd_is_clip_frac) with the OPD loss form;
+    a custom loss's own metrics.
     """
     batch, train_side = _inputs(cfg, log_probs, old_log_probs, advantages, loss_mask,
-                                ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs, entropy=entropy)
+                                ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs, entropy=entropy,
+                                teacher_log_probs=teacher_log_probs)
     per_token = cfg.calculate_per_token_loss
     pg, loss_metrics = run_loss(cfg, batch)
     ppo_kl = loss_metrics.pop("ppo_kl", None)
@@ -299,6 +313,7 @@ def policy_loss(
 
     loss = _entropy_term(cfg, batch, loss, reduce_mask, metrics)
     loss = _kl_term(cfg, batch, loss, reduce_mask, metrics)
+    loss = _opd_term(cfg, opd, batch, loss, metrics, student_topk_log_probs, teacher_topk_log_probs, topk_mask)
     _mismatch_diffs(cfg, batch, train_side, metrics)
     metrics["loss"] = loss
     return loss, {k: v.detach() for k, v in metrics.items()}
@@ -306,7 +321,8 @@ def policy_loss(
 
 def _inputs(cfg: AlgorithmConfig, log_probs: torch.Tensor, old_log_probs: torch.Tensor | None,
             advantages: torch.Tensor, loss_mask: torch.Tensor, *, ref_log_probs: torch.Tensor | None,
-            rollout_log_probs: torch.Tensor | None, entropy: torch.Tensor | None) -> tuple[LossInputs, torch.Tensor]:
+            rollout_log_probs: torch.Tensor | None, entropy: torch.Tensor | None,
+            teacher_log_probs: torch.Tensor | None = None) -> tuple[LossInputs, torch.Tensor]:
     """The :class:`LossInputs` (shapes checked, one dtype, masked positions zeroed, data detached) and the
     training side of the train/rollout mismatch: π_old, or with rollout log-probs as π_old the recompute if
     one was given, else this forward."""
@@ -341,7 +357,8 @@ def _inputs(cfg: AlgorithmConfig, log_probs: torch.Tensor, old_log_probs: torch.
         if given_old is None:
             raise ValueError("old_log_probs is None (only allowed with use_rollout_logprobs)")
         old = given_old
-    batch = LossInputs(lp, old, adv, valid.to(dtype), ref_log_probs=ref, rollout_log_probs=rollout, entropy=ent)
+    batch = LossInputs(lp, old, adv, valid.to(dtype), ref_log_probs=ref, rollout_log_probs=rollout, entropy=ent,
+                       teacher_log_probs=take("teacher_log_probs", teacher_log_probs))
     train_side = old if not cfg.use_rollout_logprobs else (given_old if given_old is not None else lp.detach())
     return batch, train_side
 
@@ -404,6 +421,21 @@ def _kl_term(cfg: AlgorithmConfig, batch: LossInputs, loss: torch.Tensor, reduce
     kl_loss = reduce(kl, reduce_mask, cfg.calculate_per_token_loss)
     metrics["kl_loss"] = kl_loss
     return loss + cfg.kl_loss_coef * kl_loss
+
+
+def _opd_term(cfg: AlgorithmConfig, opd: OPDConfig | None, batch: LossInputs, loss: torch.Tensor, metrics: dict,
+              student_topk: torch.Tensor | None, teacher_topk: torch.Tensor | None,
+              topk_mask: torch.Tensor | None) -> torch.Tensor:
+    """loss + opd.loss_coef·D̄ (on-policy distillation's loss form), D̄ reduced over the loss mask like the pg loss."""
+    if opd is None or not opd.enabled or opd.loss_coef == 0:
+        return loss
+    if opd.token_selection == "student_sampled" and batch.teacher_log_probs is None:
+        raise ValueError("opd.loss_coef is non-zero but no teacher_log_probs were given")
+    term, opd_metrics = opd_loss(opd, batch.log_probs, batch.old_log_probs, batch.loss_mask,
+                                 teacher_log_probs=batch.teacher_log_probs, per_token=cfg.calculate_per_token_loss,
+                                 student_topk=student_topk, teacher_topk=teacher_topk, topk_mask=topk_mask)
+    metrics.update(opd_metrics)
+    return loss + term
 
 
 def _mismatch_diffs(cfg: AlgorithmConfig, batch: LossInputs, train_side: torch.Tensor, metrics: dict) -> None:

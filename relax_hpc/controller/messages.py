@@ -223,7 +223,7 @@ class TaskMessage(Message):
 @dataclass(frozen=True, kw_only=True)
 class StartEnginesTask(TaskMessage):
     """rollout: report the data cursor (its engines are job steps of their own, which join by themselves);
-    genrm: report the judge engines (no cursor)."""
+    genrm / teacher: report the judge / teacher engines (no cursor)."""
 
     kind: ClassVar[str] = "start_engines"
 
@@ -250,6 +250,8 @@ class GenerateTask(TaskMessage):
     seq: int  # the producer's chunk sequence number (the broker's next_seq)
     data_state: dict | None  # the rollout state (cursor, buffer ref) after step−1; None: where the data source stands
     judges: dict[str, str] = field(default_factory=dict)  # the genrm role's engines {name: url}, if it runs
+    # OPD (opd:): the teacher role's engines {name: url}, or {"opd.teacher_url": url} (an external teacher)
+    teachers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -349,7 +351,7 @@ class TaskError(ResultMessage):
 @dataclass(frozen=True, kw_only=True)
 class StartEnginesResult(ResultMessage):
     kind: ClassVar[str] = "start_engines"
-    engines: dict[str, str]  # genrm: {"judge<rank>": url}; rollout: none
+    engines: dict[str, str]  # genrm: {"judge<rank>": url}; teacher: {"teacher<rank>": url}; rollout: none
     pids: dict[str, int] = field(default_factory=dict)  # by engine name
     nodes: dict[str, str] = field(default_factory=dict)  # by engine name
     data_state: dict | None = None  # the rollout state at the start (a fresh run's step 1 starts from it)

@@ -18,6 +18,9 @@ idle role does next in one place, :meth:`TrainingLoop._pump`:
   after the last.
 - genrm (``roles.genrm``): ``start_engines`` only; its judges' URLs go with every ``generate`` and ``eval``, and
   rollout starts none before they are known.
+- teacher (``roles.teacher``, on-policy distillation): likewise, ``start_engines`` only; its engines' URLs (or
+  ``opd.teacher_url``, an external teacher) go with every ``generate`` as ``teachers``, and with ``opd:`` the
+  train task reads ``teacher_log_probs`` from every chunk (the rollout writes them).
 - eval (``rollout.eval_interval``; Relax's schedule): ``eval(N)`` goes to rollout once ``sync(N)`` is done, after
   every ``eval_interval``-th step and after the last, and ``eval(0)`` before training unless
   ``rollout.skip_eval_before_train``. Rollout does it before its next ``generate`` (it is idle then in
@@ -97,20 +100,24 @@ from relax_hpc.exchange.broker import Broker
 from relax_hpc.exchange.chunk import ChunkRef
 from relax_hpc.exchange.fields import LOGPROB_FIELDS, PRODUCER, task_fields
 from relax_hpc.ops.metrics import REWARD, RunMetrics
-from relax_hpc.recipe import Recipe, initial_engines
+from relax_hpc.recipe import Recipe, initial_engines, recipe_to_dict
 from relax_hpc.rundir import RunDir
 
 log = logging.getLogger("relax_hpc.controller")
 
 
 MAX_REGENERATIONS = 3  # lives of one step voided for damaged chunks before the run fails
+# the roles whose ranks each serve one frozen engine (never synced) -> the Readiness field and state.json key of
+# their engines' URLs, which rollout gets with its tasks
+FROZEN_ROLES = {"genrm": "judges", "teacher": "teachers"}
 
 
 @dataclass
 class Readiness:
-    """What the loop waits for before its first step (the engines up, rollout's cursor, the judges and followers
-    known, the actor connected), and the engines' last catch-up sync."""
+    """What the loop waits for before its first step (the engines up, rollout's cursor, the judges, teachers and
+    followers known, the actor connected), and the engines' last catch-up sync."""
     judges: dict[str, str] | None  # the GenRM judges (roles.genrm): rollout gets them with every generate and eval
+    teachers: dict[str, str] | None  # the OPD teachers (roles.teacher or opd.teacher_url): with every generate
     followers: dict[str, str] | None  # forward roles in the weight-sync group (actor_fwd): {role: url}
     engines_started: bool = False  # the run's own engine steps (started at the first tick)
     cursor_known: bool = False  # rollout reported its data cursor (start_engines)
@@ -138,13 +145,16 @@ class TrainingLoop:
         self.recipe, self.run, self.state = recipe, run, state
         self.fwd = _forward_roles(recipe)  # the forward roles with work to do -> the step whose weights each holds
         self.fixed = FixedStaleness.of(recipe)  # staleness_mode fixed (None: not in effect)
-        self.broker = Broker(run.path / "exchange", tasks=_consumers(self.fwd),
+        self.broker = Broker(run.path / "exchange", tasks=_consumers(self.fwd, _opd(recipe)),
                              max_staleness=recipe.max_staleness if recipe.mode == "fully_async" else 0)
         self.resume = plan_resume(run.path, self.broker, state, fixed=self.fixed is not None,
                                   max_staleness=recipe.max_staleness, total=self.total)
         self.resume.rewind(self.broker)
         self.metrics = RunMetrics(run.path, recipe.logging.tensorboard, start_step=self.resume.step,
-                                  started=state.doc.get("started_at"))
+                                  started=state.doc.get("started_at"), wandb=recipe.logging.wandb, run_name=run.name,
+                                  config=recipe_to_dict(recipe) if recipe.logging.wandb else None)
+        if self.metrics.wandb_error:
+            state.event("wandb_off", f"{self.metrics.wandb_error}; TensorBoard and metrics.jsonl have every metric")
         self.tasks, self.rows, self.gen = Dispatcher(channel), StepRows(), Generation.of(self.resume)
         self.step, self.last_ckpt_step = self.resume.step, self.resume.checkpoint  # synced steps; the last checkpoint
         self.started = False  # engines up, weights connected (and resynced on a resume)
@@ -153,6 +163,7 @@ class TrainingLoop:
         self.held_sync: int | None = None  # a trained step whose sync waits (an earlier step's eval; fixed: rollout)
         self.stop, self.paused = Stop(), False  # paused: RUN_DIR/pause seen (see _paused)
         self.boot = Readiness(judges=None if recipe.roles.genrm.enabled else {},
+                              teachers=None if recipe.roles.teacher.enabled else _external_teachers(recipe),
                               followers=None if "actor_fwd" in self.fwd else {})
         self.elastic = Elastic(recipe, run, EngineRegistry(), state, channel, executor, holds=self.tasks.holds,
                                on_change=self._engines_changed, assign=channel.assign, capacity=capacity)
@@ -172,7 +183,8 @@ class TrainingLoop:
     @property
     def roles(self) -> list[str]:
         """The roles told to stop at the end: enabled forward roles serve tasks until then, work or not."""
-        return ["rollout", "actor"] + [r for r in ("reference", "actor_fwd", "genrm") if self.recipe.role(r).enabled]
+        return ["rollout", "actor"] + [r for r in ("reference", "actor_fwd", *FROZEN_ROLES)
+                                       if self.recipe.role(r).enabled]
 
     @property
     def outcome(self) -> str | None:
@@ -183,8 +195,8 @@ class TrainingLoop:
         return self.stop.request
 
     def _begin(self) -> None:
-        """The attempt's first tasks: the kept steps (fixed) and an owed eval taken in, rollout's (and the judges')
-        engines, the forward roles' weights."""
+        """The attempt's first tasks: the kept steps (fixed) and an owed eval taken in, rollout's (and the judges' and
+        teachers') engines, the forward roles' weights."""
         k, path = self.resume.step, self.resume.path
         if self.fixed:
             self.fixed.unfixed_upto = self.resume.unfixed_upto
@@ -197,8 +209,11 @@ class TrainingLoop:
         self.state.progress(step=k, generated=self.gen.generated, phase="starting engines", reward=None, engines={},
                             mode=self.recipe.mode)
         self._assign("rollout", k, M.StartEnginesTask())  # generate(n) carries the cursor (the one after n-1)
-        if self.boot.judges is None:
-            self._assign("genrm", k, M.StartEnginesTask())
+        for role, key in FROZEN_ROLES.items():  # the judges' and teachers' engines (an external teacher: its URL)
+            if getattr(self.boot, key) is None:
+                self._assign(role, k, M.StartEnginesTask())
+            elif getattr(self.boot, key):
+                self._frozen_known(key, getattr(self.boot, key))
         for r in self.fwd:  # a resumed actor_fwd follows the checkpoint; a refreshed reference too (the latest)
             if path and (r == "actor_fwd" or self.recipe.algorithm.ref_update_interval):
                 self._assign(r, k, M.LoadTask(path=path))
@@ -248,7 +263,8 @@ class TrainingLoop:
 
     def _pump(self) -> None:
         """Give each idle role its next task (the one place that decides)."""
-        if not self.started or self.boot.judges is None or self.stop.outcome is not None or not self.state.running:
+        if (not self.started or self.boot.judges is None or self.boot.teachers is None or self.stop.outcome is not None
+                or not self.state.running):
             return
         if self._idle("actor") and self.held_sync is None:  # a held sync: the actor's step is not done yet
             if self.stop.request is not None:
@@ -315,7 +331,8 @@ class TrainingLoop:
                 # data_state: the cursor after step n-1, so that step n (also when generated again) gets its prompts
                 self._assign("rollout", n, M.GenerateTask(step=n, engines=engines,
                                                           seq=self.broker.next_seq(PRODUCER),
-                                                          data_state=self.gen.cursor(n), judges=self.boot.judges))
+                                                          data_state=self.gen.cursor(n), judges=self.boot.judges,
+                                                          teachers=self.boot.teachers))
 
     def _train(self, n: int) -> None:
         lease = self._lease("train", n, holder="actor")
@@ -523,16 +540,22 @@ class TrainingLoop:
         return nodes[0]
 
     def _start_engines_done(self, task: Task, res: M.StartEnginesResult) -> None:
-        if task.role == "genrm":  # judges: frozen, no weight sync; rollout gets them with its tasks
-            self.boot.judges = dict(res.engines)
-            log.info("genrm judges: %s", ", ".join(f"{n} {u}" for n, u in self.boot.judges.items()))
-            self.state.progress(judges={n: {"url": u, "pid": res.pids.get(n), "node": res.nodes.get(n)}
-                                        for n, u in self.boot.judges.items()})
+        if task.role in FROZEN_ROLES:  # judges, teachers: frozen, no weight sync; rollout gets them with its tasks
+            key = FROZEN_ROLES[task.role]
+            setattr(self.boot, key, dict(res.engines))
+            self._frozen_known(key, res.engines, res.pids, res.nodes)
             return
         if self.gen.data.get(self.step) is None and res.data_state:  # the cursor step k+1 starts from
             self.gen.data[self.step] = res.data_state
         self.boot.cursor_known = True  # the engines are the controller's steps (they join on their own)
         self._connect()
+
+    def _frozen_known(self, key: str, engines: dict[str, str], pids: dict[str, int] | None = None,
+                      nodes: dict[str, str] | None = None) -> None:
+        """The judges' or teachers' engines into the log and ``state.json`` (``judges`` / ``teachers``)."""
+        log.info("%s: %s", key, ", ".join(f"{n} {u}" for n, u in engines.items()))
+        self.state.progress(**{key: {n: {"url": u, "pid": (pids or {}).get(n), "node": (nodes or {}).get(n)}
+                                     for n, u in engines.items()}})
 
     def _follow_done(self, task: Task, res: M.FollowResult) -> None:
         self.boot.followers = {task.role: res.url}
@@ -727,9 +750,22 @@ def _forward_roles(recipe: Recipe) -> dict[str, int]:
                                ("actor_fwd", recipe.roles.actor_fwd.enabled)) if on}
 
 
-def _consumers(fwd: dict[str, int]) -> dict[str, tuple[str, ...]]:
-    """What each consuming task reads: train the rollout's fields and the enabled forward roles' side fields."""
-    return {"train": task_fields("train", (PRODUCER, *fwd)), **{r: LOGPROB_FIELDS for r in fwd}}
+def _consumers(fwd: dict[str, int], opd: bool = False) -> dict[str, tuple[str, ...]]:
+    """What each consuming task reads: train the rollout's fields and the enabled forward roles' side fields, and with
+    OPD the teacher's log-probs (so a chunk without them is never trained on)."""
+    train = task_fields("train", (PRODUCER, *fwd)) + (("teacher_log_probs",) if opd else ())
+    return {"train": train, **{r: LOGPROB_FIELDS for r in fwd}}
+
+
+def _opd(recipe: Recipe) -> bool:
+    return recipe.opd is not None and recipe.opd.enabled
+
+
+def _external_teachers(recipe: Recipe) -> dict[str, str]:
+    """The teacher a run without teacher engines asks (``opd.teacher_url``: its ``/generate`` endpoint, given as
+    the engine's URL the client calls ``/generate`` on); none without OPD."""
+    url = recipe.opd.teacher_url if _opd(recipe) else None
+    return {"opd.teacher_url": url.rstrip("/").removesuffix("/generate")} if url else {}
 
 
 def _test_damage(broker: Broker, n: int, refs: list[ChunkRef]) -> None:

@@ -1,6 +1,8 @@
 """The CPU engine's test hook ``RELAX_TEST_ENGINE_BAD_OUTPUT=KIND:N[:CLAIM]``: spoils the engine's first ``N``
 generate answers that have something to spoil, one way (:data:`BAD_OUTPUTS`). See
-:mod:`relax_hpc.engines.cpu_engine` for the kinds."""
+:mod:`relax_hpc.engines.cpu_engine` for the kinds. A scoring answer (no output, ``input_token_logprobs``) has
+something to spoil for ``nan_logprobs`` and ``positive_logprobs``: its first input log-prob (row 1; row 0 is
+SGLang's null pad)."""
 
 from __future__ import annotations
 
@@ -36,14 +38,19 @@ class BadOutput:
     def spoil(self, out: dict) -> None:
         meta = out["meta_info"]
         rows = meta.get("output_token_logprobs")
-        if not out["output_ids"] or (meta["finish_reason"] or {}).get("type") == "abort" \
-                or (not rows and self.kind.endswith("logprobs")):
+        inputs = meta.get("input_token_logprobs")
+        scoring = not out["output_ids"] and inputs is not None and len(inputs) > 1 \
+            and self.kind in ("nan_logprobs", "positive_logprobs")
+        if not scoring and (not out["output_ids"] or (meta["finish_reason"] or {}).get("type") == "abort"
+                            or (not rows and self.kind.endswith("logprobs"))):
             return  # nothing of that kind to spoil here: the next answer
         with self.lock:
             if self.left <= 0:
                 return
             self.left -= 1
-        if self.kind in ("nan_logprobs", "positive_logprobs"):
+        if scoring:
+            inputs[1][0] = float("nan") if self.kind == "nan_logprobs" else 0.5
+        elif self.kind in ("nan_logprobs", "positive_logprobs"):
             rows[0][0] = float("nan") if self.kind == "nan_logprobs" else 0.5  # json.dumps writes NaN
         elif self.kind == "no_logprobs":
             del meta["output_token_logprobs"]

@@ -23,7 +23,10 @@ Failure policy (why it is shaped this way):
   0 and within float32 (the exchange's column), one per output token and present when asked for; token ids in
   ``[0, vocab_size)``; ``completion_tokens`` equal to the tokens sent; no empty output but an abort or a
   ``max_new_tokens`` of 0. An answer that fails is an :class:`EngineOutputError`: the engine is broken (bad
-  weights, a faulty kernel, the wrong model), so the driver declares it dead instead of training on its output.
+  weights, a faulty kernel, the wrong model), so the driver declares it dead instead of training on its output;
+* a scoring request (:meth:`EngineClient.ainput_logprobs`: ``max_new_tokens`` 0, ``logprob_start_len``, the
+  teacher's request in on-policy distillation) is checked alike (:func:`parse_input_logprobs`): shapes and ids
+  raise, a bad log-prob value is reported per prompt (:attr:`InputLogprobs.problem`).
 
 Typical use::
 
@@ -247,6 +250,101 @@ def parse_generation(engine_url: str, obj: Any, *, return_logprob: bool | None =
     if problem is not None:
         raise EngineOutputError(engine_url, problem)
     return gen
+
+
+@dataclass
+class InputLogprobs:
+    """One prompt's answer to a scoring request (:meth:`EngineClient.ainput_logprobs`): SGLang's input log-probs from
+    position ``start`` on. ``logprobs[j]`` is the log-prob of ``token_ids[j] = input_ids[start + j]`` given every
+    token before it, for j >= 1; ``logprobs[0]`` is None (SGLang pads it: the logits before ``start`` are not
+    computed), so the log-probs of ``input_ids[a:]`` are asked with ``start = a - 1`` and read from ``logprobs[1:]``.
+    ``top[j]`` (when ``top_logprobs_num`` was asked; ``top[0]`` None) is ``(log-probs, token ids)`` of the N most
+    likely tokens at that position, largest first. ``problem``: what is wrong with the numbers (a log-prob that is
+    NaN, null, infinite, beyond float32 or above 0), None when they are all good; the caller decides what to do with
+    the prompt (the counts and ids are checked before, :func:`parse_input_logprobs`)."""
+
+    rid: str
+    start: int
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top: list[tuple[list[float], list[int]] | None] | None
+    weight_version: str | None
+    problem: str | None = None
+    meta_info: dict = field(default_factory=dict, repr=False)
+
+
+def _value_problem(lp: Any, what: str) -> str | None:
+    """Why the log-prob ``lp`` cannot be right (as :func:`output_problem` judges output log-probs), or None."""
+    tolerance, largest = _bounds()
+    if lp is None or not isinstance(lp, (int, float)) or not math.isfinite(lp) or abs(lp) > largest:
+        return f"{what} is {lp}: log-probs must be finite (float32, as the exchange stores them)"
+    if lp > tolerance:
+        return f"{what} is {lp} > 0: a log-probability is never positive"
+    return None
+
+
+def parse_input_logprobs(engine_url: str, obj: Any, input_ids: Sequence[int], start: int,
+                         top_logprobs_num: int = 0) -> InputLogprobs:
+    """One SGLang ``/generate`` answer to a scoring request (``max_new_tokens`` 0, ``return_logprob``,
+    ``logprob_start_len`` = ``start``) as :class:`InputLogprobs`.
+
+    SGLang's shape (``scheduler_output_processor_mixin.py`` ``add_input_logprob_return_values``; rows as
+    ``tokenizer_manager.py`` ``detokenize_logprob_tokens`` writes them): ``meta_info.input_token_logprobs`` holds
+    ``len(input_ids) - start`` rows ``[logprob, token_id, text|null]``, the first log-prob always null;
+    ``input_top_logprobs`` as many entries, the first null, each other a list of N such rows. Checked here, raising
+    :class:`EngineOutputError` (the engine is wrong: another may be right): nothing generated, the row count, the
+    first row null, each row's token id the input's, N rows per top-k position. A row reporting id 0 is accepted
+    whatever the input id: SGLang reports ids from ``vocab_size - 1`` up as 0 (it clips image-token hashes).
+    The log-prob values are judged into :attr:`InputLogprobs.problem`, not raised: one bad prompt of a batch must
+    not cost the others their answers. A malformed object is an :class:`EngineError` (retried, engine not blamed)."""
+    call = "/generate"
+    try:
+        meta = obj["meta_info"]
+        out_ids = list(obj.get("output_ids") or [])
+        finish = FinishReason.from_json(meta.get("finish_reason"))
+        rows = meta["input_token_logprobs"]
+        lps = [None if r[0] is None else float(r[0]) for r in rows]
+        ids = [int(r[1]) for r in rows]
+        top = None
+        if top_logprobs_num:
+            top = [None if e is None else ([None if x[0] is None else float(x[0]) for x in e], [int(x[1]) for x in e])
+                   for e in meta["input_top_logprobs"]]
+        rid = str(meta.get("id"))
+        version = None if meta.get("weight_version") is None else str(meta["weight_version"])
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:
+        raise EngineError(engine_url, call, f"malformed scoring response ({type(e).__name__}: {e}): "
+                                            f"{str(obj)[:300]}") from e
+    want = list(input_ids[start:])
+    if out_ids or finish.type == "abort":
+        problem = (f"a scoring request (max_new_tokens 0) was answered with {len(out_ids)} output tokens, finish "
+                   f"reason {finish.type!r}{': ' + str(finish.message) if finish.message else ''}")
+    elif len(ids) != len(want):
+        problem = (f"{len(ids)} input_token_logprobs rows for logprob_start_len {start} of {len(input_ids)} input "
+                   f"tokens: SGLang sends {len(want)} (positions {start}..{len(input_ids) - 1})")
+    elif lps and lps[0] is not None:
+        problem = (f"the first input_token_logprobs row has log-prob {lps[0]}: SGLang's is null (the row before "
+                   "logprob_start_len is not computed), so the rows would be read one position off")
+    elif any(a != b and a != 0 for a, b in zip(ids, want)):
+        j = next(j for j, (a, b) in enumerate(zip(ids, want)) if a != b and a != 0)
+        problem = f"input_token_logprobs row {j} is for token {ids[j]}, but input position {start + j} holds {want[j]}"
+    elif top is not None and (len(top) != len(want) or (top and top[0] is not None)
+                              or any(e is None or len(e[0]) != top_logprobs_num for e in top[1:])):
+        problem = (f"input_top_logprobs is not {len(want)} entries (the first null) of {top_logprobs_num} rows each: "
+                   f"{str(meta.get('input_top_logprobs'))[:200]}")
+    else:
+        problem = None
+    if problem is not None:
+        raise EngineOutputError(engine_url, problem)
+    value = None
+    for j in range(1, len(lps)):
+        value = _value_problem(lps[j], f"the input log-prob of position {start + j} (token {want[j]})")
+        if value is None and top is not None:
+            value = next(filter(None, (_value_problem(v, f"a top log-prob of position {start + j} (token {t})")
+                                       for v, t in zip(*top[j]))), None)
+        if value is not None:
+            break
+    return InputLogprobs(rid=rid, start=start, token_ids=want, logprobs=lps, top=top, weight_version=version,
+                         problem=value, meta_info=meta)
 
 
 def requested_max_new_tokens(sampling_params: Any) -> int | None:
@@ -485,6 +583,45 @@ class EngineClient:
         r = self.request("POST", "/generate", body, timeout=self.generate_timeout if timeout is None else timeout)
         return parse_generation(self.url, self._json("/generate", r), return_logprob=return_logprob,
                                 vocab_size=vocab_size, max_new_tokens=requested_max_new_tokens(body["sampling_params"]))
+
+    @staticmethod
+    def _scoring_payload(prompts: Sequence[Sequence[int]], starts: Sequence[int], top_logprobs_num: int) -> dict:
+        body = {"input_ids": [list(p) for p in prompts],
+                "sampling_params": {"max_new_tokens": 0, "temperature": 0.0, "skip_special_tokens": False},
+                "return_logprob": True, "logprob_start_len": list(starts)}
+        if top_logprobs_num:
+            body["top_logprobs_num"] = int(top_logprobs_num)
+        return body
+
+    async def ainput_logprobs(self, prompts: Sequence[Sequence[int]], logprob_start_len: int | Sequence[int], *,
+                              top_logprobs_num: int = 0, timeout: float | None = None) -> list[InputLogprobs]:
+        """``POST /generate`` scoring ``prompts`` (one request, SGLang's batch form): ``max_new_tokens`` 0,
+        ``return_logprob``, ``logprob_start_len`` (one for all, or one per prompt), and ``top_logprobs_num`` N when
+        > 0; nothing is generated. The engine's log-probs of each prompt's tokens from its start on, as
+        :class:`InputLogprobs` in prompt order (checked: :func:`parse_input_logprobs`). To score a response that
+        follows a prompt of P tokens, ask ``logprob_start_len = P - 1`` and read ``logprobs[1:]`` (Relax's OPD
+        teacher request). ``timeout``: the total deadline, default the client's ``generate_timeout``. Retried as
+        ``/generate`` is (a 5xx, a dropped or failed connection); a 4xx is an :class:`EngineError` with its status."""
+        prompts = [list(p) for p in prompts]
+        starts = [logprob_start_len] * len(prompts) if isinstance(logprob_start_len, int) else list(logprob_start_len)
+        if len(starts) != len(prompts) or not prompts:
+            raise ValueError(f"{len(starts)} logprob_start_len for {len(prompts)} prompts (and at least one prompt)")
+        for p, k in zip(prompts, starts):
+            if not 0 <= k < len(p):
+                raise ValueError(f"logprob_start_len {k} for a prompt of {len(p)} tokens: it must be in [0, {len(p)})")
+        body = self._scoring_payload(prompts, starts, top_logprobs_num)
+        r = await self.arequest("POST", "/generate", body, timeout=self.generate_timeout if timeout is None else timeout)
+        out = self._json("/generate", r)
+        if not isinstance(out, list) or len(out) != len(prompts):
+            raise EngineError(self.url, "/generate", f"malformed scoring response: expected a list of {len(prompts)} "
+                                                      f"answers, got {str(out)[:300]}")
+        return [parse_input_logprobs(self.url, o, p, k, top_logprobs_num) for o, p, k in zip(out, prompts, starts)]
+
+    def input_logprobs(self, prompts: Sequence[Sequence[int]], logprob_start_len: int | Sequence[int], *,
+                       top_logprobs_num: int = 0, timeout: float | None = None) -> list[InputLogprobs]:
+        """Blocking :meth:`ainput_logprobs`."""
+        coro = self.ainput_logprobs(prompts, logprob_start_len, top_logprobs_num=top_logprobs_num, timeout=timeout)
+        return asyncio.run_coroutine_threadsafe(coro, self._sync_loop()).result()
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams | dict | None = None, *,
                        return_logprob: bool = True, timeout: float | None = None) -> list[Generation]:

@@ -18,6 +18,10 @@ Semantics (``docs/engines.md`` has the full list):
 * **Log-probs.** ``output_token_logprobs[i][0]`` is ``log_softmax(raw_logits / T)[token]`` where ``T`` is the
   request temperature (1 for greedy, as SGLang does), taken *before* top-k/top-p filtering: the value a
   trainer recomputes with a teacher-forced forward at the same temperature. Never HF "scores".
+* **Scoring (teacher) requests.** ``logprob_start_len`` K with ``return_logprob`` adds SGLang's
+  ``input_token_logprobs`` (positions K..L-1, the first ``null``) and, with ``top_logprobs_num``,
+  ``input_top_logprobs``: one teacher-forced forward, ``log_softmax`` of the raw logits (no temperature, as SGLang
+  computes input log-probs); with ``max_new_tokens`` 0 nothing is generated (:mod:`~relax_hpc.engines.model_runner`).
 * **Device.** ``--device auto`` puts the model on ``cuda:0`` of the visible GPUs when torch sees one, else on the
   CPU; ``--dtype auto`` is bfloat16 on CUDA, float32 on the CPU. Sampling runs on the CPU either way.
 * **Weights.** ``/init_weights_update_group`` joins a group as rank ``rank_offset`` (TP=1) with the backend asked,
@@ -42,7 +46,7 @@ Semantics (``docs/engines.md`` has the full list):
 Test hook: ``RELAX_TEST_ENGINE_BAD_OUTPUT=KIND:N[:CLAIM]`` spoils the engine's first ``N`` generate answers
 that have something to spoil (tokens, not aborted; log-probs for the log-prob kinds), one way
 (:data:`BAD_OUTPUTS`): ``nan_logprobs``, ``positive_logprobs`` or ``no_logprobs`` (the first token's log-prob
-NaN, +0.5, or none at all), ``token_past_vocab`` (the first token id = ``vocab_size``), ``empty_output`` (no
+NaN, +0.5, or none at all; the first two spoil a scoring answer's first input log-prob too), ``token_past_vocab`` (the first token id = ``vocab_size``), ``empty_output`` (no
 tokens, finish reason kept), ``wrong_count`` (``completion_tokens`` one more). With ``CLAIM`` (a file path) only
 the engine that creates that file first misbehaves: one engine of a run, and not the one started in its place.
 

@@ -6,10 +6,21 @@ answers in SGLang's wire format, the health check, the server/model info and the
 
 The model sits on one device (``cpu`` or ``cuda:N``); the scheduler builds each batch's inputs on the CPU and moves
 them there, and samples on the CPU from float32 logits, so a seeded request draws the same way on either.
+
+**Input log-probs (scoring requests).** ``return_logprob`` with ``logprob_start_len`` K (>= 0) adds SGLang's
+``meta_info.input_token_logprobs``: one ``[logprob, token_id, text|null]`` row per input position K..L-1, the first
+row's log-prob ``null`` (SGLang pads it: the logits before position K are not computed), row j the log-prob of
+``input_ids[K + j]`` given the tokens before it. ``top_logprobs_num`` N adds ``input_top_logprobs`` (``null``, then
+N rows ``[logprob, token_id, text|null]`` per position, largest first) and ``output_top_logprobs`` (``[]``). They
+come from one teacher-forced forward of the whole input (:meth:`CPUEngine.input_logprobs`), ``log_softmax`` of the
+float32 logits **without** the request temperature, as SGLang's logits processor computes input log-probs (its
+``temp_scaled_logprobs`` is off unless patched). ``max_new_tokens`` 0 then generates nothing: ``output_ids`` ``[]``,
+finish reason ``{"type": "length", "length": 0}``, as SGLang's ``FINISH_LENGTH``. A teacher answers these.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import random
@@ -130,8 +141,6 @@ class CPUEngine(WeightReceiver):
     def generate(self, body: dict):
         if body.get("stream"):
             raise HTTPError(400, "stream=true is not supported by the CPU engine")
-        if body.get("top_logprobs_num"):
-            raise HTTPError(400, "top_logprobs_num is not supported by the CPU engine")
         has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
         if has_ids == has_text:
             raise HTTPError(400, "Either text or input_ids should be provided (exactly one).")
@@ -148,9 +157,17 @@ class CPUEngine(WeightReceiver):
             batched = isinstance(ids[0], list)
             prompts = ids if batched else [ids]
         n = len(prompts)
-        sps, rlps, rids = (_per_item(body.get(k), n, k) for k in ("sampling_params", "return_logprob", "rid"))
+        sps, rlps, rids, starts, tops = (_per_item(body.get(k), n, k) for k in (
+            "sampling_params", "return_logprob", "rid", "logprob_start_len", "top_logprobs_num"))
         text_in_lp = bool(body.get("return_text_in_logprobs"))
         reqs = [self._make_req(p, sp or {}, bool(lp), rid) for p, sp, lp, rid in zip(prompts, sps, rlps, rids)]
+        scoring = [_input_request(r, k, t) for r, k, t in zip(reqs, starts, tops)]
+        asked = [(r.input_ids, k, t) for r, (k, t) in zip(reqs, scoring) if k is not None]
+        found = iter(self.input_logprobs(asked) if asked else [])
+        inputs = [next(found) if k is not None else None for k, _ in scoring]
+        for r, inp in zip(reqs, inputs):
+            if inp is not None and r.max_new_tokens == 0:  # answered by that forward: the weights it used
+                r.weight_version = self.weight_version
         todo = [r for r in reqs if not r.done.is_set()]
         self.scheduler.submit(todo)
         for r in reqs:
@@ -158,7 +175,7 @@ class CPUEngine(WeightReceiver):
         errors = [r.error for r in reqs if r.error]
         if errors:
             raise HTTPError(500, f"generation failed: {errors[0]}")
-        outs = [self._response(r, text_in_lp) for r in reqs]
+        outs = [self._response(r, text_in_lp, inp, t) for r, inp, (_, t) in zip(reqs, inputs, scoring)]
         if self.bad_output is not None:
             for o in outs:
                 self.bad_output.spoil(o)
@@ -185,13 +202,21 @@ class CPUEngine(WeightReceiver):
             r.finish_with({"type": "length", "length": 0}, self.weight_version)
         return r
 
-    def _response(self, r: Req, text_in_lp: bool) -> dict:
+    def _response(self, r: Req, text_in_lp: bool, inputs: tuple | None = None, top_n: int = 0) -> dict:
         meta = {"id": r.rid, "finish_reason": r.finish, "prompt_tokens": len(r.input_ids),
                 "completion_tokens": len(r.output_ids), "cached_tokens": 0, "weight_version": r.weight_version,
                 "e2e_latency": time.monotonic() - r.created}
         if r.return_logprob:
             dec = (lambda t: self.tokenizer.decode([t])) if (text_in_lp and self.tokenizer) else (lambda t: None)
             meta["output_token_logprobs"] = [[lp, t, dec(t)] for lp, t in zip(r.logprobs, r.output_ids)]
+            if inputs is not None:  # SGLang's shapes (tokenizer_manager.py detokenize_logprob_tokens)
+                start, lps, top = inputs
+                meta["input_token_logprobs"] = [[lp, t, dec(t)] for lp, t in zip(lps, r.input_ids[start:])]
+                if top_n:
+                    meta["input_top_logprobs"] = [None if row is None else [[v, t, dec(t)] for v, t in zip(*row)]
+                                                  for row in top]
+            if top_n:
+                meta["output_top_logprobs"] = []
         out = {"output_ids": r.output_ids, "meta_info": meta}
         if self.tokenizer is not None:
             text = self.tokenizer.decode(r.output_ids, skip_special_tokens=r.skip_special_tokens)
@@ -200,6 +225,65 @@ class CPUEngine(WeightReceiver):
                 text = text[:text.rindex(m)]
             out = {"text": text, **out}
         return out
+
+    def input_logprobs(self, items: list[tuple[list[int], int, int]]) -> list[tuple]:
+        """SGLang's input log-probs for each ``(input_ids, start, top_n)``: ``(start, logprobs, top)`` where
+        ``logprobs[j]`` is ``log_softmax(logits[start + j - 1])[input_ids[start + j]]`` for j >= 1 and None for j = 0
+        (SGLang's pad), and ``top[j]`` (None for j = 0, and everywhere when ``top_n`` is 0) the ``top_n`` largest
+        ``(log-probs, token ids)`` of the same distribution.
+
+        One teacher-forced forward per ``max_batch`` prompts, left-padded as the scheduler pads its prefill, under
+        the model lock (so a weight load lands before or after it, never inside), keeping only the logits it reads
+        (``logits_to_keep``); float32 ``log_softmax`` without temperature, as SGLang's logits processor. Like a new
+        generate request it waits while generation is paused, and is refused (400) while the memory is released.
+        Nothing is checked here: a NaN the model computes is answered as NaN, for the client's checks to refuse."""
+        sched = self.scheduler
+        with sched.cv:  # SGLang queues requests that arrive while paused until /continue_generation
+            sched.cv.wait_for(lambda: sched.paused is None or sched.refusal is not None)
+            if sched.refusal is not None:
+                raise HTTPError(400, sched.refusal)
+        out: list[tuple] = []
+        for i in range(0, len(items), sched.max_batch):
+            out += self._score(items[i:i + sched.max_batch])
+        return out
+
+    @torch.inference_mode()
+    def _score(self, items: list[tuple[list[int], int, int]]) -> list[tuple]:
+        seqs = [ids for ids, _, _ in items]
+        B, L = len(seqs), max(map(len, seqs))
+        keep = max(len(ids) - start for ids, start, _ in items)  # the last columns hold every logit read
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, L), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, L - len(s):] = torch.tensor(s)
+            mask[i, L - len(s):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        with self.model_lock:
+            if self.released:  # released while this request waited for the lock
+                raise HTTPError(400, "the engine's memory is released (/release_memory_occupation): call "
+                                     "/resume_memory_occupation before /generate")
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                position_ids=pos.to(self.device), use_cache=False,
+                                **self._keep_kwarg(keep)).logits[:, -keep:]
+        out = []
+        for i, (s, start, top_n) in enumerate(items):
+            # logits column c of the row predicts the token at row position c + 1; kept column 0 is column L - keep
+            cols = torch.arange(start, len(s) - 1) + (L - len(s)) - (L - keep)
+            rows = torch.log_softmax(logits[i, cols.to(logits.device)].float(), dim=-1)  # one row at a time: [n, V]
+            tgt = torch.tensor(s[start + 1:], dtype=torch.long, device=rows.device).reshape(-1, 1)
+            lps = rows.gather(1, tgt)[:, 0].tolist()
+            top: list = [None] * (len(s) - start)
+            if top_n:
+                v, t = rows.topk(min(top_n, rows.shape[-1]), dim=-1)
+                top = [None, *zip(v.tolist(), t.tolist())]
+            out.append((start, [None, *lps], top))
+        return out
+
+    def _keep_kwarg(self, keep: int) -> dict:
+        """``logits_to_keep=keep`` where the model takes it (HF causal LMs do), so only the columns read are made."""
+        if not hasattr(self, "_takes_keep"):
+            self._takes_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        return {"logits_to_keep": keep} if self._takes_keep else {}
 
     def health_generate(self, timeout_s: float = 20.0) -> bool:
         """A 1-token forward of ``input_ids=[0]`` (SGLang's default health check generates one token).
@@ -370,6 +454,31 @@ def _check_sampling(sp: dict) -> dict:
     if out["top_k"] < 1:
         raise HTTPError(400, "top_k must be -1 (disable), or at least 1")
     return out
+
+
+def _input_request(r: Req, start, top_n) -> tuple[int | None, int]:
+    """``(logprob_start_len, top_logprobs_num)`` of one request, checked: the start is None (no input log-probs) for
+    -1, for none given, or without ``return_logprob`` (SGLang ignores it then), else in ``[0, len(input_ids))``."""
+    for key, v in (("logprob_start_len", start), ("top_logprobs_num", top_n)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise HTTPError(400, f"{key} must be an integer, not {v!r}")
+    top_n = top_n or 0
+    if top_n < 0:
+        raise HTTPError(400, f"top_logprobs_num must be at least 0, not {top_n}")
+    if not r.return_logprob:
+        return None, 0
+    if top_n and r.max_new_tokens:
+        raise HTTPError(400, "output top log-probs (top_logprobs_num with max_new_tokens > 0) are not supported by the "
+                             "CPU engine; input_top_logprobs are: send max_new_tokens 0 with a logprob_start_len")
+    if start is None or start == -1:
+        return None, top_n
+    if start < 0:
+        raise HTTPError(400, f"logprob_start_len must be -1 (output log-probs only) or at least 0, not {start}")
+    if start >= len(r.input_ids):
+        # SGLang's scheduler refuses it so (scheduler.py handle_generate_request)
+        raise HTTPError(400, f"logprob_start_len={start} is higher than the number of input tokens "
+                             f"{len(r.input_ids)}. Please use a smaller logprob_start_len.")
+    return start, top_n
 
 
 def _per_item(v, n: int, key: str) -> list:

@@ -46,6 +46,8 @@ FIELDS: tuple[Field, ...] = (
     Field("prompt", "json", "json", ROLLOUT, (), "for people reading the files"),
     Field("response", "json", "json", ROLLOUT, (), "for people reading the files"),
     Field("label", "json", "json", ROLLOUT, (), "for people reading the files"),
+    Field("teacher_log_probs", "ragged", "float32", ROLLOUT, ("train",),
+          "on-policy distillation (opd:): the teacher's log-prob of each response token; only OPD runs' chunks"),
     Field("ref_log_probs", "ragged", "float32", REFERENCE, ("train",), "π_ref of each response token"),
     Field("log_probs", "ragged", "float32", ACTOR_FWD, ("train",), "π_old of each response token"),
 )
@@ -69,14 +71,23 @@ FORWARD_FIELDS = tuple(f.name for f in FIELDS if f.writer in (REFERENCE, ACTOR_F
 SIDE_FIELD = {REFERENCE: "ref_log_probs", ACTOR_FWD: "log_probs"}
 
 
-def rollout_fields() -> tuple[str, ...]:
-    """Every field the rollout role writes, in schema order."""
-    return tuple(f.name for f in FIELDS if f.writer == ROLLOUT)
+# rollout fields only some runs' chunks carry (the rollout writes them when its samples have them, and the actor
+# reads them where every chunk of the step has them): OPD's teacher log-probs
+OPTIONAL_ROLLOUT_FIELDS = ("teacher_log_probs",)
+
+
+def rollout_fields(optional: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Every field the rollout role writes, in schema order: the ones every chunk has, and these ``optional``
+    ones (of :data:`OPTIONAL_ROLLOUT_FIELDS`)."""
+    return tuple(f.name for f in FIELDS if f.writer == ROLLOUT
+                 and (f.name not in OPTIONAL_ROLLOUT_FIELDS or f.name in optional))
 
 
 def task_fields(task: str, writers: tuple[str, ...] = (ROLLOUT,)) -> tuple[str, ...]:
-    """The fields task ``task`` reads that these writers provide (the run's roles decide which side fields exist)."""
-    return tuple(f.name for f in FIELDS if task in f.read_by and f.writer in writers)
+    """The fields task ``task`` reads that these writers provide (the run's roles decide which side fields exist),
+    but the optional rollout fields (a task reads those where its chunks have them)."""
+    return tuple(f.name for f in FIELDS if task in f.read_by and f.writer in writers
+                 and f.name not in OPTIONAL_ROLLOUT_FIELDS)
 
 
 TRAIN_FIELDS = task_fields("train")  # what the actor reads from the rollout's chunk

@@ -12,7 +12,8 @@ import time
 from relax_hpc.controller.protocol import Client, ProtocolError
 
 from relax_hpc.launch.backend import CancelError, launcher_for
-from relax_hpc.launch.runs import load_job
+from relax_hpc.launch.runs import RunUnreadable, load_job
+from relax_hpc.launch.status import collect, is_final
 from relax_hpc.rundir import RunDir, write_json
 
 
@@ -28,7 +29,8 @@ def cancel(rd: RunDir, grace_s: float = 30.0) -> dict:
 
 def checkpoint_then_stop(rd: RunDir, action: str, wait_s: float = 600.0) -> dict:
     """Ask the controller to finish the step in flight, checkpoint, then cancel or requeue (``action`` is a
-    ``CONTROL_ACTIONS`` name); wait up to ``wait_s`` for the attempt to end. Returns what happened."""
+    ``CONTROL_ACTIONS`` name); wait up to ``wait_s`` for the attempt to end (a cancel: for the job to end, so that
+    ``relax-submit --resume`` can follow at once). Returns what happened."""
     job = load_job(rd)
     addr = rd.read_json(rd.controller_addr, {}) or {}
     state = (rd.read_json(rd.state, {}) or {}).get("state")
@@ -49,12 +51,23 @@ def checkpoint_then_stop(rd: RunDir, action: str, wait_s: float = 600.0) -> dict
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         doc = rd.read_json(rd.state, {}) or {}
-        if doc.get("state") != "RUNNING":
+        # cancel: done once the job itself has ended, not when state.json says so (the controller still stops its
+        # steps and writes the summary): a `relax-submit --resume` straight after must find the run ended
+        if doc.get("state") not in (None, "RUNNING") and (doc["state"] == "REQUEUED" or _job_ended(rd)):
             ck = doc.get("last_checkpoint") or {}
             return {"run": rd.name, "run_dir": str(rd.path), "job_id": str(job.get("job_id")),
                     "executor": job.get("executor", "slurm"),
                     "action": "requeue" if doc.get("state") == "REQUEUED" else "checkpoint, then cancel",
                     "state": doc.get("state"), "checkpoint": ck.get("path"), "step": ck.get("step")}
         time.sleep(0.5)
-    raise CancelError(f"run {rd.name} did not stop within {wait_s:g} s (the step in flight or the checkpoint is "
+    raise CancelError(f"run {rd.name} did not end within {wait_s:g} s (the step in flight or the checkpoint is "
                       "slow); it will still stop after them. relax-status shows when")
+
+
+def _job_ended(rd: RunDir) -> bool:
+    """Has the run's job (Slurm's, or the local process) ended? Where job.json cannot say (a damaged file),
+    state.json, already final, is the only word there is."""
+    try:
+        return is_final(collect(rd))
+    except RunUnreadable:
+        return True

@@ -16,6 +16,7 @@ import dataclasses
 from relax_hpc.launch.backend import launcher_for
 from relax_hpc.launch.doctor import submit_problems
 from relax_hpc.launch.places import Problem, check_local, check_slurm, cuda_device_count, mem_mb
+from relax_hpc.ops.wandb_log import credential_problems
 from relax_hpc.recipe import Recipe, RecipeError
 from relax_hpc.recipe.validate import check_files
 
@@ -47,6 +48,8 @@ def preflight_problems(recipe: Recipe, executor: str,
     layout = not any(k.endswith(".share_with") for k in refused)
     problems += launcher_for(executor).place_problems(recipe, layout)
     problems += submit_problems(recipe, executor)  # relax-doctor's cheap ones: the SGLang interpreter
+    if recipe.logging.wandb is not None:  # the job sees this environment (sbatch exports it)
+        problems += credential_problems(recipe.logging.wandb)
     return problems
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_hpc.launch.backend import LAUNCHERS, launcher_for
-from relax_hpc.rundir import RunDir, RunFileError, read_json_file
+from relax_hpc.rundir import RunDir, RunFileError, named_like, read_json_file
 
 DEFAULT_RUNS_ROOT = "./runs"
 
@@ -103,7 +103,8 @@ def list_runs(runs_root: str | Path) -> list[RunDir]:
 
 
 def find_run(arg: str | None, runs_root: str | Path = DEFAULT_RUNS_ROOT) -> RunDir:
-    """The run ``arg`` names; raises :class:`RunNotFound` with what exists instead, or :class:`RunUnreadable`
+    """The run ``arg`` names (a run directory, a name under ``runs_root``, a job id, or a recipe's ``run.name``:
+    the latest run of that name); raises :class:`RunNotFound` with what exists instead, or :class:`RunUnreadable`
     when the run it names has a job.json that cannot be used."""
     root = Path(runs_root).expanduser()
     if not arg:
@@ -123,6 +124,12 @@ def find_run(arg: str | None, runs_root: str | Path = DEFAULT_RUNS_ROOT) -> RunD
         matches = [rd for rd in list_runs(root) if str(_job_or_none(rd).get("job_id")) == job_id]
         if matches:
             return matches[-1]
+    # the recipe's run.name (what a user remembers): the latest run of that name, <name>-<stamp>[-i]
+    named = named_like(arg)
+    matches = [rd for rd in list_runs(root) if named.fullmatch(rd.name)]
+    if matches:
+        load_job(matches[-1])
+        return matches[-1]
     names = [rd.name for rd in list_runs(root)][-5:]
     hint = f" Recent runs: {', '.join(names)}." if names else ""
     raise RunNotFound(f"no run or job id {arg!r} under {root.resolve()}.{hint}")

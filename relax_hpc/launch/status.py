@@ -52,7 +52,7 @@ _STATE_FIELDS = {
     "reason": _STR, "phase": _STR, "last_failure": _STR, "weights": _STR,
     "step": _INT, "total_steps": _INT, "attempt": _INT, "restarts": _INT,
     "reward": _NUMBER, "updated_at": (lambda v: _epoch(v) is not None, "a time"),
-    "roles": _OBJECTS, "engines": _OBJECTS, "judges": _OBJECTS,
+    "roles": _OBJECTS, "engines": _OBJECTS, "judges": _OBJECTS, "teachers": _OBJECTS,
     "events": (lambda v: isinstance(v, list), "an array"),
     "last_checkpoint": (lambda v: isinstance(v, dict), "an object"),
     "scale": (lambda v: isinstance(v, list) and all(isinstance(op, dict) and all(k in op for k in _SCALE_KEYS)
@@ -164,6 +164,7 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
         "roles": roles,
         "engines": [{"name": name, **(info or {})} for name, info in (ctl.get("engines") or {}).items()],
         "judges": [{"name": name, **(info or {})} for name, info in (ctl.get("judges") or {}).items()],
+        "teachers": [{"name": name, **(info or {})} for name, info in (ctl.get("teachers") or {}).items()],  # OPD
         "scale": list(ctl.get("scale") or []),  # relax-scale's operations, the newest last
         "logs": str(rd.logs),
     }

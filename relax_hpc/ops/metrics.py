@@ -83,7 +83,8 @@ class RunMetrics:
     on); what it logged after is dropped, because this attempt does those steps again."""
 
     def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, start_step: int = 0,
-                 started: float | None = None):
+                 started: float | None = None, wandb: Any = None, run_name: str | None = None,
+                 config: dict[str, Any] | None = None):
         self.dir = Path(run_dir)
         self.rewards: dict[int, float] = {}
         self.evaluated: set[int] = set()  # steps whose row has eval/* metrics (kept from an earlier attempt too)
@@ -97,7 +98,40 @@ class RunMetrics:
                 log.warning("no TensorBoard events (cannot import tensorboard: %s); metrics.jsonl still has them", e)
         if self._tb is not None and earlier:
             self._tb.purge_from(start_step + 1)
+        self._wb = None  # logging.wandb (ops/wandb_log.py): a view of the same scalars, never the record
+        self.wandb_error: str | None = None  # why W&B is off in a run that asked for it
+        if wandb is not None and wandb.mode != "disabled":
+            try:
+                from relax_hpc.ops.wandb_log import WandbWriter
+
+                self._wb = WandbWriter(wandb, self.dir, run_name or self.dir.name, config)
+            except Exception as e:  # no network, a bad key: the run goes on, and says so
+                self.wandb_error = f"{type(e).__name__}: {e}"
+                log.warning("no W&B logging (%s); TensorBoard and metrics.jsonl still have every metric",
+                            self.wandb_error)
         self._jsonl = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def _to_wandb(self, step: int, vals: dict[str, float]) -> None:
+        if self._wb is None:
+            return
+        try:
+            self._wb.scalars(step, vals)
+        except Exception as e:  # W&B going away mid-run must not end it; it stops being fed, once, loudly
+            self.wandb_error = f"{type(e).__name__}: {e}"
+            log.warning("W&B logging stopped at step %d (%s); TensorBoard and metrics.jsonl go on", step,
+                        self.wandb_error)
+            self._close_wandb(1)
+
+    def _close_wandb(self, exit_code: int, summary: dict[str, Any] | None = None) -> None:
+        wb, self._wb = self._wb, None
+        if wb is None:
+            return
+        try:
+            if summary:
+                wb.summary(summary)
+            wb.close(exit_code)
+        except Exception as e:
+            log.warning("W&B did not close cleanly (%s: %s)", type(e).__name__, e)
 
     def _keep_until(self, step: int) -> bool:
         """Drop an earlier attempt's rows after ``step``, keep its rewards; True if there was an earlier attempt."""
@@ -127,6 +161,7 @@ class RunMetrics:
         now = time.time()
         if self._tb is not None:
             self._tb.scalars(step, vals, now)
+        self._to_wandb(step, vals)
         self._jsonl.write(json.dumps({"step": int(step), "time": now, **vals}, sort_keys=True) + "\n")
         self._jsonl.flush()
         if REWARD in vals:
@@ -143,6 +178,7 @@ class RunMetrics:
         vals = numeric(metrics)
         if self._tb is not None:
             self._tb.scalars(step, vals, time.time())
+        self._to_wandb(step, vals)
         path = self.dir / "metrics.jsonl"
         self._jsonl.close()
         lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
@@ -190,8 +226,11 @@ class RunMetrics:
             "reward_window": min(WINDOW, len(steps)),
             "reward_final": self.rewards[steps[-1]] if steps else None,
             "tensorboard": str(self.dir / "tensorboard") if self._tb is not None else None,
+            "wandb": self._wb.files if self._wb is not None else None,
             "reward_png": None, **(extra or {}),
         }
+        if self.wandb_error:
+            summary["wandb_error"] = self.wandb_error
         if steps:
             try:
                 plot_rewards(self.dir / "reward.png", steps, [self.rewards[s] for s in steps], title=state.get("run"))
@@ -199,10 +238,13 @@ class RunMetrics:
             except Exception as e:  # a plot must never turn a finished run into a failed one
                 log.warning("could not draw reward.png: %s", e)
         write_json(self.dir / "summary.json", summary)
+        self._close_wandb(0 if state.get("state") in ("COMPLETED", "REQUEUED") else 1,
+                          {k: v for k, v in summary.items() if k.startswith("reward_") or k in ("steps", "state")})
         self.close()
         return summary
 
     def close(self) -> None:
+        self._close_wandb(1)
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from relax_hpc.recipe.relax_names import ONLY_WITH, RELAX_NAMES, cli_flag, relax_flag
+from relax_hpc.recipe.relax_names import ONLY_WITH, OPD_TYPES, RELAX_NAMES, cli_flag, relax_flag
 from relax_hpc.recipe.schema import Recipe
 from relax_hpc.train.config import TrainConfig
 
@@ -53,8 +53,9 @@ def _leaf_type(key: str) -> Any:
         if part not in hints:
             return None
         hint = hints[part]
-        cls = hint
-    return None if dataclasses.is_dataclass(hint) else hint
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        cls = inner[0] if len(inner) == 1 and dataclasses.is_dataclass(inner[0]) else hint  # X | None: a section
+    return None if dataclasses.is_dataclass(cls) else hint
 
 
 def _scalar(text: str, hint: Any) -> Any:
@@ -108,13 +109,22 @@ def convert(argv: list[str]) -> tuple[dict, list[str]]:
         if home is None:
             notes.append(f"{shown}: not supported yet; left out (docs/migrating-from-relax.md)")
             continue
-        if name in ONLY_WITH.values():  # a switch that says how Relax reads other flags: no key of its own
+        if name in ONLY_WITH.values() and ": <" in home:  # a switch that says how Relax reads flags: no key of its own
             key, src = home.split(": <", 1)
             if relax_flag(src.rstrip(">")) not in named:
                 notes.append(f"{shown}: without {src.rstrip('>')} (Relax refuses that); left out. Fix: set {key}")
             continue
         if name in ONLY_WITH and ONLY_WITH[name] not in named:
             notes.append(f"{shown}: Relax reads it only with {cli_flag(ONLY_WITH[name])}; left out")
+            continue
+        if name == "opd_type":  # which teacher: relax_hpc's is a server, at opd.teacher_url (no key of its own)
+            if " ".join(values) not in OPD_TYPES:
+                raise ValueError(f"{shown}: relax_hpc's OPD teacher is an SGLang server it asks for log-probs "
+                                 "(opd.teacher_url); a teacher inside the trainer (--opd-type megatron, "
+                                 "--opd-teacher-load) is not supported. Fix: serve the teacher with SGLang and pass "
+                                 "--opd-type sglang --opd-teacher-url http://HOST:PORT/generate")
+            continue
+        if name == "use_wandb" and "wandb_mode" in named:  # the switch's mode is online unless --wandb-mode says
             continue
         if ": " in home:  # a flag that is a value of one key: --fully-async is mode: fully_async
             key, value = home.split(": ", 1)

@@ -105,7 +105,28 @@ RELAX_NAMES: dict[str, str | None] = {
         "get_mismatch_metrics", "calculate_per_token_loss", "use_opsm", "opsm_delta", "ref_update_interval")},
     "disable_compute_advantages_and_returns": None,  # advantages always come from the rewards here (no SFT path)
     "loss_type": None, "custom_loss_function_path": None, "gamma": None, "lambd": None,
-    "use_opd": None, "lora_rank": None, "ref_load": None,
+    "lora_rank": None, "ref_load": None,
+    # --- on-policy distillation (relax/utils/opd/opd_utils.py add_opd_arguments) -----------------------
+    "use_opd": "opd.enabled",
+    "opd_type": "opd.teacher_url: <--opd-teacher-url>",  # sglang: a teacher server; megatron is refused
+    "opd_teacher_url": "opd.teacher_url",
+    "opd_teacher_timeout_s": "opd.teacher_timeout_s",
+    "opd_kl_coef": "opd.kl_coef",
+    "opd_loss_coef": "opd.loss_coef",
+    "opd_only_reward": "opd.only_reward",
+    "opd_disable_rl_reward": "opd.only_reward",  # Relax's alias of --opd-only-reward
+    "opd_kl_type": "opd.kl_type",
+    "opd_jsd_alpha": "opd.jsd_alpha",
+    "opd_norm_mode": "opd.norm_mode",
+    "opd_token_selection": "opd.token_selection",
+    "opd_log_prob_top_k": "opd.log_prob_top_k",
+    "opd_per_token_clip": "opd.per_token_clip",
+    "opd_is_clip": "opd.is_clip",
+    "opd_log_prob_min_clamp": "opd.log_prob_min_clamp",
+    "opd_teacher_load": None, "opd_teacher_ckpt_step": None, "teacher_hf_checkpoint": None,
+    "teacher_num_gpus_per_engine": None, "opd_teacher_routes": None, "opd_teacher_key": None,
+    "opd_teacher_prompt_key": None, "opd_teacher_image_key": None, "opd_teacher_video_key": None,
+    "opd_teacher_audio_key": None,
     # --- training, optimizer, parallelism (Megatron names included) ------------------------------------
     "global_batch_size": "train.global_batch_size",
     "micro_batch_size": "train.micro_batch_size",
@@ -145,13 +166,32 @@ RELAX_NAMES: dict[str, str | None] = {
     "load": None, "save": None, "save_hf": None,
     "use_tensorboard": "logging.tensorboard",
     "notify_urls": "logging.notify_urls",
-    "use_wandb": None,
+    # W&B (logging.wandb, docs/metrics.md); the key goes in WANDB_API_KEY or ~/.netrc, never in a recipe; the
+    # files go to RUN_DIR/wandb and the run id comes from the run directory (one W&B run across requeues)
+    "use_wandb": "logging.wandb.mode: online",
+    "wandb_project": "logging.wandb.project",
+    "wandb_group": "logging.wandb.group",
+    "wandb_team": "logging.wandb.entity",
+    "wandb_host": "logging.wandb.host",
+    "wandb_mode": "logging.wandb.mode",
+    "wandb_key": None, "wandb_dir": None, "wandb_run_id": None, "disable_wandb_random_suffix": None,
+    "wandb_always_use_train_step": None,
 }
 
 # Flags Relax reads only while a switch is on (its parser takes them either way): {flag: the switch}. Without the
 # switch they change nothing in Relax, so they are carried over only with it; the switch itself sets no key.
 ONLY_WITH: dict[str, str] = {"max_tokens_per_gpu": "use_dynamic_batch_size",
-                             "log_probs_max_tokens_per_gpu": "use_dynamic_batch_size"}
+                             "log_probs_max_tokens_per_gpu": "use_dynamic_batch_size",
+                             # Relax's validate_opd_args returns at once without --use-opd
+                             **{name: "use_opd" for name in (
+                                 "opd_type", "opd_teacher_url", "opd_teacher_timeout_s", "opd_kl_coef",
+                                 "opd_loss_coef", "opd_only_reward", "opd_disable_rl_reward", "opd_kl_type",
+                                 "opd_jsd_alpha", "opd_norm_mode", "opd_token_selection", "opd_log_prob_top_k",
+                                 "opd_per_token_clip", "opd_is_clip", "opd_log_prob_min_clamp")},
+                             **{name: "use_wandb" for name in (
+                                 "wandb_project", "wandb_group", "wandb_team", "wandb_host", "wandb_mode")}}
+OPD_TYPES = {"sglang": "a teacher SGLang server at opd.teacher_url"}
+"""Relax's ``--opd-type`` values relax_hpc has; ``megatron`` (the teacher inside the trainer) is refused."""
 
 
 def relax_flag(name: str) -> str:

@@ -1,10 +1,10 @@
 """The recipe schema: one dataclass per section, defaults included.
 
-Each package owns its sections, in its ``config`` module: ``algorithm`` (:mod:`relax_hpc.algo.config`), ``train``
-(:mod:`relax_hpc.train.config`), ``rollout``, ``data`` and ``genrm`` (:mod:`relax_hpc.rollout.config`). This module
-holds the rest (the run, its roles' resources, Slurm, checkpoints, logging: each read across packages) and composes
-them into :class:`Recipe`, so that one place lists everything a recipe may say. Field types are limited to what
-:mod:`relax_hpc.recipe.validate` understands: int, float, bool, str, ``X | None``, ``Literal[...]``,
+Each package owns its sections, in its ``config`` module: ``algorithm`` and ``opd`` (:mod:`relax_hpc.algo.config`),
+``train`` (:mod:`relax_hpc.train.config`), ``rollout``, ``data`` and ``genrm`` (:mod:`relax_hpc.rollout.config`).
+This module holds the rest (the run, its roles' resources, Slurm, checkpoints, logging: each read across packages)
+and composes them into :class:`Recipe`, so that one place lists everything a recipe may say. Field types are
+limited to what :mod:`relax_hpc.recipe.validate` understands: int, float, bool, str, ``X | None``, ``Literal[...]``,
 ``list[X]``, ``dict[str, X]`` and nested dataclasses.
 """
 
@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from relax_hpc.algo.config import AlgorithmConfig
+from relax_hpc.algo.config import AlgorithmConfig, OPDConfig
 from relax_hpc.rollout.config import DataConfig, GenRMConfig, RolloutConfig
 from relax_hpc.seed import DEFAULT_SEED
 from relax_hpc.train.config import TrainConfig
 
-ROLE_NAMES = ("actor", "rollout", "reference", "actor_fwd", "genrm")
+ROLE_NAMES = ("actor", "rollout", "reference", "actor_fwd", "genrm", "teacher")
 """Roles that run as Slurm job steps, in het-group order. ``advantages`` runs beside the controller."""
 
 
@@ -59,6 +59,7 @@ class Roles:
     reference: RoleGroup = field(default_factory=lambda: RoleGroup(enabled=False))
     actor_fwd: RoleGroup = field(default_factory=lambda: RoleGroup(enabled=False))
     genrm: RoleGroup = field(default_factory=lambda: RoleGroup(enabled=False))  # judge engines (GenRMConfig)
+    teacher: RoleGroup = field(default_factory=lambda: RoleGroup(enabled=False))  # OPD teacher engines (OPDConfig)
 
 
 @dataclass
@@ -107,8 +108,25 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases, beside TensorBoard (docs/metrics.md): the same metric names, against ``rollout/step``."""
+
+    project: str = ""  # required (Relax --wandb-project)
+    entity: str | None = None  # team or user (Relax --wandb-team); None: the API key's default
+    name: str | None = None  # the W&B run's display name; None: the run's name
+    group: str | None = None  # Relax --wandb-group
+    tags: list[str] = field(default_factory=list)
+    # online: to the server (WANDB_API_KEY or ~/.netrc needed); offline: files in RUN_DIR/wandb, sent later with
+    # `wandb sync` (compute nodes without internet); disabled: nothing
+    mode: Literal["online", "offline", "disabled"] = "online"
+    host: str | None = None  # a self-hosted server's URL (Relax --wandb-host); None: api.wandb.ai
+    init_timeout_s: float = 90.0  # online: give up on the server after this long (the run goes on without W&B)
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = True
+    wandb: WandbConfig | None = None  # None: no W&B
     notify_urls: list[str] = field(default_factory=list)  # Apprise URLs
     heartbeat_s: float = 2.0  # roles report this often
     heartbeat_timeout_s: float = 60.0  # a role silent this long is dead
@@ -128,6 +146,7 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    opd: OPDConfig | None = None  # on-policy distillation (docs/distillation.md); None: off
     train: TrainConfig = field(default_factory=TrainConfig)
     roles: Roles = field(default_factory=Roles)
     genrm: GenRMConfig = field(default_factory=GenRMConfig)

@@ -24,7 +24,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from relax_hpc.algo.config import PLUGIN_CALLS, check as check_algorithm
+from relax_hpc.algo.config import PLUGIN_CALLS, check as check_algorithm, check_opd
 from relax_hpc.plugins import PluginError, load_plugin
 from relax_hpc.recipe.errors import _MISSING
 from relax_hpc.recipe.reader import TextError, encodable, parse_yaml, read_text, yaml_error_message
@@ -297,7 +297,15 @@ def check(recipe: Recipe) -> list[Problem]:
             if Notifier.check([url]):  # the value shown is the scheme only: URLs carry tokens
                 problems.append((f"logging.notify_urls[{i}]", url.split("://", 1)[0] + "://...",
                                  "is not a URL Apprise understands. Fix: see https://github.com/caronc/apprise/wiki"))
+    if recipe.logging.wandb is not None:
+        from relax_hpc.ops.wandb_log import check as check_wandb
+
+        problems += check_wandb(recipe.logging.wandb)
     problems += [(f"algorithm.{k}", v, m) for k, v, m in check_algorithm(recipe.algorithm)]
+    if recipe.opd is not None:
+        problems += [(f"opd.{k}", v, m) for k, v, m in check_opd(recipe.opd)
+                     if not (k == "teacher_url" and v is None)]  # which teacher the run asks: _check_teacher
+    problems += opd_not_wired(recipe)
     problems += [(f"train.{k}", v, m) for k, v, m in check_train(recipe.train)]
     problems += check_data(recipe.data, recipe.rollout)  # keys already carry their section
     problems += _check_rm_type(recipe)
@@ -307,10 +315,22 @@ def check(recipe: Recipe) -> list[Problem]:
     if recipe.rollout.interaction_env_path or not recipe.rollout.custom_config_path:  # else its YAML says: check_files
         problems += _check_lengths(recipe, bool(recipe.rollout.interaction_env_path))
     problems += _check_genrm(recipe)
+    problems += _check_teacher(recipe)
     problems += _check_engine_args(recipe)
     problems += _check_elastic(recipe)
     problems += _check_container(recipe)
     return problems
+
+
+# ---- OPD NOT WIRED YET (issue #32): remove this check, and its call in check(), once the training loop asks the
+# teacher and trains on opd: (relax_hpc/algo/opd.py holds the objective; the section validates fully without it).
+def opd_not_wired(r: Recipe) -> list[Problem]:
+    """An ``opd:`` section that is on is refused: the objective is built, the loop that feeds it is not yet."""
+    if r.opd is None or not r.opd.enabled:
+        return []
+    return [("opd", "{...}", "on-policy distillation is not wired into training yet (issue #32): the run would "
+             "ignore the teacher. Fix: remove the opd section (or set opd.enabled: false)")]
+# ---- end OPD NOT WIRED YET
 
 
 # sglang.launch_server arguments relax_hpc sets itself (relax_hpc/engines/launcher.py and roles/engine_host.py): a
@@ -502,6 +522,40 @@ def _check_genrm(r: Recipe) -> list[Problem]:
         out.append(("genrm.retries", g.retries, "must be at least 1 (the number of attempts of one judge call)"))
     if g.sampling.temperature < 0:
         out.append(("genrm.sampling.temperature", g.sampling.temperature, "must be 0 or more"))
+    return out
+
+
+def _check_teacher(r: Recipe) -> list[Problem]:
+    """OPD's teacher is the run's own engines (``roles.teacher``, serving ``opd.teacher_model_path``) or a server at
+    ``opd.teacher_url``, exactly one; teacher engines without OPD, or a model without them, would do nothing."""
+    on, opd = r.roles.teacher.enabled, r.opd if r.opd is not None and r.opd.enabled else None
+    out: list[Problem] = []
+    if r.roles.teacher.share_with is not None:
+        out.append(("roles.teacher.share_with", r.roles.teacher.share_with, "the teacher engines need nodes of their "
+                    "own here. Fix: remove it and give roles.teacher its own nodes"))
+    if opd is None:
+        if on:
+            out.append(("roles.teacher.enabled", True, "the teacher engines serve on-policy distillation, and the "
+                        "recipe has no opd section that is on. Fix: add opd: {teacher_model_path: <the teacher's "
+                        "directory>} (docs/distillation.md), or disable roles.teacher"))
+        return out
+    if not on and opd.teacher_url is None:
+        out.append(("opd.teacher_url", None, "is required when the run has no teacher engines of its own: the "
+                    "teacher scores the student's tokens there (Relax --opd-teacher-url). Fix: the teacher SGLang "
+                    "server's /generate endpoint, e.g. 'http://teacher-host:30000/generate', or roles.teacher.enabled: "
+                    "true with opd.teacher_model_path"))
+    if on and opd.teacher_url is not None:
+        out.append(("opd.teacher_url", opd.teacher_url, "names a teacher server, and roles.teacher starts the run's "
+                    "own teacher engines: the run would ask only one. Fix: remove opd.teacher_url, or disable "
+                    "roles.teacher (and remove opd.teacher_model_path)"))
+    if on and opd.teacher_model_path is None:
+        out.append(("opd.teacher_model_path", None, "is required with roles.teacher.enabled: true (Relax "
+                    "--teacher-hf-checkpoint). Fix: the teacher model's directory (it must use the student's "
+                    "tokenizer), or disable roles.teacher and set opd.teacher_url"))
+    if not on and opd.teacher_model_path is not None:
+        out.append(("roles.teacher.enabled", False, f"opd.teacher_model_path is set ({opd.teacher_model_path!r}) but "
+                    "no teacher engines would run. Fix: set roles.teacher.enabled: true (and its nodes), or remove "
+                    "opd.teacher_model_path"))
     return out
 
 
@@ -727,6 +781,7 @@ def _path_values(r: Recipe) -> dict[str, str | None]:
     """Every recipe string that names a file, a directory or a module the run or relax-submit opens."""
     ro = r.rollout
     out = {"model.path": r.model.path, "genrm.model_path": r.genrm.model_path, "data.path": r.data.path,
+           "opd.teacher_model_path": r.opd.teacher_model_path if r.opd is not None else None,
            "rollout.custom_config_path": ro.custom_config_path, "slurm.template": r.slurm.template,
            "run.runs_root": r.run.runs_root, "rollout.custom_rm_path": ro.custom_rm_path,
            "rollout.dynamic_sampling_filter_path": ro.dynamic_sampling_filter_path,
@@ -903,7 +958,9 @@ def _check_model_dirs(r: Recipe, base: Path) -> list[Problem]:
     """A model is a Hugging Face directory with its config.json; ``/dev/null``, a file or a missing directory
     were accepted and failed only when a role loaded the weights, after the queue."""
     out: list[Problem] = []
-    for key, val in (("model.path", r.model.path), ("genrm.model_path", r.genrm.model_path)):
+    teacher = r.opd.teacher_model_path if r.opd is not None else None
+    for key, val in (("model.path", r.model.path), ("genrm.model_path", r.genrm.model_path),
+                     ("opd.teacher_model_path", teacher)):
         if val is None or any(c in val for c in "\n\r\0"):
             continue  # unset, or refused by the string checks
         wrong = _model_dir_problem(_resolve(val, base))

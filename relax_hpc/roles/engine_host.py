@@ -1,10 +1,12 @@
 """Starting an inference engine on this node: every rollout engine's host (:mod:`relax_hpc.roles.engine`) and every
-rank of the genrm role (its judges) do it.
+rank of the frozen-engine roles (genrm's judges, the OPD teacher's engines) do it.
 
-The genrm role starts its rank's engine before the bootstrap (it loads while torch is imported), registers it for
-cleanup at once, and after the bootstrap gathers every rank's ``(name, url, pid, node, slurm_step)`` so rank 0
-can report the whole set to the controller (task ``start_engines``). The engine is SGLang on a GPU node with
-``RELAX_SGLANG_PYTHON`` set, else relax_hpc's CPU engine; either answers only requests carrying the run's API key.
+A frozen-engine role (:func:`start_frozen_engine`, :func:`serve_frozen_engines`) starts its rank's engine before the
+bootstrap (it loads while torch is imported), registers it for cleanup at once, and after the bootstrap gathers
+every rank's ``(name, url, pid, node)`` so rank 0 can report the whole set to the controller (task
+``start_engines``); then it serves tasks until ``stop``. Its engines are seeded with ``run.seed`` and never get
+weight syncs. The engine is SGLang on a GPU node with ``RELAX_SGLANG_PYTHON`` set, else relax_hpc's CPU engine;
+either answers only requests carrying the run's API key.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def start_node_engine(run: RunDir, group: RoleGroup, model_path: str, *, name: s
     node's GPUs, or the reference engine (on this node's GPU when there is one); it answers only requests carrying
     the run's API key. ``kind``: ``rollout.engine.kind`` (:func:`engine_kind`). ``local``: no Slurm, listen on the
     loopback only (:func:`engine_listen_host`). The start of every rollout engine (:mod:`relax_hpc.roles.engine`),
-    and of each genrm rank's judge."""
+    and of each rank's engine of a frozen-engine role (genrm, teacher)."""
     from relax_hpc.engines.launcher import start_engine
 
     host = engine_listen_host(local)
@@ -119,3 +121,28 @@ def start_engines_result(everyone: list[tuple[str, str, int, str]]) -> Any:
 
     return StartEnginesResult(engines={n: u for n, u, _, _ in everyone}, pids={n: p for n, _, p, _ in everyone},
                               nodes={n: node for n, _, _, node in everyone})
+
+
+def start_frozen_engine(ctx: RoleContext, role: str, model_path: str | None, key: str, prefix: str) -> Any:
+    """This rank's engine of frozen-engine role ``role`` (``roles.<role>``), serving ``model_path`` (recipe key
+    ``key``), seeded with ``run.seed``, named ``<prefix><rank>``: the role's ``prepare``."""
+    r = ctx.recipe
+    if model_path is None:
+        raise ValueError(f"roles.{role} is enabled but {key} is not set: its engines have no model. Fix: set {key} "
+                         f"to the model's directory, or disable roles.{role}")
+    return start_rank_engine(ctx, r.role(role), model_path, seed=r.run.seed, prefix=prefix)
+
+
+def serve_frozen_engines(ctx: RoleContext, comm: Any, prefix: str) -> None:
+    """A frozen-engine role's work: wait for every rank's engine (``ctx.prepared``), report them all at
+    ``start_engines``, serve until ``stop``; the engine stops on the way out, whatever happened."""
+    from relax_hpc.controller import messages as M
+    from relax_hpc.roles.tasks import serve
+
+    engine = ctx.prepared
+    try:
+        everyone = gather_engines(ctx, engine, prefix)
+        serve(ctx, comm, {"start_engines": lambda task: start_engines_result(everyone),
+                          "stop": lambda task: M.StopResult()})
+    finally:
+        engine.stop()

@@ -19,7 +19,11 @@ goes on. Tasks (:mod:`relax_hpc.roles.tasks`; their fields and results: :mod:`re
   Returns the chunk ref, Relax's ``rollout/*`` metrics, the data cursor (with partial rollout, and the saved
   buffer's reference), the weight versions the samples carry, reward failures (with their samples) and engine
   failures. With ``judges`` (the genrm role's engines), reward functions reach them through
-  :mod:`relax_hpc.rollout.genrm`, and the step's ``genrm/*`` counts join the metrics.
+  :mod:`relax_hpc.rollout.genrm`, and the step's ``genrm/*`` counts join the metrics. With ``opd:`` (on-policy
+  distillation), once the samples are rewarded, the teacher (``teachers``: the teacher role's engines, or
+  ``opd.teacher_url``) scores each sample's response tokens (:mod:`relax_hpc.rollout.teacher`): the chunk carries
+  them as ``teacher_log_probs`` and the step's ``opd/*`` counts join the metrics. A teacher that fails for good,
+  or gives a sample no good numbers, fails the step with its error: no step is written without them.
 - ``eval {step}``: every ``data.eval_prompt_data`` set (loaded once, at start; relative paths as ``data.path``'s),
   ``rollout.n_samples_per_eval_prompt`` samples per prompt, generated with the engines' current weights and the
   eval sampling parameters, scored with ``eval_reward_key`` (:func:`~relax_hpc.rollout.eval.run_eval`). Requests
@@ -128,6 +132,7 @@ class Generator:
         self.current: dict | None = None  # the data_state this role's cursor and buffer are at (None: not saved)
         self.made: dict[int, dict] = {}  # partial rollout: step -> {from, after, groups} of the steps generated here
         self.engines: dict[str, str] = {}
+        self.teacher: tuple[list[str], Any] | None = None  # OPD: (teacher URLs, their TeacherClient)
 
     # -- rollout state: the data cursor and partial rollout's buffer, always together
     def state(self, step: int) -> dict:
@@ -218,6 +223,7 @@ class Generator:
         t0 = time.monotonic()
         result = self._samples(step, again)
         t_gen = time.monotonic() - t0
+        taught = self._teach(step, result.samples, task.teachers)  # OPD: before the chunk is written
         q1 = pool.queue_clock()
         t1 = time.monotonic()
         ref = S.write_step(self.ctx.run.path, step, result, seq=task.seq, attrs=self._prompt_attrs(result.samples))
@@ -237,6 +243,7 @@ class Generator:
         metrics["perf/exchange_write_time"] = time.monotonic() - t1
         metrics["perf/rollout_time"] = metrics.get("perf/rollout_time", t_gen)
         metrics.update(self.data.metrics())  # rows reading data.path dropped: too long, blank
+        metrics.update(taught)  # opd/*: this step's teacher calls
         if task.judges:
             from relax_hpc.rollout import genrm
 
@@ -307,6 +314,38 @@ class Generator:
                         "relax-status --audit cannot count its prompts", MAX_PROMPT_ATTRS)
             return {}
         return attrs
+
+    def _teach(self, step: int, samples: list, teachers: dict[str, str]) -> dict[str, float]:
+        """OPD: the teacher's log-prob of every response token onto each sample (``teacher_log_probs``), and the
+        client's ``opd/*`` metrics of the step; nothing without ``opd:``. Raises the teacher's error when it gave
+        no answer (:class:`~relax_hpc.rollout.teacher.TeacherError`) or no good numbers for a sample."""
+        opd = self.recipe.opd
+        if opd is None or not opd.enabled:
+            return {}
+        from relax_hpc.rollout.teacher import TeacherClient, TeacherClientConfig, TeacherError
+
+        if not teachers:
+            raise ValueError(f"step {step}: opd is on but the generate task names no teacher (the controller sends "
+                             "roles.teacher's engines or opd.teacher_url). Fix: enable roles.teacher or set "
+                             "opd.teacher_url")
+        urls = sorted(set(teachers.values()))
+        if self.teacher is None or self.teacher[0] != urls:
+            if self.teacher is not None:
+                self.teacher[1].close()
+            own = "opd.teacher_url" not in teachers  # the run's own engines want its key; an outside server is not
+            cfg = TeacherClientConfig(urls=urls, timeout_s=opd.teacher_timeout_s, top_k=opd.log_prob_top_k)
+            self.teacher = (urls, TeacherClient(cfg, api_key=self.ctx.run.api_key() if own else None))
+        client = self.teacher[1]
+        scores = client.score(samples)
+        bad = [(x, sc) for x, sc in zip(samples, scores) if not sc.ok]
+        if bad:
+            x, sc = bad[0]
+            raise TeacherError(f"step {step}: the OPD teacher gave {len(bad)} of {len(samples)} samples no usable "
+                               f"log-probs; the first, index {x.index}: {sc.error}. Fix: check the teacher engines "
+                               "(their logs), and that the teacher uses the student's tokenizer")
+        for x, sc in zip(samples, scores):
+            x.teacher_log_probs = sc.log_probs
+        return client.take_metrics()
 
     def _judges(self, judges: dict[str, str]) -> None:
         """Point the GenRM client (reward functions' ``relax_hpc.rollout.genrm.generate``) at the run's judges."""

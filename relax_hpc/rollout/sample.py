@@ -6,6 +6,8 @@ custom generate function can fill ``tokens``, ``loss_mask`` and ``rollout_log_pr
 
 - ``tokens`` is prompt + response token ids; the last ``response_length`` of them are the response.
 - ``loss_mask`` and ``rollout_log_probs`` cover the response only (``response_length`` entries each).
+- ``teacher_log_probs`` (on-policy distillation, ``opd:``): the teacher's log-prob of each response token
+  (``response_length`` entries), set by the rollout role after the reward (:mod:`relax_hpc.rollout.teacher`).
 - ``reward`` is what the reward function returned: a float, or a dict read through ``reward_key``
   (:meth:`Sample.get_reward_value`).
 - ``weight_versions``: one entry per engine call that produced part of the response (Relax appends
@@ -66,6 +68,7 @@ class Sample:
     loss_mask: list[int] | None = None  # over the response tokens; None = all ones
     weight_versions: list[str] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None  # engine log-probs of the response tokens
+    teacher_log_probs: list[float] | None = None  # OPD: the teacher's log-probs of the response tokens
     remove_sample: bool = False  # keep for normalization but zero its loss mask
     abort_count: int = 0
     status: SampleStatus = SampleStatus.PENDING
@@ -136,6 +139,7 @@ class Sample:
         self.response_length = 0
         self.loss_mask = None
         self.rollout_log_probs = None
+        self.teacher_log_probs = None
         self.weight_versions = []
         self.status = SampleStatus.PENDING
 

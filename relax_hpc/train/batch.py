@@ -10,7 +10,7 @@ with the same keys (tests, tools), with:
   ``remove_sample`` has all zeros);
 * ``advantage`` (float, per sample) or ``advantages`` ([R], per token);
 * ``old_log_probs`` [R] (π_old; optional only with ``use_rollout_logprobs``), ``ref_log_probs`` [R]
-  (optional), ``rollout_log_probs`` [R] (optional).
+  (optional), ``rollout_log_probs`` [R] (optional), ``teacher_log_probs`` [R] (optional; OPD).
 
 Two layouts of a micro-batch:
 
@@ -48,6 +48,7 @@ class TrainingSample:
     rollout_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     old_log_probs: torch.Tensor | None = None
+    teacher_log_probs: torch.Tensor | None = None  # OPD: the teacher's log-prob of each response token [R]
 
 
 def field(sample, name: str, default=None):
@@ -97,6 +98,7 @@ class MicroBatch:
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     rollout_log_probs: torch.Tensor | None = None
+    teacher_log_probs: torch.Tensor | None = None  # [n_real, T] OPD: the teacher's, where every sample has them
     weight: float = 1.0  # this micro-batch's share of the global loss (samples or tokens)
 
     @property
@@ -237,7 +239,7 @@ def _finish(samples: Sequence, tokens: torch.Tensor, position_ids: torch.Tensor,
         advs.append(a)
     mb.loss_mask = _stack(masks, T) * valid
     mb.advantages = _stack(advs, T)
-    for name in ("old_log_probs", "ref_log_probs", "rollout_log_probs"):
+    for name in ("old_log_probs", "ref_log_probs", "rollout_log_probs", "teacher_log_probs"):
         setattr(mb, name, _stack([_per_token(s, name, r, required=False) for s, (_, r) in zip(samples, bounds)], T))
     return mb
 

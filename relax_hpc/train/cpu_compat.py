@@ -9,7 +9,7 @@ and the GPU code paths stay exactly as upstream wrote them. The facts behind eac
   buffer, DDP buffers) and ``device="cuda"`` / ``.cuda()`` / ``Tensor.type() == "torch.cuda.FloatTensor"``
   appear all over the optimizer and grad-clipping code: a process-wide ``TorchFunctionMode`` sends
   them to the CPU (:class:`_CudaToCpu`), and ``torch.cuda.current_device``/``synchronize``/``get_rng_state``
-  get CPU stand-ins;
+  get CPU stand-ins, and ``torch.cuda.nvtx`` ranges (Qwen3-VL's forward marks them) do nothing;
 * the attention always enters ``get_cuda_rng_tracker().fork()``, whose CUDA RNG cannot be seeded here:
   an "inference" tracker whose ``fork()`` is a no-op (valid because dropout is 0 in RL training,
   which :mod:`relax_hpc.train.model` enforces) — :func:`after_model_parallel`;
@@ -90,6 +90,8 @@ def apply() -> bool:
         torch.cuda.synchronize = lambda *a, **k: None
         torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()  # bridge/Megatron checkpoint RNG
         torch.cuda.set_rng_state = lambda state, device="cuda": None
+        torch.cuda.nvtx.range_push = lambda *a, **k: None  # else "NVTX functions not installed"
+        torch.cuda.nvtx.range_pop = lambda *a, **k: None
         _mode = _CudaToCpu()
         _mode.__enter__()  # process-wide, for good: megatron calls these at any time
         _patch_recompute_rng()

@@ -13,6 +13,7 @@ megatron is imported, so a mistake costs a second, not the model's build. Of the
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relax_hpc.errors import PermanentError
+from relax_hpc.rundir import named_like
 from relax_hpc.train.latest import BrokenLatest, complete, read_latest, run_step, step_dir_name
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
@@ -45,9 +47,12 @@ class Plan:
 
 
 def find_run(run: str | os.PathLike) -> Path:
-    """A run directory given as a path, or as a name under ``./runs``."""
+    """A run directory given as a path, or as a name under ``./runs``: a directory's, or a recipe's ``run.name``
+    (the latest run of that name, as relax-status takes it)."""
     p = Path(run).expanduser()
-    for cand in (p, Path("runs") / p):
+    named = [] if os.sep in str(run) else sorted(
+        d for d in Path("runs").glob(f"{glob.escape(str(run))}-*") if named_like(str(run)).fullmatch(d.name))
+    for cand in (p, Path("runs") / p, *reversed(named)):
         if cand.is_dir() and ((cand / "recipe.yaml").exists() or (cand / "checkpoints").is_dir()):
             return cand.resolve()
     raise ExportError(f"{run} is not a run directory (no recipe.yaml nor checkpoints/ there). Fix: give the run "

@@ -18,7 +18,8 @@ import numpy as np
 
 from relax_hpc.errors import PermanentError
 from relax_hpc.exchange.chunk import ChunkRef, Ragged
-from relax_hpc.exchange.fields import FORWARD_FIELDS, LOGPROB_TOLERANCE, SEGMENT_FIELDS, TRAIN_FIELDS
+from relax_hpc.exchange.fields import (FORWARD_FIELDS, LOGPROB_TOLERANCE, OPTIONAL_ROLLOUT_FIELDS, SEGMENT_FIELDS,
+                                       TRAIN_FIELDS)
 from relax_hpc.train.samples import as_ref, read_columns
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["logprob_batch", "mini_batch_order", "TrainPlan", "train_plan", "train_batch", "read_train_columns",
            "read_train_batch", "UnsoundTrainData", "check_train_columns"]
 
-LOGPROB_COLUMNS = ("rollout_log_probs", "ref_log_probs", "log_probs")
+LOGPROB_COLUMNS = ("rollout_log_probs", "ref_log_probs", "log_probs", "teacher_log_probs")  # teacher: OPD (#32)
 
 
 def logprob_batch(cols: dict[str, Any]) -> list[TrainingSample]:
@@ -68,9 +69,9 @@ def _sample_of(r: Ragged, flat: int) -> int:
 
 def check_train_columns(cols: dict[str, Any]) -> None:
     """Raise :class:`UnsoundTrainData` at the first bad value of the columns an update reads: ``raw_reward``
-    (finite, as stored: float32, where 1e39 is inf), and ``rollout_log_probs``, ``ref_log_probs``, ``log_probs``
-    where present (finite and at most ``LOGPROB_TOLERANCE``), every token, masked or not (a masked NaN still
-    poisons a ratio). Checks only: no tensor is built."""
+    (finite, as stored: float32, where 1e39 is inf), and ``rollout_log_probs``, ``ref_log_probs``, ``log_probs``,
+    ``teacher_log_probs`` (OPD) where present (finite and at most ``LOGPROB_TOLERANCE``), every token, masked or
+    not (a masked NaN still poisons a ratio). Checks only: no tensor is built."""
     idx = cols.get("index")
 
     def index(i: int) -> int | None:
@@ -93,6 +94,14 @@ def check_train_columns(cols: dict[str, Any]) -> None:
             what = "not finite" if not np.isfinite(data[t]) else f"a log-prob above 0 (tolerance {LOGPROB_TOLERANCE})"
             raise UnsoundTrainData(name, i, float(data[t]), f"{what}, at response token {t - int(r.offsets[i])}",
                                    index(i))
+    teacher = cols.get("teacher_log_probs")  # OPD: one per response token, or the step would train without some
+    if teacher is not None:
+        lens = np.asarray(cols["response_length"], dtype=np.int64)
+        bad = np.flatnonzero(teacher.lengths() != lens)
+        if bad.size:
+            i = int(bad[0])
+            raise UnsoundTrainData("teacher_log_probs", i, float(teacher.lengths()[i]),
+                                   f"that many values for a response of {int(lens[i])} tokens", index(i))
 
 
 def mini_batch_order(n: int, k: int, seed: int, step: int) -> list[np.ndarray]:
@@ -132,7 +141,8 @@ def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int =
     A are R̃ on the loss-mask tokens, 0 elsewhere, whitened over the whole step if
     ``algorithm.normalize_advantages``, built as one flat tensor over the ragged layout. Only this rank's
     samples become tensors: tokens, response_start, loss_mask, advantages and rollout_log_probs as views,
-    plus ``ref_log_probs`` / ``old_log_probs`` from the ``ref_log_probs`` / ``log_probs`` columns.
+    plus ``ref_log_probs`` / ``old_log_probs`` / ``teacher_log_probs`` from the ``ref_log_probs`` / ``log_probs`` /
+    ``teacher_log_probs`` columns.
 
     Raises :class:`UnsoundTrainData` where a value is not fit to train on: the columns (:func:`check_train_columns`,
     before any tensor), then R̃ and the advantages built from them (float32 overflow in a group's statistics)."""
@@ -175,8 +185,9 @@ def _advantages(cols: dict[str, Any], algo_cfg: Any, group_size: int) -> tuple[A
     return rewards, adv
 
 
-# the forward roles' side columns and the sample fields they fill
-SIDES = (("ref_log_probs", "ref_log_probs"), ("log_probs", "old_log_probs"))
+# the per-token columns beside the rollout's that a sample carries where the step has them, and the sample fields they
+# fill: the forward roles' side columns, and OPD's teacher log-probs (written by the rollout)
+SIDES = (("ref_log_probs", "ref_log_probs"), ("log_probs", "old_log_probs"), ("teacher_log_probs", "teacher_log_probs"))
 
 
 def _sample(cols: dict[str, Any], adv: Any, i: int) -> TrainingSample:
@@ -237,10 +248,11 @@ def train_batch(cols: dict[str, Any], algo_cfg: Any, group_size: int) -> tuple[l
 
 
 def read_train_columns(refs: Sequence[dict | ChunkRef], *, agree: bool = True) -> dict[str, Any]:
-    """:func:`read_columns` of the train fields, and of the segment fields and the forward roles' side fields
-    every chunk has."""
+    """:func:`read_columns` of the train fields, and of the segment fields, the optional rollout fields (OPD's
+    ``teacher_log_probs``) and the forward roles' side fields every chunk has."""
     chunks = [as_ref(r) for r in refs]
-    extra = [f for f in (*SEGMENT_FIELDS, *FORWARD_FIELDS) if all(f in c.all_fields for c in chunks)]
+    extra = [f for f in (*SEGMENT_FIELDS, *OPTIONAL_ROLLOUT_FIELDS, *FORWARD_FIELDS)
+             if all(f in c.all_fields for c in chunks)]
     return read_columns(chunks, (*TRAIN_FIELDS, *extra), agree=agree)
 
 

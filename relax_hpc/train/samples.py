@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from relax_hpc.exchange.chunk import ChunkRef, DamagedChunk, Ragged, columns_to_samples, read_chunk, write_chunk
-from relax_hpc.exchange.fields import BY_NAME, PRODUCER, TRAIN_FIELDS, rollout_fields
+from relax_hpc.exchange.fields import BY_NAME, OPTIONAL_ROLLOUT_FIELDS, PRODUCER, TRAIN_FIELDS, rollout_fields
 
 __all__ = ["exchange_root", "write_step", "as_ref", "read_columns", "read_samples"]
 
@@ -49,6 +49,26 @@ def _rollout_values(s: Any) -> dict[str, list]:
     }
 
 
+def _optional_values(s: Any) -> dict[str, list]:
+    """The optional rollout fields (:data:`~relax_hpc.exchange.fields.OPTIONAL_ROLLOUT_FIELDS`) these samples carry:
+    a field is written when every sample has it (OPD's ``teacher_log_probs``), and none may have it partly."""
+    out: dict[str, list] = {}
+    for name in OPTIONAL_ROLLOUT_FIELDS:
+        vals = [getattr(x, name, None) for x in s]
+        have = [v is not None for v in vals]
+        if any(have) and not all(have):
+            i = have.index(False)
+            raise ValueError(f"{name}: {sum(have)} of {len(vals)} samples carry it, sample {i} (index "
+                             f"{s[i].index}) does not: a step's chunk has the field for every sample or for none")
+        for x, v in zip(s, vals):  # per response token, as rollout_log_probs
+            if v is not None and len(v) != x.response_length:
+                raise ValueError(f"{name} of sample index {x.index} has {len(v)} values for a response of "
+                                 f"{x.response_length} tokens")
+        if s and all(have):
+            out[name] = vals
+    return out
+
+
 def _column(name: str, values: list) -> Any:
     """One field's values as the column its schema says: ndarray, a list of per-sample arrays, or a JSON list."""
     f = BY_NAME[name]
@@ -61,12 +81,14 @@ def _column(name: str, values: list) -> Any:
 
 def write_step(run_path: str | os.PathLike, step: int, result: Any, seq: int = 0,
                attrs: dict | None = None) -> ChunkRef:
-    """Write a :class:`~relax_hpc.rollout.driver.RolloutResult` as the chunk of rollout step ``step``;
-    ``attrs`` join the chunk's (and its journal record's), e.g. the prompts it holds
-    (:func:`~relax_hpc.exchange.audit.prompt_attrs`)."""
+    """Write a :class:`~relax_hpc.rollout.driver.RolloutResult` as the chunk of rollout step ``step``, with the
+    optional fields its samples carry (OPD's ``teacher_log_probs``); ``attrs`` join the chunk's (and its journal
+    record's), e.g. the prompts it holds (:func:`~relax_hpc.exchange.audit.prompt_attrs`)."""
     values = _rollout_values(result.samples)
     values["raw_reward"] = list(result.raw_rewards)
-    names = rollout_fields()
+    extra = _optional_values(result.samples)
+    values.update(extra)
+    names = rollout_fields(tuple(extra))
     assert set(values) == set(names), sorted(set(values) ^ set(names))  # the schema and this writer agree
     root = exchange_root(run_path)
     os.makedirs(os.path.join(root, f"step_{int(step)}"), exist_ok=True)

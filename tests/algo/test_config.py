@@ -1,4 +1,4 @@
-"""AlgorithmConfig defaults (Relax's), its meaning checks, and the configs/algorithm fragments."""
+"""AlgorithmConfig and OPDConfig: defaults (Relax's), meaning checks, and the configs/algorithm fragments."""
 
 import dataclasses
 import typing
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from relax_hpc.algo.config import AlgorithmConfig, check, clip_high
+from relax_hpc.algo.config import AlgorithmConfig, OPDConfig, check, check_opd, clip_high
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "algorithm"
 
@@ -81,3 +81,64 @@ def test_fragments_select_their_estimator_and_are_valid(name, estimator):
 def test_every_plugin_form_passes_the_form_check_without_importing(path):
     cfg = dataclasses.replace(AlgorithmConfig(), custom_loss_path=path, custom_tis_function_path=path)
     assert check(cfg) == []
+
+
+# --- opd: (OPDConfig, check_opd) ---------------------------------------------------------------------------
+
+OPD_OK = OPDConfig(teacher_url="http://teacher:30000/generate")
+
+
+def test_opd_relax_defaults_and_a_teacher_url_are_valid():
+    c = OPDConfig()
+    assert (c.enabled, c.kl_coef, c.loss_coef, c.only_reward, c.kl_type, c.jsd_alpha) == (True, 1.0, 0.0, False,
+                                                                                           "reverse_kl", 0.5)
+    assert (c.teacher_timeout_s, c.log_prob_top_k, c.norm_mode, c.token_selection) == (30.0, 0, "tail",
+                                                                                       "student_sampled")
+    assert (c.per_token_clip, c.is_clip, c.log_prob_min_clamp) == (None, None, None)
+    assert [k for k, _, _ in check_opd(c)] == ["teacher_url"]
+    assert check_opd(OPD_OK) == []
+    assert check_opd(dataclasses.replace(OPD_OK, kl_coef=0.0, loss_coef=0.5, is_clip=2.0, kl_type="low_var_kl")) == []
+    assert check_opd(dataclasses.replace(OPD_OK, kl_type="jsd", jsd_alpha=0.3, token_selection="teacher_topk",
+                                         log_prob_top_k=8, norm_mode="norm")) == []
+    assert check_opd(OPDConfig(enabled=False, kl_coef=0.0)) == []  # off: not checked
+
+
+def test_opd_field_types_are_ones_the_recipe_validator_supports():
+    allowed = {int, float, bool, str, type(None)}
+    for name, tp in typing.get_type_hints(OPDConfig).items():
+        if typing.get_origin(tp) is typing.Literal:
+            continue
+        assert tp in allowed or set(typing.get_args(tp)) <= allowed, f"{name}: {tp}"
+
+
+@pytest.mark.parametrize(
+    "changes, key, text",
+    [
+        ({"teacher_url": "teacher:30000"}, "teacher_url", "http(s) URL"),
+        ({"teacher_timeout_s": 0.0}, "teacher_timeout_s", "more than 0"),
+        ({"loss_coef": 0.5}, "loss_coef", "exactly one of opd.kl_coef and opd.loss_coef"),
+        ({"kl_coef": 0.0}, "kl_coef", "exactly one of opd.kl_coef and opd.loss_coef"),
+        ({"kl_coef": -1.0}, "kl_coef", "0 or more"),
+        ({"kl_type": "jsd"}, "kl_type", "top-k log-probs of both models"),
+        ({"kl_type": "forward_kl"}, "kl_type", "top-k log-probs of both models"),
+        ({"token_selection": "student_topk"}, "log_prob_top_k", "more than 0"),
+        ({"log_prob_top_k": 16}, "log_prob_top_k", "does nothing"),
+        ({"log_prob_top_k": -1}, "log_prob_top_k", "0 or more"),
+        ({"kl_type": "jsd", "token_selection": "student_topk", "log_prob_top_k": 4, "jsd_alpha": 1.5},
+         "jsd_alpha", "between 0 and 1"),
+        ({"jsd_alpha": 0.3}, "jsd_alpha", "only with kl_type jsd"),
+        ({"norm_mode": "norm"}, "norm_mode", "top-k"),
+        ({"per_token_clip": 0.0}, "per_token_clip", "more than 0"),
+        ({"is_clip": 2.0}, "is_clip", "loss form"),
+        ({"kl_coef": 0.0, "loss_coef": 1.0, "is_clip": -1.0}, "is_clip", "more than 0"),
+        ({"log_prob_min_clamp": 0.0}, "log_prob_min_clamp", "below 0"),
+    ],
+)
+def test_opd_check_names_the_key_the_value_and_a_fix(changes, key, text):
+    cfg = dataclasses.replace(OPD_OK, **changes)
+    problems = check_opd(cfg)
+    assert key in [k for k, _, _ in problems], problems
+    assert any(text in m for k, _, m in problems if k == key), problems
+    for k, value, message in problems:
+        assert value == getattr(cfg, k)
+        assert "Fix:" in message

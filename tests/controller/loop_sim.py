@@ -87,16 +87,23 @@ def deliver_joins(loop: TrainingLoop, ch: FakeChannel) -> None:
         loop.tick()
 
 
-def answer(loop: TrainingLoop, task: dict) -> M.ResultMessage:
+FROZEN = {"genrm": ("judge", 7000), "teacher": ("teacher", 7100)}  # a frozen-engine role: its engine names, ports
+
+
+def answer(loop: TrainingLoop, task: dict, role: str | None = None) -> M.ResultMessage:
     """What a role would report, with made-up numbers: train/loss = the step, eval/arith = 0.01 * the step."""
     kind, n = task["kind"], task.get("step")
+    if kind == "start_engines" and role in FROZEN:  # one judge / teacher engine on node n9
+        name, port = FROZEN[role][0] + "0", FROZEN[role][1]
+        return M.StartEnginesResult(engines={name: f"http://10.0.0.9:{port}"}, pids={name: 42}, nodes={name: "n9"})
     if kind == "start_engines":  # the driver's cursor (its engines are steps of their own: they join)
         return M.StartEnginesResult(engines={}, data_state={"offset": 0})
     if kind == "connect":
         return M.ConnectResult(engines=["engine0"])
     if kind == "generate":
         chunk = {"path": str(loop.broker.root / f"step_{n}" / f"chunk_{PRODUCER}_{task['seq']}.h5"), "step": n,
-                 "n": 4, "fields": list(task_fields("train", (PRODUCER,))), "checksum": "0", "size": 1,
+                 "n": 4, "fields": [*task_fields("train", (PRODUCER,)), *(["teacher_log_probs"] if task["teachers"]
+                                                                          else [])], "checksum": "0", "size": 1,
                  "attrs": {}, "sides": []}
         return M.GenerateResult(chunks=[chunk], metrics={"rollout/raw_reward": 0.1 * n}, n=4,
                                 weight_versions=[str(loop.step)], data_state={"offset": n})
@@ -123,7 +130,7 @@ def drive(loop: TrainingLoop, ch: FakeChannel, after=None, special=None) -> list
     while ch.queue and loop.outcome is None:
         role, task = ch.queue.pop(0)
         done.append(what(task))
-        res = (special(task) if special is not None else None) or answer(loop, task)
+        res = (special(task) if special is not None else None) or answer(loop, task, role)
         ch.events.append(("-", *what(task)))
         loop.on_message({"type": "task_done", "task_id": task["id"], "rank": 0, "result": res.to_dict()})
         assert loop.state.running or task["kind"] == "stop", loop.state.doc["reason"]

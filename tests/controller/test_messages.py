@@ -14,15 +14,17 @@ SIDE = {"chunk": "3/rollout-0", "writer": "reference", "file": "x.h5", "fields":
 ENGINES = {"engine0": "http://127.0.0.1:8000", "engine1": "http://127.0.0.1:8001"}
 
 JUDGES = {"judge0": "http://10.0.0.3:8002"}
+TEACHERS = {"teacher0": "http://10.0.0.4:8003"}
 
 # one instance of every kind, with every field set (and the wire dict it must give)
 TASKS = [
     (M.StartEnginesTask(id=1), {"id": 1, "kind": "start_engines"}),
     (M.ConnectTask(id=2, engines=ENGINES, load=None, followers={"actor_fwd": "http://n4:9"}),
      {"id": 2, "kind": "connect", "engines": ENGINES, "load": None, "followers": {"actor_fwd": "http://n4:9"}}),
-    (M.GenerateTask(id=3, step=3, engines=ENGINES, seq=2, data_state={"epoch": 0, "offset": 8}, judges=JUDGES),
+    (M.GenerateTask(id=3, step=3, engines=ENGINES, seq=2, data_state={"epoch": 0, "offset": 8}, judges=JUDGES,
+                    teachers=TEACHERS),
      {"id": 3, "kind": "generate", "step": 3, "engines": ENGINES, "seq": 2, "data_state": {"epoch": 0, "offset": 8},
-      "judges": JUDGES}),
+      "judges": JUDGES, "teachers": TEACHERS}),
     (M.LogprobsTask(id=4, chunks=[CHUNK]), {"id": 4, "kind": "logprobs", "chunks": [CHUNK]}),
     (M.LogprobsTask(id=4, chunks=[CHUNK], field="log_probs"),
      {"id": 4, "kind": "logprobs", "chunks": [CHUNK], "field": "log_probs"}),

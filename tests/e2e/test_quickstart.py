@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import wandb_files
 
 from relax_hpc.controller import run_controller
 from relax_hpc.exchange.audit import exactly_once
@@ -113,7 +114,8 @@ def test_the_metrics_doc_reads_as_the_tag_check_reads_it():
 def test_quickstart_learns_locally(tmp_path, tiny_model, local_executor):
     from .conftest import make_run
 
-    run = make_run(tmp_path, tiny_model, f"run.steps={STEPS}", "rollout.engine.offload=true", name="quickstart")
+    run = make_run(tmp_path, tiny_model, f"run.steps={STEPS}", "rollout.engine.offload=true",
+                   "logging.wandb.project=quickstart", "logging.wandb.mode=offline", name="quickstart")
     t0 = time.monotonic()
     final = run_controller(run.path)
     wall = time.monotonic() - t0
@@ -141,6 +143,16 @@ def test_quickstart_learns_locally(tmp_path, tiny_model, local_executor):
         assert [s for s, _ in tags.get(tag, [])] == list(range(1, STEPS + 1)), tag
     check_tags_against_doc(set(tags), NOT_IN_THE_QUICKSTART)
     assert tags["rollout/raw_reward"][-1][1] == pytest.approx(summary["reward_final"], abs=1e-6)
+    # W&B (offline): the same names as TensorBoard's, each against rollout/step, the same reward curve
+    [wb_file] = wandb_files.run_files(run.path)
+    wb: dict = {}
+    for row in wandb_files.history(wb_file):
+        for k, v in row.items():
+            if not k.startswith("_") and k != "rollout/step":
+                wb.setdefault(k, []).append((row["rollout/step"], v))
+    assert set(wb) == set(tags)
+    assert [(s, pytest.approx(v, abs=1e-6)) for s, v in tags["rollout/raw_reward"]] == wb["rollout/raw_reward"]
+    assert summary["wandb"] == str(wb_file.parent) and wandb_files.exit_code(wb_file) == 0
 
     rows = metrics(run)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))

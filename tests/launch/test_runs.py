@@ -30,6 +30,20 @@ def test_find_by_name_path_jobid_and_latest(tmp_path):
     assert find_run("12+3", root) == b  # a component id names its het job
 
 
+def test_find_by_the_recipes_run_name_takes_the_latest_of_that_name(tmp_path):
+    """`relax-status quickstart-slurm` (run.name, as the recipes' headers say): the latest run of that name,
+    never one whose name only starts with it."""
+    root = tmp_path / "runs"
+    old = make(root, "walk", "21", 100.0)
+    os.rename(old.path, root / "walk-20260101-000000")
+    new = make(root, "walk", "22", 200.0)
+    make(root, "walk-long", "23", 300.0)
+    assert find_run("walk", root).name == new.name
+    assert find_run("walk-long", root).name.startswith("walk-long-")
+    with pytest.raises(RunNotFound):
+        find_run("wal", root)
+
+
 def test_not_found_says_what_exists(tmp_path):
     root = tmp_path / "runs"
     a = make(root, "a", "11", 100.0)

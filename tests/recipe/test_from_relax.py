@@ -6,8 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from relax_hpc.recipe import load_recipe
+from relax_hpc.recipe import load_recipe, recipe_from_dict
 from relax_hpc.recipe.from_relax import convert, split_flags
 
 REPO = Path(__file__).resolve().parents[2]
@@ -160,6 +161,58 @@ def test_offload_rollout_hands_the_engines_memory_over():
     assert "engine" not in (data.get("rollout") or {}) and any("--offload-train: not supported" in n for n in notes)
 
 
+def test_wandb_flags_land_in_logging_wandb_only_with_use_wandb():
+    data, notes = convert(["--wandb-mode", "offline", "--use-wandb", "--wandb-project", "p", "--wandb-team", "t",
+                           "--wandb-group", "g", "--wandb-key", "secret"])
+    assert data["logging"]["wandb"] == {"mode": "offline", "project": "p", "entity": "t", "group": "g"}
+    assert any(n.startswith("--wandb-key secret: not supported") for n in notes)  # never into the recipe
+    assert "secret" not in yaml.safe_dump(data)
+    data, _ = convert(["--use-wandb", "--wandb-project", "p"])
+    assert data["logging"]["wandb"] == {"mode": "online", "project": "p"}
+    recipe_from_dict(data)  # loads, and validates
+    data, notes = convert(["--wandb-project", "p"])
+    assert "logging" not in data and any("only with --use-wandb" in n for n in notes)
+
+
 def test_eval_prompt_data_pairs_become_the_mapping():
     data, _ = convert(["--eval-prompt-data", "aime", "/d/aime.jsonl", "math500", "/d/math500.jsonl"])
     assert data["data"]["eval_prompt_data"] == {"aime": "/d/aime.jsonl", "math500": "/d/math500.jsonl"}
+
+
+OPD_SCRIPT = ["--use-opd", "--opd-type", "sglang", "--opd-teacher-url", "http://teacher:30000/generate",
+              "--opd-kl-coef", "0", "--opd-loss-coef", "0.5", "--opd-disable-rl-reward", "--opd-per-token-clip", "5",
+              "--opd-log-prob-min-clamp", "-20", "--teacher-hf-checkpoint", "/m/teacher"]
+
+
+def test_opd_flags_land_in_the_opd_section():
+    data, notes = convert(OPD_SCRIPT)
+    assert data["opd"] == {"enabled": True, "teacher_url": "http://teacher:30000/generate", "kl_coef": 0.0,
+                           "loss_coef": 0.5, "only_reward": True, "per_token_clip": 5.0, "log_prob_min_clamp": -20}
+    assert "--teacher-hf-checkpoint /m/teacher: not supported yet" in "\n".join(notes)
+
+
+def test_opd_flags_without_use_opd_are_left_out_as_relax_ignores_them():
+    data, notes = convert(["--opd-kl-coef", "0.5", "--opd-type", "sglang"])
+    assert "opd" not in data
+    said = "\n".join(notes)
+    assert "--opd-kl-coef 0.5: Relax reads it only with --use-opd" in said and "--opd-type sglang: Relax" in said
+
+
+def test_a_megatron_teacher_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match="--opd-type megatron: .*Fix: serve the teacher with SGLang"):
+        convert(["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/ckpt"])
+
+
+def test_the_opd_recipe_from_flags_is_validated(monkeypatch):
+    from relax_hpc.recipe import RecipeError, recipe_from_dict, validate
+
+    data, _ = convert(OPD_SCRIPT)
+    with pytest.raises(RecipeError, match="not wired into training yet"):  # until the loop is wired (issue #32)
+        recipe_from_dict(data)
+    monkeypatch.setattr(validate, "opd_not_wired", lambda r: [])
+    r = recipe_from_dict(data)
+    assert (r.opd.loss_coef, r.opd.per_token_clip, r.opd.log_prob_min_clamp) == (0.5, 5.0, -20.0)
+    bad, _ = convert(["--use-opd", "--opd-type", "sglang", "--opd-loss-coef", "0.5"])  # kl_coef stays 1.0
+    with pytest.raises(RecipeError) as e:
+        recipe_from_dict(bad)
+    assert {k for k, _, _ in e.value.problems} == {"opd.teacher_url", "opd.loss_coef"}

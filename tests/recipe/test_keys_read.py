@@ -35,8 +35,8 @@ from relax_hpc.recipe.validate import schema_keys
 PKG = Path(__file__).resolve().parents[2] / "relax_hpc"
 NOT_SCANNED = {"recipe/validate.py", "recipe/schema.py", "rollout/config.py"}  # the validator, the schema
 # functions that judge values for the validator (it imports them) rather than act on them
-VALIDATORS = {"algo/config.py": {"check", "_plugin_form"}, "train/config.py": {"check"},
-              "rollout/data.py": {"check_config"}}
+VALIDATORS = {"algo/config.py": {"check", "_plugin_form", "check_opd"}, "train/config.py": {"check"},
+              "rollout/data.py": {"check_config"}, "ops/wandb_log.py": {"check", "credential_problems"}}
 # functions that hand recipe values on to a user's function as keyword arguments (Relax's ``args``): a key that only
 # reaches ``args`` there does nothing in the run, so those arguments are not reads
 PASS_THROUGH = {"rollout/rewards/runner.py": {"relax_args"}}

@@ -289,7 +289,7 @@ def test_relax_flag_hint_shows_the_value():
     assert "run.num_rollout = 100: unknown key; Relax's --num-rollout" in str(error({"run": {"num_rollout": 100}}))
 
 
-@pytest.mark.parametrize("name", ["num_epoch", "update-weights-interval", "sglang_config", "use_wandb"])
+@pytest.mark.parametrize("name", ["num_epoch", "update-weights-interval", "sglang_config", "wandb_key"])
 def test_relax_flags_without_a_home_say_so(name):
     msg = problems({"rollout": {name: 1}})[f"rollout.{name}"]
     assert f"Relax's --{name.replace('_', '-')} has no equivalent in relax_hpc yet" in msg and "Fix: remove it" in msg
@@ -825,3 +825,80 @@ def test_engine_kind_and_offload_rules():
                                                                                             "0.5"]}}})
     assert (r.rollout.engine.kind, r.rollout.engine.offload) == ("sglang", True)
     assert recipe_from_dict({}).rollout.engine.offload is None  # auto: when the engines share the actor's GPU
+
+
+# --- opd: on-policy distillation (relax_hpc/algo/config.py OPDConfig) --------------------------------------
+
+OPD_SECTION = {"teacher_url": "http://teacher:30000/generate", "kl_coef": 0.0, "loss_coef": 0.5, "only_reward": True}
+
+
+def test_an_opd_section_is_refused_until_the_loop_is_wired():
+    """The objective is built, the loop that asks the teacher is not: a recipe with opd: must not train without it."""
+    got = problems({"opd": OPD_SECTION})
+    assert list(got) == ["opd"] and "not wired into training yet" in got["opd"] and "Fix:" in got["opd"]
+    assert recipe_from_dict({"opd": {**OPD_SECTION, "enabled": False}}).opd.enabled is False
+    assert recipe_from_dict({}).opd is None
+
+
+def test_an_opd_section_validates_and_its_problems_carry_the_prefix(monkeypatch):
+    from relax_hpc.recipe import validate
+
+    monkeypatch.setattr(validate, "opd_not_wired", lambda r: [])  # what the lead's wiring leaves
+    r = recipe_from_dict({"opd": OPD_SECTION})
+    assert (r.opd.teacher_url, r.opd.kl_coef, r.opd.loss_coef, r.opd.only_reward) == (
+        "http://teacher:30000/generate", 0.0, 0.5, True)
+    got = problems({"opd": {"kl_type": "jsd", "loss_coef": 1, "teacher_timeout_s": 0}})
+    assert set(got) == {"opd.teacher_url", "opd.loss_coef", "opd.kl_type", "opd.teacher_timeout_s"}
+    assert "one of" in problems({"opd": {**OPD_SECTION, "kl_type": "kl"}})["opd.kl_type"]
+
+
+def test_relax_opd_flags_written_as_keys_point_at_the_opd_section():
+    msg = problems({"opd_kl_coef": 0.5})["opd_kl_coef"]
+    assert "opd.kl_coef" in msg and "Fix: set opd.kl_coef: 0.5 instead" in msg
+    assert "opd.enabled" in problems({"use_opd": True})["use_opd"]
+
+
+# --- the OPD teacher: roles.teacher (its own engines, opd.teacher_model_path) or opd.teacher_url ---------
+
+TEACHER_ROLE = {"roles": {"teacher": {"enabled": True}}}
+
+
+def test_the_opd_teacher_is_the_run_s_engines_or_a_server_exactly_one(monkeypatch):
+    from relax_hpc.recipe import validate
+
+    monkeypatch.setattr(validate, "opd_not_wired", lambda r: [])  # what the lead's wiring leaves
+    own = recipe_from_dict({"opd": {"teacher_model_path": "/m/teacher"}, "roles": {"teacher": {"enabled": True,
+                                                                                                "nodes": 2}}})
+    assert own.opd.teacher_model_path == "/m/teacher" and own.opd.teacher_url is None and own.roles.teacher.nodes == 2
+    assert recipe_from_dict({"opd": {"teacher_url": "http://t:30000/generate"}}).roles.teacher.enabled is False
+    text = problems({"opd": {}})["opd.teacher_url"]  # neither
+    assert "is required when the run has no teacher engines" in text and "roles.teacher.enabled: true" in text
+    text = problems({"opd": {"teacher_url": "http://t:30000/generate", "teacher_model_path": "/m/t"},
+                     **TEACHER_ROLE})["opd.teacher_url"]  # both
+    assert "the run would ask only one" in text and "Fix: remove opd.teacher_url" in text
+    text = problems({"opd": {}, **TEACHER_ROLE})["opd.teacher_model_path"]
+    assert "is required with roles.teacher.enabled: true" in text and "--teacher-hf-checkpoint" in text
+    text = problems({"opd": {"teacher_url": "http://t:30000/generate", "teacher_model_path": "/m/t"}})[
+        "roles.teacher.enabled"]
+    assert "'/m/t'" in text and "no teacher engines would run" in text
+    assert "nodes of their own" in problems({"opd": {"teacher_model_path": "/m/t"}, "roles": {"teacher": {
+        "enabled": True, "share_with": "rollout"}}})["roles.teacher.share_with"]
+
+
+def test_teacher_engines_without_opd_are_refused():
+    for data in (TEACHER_ROLE, {**TEACHER_ROLE, "opd": {"enabled": False, "teacher_model_path": "/m/t"}}):
+        got = problems(data)
+        assert list(got) == ["roles.teacher.enabled"], got
+        assert "no opd section that is on" in got["roles.teacher.enabled"] and "Fix: add opd:" in got[
+            "roles.teacher.enabled"]
+
+
+def test_the_teacher_model_path_must_be_a_model_directory(tmp_path, monkeypatch):
+    from relax_hpc.recipe import validate
+
+    monkeypatch.setattr(validate, "opd_not_wired", lambda r: [])
+    model_dir(tmp_path, max_position_embeddings=64)
+    data = {"opd": {"teacher_model_path": "absent"}, **TEACHER_ROLE}
+    (value, msg), = file_problems(data, tmp_path).values()
+    assert value == "absent" and "there is no directory" in msg and "Fix: the model's Hugging Face directory" in msg
+    assert file_problems({"opd": {"teacher_model_path": "model"}, **TEACHER_ROLE}, tmp_path) == {}

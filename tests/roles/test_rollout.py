@@ -6,6 +6,7 @@ Partial rollout's generate-again path runs on a CPU engine in tests/rollout/test
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from relax_hpc.algo.config import OPDConfig
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.messages import EvalTask, GenerateTask
 from relax_hpc.exchange.audit import chunk_prompts
@@ -47,6 +49,34 @@ class Engine:
 
             def do_GET(self):
                 self.send_json(200, b"{}")
+
+        self.http = StubServer(Handler)
+        self.url = self.http.url
+
+
+class Teacher:
+    """A stub SGLang teacher answering scoring requests: response position j (from 1) gets log-prob -0.1·j
+    (``mode`` "bad": +0.5, a log-prob above 0; "down": every call a 503). Records each call's API key."""
+
+    def __init__(self, mode: str = "ok") -> None:
+        self.calls, self.keys = 0, []
+        outer = self
+
+        class Handler(StubHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                outer.calls += 1
+                outer.keys.append(self.headers.get("Authorization"))
+                if mode == "down":
+                    return self.send_json(503, b"{}")
+                out = []
+                for ids, k in zip(body["input_ids"], body["logprob_start_len"]):
+                    rows = [[None, ids[k], None]] + [[0.5 if mode == "bad" else -0.1 * j, ids[k + j], None]
+                                                     for j in range(1, len(ids) - k)]
+                    out.append({"text": "", "output_ids": [], "meta_info": {
+                        "id": "t", "finish_reason": {"type": "length", "length": 0}, "input_token_logprobs": rows,
+                        "weight_version": "0"}})
+                return self.send_json(200, json.dumps(out).encode())
 
         self.http = StubServer(Handler)
         self.url = self.http.url
@@ -206,3 +236,48 @@ def test_prompt_attrs_too_large_for_a_chunk_are_left_out(role, caplog):
     with caplog.at_level(logging.WARNING, logger="relax_hpc.rollout"):
         assert gen._prompt_attrs(scattered) == {}
     assert "relax-status --audit cannot count its prompts" in caplog.text
+
+
+@pytest.fixture
+def teachers():
+    made: list[Teacher] = []
+
+    def make(mode: str = "ok") -> Teacher:
+        made.append(Teacher(mode))
+        return made[-1]
+
+    yield make
+    for t in made:
+        t.http.close()
+
+
+def test_with_opd_the_teacher_scores_every_response_token_and_the_chunk_carries_them(role, engines, teachers):
+    """``opd:`` on (set past validation, which refuses it until the objective is in the training step): after the
+    reward, the task's teachers score each sample's response tokens; the chunk carries them as teacher_log_probs and
+    the step's metrics opd/*. A teacher that fails for good, or gives no good numbers, fails the step."""
+    from relax_hpc.rollout.teacher import TeacherError
+
+    a, t = engines(), teachers()
+    gen = role()
+    gen.recipe = dataclasses.replace(gen.recipe, opd=OPDConfig(teacher_model_path="/t", teacher_timeout_s=3.0))
+    r = gen.generate(GenerateTask(id=next(_ids), step=1, engines={"a": a.url}, seq=1, data_state=None,
+                                  teachers={"teacher0": t.url}))
+    got = read_samples(r.chunks, ("response_length", "teacher_log_probs"))
+    assert len(got) == 4 and all(list(s["teacher_log_probs"]) == pytest.approx([-0.1, -0.2]) for s in got)
+    assert r.metrics["opd/teacher_calls"] == t.calls >= 1 and r.metrics["opd/teacher_bad_samples"] == 0
+    assert set(t.keys) == {f"Bearer {gen.ctx.run.api_key()}"}  # the run's own teacher engines want its key
+
+    ext = teachers()  # opd.teacher_url: a server outside the run never gets the run's key
+    gen.generate(GenerateTask(id=next(_ids), step=2, engines={"a": a.url}, seq=2, data_state=None,
+                              teachers={"opd.teacher_url": ext.url}))
+    assert ext.calls >= 1 and set(ext.keys) == {None}
+
+    with pytest.raises(TeacherError, match="gave no answer .* within teacher timeout_s"):
+        gen.generate(GenerateTask(id=next(_ids), step=3, engines={"a": a.url}, seq=3, data_state=None,
+                                  teachers={"teacher0": teachers("down").url}))
+    with pytest.raises(TeacherError, match="gave 4 of 4 samples no usable log-probs.*is 0.5 > 0"):
+        gen.generate(GenerateTask(id=next(_ids), step=3, engines={"a": a.url}, seq=4, data_state=None,
+                                  teachers={"teacher0": teachers("bad").url}))
+    with pytest.raises(ValueError, match="names no teacher"):
+        gen.generate(GenerateTask(id=next(_ids), step=3, engines={"a": a.url}, seq=5, data_state=None))
+    assert not list((gen.ctx.run.path / "exchange" / "step_3").glob("*.h5"))  # no step without teacher numbers

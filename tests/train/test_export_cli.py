@@ -140,3 +140,18 @@ def test_which_checkpoint_and_which_model(tmp_path, monkeypatch, tiny_models):
     p = plan(parser().parse_args([str(run), str(out), "--step", "2", "--force"]))  # --force: a non-empty OUT_DIR
     assert (p.step, p.step_dir, p.bf16) == (2, ck / "step_00000004", False)
     assert p.model_path == Path(tiny_models["qwen3"]).resolve()
+
+
+def test_a_run_is_found_by_its_directory_or_its_recipe_name(tmp_path, monkeypatch):
+    """`relax-export quickstart OUT` (run.name, as relax-status takes it): the latest run of that name under ./runs."""
+    from relax_hpc.train.export_cli import ExportError, find_run
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("walk-20260101-000000", "walk-20260102-000000", "walk-long-20260103-000000"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "recipe.yaml").write_text("{}\n")
+    assert find_run("walk") == tmp_path / "runs" / "walk-20260102-000000"
+    assert find_run("walk-20260101-000000") == tmp_path / "runs" / "walk-20260101-000000"
+    assert find_run(str(tmp_path / "runs" / "walk-long-20260103-000000")).name == "walk-long-20260103-000000"
+    with pytest.raises(ExportError, match="not a run directory"):
+        find_run("wal")

@@ -211,3 +211,61 @@ def test_the_plan_builds_slotted_samples_that_batch_like_mappings(tmp_path):
     for name in ("tokens", "targets", "valid", "loss_mask", "advantages", "rollout_log_probs"):
         assert torch.equal(getattr(typed, name), getattr(mapped, name)), name
     assert typed.old_log_probs is None and mapped.old_log_probs is None  # no π_old yet: the actor sets it
+
+
+def _taught(r: RolloutResult) -> RolloutResult:
+    """``r`` with OPD's teacher log-probs on every sample (-0.25 × (position + 1) − index / 10)."""
+    for s in r.samples:
+        s.teacher_log_probs = [-0.25 * (t + 1) - s.index / 10 for t in range(s.response_length)]
+    return r
+
+
+def test_teacher_log_probs_travel_from_the_samples_to_the_micro_batch(tmp_path):
+    """OPD: the rollout's samples carry teacher_log_probs; the chunk has the field only then, the trainer reads it
+    where every chunk of the step has it, each TrainingSample carries its [R] and the micro-batch an [n, T] tensor."""
+    from relax_hpc.train.batch import make_micro_batch
+
+    plain = write_step(tmp_path, 1, result(), seq=0)
+    assert "teacher_log_probs" not in plain.fields
+    ref = write_step(tmp_path, 1, _taught(result()), seq=1)
+    assert "teacher_log_probs" in ref.fields
+    cols = P.read_train_columns([ref])
+    assert cols["teacher_log_probs"].lengths().tolist() == [1, 2, 1, 3]
+    batch = P.train_plan(cols, AlgorithmConfig(), 2).samples
+    want = [[-0.25], [-0.35, -0.6], [-0.45], [-0.55, -0.8, -1.05]]
+    for s, w in zip(batch, want):
+        assert s.teacher_log_probs.dtype == torch.float32 and s.teacher_log_probs.tolist() == pytest.approx(w)
+    mb = make_micro_batch(batch, pad_id=0, train=True)
+    assert mb.teacher_log_probs.shape == (4, 3) and mb.teacher_log_probs[1].tolist() == pytest.approx([-0.35, -0.6, 0])
+    # a step one of whose chunks has no teacher numbers reads none (the controller never hands such a step to train
+    # in an OPD run: its train task asks for the field); a run without OPD has none at all
+    assert "teacher_log_probs" not in P.read_train_columns([plain, ref])
+    none = P.read_train_batch([plain], AlgorithmConfig(), 2)[0]
+    assert all(s.teacher_log_probs is None for s in none)
+    assert make_micro_batch(none, pad_id=0, train=True).teacher_log_probs is None
+
+
+def test_teacher_log_probs_come_for_every_response_token_of_every_sample_or_not_at_all(tmp_path):
+    part = _taught(result())
+    part.samples[2].teacher_log_probs = None
+    with pytest.raises(ValueError, match=r"teacher_log_probs: 3 of 4 samples carry it, sample 2 \(index 2\) does not"):
+        write_step(tmp_path, 1, part)
+    short = _taught(result())
+    short.samples[1].teacher_log_probs = [-0.1]
+    with pytest.raises(ValueError, match="teacher_log_probs of sample index 1 has 1 values for a response of 2 tokens"):
+        write_step(tmp_path, 2, short)
+    # at the trainer's door: finite, never above 0 (masked tokens too), one per response token
+    good = P.read_train_columns([write_step(tmp_path, 3, _taught(result()))])
+    P.check_train_columns(good)
+    for sample, token, value, what in ((1, 1, float("nan"), "not finite, at response token 1"),
+                                       (3, 2, 0.5, "a log-prob above 0")):
+        with pytest.raises(P.UnsoundTrainData, match=f"teacher_log_probs of sample {sample} \\(index {sample}\\) is "
+                                                     f".*{what}"):
+            P.train_plan(_with(good, "teacher_log_probs", sample, token, value), AlgorithmConfig(), 2)
+    from relax_hpc.exchange.chunk import Ragged
+
+    t = good["teacher_log_probs"]
+    cut = Ragged(np.array(t.data[:-1]), np.array([*t.offsets[:-1], t.offsets[-1] - 1]))  # sample 3: 2 of 3 values
+    with pytest.raises(P.UnsoundTrainData, match=r"teacher_log_probs of sample 3 \(index 3\) is 2.0: that many values "
+                                                 r"for a response of 3 tokens"):
+        P.train_plan({**good, "teacher_log_probs": cut}, AlgorithmConfig(), 2)

@@ -69,3 +69,96 @@ def test_command_line(tiny_tool, tmp_path, capsys):
         tiny_tool.main(["--hidden", "30", "--heads", "4", str(tmp_path / "bad")])
     assert "must divide" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+VLM_PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}
+
+
+@pytest.fixture(scope="module")
+def tiny_vlms(tiny_tool, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vlm")
+    return {arch: tiny_tool.make_tiny_model(root / arch, arch=arch, seed=0) for arch in VLM_PATCH}
+
+
+@pytest.mark.parametrize("arch", list(VLM_PATCH))
+def test_vlm_deterministic_per_seed_and_text_ids_kept(tiny_tool, tiny_vlms, tiny_models, tmp_path, arch):
+    from transformers import AutoTokenizer
+
+    same = tiny_tool.make_tiny_model(tmp_path / "a", arch=arch, seed=0)
+    other = tiny_tool.make_tiny_model(tmp_path / "b", arch=arch, seed=1)
+    assert sorted(p.name for p in same.iterdir()) == sorted(p.name for p in tiny_vlms[arch].iterdir())
+    for f in same.iterdir():
+        assert f.read_bytes() == (tiny_vlms[arch] / f.name).read_bytes(), f.name
+    assert _digest(other) != _digest(same)
+    vtok, ttok = AutoTokenizer.from_pretrained(same), AutoTokenizer.from_pretrained(tiny_models["qwen3"])
+    text = "What is 3+4? 7"  # every character keeps its id: the vision tokens took reserved ones
+    assert vtok(text)["input_ids"] == ttok(text)["input_ids"] and len(vtok) == len(ttok) == 128
+
+
+@pytest.mark.parametrize("arch", list(VLM_PATCH))
+def test_vlm_loads_and_runs_on_an_image(tiny_vlms, arch):
+    import json
+
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    d = tiny_vlms[arch]
+    tok = AutoTokenizer.from_pretrained(d)
+    model = AutoModelForImageTextToText.from_pretrained(d).eval()
+    cfg = model.config
+    assert cfg.model_type == arch and type(model).__name__.endswith("VLForConditionalGeneration")
+    for key, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                       ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")):
+        assert getattr(cfg, key) == tok.convert_tokens_to_ids(token) != tok.unk_token_id, key
+        assert tok(token, add_special_tokens=False)["input_ids"] == [getattr(cfg, key)]
+    text_cfg = cfg.get_text_config()
+    assert (text_cfg.hidden_size, text_cfg.num_hidden_layers, cfg.vision_config.out_hidden_size) == (64, 2, 64)
+    assert sum(text_cfg.rope_scaling["mrope_section"]) * 2 == 64 // 4  # the sections cover head_dim / 2
+    assert sum(p.numel() for p in model.parameters()) < 300_000
+    chat = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "2+2"}]}],
+                                   add_generation_prompt=True, tokenize=False)
+    assert chat == "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>2+2<|im_end|>\n<|im_start|>assistant\n"
+    ip = AutoImageProcessor.from_pretrained(d, use_fast=False)
+    side = 4 * VLM_PATCH[arch]
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8))
+    feats = ip(images=[img], return_tensors="pt")
+    assert feats["image_grid_thw"].tolist() == [[1, 4, 4]]  # 16 patches, merged 2×2: 4 image tokens
+    ids = tok(chat.replace("<|image_pad|>", "<|image_pad|>" * 4), return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids, **feats).logits
+    assert logits.shape == (1, ids.shape[1], 128) and torch.isfinite(logits).all()
+    assert json.loads((d / "preprocessor_config.json").read_text())["processor_class"].endswith("VLProcessor")
+
+
+@pytest.mark.parametrize("arch", list(VLM_PATCH))
+def test_vlm_auto_processor(tiny_vlms, arch):
+    """transformers 4.57's Qwen-VL processors always build their video processor, which needs torchvision:
+    with torchvision the directory loads through AutoProcessor and encodes as relax_hpc.train.vlm.encode does;
+    without it the only failure is that import."""
+    import importlib.util
+
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    d = tiny_vlms[arch]
+    if importlib.util.find_spec("torchvision") is None:
+        with pytest.raises(ImportError, match="Torchvision"):
+            AutoProcessor.from_pretrained(d)
+        return
+    from relax_hpc.train.vlm import encode
+
+    proc = AutoProcessor.from_pretrained(d, use_fast=False)
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (4 * VLM_PATCH[arch], 6 * VLM_PATCH[arch], 3),
+                                                            dtype=np.uint8))
+    text = "<|vision_start|><|image_pad|><|vision_end|>hi"
+    got, want = proc(images=[img], text=[text], return_tensors="pt"), encode(d, text, [img])
+    assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["pixel_values"], want["pixel_values"])
+
+
+def test_vlm_command_line(tiny_tool, tiny_vlms, tmp_path):
+    assert tiny_tool.main(["--arch", "qwen3_vl", "--seed", "0", str(tmp_path / "m")]) == 0
+    assert _digest(tmp_path / "m") == _digest(tiny_vlms["qwen3_vl"])

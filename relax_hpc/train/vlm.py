@@ -1,0 +1,176 @@
+"""Vision-language models (Qwen2.5-VL, Qwen3-VL) through megatron-bridge: build, and per-token log-probs of a
+response.
+
+megatron-bridge's ``Qwen25VLModel`` and ``Qwen3VLModel`` wrap transformers' own vision tower (``visual`` /
+``vision_model``, replicated on every TP rank) around a Megatron GPTModel (``language_model``, TP/PP-sharded,
+M-RoPE; Qwen3-VL's also adds DeepStack vision features into its first layers). Their forward takes the HF inputs —
+``input_ids``, ``pixel_values`` (the processor's flattened patches) and ``image_grid_thw`` — puts the merged patch
+embeddings at the ``<|image_pad|>`` positions and computes the 3-D M-RoPE positions itself (Qwen2.5-VL: transformers'
+``get_rope_index`` bound to the model; Qwen3-VL: the bridge's port of it), so callers pass no position ids.
+
+What the bridge (0.3.1) needs besides :func:`relax_hpc.train.model.build_model`'s text settings:
+
+* Qwen2.5-VL: ``mrope_section`` is not read from the HF config: the provider keeps ``[16, 24, 24]`` (head_dim
+  128), wrong for any other head size (a tiny model's head_dim 16 needs e.g. ``[2, 3, 3]``) — it fails in the
+  rotary split. :func:`_patch_mrope_section` copies the HF value.
+* Qwen3-VL: the provider ignores ``transformer_layer_spec`` and always asks megatron-core for Transformer
+  Engine's layer spec (``NameError: TESpecProvider`` without TE). :func:`_patch_qwen3_vl_spec` gives it the
+  pure-torch spec :func:`~relax_hpc.train.model.choose_kernels` chose, when it chose that one. (Its forward's
+  ``torch.cuda.nvtx`` ranges need :mod:`.cpu_compat` on a CPU.)
+
+Not wired yet: PP > 1 (only the first stage has the vision tower; the forward of the later stages needs the same
+``input_ids``/``image_grid_thw`` for M-RoPE), packed (THD) micro-batches, and videos.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+import torch
+
+from relax_hpc.errors import PermanentError
+
+VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+
+_mrope_patched = False
+_qwen3_spec_patched = False
+
+
+def is_vlm(hf_dir: str | os.PathLike) -> bool:
+    """Whether the HF directory holds a vision-language model this module builds (by ``config.json``'s model_type)."""
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+    return cfg.get("model_type") in VLM_MODEL_TYPES
+
+
+def _patch_mrope_section() -> None:
+    """Make the Qwen2.5-VL bridge take ``mrope_section`` from the HF config (``rope_scaling``), not its default."""
+    global _mrope_patched
+    if _mrope_patched:
+        return
+    from megatron.bridge.models.qwen_vl.qwen25_vl_bridge import Qwen25VLBridge
+
+    orig = Qwen25VLBridge.provider_bridge
+
+    @functools.wraps(orig)
+    def provider_bridge(self, hf_pretrained):
+        provider = orig(self, hf_pretrained)
+        section = (getattr(hf_pretrained.config, "rope_scaling", None) or {}).get("mrope_section")
+        if section:
+            provider.mrope_section = list(section)
+        return provider
+
+    Qwen25VLBridge.provider_bridge = provider_bridge
+    _mrope_patched = True
+
+
+def _patch_qwen3_vl_spec() -> None:
+    """Make ``Qwen3VLModelProvider.provide`` build its language model with
+    :func:`~relax_hpc.train.model.torch_block_spec` when that is the provider's ``transformer_layer_spec`` (no TE);
+    with TE, upstream's TE spec as before."""
+    global _qwen3_spec_patched
+    if _qwen3_spec_patched:
+        return
+    from megatron.bridge.models.qwen_vl import qwen3_vl_provider as q3
+
+    from relax_hpc.train.model import torch_block_spec
+
+    orig, te_spec = q3.Qwen3VLModelProvider.provide, q3.get_gpt_layer_with_transformer_engine_spec
+
+    @functools.wraps(orig)
+    def provide(self, pre_process=None, post_process=None, vp_stage=None):
+        if self.transformer_layer_spec is not torch_block_spec:
+            return orig(self, pre_process, post_process, vp_stage)
+        q3.get_gpt_layer_with_transformer_engine_spec = lambda **kw: torch_block_spec(self, vp_stage)
+        try:  # the module-level name provide() looks up; builds run one at a time
+            return orig(self, pre_process, post_process, vp_stage)
+        finally:
+            q3.get_gpt_layer_with_transformer_engine_spec = te_spec
+
+    q3.Qwen3VLModelProvider.provide = provide
+    _qwen3_spec_patched = True
+
+
+def build_vlm(hf_dir: str | os.PathLike, cfg):
+    """:func:`relax_hpc.train.model.build_model` for a Qwen2.5-VL or Qwen3-VL directory: ``chunks[0]`` is the
+    bridge's ``Qwen25VLModel``/``Qwen3VLModel`` (vision tower + GPTModel), HF weights loaded.
+    ``init_parallel(cfg.tp, cfg.pp)`` first."""
+    from relax_hpc.train.model import build_model, import_bridge
+
+    if not is_vlm(hf_dir):
+        raise PermanentError(f"model.path = {str(hf_dir)!r} is not a vision-language model this build knows "
+                             f"(config.json model_type must be one of {VLM_MODEL_TYPES}). Fix: a Qwen2.5-VL or "
+                             "Qwen3-VL directory, or build it as a text model")
+    if cfg.pp != 1:
+        raise PermanentError(f"train.pp = {cfg.pp} with a vision-language model: pipeline stages after the first "
+                             "are not wired for it yet (relax_hpc.train.vlm). Fix: train.pp: 1")
+    import_bridge()
+    _patch_mrope_section()
+    _patch_qwen3_vl_spec()
+    return build_model(hf_dir, cfg)
+
+
+def vlm_log_probs(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
+                  image_grid_thw: torch.Tensor | None, response_start: int | Sequence[int], *,
+                  temperature: float = 1.0, pad_id: int = 0) -> list[torch.Tensor]:
+    """log p of each response token, given the prompt and its images, from the Megatron VLM (TP-sharded vocab).
+
+    ``input_ids`` [B, S] (right-padded with ``pad_id`` when lengths differ: the model is causal, a pad only
+    follows), the processor's ``pixel_values`` [N_patches, C·T·P·P] and ``image_grid_thw`` [N_images, 3] for every
+    image of the batch, in order. ``response_start``: each row's first response index (one int for all rows).
+    Returns one float32 tensor [S − start] per row (through the padding for a padded row: slice it).
+    Differentiable when grad is on. Every TP rank calls it with the same inputs. With sequence parallelism the
+    batch is right-padded here to a multiple of the TP size (the model splits S over the TP ranks).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_model_config
+
+    from relax_hpc.train import cpu_compat
+    from relax_hpc.train.logprobs import vocab_parallel_logprobs
+
+    dev = cpu_compat.device()
+    B, S = input_ids.shape
+    starts = [response_start] * B if isinstance(response_start, int) else list(response_start)
+    if len(starts) != B or min(starts) < 1:
+        raise ValueError(f"response_start {response_start!r}: one start ≥ 1 per row of input_ids {(B, S)}")
+    ids = input_ids.to(dev)
+    tp = ps.get_tensor_model_parallel_world_size()
+    if get_model_config(model).sequence_parallel and S % tp:
+        ids = torch.nn.functional.pad(ids, (0, tp - S % tp), value=pad_id)
+    logits = model(input_ids=ids, attention_mask=None, position_ids=None,
+                   pixel_values=None if pixel_values is None else pixel_values.to(dev),
+                   image_grid_thw=None if image_grid_thw is None else image_grid_thw.to(dev))  # [B, S', V/tp]
+    if temperature != 1.0:
+        logits = logits / temperature
+    lp, _ = vocab_parallel_logprobs(logits[:, :S - 1], ids[:, 1:S])  # [B, S-1]: token t+1 given ≤ t
+    return [lp[b, s - 1:] for b, s in enumerate(starts)]
+
+
+def encode(hf_dir: str | os.PathLike, text: str, images: Sequence | None = None) -> dict[str, torch.Tensor]:
+    """``input_ids`` [1, S], ``pixel_values`` and ``image_grid_thw`` for one chat text with its images, as
+    Qwen2.5-VL's processor makes them: each ``<|image_pad|>`` becomes one token per merged patch of its image.
+
+    transformers' ``AutoProcessor`` for Qwen2.5-VL needs torchvision (for its video processor) even for images;
+    without it this takes the image processor and the tokenizer the directory holds and expands the
+    placeholders the same way (``Qwen2_5_VLProcessor.__call__``)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    out: dict[str, torch.Tensor] = {}
+    if images:
+        ip = AutoImageProcessor.from_pretrained(str(hf_dir), use_fast=False)
+        feats = ip(images=list(images), return_tensors="pt")
+        out = {"pixel_values": feats["pixel_values"], "image_grid_thw": feats["image_grid_thw"]}
+        pad = "<|image_pad|>"
+        if text.count(pad) != len(images):
+            raise ValueError(f"{text.count(pad)} {pad} placeholders in the text for {len(images)} images")
+        parts = text.split(pad)
+        merge = ip.merge_size ** 2
+        text = parts[0] + "".join(pad * (int(thw.prod()) // merge) + p
+                                  for thw, p in zip(feats["image_grid_thw"], parts[1:]))
+    out["input_ids"] = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    return out
