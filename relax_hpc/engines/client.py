@@ -178,6 +178,20 @@ class Generation:
         return self.finish_reason.type == "length"
 
 
+_expansion_warned: set[str] = set()
+
+
+def _check_expansion(url: str, gen: Generation, sent: int) -> None:
+    """A request with images whose prompt was sent expanded (rollout/data.py) should come back as long as it went:
+    otherwise the engine resized an image differently (SGLang applies its own pixel bounds) and saw other image
+    tokens than the trainer will. Said once per engine, not refused: the response itself is sound."""
+    if gen.prompt_tokens and gen.prompt_tokens != sent and url not in _expansion_warned:
+        _expansion_warned.add(url)
+        log.warning("engine %s expanded a prompt with images to %d tokens, %d were sent: it sized an image "
+                    "differently from the data (data.image_min/max_token_num outside the engine's own bounds?); "
+                    "the trainer sees the sent ones", url, gen.prompt_tokens, sent)
+
+
 @functools.cache
 def _bounds() -> tuple[float, float]:
     """(log-prob tolerance above 0, the largest magnitude the ``rollout_log_probs`` column stores): the exchange's
@@ -555,34 +569,46 @@ class EngineClient:
 
     # ------------------------------------------------------------------ generation
     @staticmethod
-    def _generate_payload(input_ids, sampling_params, return_logprob, rid, extra) -> dict:
+    def _generate_payload(input_ids, sampling_params, return_logprob, rid, extra, image_data=None) -> dict:
         sp = sampling_params.to_json() if isinstance(sampling_params, SamplingParams) else dict(sampling_params or {})
         body = {"input_ids": list(input_ids), "sampling_params": sp, "return_logprob": bool(return_logprob)}
         if rid is not None:
             body["rid"] = rid
+        if image_data:  # SGLang's form for one request: its images (base64, data: URLs, paths), in placeholder order
+            body["image_data"] = list(image_data)
         body.update(extra or {})
         return body
 
     async def agenerate(self, input_ids: Sequence[int], sampling_params: SamplingParams | dict | None = None, *,
                         return_logprob: bool = True, rid: str | None = None, timeout: float | None = None,
-                        extra: dict | None = None, vocab_size: int | None = None) -> Generation:
+                        extra: dict | None = None, vocab_size: int | None = None,
+                        image_data: Sequence | None = None) -> Generation:
         """``POST /generate`` for one prompt of token ids (``timeout``: total deadline, default the client's
-        ``generate_timeout``). Many may run concurrently (asyncio.gather); the engine batches them. An aborted
-        request (pause/abort) returns normally with ``finish_reason.type == "abort"``. The answer is checked
-        (:func:`output_problem`; token ids against ``vocab_size`` when given): :class:`EngineOutputError` if bad."""
-        body = self._generate_payload(input_ids, sampling_params, return_logprob, rid, extra)
+        ``generate_timeout``), with its images (``image_data``, SGLang's: base64 strings, ``data:`` URLs or paths the
+        engine can read, one per ``<|image_pad|>`` run of the prompt, in order). Many may run concurrently
+        (asyncio.gather); the engine batches them. An aborted request (pause/abort) returns normally with
+        ``finish_reason.type == "abort"``. The answer is checked (:func:`output_problem`; token ids against
+        ``vocab_size`` when given): :class:`EngineOutputError` if bad; with images, :func:`_check_expansion`."""
+        body = self._generate_payload(input_ids, sampling_params, return_logprob, rid, extra, image_data)
         r = await self.arequest("POST", "/generate", body, timeout=self.generate_timeout if timeout is None else timeout)
-        return parse_generation(self.url, self._json("/generate", r), return_logprob=return_logprob,
-                                vocab_size=vocab_size, max_new_tokens=requested_max_new_tokens(body["sampling_params"]))
+        gen = parse_generation(self.url, self._json("/generate", r), return_logprob=return_logprob,
+                               vocab_size=vocab_size, max_new_tokens=requested_max_new_tokens(body["sampling_params"]))
+        if image_data:
+            _check_expansion(self.url, gen, len(body["input_ids"]))
+        return gen
 
     def generate(self, input_ids: Sequence[int], sampling_params: SamplingParams | dict | None = None, *,
                  return_logprob: bool = True, rid: str | None = None, timeout: float | None = None,
-                 extra: dict | None = None, vocab_size: int | None = None) -> Generation:
+                 extra: dict | None = None, vocab_size: int | None = None,
+                 image_data: Sequence | None = None) -> Generation:
         """Blocking :meth:`agenerate`."""
-        body = self._generate_payload(input_ids, sampling_params, return_logprob, rid, extra)
+        body = self._generate_payload(input_ids, sampling_params, return_logprob, rid, extra, image_data)
         r = self.request("POST", "/generate", body, timeout=self.generate_timeout if timeout is None else timeout)
-        return parse_generation(self.url, self._json("/generate", r), return_logprob=return_logprob,
-                                vocab_size=vocab_size, max_new_tokens=requested_max_new_tokens(body["sampling_params"]))
+        gen = parse_generation(self.url, self._json("/generate", r), return_logprob=return_logprob,
+                               vocab_size=vocab_size, max_new_tokens=requested_max_new_tokens(body["sampling_params"]))
+        if image_data:
+            _check_expansion(self.url, gen, len(body["input_ids"]))
+        return gen
 
     @staticmethod
     def _scoring_payload(prompts: Sequence[Sequence[int]], starts: Sequence[int], top_logprobs_num: int) -> dict:

@@ -22,6 +22,8 @@ Semantics (``docs/engines.md`` has the full list):
   ``input_token_logprobs`` (positions K..L-1, the first ``null``) and, with ``top_logprobs_num``,
   ``input_top_logprobs``: one teacher-forced forward, ``log_softmax`` of the raw logits (no temperature, as SGLang
   computes input log-probs); with ``max_new_tokens`` 0 nothing is generated (:mod:`~relax_hpc.engines.model_runner`).
+* **Images.** A Qwen2.5-VL / Qwen3-VL directory is served with SGLang's ``image_data``; such a request runs alone,
+  outside the batches, and its answer adds the expanded prompt ids (:mod:`~relax_hpc.engines.model_runner`).
 * **Device.** ``--device auto`` puts the model on ``cuda:0`` of the visible GPUs when torch sees one, else on the
   CPU; ``--dtype auto`` is bfloat16 on CUDA, float32 on the CPU. Sampling runs on the CPU either way.
 * **Weights.** ``/init_weights_update_group`` joins a group as rank ``rank_offset`` (TP=1) with the backend asked,
@@ -129,9 +131,9 @@ def engine_handler(engine: CPUEngine, api_key: str | None = None):
 
     def abort(b):
         if b.get("abort_all"):
-            engine.scheduler.abort(None, "Abort by abort_request (abort_all).")
+            engine.abort(None, "Abort by abort_request (abort_all).")
         elif b.get("rid"):
-            engine.scheduler.abort(str(b["rid"]), "Abort by abort_request.")
+            engine.abort(str(b["rid"]), "Abort by abort_request.")
         return 200, None
 
     def health(_):

@@ -16,6 +16,17 @@ come from one teacher-forced forward of the whole input (:meth:`CPUEngine.input_
 float32 logits **without** the request temperature, as SGLang's logits processor computes input log-probs (its
 ``temp_scaled_logprobs`` is off unless patched). ``max_new_tokens`` 0 then generates nothing: ``output_ids`` ``[]``,
 finish reason ``{"type": "length", "length": 0}``, as SGLang's ``FINISH_LENGTH``. A teacher answers these.
+
+**Images (a vision-language model).** A Qwen2.5-VL / Qwen3-VL directory (:func:`relax_hpc.multimodal.is_vlm`) loads
+as ``AutoModelForImageTextToText``. A request's ``image_data`` takes SGLang's forms (one image for one request, a
+list for one request, a list per item of a batch; each a base64 string, a ``data:`` URL or a path on the engine's
+host). The prompt (text or ids) has one ``<|image_pad|>`` per image, as the chat template writes it, or the runs
+already expanded; :func:`relax_hpc.multimodal.encode_ids` makes the pixels and the expanded ids. A request with
+images runs on its own in its HTTP thread, not in the scheduler's batches (its M-RoPE positions and pixels are per
+request; the model lock per forward, as there); it obeys the pause modes and aborts between its tokens
+(:meth:`CPUEngine._solo_control`; ``retract`` holds it as ``in_place``). Its answer adds
+``meta_info["input_ids"]`` (relax_hpc's: the expanded prompt ids, so a caller can train on exactly what was run);
+``prompt_tokens`` counts them, as SGLang counts the expanded prompt. A bad image is answered 400, naming it.
 """
 
 from __future__ import annotations
@@ -35,7 +46,8 @@ import torch
 from relax_hpc.engines.bad_output import BAD_OUTPUT_ENV, BadOutput
 from relax_hpc.engines.http import ENGINE_VERSION, HTTPError
 from relax_hpc.engines.receiver import WeightReceiver
-from relax_hpc.engines.scheduler import Req, Scheduler
+from relax_hpc.engines.scheduler import Req, Scheduler, abort_reason, sample_batch
+from relax_hpc.multimodal import ImageError, is_vlm
 
 log = logging.getLogger("relax_hpc.cpu_engine")
 
@@ -99,7 +111,12 @@ class CPUEngine(WeightReceiver):
         if weight_sync_backends:
             self.weight_sync_backends = list(weight_sync_backends)
         self.config = AutoConfig.from_pretrained(self.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).eval()
+        self.vlm = is_vlm(self.model_path)
+        if self.vlm:  # Qwen2_5_VLForConditionalGeneration / Qwen3VLForConditionalGeneration
+            from transformers import AutoModelForImageTextToText as model_class
+        else:
+            model_class = AutoModelForCausalLM
+        self.model = model_class.from_pretrained(self.model_path, dtype=self.dtype).eval()
         if self.device != "cpu":
             torch.cuda.set_device(self.device)
             self.model.to(self.device)
@@ -111,15 +128,19 @@ class CPUEngine(WeightReceiver):
         self.frees_memory = self.device != "cpu"
         self.stash: dict[int, tuple[torch.Tensor, torch.Size, torch.dtype]] = {}  # released params: shape, dtype
         self.tokenizer = _load_tokenizer(self.model_path)
-        self.vocab_size = int(self.config.vocab_size)
-        self.context_len = int(getattr(self.config, "max_position_embeddings", 4096))
+        text_cfg = getattr(self.config, "text_config", None) or self.config  # a VLM's text model says these
+        self.vocab_size = int(getattr(self.config, "vocab_size", None) or text_cfg.vocab_size)
+        self.context_len = int(getattr(text_cfg, "max_position_embeddings", 4096))
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
-        self.pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        pad = getattr(self.config, "pad_token_id", None)
+        pad = pad if pad is not None else getattr(text_cfg, "pad_token_id", None)
+        self.pad_id = pad if pad is not None else 0
         self.rng = random.Random(seed)
         spec = os.environ.get(BAD_OUTPUT_ENV)
         self.bad_output = BadOutput(spec, self.vocab_size) if spec else None
         self.started = time.time()
         self.scheduler = Scheduler(self, max_batch, batch_wait_ms / 1000.0)
+        self.solo: dict[int, Req] = {}  # requests with images running alone (_generate_one), under scheduler.cv
         self.scheduler.thread.start()
         self.host, self.port, self.url = "", 0, ""
 
@@ -160,7 +181,12 @@ class CPUEngine(WeightReceiver):
         sps, rlps, rids, starts, tops = (_per_item(body.get(k), n, k) for k in (
             "sampling_params", "return_logprob", "rid", "logprob_start_len", "top_logprobs_num"))
         text_in_lp = bool(body.get("return_text_in_logprobs"))
+        mms = self._images(body.get("image_data"), prompts, batched)
+        if any(mms):
+            prompts = [p if mm is None else mm["input_ids"][0].tolist() for p, mm in zip(prompts, mms)]
         reqs = [self._make_req(p, sp or {}, bool(lp), rid) for p, sp, lp, rid in zip(prompts, sps, rlps, rids)]
+        for r, mm in zip(reqs, mms):
+            r.mm = mm
         scoring = [_input_request(r, k, t) for r, k, t in zip(reqs, starts, tops)]
         asked = [(r.input_ids, k, t) for r, (k, t) in zip(reqs, scoring) if k is not None]
         found = iter(self.input_logprobs(asked) if asked else [])
@@ -169,7 +195,23 @@ class CPUEngine(WeightReceiver):
             if inp is not None and r.max_new_tokens == 0:  # answered by that forward: the weights it used
                 r.weight_version = self.weight_version
         todo = [r for r in reqs if not r.done.is_set()]
-        self.scheduler.submit(todo)
+        if any(mms):
+            if any(k is not None for k, _ in scoring):
+                raise HTTPError(400, "input log-probs (logprob_start_len) of a request with images are not supported "
+                                     "by the CPU engine")
+            with self.scheduler.cv:
+                if self.scheduler.refusal is not None:
+                    raise HTTPError(400, self.scheduler.refusal)
+            for r in todo:  # one at a time, outside the batches (module docstring)
+                if r.mm is None:
+                    self.scheduler.submit([r])
+                    continue
+                with self.scheduler.cv:
+                    self.scheduler.stats["num_requests"] += 1
+                    self.solo[id(r)] = r
+                self._generate_one(r)
+        else:
+            self.scheduler.submit(todo)
         for r in reqs:
             r.done.wait()
         errors = [r.error for r in reqs if r.error]
@@ -180,6 +222,114 @@ class CPUEngine(WeightReceiver):
             for o in outs:
                 self.bad_output.spoil(o)
         return outs if batched else outs[0]
+
+    def _images(self, image_data, prompts: list, batched: bool) -> list[dict | None]:
+        """Per item: None (no images) or :func:`relax_hpc.multimodal.encode_ids`'s inputs (``input_ids`` expanded,
+        ``pixel_values``, ``image_grid_thw``). SGLang's forms of ``image_data`` (module docstring); 400 naming a bad
+        image, or images for a model without vision."""
+        pad = getattr(self.config, "image_token_id", None) if self.vlm else None
+
+        def no_images(i: int, p: list) -> None:
+            if pad is not None and pad in p:  # the model would embed the bare pad token as if it were text
+                raise HTTPError(400, f"{'item %d: ' % i if batched else ''}the prompt has image pad tokens (id {pad}) "
+                                     "but the request has no image_data for it")
+
+        if image_data is None or image_data == []:
+            for i, p in enumerate(prompts):
+                no_images(i, p)
+            return [None] * len(prompts)
+        if not self.vlm:
+            raise HTTPError(400, f"image_data given, but the model ({getattr(self.config, 'model_type', '?')}) has no "
+                                 "vision: serve a Qwen2.5-VL or Qwen3-VL directory")
+        if not batched:
+            per_item = [image_data if isinstance(image_data, list) else [image_data]]
+        elif isinstance(image_data, list) and len(image_data) == len(prompts):
+            per_item = [x if isinstance(x, list) else ([] if x is None else [x]) for x in image_data]
+        else:
+            raise HTTPError(400, f"image_data must have one entry per item of the batch of {len(prompts)}")
+        from relax_hpc.multimodal import encode_ids, load_image
+
+        out: list[dict | None] = []
+        for i, (p, refs) in enumerate(zip(prompts, per_item)):
+            if not refs:
+                no_images(i, p)
+                out.append(None)
+                continue
+            imgs = []
+            for j, ref in enumerate(refs):
+                where = f"image_data[{i}][{j}]" if batched else f"image_data[{j}]"
+                try:
+                    imgs.append(load_image(ref))
+                except ImageError as e:
+                    shown = ref if isinstance(ref, str) and len(ref) < 120 else f"{type(ref).__name__} of {len(ref)}"
+                    raise HTTPError(400, f"{where} ({shown}) is not a usable image: {e}") from None
+            try:
+                out.append(encode_ids(self.model_path, p, imgs))
+            except ImageError as e:
+                raise HTTPError(400, f"{'item %d: ' % i if batched else ''}{e}") from None
+        return out
+
+    @torch.inference_mode()
+    def _generate_one(self, r: Req) -> None:
+        """A request with images, alone: its M-RoPE positions from the ids and the image grid (transformers'
+        ``get_rope_index``), a prefill with its pixels, then one token at a time, each at the position after the last
+        (the same in all three sections). Positions are passed explicitly, so nothing is kept in the model between
+        forwards, and the model lock is taken per forward, as the scheduler does: a health check or a text batch runs
+        in between. The same sampler and finish rule as the batches."""
+        mm, dev = r.mm, self.device
+        ids = torch.tensor([r.input_ids])
+        mask = torch.ones_like(ids)
+        try:
+            pos, delta = self.model.model.get_rope_index(input_ids=ids, image_grid_thw=mm["image_grid_thw"],
+                                                         attention_mask=mask)  # [3, 1, L], [1, 1]
+            with self.model_lock:
+                out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                                 pixel_values=mm["pixel_values"].to(dev, self.dtype),
+                                 image_grid_thw=mm["image_grid_thw"].to(dev), use_cache=True)
+            while not r.done.is_set():
+                (tok,), (lp,) = sample_batch([r], out.logits[:, -1, :].to("cpu", torch.float32))
+                r.output_ids.append(tok)
+                if r.return_logprob:
+                    r.logprobs.append(lp)
+                reason = self.finish_reason(r, tok) or self._solo_control(r)
+                if reason is not None:
+                    r.finish_with(reason, self.weight_version)
+                    break
+                n = len(r.input_ids) + len(r.output_ids)  # the new token is at index n - 1
+                at = (torch.tensor(n - 1) + delta).reshape(1, 1, 1).expand(3, 1, 1)
+                with self.model_lock:
+                    out = self.model(input_ids=torch.tensor([[tok]], device=dev),
+                                     attention_mask=torch.ones((1, n), dtype=torch.long, device=dev),
+                                     position_ids=at.to(dev), past_key_values=out.past_key_values, use_cache=True,
+                                     cache_position=torch.tensor([n - 1], device=dev))
+        except Exception as e:  # as a failed batch: this request fails, the engine goes on
+            log.error("image request failed: %s", traceback.format_exc())
+            r.error = f"{type(e).__name__}: {e}"
+            r.done.set()
+        finally:
+            with self.scheduler.cv:
+                self.solo.pop(id(r), None)
+                self.scheduler.cv.notify_all()
+
+    def _solo_control(self, r: Req) -> dict | None:
+        """Between two tokens of a request with images: SGLang's pause modes as the scheduler applies them to a
+        batch (``abort`` ends it, aborted; ``in_place`` and ``retract`` wait here, its KV cache kept, until
+        ``/continue_generation``), and an abort of its rid. Returns the abort's finish reason, or None to go on."""
+        sched = self.scheduler
+        with sched.cv:
+            sched.cv.wait_for(lambda: sched.paused not in ("in_place", "retract") or r.abort_message is not None)
+            if sched.paused == "abort" and r.abort_message is None:
+                r.abort_message = "Abort by pause_generation (mode=abort)."
+        return None if r.abort_message is None else abort_reason(r.abort_message)
+
+    def abort(self, rid: str | None, message: str) -> None:
+        """Abort one rid (None: every request): the scheduler's, and the requests with images running alone."""
+        self.scheduler.abort(rid, message)
+        with self.scheduler.cv:
+            for r in self.solo.values():
+                if rid is None or r.rid == rid:
+                    r.abort_message = message
+            self.scheduler.cv.notify_all()
 
     def _make_req(self, input_ids, sp: dict, return_logprob: bool, rid) -> Req:
         if not input_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in input_ids):
@@ -206,6 +356,8 @@ class CPUEngine(WeightReceiver):
         meta = {"id": r.rid, "finish_reason": r.finish, "prompt_tokens": len(r.input_ids),
                 "completion_tokens": len(r.output_ids), "cached_tokens": 0, "weight_version": r.weight_version,
                 "e2e_latency": time.monotonic() - r.created}
+        if getattr(r, "mm", None) is not None:
+            meta["input_ids"] = list(r.input_ids)  # the expanded prompt (module docstring)
         if r.return_logprob:
             dec = (lambda t: self.tokenizer.decode([t])) if (text_in_lp and self.tokenizer) else (lambda t: None)
             meta["output_token_logprobs"] = [[lp, t, dec(t)] for lp, t in zip(r.logprobs, r.output_ids)]
@@ -311,6 +463,7 @@ class CPUEngine(WeightReceiver):
     # ------------------------------------------------------------------ control
     def flush_cache(self) -> tuple[bool, str]:
         running, waiting = self.scheduler.busy()
+        running += len(self.solo)
         if running or (waiting and self.scheduler.paused is None):
             return False, (f"Cache not flushed because there are pending requests: #queue-req: {waiting}, "
                            f"#running-req: {running}")
@@ -335,7 +488,7 @@ class CPUEngine(WeightReceiver):
         }
 
     def abort_all(self, message: str) -> None:
-        self.scheduler.abort(None, message)
+        self.abort(None, message)
 
     # ------------------------------------------------------------------ memory hand-over
     def updates_refused(self) -> str | None:
@@ -373,7 +526,7 @@ class CPUEngine(WeightReceiver):
         if again:
             raise HTTPError(400, f"memory of {again} is already released; resume it first (/resume_memory_occupation)")
         with self.scheduler.cv:  # no request can be queued between this check and the refusal being set
-            running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+            running, waiting = len(self.scheduler.running) + len(self.solo), len(self.scheduler.waiting)
             if running or waiting:
                 raise HTTPError(400, f"release_memory_occupation should be called only when no ongoing request: "
                                      f"#running-req: {running}, #queue-req: {waiting}. Pause with mode abort (or "
@@ -424,7 +577,7 @@ class CPUEngine(WeightReceiver):
             "served_model_name": self.served_model_name, "is_generation": True, "preferred_sampling_params": None,
             "weight_version": self.weight_version,
             "load_format": "safetensors", "model_type": getattr(self.config, "model_type", None),
-            "architectures": getattr(self.config, "architectures", None), "has_image_understanding": False,
+            "architectures": getattr(self.config, "architectures", None), "has_image_understanding": self.vlm,
             "has_audio_understanding": False,
         }
 

@@ -48,6 +48,8 @@ def slurm_state(rd: RunDir, job: dict, ctl: dict) -> JobState:
                         "sacct lags a few seconds behind the end of a job")
     if overall == "COMPLETED" and ctl_state and slurm.is_finished(ctl_state) and ctl_state != "COMPLETED":
         overall = ctl_state  # the job ended cleanly but the controller says the run did not
+    if overall == "FAILED" and ctl_state == "CANCELLED":  # relax-cancel --checkpoint: the controller saved, then
+        overall = "CANCELLED"  # ended the attempt with a non-zero exit, which is all Slurm saw
     if overall == "COMPLETED":
         reason = None
     elif slurm.is_finished(overall):  # why it ended; a pending reason left over from the queue is no answer

@@ -146,6 +146,10 @@ def convert(argv: list[str]) -> tuple[dict, list[str]]:
     if (data.get("genrm") or {}).get("model_path") and "genrm" not in (data.get("roles") or {}):
         _put(data, "roles.genrm.enabled", True)  # Relax's --genrm-model-path enables the judge
         notes.append("roles.genrm.enabled: true, as --genrm-model-path enables Relax's judge (size it: roles.genrm)")
+    if (data.get("opd") or {}).get("teacher_model_path") and "teacher" not in (data.get("roles") or {}):
+        _put(data, "roles.teacher.enabled", True)  # Relax's --teacher-hf-checkpoint starts a managed teacher
+        notes.append("roles.teacher.enabled: true, as --teacher-hf-checkpoint starts Relax's managed teacher "
+                     "(size it: roles.teacher)")
     for key, value in RELAX_DEFAULTS.items():
         if key not in given:
             _put(data, key, value)

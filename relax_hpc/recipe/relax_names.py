@@ -42,7 +42,8 @@ RELAX_NAMES: dict[str, str | None] = {
     "n_samples_per_prompt": "rollout.n_samples_per_prompt",
     "over_sampling_batch_size": "rollout.over_sampling_batch_size",
     "custom_prompt_path": None,
-    "multimodal_keys": None,
+    "multimodal_keys": "data.multimodal_keys",
+    "image_min_token_num": "data.image_min_token_num", "image_max_token_num": "data.image_max_token_num",
     "data_source_path": None,
     # --- rollout, sampling, engines --------------------------------------------------------------------
     "hf_checkpoint": "model.path",
@@ -123,7 +124,8 @@ RELAX_NAMES: dict[str, str | None] = {
     "opd_per_token_clip": "opd.per_token_clip",
     "opd_is_clip": "opd.is_clip",
     "opd_log_prob_min_clamp": "opd.log_prob_min_clamp",
-    "opd_teacher_load": None, "opd_teacher_ckpt_step": None, "teacher_hf_checkpoint": None,
+    "teacher_hf_checkpoint": "opd.teacher_model_path",  # served by roles.teacher (a managed teacher)
+    "opd_teacher_load": None, "opd_teacher_ckpt_step": None,
     "teacher_num_gpus_per_engine": None, "opd_teacher_routes": None, "opd_teacher_key": None,
     "opd_teacher_prompt_key": None, "opd_teacher_image_key": None, "opd_teacher_video_key": None,
     "opd_teacher_audio_key": None,
@@ -145,7 +147,7 @@ RELAX_NAMES: dict[str, str | None] = {
     "seed": "run.seed",
     "tensor_model_parallel_size": "train.tp",
     "pipeline_model_parallel_size": "train.pp",
-    "context_parallel_size": None, "expert_model_parallel_size": None,
+    "context_parallel_size": None, "expert_model_parallel_size": "train.ep",
     "sequence_parallel": "train.sequence_parallel",
     "recompute_granularity": "train.recompute",
     "recompute_activations": "train.recompute: selective",  # Megatron's older spelling of selective recompute
@@ -187,7 +189,8 @@ ONLY_WITH: dict[str, str] = {"max_tokens_per_gpu": "use_dynamic_batch_size",
                                  "opd_type", "opd_teacher_url", "opd_teacher_timeout_s", "opd_kl_coef",
                                  "opd_loss_coef", "opd_only_reward", "opd_disable_rl_reward", "opd_kl_type",
                                  "opd_jsd_alpha", "opd_norm_mode", "opd_token_selection", "opd_log_prob_top_k",
-                                 "opd_per_token_clip", "opd_is_clip", "opd_log_prob_min_clamp")},
+                                 "opd_per_token_clip", "opd_is_clip", "opd_log_prob_min_clamp",
+                                 "teacher_hf_checkpoint")},
                              **{name: "use_wandb" for name in (
                                  "wandb_project", "wandb_group", "wandb_team", "wandb_host", "wandb_mode")}}
 OPD_TYPES = {"sglang": "a teacher SGLang server at opd.teacher_url"}

@@ -305,7 +305,6 @@ def check(recipe: Recipe) -> list[Problem]:
     if recipe.opd is not None:
         problems += [(f"opd.{k}", v, m) for k, v, m in check_opd(recipe.opd)
                      if not (k == "teacher_url" and v is None)]  # which teacher the run asks: _check_teacher
-    problems += opd_not_wired(recipe)
     problems += [(f"train.{k}", v, m) for k, v, m in check_train(recipe.train)]
     problems += check_data(recipe.data, recipe.rollout)  # keys already carry their section
     problems += _check_rm_type(recipe)
@@ -320,17 +319,6 @@ def check(recipe: Recipe) -> list[Problem]:
     problems += _check_elastic(recipe)
     problems += _check_container(recipe)
     return problems
-
-
-# ---- OPD NOT WIRED YET (issue #32): remove this check, and its call in check(), once the training loop asks the
-# teacher and trains on opd: (relax_hpc/algo/opd.py holds the objective; the section validates fully without it).
-def opd_not_wired(r: Recipe) -> list[Problem]:
-    """An ``opd:`` section that is on is refused: the objective is built, the loop that feeds it is not yet."""
-    if r.opd is None or not r.opd.enabled:
-        return []
-    return [("opd", "{...}", "on-policy distillation is not wired into training yet (issue #32): the run would "
-             "ignore the teacher. Fix: remove the opd section (or set opd.enabled: false)")]
-# ---- end OPD NOT WIRED YET
 
 
 # sglang.launch_server arguments relax_hpc sets itself (relax_hpc/engines/launcher.py and roles/engine_host.py): a
@@ -556,6 +544,11 @@ def _check_teacher(r: Recipe) -> list[Problem]:
         out.append(("roles.teacher.enabled", False, f"opd.teacher_model_path is set ({opd.teacher_model_path!r}) but "
                     "no teacher engines would run. Fix: set roles.teacher.enabled: true (and its nodes), or remove "
                     "opd.teacher_model_path"))
+    if opd.token_selection != "student_sampled":  # until the exchange carries both models' top-k to the trainer
+        out.append(("opd.token_selection", opd.token_selection, "needs the top-k log-probs of the teacher and of the "
+                    "student in the training step; the exchange carries the teacher's log-prob of each sampled token "
+                    "only (teacher_log_probs). Fix: token_selection: student_sampled, with kl_type reverse_kl or "
+                    "low_var_kl and log_prob_top_k 0"))
     return out
 
 
@@ -900,6 +893,9 @@ def _check_roles(r: Recipe) -> list[Problem]:
         out.append(("train.tp", r.train.tp,
                     f"train.tp × train.pp = {mp} does not divide the actor's {world} ranks "
                     f"(roles.actor.nodes × tasks_per_node). Fix: change tp/pp or the actor's size"))
+    elif mp > 0 and (world // mp) % max(1, r.train.ep):  # Megatron splits the experts over data-parallel ranks
+        out.append(("train.ep", r.train.ep, f"does not divide the actor's data-parallel size {world // mp} ({world} ranks "
+                    f"÷ (train.tp × train.pp)). Fix: a divisor of {world // mp}, or change the actor's size"))
     if a.gpus_per_node and a.tasks_per_node != a.gpus_per_node:
         out.append(("roles.actor.tasks_per_node", a.tasks_per_node,
                     f"on GPU nodes the actor runs one rank per GPU: set it to gpus_per_node = {a.gpus_per_node}"))

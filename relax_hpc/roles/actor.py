@@ -124,7 +124,7 @@ class Actor:
         k = steps_per_rollout(r.train, len(cols["raw_reward"]))
         try:  # every rank reads the same columns: every rank skips (or fails) alike
             plan = P.train_plan(cols, r.algorithm, r.rollout.n_samples_per_prompt, k=k,
-                                seed=r.run.seed, step=task.step, dp=p.dp, dp_rank=p.dp_rank)
+                                seed=r.run.seed, step=task.step, dp=p.dp, dp_rank=p.dp_rank, opd=r.opd)
         except P.UnsoundTrainData as e:  # the whole step is skipped, or the run fails (train.nonfinite)
             return self._not_trained(task.step, k, e, t0)
         mine = plan.samples  # this rank's samples of every mini-batch: only these become tensors

@@ -28,6 +28,9 @@ class DataConfig:
     eval_prompt_data: dict[str, str] = field(default_factory=dict)  # eval sets: name -> JSONL/Parquet path (Relax --eval-prompt-data)
     eval_input_key: str | None = None  # input_key of the eval sets; null = input_key
     eval_label_key: str | None = None  # label_key of the eval sets; null = label_key
+    multimodal_keys: dict[str, str] = field(default_factory=dict)  # modality -> record field (Relax --multimodal-keys), e.g. {image: images}: paths (relative to the data file), bytes or base64, one or a list; only "image" so far
+    image_min_token_num: int | None = None  # images smaller than this many image tokens are enlarged (Relax --image-min-token-num); null = the model processor's min_pixels
+    image_max_token_num: int | None = None  # images larger than this many image tokens are shrunk (Relax --image-max-token-num); null = the model processor's max_pixels
 
 
 @dataclass

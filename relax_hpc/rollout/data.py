@@ -10,7 +10,11 @@ Relax's data contract (``--prompt-data``, ``--input-key``, ``--label-key``, ``--
 - with ``apply_chat_template`` the messages (a bare string counts as one user message; ``system_prompt``
   is put first when set; ``tool_key`` supplies tools) go through ``tokenizer.apply_chat_template(...,
   tokenize=False, add_generation_prompt=True, **apply_chat_template_kwargs)`` and ``sample.prompt`` is the
-  resulting text, as in Relax.
+  resulting text, as in Relax;
+- ``multimodal_keys`` (``{"image": COLUMN}``, Relax's ``--multimodal-keys``): the column holds each prompt's images
+  (paths relative to the data file, bytes, base64, one or a list); Relax's ``<image>`` markers or Qwen's
+  ``{"type": "image"}`` content parts place them. They are read when a step draws the prompt
+  (:meth:`PromptDataset.with_images`), and a bad one fails only its sample (docs/multimodal.md).
 
 :class:`PromptDataset` reads files eagerly and reports the file, the line (JSONL) or row (Parquet) and the
 key for any bad record; blank lines are skipped and prompts over ``max_prompt_len`` dropped, each logged once per
@@ -37,7 +41,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
 from relax_hpc.errors import PermanentError
-from relax_hpc.rollout.sample import Sample
+from relax_hpc.multimodal import IMAGE_PAD, IMAGE_PLACEHOLDER, TEXT_IMAGE_MARKER
+from relax_hpc.rollout.sample import Sample, SampleStatus
 from relax_hpc.seed import DEFAULT_SEED
 
 if TYPE_CHECKING:
@@ -65,6 +70,7 @@ class DataKeys:
     tool_key: str | None = "tools"
     input_name: str = "data.input_key"  # the recipe keys that set input_key/label_key, for the messages
     label_name: str = "data.label_key"
+    image_key: str | None = None  # the record field with the images (``data.multimodal_keys.image``)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,8 +240,15 @@ class _Records:
                 raise DataError(f"{where}: key {k.metadata_key!r} (data.metadata_key) must be a mapping, "
                                 f"got {type(metadata).__name__}")
         tools = rec.get(k.tool_key) if k.tool_key else None
+        images = _image_refs(rec.get(k.image_key)) if k.image_key else None
+        if k.image_key and self.apply_chat_template and _is_messages(raw):
+            raw = [_image_parts(m) for m in raw]
         prompt = self._prompt_text(where, raw, tools)
+        if k.image_key and not self.apply_chat_template and isinstance(prompt, str):
+            prompt = prompt.replace(TEXT_IMAGE_MARKER, IMAGE_PLACEHOLDER)
         sample = Sample(prompt=prompt, label=label, metadata=metadata)
+        if images is not None:
+            sample.multimodal_inputs = {"images": images}
         if self.tokenizer is not None:
             sample.tokens = list(self.tokenizer.encode(prompt, add_special_tokens=False))
         return sample
@@ -250,7 +263,8 @@ class _Records:
                                 "(and model.path for the tokenizer) to turn them into a prompt")
             raise DataError(f"{where}: key {key} must be a string prompt, got {type(raw).__name__}")
         if isinstance(raw, str):
-            messages = [{"role": "user", "content": raw}]
+            messages = [_image_parts({"role": "user", "content": raw}) if self.keys.image_key
+                        else {"role": "user", "content": raw}]
         elif _is_messages(raw):
             messages = [dict(m) for m in raw]
         else:
@@ -296,6 +310,8 @@ class PromptDataset(_Records):
         apply_chat_template_kwargs: dict[str, Any] | None = None,
         system_prompt: str | None = None,
         max_prompt_len: int | None = None,
+        image_min_token_num: int | None = None,
+        image_max_token_num: int | None = None,
     ) -> None:
         self.files = expand_paths(paths)
         if isinstance(tokenizer, (str, os.PathLike)):
@@ -306,9 +322,14 @@ class PromptDataset(_Records):
             raise DataError("apply_chat_template needs a tokenizer (model.path); none was given")
         if max_prompt_len is not None and tokenizer is None:
             raise DataError("max_prompt_len needs a tokenizer (model.path) to count prompt tokens; none was given")
+        if keys.image_key and not getattr(tokenizer, "name_or_path", None):
+            raise DataError("data.multimodal_keys needs the model's directory (model.path: its image processor and "
+                            "tokenizer) to read images with; none was given")
+        self.image_tokens = (image_min_token_num, image_max_token_num)
         self.num_filtered = 0
         self.num_blank = 0
         self.samples: list[Sample] = []
+        self._rows: dict[int, tuple[str, Path]] = {}  # sample position -> (where, the data file's directory): images
         for f in self.files:
             self._load(f)
         if not self.samples:
@@ -330,6 +351,8 @@ class PromptDataset(_Records):
             if self.max_prompt_len is not None and len(sample.tokens) > self.max_prompt_len:
                 long.append(row.number)
                 continue
+            if sample.multimodal_inputs is not None:
+                self._rows[len(self.samples)] = (row.where, path.resolve().parent)
             self.samples.append(sample)
         what = "row" if path.suffix == ".parquet" else "line"
         if blank:
@@ -344,7 +367,44 @@ class PromptDataset(_Records):
         return len(self.samples)
 
     def __getitem__(self, i: int) -> Sample:
-        return self.samples[i]
+        """The prompt template ``i``; a row with images comes with them read (:meth:`with_images`)."""
+        sample = self.samples[i]
+        row = self._rows.get(i if i >= 0 else i + len(self.samples))
+        return sample if row is None else self.with_images(sample, *row)
+
+    def with_images(self, sample: Sample, where: str, base_dir: Path) -> Sample:
+        """A copy of ``sample`` whose ``multimodal_inputs["images"]`` are read
+        (:func:`relax_hpc.multimodal.load_image`), resized to ``data.image_min/max_token_num`` and kept as base64
+        PNG (SGLang's ``image_data``), and whose ``tokens`` are the processor's (each ``<|image_pad|>`` repeated per
+        image token). Read here, when a step draws the prompt, not when the file is read: a dataset of images does
+        not sit in memory.
+
+        A bad image (missing file, not an image, too large, placeholders that do not match the images) fails only
+        this sample (:func:`image_failed`): status FAILED, its row and reason in ``metadata["image_error"]``."""
+        from relax_hpc.multimodal import ImageError, encode_ids, load_image, png_base64, resize_to_tokens
+
+        refs = sample.multimodal_inputs["images"]
+        model_dir = str(self.tokenizer.name_or_path)
+        imgs = []
+        try:
+            if isinstance(refs, str) and refs.startswith(_BAD):
+                raise ImageError(refs[len(_BAD):])
+            for n, ref in enumerate(refs):
+                try:
+                    imgs.append(resize_to_tokens(load_image(ref, base_dir), model_dir, *self.image_tokens))
+                except ImageError as e:
+                    raise ImageError(f"image {n}{_ref_name(ref)}: {e}") from None
+            placeholders = sample.prompt.count(IMAGE_PAD)
+            if placeholders != len(imgs):
+                raise ImageError(f"{len(imgs)} image(s) but {placeholders} image placeholder(s) in the prompt. Fix: "
+                                 f'one {TEXT_IMAGE_MARKER} in the text or one {{"type": "image"}} content part per '
+                                 "image")
+            tokens = encode_ids(model_dir, sample.tokens, imgs)["input_ids"][0].tolist() if imgs else sample.tokens
+        except ImageError as e:
+            return image_failed(sample.copy(multimodal_inputs=None),
+                                f"{where}: key {self.keys.image_key!r} (data.multimodal_keys.image): {e}",
+                                getattr(self.tokenizer, "eos_token_id", None))
+        return sample.copy(tokens=tokens, multimodal_inputs={"images": [png_base64(im) for im in imgs]})
 
 
 def _numbers(what: str, numbers: list[int]) -> str:
@@ -352,6 +412,56 @@ def _numbers(what: str, numbers: list[int]) -> str:
     shown = ", ".join(map(str, numbers[:SHOWN]))
     more = f" and {len(numbers) - SHOWN} more" if len(numbers) > SHOWN else ""
     return f"{what}{'s' if len(numbers) > 1 else ''} {shown}{more}"
+
+
+_BAD = "\0bad:"  # a row's image column that is not images: the reason, kept for the sample to fail with
+
+
+def _image_refs(v: Any) -> list[Any] | str:
+    """A row's image column as a list of references (none for null), or the reason it is not one."""
+    if v is None:
+        return []
+    one = isinstance(v, (str, bytes, bytearray)) or (isinstance(v, dict) and ("bytes" in v or "path" in v))
+    if one:
+        return [v]
+    if isinstance(v, list) and all(isinstance(x, (str, bytes, bytearray, dict)) for x in v):
+        return list(v)
+    return f"{_BAD}must be an image (a path, bytes or base64) or a list of them, got {type(v).__name__}"
+
+
+def _ref_name(ref: Any) -> str:
+    """How an image reference reads in a message: a short path as itself, else its kind and size."""
+    if isinstance(ref, str) and len(ref) < 200 and not ref.startswith("data:"):
+        return f" ({ref!r})"
+    return f" ({type(ref).__name__}, {len(ref)} long)" if isinstance(ref, (str, bytes, bytearray)) else ""
+
+
+def _image_parts(message: dict) -> dict:
+    """A chat message whose string content holds Relax's ``<image>`` markers, as Qwen's content list
+    (``{"type": "image"}`` where each marker was, ``{"type": "text", ...}`` between); other messages as they are."""
+    content = message.get("content")
+    if not isinstance(content, str) or TEXT_IMAGE_MARKER not in content:
+        return dict(message)
+    parts: list[dict[str, Any]] = []
+    for i, text in enumerate(content.split(TEXT_IMAGE_MARKER)):
+        if i:
+            parts.append({"type": "image"})
+        if text:
+            parts.append({"type": "text", "text": text})
+    return {**message, "content": parts}
+
+
+def image_failed(sample: Sample, why: str, pad_id: int | None = None) -> Sample:
+    """``sample`` failed for its images, before any engine saw it (the driver does not send a FAILED sample): status
+    FAILED, ``metadata["image_error"]``, a one-token response with loss mask 0 and reward 0 (so the step's tensors
+    keep their shape and the sample counts for nothing), as a failed environment does (rollout/multiturn.py)."""
+    log.error("sample fails, its images cannot be used: %s", why)
+    sample.metadata = {**sample.metadata, "image_error": why}
+    sample.reset_response(list(sample.tokens))
+    sample.append_response([int(pad_id or 0)], "", [0.0], loss_mask_value=0)
+    sample.status = SampleStatus.FAILED
+    sample.reward = 0.0
+    return sample
 
 
 def _is_messages(x: Any) -> bool:
@@ -549,6 +659,7 @@ def dataset_keys(data_cfg: DataConfig, evaluation: bool = False) -> DataKeys:
         tool_key=data_cfg.tool_key,
         input_name="data.eval_input_key" if e_in else "data.input_key",
         label_name="data.eval_label_key" if e_label else "data.label_key",
+        image_key=(data_cfg.multimodal_keys or {}).get("image"),
     )
 
 
@@ -561,7 +672,7 @@ def dataset_from_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig, *, tok
     if input_key or label_key is not None:
         keys = DataKeys(input_key=input_key or keys.input_key,
                         label_key=label_key if label_key is not None else keys.label_key,
-                        metadata_key=keys.metadata_key, tool_key=keys.tool_key)
+                        metadata_key=keys.metadata_key, tool_key=keys.tool_key, image_key=keys.image_key)
     path = path if path is not None else data_cfg.path
     if path is None:
         raise DataError("data.path is not set: give the JSONL/Parquet prompt file(s)")
@@ -571,6 +682,8 @@ def dataset_from_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig, *, tok
         apply_chat_template_kwargs=parse_chat_template_kwargs(data_cfg.apply_chat_template_kwargs),
         system_prompt=data_cfg.system_prompt,
         max_prompt_len=rollout_cfg.max_prompt_len,
+        image_min_token_num=data_cfg.image_min_token_num,
+        image_max_token_num=data_cfg.image_max_token_num,
     )
 
 
@@ -628,6 +741,7 @@ def check_dataset(paths: str | os.PathLike | Iterable[str | os.PathLike], *, key
         return out
     records = _Records(keys, None, apply_chat_template, None, system_prompt)
     checked: list[tuple[Path, int]] = []  # every prompt checked, and those too long
+    with_images = 0  # rows checked that have the image column
     long: dict[Path, list[int]] = {}
     empty: list[Path] = []
     partial = False  # a file longer than ``rows``: only its first rows were read
@@ -650,6 +764,7 @@ def check_dataset(paths: str | os.PathLike | Iterable[str | os.PathLike], *, key
                     bad.setdefault(str(e).removeprefix(f"{row.where}: "), []).append(row.number)
                     continue
                 checked.append((f, row.number))
+                with_images += bool(keys.image_key and row.item.get(keys.image_key) is not None)
                 if count_tokens is not None and max_prompt_len is not None \
                         and count_tokens(sample.prompt) > max_prompt_len:
                     long.setdefault(f, []).append(row.number)
@@ -670,6 +785,10 @@ def check_dataset(paths: str | os.PathLike | Iterable[str | os.PathLike], *, key
                                           else "")
         # an empty file among others is only a note: the run reads the others
         (out.problems if len(empty) == len(files) else out.notes).append(text)
+    if keys.image_key and checked and not with_images:
+        out.problems.append(f"none of the {len(checked)} rows checked has the image column {keys.image_key!r} "
+                            "(data.multimodal_keys.image). Fix: set data.multimodal_keys to {image: COLUMN}, the "
+                            "record field that holds each prompt's image paths, bytes or base64")
     n_long = sum(map(len, long.values()))
     if n_long:
         lower = " at least" if apply_chat_template else ""
@@ -785,4 +904,38 @@ def check_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig) -> list[tuple
             out.append(("data.apply_chat_template_kwargs", kwargs, str(e).split(": ", 1)[-1]))
     if data_cfg.seed is not None:
         need(data_cfg.seed >= 0, "data.seed", data_cfg.seed, "must be 0 or more, or null for run.seed")
+    out += _check_media(data_cfg)
+    return out
+
+
+MODALITIES = ("image",)  # data.multimodal_keys' keys read so far; Relax's video and audio are not
+RELAX_MODALITIES = ("image", "video", "audio")
+
+
+def _check_media(d: DataConfig) -> list[tuple[str, object, str]]:
+    """``data.multimodal_keys`` and the image token bounds: known modalities, a column name each, sane bounds."""
+    out: list[tuple[str, object, str]] = []
+    mk = d.multimodal_keys
+    if isinstance(mk, str):  # Relax passes it as JSON text
+        out.append(("data.multimodal_keys", mk, "must be a mapping, not text. Fix: multimodal_keys: {image: images} "
+                                                "(modality: the record field)"))
+        mk = {}
+    for k, col in (mk or {}).items():
+        if k not in MODALITIES:
+            why = "is not read yet (only images are)" if k in RELAX_MODALITIES else \
+                f"is not a modality (Relax's are {', '.join(RELAX_MODALITIES)})"
+            out.append((f"data.multimodal_keys.{k}", col, f"{k!r} {why}. Fix: remove it; image: COLUMN is supported"))
+        elif not isinstance(col, str) or not col.strip():
+            out.append((f"data.multimodal_keys.{k}", col, "must name the record field that holds the images. "
+                                                         "Fix: e.g. image: images"))
+    lo, hi = d.image_min_token_num, d.image_max_token_num
+    for key, v in (("data.image_min_token_num", lo), ("data.image_max_token_num", hi)):
+        if v is not None and v < 1:
+            out.append((key, v, "must be at least 1 image token, or null for the model processor's bound"))
+    if lo is not None and hi is not None and 1 <= hi < lo:
+        out.append(("data.image_max_token_num", hi, f"is below data.image_min_token_num = {lo}. Fix: max >= min"))
+    if (lo is not None or hi is not None) and not (mk or {}).get("image"):
+        key = "data.image_min_token_num" if lo is not None else "data.image_max_token_num"
+        out.append((key, lo if lo is not None else hi, "bounds images, but data.multimodal_keys has no image column. "
+                                                      "Fix: set data.multimodal_keys: {image: COLUMN}, or null this"))
     return out

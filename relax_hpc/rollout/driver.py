@@ -301,6 +301,8 @@ class RolloutDriver:
         A sample that already has a partial response continues it: the engine gets prompt + partial response
         and the tokens left of ``max_new_tokens``."""
         batch = batch if batch is not None else BatchCounters()
+        if sample.status is SampleStatus.FAILED:  # failed before generation (its images: rollout/data.py)
+            return sample
         if seed is not None:
             sp = dataclasses.replace(sp, sampling_seed=seed)
         resumed = sample.response_length > 0
@@ -314,7 +316,8 @@ class RolloutDriver:
         else:
             prompt_ids = self.prompt_ids(sample)
         gen = await self.request(prompt_ids, sp, evaluation=evaluation, batch=batch, stop=stop,
-                                 who=f"sample index={sample.index} group_index={sample.group_index}")
+                                 who=f"sample index={sample.index} group_index={sample.group_index}",
+                                 image_data=(sample.multimodal_inputs or {}).get("images") or None)
         if gen is None:  # the step ended before it was sent
             sample.status = SampleStatus.ABORTED if resumed else SampleStatus.PENDING
             return sample
@@ -326,7 +329,7 @@ class RolloutDriver:
 
     async def request(self, prompt_ids: list[int], sp: SamplingParams, *, evaluation: bool = False,
                       batch: BatchCounters | None = None, stop: asyncio.Event | None = None,
-                      who: str = "a request") -> Generation | None:
+                      who: str = "a request", image_data: list | None = None) -> Generation | None:
         """One ``/generate`` on the least-loaded live engine, with the driver's handling (module docstring):
         dead engines left out, 5xx and aborts retried up to ``max_retries``, a 4xx a :class:`RolloutError` naming
         ``who``. With ``stop`` (partial rollout): None if ``stop`` is set before it is sent, and an abort after
@@ -354,7 +357,8 @@ class RolloutDriver:
                 # engine is given up in time for the request to finish elsewhere; with none, all of it
                 cap = left / 2 if len(self.pool.alive()) > 1 and left >= 2 * MIN_ATTEMPT_S else left
                 gen = await engine.client.agenerate(prompt_ids, sp, return_logprob=not evaluation, rid=rid,
-                                                    vocab_size=self.vocab_size, timeout=cap)
+                                                    vocab_size=self.vocab_size, timeout=cap,
+                                                    **({"image_data": image_data} if image_data else {}))
             except EngineError as err:
                 last = f"engine {engine.name}: {err.cause}"
                 took = time.monotonic() - t0
@@ -417,6 +421,8 @@ class RolloutDriver:
 
     async def _generate_one(self, sample: Sample, sp: SamplingParams, evaluation: bool, batch: BatchCounters,
                             seed: int | None) -> Sample | list[Sample]:
+        if sample.status is SampleStatus.FAILED:  # failed before generation (its images: rollout/data.py)
+            return sample
         custom = self.generate_function(sample)
         if custom is None and self.multiturn is not None:
             return await generate_multiturn(_TurnSession(self, evaluation, batch), self.multiturn, sample, sp,

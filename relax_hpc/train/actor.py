@@ -40,13 +40,14 @@ from relax_hpc.train.step import NonFiniteGuard, nonfinite_what, train_step
 
 class MegatronActor:
     def __init__(self, built, model: list, optimizer, train_cfg: TrainConfig, algo_cfg, *, temperature: float,
-                 pad_id: int):
+                 pad_id: int, opd=None):
         self.bridge = built.bridge
         self.hf_dir = built.hf_dir
         self.model = model  # DDP-wrapped chunks (training) or bare GPTModel chunks (forward only)
         self.optimizer = optimizer  # None when forward only
         self.train_cfg = train_cfg
         self.algo_cfg = algo_cfg
+        self.opd = opd  # the recipe's opd section (on-policy distillation): its loss form joins the policy loss
         self.temperature = temperature
         self.pad_id = pad_id
         self.step = 0  # optimizer steps done, applied or skipped as non-finite (restored by load_checkpoint)
@@ -55,7 +56,7 @@ class MegatronActor:
 
     @classmethod
     def from_hf(cls, hf_dir: str | os.PathLike, train_cfg: TrainConfig, algo_cfg=None, *,
-                temperature: float = 1.0, forward_only: bool = False) -> "MegatronActor":
+                temperature: float = 1.0, forward_only: bool = False, opd=None) -> "MegatronActor":
         """Build from an HF directory. ``init_parallel(train_cfg.tp, train_cfg.pp)`` must have run.
 
         ``temperature`` is the rollout sampling temperature: logits are divided by it before log-probs,
@@ -77,7 +78,7 @@ class MegatronActor:
         if pad_id is None:
             pad_id = getattr(hf_cfg, "eos_token_id", 0)
             pad_id = pad_id[0] if isinstance(pad_id, (list, tuple)) else (pad_id or 0)
-        return cls(built, model, optimizer, train_cfg, algo_cfg, temperature=temperature, pad_id=int(pad_id))
+        return cls(built, model, optimizer, train_cfg, algo_cfg, temperature=temperature, pad_id=int(pad_id), opd=opd)
 
     @property
     def parallel(self) -> ParallelInfo:
@@ -106,7 +107,7 @@ class MegatronActor:
             batch = share_of(batch, p.dp, p.dp_rank)
         where = self._where(rollout_step)
         metrics = train_step(self.model, self.optimizer, batch, train_cfg=self.train_cfg, algo_cfg=self.algo_cfg,
-                             step=self.step, pad_id=self.pad_id, temperature=self.temperature)
+                             step=self.step, pad_id=self.pad_id, temperature=self.temperature, opd=self.opd)
         self.step += 1  # a skipped step's slot too: checkpoint names stay unique, the lr schedule moves on
         metrics["step"] = float(self.step)
         self.last_skip = nonfinite_what(metrics)

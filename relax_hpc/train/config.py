@@ -2,7 +2,9 @@
 
 Pure Python on purpose: the recipe validator imports this on the login node, where megatron-core may
 not even be installed. Field types stay within what :mod:`relax_hpc.recipe.validate` understands.
-Data parallelism is not a field: it is whatever is left, world / (tp × pp).
+Data parallelism is not a field: it is whatever is left, world / (tp × pp); expert parallelism (``ep``) splits a
+mixture-of-experts model's experts over ``ep`` of those data-parallel ranks (Megatron's layout), so it divides
+the data-parallel size and the model's experts (checked at build, where both are known).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from relax_hpc.seed import DEFAULT_SEED
 class TrainConfig:
     tp: int = 1  # tensor-parallel size (Megatron tensor_model_parallel_size)
     pp: int = 1  # pipeline-parallel size; data parallel = world / (tp × pp)
+    ep: int = 1  # expert-parallel size (Megatron expert_model_parallel_size): MoE experts split over ep DP ranks
     micro_batch_size: int = 1  # samples per forward/backward pass on one data-parallel rank (padded micro-batches)
     global_batch_size: int | None = None  # samples per optimizer step across all DP ranks; None: the rollout step / num_steps_per_rollout
     num_steps_per_rollout: int | None = None  # optimizer steps (mini-batches) per rollout step; None: from global_batch_size, else 1
@@ -55,6 +58,7 @@ def check(cfg: TrainConfig) -> list[tuple[str, object, str]]:
 
     need(cfg.tp >= 1, "tp", "must be at least 1. Fix: use 1 for no tensor parallelism")
     need(cfg.pp >= 1, "pp", "must be at least 1. Fix: use 1 for no pipeline parallelism")
+    need(cfg.ep >= 1, "ep", "must be at least 1. Fix: use 1 for no expert parallelism (a dense model needs 1)")
     need(cfg.micro_batch_size >= 1, "micro_batch_size", "must be at least 1 sample. Fix: use 1")
     if cfg.global_batch_size is not None:
         need(cfg.global_batch_size >= 1, "global_batch_size", "must be at least 1 or null. Fix: use null")
@@ -91,6 +95,9 @@ def check(cfg: TrainConfig) -> list[tuple[str, object, str]]:
              "Fix: set train.recompute: full, or remove recompute_num_layers")
     need(not cfg.sequence_parallel or cfg.tp > 1, "sequence_parallel",
          f"needs tensor parallelism, and train.tp = {cfg.tp}. Fix: set train.tp >= 2, or sequence_parallel: false")
+    need(cfg.sequence_parallel or cfg.tp == 1 or cfg.ep == 1, "sequence_parallel",
+         f"must be on with both tensor and expert parallelism (train.tp = {cfg.tp}, train.ep = {cfg.ep}): Megatron's "
+         "MoE training requires it. Fix: sequence_parallel: true, or train.ep: 1")
     need(cfg.lr > 0, "lr", "must be positive. Fix: e.g. 1e-6")
     need(0 <= cfg.min_lr <= cfg.lr, "min_lr", f"must be between 0 and train.lr = {cfg.lr}. Fix: e.g. 0")
     need(cfg.lr_warmup_steps >= 0, "lr_warmup_steps", "must be 0 or more. Fix: use 0 for no warmup")

@@ -20,7 +20,12 @@ and the GPU code paths stay exactly as upstream wrote them. The facts behind eac
 * four DistributedOptimizer bugs on the torch-Adam path (no apex/TE, so every CPU run hits them;
   one of them silently resumes with the wrong Adam bias correction) — :func:`_patch_distributed_optimizer`;
 * megatron-bridge's TP scatter hands non-contiguous views to gloo ``scatter``, which ignores strides and
-  silently loads wrong ``o_proj``/``down_proj`` shards at TP>1 — :func:`patch_bridge`.
+  silently loads wrong ``o_proj``/``down_proj`` shards at TP>1 — :func:`patch_bridge`;
+* mixture-of-experts: the all-to-all token dispatcher makes a ``torch.cuda.Stream`` at build and copies its split
+  sizes to the host on it every forward — :func:`_patch_moe_dispatcher`; and without Transformer Engine (GPU too)
+  the router's gating linear reads a ``te_general_gemm`` that megatron-core never defines — :func:`_patch_moe_router`;
+  megatron-bridge maps the experts of megatron-core's ``SequentialMLP`` (the no-TE experts) to the wrong HF experts
+  at expert parallelism > 1, and cannot export them — :func:`_patch_bridge_sequential_experts` (GPU without TE too).
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ def apply() -> bool:
     global _applied, _mode
     if not needed():
         _patch_distributed_optimizer(only_without_apex_or_te=True)
+        _patch_moe_router()
         return False
     with _lock:
         if _applied:
@@ -96,6 +102,8 @@ def apply() -> bool:
         _mode.__enter__()  # process-wide, for good: megatron calls these at any time
         _patch_recompute_rng()
         _patch_distributed_optimizer(only_without_apex_or_te=False)
+        _patch_moe_dispatcher()
+        _patch_moe_router()
         _applied = True
         return True
 
@@ -110,9 +118,14 @@ def after_model_parallel() -> None:
 
 
 def patch_bridge() -> None:
-    """Make megatron-bridge's TP scatter send contiguous shards (gloo scatter ignores strides). CPU only."""
+    """Make megatron-bridge's TP scatter send contiguous shards (gloo scatter ignores strides; CPU only), and number
+    ``SequentialMLP`` experts globally (any machine: only names of the no-TE experts are touched)."""
     global _bridge_patched
-    if not needed() or _bridge_patched:
+    if _bridge_patched:
+        return
+    _patch_bridge_sequential_experts()
+    if not needed():
+        _bridge_patched = True
         return
     from megatron.bridge.models.conversion import param_mapping as pm
 
@@ -128,6 +141,66 @@ def patch_bridge() -> None:
     _bridge_patched = True
 
 
+def _patch_bridge_sequential_experts() -> None:
+    """megatron-bridge 0.3.1 numbers the experts globally only in TEGroupedMLP's names
+    (``experts.linear_fc1.weight<G>``). megatron-core's ``SequentialMLP``, the experts built without TE
+    (``experts.local_experts.<L>.linear_fc1.weight``), keeps the local number L: at expert parallelism > 1 each EP
+    rank's local expert L loaded HF expert L (measured on the tiny Qwen3-MoE at EP=2: logits off by 0.07), and the
+    export failed reading an expert number after ``.weight`` (ValueError). Here the name's expert number becomes the
+    global one, ep_rank · experts/ep + L, as for grouped experts: the names sort by it (the bridge pairs EP ranks'
+    tensors by position in that order), loading finds the HF expert by it, and the export gathers each local expert
+    from every EP rank under its HF names."""
+    import re
+
+    from megatron.bridge.models.conversion import model_bridge as mb
+    from megatron.bridge.models.conversion import param_mapping as pm
+    from megatron.core import parallel_state as ps
+
+    local = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+    to_global_orig, sort_key_orig = mb._megatron_local_name_to_global, mb.extract_sort_key
+
+    @functools.wraps(to_global_orig)
+    def to_global(models, config, param_name, vp_stage=None):
+        name = to_global_orig(models, config, param_name, vp_stage)
+        m = local.search(name)
+        ep = ps.get_expert_model_parallel_world_size()
+        if m is None or ep == 1 or ".adapter." in name:
+            return name
+        g = config.num_moe_experts // ep * ps.get_expert_model_parallel_rank() + int(m.group(1))
+        return f"{name[:m.start()]}.mlp.experts.local_experts.{g}.{name[m.end():]}"
+
+    @functools.wraps(sort_key_orig)
+    def sort_key(param_name):  # layer, then expert as a number (the name alone puts expert 10 before 2)
+        m = local.search(param_name)
+        if m is None:
+            return sort_key_orig(param_name)
+        numbers, _ = sort_key_orig(param_name)
+        return [numbers[0], int(m.group(1))], param_name
+
+    gather_orig = pm.MegatronParamMapping.gather_from_ep_ranks
+
+    @functools.wraps(gather_orig)
+    def gather_from_ep_ranks(self, megatron_weights, megatron_module, hf_param_name):
+        m = local.search(self.megatron_param)
+        if m is None:
+            return gather_orig(self, megatron_weights, megatron_module, hf_param_name)
+        # upstream's, with the expert number read from local_experts.<G>
+        per_rank = None
+        if megatron_module is not None:
+            per_rank = self._get_config(megatron_module).num_moe_experts // self.ep_size
+        per_rank = self.broadcast_obj_from_pp_rank(per_rank, "num_experts_per_rank")
+        first = int(m.group(1)) % per_rank
+        names = [re.sub(r"experts\.(\d+)", f"experts.{first + per_rank * i}", str(hf_param_name))
+                 for i in range(self.ep_size)]
+        gathered = [torch.empty_like(megatron_weights) for _ in range(self.ep_size)]
+        torch.distributed.all_gather(gathered, megatron_weights.contiguous(), group=self.ep_group)
+        return dict(zip(names, gathered))
+
+    mb._megatron_local_name_to_global = to_global
+    mb.extract_sort_key = sort_key
+    pm.MegatronParamMapping.gather_from_ep_ranks = gather_from_ep_ranks
+
+
 def _patch_recompute_rng() -> None:
     """Megatron's activation recompute (``CheckpointFunction``, any ``train.recompute``) saves and restores the CUDA
     RNG through ``tensor_parallel.random._get_cuda_rng_state``/``_set_cuda_rng_state``, which call
@@ -138,6 +211,38 @@ def _patch_recompute_rng() -> None:
 
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: None
+
+
+def _patch_moe_router() -> None:
+    """megatron-core 0.16.1's ``moe_utils`` imports ``te_general_gemm`` from TE and, where that import fails, defines
+    nothing, so the router's ``RouterGatingLinearFunction`` fails with a NameError at its first forward on any machine
+    without TE. ``None`` is what its test means: the plain ``torch.mm`` path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _patch_moe_dispatcher() -> None:
+    """megatron-core's ``MoEAlltoAllTokenDispatcher`` (the one Qwen3-MoE's provider asks for, and the one that takes
+    a different token count on each expert-parallel rank) builds a class-wide ``torch.cuda.Stream`` for its
+    device-to-host copies, and in ``_maybe_dtoh_and_synchronize`` copies the all-to-all split sizes to the host as
+    numpy arrays on that stream and waits on an event. Here everything is on the host already: the stand-in makes
+    only the numpy conversion (what the rest of the dispatcher then sees on a GPU too) and waits on nothing."""
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    D = td.MoEAlltoAllTokenDispatcher
+    D.cuda_dtoh_stream = "cpu"  # __init__ makes a torch.cuda.Stream only while this is None
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                t = getattr(self, name, None)
+                if torch.is_tensor(t):
+                    setattr(self, name, t.numpy())
+        return tokens_per_expert
+
+    D._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
 
 
 _distopt_patched = False

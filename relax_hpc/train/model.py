@@ -40,6 +40,7 @@ _CORE_MODULES = (  # imported before any TE stub exists, so they keep HAVE_TE = 
     "megatron.core.transformer.transformer_layer",
     "megatron.core.transformer.attention",
     "megatron.core.transformer.mlp",
+    "megatron.core.transformer.moe.moe_layer",  # and its moe_utils, token dispatchers, experts
     "megatron.core.post_training.modelopt.gpt.model_specs",
 )
 
@@ -144,6 +145,55 @@ def choose_kernels(provider, *, cuda: bool, importable) -> None:
         setattr(provider, key, on)
 
 
+def moe_settings(provider, hf_config, cfg: TrainConfig, *, te: bool) -> None:
+    """The provider's mixture-of-experts settings (a no-op for a dense model): ``train.ep`` experts' shards, the
+    expert kernels that run here, and the routing and losses of the HF model.
+
+    * Without Transformer Engine the experts are megatron-core's ``SequentialMLP`` (one local MLP per expert: the
+      bridge turns grouped GEMM and permute fusion on, which need TE).
+    * ``norm_topk_prob`` (Qwen3-MoE: true) is Megatron's softmax over the top-k logits (``moe_router_pre_softmax``
+      off); without it, softmax over all experts then top-k, unrenormalised.
+    * The load-balancing loss as the HF config trains it: ``router_aux_loss_coef`` only where
+      ``output_router_logits`` is on (Qwen3-30B-A3B: off, so no aux loss); no z-loss (Qwen3 has none). Dropless
+      routing (no capacity factor), as HF.
+    """
+    experts = getattr(provider, "num_moe_experts", None)
+    if not experts:
+        if cfg.ep > 1:
+            raise PermanentError(f"train.ep = {cfg.ep} but the model is dense (no experts in its config). "
+                                 "Fix: train.ep: 1")
+        return
+    if experts % cfg.ep:
+        raise PermanentError(f"train.ep = {cfg.ep} does not divide the model's {experts} experts. "
+                             f"Fix: a divisor of {experts}")
+    provider.expert_model_parallel_size = cfg.ep
+    if not te:
+        provider.moe_grouped_gemm = False
+        provider.moe_permute_fusion = False
+    provider.moe_router_pre_softmax = not getattr(hf_config, "norm_topk_prob", True)
+    coeff = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+    coeff = coeff if getattr(hf_config, "output_router_logits", False) else 0.0
+    provider.moe_aux_loss_coeff = coeff
+    provider.moe_router_load_balancing_type = "aux_loss" if coeff else "none"
+    provider.moe_z_loss_coeff = None
+    provider.moe_expert_capacity_factor = None
+
+
+def experts_apart(chunks: list) -> int:
+    """Mark the routed experts' weights expert-parallel (``allreduce = False``) at EP = 1 too, as megatron-core marks
+    them at EP > 1 only; returns how many. Then DDP reduces their grads over the expert data-parallel group (at EP=1 the
+    same ranks as data parallelism: the same numbers) and the optimizer keeps them in its own chained optimizer at
+    every EP, so a checkpoint's optimizer state has the same names whatever the EP it was saved at (else one saved at
+    EP=2 does not load at EP=1: "optimizer.state.param.… not in state dict")."""
+    n = 0
+    for c in chunks:
+        for name, p in c.named_parameters():
+            if ".mlp.experts." in name:
+                p.allreduce = False
+                n += 1
+    return n
+
+
 def recompute_settings(cfg: TrainConfig) -> dict:
     """``train.recompute*`` as megatron-core's TransformerConfig fields (selective: core attention only)."""
     if cfg.recompute == "none":
@@ -218,9 +268,10 @@ def build_model(hf_dir: str | Path, cfg: TrainConfig) -> BuiltModel:
     from megatron.core import parallel_state as ps
 
     assert ps.model_parallel_is_initialized(), "call relax_hpc.train.parallel.init_parallel(tp, pp) first"
-    assert ps.get_tensor_model_parallel_world_size() == cfg.tp and ps.get_pipeline_model_parallel_world_size() == cfg.pp, (
-        f"parallel state is tp={ps.get_tensor_model_parallel_world_size()}, "
-        f"pp={ps.get_pipeline_model_parallel_world_size()} but train config says tp={cfg.tp}, pp={cfg.pp}")
+    have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size())
+    assert have == (cfg.tp, cfg.pp, cfg.ep), (
+        f"parallel state is tp, pp, ep = {have} but train config says {cfg.tp, cfg.pp, cfg.ep}")
     from relax_hpc.train.parallel import seed_all
 
     seed_all(cfg.seed)  # reproducible builds; on GPU this also seeds the TP-aware CUDA RNG the init needs
@@ -232,6 +283,7 @@ def build_model(hf_dir: str | Path, cfg: TrainConfig) -> BuiltModel:
     provider.tensor_model_parallel_size = cfg.tp
     provider.pipeline_model_parallel_size = cfg.pp
     provider.sequence_parallel = cfg.sequence_parallel
+    moe_settings(provider, bridge.hf_pretrained.config, cfg, te=_importable("transformer_engine"))
     check_recompute(cfg, provider.num_layers)
     for key, value in recompute_settings(cfg).items():
         setattr(provider, key, value)
@@ -255,6 +307,7 @@ def build_model(hf_dir: str | Path, cfg: TrainConfig) -> BuiltModel:
     )
     if cfg.tp > 1 and not any(getattr(p, "tensor_model_parallel", False) for c in chunks for p in c.parameters()):
         raise RuntimeError("no parameter is marked tensor_model_parallel at TP > 1: grad norms would be wrong")
+    experts_apart(chunks)
     return BuiltModel(bridge=bridge, chunks=chunks, hf_dir=str(hf_dir))
 
 

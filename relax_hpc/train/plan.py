@@ -129,7 +129,7 @@ class TrainPlan:
 
 
 def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int = 1, seed: int = 0,
-               step: int = 0, dp: int = 1, dp_rank: int = 0) -> TrainPlan:
+               step: int = 0, dp: int = 1, dp_rank: int = 0, opd: Any = None) -> TrainPlan:
     """The actor's batch (:mod:`relax_hpc.train.batch`) from the columns of :func:`read_columns`: the
     step's samples split into ``k`` mini-batches (:func:`mini_batch_order`), each cut into ``dp`` shares.
 
@@ -139,7 +139,9 @@ def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int =
     as several segments (``rollout_id`` repeats); ``rollout/rewards`` is its mean, and
     ``rollout/zero_std_group_ratio`` the share of groups whose raw rewards are all equal); the per-token advantages
     A are R̃ on the loss-mask tokens, 0 elsewhere, whitened over the whole step if
-    ``algorithm.normalize_advantages``, built as one flat tensor over the ragged layout. Only this rank's
+    ``algorithm.normalize_advantages``, built as one flat tensor over the ragged layout; with ``opd`` (on-policy
+    distillation) the teacher's penalty −kl_coef·D_t goes in before the whitening, D from the ``rollout_log_probs``
+    and ``teacher_log_probs`` columns (:func:`~relax_hpc.algo.advantages.finish_advantages`). Only this rank's
     samples become tensors: tokens, response_start, loss_mask, advantages and rollout_log_probs as views,
     plus ``ref_log_probs`` / ``old_log_probs`` / ``teacher_log_probs`` from the ``ref_log_probs`` / ``log_probs`` /
     ``teacher_log_probs`` columns.
@@ -149,7 +151,7 @@ def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int =
     from relax_hpc.train.batch import GlobalStats, Share, dp_shard
 
     check_train_columns(cols)
-    rewards, adv = _advantages(cols, algo_cfg, group_size)
+    rewards, adv, opd_metrics = _advantages(cols, algo_cfg, group_size, opd)
     mask: Ragged = cols["loss_mask"]
     loss_tokens = _row_sums(mask)
     seq_lens = cols["tokens"].lengths()
@@ -158,14 +160,15 @@ def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int =
         stats = GlobalStats(n=len(part), loss_tokens=float(loss_tokens[part].sum()),
                             max_seq_len=int(seq_lens[part].max()) if len(part) else 0)
         shares.append(Share([_sample(cols, adv, int(i)) for i in dp_shard(part, dp, dp_rank)], stats))
-    return TrainPlan(shares, _reward_metrics(cols, rewards, group_size))
+    return TrainPlan(shares, {**_reward_metrics(cols, rewards, group_size), **opd_metrics})
 
 
-def _advantages(cols: dict[str, Any], algo_cfg: Any, group_size: int) -> tuple[Any, Any]:
-    """(R̃ per sample, A per token as one flat tensor over the ragged layout): :func:`train_plan`'s statistics."""
+def _advantages(cols: dict[str, Any], algo_cfg: Any, group_size: int, opd: Any = None) -> tuple[Any, Any, dict]:
+    """(R̃ per sample, A per token as one flat tensor over the ragged layout, OPD's metrics): :func:`train_plan`'s
+    statistics."""
     import torch
 
-    from relax_hpc.algo.advantages import masked_whiten, postprocess_rewards
+    from relax_hpc.algo.advantages import finish_advantages, postprocess_rewards
 
     raw = torch.from_numpy(np.asarray(cols["raw_reward"], dtype=np.float32))
     rewards = postprocess_rewards(algo_cfg, raw, group_size, group_ids=cols.get("group_index"),
@@ -179,10 +182,27 @@ def _advantages(cols: dict[str, Any], algo_cfg: Any, group_size: int) -> tuple[A
     flat_mask = torch.from_numpy(mask.data)
     zero = torch.zeros((), dtype=rewards.dtype)
     adv = torch.where(flat_mask.bool(), torch.repeat_interleave(rewards, torch.from_numpy(lens)), zero)
-    if algo_cfg.normalize_advantages and len(raw):
-        adv = masked_whiten(adv, flat_mask.bool())
+    metrics: dict[str, float] = {}
+    if len(raw):
+        student = teacher = None
+        if opd is not None and opd.enabled:  # D_t = f(the engine's log-prob, the teacher's), token by token
+            student, teacher = (_flat_beside(cols, name, mask, lens) for name in ("rollout_log_probs", "teacher_log_probs"))
+        adv, metrics = finish_advantages(algo_cfg, adv, flat_mask.bool(), opd=opd, student_log_probs=student,
+                                         teacher_log_probs=teacher)
     _check_built(rewards, adv, mask, cols.get("index"))
-    return rewards, adv
+    return rewards, adv, metrics
+
+
+def _flat_beside(cols: dict[str, Any], name: str, mask: Ragged, lens: Any) -> Any:
+    """Column ``name`` as one flat tensor laid out as ``loss_mask`` (a value per response token of every sample)."""
+    import torch
+
+    col = cols.get(name)
+    if col is None or not np.array_equal(col.lengths(), lens):
+        have = "missing" if col is None else f"{int(np.sum(col.lengths() != lens))} samples with another length"
+        raise ValueError(f"on-policy distillation needs {name} for every response token ({have}). Fix: the engine "
+                         "must return log-probs (rollout) and the teacher must score every sample (opd)")
+    return torch.from_numpy(col.data)
 
 
 # the per-token columns beside the rollout's that a sample carries where the step has them, and the sample fields they

@@ -85,7 +85,7 @@ def nonfinite_what(metrics: dict[str, float]) -> str | None:
 
 
 def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig, algo_cfg, step: int,
-               pad_id: int, temperature: float = 1.0) -> dict[str, float]:
+               pad_id: int, temperature: float = 1.0, opd=None) -> dict[str, float]:
     """Forward/backward over this DP rank's ``share`` of a global batch and one optimizer step.
 
     Every rank of a DP group passes the same share (:func:`relax_hpc.train.batch.dp_shard`); the share's
@@ -131,6 +131,7 @@ def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig
         loss, metrics = policy_loss(
             algo_cfg, lp, old, data(mb.advantages), data(mb.loss_mask),
             ref_log_probs=data(mb.ref_log_probs), rollout_log_probs=data(mb.rollout_log_probs), entropy=ent,
+            opd=opd, teacher_log_probs=data(mb.teacher_log_probs),  # OPD's loss form (opd.loss_coef)
         )
         reported = {k: float(v) * mb.weight for k, v in metrics.items()}
         return loss * (mb.weight * M * dp), reported

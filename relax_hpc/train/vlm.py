@@ -31,20 +31,12 @@ from collections.abc import Sequence
 import torch
 
 from relax_hpc.errors import PermanentError
+from relax_hpc.multimodal import VLM_MODEL_TYPES, encode, is_vlm
 
-VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+__all__ = ["VLM_MODEL_TYPES", "build_vlm", "encode", "is_vlm", "vlm_log_probs"]  # encode: callers import it here too
 
 _mrope_patched = False
 _qwen3_spec_patched = False
-
-
-def is_vlm(hf_dir: str | os.PathLike) -> bool:
-    """Whether the HF directory holds a vision-language model this module builds (by ``config.json``'s model_type)."""
-    import json
-    from pathlib import Path
-
-    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
-    return cfg.get("model_type") in VLM_MODEL_TYPES
 
 
 def _patch_mrope_section() -> None:
@@ -149,28 +141,3 @@ def vlm_log_probs(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | N
     lp, _ = vocab_parallel_logprobs(logits[:, :S - 1], ids[:, 1:S])  # [B, S-1]: token t+1 given ≤ t
     return [lp[b, s - 1:] for b, s in enumerate(starts)]
 
-
-def encode(hf_dir: str | os.PathLike, text: str, images: Sequence | None = None) -> dict[str, torch.Tensor]:
-    """``input_ids`` [1, S], ``pixel_values`` and ``image_grid_thw`` for one chat text with its images, as
-    Qwen2.5-VL's processor makes them: each ``<|image_pad|>`` becomes one token per merged patch of its image.
-
-    transformers' ``AutoProcessor`` for Qwen2.5-VL needs torchvision (for its video processor) even for images;
-    without it this takes the image processor and the tokenizer the directory holds and expands the
-    placeholders the same way (``Qwen2_5_VLProcessor.__call__``)."""
-    from transformers import AutoImageProcessor, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(hf_dir))
-    out: dict[str, torch.Tensor] = {}
-    if images:
-        ip = AutoImageProcessor.from_pretrained(str(hf_dir), use_fast=False)
-        feats = ip(images=list(images), return_tensors="pt")
-        out = {"pixel_values": feats["pixel_values"], "image_grid_thw": feats["image_grid_thw"]}
-        pad = "<|image_pad|>"
-        if text.count(pad) != len(images):
-            raise ValueError(f"{text.count(pad)} {pad} placeholders in the text for {len(images)} images")
-        parts = text.split(pad)
-        merge = ip.merge_size ** 2
-        text = parts[0] + "".join(pad * (int(thw.prod()) // merge) + p
-                                  for thw, p in zip(feats["image_grid_thw"], parts[1:]))
-    out["input_ids"] = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    return out

@@ -66,11 +66,13 @@ def test_the_engine_registry_is_shown_and_listed_in_json(tmp_path, monkeypatch):
     reg.add("engine1", "http://node3:30001", node="node3", pid=6, job_id="8", step_id="0", state="ready")
     reg.mark_dead("engine1", "connection refused")
     rd = run_dir(tmp_path)
-    write_json(rd.state, {"state": "RUNNING", "step": 3, "engines": reg.to_state()})
+    teachers = {"teacher0": {"url": "http://node4:30000", "pid": 7, "node": "node4"}}  # OPD's (roles.teacher)
+    write_json(rd.state, {"state": "RUNNING", "step": 3, "engines": reg.to_state(), "teachers": teachers})
     with_comps(monkeypatch, comp(0, "RUNNING"), comp(1, "RUNNING"))
     info = status.collect(rd)
     assert [(e["name"], e["state"], e["weight_version"], e["origin"], e["job_id"]) for e in info["engines"]] == [
         ("engine0", "ready", "3", "initial", "8"), ("engine1", "dead", None, "initial", "8")]
+    assert info["teachers"] == [{"name": "teacher0", **teachers["teacher0"]}] and info["judges"] == []
     json.dumps(info)  # relax-status --json prints it
     out = io.StringIO()
     Console(file=out, width=160).print(status.render(info))
@@ -107,6 +109,17 @@ def test_cancelled_says_so(tmp_path, monkeypatch):
     with_comps(monkeypatch, comp(0, "CANCELLED", "Resources"), comp(1, "CANCELLED", "Resources"))
     info = status.collect(rd)
     assert info["state"] == "CANCELLED" and info["reason"] == "cancelled by relax-cancel"
+
+
+def test_a_checkpoint_then_cancel_is_cancelled_though_slurm_saw_a_non_zero_exit(tmp_path, monkeypatch):
+    rd = run_dir(tmp_path)
+    write_json(rd.path / "cancel.json", {"requested_at": 1, "by": "relax-cancel --checkpoint"})
+    write_json(rd.state, {"state": "CANCELLED", "reason": "relax-cancel --checkpoint: stopped after a checkpoint"})
+    with_comps(monkeypatch, comp(0, "FAILED", "NonZeroExitCode"), comp(1, "FAILED", "NonZeroExitCode"))
+    info = status.collect(rd)
+    assert info["state"] == "CANCELLED" and info["reason"] == "cancelled by relax-cancel"
+    write_json(rd.state, {"state": "FAILED", "reason": "actor died"})  # a failure stays one
+    assert status.collect(rd)["state"] == "FAILED"
 
 
 def test_slurm_forgot_the_job(tmp_path, monkeypatch):

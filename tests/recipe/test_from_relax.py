@@ -181,14 +181,23 @@ def test_eval_prompt_data_pairs_become_the_mapping():
 
 OPD_SCRIPT = ["--use-opd", "--opd-type", "sglang", "--opd-teacher-url", "http://teacher:30000/generate",
               "--opd-kl-coef", "0", "--opd-loss-coef", "0.5", "--opd-disable-rl-reward", "--opd-per-token-clip", "5",
-              "--opd-log-prob-min-clamp", "-20", "--teacher-hf-checkpoint", "/m/teacher"]
+              "--opd-log-prob-min-clamp", "-20"]
 
 
 def test_opd_flags_land_in_the_opd_section():
     data, notes = convert(OPD_SCRIPT)
     assert data["opd"] == {"enabled": True, "teacher_url": "http://teacher:30000/generate", "kl_coef": 0.0,
                            "loss_coef": 0.5, "only_reward": True, "per_token_clip": 5.0, "log_prob_min_clamp": -20}
-    assert "--teacher-hf-checkpoint /m/teacher: not supported yet" in "\n".join(notes)
+
+
+def test_a_teacher_checkpoint_starts_the_run_s_own_teacher():
+    """Relax's --teacher-hf-checkpoint is a managed teacher: opd.teacher_model_path, served by roles.teacher."""
+    data, notes = convert(["--use-opd", "--opd-type", "sglang", "--teacher-hf-checkpoint", "/m/teacher",
+                           "--opd-disable-rl-reward"])
+    assert data["opd"]["teacher_model_path"] == "/m/teacher" and data["roles"]["teacher"] == {"enabled": True}
+    assert any(n.startswith("roles.teacher.enabled: true") for n in notes)
+    data, notes = convert(["--teacher-hf-checkpoint", "/m/teacher"])  # without --use-opd Relax ignores it
+    assert "opd" not in data and "teacher" not in (data.get("roles") or {})
 
 
 def test_opd_flags_without_use_opd_are_left_out_as_relax_ignores_them():
@@ -203,13 +212,10 @@ def test_a_megatron_teacher_is_refused_naming_the_fix():
         convert(["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/ckpt"])
 
 
-def test_the_opd_recipe_from_flags_is_validated(monkeypatch):
-    from relax_hpc.recipe import RecipeError, recipe_from_dict, validate
+def test_the_opd_recipe_from_flags_is_validated():
+    from relax_hpc.recipe import RecipeError, recipe_from_dict
 
     data, _ = convert(OPD_SCRIPT)
-    with pytest.raises(RecipeError, match="not wired into training yet"):  # until the loop is wired (issue #32)
-        recipe_from_dict(data)
-    monkeypatch.setattr(validate, "opd_not_wired", lambda r: [])
     r = recipe_from_dict(data)
     assert (r.opd.loss_coef, r.opd.per_token_clip, r.opd.log_prob_min_clamp) == (0.5, 5.0, -20.0)
     bad, _ = convert(["--use-opd", "--opd-type", "sglang", "--opd-loss-coef", "0.5"])  # kl_coef stays 1.0

@@ -832,18 +832,13 @@ def test_engine_kind_and_offload_rules():
 OPD_SECTION = {"teacher_url": "http://teacher:30000/generate", "kl_coef": 0.0, "loss_coef": 0.5, "only_reward": True}
 
 
-def test_an_opd_section_is_refused_until_the_loop_is_wired():
-    """The objective is built, the loop that asks the teacher is not: a recipe with opd: must not train without it."""
-    got = problems({"opd": OPD_SECTION})
-    assert list(got) == ["opd"] and "not wired into training yet" in got["opd"] and "Fix:" in got["opd"]
+def test_an_opd_section_turns_it_on_and_enabled_false_keeps_it_off():
+    assert recipe_from_dict({"opd": OPD_SECTION}).opd.enabled is True
     assert recipe_from_dict({"opd": {**OPD_SECTION, "enabled": False}}).opd.enabled is False
     assert recipe_from_dict({}).opd is None
 
 
-def test_an_opd_section_validates_and_its_problems_carry_the_prefix(monkeypatch):
-    from relax_hpc.recipe import validate
-
-    monkeypatch.setattr(validate, "opd_not_wired", lambda r: [])  # what the lead's wiring leaves
+def test_an_opd_section_validates_and_its_problems_carry_the_prefix():
     r = recipe_from_dict({"opd": OPD_SECTION})
     assert (r.opd.teacher_url, r.opd.kl_coef, r.opd.loss_coef, r.opd.only_reward) == (
         "http://teacher:30000/generate", 0.0, 0.5, True)
@@ -864,9 +859,6 @@ TEACHER_ROLE = {"roles": {"teacher": {"enabled": True}}}
 
 
 def test_the_opd_teacher_is_the_run_s_engines_or_a_server_exactly_one(monkeypatch):
-    from relax_hpc.recipe import validate
-
-    monkeypatch.setattr(validate, "opd_not_wired", lambda r: [])  # what the lead's wiring leaves
     own = recipe_from_dict({"opd": {"teacher_model_path": "/m/teacher"}, "roles": {"teacher": {"enabled": True,
                                                                                                 "nodes": 2}}})
     assert own.opd.teacher_model_path == "/m/teacher" and own.opd.teacher_url is None and own.roles.teacher.nodes == 2
@@ -883,6 +875,11 @@ def test_the_opd_teacher_is_the_run_s_engines_or_a_server_exactly_one(monkeypatc
     assert "'/m/t'" in text and "no teacher engines would run" in text
     assert "nodes of their own" in problems({"opd": {"teacher_model_path": "/m/t"}, "roles": {"teacher": {
         "enabled": True, "share_with": "rollout"}}})["roles.teacher.share_with"]
+    # top-k selections need both models' top-k in the training step, which the exchange does not carry
+    topk = {"teacher_url": "http://t:30000/generate", "kl_type": "jsd", "token_selection": "student_topk",
+            "log_prob_top_k": 4}
+    text = problems({"opd": topk})["opd.token_selection"]
+    assert "teacher's log-prob of each sampled token only" in text and "Fix: token_selection: student_sampled" in text
 
 
 def test_teacher_engines_without_opd_are_refused():
@@ -894,9 +891,6 @@ def test_teacher_engines_without_opd_are_refused():
 
 
 def test_the_teacher_model_path_must_be_a_model_directory(tmp_path, monkeypatch):
-    from relax_hpc.recipe import validate
-
-    monkeypatch.setattr(validate, "opd_not_wired", lambda r: [])
     model_dir(tmp_path, max_position_embeddings=64)
     data = {"opd": {"teacher_model_path": "absent"}, **TEACHER_ROLE}
     (value, msg), = file_problems(data, tmp_path).values()

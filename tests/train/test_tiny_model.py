@@ -162,3 +162,60 @@ def test_vlm_auto_processor(tiny_vlms, arch):
 def test_vlm_command_line(tiny_tool, tiny_vlms, tmp_path):
     assert tiny_tool.main(["--arch", "qwen3_vl", "--seed", "0", str(tmp_path / "m")]) == 0
     assert _digest(tmp_path / "m") == _digest(tiny_vlms["qwen3_vl"])
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tiny_tool, tmp_path_factory) -> Path:
+    return tiny_tool.make_tiny_model(tmp_path_factory.mktemp("moe") / "m", arch="qwen3_moe", seed=0)
+
+
+def test_moe_deterministic_per_seed_same_tokenizer(tiny_tool, tiny_moe, tiny_models, tmp_path):
+    same = tiny_tool.make_tiny_model(tmp_path / "a", arch="qwen3_moe", seed=0)
+    other = tiny_tool.make_tiny_model(tmp_path / "b", arch="qwen3_moe", seed=1)
+    assert sorted(p.name for p in same.iterdir()) == sorted(p.name for p in tiny_moe.iterdir())
+    for f in same.iterdir():
+        assert f.read_bytes() == (tiny_moe / f.name).read_bytes(), f.name
+    assert _digest(other) != _digest(same)
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # the text models' character tokenizer
+        assert (same / f).read_bytes() == (Path(tiny_models["qwen3"]) / f).read_bytes()
+
+
+def test_moe_loads_routes_and_generates(tiny_moe):
+    """Qwen3-30B-A3B's MoE layout at a tiny size: every layer sparse, 4 experts of width 32, top-2 renormalised."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_moe)
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe).eval()
+    cfg = model.config
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and cfg.model_type == "qwen3_moe"
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 2, 4, 2)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 32)
+    assert cfg.decoder_sparse_step == 1 and cfg.mlp_only_layers == [] and cfg.norm_topk_prob
+    assert not cfg.output_router_logits and cfg.router_aux_loss_coef == 0.001 and not cfg.tie_word_embeddings
+    assert cfg.vocab_size == len(tok) == 128 and sum(p.numel() for p in model.parameters()) < 200_000
+    assert all(type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in model.model.layers)
+    ids = tok("12+34=46", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model(ids, output_router_logits=True)
+    assert out.logits.shape == (1, ids.shape[1], 128) and torch.isfinite(out.logits).all()
+    routed = torch.cat([r.topk(2, dim=-1).indices.flatten() for r in out.router_logits])
+    assert len(out.router_logits) == 2 and out.router_logits[0].shape == (ids.shape[1], 4)
+    assert len(set(routed.tolist())) > 2  # the tokens spread over the experts (a random router, no collapse)
+    torch.manual_seed(0)
+    gen = model.generate(ids, max_new_tokens=4, do_sample=True, pad_token_id=tok.pad_token_id)
+    assert gen.shape[1] == ids.shape[1] + 4 or tok.eos_token_id in gen[0].tolist()
+
+
+def test_moe_command_line(tiny_tool, tiny_moe, tmp_path, capsys):
+    import json
+
+    assert tiny_tool.main(["--arch", "qwen3_moe", "--seed", "0", str(tmp_path / "m")]) == 0
+    assert _digest(tmp_path / "m") == _digest(tiny_moe)
+    assert tiny_tool.main(["--arch", "qwen3_moe", "--experts", "8", "--experts-per-token", "3",
+                           "--moe-intermediate", "16", "--layers", "1", str(tmp_path / "e8")]) == 0
+    cfg = json.loads((tmp_path / "e8" / "config.json").read_text())
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (8, 3, 16)
+    with pytest.raises(SystemExit):  # expert settings on a dense model
+        tiny_tool.main(["--arch", "qwen3", "--experts", "8", str(tmp_path / "bad")])
+    assert "--arch qwen3_moe" in capsys.readouterr().err and not (tmp_path / "bad").exists()

@@ -1,0 +1,251 @@
+"""Images for vision-language models (Qwen2.5-VL, Qwen3-VL): reading one from a data row or a request, and the
+processor's work (pixels and the expanded token ids), shared by the data (:mod:`relax_hpc.rollout.data`), the
+reference engine (:mod:`relax_hpc.engines.model_runner`) and the trainer (:mod:`relax_hpc.train.vlm`).
+
+A leaf: it imports no Megatron and no other relax_hpc package but :mod:`relax_hpc.errors`; PIL, torch and
+transformers only inside the functions that need them (the recipe check reads images with PIL alone).
+
+**An image reference** (a data row's image column, or one item of SGLang's ``image_data``) is raw bytes, a
+``data:`` URL, a base64 string, a file path (relative to ``base_dir`` when given), or a dict ``{"bytes": ...}`` /
+``{"path": ...}`` (a Hugging Face ``datasets`` Image column in Parquet). :func:`load_image` reads it with PIL and
+converts it to RGB; :class:`ImageError` says why it cannot: no such file, not an image, over
+:data:`MAX_IMAGE_BYTES` bytes or :data:`MAX_IMAGE_PIXELS` pixels (checked from the header, before decoding).
+
+**Placeholders.** The chat template writes ``<|vision_start|><|image_pad|><|vision_end|>`` per image; the
+processor (:func:`encode`) repeats ``<|image_pad|>`` once per merged patch of its image (``grid_t·grid_h·grid_w /
+merge²``). ``AutoProcessor`` is not used: for Qwen-VL it needs torchvision, which the venv has not.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import io
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+IMAGE_PAD = "<|image_pad|>"
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # one image in the chat text, before expansion
+TEXT_IMAGE_MARKER = "<image>"  # Relax's (slime's) marker in a text prompt: the images go there, in order
+MAX_IMAGE_BYTES = 64 << 20  # a larger encoded image is refused (a data file is not a place for such)
+MAX_IMAGE_PIXELS = 64_000_000  # width × height above this is refused before decoding (a decompression bomb)
+_PATH_MAX = 4096
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; the message is the reason (the caller adds where it came from)."""
+
+
+def is_vlm(hf_dir: str | os.PathLike) -> bool:
+    """Whether the HF directory holds a vision-language model relax_hpc runs (``config.json``'s model_type)."""
+    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+    return cfg.get("model_type") in VLM_MODEL_TYPES
+
+
+def image_bytes(ref: Any, base_dir: str | os.PathLike | None = None) -> bytes:
+    """The encoded bytes of an image reference (module docstring); :class:`ImageError` when there are none."""
+    if isinstance(ref, dict):
+        if ref.get("bytes") is not None:
+            ref = ref["bytes"]
+        elif ref.get("path") is not None:
+            ref = ref["path"]
+        else:
+            raise ImageError(f"a mapping without 'bytes' or 'path' (keys {sorted(ref)})")
+    if isinstance(ref, (bytes, bytearray, memoryview)):
+        data = bytes(ref)
+    elif isinstance(ref, str):
+        data = _str_bytes(ref, base_dir)
+    else:
+        raise ImageError(f"an image must be a path, bytes or a base64 string, got {type(ref).__name__}")
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ImageError(f"{len(data)} bytes, over the {MAX_IMAGE_BYTES} bytes an image may have")
+    if not data:
+        raise ImageError("empty (0 bytes)")
+    return data
+
+
+def _str_bytes(ref: str, base_dir: str | os.PathLike | None) -> bytes:
+    if ref.startswith("data:"):
+        head, _, payload = ref.partition(",")
+        if ";base64" not in head:
+            raise ImageError(f"a data: URL that is not base64 ({head[:40]!r})")
+        return _b64(payload, "the data: URL's payload")
+    if len(ref) < _PATH_MAX and "\n" not in ref:
+        path = Path(ref).expanduser()
+        if not path.is_absolute() and base_dir is not None:
+            path = Path(base_dir) / path
+        if path.is_file():
+            size = path.stat().st_size
+            if size > MAX_IMAGE_BYTES:
+                raise ImageError(f"{path}: {size} bytes, over the {MAX_IMAGE_BYTES} bytes an image may have")
+            try:
+                return path.read_bytes()
+            except OSError as e:
+                raise ImageError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+        try:  # not a file: base64, or a path that is not there
+            return _b64(ref, "the string")
+        except ImageError:
+            if "/" in ref or "\\" in ref or Path(ref).suffix.lower() in _IMAGE_SUFFIXES:
+                where = " (relative paths are read from the data file's directory)" if base_dir is not None else ""
+                raise ImageError(f"no such file {str(path)!r}{where}") from None
+            raise ImageError("neither a file that exists nor valid base64") from None
+    return _b64(ref, "the string (neither a file nor base64)")
+
+
+_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff"}
+
+
+def _b64(s: str, what: str) -> bytes:
+    if len(s) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise ImageError(f"{what}: {len(s)} base64 characters, over the {MAX_IMAGE_BYTES} bytes an image may have")
+    try:
+        return base64.b64decode("".join(s.split()), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError(f"{what} is not valid base64 ({e})") from None
+
+
+def open_image(data: bytes):
+    """PIL image (RGB, decoded) of encoded image bytes; :class:`ImageError` when it is not an image or too large."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        img = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise ImageError(f"not an image PIL can read ({len(data)} bytes starting {data[:8]!r})") from None
+    except Exception as e:  # a damaged header
+        raise ImageError(f"not a readable image ({type(e).__name__}: {e})") from None
+    w, h = img.size
+    if w * h > MAX_IMAGE_PIXELS:
+        raise ImageError(f"{w}×{h} = {w * h} pixels, over the {MAX_IMAGE_PIXELS} an image may have")
+    if w < 1 or h < 1:
+        raise ImageError(f"{w}×{h}: an empty image")
+    try:
+        img.load()
+        return img.convert("RGB")
+    except Exception as e:  # truncated file, bad stream
+        raise ImageError(f"cannot be decoded ({type(e).__name__}: {e})") from None
+
+
+def load_image(ref: Any, base_dir: str | os.PathLike | None = None):
+    """An image reference (module docstring) as a decoded RGB PIL image; :class:`ImageError` with the reason."""
+    return open_image(image_bytes(ref, base_dir))
+
+
+def png_base64(img) -> str:
+    """The image as a base64 PNG string: one of the forms SGLang's ``image_data`` takes (lossless)."""
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+# --------------------------------------------------------------------------------------------------
+# The processor's work
+# --------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def image_processor(hf_dir: str):
+    """The directory's image processor (the slow one: the same pixels on every host), once per process."""
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(hf_dir, use_fast=False)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(hf_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(hf_dir)
+
+
+def token_pixels(hf_dir: str | os.PathLike) -> int:
+    """Pixels per image token: (patch_size · merge_size)², 28² for Qwen2.5-VL, 32² for Qwen3-VL."""
+    ip = image_processor(str(hf_dir))
+    return (ip.patch_size * ip.merge_size) ** 2
+
+
+def resize_to_tokens(img, hf_dir: str | os.PathLike, min_tokens: int | None, max_tokens: int | None):
+    """``img`` resized (Qwen's ``smart_resize``: sides multiples of patch·merge, aspect kept) so it is at least
+    ``min_tokens`` and at most ``max_tokens`` image tokens (Relax's ``--image-min/max-token-num``); None: the
+    processor's own bound. The processor leaves an image so sized as it is, unless its own bounds are tighter."""
+    if min_tokens is None and max_tokens is None:
+        return img
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    ip = image_processor(str(hf_dir))
+    factor = ip.patch_size * ip.merge_size
+    lo = min_tokens * factor ** 2 if min_tokens is not None else _pixels(ip, "min_pixels", "shortest_edge")
+    hi = max_tokens * factor ** 2 if max_tokens is not None else _pixels(ip, "max_pixels", "longest_edge")
+    h, w = smart_resize(img.height, img.width, factor=factor, min_pixels=lo, max_pixels=hi)
+    return img if (w, h) == img.size else img.resize((w, h), resample=_bicubic())
+
+
+def _pixels(ip, attr: str, size_key: str) -> int:
+    v = getattr(ip, attr, None)
+    return int(v if v is not None else ip.size[size_key])
+
+
+def _bicubic():
+    from PIL import Image
+
+    return Image.Resampling.BICUBIC
+
+
+def expand_placeholders(ids: Sequence[int], grid_thw, pad_id: int, merge: int) -> list[int]:
+    """``ids`` with each image's ``<|image_pad|>`` (one per image, in order) repeated once per merged patch of that
+    image. Already expanded ids (each image's run as long as its grid says) come back as they are; anything else
+    raises :class:`ImageError`."""
+    counts = [int(t) * int(h) * int(w) // (merge * merge) for t, h, w in (list(map(int, g)) for g in grid_thw)]
+    runs: list[int] = []  # lengths of the runs of pad ids, in order
+    prev = None
+    for t in ids:
+        if t == pad_id:
+            if prev == pad_id:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        prev = t
+    if runs == counts:
+        return list(ids)
+    if len(runs) != len(counts) or any(r != 1 for r in runs):
+        raise ImageError(f"the prompt has {sum(runs)} image pad tokens in {len(runs)} run(s) {runs} for "
+                         f"{len(counts)} image(s) of {counts} tokens: it needs one <|image_pad|> per image "
+                         "(the chat template's placeholder), or the runs already expanded")
+    out: list[int] = []
+    it = iter(counts)
+    for t in ids:
+        out += [t] * next(it) if t == pad_id else [t]
+    return out
+
+
+def encode_ids(hf_dir: str | os.PathLike, input_ids: Sequence[int], images: Sequence) -> dict:
+    """:func:`encode` for token ids: ``input_ids`` [1, S] (placeholders expanded as :func:`expand_placeholders`),
+    ``pixel_values``, ``image_grid_thw``. ``images``: PIL images."""
+    import torch
+
+    ip = image_processor(str(hf_dir))
+    feats = ip(images=list(images), return_tensors="pt")
+    pad_id = _tokenizer(str(hf_dir)).convert_tokens_to_ids(IMAGE_PAD)
+    ids = expand_placeholders(list(input_ids), feats["image_grid_thw"].tolist(), pad_id, ip.merge_size)
+    return {"input_ids": torch.tensor([ids]), "pixel_values": feats["pixel_values"],
+            "image_grid_thw": feats["image_grid_thw"]}
+
+
+def encode(hf_dir: str | os.PathLike, text: str, images: Sequence | None = None) -> dict:
+    """``input_ids`` [1, S], ``pixel_values`` and ``image_grid_thw`` for one chat text with its images, as
+    Qwen2.5-VL's processor makes them: each ``<|image_pad|>`` becomes one token per merged patch of its image.
+
+    transformers' ``AutoProcessor`` for Qwen2.5-VL needs torchvision (for its video processor) even for images;
+    without it this takes the image processor and the tokenizer the directory holds and expands the
+    placeholders the same way (``Qwen2_5_VLProcessor.__call__``)."""
+    tok = _tokenizer(str(hf_dir))
+    if images:
+        if text.count(IMAGE_PAD) != len(images):
+            raise ValueError(f"{text.count(IMAGE_PAD)} {IMAGE_PAD} placeholders in the text for {len(images)} images")
+        return encode_ids(hf_dir, tok.encode(text, add_special_tokens=False), images)
+    return {"input_ids": tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]}
