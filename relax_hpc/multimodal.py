@@ -181,7 +181,10 @@ def resize_to_tokens(img, hf_dir: str | os.PathLike, min_tokens: int | None, max
     factor = ip.patch_size * ip.merge_size
     lo = min_tokens * factor ** 2 if min_tokens is not None else _pixels(ip, "min_pixels", "shortest_edge")
     hi = max_tokens * factor ** 2 if max_tokens is not None else _pixels(ip, "max_pixels", "longest_edge")
-    h, w = smart_resize(img.height, img.width, factor=factor, min_pixels=lo, max_pixels=hi)
+    try:
+        h, w = smart_resize(img.height, img.width, factor=factor, min_pixels=lo, max_pixels=hi)
+    except ValueError as e:  # an aspect ratio over 200
+        raise ImageError(f"{img.width}×{img.height}: {e}") from None
     return img if (w, h) == img.size else img.resize((w, h), resample=_bicubic())
 
 
@@ -229,7 +232,10 @@ def encode_ids(hf_dir: str | os.PathLike, input_ids: Sequence[int], images: Sequ
     import torch
 
     ip = image_processor(str(hf_dir))
-    feats = ip(images=list(images), return_tensors="pt")
+    try:
+        feats = ip(images=list(images), return_tensors="pt")
+    except ValueError as e:  # e.g. an aspect ratio over 200 (Qwen's smart_resize)
+        raise ImageError(f"the image processor refused it: {e}") from None
     pad_id = _tokenizer(str(hf_dir)).convert_tokens_to_ids(IMAGE_PAD)
     ids = expand_placeholders(list(input_ids), feats["image_grid_thw"].tolist(), pad_id, ip.merge_size)
     return {"input_ids": torch.tensor([ids]), "pixel_values": feats["pixel_values"],

@@ -216,14 +216,22 @@ ASYNC_EVAL_INTERVAL = 10
 
 
 @pytest.fixture(scope="session")
-def fully_async_run(tmp_path_factory, tiny_model) -> tuple[RunDir, dict]:
-    """recipes/quickstart-async.yaml for :data:`ASYNC_STEPS` steps with a periodic eval: one run (its directory and
-    the controller's final state) for test_async.py (it learns within its staleness bound) and test_eval.py (eval
-    runs between generates). Eval changes neither what training samples nor its seeds."""
+def tiny_moe_model(tmp_path_factory) -> Path:
+    """The quickstart's shape as a mixture of experts: tools/make-tiny-model --arch qwen3_moe (4 experts, top-2)."""
+    return make_tiny_model(tmp_path_factory.mktemp("e2e-moe") / "tiny-moe", arch="qwen3_moe", hidden=64, layers=2,
+                           heads=4, kv_heads=2, seed=0)
+
+
+@pytest.fixture(scope="session")
+def fully_async_run(tmp_path_factory, tiny_moe_model) -> tuple[RunDir, dict]:
+    """recipes/quickstart-async.yaml for :data:`ASYNC_STEPS` steps with a periodic eval, its actor a mixture of
+    experts (docs/moe.md; the dense actor learns in test_quickstart.py): one run (its directory and the controller's
+    final state) for test_async.py (it learns within its staleness bound) and test_eval.py (eval runs between
+    generates). Eval changes neither what training samples nor its seeds."""
     from relax_hpc.controller import run_controller
 
     with locally():
-        run = make_run(tmp_path_factory.mktemp("fully-async"), tiny_model, f"run.steps={ASYNC_STEPS}",
+        run = make_run(tmp_path_factory.mktemp("fully-async"), tiny_moe_model, f"run.steps={ASYNC_STEPS}",
                        *eval_overrides(ASYNC_EVAL_INTERVAL), recipe=REPO / "recipes" / "quickstart-async.yaml",
                        name="async")
         return run, run_controller(run.path)

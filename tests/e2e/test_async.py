@@ -1,4 +1,5 @@
-"""Fully-async mode learns, and the exchange's journal shows the staleness bound held.
+"""Fully-async mode learns, with a mixture-of-experts actor, and the exchange's journal shows the staleness bound
+held.
 
 ``recipes/quickstart-async.yaml`` for a shortened run (with test_eval.py's periodic eval: ``fully_async_run``, one
 run for both; eval changes neither what training samples nor its seeds): rollout generates step N+1 while the
@@ -30,6 +31,11 @@ def test_fully_async_learns_within_its_staleness_bound(fully_async_run):
     assert final["state"] == "COMPLETED" and final["mode"] == "fully_async"
     summary = json.loads((run.path / "summary.json").read_text())
     assert summary["reward_last10"] > summary["reward_first10"] + RISE, summary
+    # the actor that learned is a mixture of experts: its checkpoint holds the experts' weights
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(final["last_checkpoint"]["path"]).read_metadata().state_dict_metadata
+    assert any(".mlp.experts." in k for k in saved), sorted(saved)[:20]
 
     journal = run.path / "exchange" / "journal.jsonl"
     starts = list(iter_ops(replay(journal), "start"))

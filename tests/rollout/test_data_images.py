@@ -105,6 +105,7 @@ def test_each_bad_image_fails_only_its_sample_with_its_row_and_reason(tmp_path, 
     (tmp_path / "ok.png").write_bytes(good)
     (tmp_path / "text.png").write_text("not a picture")
     (tmp_path / "wide.png").write_bytes(png_bytes(300, 20))
+    (tmp_path / "thin.png").write_bytes(png_bytes(1000, 2))  # aspect ratio 500: Qwen's processors take up to 200
     (tmp_path / "heavy.png").write_bytes(png_bytes(64, 64, 3) + b"\0" * 30000)
     monkeypatch.setattr(multimodal, "MAX_IMAGE_PIXELS", 5000)  # wide.png: 6000 pixels
     monkeypatch.setattr(multimodal, "MAX_IMAGE_BYTES", 30000)  # heavy.png: over it, ok.png (~9.5 kB) not
@@ -117,12 +118,14 @@ def test_each_bad_image_fails_only_its_sample_with_its_row_and_reason(tmp_path, 
         {"prompt": "<image><image>", "images": "ok.png"},  # line 6: placeholders != images
         {"prompt": "<image>", "images": 42},  # line 7: not an image reference
         {"prompt": "<image>", "images": "!!!" * 30},  # line 8: neither a file nor base64
-        {"prompt": "<image>", "images": "ok.png"},  # line 9
+        {"prompt": "<image>", "images": "thin.png"},  # line 9: the processor refuses it
+        {"prompt": "<image>", "images": "ok.png"},  # line 10
     ])
     ds = PromptDataset(tmp_path / "d.jsonl", keys=KEYS, tokenizer=tiny_vlm)
     reasons = {2: "no such file", 3: "not an image", 4: "pixels, over the 5000", 5: "bytes, over the 30000 bytes",
-               6: "1 image(s) but 2 image placeholder(s)", 7: "got int", 8: "nor valid base64"}
-    for line in range(1, 10):
+               6: "1 image(s) but 2 image placeholder(s)", 7: "got int", 8: "nor valid base64",
+               9: "aspect ratio"}
+    for line in range(1, 11):
         s = ds[line - 1]
         if line not in reasons:
             assert s.status is SampleStatus.PENDING and pads(s) == 4, line
@@ -160,3 +163,14 @@ def test_the_check_before_submit(tmp_path):
     assert "no image column" in problems(image_max_token_num=8)[("data.image_max_token_num", "8")]
     assert "must be a mapping" in problems(multimodal_keys='{"image": "images"}')[
         ("data.multimodal_keys", '{"image": "images"}')]
+
+
+def test_image_references_hf_datasets_form(tmp_path):
+    """A Hugging Face ``datasets`` Image column, {"bytes", "path"}: the bytes when there are, else the path."""
+    data = png_bytes(28, 28)
+    (tmp_path / "x.png").write_bytes(data)
+    assert multimodal.image_bytes({"bytes": data, "path": "ignored.png"}) == data
+    assert multimodal.image_bytes({"bytes": None, "path": "x.png"}, tmp_path) == data
+    with pytest.raises(multimodal.ImageError, match="without 'bytes' or 'path'"):
+        multimodal.image_bytes({"url": "http://x"})
+    assert multimodal.load_image({"bytes": data}).mode == "RGB"
