@@ -21,6 +21,8 @@ idle role does next in one place, :meth:`TrainingLoop._pump`:
 - teacher (``roles.teacher``, on-policy distillation): likewise, ``start_engines`` only; its engines' URLs (or
   ``opd.teacher_url``, an external teacher) go with every ``generate`` as ``teachers``, and with ``opd:`` the
   train task reads ``teacher_log_probs`` from every chunk (the rollout writes them).
+- routing replay (``train.routing_replay``, a mixture-of-experts actor): the train task reads ``routed_experts``,
+  the experts the engine chose, from every chunk.
 - eval (``rollout.eval_interval``; Relax's schedule): ``eval(N)`` goes to rollout once ``sync(N)`` is done, after
   every ``eval_interval``-th step and after the last, and ``eval(0)`` before training unless
   ``rollout.skip_eval_before_train``. Rollout does it before its next ``generate`` (it is idle then in
@@ -145,7 +147,7 @@ class TrainingLoop:
         self.recipe, self.run, self.state = recipe, run, state
         self.fwd = _forward_roles(recipe)  # the forward roles with work to do -> the step whose weights each holds
         self.fixed = FixedStaleness.of(recipe)  # staleness_mode fixed (None: not in effect)
-        self.broker = Broker(run.path / "exchange", tasks=_consumers(self.fwd, _opd(recipe)),
+        self.broker = Broker(run.path / "exchange", tasks=_consumers(self.fwd, _opd(recipe), recipe.train.routing_replay),
                              max_staleness=recipe.max_staleness if recipe.mode == "fully_async" else 0)
         self.resume = plan_resume(run.path, self.broker, state, fixed=self.fixed is not None,
                                   max_staleness=recipe.max_staleness, total=self.total)
@@ -750,10 +752,12 @@ def _forward_roles(recipe: Recipe) -> dict[str, int]:
                                ("actor_fwd", recipe.roles.actor_fwd.enabled)) if on}
 
 
-def _consumers(fwd: dict[str, int], opd: bool = False) -> dict[str, tuple[str, ...]]:
-    """What each consuming task reads: train the rollout's fields and the enabled forward roles' side fields, and with
-    OPD the teacher's log-probs (so a chunk without them is never trained on)."""
-    train = task_fields("train", (PRODUCER, *fwd)) + (("teacher_log_probs",) if opd else ())
+def _consumers(fwd: dict[str, int], opd: bool = False, replay: bool = False) -> dict[str, tuple[str, ...]]:
+    """What each consuming task reads: train the rollout's fields and the enabled forward roles' side fields, with
+    OPD the teacher's log-probs and with routing replay the engine's experts (so a chunk without them is never
+    trained on)."""
+    train = task_fields("train", (PRODUCER, *fwd)) + (("teacher_log_probs",) if opd else ()) + (
+        ("routed_experts",) if replay else ())
     return {"train": train, **{r: LOGPROB_FIELDS for r in fwd}}
 
 

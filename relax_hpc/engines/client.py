@@ -178,6 +178,25 @@ class Generation:
         return self.finish_reason.type == "length"
 
 
+def routed_experts(gen: Generation, layers: int, top_k: int):
+    """SGLang's ``meta_info["routed_experts"]`` (asked with ``return_routed_experts``; SGLang needs
+    ``--enable-return-routed-experts``) decoded: base64 of int32 in C order, ``[prompt + completion tokens - 1,
+    layers, top_k]`` (every token the engine ran forward: all but the last), as a numpy array; None where the
+    answer has none. ``ValueError`` when its size is not that shape's."""
+    import base64
+
+    import numpy as np
+
+    raw = gen.meta_info.get("routed_experts")
+    if raw is None:
+        return None
+    flat = np.frombuffer(base64.b64decode(raw), dtype="<i4")
+    n = gen.prompt_tokens + gen.completion_tokens - 1
+    if flat.size != n * layers * top_k:
+        raise ValueError(f"routed_experts has {flat.size} expert ids, not [{n} tokens, {layers} layers, top-{top_k}]")
+    return flat.reshape(n, layers, top_k)
+
+
 _expansion_warned: set[str] = set()
 
 

@@ -27,10 +27,15 @@ request; the model lock per forward, as there); it obeys the pause modes and abo
 (:meth:`CPUEngine._solo_control`; ``retract`` holds it as ``in_place``). Its answer adds
 ``meta_info["input_ids"]`` (relax_hpc's: the expanded prompt ids, so a caller can train on exactly what was run);
 ``prompt_tokens`` counts them, as SGLang counts the expanded prompt. A bad image is answered 400, naming it.
+
+**Routed experts (MoE routing replay).** ``return_routed_experts`` (one for all, or one per item) adds SGLang's
+``meta_info["routed_experts"]``: base64 int32 ``[prompt + completion - 1, layers, top_k]``, each token's experts as
+transformers' router picks them, from one teacher-forced forward after generation (:meth:`CPUEngine.routed_experts`).
 """
 
 from __future__ import annotations
 
+import base64
 import inspect
 import logging
 import os
@@ -45,7 +50,7 @@ import torch
 
 from relax_hpc.engines.bad_output import BAD_OUTPUT_ENV, BadOutput
 from relax_hpc.engines.http import ENGINE_VERSION, HTTPError
-from relax_hpc.engines.receiver import WeightReceiver
+from relax_hpc.engines.receiver import WeightReceiver, checkpoint_key_mapping
 from relax_hpc.engines.scheduler import Req, Scheduler, abort_reason, sample_batch
 from relax_hpc.multimodal import ImageError, is_vlm
 
@@ -121,7 +126,9 @@ class CPUEngine(WeightReceiver):
             torch.cuda.set_device(self.device)
             self.model.to(self.device)
         self.model.requires_grad_(False)
-        super().__init__(self.model.state_dict(keep_vars=True), weight_version)
+        # the sender's names are the checkpoint's; transformers renames some on load (Qwen2.5-VL's model.layers.*)
+        super().__init__(self.model.state_dict(keep_vars=True), weight_version,
+                         key_mapping=checkpoint_key_mapping(self.model))
         self.released: set[str] = set()  # SGLang memory tags released and not yet resumed
         self.memory_lock = threading.Lock()  # one release or resume at a time
         # whether a release frees the weights: on CUDA (a test sets it on the CPU, to run that path in CI)
@@ -218,6 +225,13 @@ class CPUEngine(WeightReceiver):
         if errors:
             raise HTTPError(500, f"generation failed: {errors[0]}")
         outs = [self._response(r, text_in_lp, inp, t) for r, inp, (_, t) in zip(reqs, inputs, scoring)]
+        routed = _per_item(body.get("return_routed_experts"), n, "return_routed_experts")
+        if any(routed):  # MoE routing replay: SGLang's meta_info["routed_experts"] (routed_experts below)
+            if any(mms):
+                raise HTTPError(400, "return_routed_experts with images is not supported by the CPU engine")
+            asked = [(r, o) for r, o, want in zip(reqs, outs, routed) if want]
+            for (_, o), ids in zip(asked, self.routed_experts([r.input_ids + r.output_ids for r, _ in asked])):
+                o["meta_info"]["routed_experts"] = base64.b64encode(ids.numpy().astype("<i4").tobytes()).decode()
         if self.bad_output is not None:
             for o in outs:
                 self.bad_output.spoil(o)
@@ -429,6 +443,43 @@ class CPUEngine(WeightReceiver):
                 v, t = rows.topk(min(top_n, rows.shape[-1]), dim=-1)
                 top = [None, *zip(v.tolist(), t.tolist())]
             out.append((start, [None, *lps], top))
+        return out
+
+    @torch.inference_mode()
+    def routed_experts(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        """Per sequence, the experts each MoE layer's router chose for every token but the last (SGLang's
+        ``routed_experts``: the tokens the engine ran forward): int32 ``[len - 1, layers, top_k]``, from the router
+        logits (``output_router_logits``) of one teacher-forced forward of the sequence, left-padded and under the
+        model lock as :meth:`_score` (with the weights served now: those that sampled it, unless an update landed
+        since), picked as transformers' ``Qwen3MoeSparseMoeBlock`` picks them: top-k of the float32 softmax.
+        400 for a model without experts, or with dense layers among them (SGLang's -1 rows are not made)."""
+        text_cfg = getattr(self.config, "text_config", None) or self.config
+        k, layers = getattr(text_cfg, "num_experts_per_tok", None), int(text_cfg.num_hidden_layers)
+        if not k or not getattr(text_cfg, "num_experts", None):
+            raise HTTPError(400, f"return_routed_experts: the model ({getattr(self.config, 'model_type', '?')}) has "
+                                 "no experts to route to")
+        out: list[torch.Tensor] = []
+        for i in range(0, len(seqs), self.scheduler.max_batch):
+            part = [s[:-1] for s in seqs[i:i + self.scheduler.max_batch]]
+            B, L = len(part), max(1, max(map(len, part)))
+            ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((B, L), dtype=torch.long)
+            for j, s in enumerate(part):
+                if s:
+                    ids[j, L - len(s):] = torch.tensor(s)
+                    mask[j, L - len(s):] = 1
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            with self.model_lock:
+                logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                    position_ids=pos.to(self.device), use_cache=False, output_router_logits=True,
+                                    **self._keep_kwarg(1)).router_logits
+            if len(logits) != layers:
+                raise HTTPError(400, f"return_routed_experts: {len(logits)} of the model's {layers} layers route "
+                                     "(dense layers among them are not supported by the CPU engine)")
+            # [layers, B·L, E] → top-k of softmax, as the sparse block routes → [B, L, layers, k]
+            top = torch.stack([torch.softmax(x.float(), dim=-1).topk(k, dim=-1).indices for x in logits])
+            top = top.reshape(layers, B, L, k).permute(1, 2, 0, 3).to("cpu", torch.int32)
+            out += [top[j, L - len(s):] for j, s in enumerate(part)]
         return out
 
     def _keep_kwarg(self, keep: int) -> dict:

@@ -14,6 +14,7 @@ with this one wire format. :func:`weight_routes` is its HTTP half.
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 from datetime import timedelta
@@ -66,10 +67,38 @@ def _resolve_dtype(name) -> torch.dtype:
 
 
 
+def checkpoint_key_mapping(model) -> dict[str, str]:
+    """The checkpoint → module name renames transformers applies when ``from_pretrained`` loads ``model``'s class:
+    its ``_checkpoint_conversion_mapping`` (regex → replacement), for the classes transformers applies it to (its
+    ``VLMS`` list, as ``from_pretrained`` checks it). Qwen2.5-VL (4.57): ``^visual`` → ``model.visual``,
+    ``^model(?!\\.(language_model|visual))`` → ``model.language_model``: the checkpoint's (and the bridge's export)
+    ``model.layers.*`` are the module's ``model.language_model.layers.*``. Empty for a model saved as it is built."""
+    from transformers.modeling_utils import VLMS
+
+    if not any(v in c.__name__.lower() for c in type(model).__mro__[:-1] for v in VLMS):
+        return {}
+    return dict(getattr(model, "_checkpoint_conversion_mapping", None) or {})
+
+
+def rename_key(name: str, key_mapping: dict[str, str]) -> str:
+    """``name`` renamed as transformers' loader does (``_get_key_renaming_mapping``): the first pattern that
+    matches (``re.subn``) replaces, the rest are not tried."""
+    for pattern, replacement in key_mapping.items():
+        new, n = re.subn(pattern, replacement, name)
+        if n:
+            return new
+    return name
+
+
 class WeightReceiver:
     """The receiving side of SGLang's weight-update API, by HF parameter name into ``params``: groups, update
     sessions, the updates themselves, the version tag. The CPU engine is one; a forward role following the actor
-    (:mod:`relax_hpc.weights.follower`) is another, so both answer the sender with this one wire format."""
+    (:mod:`relax_hpc.weights.follower`) is another, so both answer the sender with this one wire format.
+
+    ``key_mapping`` (:func:`checkpoint_key_mapping`): the sender sends checkpoint names (the bridge's export); a
+    model whose modules transformers renames on load (Qwen2.5-VL) holds them under other names. Every name that
+    comes in (updates, read-back) is renamed as transformers renames it when loading; one that names no parameter
+    even then is refused, naming it."""
 
     device = "cpu"  # where nccl broadcasts land and what is refilled ("cpu" or "cuda:N"); gloo ones land on the CPU
     weight_sync_backends: list[str] | None = None  # the backends served, when not the device's (a test hook)
@@ -78,8 +107,10 @@ class WeightReceiver:
     legacy_updates = False
     reported_version: str | None = None  # what /server_info says the version is (``--sglang-version``)
 
-    def __init__(self, params: dict[str, torch.Tensor], weight_version: str = "default"):
+    def __init__(self, params: dict[str, torch.Tensor], weight_version: str = "default",
+                 key_mapping: dict[str, str] | None = None):
         self.params = params  # HF names → live tensors (tied names included)
+        self.key_mapping = dict(key_mapping or {})
         self.weight_version = weight_version
         self.model_lock = threading.Lock()  # readers of params vs weight loads
         self.groups: dict[str, object] = {}
@@ -257,26 +288,32 @@ class WeightReceiver:
             self.weight_version = str(body["weight_version"])
         return True, f"Succeeded to update model weights from {path} ({len(named)} tensors)."
 
+    def param(self, name: str) -> tuple[str, torch.Tensor]:
+        """The parameter an incoming (checkpoint) name is, and its name in ``params``; a 400 naming it if none."""
+        key = rename_key(name, self.key_mapping) if self.key_mapping else name
+        p = self.params.get(key)
+        if p is None:
+            as_ = f" (loaded as {key!r})" if key != name else ""
+            raise HTTPError(400, f"unknown parameter {name!r}{as_}: not in the HF model's state_dict")
+        return key, p
+
     def load_named(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the model by HF name; all are checked before any is copied."""
+        keys = []
         for name, t in named:
-            p = self.params.get(name)
-            if p is None:
-                raise HTTPError(400, f"unknown parameter {name!r} (not in the HF model's state_dict)")
+            key, p = self.param(name)
             if tuple(p.shape) != tuple(t.shape):
                 raise HTTPError(400, f"shape mismatch for {name}: model {tuple(p.shape)}, received {tuple(t.shape)}")
+            keys.append(key)
         with self.model_lock, torch.no_grad():
             if (why := self.updates_refused()) is not None:  # released since the call was accepted
                 raise HTTPError(400, why)
-            for name, t in named:
-                self.params[name].data.copy_(t)
+            for key, (_, t) in zip(keys, named):
+                self.params[key].data.copy_(t)
         self.loaded(named)
 
     def get_weights_by_name(self, body: dict):
-        name = body.get("name")
-        p = self.params.get(name)
-        if p is None:
-            raise HTTPError(400, f"unknown parameter {name!r}")
+        _, p = self.param(str(body.get("name")))
         if (why := self.updates_refused()) is not None:  # the released weights hold nothing to read
             raise HTTPError(400, why)
         return p.detach()[: int(body.get("truncate_size", 100))].float().tolist()

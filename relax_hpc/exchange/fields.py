@@ -48,6 +48,9 @@ FIELDS: tuple[Field, ...] = (
     Field("label", "json", "json", ROLLOUT, (), "for people reading the files"),
     Field("teacher_log_probs", "ragged", "float32", ROLLOUT, ("train",),
           "on-policy distillation (opd:): the teacher's log-prob of each response token; only OPD runs' chunks"),
+    Field("routed_experts", "ragged", "int32", ROLLOUT, ("train",),
+          "MoE routing replay (train.routing_replay): the expert ids the engine's router chose, SGLang's "
+          "meta_info.routed_experts flattened: [len(tokens) - 1, layers, top_k]; only in chunks whose engine returned them"),
     Field("ref_log_probs", "ragged", "float32", REFERENCE, ("train",), "π_ref of each response token"),
     Field("log_probs", "ragged", "float32", ACTOR_FWD, ("train",), "π_old of each response token"),
 )
@@ -72,8 +75,8 @@ SIDE_FIELD = {REFERENCE: "ref_log_probs", ACTOR_FWD: "log_probs"}
 
 
 # rollout fields only some runs' chunks carry (the rollout writes them when its samples have them, and the actor
-# reads them where every chunk of the step has them): OPD's teacher log-probs
-OPTIONAL_ROLLOUT_FIELDS = ("teacher_log_probs",)
+# reads them where every chunk of the step has them): OPD's teacher log-probs, MoE routing replay's routed experts
+OPTIONAL_ROLLOUT_FIELDS = ("teacher_log_probs", "routed_experts")
 
 
 def rollout_fields(optional: tuple[str, ...] = ()) -> tuple[str, ...]:

@@ -148,6 +148,7 @@ RELAX_NAMES: dict[str, str | None] = {
     "tensor_model_parallel_size": "train.tp",
     "pipeline_model_parallel_size": "train.pp",
     "context_parallel_size": None, "expert_model_parallel_size": "train.ep",
+    "use_rollout_routing_replay": "train.routing_replay", "use_routing_replay": None,  # R3; R2 not yet
     "sequence_parallel": "train.sequence_parallel",
     "recompute_granularity": "train.recompute",
     "recompute_activations": "train.recompute: selective",  # Megatron's older spelling of selective recompute

@@ -98,6 +98,9 @@ class SlurmConfig:
 @dataclass
 class ModelConfig:
     path: str | None = None  # HF model directory (config, tokenizer, safetensors)
+    # a vision-language model's vision tower (encoder and merger) is not trained and not sent by the weight sync
+    # (Relax --freeze-vision-model with --freeze-vision-projection); refused for a text model
+    freeze_vision: bool = False
 
 
 @dataclass

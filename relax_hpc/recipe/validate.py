@@ -25,6 +25,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from relax_hpc.algo.config import PLUGIN_CALLS, check as check_algorithm, check_opd
+from relax_hpc.multimodal import VLM_MODEL_TYPES
 from relax_hpc.plugins import PluginError, load_plugin
 from relax_hpc.recipe.errors import _MISSING
 from relax_hpc.recipe.reader import TextError, encodable, parse_yaml, read_text, yaml_error_message
@@ -316,6 +317,10 @@ def check(recipe: Recipe) -> list[Problem]:
     problems += _check_genrm(recipe)
     problems += _check_teacher(recipe)
     problems += _check_engine_args(recipe)
+    if recipe.train.routing_replay and recipe.roles.actor_fwd.enabled:
+        problems.append(("train.routing_replay", True, "with roles.actor_fwd: its π_old pass has no engine experts "
+                         "to replay, so π_old and π_θ would route differently. Fix: disable roles.actor_fwd (the "
+                         "actor's own forward is π_old) or routing_replay"))
     problems += _check_elastic(recipe)
     problems += _check_container(recipe)
     return problems
@@ -964,6 +969,12 @@ def _check_model_dirs(r: Recipe, base: Path) -> list[Problem]:
             out.append((key, val, f"{wrong} (relative paths are relative to the directory you submit from, "
                                   f"{base}). Fix: the model's Hugging Face directory (config.json, tokenizer, "
                                   "weights), as an absolute path or relative to where you run relax-submit"))
+        elif key == "model.path" and r.model.freeze_vision:  # a vision tower to freeze (the build checks it too)
+            kind = (_model_config(_resolve(val, base))[0] or {}).get("model_type")
+            if kind not in VLM_MODEL_TYPES:
+                out.append(("model.freeze_vision", True, f"model.path {val!r} is a text model (model_type {kind!r}): "
+                            "it has no vision tower to freeze. Fix: model.freeze_vision: false, or a "
+                            f"vision-language model.path (model_type one of {list(VLM_MODEL_TYPES)})"))
     return out
 
 

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     seed = recipe.run.seed + (int(k) if name.startswith("engine") and k.isdigit() else 10_000 + sum(map(ord, name)))
     engine = start_node_engine(run, recipe.roles.rollout, recipe.model.path, name=name, local=local,
                                local_rank=int(os.environ.get("SLURM_LOCALID", "0")), seed=seed,
-                               sglang_args=recipe.rollout.engine.args, kind=recipe.rollout.engine.kind)
+                               sglang_args=_sglang_args(recipe), kind=recipe.rollout.engine.kind)
     try:
         engine.wait_ready(ENGINE_READY_S)
         if signalled:
@@ -136,5 +136,18 @@ def _serve(client, name: str, engine, signalled: list[str], silence_s: float, Pr
             return 0
 
 
+def _sglang_args(recipe) -> list[str]:
+    """``rollout.engine.args``, and what the run's keys ask of SGLang: the routed experts with routing replay
+    (SGLang returns them only when started with this flag)."""
+    from relax_hpc.roles.engine_host import engine_kind
+
+    args = list(recipe.rollout.engine.args)
+    sglang = engine_kind(recipe.rollout.engine.kind) == "sglang"  # the reference engine returns them when asked
+    if sglang and recipe.train.routing_replay and "--enable-return-routed-experts" not in args:
+        args.append("--enable-return-routed-experts")
+    return args
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

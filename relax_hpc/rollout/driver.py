@@ -358,6 +358,7 @@ class RolloutDriver:
                 cap = left / 2 if len(self.pool.alive()) > 1 and left >= 2 * MIN_ATTEMPT_S else left
                 gen = await engine.client.agenerate(prompt_ids, sp, return_logprob=not evaluation, rid=rid,
                                                     vocab_size=self.vocab_size, timeout=cap,
+                                                    extra=self._replay(evaluation),
                                                     **({"image_data": image_data} if image_data else {}))
             except EngineError as err:
                 last = f"engine {engine.name}: {err.cause}"
@@ -480,6 +481,11 @@ class RolloutDriver:
             except EngineError as e:  # the request finishes anyway (or its engine is dead: handled there)
                 log.warning("abort of %s on engine %s failed: %s", rid, engine.name, e.cause)
         return len(rids)
+
+    def _replay(self, evaluation: bool) -> dict | None:
+        """MoE routing replay (``train.routing_replay``): ask the engine for each token's experts (samples keep them)."""
+        train = getattr(self.recipe, "train", None)
+        return {"return_routed_experts": True} if getattr(train, "routing_replay", False) and not evaluation else None
 
     def response_text(self, gen: Generation) -> str:
         """The engine's text of ``gen``, or its ids decoded (``rollout.skip_special_tokens``) when it sent none."""

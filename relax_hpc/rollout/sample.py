@@ -8,6 +8,9 @@ custom generate function can fill ``tokens``, ``loss_mask`` and ``rollout_log_pr
 - ``loss_mask`` and ``rollout_log_probs`` cover the response only (``response_length`` entries each).
 - ``teacher_log_probs`` (on-policy distillation, ``opd:``): the teacher's log-prob of each response token
   (``response_length`` entries), set by the rollout role after the reward (:mod:`relax_hpc.rollout.teacher`).
+- ``routed_experts`` (MoE routing replay, ``train.routing_replay``; slime/Relax's ``rollout_routed_experts``): the
+  expert ids the engine routed each token but the last to, flat ``[len(tokens) - 1, layers, top_k]`` (SGLang's
+  ``meta_info["routed_experts"]``, decoded by :func:`relax_hpc.engines.client.routed_experts`).
 - ``reward`` is what the reward function returned: a float, or a dict read through ``reward_key``
   (:meth:`Sample.get_reward_value`).
 - ``weight_versions``: one entry per engine call that produced part of the response (Relax appends
@@ -69,6 +72,7 @@ class Sample:
     weight_versions: list[str] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None  # engine log-probs of the response tokens
     teacher_log_probs: list[float] | None = None  # OPD: the teacher's log-probs of the response tokens
+    routed_experts: list[int] | None = None  # MoE routing replay: the engine's expert ids, flat [len(tokens) - 1, layers, top_k]
     remove_sample: bool = False  # keep for normalization but zero its loss mask
     abort_count: int = 0
     status: SampleStatus = SampleStatus.PENDING
@@ -124,9 +128,17 @@ class Sample:
             self.rollout_log_probs = (self.rollout_log_probs or []) + [float(x) for x in log_probs]
 
     def update_from_meta_info(self, meta_info: dict[str, Any]) -> None:
-        """Status from ``finish_reason`` and the weight version, as Relax reads SGLang's ``meta_info``."""
+        """Status from ``finish_reason`` and the weight version, as Relax reads SGLang's ``meta_info``; its
+        ``routed_experts`` (base64 int32, every token the engine ran: the whole sequence so far but the last token,
+        so the latest answer replaces an earlier one) as ``routed_experts``, flat."""
         if meta_info.get("weight_version") is not None:
             self.weight_versions.append(str(meta_info["weight_version"]))
+        if meta_info.get("routed_experts") is not None:
+            import base64
+
+            import numpy as np
+
+            self.routed_experts = np.frombuffer(base64.b64decode(meta_info["routed_experts"]), dtype="<i4").tolist()
         reason = meta_info.get("finish_reason")
         kind = reason.get("type") if isinstance(reason, dict) else reason
         if kind in FINISH_REASON_STATUS:
@@ -140,6 +152,7 @@ class Sample:
         self.loss_mask = None
         self.rollout_log_probs = None
         self.teacher_log_probs = None
+        self.routed_experts = None
         self.weight_versions = []
         self.status = SampleStatus.PENDING
 

@@ -49,6 +49,7 @@ class TrainingSample:
     ref_log_probs: torch.Tensor | None = None
     old_log_probs: torch.Tensor | None = None
     teacher_log_probs: torch.Tensor | None = None  # OPD: the teacher's log-prob of each response token [R]
+    routed_experts: torch.Tensor | None = None  # routing replay: the engine's expert ids, flat [L - 1, layers, top_k]
 
 
 def field(sample, name: str, default=None):
@@ -99,6 +100,9 @@ class MicroBatch:
     ref_log_probs: torch.Tensor | None = None
     rollout_log_probs: torch.Tensor | None = None
     teacher_log_probs: torch.Tensor | None = None  # [n_real, T] OPD: the teacher's, where every sample has them
+    # routing replay: [B·S, layers × top_k] the engine's expert ids of each token of the flattened ``tokens`` (a
+    # sample's last token and padding: -1, routed to experts 0..k-1 and never read), where every sample has them
+    routed_experts: torch.Tensor | None = None
     weight: float = 1.0  # this micro-batch's share of the global loss (samples or tokens)
 
     @property
@@ -224,6 +228,7 @@ def _finish(samples: Sequence, tokens: torch.Tensor, position_ids: torch.Tensor,
     targets = tokens.reshape(-1)[logit_index + 1]
     mb = MicroBatch(tokens=tokens, position_ids=position_ids, logit_index=logit_index, targets=targets,
                     valid=valid, response_lens=lens, lengths=[s + r for s, r in bounds], n_real=len(samples))
+    mb.routed_experts = _routed(samples, tokens, offsets)
     if not train:
         return mb
     masks, advs = [], []
@@ -242,6 +247,28 @@ def _finish(samples: Sequence, tokens: torch.Tensor, position_ids: torch.Tensor,
     for name in ("old_log_probs", "ref_log_probs", "rollout_log_probs", "teacher_log_probs"):
         setattr(mb, name, _stack([_per_token(s, name, r, required=False) for s, (_, r) in zip(samples, bounds)], T))
     return mb
+
+
+def _routed(samples: Sequence, tokens: torch.Tensor, offsets: list[int]) -> torch.Tensor | None:
+    """The engine's routed experts laid out as the flattened ``tokens`` (:attr:`MicroBatch.routed_experts`), or None
+    unless every sample carries them. A sample's L - 1 rows (SGLang's: every token but the last) go to its tokens'
+    positions; the rest (its last token, padding) hold -1 (:mod:`relax_hpc.train.routing` sends them to experts
+    0..k-1): causal attention never lets them reach a real token's log-prob."""
+    rows = [field(s, "routed_experts") for s in samples]
+    if not rows or any(r is None for r in rows):
+        return None
+    lens = [tokens_of(s).numel() - 1 for s in samples]
+    width = {torch.as_tensor(r).numel() // n for r, n in zip(rows, lens)}
+    if len(width) != 1:
+        raise ValueError(f"routed_experts: the samples of a micro-batch carry {sorted(width)} expert ids per token")
+    w = width.pop()
+    out = torch.full((tokens.numel(), w), -1, dtype=torch.long)
+    for r, n, o in zip(rows, lens, offsets):
+        t = torch.as_tensor(r).reshape(-1)
+        if t.numel() != n * w:
+            raise ValueError(f"routed_experts: {t.numel()} expert ids for {n} tokens of {w} each")
+        out[o: o + n] = t.reshape(n, w).long()
+    return out
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ class TrainConfig:
     tp: int = 1  # tensor-parallel size (Megatron tensor_model_parallel_size)
     pp: int = 1  # pipeline-parallel size; data parallel = world / (tp × pp)
     ep: int = 1  # expert-parallel size (Megatron expert_model_parallel_size): MoE experts split over ep DP ranks
+    routing_replay: bool = False  # MoE: route each token to the experts the engine chose (its routed_experts; Relax's --use-rollout-routing-replay)
     micro_batch_size: int = 1  # samples per forward/backward pass on one data-parallel rank (padded micro-batches)
     global_batch_size: int | None = None  # samples per optimizer step across all DP ranks; None: the rollout step / num_steps_per_rollout
     num_steps_per_rollout: int | None = None  # optimizer steps (mini-batches) per rollout step; None: from global_batch_size, else 1

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.train import batch as B
-from relax_hpc.train import cpu_compat
+from relax_hpc.train import cpu_compat, routing
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False,
@@ -87,6 +87,7 @@ def _forward_step(loss_fn: Callable, data_iterator, model):
     if _on_micro_batch is not None:
         _on_micro_batch()
     dev = next(model.parameters()).device
+    routing.replay(model, mb.routed_experts, mb.tokens.shape[0])  # MoE routing replay: the engine's experts, or off
     if mb.packed is None:
         out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None)
     else:

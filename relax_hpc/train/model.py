@@ -153,16 +153,26 @@ def moe_settings(provider, hf_config, cfg: TrainConfig, *, te: bool) -> None:
       bridge turns grouped GEMM and permute fusion on, which need TE).
     * ``norm_topk_prob`` (Qwen3-MoE: true) is Megatron's softmax over the top-k logits (``moe_router_pre_softmax``
       off); without it, softmax over all experts then top-k, unrenormalised.
+    * ``train.routing_replay``: megatron-core's replay slot on every router (:mod:`relax_hpc.train.routing`).
     * The load-balancing loss as the HF config trains it: ``router_aux_loss_coef`` only where
       ``output_router_logits`` is on (Qwen3-30B-A3B: off, so no aux loss); no z-loss (Qwen3 has none). Dropless
       routing (no capacity factor), as HF.
     """
     experts = getattr(provider, "num_moe_experts", None)
+    replay = cfg.routing_replay
     if not experts:
         if cfg.ep > 1:
             raise PermanentError(f"train.ep = {cfg.ep} but the model is dense (no experts in its config). "
                                  "Fix: train.ep: 1")
+        if replay:
+            raise PermanentError("train.routing_replay = true but the model is dense (no experts in its config): "
+                                 "there is no routing to replay. Fix: train.routing_replay: false")
         return
+    if replay and cfg.pp > 1 and cfg.recompute != "none":  # relax_hpc.train.routing: recompute reruns the routers
+        raise PermanentError(f"train.routing_replay = true with train.pp = {cfg.pp} and train.recompute = "
+                             f"{cfg.recompute}: the pipeline schedule interleaves micro-batches, so a recomputed "
+                             "router would replay another micro-batch's experts. Fix: train.recompute: none, or pp: 1")
+    provider.moe_enable_routing_replay = bool(replay)  # a replay slot per router (relax_hpc.train.routing)
     if experts % cfg.ep:
         raise PermanentError(f"train.ep = {cfg.ep} does not divide the model's {experts} experts. "
                              f"Fix: a divisor of {experts}")
@@ -308,6 +318,10 @@ def build_model(hf_dir: str | Path, cfg: TrainConfig) -> BuiltModel:
     if cfg.tp > 1 and not any(getattr(p, "tensor_model_parallel", False) for c in chunks for p in c.parameters()):
         raise RuntimeError("no parameter is marked tensor_model_parallel at TP > 1: grad norms would be wrong")
     experts_apart(chunks)
+    if cfg.routing_replay:  # the routers keep their replay slots; megatron's class-wide list need not
+        from relax_hpc.train import routing
+
+        routing.forget_instances()
     return BuiltModel(bridge=bridge, chunks=chunks, hf_dir=str(hf_dir))
 
 

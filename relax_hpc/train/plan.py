@@ -102,6 +102,19 @@ def check_train_columns(cols: dict[str, Any]) -> None:
             i = int(bad[0])
             raise UnsoundTrainData("teacher_log_probs", i, float(teacher.lengths()[i]),
                                    f"that many values for a response of {int(lens[i])} tokens", index(i))
+    routed = cols.get("routed_experts")  # routing replay: a whole number of expert ids per token but the last
+    if routed is not None:
+        toks = cols["tokens"].lengths() - 1
+        bad = np.flatnonzero((routed.lengths() == 0) | (routed.lengths() % np.maximum(toks, 1) != 0))
+        if bad.size:
+            i = int(bad[0])
+            raise UnsoundTrainData("routed_experts", i, float(routed.lengths()[i]),
+                                   f"that many expert ids for {int(toks[i])} tokens (SGLang's [len(tokens) - 1, "
+                                   "layers, top_k])", index(i))
+        if routed.data.size and int(routed.data.min()) < 0:
+            t = int(np.argmin(routed.data))
+            raise UnsoundTrainData("routed_experts", _sample_of(routed, t), float(routed.data[t]),
+                                   "a negative expert id", index(_sample_of(routed, t)))
 
 
 def mini_batch_order(n: int, k: int, seed: int, step: int) -> list[np.ndarray]:
@@ -227,6 +240,8 @@ def _sample(cols: dict[str, Any], adv: Any, i: int) -> TrainingSample:
     for name, key in SIDES:
         if name in cols and cols[name][i].size == r:
             setattr(s, key, torch.from_numpy(cols[name][i]))
+    if "routed_experts" in cols:  # MoE routing replay: flat [L - 1, layers, top_k] (check_train_columns checked it)
+        s.routed_experts = torch.from_numpy(cols["routed_experts"][i])
     return s
 
 

@@ -60,8 +60,12 @@ def _optional_values(s: Any) -> dict[str, list]:
             i = have.index(False)
             raise ValueError(f"{name}: {sum(have)} of {len(vals)} samples carry it, sample {i} (index "
                              f"{s[i].index}) does not: a step's chunk has the field for every sample or for none")
-        for x, v in zip(s, vals):  # per response token, as rollout_log_probs
-            if v is not None and len(v) != x.response_length:
+        for x, v in zip(s, vals):  # per response token, as rollout_log_probs; routed experts: per token but the last
+            if v is not None and name == "routed_experts":
+                if len(x.tokens) < 2 or len(v) == 0 or len(v) % (len(x.tokens) - 1):
+                    raise ValueError(f"routed_experts of sample index {x.index} has {len(v)} expert ids for "
+                                     f"{len(x.tokens)} tokens: SGLang's [len(tokens) - 1, layers, top_k]")
+            elif v is not None and len(v) != x.response_length:
                 raise ValueError(f"{name} of sample index {x.index} has {len(v)} values for a response of "
                                  f"{x.response_length} tokens")
         if s and all(have):

@@ -75,6 +75,10 @@ class NonFiniteGuard:
                 "(rewards, engine log-probs, a learning rate too high), or raise train.max_nonfinite_skips")
 
 
+class RoutingReplayError(PermanentError):
+    """``train.routing_replay`` is on but the step's chunks carry no ``routed_experts``: a retry reads the same."""
+
+
 def nonfinite_what(metrics: dict[str, float]) -> str | None:
     """What made a step returned by :func:`train_step` non-finite ("loss = nan, grad_norm = inf"), or None if it
     was applied."""
@@ -108,6 +112,14 @@ def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig
         raise ValueError(f"train_step got {n} samples but train.global_batch_size = {train_cfg.global_batch_size}")
     if n < dp or not share.samples:
         raise ValueError(f"train_step got {n} samples for {dp} data-parallel ranks: every rank needs at least one")
+    if train_cfg.routing_replay:
+        missing = [i for i, x in enumerate(share.samples) if B.field(x, "routed_experts") is None]
+        if missing:
+            raise RoutingReplayError(
+                f"train.routing_replay = true but {len(missing)} of {len(share.samples)} samples (first: {missing[0]}) "
+                "carry no routed_experts from the engine. Fix: an engine that returns them (SGLang with "
+                "--enable-return-routed-experts, or the reference engine) and the rollout asking for them "
+                "(return_routed_experts), or train.routing_replay: false")
     per_token = bool(algo_cfg.calculate_per_token_loss)
     total = max(share.stats.loss_tokens if per_token else float(n), 1.0)
     mbs = plan_micro_batches(share.samples, train_cfg.micro_batch_size, pad_id=pad_id, train=True, pp=pp,

@@ -33,7 +33,8 @@ import torch
 from relax_hpc.errors import PermanentError
 from relax_hpc.multimodal import VLM_MODEL_TYPES, encode, is_vlm
 
-__all__ = ["VLM_MODEL_TYPES", "build_vlm", "encode", "is_vlm", "vlm_log_probs"]  # encode: callers import it here too
+__all__ = ["VLM_MODEL_TYPES", "build_vlm", "check_freeze_vision", "encode", "is_vlm", "vision_tower",
+           "vlm_log_probs"]  # encode: callers import it here too
 
 _mrope_patched = False
 _qwen3_spec_patched = False
@@ -87,12 +88,33 @@ def _patch_qwen3_vl_spec() -> None:
     _qwen3_spec_patched = True
 
 
-def build_vlm(hf_dir: str | os.PathLike, cfg):
+def check_freeze_vision(hf_dir: str | os.PathLike, freeze_vision: bool) -> None:
+    """``model.freeze_vision`` needs a vision tower: refused (permanent) for a text model's directory."""
+    if freeze_vision and not is_vlm(hf_dir):
+        raise PermanentError(f"model.freeze_vision = true but model.path = {str(hf_dir)!r} is a text model: it has "
+                             "no vision tower to freeze. Fix: model.freeze_vision: false (or a Qwen2.5-VL/Qwen3-VL "
+                             "model.path)")
+
+
+def vision_tower(model) -> torch.nn.Module:
+    """The vision tower (encoder and merger: every HF ``visual.*`` tensor) of the bridge's VLM, DDP-unwrapped."""
+    while hasattr(model, "module") and not hasattr(model, "language_model"):
+        model = model.module  # Megatron's DDP / Float16Module wrappers
+    tower = getattr(model, "visual", None) or getattr(model, "vision_model", None)  # Qwen2.5-VL / Qwen3-VL
+    if tower is None:
+        raise ValueError(f"{type(model).__name__} has no vision tower (visual / vision_model)")
+    return tower
+
+
+def build_vlm(hf_dir: str | os.PathLike, cfg, *, freeze_vision: bool = False):
     """:func:`relax_hpc.train.model.build_model` for a Qwen2.5-VL or Qwen3-VL directory: ``chunks[0]`` is the
     bridge's ``Qwen25VLModel``/``Qwen3VLModel`` (vision tower + GPTModel), HF weights loaded.
-    ``init_parallel(cfg.tp, cfg.pp)`` first."""
+    ``init_parallel(cfg.tp, cfg.pp)`` first. ``freeze_vision`` (``model.freeze_vision``; Relax's
+    ``--freeze-vision-model`` with ``--freeze-vision-projection``): the vision tower's parameters get no gradient,
+    so DDP and the optimizer (built after this) leave them out; the weight sync then leaves them out too."""
     from relax_hpc.train.model import build_model, import_bridge
 
+    check_freeze_vision(hf_dir, freeze_vision)
     if not is_vlm(hf_dir):
         raise PermanentError(f"model.path = {str(hf_dir)!r} is not a vision-language model this build knows "
                              f"(config.json model_type must be one of {VLM_MODEL_TYPES}). Fix: a Qwen2.5-VL or "
@@ -103,7 +125,10 @@ def build_vlm(hf_dir: str | os.PathLike, cfg):
     import_bridge()
     _patch_mrope_section()
     _patch_qwen3_vl_spec()
-    return build_model(hf_dir, cfg)
+    built = build_model(hf_dir, cfg)
+    if freeze_vision:
+        vision_tower(built.chunks[0]).requires_grad_(False)
+    return built
 
 
 def vlm_log_probs(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,

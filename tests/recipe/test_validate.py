@@ -896,3 +896,10 @@ def test_the_teacher_model_path_must_be_a_model_directory(tmp_path, monkeypatch)
     (value, msg), = file_problems(data, tmp_path).values()
     assert value == "absent" and "there is no directory" in msg and "Fix: the model's Hugging Face directory" in msg
     assert file_problems({"opd": {"teacher_model_path": "model"}, **TEACHER_ROLE}, tmp_path) == {}
+
+
+
+def test_routing_replay_is_refused_with_an_actor_fwd_role():
+    """actor_fwd's π_old pass has no engine experts to replay."""
+    msg = problems({"train": {"routing_replay": True}, "roles": {"actor_fwd": {"enabled": True}}})
+    assert "roles.actor_fwd" in msg["train.routing_replay"] and "Fix:" in msg["train.routing_replay"]

@@ -21,3 +21,18 @@ def test_the_engine_kind_follows_the_recipe_and_the_node(monkeypatch):
         assert engine_kind("auto") == "reference"
         with pytest.raises(RuntimeError, match="no CUDA device"):
             engine_kind("sglang")
+
+
+def test_routing_replay_asks_sglang_for_the_routed_experts(monkeypatch):
+    """SGLang returns routed experts only when started with its flag; the reference engine whenever asked (no
+    flag: it would say SGLang's arguments are not its own)."""
+    from relax_hpc.recipe import recipe_from_dict
+    from relax_hpc.roles import engine_host
+    from relax_hpc.roles.engine import _sglang_args
+
+    assert _sglang_args(recipe_from_dict({"train": {"routing_replay": True},
+                                          "rollout": {"engine": {"kind": "reference"}}})) == []
+    monkeypatch.setenv("RELAX_SGLANG_PYTHON", "/x/python")
+    monkeypatch.setattr(engine_host, "has_cuda", lambda: True)  # no GPU here: the branch a GPU node takes
+    assert _sglang_args(recipe_from_dict({"train": {"routing_replay": True}})) == ["--enable-return-routed-experts"]
+    assert _sglang_args(recipe_from_dict({})) == []
