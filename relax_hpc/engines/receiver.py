@@ -73,9 +73,10 @@ def checkpoint_key_mapping(model) -> dict[str, str]:
     ``VLMS`` list, as ``from_pretrained`` checks it). Qwen2.5-VL (4.57): ``^visual`` → ``model.visual``,
     ``^model(?!\\.(language_model|visual))`` → ``model.language_model``: the checkpoint's (and the bridge's export)
     ``model.layers.*`` are the module's ``model.language_model.layers.*``. Empty for a model saved as it is built."""
-    from transformers.modeling_utils import VLMS
+    from transformers import modeling_utils
 
-    if not any(v in c.__name__.lower() for c in type(model).__mro__[:-1] for v in VLMS):
+    vlms = getattr(modeling_utils, "VLMS", None)  # 4.57 keeps it "for BC only": without it, the attribute says
+    if vlms is not None and not any(v in c.__name__.lower() for c in type(model).__mro__[:-1] for v in vlms):
         return {}
     return dict(getattr(model, "_checkpoint_conversion_mapping", None) or {})
 

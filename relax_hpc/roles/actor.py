@@ -83,7 +83,8 @@ class Actor:
         # the backend is one every engine serves (nccl from the GPU, or gloo from host memory), or CUDA IPC to engines
         # on the actor's GPU, which then hand their memory over while it trains (rollout.engine.offload)
         self.weights = ActorSync(self.rank, None, ctx.run.api_key(), address=lambda: reachable_host(ctx.ident),
-                                 offload=ctx.recipe.rollout.engine.offload)
+                                 offload=ctx.recipe.rollout.engine.offload,
+                                 freeze_vision=ctx.recipe.model.freeze_vision)  # the vision tower is not sent
 
     def handlers(self) -> dict[str, Any]:
         from relax_hpc.controller import messages as M

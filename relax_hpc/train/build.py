@@ -29,4 +29,5 @@ def build_megatron(recipe: Any, role: str, model_path: str, *, forward_only: boo
     init_parallel(recipe.train.tp, recipe.train.pp, seed=recipe.train.seed, ep=recipe.train.ep)
     temperature = recipe.rollout.temperature if recipe.rollout.temperature > 1e-6 else 1.0  # greedy: the engine uses T=1
     return MegatronActor.from_hf(model_path, recipe.train, recipe.algorithm, temperature=temperature,
-                                 forward_only=forward_only, opd=recipe.opd, freeze_vision=recipe.model.freeze_vision)
+                                 forward_only=forward_only, opd=recipe.opd,
+                                 freeze_vision=recipe.model.freeze_vision)

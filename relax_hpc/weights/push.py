@@ -16,6 +16,10 @@ group, the engines and followers in it ({name: url}) and an :class:`~relax_hpc.w
 
 With engines on the actor's GPU (the sender's tensor path; ``rollout.engine.offload``) they hand their memory over:
 :meth:`ActorSync.release` before the actor trains, and step 1 of the next sync resumes them first.
+
+With ``freeze_vision`` (``model.freeze_vision``: the actor does not train a VLM's vision tower) the vision tower's
+tensors (:func:`vision_weight`) are left out of every push: the engines keep the ones they loaded, which are the
+actor's too.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from relax_hpc.threads import daemon_call
 from relax_hpc.weights.check import ROWS, EngineChecker
 from relax_hpc.weights.sync import WeightSender, WeightSyncError, push_from_actor
 
+# the HF names of a vision-language model's vision tower: Qwen2-VL/2.5-VL's checkpoints (and the bridge's export)
+# say visual.*, transformers 4.57's modules (and Qwen3-VL's checkpoints) model.visual.*
+VISION_PREFIXES = ("visual.", "model.visual.")
 SYNC_TRIES = 3  # pushes of one sync: an engine that leaves mid-push (scancel, preemption) costs one more
 log = logging.getLogger("relax_hpc.actor")  # the actor role's log: its lines kept their logger when they moved here
 
@@ -54,12 +61,14 @@ class ActorSync:
     every member serves); ``api_key``: the run's engine key; ``address``: rank 0's address for the engines, asked at
     the first connect. ``offload`` (``rollout.engine.offload``): the engines hand their GPU memory over while the
     actor trains (:meth:`release`; the sync takes it back first) and get the weights by ``/update_weights_from_tensor``;
-    None: when they share the actor's GPU (the sender's path); False: never."""
+    None: when they share the actor's GPU (the sender's path); False: never. ``freeze_vision``
+    (``model.freeze_vision``): the vision tower's tensors are not pushed (the actor does not train them)."""
 
     def __init__(self, rank: int, backend: str | None, api_key: str | None, address: Callable[[], str], *,
-                 offload: bool | None = None):
+                 offload: bool | None = None, freeze_vision: bool = False):
         self.rank, self.backend, self.api_key, self.address = rank, backend, api_key, address
         self.offload = offload
+        self.freeze_vision = freeze_vision
         self.sender: WeightSender | None = None  # rank 0's, once connected
         self.engines: dict[str, str] = {}  # the weight-sync group's engines {name: url}
         self.followers: dict[str, str] = {}  # forward roles that get every sync too {role: url}
@@ -167,6 +176,8 @@ class ActorSync:
 
         def stream():  # every rank walks the collective gather; rank 0 keeps each tensor's first rows
             for name, t in model.named_hf_weights():
+                if self.freeze_vision and vision_weight(name):  # unchanged since the engines loaded it
+                    continue
                 heads[name] = t[:ROWS].detach().clone()
                 progress()
                 yield name, t
@@ -217,6 +228,11 @@ class ActorSync:
         versions = {n: c["version"] for n, c in checks.items()} if checks else {n: version for n in engines}
         return Synced(metrics=out, engine_versions=versions, checks=checks, dead_engines=dead,
                       follower_versions=held)
+
+
+def vision_weight(name: str) -> bool:
+    """Whether the HF tensor ``name`` belongs to a vision-language model's vision tower."""
+    return name.startswith(VISION_PREFIXES)
 
 
 def _gone(checker: EngineChecker, engines: dict[str, str], settle_s: float = 2.0) -> dict[str, str]:
