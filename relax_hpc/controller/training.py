@@ -102,6 +102,7 @@ from relax_hpc.exchange.broker import Broker
 from relax_hpc.exchange.chunk import ChunkRef
 from relax_hpc.exchange.fields import LOGPROB_FIELDS, PRODUCER, task_fields
 from relax_hpc.ops.metrics import REWARD, RunMetrics
+from relax_hpc.ops.wandb_log import public_config
 from relax_hpc.recipe import Recipe, initial_engines, recipe_to_dict
 from relax_hpc.rundir import RunDir
 
@@ -154,7 +155,7 @@ class TrainingLoop:
         self.resume.rewind(self.broker)
         self.metrics = RunMetrics(run.path, recipe.logging.tensorboard, start_step=self.resume.step,
                                   started=state.doc.get("started_at"), wandb=recipe.logging.wandb, run_name=run.name,
-                                  config=recipe_to_dict(recipe) if recipe.logging.wandb else None)
+                                  config=public_config(recipe_to_dict(recipe)) if recipe.logging.wandb else None)
         if self.metrics.wandb_error:
             state.event("wandb_off", f"{self.metrics.wandb_error}; TensorBoard and metrics.jsonl have every metric")
         self.tasks, self.rows, self.gen = Dispatcher(channel), StepRows(), Generation.of(self.resume)

@@ -178,19 +178,25 @@ class Generation:
         return self.finish_reason.type == "length"
 
 
+def decode_routed_experts(raw: str):
+    """SGLang's ``routed_experts`` wire form (base64 of little-endian int32, C order) as a flat int32 array: the one
+    reader of it (:func:`routed_experts` shapes it; ``Sample.update_from_meta_info`` keeps it)."""
+    import base64
+
+    import numpy as np
+
+    return np.frombuffer(base64.b64decode(raw), dtype="<i4")
+
+
 def routed_experts(gen: Generation, layers: int, top_k: int):
     """SGLang's ``meta_info["routed_experts"]`` (asked with ``return_routed_experts``; SGLang needs
     ``--enable-return-routed-experts``) decoded: base64 of int32 in C order, ``[prompt + completion tokens - 1,
     layers, top_k]`` (every token the engine ran forward: all but the last), as a numpy array; None where the
     answer has none. ``ValueError`` when its size is not that shape's."""
-    import base64
-
-    import numpy as np
-
     raw = gen.meta_info.get("routed_experts")
     if raw is None:
         return None
-    flat = np.frombuffer(base64.b64decode(raw), dtype="<i4")
+    flat = decode_routed_experts(raw)
     n = gen.prompt_tokens + gen.completion_tokens - 1
     if flat.size != n * layers * top_k:
         raise ValueError(f"routed_experts has {flat.size} expert ids, not [{n} tokens, {layers} layers, top-{top_k}]")

@@ -195,6 +195,9 @@ class CPUEngine(WeightReceiver):
         for r, mm in zip(reqs, mms):
             r.mm = mm
         scoring = [_input_request(r, k, t) for r, k, t in zip(reqs, starts, tops)]
+        if any(mms) and any(k is not None for k, _ in scoring):  # refused before any forward is spent on it
+            raise HTTPError(400, "input log-probs (logprob_start_len) of a request with images are not supported "
+                                 "by the CPU engine")
         asked = [(r.input_ids, k, t) for r, (k, t) in zip(reqs, scoring) if k is not None]
         found = iter(self.input_logprobs(asked) if asked else [])
         inputs = [next(found) if k is not None else None for k, _ in scoring]
@@ -203,9 +206,6 @@ class CPUEngine(WeightReceiver):
                 r.weight_version = self.weight_version
         todo = [r for r in reqs if not r.done.is_set()]
         if any(mms):
-            if any(k is not None for k, _ in scoring):
-                raise HTTPError(400, "input log-probs (logprob_start_len) of a request with images are not supported "
-                                     "by the CPU engine")
             with self.scheduler.cv:
                 if self.scheduler.refusal is not None:
                     raise HTTPError(400, self.scheduler.refusal)

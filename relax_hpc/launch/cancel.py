@@ -59,7 +59,7 @@ def checkpoint_then_stop(rd: RunDir, action: str, wait_s: float = 600.0) -> dict
                     "executor": job.get("executor", "slurm"),
                     "action": "requeue" if doc.get("state") == "REQUEUED" else "checkpoint, then cancel",
                     "state": doc.get("state"), "checkpoint": ck.get("path"), "step": ck.get("step")}
-        time.sleep(0.5)
+        time.sleep(0.5 if doc.get("state") in (None, "RUNNING") else 2.0)  # asking Slurm: not twice a second
     raise CancelError(f"run {rd.name} did not end within {wait_s:g} s (the step in flight or the checkpoint is "
                       "slow); it will still stop after them. relax-status shows when")
 

@@ -75,6 +75,26 @@ def credential_problems(cfg: WandbConfig, env: dict[str, str] | None = None, hom
              "from a machine that reaches the server)")]
 
 
+def public_config(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The recipe as the W&B config, without its secrets: an online run uploads it. Apprise URLs carry their tokens
+    in the URL itself (only the scheme is kept, as the validator shows them); any other URL loses its user:password.
+    """
+    def clean(v: Any, key: str = "") -> Any:
+        if isinstance(v, dict):
+            return {k: clean(x, k) for k, x in v.items()}
+        if isinstance(v, list):
+            return [clean(x, key) for x in v]
+        if isinstance(v, str) and "://" in v:
+            scheme, rest = v.split("://", 1)
+            if key == "notify_urls":
+                return f"{scheme}://..."
+            host, sep, path = rest.partition("/")
+            return f"{scheme}://{host.rsplit('@', 1)[-1]}{sep}{path}"
+        return v
+
+    return clean(recipe)
+
+
 class WandbWriter:
     """One W&B run for one relax_hpc run; the controller's :class:`~relax_hpc.ops.metrics.RunMetrics` feeds it."""
 

@@ -87,8 +87,12 @@ def work(ctx: RoleContext, comm: Any) -> None:
     def start_engines(task: M.StartEnginesTask) -> M.StartEnginesResult:
         return M.StartEnginesResult(engines={}, data_state=gen.state(0))
 
-    serve(ctx, comm, {"start_engines": start_engines, "generate": gen.generate, "eval": gen.evaluate,
-                      "stop": lambda task: M.StopResult()})
+    try:
+        serve(ctx, comm, {"start_engines": start_engines, "generate": gen.generate, "eval": gen.evaluate,
+                          "stop": lambda task: M.StopResult()})
+    finally:
+        if gen.teacher is not None:  # OPD's teacher client: its connections
+            gen.teacher[1].close()
 
 
 class Generator:
@@ -226,7 +230,8 @@ class Generator:
         taught = self._teach(step, result.samples, task.teachers)  # OPD: before the chunk is written
         q1 = pool.queue_clock()
         t1 = time.monotonic()
-        ref = S.write_step(self.ctx.run.path, step, result, seq=task.seq, attrs=self._prompt_attrs(result.samples))
+        ref = S.write_step(self.ctx.run.path, step, result, seq=task.seq, attrs=self._prompt_attrs(result.samples),
+                           model_dir=str(self.tokenizer.name_or_path))  # a VLM: its image processor
         if again is not None:  # the steps after it went on from the buffer it left then: so does this role
             self.restore(again["after"])
             after = again["after"]
@@ -318,11 +323,12 @@ class Generator:
     def _teach(self, step: int, samples: list, teachers: dict[str, str]) -> dict[str, float]:
         """OPD: the teacher's log-prob of every response token onto each sample (``teacher_log_probs``), and the
         client's ``opd/*`` metrics of the step; nothing without ``opd:``. Raises the teacher's error when it gave
-        no answer (:class:`~relax_hpc.rollout.teacher.TeacherError`) or no good numbers for a sample."""
+        no answer (:class:`~relax_hpc.rollout.teacher.TeacherError`) or no good numbers for a sample
+        (:class:`~relax_hpc.rollout.teacher.TeacherBadValues`, permanent)."""
         opd = self.recipe.opd
         if opd is None or not opd.enabled:
             return {}
-        from relax_hpc.rollout.teacher import TeacherClient, TeacherClientConfig, TeacherError
+        from relax_hpc.rollout.teacher import TeacherBadValues, TeacherClient, TeacherClientConfig
 
         if not teachers:
             raise ValueError(f"step {step}: opd is on but the generate task names no teacher (the controller sends "
@@ -340,7 +346,7 @@ class Generator:
         bad = [(x, sc) for x, sc in zip(samples, scores) if not sc.ok]
         if bad:
             x, sc = bad[0]
-            raise TeacherError(f"step {step}: the OPD teacher gave {len(bad)} of {len(samples)} samples no usable "
+            raise TeacherBadValues(f"step {step}: the OPD teacher gave {len(bad)} of {len(samples)} samples no usable "
                                f"log-probs; the first, index {x.index}: {sc.error}. Fix: check the teacher engines "
                                "(their logs), and that the teacher uses the student's tokenizer")
         for x, sc in zip(samples, scores):

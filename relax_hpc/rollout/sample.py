@@ -134,11 +134,9 @@ class Sample:
         if meta_info.get("weight_version") is not None:
             self.weight_versions.append(str(meta_info["weight_version"]))
         if meta_info.get("routed_experts") is not None:
-            import base64
+            from relax_hpc.engines.client import decode_routed_experts
 
-            import numpy as np
-
-            self.routed_experts = np.frombuffer(base64.b64decode(meta_info["routed_experts"]), dtype="<i4").tolist()
+            self.routed_experts = decode_routed_experts(meta_info["routed_experts"]).tolist()
         reason = meta_info.get("finish_reason")
         kind = reason.get("type") if isinstance(reason, dict) else reason
         if kind in FINISH_REASON_STATUS:

@@ -111,6 +111,11 @@ class TeacherRefused(TeacherError, PermanentError):
     """A teacher refused the request itself (4xx): every teacher would, every time. The run fails with the reason."""
 
 
+class TeacherBadValues(TeacherError, PermanentError):
+    """The teachers answered, but never with usable numbers for some sample (NaN, inf, positive log-probs on every
+    attempt): the same tokens would get the same answer again, so the run fails rather than restarting."""
+
+
 class TeacherClient:
     """Scoring calls to a set of teacher engines (thread-safe; usable from any event loop)."""
 

@@ -1,7 +1,6 @@
 """On-policy distillation's teacher in the training loop, driven by hand (:mod:`loop_sim`): the teacher role's engines
 are started at boot like the GenRM judges, no step is generated before they are known, and every ``generate`` carries
-their URLs (or ``opd.teacher_url``); ``state.json`` lists them, and the train task reads ``teacher_log_probs``.
-The recipes are built past validation (which refuses ``opd:`` until the objective is in the training step)."""
+their URLs (or ``opd.teacher_url``); ``state.json`` lists them, and the train task reads ``teacher_log_probs``."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import pytest
 import wandb_files
 
 from relax_hpc.ops.metrics import RunMetrics
-from relax_hpc.ops.wandb_log import STEP, check, credential_problems, run_id
+from relax_hpc.ops.wandb_log import STEP, check, credential_problems, public_config, run_id
 from relax_hpc.recipe.schema import WandbConfig
 
 pytest.importorskip("wandb")
@@ -125,3 +125,13 @@ def test_an_online_run_needs_a_key_the_job_will_see(tmp_path):
     host = WandbConfig(project="p", mode="online", host="https://wandb.example.org")
     assert credential_problems(host, env={}, home=str(tmp_path))  # the key is for another server
     assert credential_problems(WandbConfig(project="p", mode="offline"), env={}, home=str(tmp_path)) == []
+
+
+def test_the_config_w_and_b_gets_has_no_secrets():
+    """An online run uploads its config: Apprise URLs keep their scheme only, other URLs lose user:password."""
+    got = public_config({"logging": {"notify_urls": ["slack://T000/B000/XXXX", "mailto://u:p@x.org"]},
+                         "opd": {"teacher_url": "https://user:pw@teacher:30000/generate"},
+                         "model": {"path": "/m"}, "n": 3})
+    assert got["logging"]["notify_urls"] == ["slack://...", "mailto://..."]
+    assert got["opd"]["teacher_url"] == "https://teacher:30000/generate"
+    assert got["model"] == {"path": "/m"} and got["n"] == 3

@@ -255,6 +255,7 @@ def test_with_opd_the_teacher_scores_every_response_token_and_the_chunk_carries_
     """``opd:`` on (set past validation, which refuses it until the objective is in the training step): after the
     reward, the task's teachers score each sample's response tokens; the chunk carries them as teacher_log_probs and
     the step's metrics opd/*. A teacher that fails for good, or gives no good numbers, fails the step."""
+    from relax_hpc.errors import is_permanent
     from relax_hpc.rollout.teacher import TeacherError
 
     a, t = engines(), teachers()
@@ -275,9 +276,10 @@ def test_with_opd_the_teacher_scores_every_response_token_and_the_chunk_carries_
     with pytest.raises(TeacherError, match="gave no answer .* within teacher timeout_s"):
         gen.generate(GenerateTask(id=next(_ids), step=3, engines={"a": a.url}, seq=3, data_state=None,
                                   teachers={"teacher0": teachers("down").url}))
-    with pytest.raises(TeacherError, match="gave 4 of 4 samples no usable log-probs.*is 0.5 > 0"):
+    with pytest.raises(TeacherError, match="gave 4 of 4 samples no usable log-probs.*is 0.5 > 0") as bad:
         gen.generate(GenerateTask(id=next(_ids), step=3, engines={"a": a.url}, seq=4, data_state=None,
                                   teachers={"teacher0": teachers("bad").url}))
+    assert is_permanent(bad.value)  # the same tokens would get the same numbers: no restart
     with pytest.raises(ValueError, match="names no teacher"):
         gen.generate(GenerateTask(id=next(_ids), step=3, engines={"a": a.url}, seq=5, data_state=None))
     assert not list((gen.ctx.run.path / "exchange" / "step_3").glob("*.h5"))  # no step without teacher numbers
