@@ -79,7 +79,11 @@ def _str_bytes(ref: str, base_dir: str | os.PathLike | None) -> bytes:
         path = Path(ref).expanduser()
         if not path.is_absolute() and base_dir is not None:
             path = Path(base_dir) / path
-        if path.is_file():
+        try:
+            is_file = path.is_file()
+        except OSError:  # e.g. ENAMETOOLONG: a base64 string longer than a file name may be
+            is_file = False
+        if is_file:
             size = path.stat().st_size
             if size > MAX_IMAGE_BYTES:
                 raise ImageError(f"{path}: {size} bytes, over the {MAX_IMAGE_BYTES} bytes an image may have")

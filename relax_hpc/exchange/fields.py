@@ -51,6 +51,12 @@ FIELDS: tuple[Field, ...] = (
     Field("routed_experts", "ragged", "int32", ROLLOUT, ("train",),
           "MoE routing replay (train.routing_replay): the expert ids the engine's router chose, SGLang's "
           "meta_info.routed_experts flattened: [len(tokens) - 1, layers, top_k]; only in chunks whose engine returned them"),
+    Field("pixel_values", "ragged", "float32", ROLLOUT, ("train", "logprobs"),
+          "vision-language models: the image processor's patches of the sample's images, flat [patches, C·T·P·P] "
+          "(empty for a sample without images); only in chunks of samples with images"),
+    Field("image_grid_thw", "ragged", "int64", ROLLOUT, ("train", "logprobs"),
+          "vision-language models: each image's (t, h, w) patch grid, flat [images, 3], in the order of the "
+          "image pads in tokens; beside pixel_values"),
     Field("ref_log_probs", "ragged", "float32", REFERENCE, ("train",), "π_ref of each response token"),
     Field("log_probs", "ragged", "float32", ACTOR_FWD, ("train",), "π_old of each response token"),
 )
@@ -75,8 +81,10 @@ SIDE_FIELD = {REFERENCE: "ref_log_probs", ACTOR_FWD: "log_probs"}
 
 
 # rollout fields only some runs' chunks carry (the rollout writes them when its samples have them, and the actor
-# reads them where every chunk of the step has them): OPD's teacher log-probs, MoE routing replay's routed experts
-OPTIONAL_ROLLOUT_FIELDS = ("teacher_log_probs", "routed_experts")
+# reads them where every chunk of the step has them): OPD's teacher log-probs, MoE routing replay's routed experts,
+# a vision-language model's processed images
+OPTIONAL_ROLLOUT_FIELDS = ("teacher_log_probs", "routed_experts", "pixel_values", "image_grid_thw")
+IMAGE_FIELDS = ("pixel_values", "image_grid_thw")  # written together, by the rollout's image processor
 
 
 def rollout_fields(optional: tuple[str, ...] = ()) -> tuple[str, ...]:

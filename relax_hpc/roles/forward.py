@@ -47,13 +47,14 @@ def compute_and_write(actor: Any, refs: Sequence[dict | ChunkRef], field: str, w
     import numpy as np  # here, not at the top: a role imports numpy, h5py and torch after its hello
 
     from relax_hpc.exchange.chunk import write_fields
-    from relax_hpc.exchange.fields import LOGPROB_FIELDS
+    from relax_hpc.exchange.fields import IMAGE_FIELDS, LOGPROB_FIELDS
     from relax_hpc.train.plan import logprob_batch
     from relax_hpc.train.samples import as_ref, read_columns
 
     chunks = [as_ref(r) for r in refs]
     todo = [c for c in chunks if field not in c.all_fields]
-    batch = logprob_batch(read_columns(todo, LOGPROB_FIELDS, agree=True)) if todo else []
+    images = tuple(f for f in IMAGE_FIELDS if todo and all(f in c.all_fields for c in todo))  # a VLM's chunks
+    batch = logprob_batch(read_columns(todo, (*LOGPROB_FIELDS, *images), agree=True)) if todo else []
     lps = actor.compute_log_probs(batch) if batch else []
     if rank != 0:
         return []

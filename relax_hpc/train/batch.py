@@ -50,6 +50,8 @@ class TrainingSample:
     old_log_probs: torch.Tensor | None = None
     teacher_log_probs: torch.Tensor | None = None  # OPD: the teacher's log-prob of each response token [R]
     routed_experts: torch.Tensor | None = None  # routing replay: the engine's expert ids, flat [L - 1, layers, top_k]
+    pixel_values: torch.Tensor | None = None  # a VLM: the image processor's patches of its images, flat [patches·dim]
+    image_grid_thw: torch.Tensor | None = None  # a VLM: each image's (t, h, w) patch grid, flat [images·3]
 
 
 def field(sample, name: str, default=None):
@@ -103,6 +105,12 @@ class MicroBatch:
     # routing replay: [B·S, layers × top_k] the engine's expert ids of each token of the flattened ``tokens`` (a
     # sample's last token and padding: -1, routed to experts 0..k-1 and never read), where every sample has them
     routed_experts: torch.Tensor | None = None
+    # a VLM: the images of the samples, concatenated in row order (None when no sample has any): pixel_values
+    # [patches, dim], image_grid_thw [images, 3]; image_limits: per real row, where its image pads end (its response
+    # start; 0 without images): an image pad id from there on is a token, not an image (relax_hpc.train.vlm)
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    image_limits: list[int] | None = None
     weight: float = 1.0  # this micro-batch's share of the global loss (samples or tokens)
 
     @property
@@ -164,6 +172,10 @@ def make_packed_micro_batch(samples: Sequence, *, pad_id: int, train: bool, seq_
 
     if not samples:
         raise ValueError("empty micro-batch")
+    if any(field(s, "image_grid_thw") is not None and torch.as_tensor(field(s, "image_grid_thw")).numel()
+           for s in samples):
+        raise ValueError("samples with images cannot be packed (M-RoPE positions are per padded row). Fix: remove "
+                         "train.max_tokens_per_micro_batch")
     toks = [tokens_of(s) for s in samples]
     lens = [t.numel() for t in toks]
     _check_len(max(lens), max_seq_len)
@@ -229,6 +241,7 @@ def _finish(samples: Sequence, tokens: torch.Tensor, position_ids: torch.Tensor,
     mb = MicroBatch(tokens=tokens, position_ids=position_ids, logit_index=logit_index, targets=targets,
                     valid=valid, response_lens=lens, lengths=[s + r for s, r in bounds], n_real=len(samples))
     mb.routed_experts = _routed(samples, tokens, offsets)
+    _images(mb, samples, [s for s, _ in bounds])
     if not train:
         return mb
     masks, advs = [], []
@@ -269,6 +282,33 @@ def _routed(samples: Sequence, tokens: torch.Tensor, offsets: list[int]) -> torc
             raise ValueError(f"routed_experts: {t.numel()} expert ids for {n} tokens of {w} each")
         out[o: o + n] = t.reshape(n, w).long()
     return out
+
+
+def _images(mb: MicroBatch, samples: Sequence, starts: list[int]) -> None:
+    """The samples' images on ``mb`` (:attr:`MicroBatch.pixel_values`, ``image_grid_thw``, ``image_limits``), in
+    sample order, where some sample has any. Each sample's ``pixel_values`` is flat: its row width is its patches
+    (the grid's t·h·w summed) into its values, the same for all (the processor's C·T·P·P)."""
+    grids = [field(s, "image_grid_thw") for s in samples]
+    if all(g is None or torch.as_tensor(g).numel() == 0 for g in grids):
+        return
+    pix, thw, limits, dims = [], [], [], set()
+    for i, (s, g, start) in enumerate(zip(samples, grids, starts)):
+        g = torch.zeros(0, 3, dtype=torch.long) if g is None else torch.as_tensor(g).reshape(-1, 3).long()
+        p = torch.as_tensor(field(s, "pixel_values", torch.zeros(0))).reshape(-1)
+        patches = int(g.prod(dim=1).sum())
+        if (patches == 0) != (p.numel() == 0) or (patches and p.numel() % patches):
+            raise ValueError(f"sample {i} of the micro-batch: {p.numel()} pixel values for image grids "
+                             f"{g.tolist()} ({patches} patches)")
+        if patches:
+            dims.add(p.numel() // patches)
+            pix.append(p.reshape(patches, -1))
+            thw.append(g)
+        limits.append(start if patches else 0)
+    if len(dims) != 1:
+        raise ValueError(f"pixel_values: the samples of a micro-batch have patches of {sorted(dims)} values")
+    mb.pixel_values = torch.cat(pix).float()
+    mb.image_grid_thw = torch.cat(thw)
+    mb.image_limits = limits
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,21 @@ def logprob_batch(cols: dict[str, Any]) -> list[TrainingSample]:
     from relax_hpc.train.batch import TrainingSample
 
     out = []
-    for tok, r in zip(cols["tokens"], cols["response_length"]):
+    for i, (tok, r) in enumerate(zip(cols["tokens"], cols["response_length"])):
         t = torch.from_numpy(tok)
-        out.append(TrainingSample(tokens=t, response_start=int(t.numel() - int(r))))
+        out.append(_images(cols, i, TrainingSample(tokens=t, response_start=int(t.numel() - int(r)))))
     return out
+
+
+def _images(cols: dict[str, Any], i: int, s: TrainingSample) -> TrainingSample:
+    """``s`` with sample ``i``'s images (a VLM's ``pixel_values`` and ``image_grid_thw`` columns), views, where the
+    columns are there."""
+    import torch
+
+    if "pixel_values" in cols and "image_grid_thw" in cols:
+        s.pixel_values = torch.from_numpy(cols["pixel_values"][i])
+        s.image_grid_thw = torch.from_numpy(cols["image_grid_thw"][i])
+    return s
 
 
 def _row_sums(r: Ragged) -> np.ndarray:
@@ -102,6 +113,19 @@ def check_train_columns(cols: dict[str, Any]) -> None:
             i = int(bad[0])
             raise UnsoundTrainData("teacher_log_probs", i, float(teacher.lengths()[i]),
                                    f"that many values for a response of {int(lens[i])} tokens", index(i))
+    pixels, grids = cols.get("pixel_values"), cols.get("image_grid_thw")  # a VLM's images
+    if pixels is not None and pixels.data.size:
+        bad = np.flatnonzero(~np.isfinite(pixels.data))
+        if bad.size:
+            t = int(bad[0])
+            raise UnsoundTrainData("pixel_values", _sample_of(pixels, t), float(pixels.data[t]), "not finite",
+                                   index(_sample_of(pixels, t)))
+    if grids is not None:
+        bad = np.flatnonzero(grids.lengths() % 3 != 0)
+        if bad.size:
+            i = int(bad[0])
+            raise UnsoundTrainData("image_grid_thw", i, float(grids.lengths()[i]),
+                                   "that many values: 3 per image (t, h, w)", index(i))
     routed = cols.get("routed_experts")  # routing replay: a whole number of expert ids per token but the last
     if routed is not None:
         toks = cols["tokens"].lengths() - 1
@@ -242,7 +266,7 @@ def _sample(cols: dict[str, Any], adv: Any, i: int) -> TrainingSample:
             setattr(s, key, torch.from_numpy(cols[name][i]))
     if "routed_experts" in cols:  # MoE routing replay: flat [L - 1, layers, top_k] (check_train_columns checked it)
         s.routed_experts = torch.from_numpy(cols["routed_experts"][i])
-    return s
+    return _images(cols, i, s)
 
 
 def _reward_metrics(cols: dict[str, Any], rewards: Any, group_size: int) -> dict[str, float]:

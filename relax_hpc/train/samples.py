@@ -21,7 +21,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from relax_hpc.exchange.chunk import ChunkRef, DamagedChunk, Ragged, columns_to_samples, read_chunk, write_chunk
-from relax_hpc.exchange.fields import BY_NAME, OPTIONAL_ROLLOUT_FIELDS, PRODUCER, TRAIN_FIELDS, rollout_fields
+from relax_hpc.exchange.fields import (BY_NAME, IMAGE_FIELDS, OPTIONAL_ROLLOUT_FIELDS, PRODUCER, TRAIN_FIELDS,
+                                       rollout_fields)
 
 __all__ = ["exchange_root", "write_step", "as_ref", "read_columns", "read_samples"]
 
@@ -54,6 +55,8 @@ def _optional_values(s: Any) -> dict[str, list]:
     a field is written when every sample has it (OPD's ``teacher_log_probs``), and none may have it partly."""
     out: dict[str, list] = {}
     for name in OPTIONAL_ROLLOUT_FIELDS:
+        if name in IMAGE_FIELDS:  # made from multimodal_inputs by _image_values
+            continue
         vals = [getattr(x, name, None) for x in s]
         have = [v is not None for v in vals]
         if any(have) and not all(have):
@@ -73,6 +76,35 @@ def _optional_values(s: Any) -> dict[str, list]:
     return out
 
 
+def _image_values(s: Any, model_dir: str | os.PathLike | None) -> dict[str, list]:
+    """``pixel_values`` and ``image_grid_thw`` (:data:`~relax_hpc.exchange.fields.IMAGE_FIELDS`) of these samples'
+    images (``multimodal_inputs["images"]``, base64 PNG as the data made them), by the image processor of
+    ``model_dir`` (:func:`relax_hpc.multimodal.encode_ids`, which also checks each image pad run of ``tokens``
+    matches its image); written when some sample has images, empty for a sample without (a sample failed for its
+    images: its loss mask is 0). The processor runs once per distinct image list (a group shares its prompt's)."""
+    refs = [(x.multimodal_inputs or {}).get("images") or [] for x in s]
+    if not any(refs):
+        return {}
+    if model_dir is None:
+        raise ValueError("samples carry images but write_step got no model_dir to run the image processor of")
+    from relax_hpc.multimodal import encode_ids, load_image
+
+    pixels, grids, done = [], [], {}
+    for x, imgs in zip(s, refs):
+        if not imgs:
+            pixels.append(np.zeros(0, np.float32))
+            grids.append(np.zeros(0, np.int64))
+            continue
+        key = (tuple(imgs), tuple(x.tokens[: len(x.tokens) - x.response_length]))
+        if key not in done:
+            enc = encode_ids(model_dir, x.tokens[: len(x.tokens) - x.response_length], [load_image(r) for r in imgs])
+            done[key] = (enc["pixel_values"].numpy().astype(np.float32).reshape(-1),
+                         enc["image_grid_thw"].numpy().astype(np.int64).reshape(-1))
+        pixels.append(done[key][0])
+        grids.append(done[key][1])
+    return {"pixel_values": pixels, "image_grid_thw": grids}
+
+
 def _column(name: str, values: list) -> Any:
     """One field's values as the column its schema says: ndarray, a list of per-sample arrays, or a JSON list."""
     f = BY_NAME[name]
@@ -84,13 +116,14 @@ def _column(name: str, values: list) -> Any:
 
 
 def write_step(run_path: str | os.PathLike, step: int, result: Any, seq: int = 0,
-               attrs: dict | None = None) -> ChunkRef:
+               attrs: dict | None = None, model_dir: str | os.PathLike | None = None) -> ChunkRef:
     """Write a :class:`~relax_hpc.rollout.driver.RolloutResult` as the chunk of rollout step ``step``, with the
-    optional fields its samples carry (OPD's ``teacher_log_probs``); ``attrs`` join the chunk's (and its journal
+    optional fields its samples carry (OPD's ``teacher_log_probs``; a VLM's images as the processor's outputs of
+    ``model_dir``'s image processor, :func:`_image_values`); ``attrs`` join the chunk's (and its journal
     record's), e.g. the prompts it holds (:func:`~relax_hpc.exchange.audit.prompt_attrs`)."""
     values = _rollout_values(result.samples)
     values["raw_reward"] = list(result.raw_rewards)
-    extra = _optional_values(result.samples)
+    extra = {**_optional_values(result.samples), **_image_values(result.samples, model_dir)}
     values.update(extra)
     names = rollout_fields(tuple(extra))
     assert set(values) == set(names), sorted(set(values) ^ set(names))  # the schema and this writer agree

@@ -18,8 +18,12 @@ What the bridge (0.3.1) needs besides :func:`relax_hpc.train.model.build_model`'
   pure-torch spec :func:`~relax_hpc.train.model.choose_kernels` chose, when it chose that one. (Its forward's
   ``torch.cuda.nvtx`` ranges need :mod:`.cpu_compat` on a CPU.)
 
+The trainer's forward passes (:mod:`.logprobs`, :mod:`.step`) call :func:`vlm_forward` for these models, on padded
+micro-batches that carry their samples' ``pixel_values`` and ``image_grid_thw`` (:mod:`.batch`).
+
 Not wired yet: PP > 1 (only the first stage has the vision tower; the forward of the later stages needs the same
-``input_ids``/``image_grid_thw`` for M-RoPE), packed (THD) micro-batches, and videos.
+``input_ids``/``image_grid_thw`` for M-RoPE), packed (THD) micro-batches (``build_vlm`` refuses
+``train.max_tokens_per_micro_batch``), and videos.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ import torch
 from relax_hpc.errors import PermanentError
 from relax_hpc.multimodal import VLM_MODEL_TYPES, encode, is_vlm
 
-__all__ = ["VLM_MODEL_TYPES", "build_vlm", "check_freeze_vision", "encode", "is_vlm", "vision_tower",
-           "vlm_log_probs"]  # encode: callers import it here too
+__all__ = ["VLM_MODEL_TYPES", "build_vlm", "check_freeze_vision", "encode", "is_vlm", "is_vlm_model", "vision_tower",
+           "vlm_forward", "vlm_log_probs"]  # encode: callers import it here too
 
 _mrope_patched = False
 _qwen3_spec_patched = False
@@ -96,10 +100,21 @@ def check_freeze_vision(hf_dir: str | os.PathLike, freeze_vision: bool) -> None:
                              "model.path)")
 
 
-def vision_tower(model) -> torch.nn.Module:
-    """The vision tower (encoder and merger: every HF ``visual.*`` tensor) of the bridge's VLM, DDP-unwrapped."""
+def _unwrap(model):
     while hasattr(model, "module") and not hasattr(model, "language_model"):
         model = model.module  # Megatron's DDP / Float16Module wrappers
+    return model
+
+
+def is_vlm_model(model) -> bool:
+    """Whether ``model`` (a model chunk, DDP-wrapped or not) is the bridge's VLM (its forward takes images)."""
+    m = _unwrap(model)
+    return hasattr(m, "language_model") and (getattr(m, "visual", None) or getattr(m, "vision_model", None)) is not None
+
+
+def vision_tower(model) -> torch.nn.Module:
+    """The vision tower (encoder and merger: every HF ``visual.*`` tensor) of the bridge's VLM, DDP-unwrapped."""
+    model = _unwrap(model)
     tower = getattr(model, "visual", None) or getattr(model, "vision_model", None)  # Qwen2.5-VL / Qwen3-VL
     if tower is None:
         raise ValueError(f"{type(model).__name__} has no vision tower (visual / vision_model)")
@@ -119,6 +134,11 @@ def build_vlm(hf_dir: str | os.PathLike, cfg, *, freeze_vision: bool = False):
         raise PermanentError(f"model.path = {str(hf_dir)!r} is not a vision-language model this build knows "
                              f"(config.json model_type must be one of {VLM_MODEL_TYPES}). Fix: a Qwen2.5-VL or "
                              "Qwen3-VL directory, or build it as a text model")
+    for key in ("max_tokens_per_micro_batch", "logprob_max_tokens_per_micro_batch"):
+        if getattr(cfg, key, None) is not None:
+            raise PermanentError(f"train.{key} = {getattr(cfg, key)} with a vision-language model: packed (THD) "
+                                 "micro-batches are not wired for M-RoPE and images (relax_hpc.train.vlm). Fix: "
+                                 f"remove train.{key} (padded micro-batches of train.micro_batch_size samples)")
     if cfg.pp != 1:
         raise PermanentError(f"train.pp = {cfg.pp} with a vision-language model: pipeline stages after the first "
                              "are not wired for it yet (relax_hpc.train.vlm). Fix: train.pp: 1")
@@ -129,6 +149,46 @@ def build_vlm(hf_dir: str | os.PathLike, cfg, *, freeze_vision: bool = False):
     if freeze_vision:
         vision_tower(built.chunks[0]).requires_grad_(False)
     return built
+
+
+_VISION_TOKENS = ("vision_start_token_id", "image_token_id", "video_token_id")  # the model config's names
+
+
+def vlm_forward(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
+                image_grid_thw: torch.Tensor | None, *, image_limits: Sequence[int] | None = None,
+                pad_id: int = 0) -> torch.Tensor:
+    """The VLM's logits [B, S, V/tp] of ``input_ids`` [B, S] (right-padded) with the batch's images: the model called
+    with keyword arguments (it computes the M-RoPE positions itself, so no position ids), right-padded here to a
+    multiple of the TP size under sequence parallelism.
+
+    ``image_limits``: per row, the position from which a vision token id (``<|vision_start|>``, ``<|image_pad|>``,
+    ``<|video_pad|>``) is no image of the row but a token like any other (its response's start; 0 for a row without
+    images, e.g. a sample failed for its images, and for rows past the list): those ids go in as ``pad_id``, since
+    the model takes every image pad for one of the batch's image features and every vision start for the start of
+    an image (a sampled one would break the M-RoPE positions; the logits after it change, the targets do not)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_model_config
+
+    from relax_hpc.train import cpu_compat
+
+    dev = cpu_compat.device()
+    B, S = input_ids.shape
+    ids = input_ids.to(dev)
+    config = get_model_config(model)
+    if image_limits is not None:
+        limits = torch.zeros(B, 1, dtype=torch.long)
+        limits[: len(image_limits), 0] = torch.as_tensor(list(image_limits), dtype=torch.long)
+        special = torch.tensor([getattr(config, k) for k in _VISION_TOKENS], device=dev)
+        stray = (torch.arange(S).unsqueeze(0) >= limits).to(dev) & torch.isin(ids, special)
+        if bool(stray.any()):
+            ids = ids.masked_fill(stray, pad_id)
+    tp = ps.get_tensor_model_parallel_world_size()
+    if config.sequence_parallel and S % tp:
+        ids = torch.nn.functional.pad(ids, (0, tp - S % tp), value=pad_id)
+    logits = model(input_ids=ids, attention_mask=None, position_ids=None,
+                   pixel_values=None if pixel_values is None else pixel_values.to(dev),
+                   image_grid_thw=None if image_grid_thw is None else image_grid_thw.to(dev))  # [B, S', V/tp]
+    return logits[:, :S]
 
 
 def vlm_log_probs(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
@@ -143,24 +203,14 @@ def vlm_log_probs(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | N
     Differentiable when grad is on. Every TP rank calls it with the same inputs. With sequence parallelism the
     batch is right-padded here to a multiple of the TP size (the model splits S over the TP ranks).
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.utils import get_model_config
+    from relax_hpc.train.vocab import vocab_parallel_logprobs
 
-    from relax_hpc.train import cpu_compat
-    from relax_hpc.train.logprobs import vocab_parallel_logprobs
-
-    dev = cpu_compat.device()
     B, S = input_ids.shape
     starts = [response_start] * B if isinstance(response_start, int) else list(response_start)
     if len(starts) != B or min(starts) < 1:
         raise ValueError(f"response_start {response_start!r}: one start ≥ 1 per row of input_ids {(B, S)}")
-    ids = input_ids.to(dev)
-    tp = ps.get_tensor_model_parallel_world_size()
-    if get_model_config(model).sequence_parallel and S % tp:
-        ids = torch.nn.functional.pad(ids, (0, tp - S % tp), value=pad_id)
-    logits = model(input_ids=ids, attention_mask=None, position_ids=None,
-                   pixel_values=None if pixel_values is None else pixel_values.to(dev),
-                   image_grid_thw=None if image_grid_thw is None else image_grid_thw.to(dev))  # [B, S', V/tp]
+    logits = vlm_forward(model, input_ids, pixel_values, image_grid_thw, pad_id=pad_id)  # [B, S, V/tp]
+    ids = input_ids.to(logits.device)
     if temperature != 1.0:
         logits = logits / temperature
     lp, _ = vocab_parallel_logprobs(logits[:, :S - 1], ids[:, 1:S])  # [B, S-1]: token t+1 given ≤ t
