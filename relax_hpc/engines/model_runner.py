@@ -51,7 +51,7 @@ import torch
 from relax_hpc.engines.bad_output import BAD_OUTPUT_ENV, BadOutput
 from relax_hpc.engines.http import ENGINE_VERSION, HTTPError
 from relax_hpc.engines.receiver import WeightReceiver, checkpoint_key_mapping
-from relax_hpc.engines.scheduler import Req, Scheduler, abort_reason, sample_batch
+from relax_hpc.engines.scheduler import Req, Scheduler, abort_reason, left_padded, sample_batch
 from relax_hpc.multimodal import ImageError, is_vlm
 
 log = logging.getLogger("relax_hpc.cpu_engine")
@@ -416,14 +416,9 @@ class CPUEngine(WeightReceiver):
     @torch.inference_mode()
     def _score(self, items: list[tuple[list[int], int, int]]) -> list[tuple]:
         seqs = [ids for ids, _, _ in items]
-        B, L = len(seqs), max(map(len, seqs))
+        L = max(map(len, seqs))
         keep = max(len(ids) - start for ids, start, _ in items)  # the last columns hold every logit read
-        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, L - len(s):] = torch.tensor(s)
-            mask[i, L - len(s):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, pos = left_padded(seqs, self.pad_id)
         with self.model_lock:
             if self.released:  # released while this request waited for the lock
                 raise HTTPError(400, "the engine's memory is released (/release_memory_occupation): call "

@@ -76,6 +76,18 @@ class Req:
 
 # --------------------------------------------------------------------------------------------- scheduler
 
+def left_padded(seqs: list[list[int]], pad_id: int):
+    """(ids, attention mask, position ids), each ``[B, L]`` on the CPU, of sequences padded on the left: the last
+    column is every row's last token, which a batch of forwards reads (generation and scoring alike)."""
+    B, L = len(seqs), max(map(len, seqs))
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, L - len(s):] = torch.tensor(s)
+        mask[i, L - len(s):] = 1
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 class Scheduler:
     """Static batching over one HF model. Pause modes follow SGLang: ``abort`` finishes everything in flight
     as aborted, ``in_place`` parks the running batch with its KV cache, ``retract`` puts running requests
@@ -205,13 +217,7 @@ class Scheduler:
         eng = self.engine
         rows = list(batch)
         seqs = [r.input_ids + r.output_ids for r in rows]  # output_ids is non-empty after a retract
-        B, L = len(seqs), max(map(len, seqs))
-        ids = torch.full((B, L), eng.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, L - len(s):] = torch.tensor(s)
-            mask[i, L - len(s):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, pos = left_padded(seqs, eng.pad_id)
         dev = eng.device
         ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)  # no-ops on the CPU
         with eng.model_lock:

@@ -218,13 +218,7 @@ def test_train_ep_validation():
 
 
 if __name__ == "__main__":  # one rank of the runs above
-    import os
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import worker
 
-    worker.JOBS["moe"] = job_moe
-    code = worker.main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as worker.py: skip the slow interpreter teardown
+    worker.run(moe=job_moe)

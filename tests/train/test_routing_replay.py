@@ -348,13 +348,7 @@ def test_replay_trains_and_refuses_samples_without_experts(replay_run):
 
 
 if __name__ == "__main__":  # the Megatron process of the run above
-    import os
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import worker
 
-    worker.JOBS["replay"] = job_replay
-    code = worker.main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    worker.run(replay=job_replay)

@@ -175,13 +175,7 @@ def test_build_vlm_refuses_what_it_does_not_build(tmp_path):
 
 
 if __name__ == "__main__":  # one rank of the run above
-    import os
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import worker
 
-    worker.JOBS["vlm_parity"] = job_vlm_parity
-    code = worker.main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as worker.py: skip the slow interpreter teardown
+    worker.run(vlm_parity=job_vlm_parity)
