@@ -9,13 +9,12 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from relax_hpc.launch import localproc
 from relax_hpc.rundir import write_json
 
 from .conftest import base_env
-from .test_status import run_dir
+from .test_status import run_dir, sleeper as run_process  # noqa: F401 (a fixture)
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -63,14 +62,6 @@ class Terminal:
             self.proc.kill()
             self.proc.wait()
         os.close(self.master)
-
-
-@pytest.fixture
-def run_process():
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
-    yield p
-    p.kill()
-    p.wait()
 
 
 def test_watch_refreshes_in_a_terminal_and_exits_with_the_run(tmp_path, run_process):
