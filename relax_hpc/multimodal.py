@@ -31,6 +31,8 @@ from typing import Any
 VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 IMAGE_PAD = "<|image_pad|>"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # one image in the chat text, before expansion
+VISION_START = "<|vision_start|>"
+VISION_TOKENS = (VISION_START, IMAGE_PAD, "<|video_pad|>")  # ids the model takes for (part of) an image
 TEXT_IMAGE_MARKER = "<image>"  # Relax's (slime's) marker in a text prompt: the images go there, in order
 MAX_IMAGE_BYTES = 64 << 20  # a larger encoded image is refused (a data file is not a place for such)
 MAX_IMAGE_PIXELS = 64_000_000  # width × height above this is refused before decoding (a decompression bomb)
@@ -228,6 +230,31 @@ def expand_placeholders(ids: Sequence[int], grid_thw, pad_id: int, merge: int) -
     for t in ids:
         out += [t] * next(it) if t == pad_id else [t]
     return out
+
+
+def images_end(ids: Sequence[int], n_images: int, vision_start_id: int, pad_id: int) -> int:
+    """The position after the ``n_images``-th image of ``ids`` (an image: ``<|vision_start|>`` right before a run of
+    ``<|image_pad|>``; the run's end); 0 for no images, ``len(ids)`` when there are fewer. A multi-turn sample's
+    images end in its last observation with images, and any vision token after them is a sampled one."""
+    if n_images <= 0:
+        return 0
+    seen, i, n = 0, 0, len(ids)
+    while i < n - 1:
+        if ids[i] == vision_start_id and ids[i + 1] == pad_id:
+            i += 1
+            while i < n and ids[i] == pad_id:
+                i += 1
+            seen += 1
+            if seen == n_images:
+                return i
+        else:
+            i += 1
+    return n
+
+
+def token_id(hf_dir: str | os.PathLike, token: str) -> int:
+    """The id of ``token`` (e.g. :data:`IMAGE_PAD`) in the tokenizer of ``hf_dir``."""
+    return int(_tokenizer(str(hf_dir)).convert_tokens_to_ids(token))
 
 
 def encode_ids(hf_dir: str | os.PathLike, input_ids: Sequence[int], images: Sequence) -> dict:

@@ -15,6 +15,47 @@ REPO = Path(__file__).resolve().parents[1]
 DEV_SLURM = REPO / "tools" / "dev-slurm"
 
 
+# Under pytest-xdist (`tools/test -n 2`), the tests that share one of these session fixtures run on one worker, each
+# test file's tests too (module fixtures), so no expensive setup is made twice. slurm_cluster is among them: the dev
+# cluster's four nodes fit one test's het job at a time, and a second one would only wait in the queue.
+SHARED_FIXTURES = ("slurm_cluster", "single_run", "multi_run", "fully_async_run", "damaged_segments_run",
+                   "_prestarted_engines")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    # xdist's workers see dist "no" and their own flag loadgroup; the main process sees dist "loadgroup"
+    if not (getattr(config.option, "loadgroup", False) or getattr(config.option, "dist", "no") == "loadgroup"):
+        return
+    parent: dict[str, str] = {}
+
+    def find(k: str) -> str:
+        while parent.setdefault(k, k) != k:
+            k = parent[k]
+        return k
+
+    for item in items:
+        keys = [f"file:{item.path}"] + [f"fixture:{f}" for f in SHARED_FIXTURES if f in item.fixturenames]
+        keys += [f"group:{m.args[0] if m.args else m.kwargs.get('name')}" for m in item.iter_markers("xdist_group")]
+        for k in keys[1:]:
+            parent[find(k)] = find(keys[0])
+    for item in items:
+        name = find(f"file:{item.path}").split(":", 1)[1].removeprefix(str(REPO / "tests") + "/")
+        _group(item, name)
+
+
+def _group(item, name: str) -> None:
+    """Put ``item`` in xdist group ``name``: the scheduler reads it from the node id's ``@name`` suffix. xdist 3.8
+    writes that suffix to ``_nodeid``, which pytest 9.2 no longer reads (its node id is ``_id``), so it is set here."""
+    nodeid = f"{item.nodeid}@{name}"
+    if hasattr(item, "_id"):
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(nodeid)
+    else:
+        item._nodeid = nodeid
+
+
 @dataclass(frozen=True)
 class SlurmCluster:
     """A reachable Slurm cluster. ``env`` is os.environ plus SLURM_CONF: pass it to

@@ -628,7 +628,8 @@ class Broker:
             return True
 
     def verify(self, chunk_id: str) -> bool:
-        """Read every file of the chunk and check it; quarantine the chunk if one fails. True if sound."""
+        """Read every file of the chunk and check it; quarantine the chunk if one fails. True if sound.
+        :class:`StepCleared` (or :class:`UnknownChunk`) if its step is gone, also when it went during the read."""
         with self._lock:
             c = self._chunk(chunk_id)
             if c.quarantined:
@@ -639,24 +640,37 @@ class Broker:
                 load_verified(path, checksum, size)
         except DamagedChunk as e:
             with self._lock:
-                c = self._chunks.get(chunk_id)
-                if c is not None:
-                    self._quarantine(c, f"{Path(e.path).name}: {e.reason}")
+                if self._chunks.get(chunk_id) is not c:  # cleared or voided while read: its files went with it
+                    self._chunk(chunk_id)  # StepCleared / UnknownChunk
+                    raise UnknownChunk(f"{chunk_id} was forgotten while it was verified") from None
+                self._quarantine(c, f"{Path(e.path).name}: {e.reason}")
             return False
         return True
 
     def verify_all(self) -> list[str]:
-        """:meth:`verify` every chunk not quarantined; the ids found damaged."""
+        """:meth:`verify` every chunk not quarantined; the ids found damaged. A quarantine may complete and clear
+        its step: the chunks of that step still on the list were consumed by every task, and are skipped."""
         with self._lock:
             ids = [cid for cid, c in self._chunks.items() if not c.quarantined]
-        return [cid for cid in ids if not self.verify(cid)]
+        bad = []
+        for cid in ids:
+            try:
+                if not self.verify(cid):
+                    bad.append(cid)
+            except (StepCleared, UnknownChunk):
+                continue
+        return bad
 
     def report_damaged(self, chunk_id: str, reason: str = "") -> bool:
-        """A consumer could not read a chunk. The broker checks for itself; True if the chunk is (now) quarantined."""
+        """A consumer could not read a chunk. The broker checks for itself; True if the chunk is (now) quarantined,
+        also when that quarantine completed its step and the step is cleared since (a consumer that held a lease
+        on it reads it again after a restart, and finds its file in ``quarantine/``). False for a sound chunk,
+        and for one whose step was cleared or voided without it being quarantined."""
         try:
             ok = self.verify(chunk_id)
         except (StepCleared, UnknownChunk):
-            return False
+            with self._lock:
+                return any(d["chunk"] == chunk_id for d in self._damaged)
         return not ok
 
     def damaged(self) -> list[dict]:

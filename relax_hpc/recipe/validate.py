@@ -969,12 +969,32 @@ def _check_model_dirs(r: Recipe, base: Path) -> list[Problem]:
             out.append((key, val, f"{wrong} (relative paths are relative to the directory you submit from, "
                                   f"{base}). Fix: the model's Hugging Face directory (config.json, tokenizer, "
                                   "weights), as an absolute path or relative to where you run relax-submit"))
-        elif key == "model.path" and r.model.freeze_vision:  # a vision tower to freeze (the build checks it too)
-            kind = (_model_config(_resolve(val, base))[0] or {}).get("model_type")
-            if kind not in VLM_MODEL_TYPES:
-                out.append(("model.freeze_vision", True, f"model.path {val!r} is a text model (model_type {kind!r}): "
-                            "it has no vision tower to freeze. Fix: model.freeze_vision: false, or a "
-                            f"vision-language model.path (model_type one of {list(VLM_MODEL_TYPES)})"))
+        elif key == "model.path":
+            out += _check_model_kind(r, val, (_model_config(_resolve(val, base))[0] or {}).get("model_type"))
+    return out
+
+
+def _check_model_kind(r: Recipe, val: str, kind: object) -> list[Problem]:
+    """What model.path's kind (config.json's model_type) rules out: a vision tower to freeze needs a VLM; a VLM
+    trains in padded micro-batches on one pipeline stage (relax_hpc.train.vlm refuses the rest when the actor
+    builds, after the queue: refused here before submitting)."""
+    out: list[Problem] = []
+    vlm = kind in VLM_MODEL_TYPES
+    if r.model.freeze_vision and not vlm:
+        out.append(("model.freeze_vision", True, f"model.path {val!r} is a text model (model_type {kind!r}): "
+                    "it has no vision tower to freeze. Fix: model.freeze_vision: false, or a "
+                    f"vision-language model.path (model_type one of {list(VLM_MODEL_TYPES)})"))
+    if not vlm:
+        return out
+    for attr in ("max_tokens_per_micro_batch", "logprob_max_tokens_per_micro_batch"):
+        value = getattr(r.train, attr)
+        if value is not None:
+            out.append((f"train.{attr}", value, f"packs micro-batches (THD), but model.path {val!r} is a "
+                        f"vision-language model (model_type {kind!r}): packing is not wired for M-RoPE and images. "
+                        f"Fix: remove train.{attr} (padded micro-batches of train.micro_batch_size samples)"))
+    if r.train.pp != 1:
+        out.append(("train.pp", r.train.pp, f"model.path {val!r} is a vision-language model (model_type {kind!r}): "
+                    "pipeline stages after the first are not wired for it. Fix: train.pp: 1"))
     return out
 
 

@@ -137,6 +137,7 @@ class Generator:
         self.made: dict[int, dict] = {}  # partial rollout: step -> {from, after, groups} of the steps generated here
         self.engines: dict[str, str] = {}
         self.teacher: tuple[list[str], Any] | None = None  # OPD: (teacher URLs, their TeacherClient)
+        self.routed_width: int | None = None  # routing replay: expert ids a token (layers × top_k), once seen
 
     # -- rollout state: the data cursor and partial rollout's buffer, always together
     def state(self, step: int) -> dict:
@@ -228,6 +229,8 @@ class Generator:
         result = self._samples(step, again)
         t_gen = time.monotonic() - t0
         taught = self._teach(step, result.samples, task.teachers)  # OPD: before the chunk is written
+        if self.recipe.train.routing_replay:  # MoE routing replay: -1 rows where no engine ran a token
+            self.routed_width = routed_rows(result.samples, self.routed_width or self._moe_width())
         q1 = pool.queue_clock()
         t1 = time.monotonic()
         ref = S.write_step(self.ctx.run.path, step, result, seq=task.seq, attrs=self._prompt_attrs(result.samples),
@@ -307,6 +310,21 @@ class Generator:
                                sample_filter=self.sample_filter, partial=redo)
         result.metrics["rollout/partial_buffer_groups"] = float(made["after"]["partial"]["groups"])
         return result
+
+    def _moe_width(self) -> int | None:
+        """Routing replay's expert ids a token as the model's config.json says (num_hidden_layers ×
+        num_experts_per_tok, SGLang's [layers, top_k]): for a step in which no sample reached an engine."""
+        from pathlib import Path
+
+        try:
+            cfg = json.loads((Path(str(self.tokenizer.name_or_path)) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(cfg, dict):
+            return None
+        cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg  # a VLM's text model
+        layers, k = cfg.get("num_hidden_layers"), cfg.get("num_experts_per_tok")
+        return layers * k if isinstance(layers, int) and isinstance(k, int) and layers > 0 and k > 0 else None
 
     def _prompt_attrs(self, samples: list) -> dict:
         """The chunk attrs naming its prompt groups, unless they would not fit the chunk's attrs (then the audit
@@ -399,6 +417,53 @@ class _NoMorePrompts:
         if n > 0:
             raise RuntimeError(f"a step generated again asked for {n} more prompt groups: it may use only its own")
         return []
+
+
+def routed_rows(samples: list, width: int | None = None) -> int | None:
+    """MoE routing replay: each sample's ``routed_experts`` made what the chunk's field needs, in place: a compact
+    numpy array of ``len(tokens) - 1`` rows of ``width`` expert ids (layers × top_k; the writer flattens it).
+
+    The engine's last answer covers the tokens it ran; the rows of tokens no engine ran (an observation appended
+    after the last call, a failed sample's placeholder) are -1, and a sample with no ids and no loss token (failed
+    before any generation: an environment error, a bad image) gets -1 rows only: "no recorded routing", the
+    trainer's router chooses (:mod:`relax_hpc.train.routing`). A sample with loss tokens and no ids is left
+    without: an engine that does not return them is refused downstream, not trained without replay. The width is
+    the samples' own, else ``width`` (an earlier step's, or the model config's); without either nothing changes.
+    Ids that fit no layout (more rows than tokens, another width) are left for the writer to refuse. Returns the
+    width used."""
+    import numpy as np
+
+    arrays: dict[int, np.ndarray] = {}
+    for i, s in enumerate(samples):
+        if s.routed_experts is not None:
+            arrays[i] = np.asarray(s.routed_experts)
+            if arrays[i].ndim == 1 and len(s.tokens) > 1 and arrays[i].size % (len(s.tokens) - 1) == 0:
+                arrays[i] = arrays[i].reshape(len(s.tokens) - 1, -1)  # a flat list over every token (custom)
+    widths = {a.shape[1] for a in arrays.values() if a.ndim == 2}
+    if len(widths) > 1:
+        return width  # the writer names the sample
+    w = widths.pop() if widths else width
+    if not w:
+        return None
+    dtype = np.result_type(np.int16, *(a.dtype for a in arrays.values()))
+    for i, s in enumerate(samples):
+        n = len(s.tokens) - 1
+        if i not in arrays and not _no_loss(s):
+            continue  # trained without the engine's routing: refused downstream (the writer, the train step)
+        a = arrays.get(i, np.zeros((0, w), dtype=dtype))
+        if a.ndim == 1 and a.size % w == 0:
+            a = a.reshape(-1, w)
+        if a.ndim != 2 or n < 1 or a.shape[0] > n:
+            continue  # refused by the writer, naming the sample
+        if a.shape[0] < n:
+            a = np.concatenate([a.astype(dtype, copy=False), np.full((n - a.shape[0], w), -1, dtype=dtype)])
+        s.routed_experts = a
+    return w
+
+
+def _no_loss(s: Any) -> bool:
+    """Whether a sample has no token the loss counts (a failed one: loss mask 0, or removed)."""
+    return s.remove_sample or (not any(s.loss_mask) if s.loss_mask is not None else s.response_length == 0)
 
 
 def _buffer_files(x: Any) -> list[str]:

@@ -242,7 +242,7 @@ class _Records:
         tools = rec.get(k.tool_key) if k.tool_key else None
         images = _image_refs(rec.get(k.image_key)) if k.image_key else None
         if k.image_key and self.apply_chat_template and _is_messages(raw):
-            raw = [_image_parts(m) for m in raw]
+            raw = [image_parts(m) for m in raw]
         prompt = self._prompt_text(where, raw, tools)
         if k.image_key and not self.apply_chat_template and isinstance(prompt, str):
             prompt = prompt.replace(TEXT_IMAGE_MARKER, IMAGE_PLACEHOLDER)
@@ -263,7 +263,7 @@ class _Records:
                                 "(and model.path for the tokenizer) to turn them into a prompt")
             raise DataError(f"{where}: key {key} must be a string prompt, got {type(raw).__name__}")
         if isinstance(raw, str):
-            messages = [_image_parts({"role": "user", "content": raw}) if self.keys.image_key
+            messages = [image_parts({"role": "user", "content": raw}) if self.keys.image_key
                         else {"role": "user", "content": raw}]
         elif _is_messages(raw):
             messages = [dict(m) for m in raw]
@@ -436,7 +436,7 @@ def _ref_name(ref: Any) -> str:
     return f" ({type(ref).__name__}, {len(ref)} long)" if isinstance(ref, (str, bytes, bytearray)) else ""
 
 
-def _image_parts(message: dict) -> dict:
+def image_parts(message: dict) -> dict:
     """A chat message whose string content holds Relax's ``<image>`` markers, as Qwen's content list
     (``{"type": "image"}`` where each marker was, ``{"type": "text", ...}`` between); other messages as they are."""
     content = message.get("content")

@@ -659,7 +659,8 @@ def multiturn_from(recipe: Recipe, args: Any) -> Any:
     build_env = load_plugin(env_factory(path), key)
     return MultiTurn(build_env=build_env, args=args, max_turns=turns, max_context_len=ro.max_context_len or recipe.train.max_seq_len,
                      step_timeout_s=ro.env_step_timeout_s, chat=bool(recipe.data.apply_chat_template),
-                     continue_truncated=ro.turn_truncation == "continue")
+                     continue_truncated=ro.turn_truncation == "continue",
+                     image_tokens=(recipe.data.image_min_token_num, recipe.data.image_max_token_num))
 
 
 def check_generated(s: Sample, path: str) -> None:
@@ -697,8 +698,10 @@ class _TurnSession:
     def prompt_ids(self, sample: Sample) -> list[int]:
         return self.driver.prompt_ids(sample)
 
-    async def request(self, ids: list[int], sp: SamplingParams, *, who: str) -> Generation:
-        return await self.driver.request(ids, sp, evaluation=self.evaluation, batch=self.batch, who=who)
+    async def request(self, ids: list[int], sp: SamplingParams, *, who: str,
+                      image_data: list | None = None) -> Generation:
+        return await self.driver.request(ids, sp, evaluation=self.evaluation, batch=self.batch, who=who,
+                                         image_data=image_data)
 
     def response_text(self, gen: Generation) -> str:
         return self.driver.response_text(gen)

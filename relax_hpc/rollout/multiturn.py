@@ -30,17 +30,32 @@ bound (``context``), ``max_turns`` (``turns``), the env's ``done``, or an abort.
 ``metadata["rollout_stop_reason"]``, with ``rollout_turns`` and per-turn ``rollout_traces``. An env that raises,
 times out or returns something malformed fails only its sample: status FAILED, loss mask all 0, reward 0, the
 reason logged and in ``metadata["env_error"]``; under ``reward_error_policy: fail`` it fails the step instead.
+
+**Images** (a vision-language model): every request carries the sample's images so far as ``image_data`` (the
+prompt's, then each observation's, in token order). An observation's images are Relax's
+``obs["multi_modal_data"]["image"]`` (one or a list: PIL images, bytes, base64, paths; else the ``image`` values of
+``format_observation``'s content parts), read and sized as the data's (``data.image_min/max_token_num``); the
+observation's tokens get one ``<|image_pad|>`` run per image (:func:`encode_observation`), and the images join
+``multimodal_inputs["images"]``, from which the exchange writes the trainer's ``pixel_values`` and
+``image_grid_thw`` (Relax merges ``image_data`` and ``multimodal_train_inputs`` per turn the same way). A bad image
+is an env error of its sample. An observation with images is never cut: one that does not fit ends the rollout
+(``context``), whatever ``rollout.turn_truncation`` says. A model turn with a vision token id (``<|vision_start|>``,
+``<|image_pad|>``, ``<|video_pad|>``) ends the rollout there (``vision_token``, TRUNCATED): a later request would
+carry an image pad without its image, and the trainer takes every vision token before the sample's last image for
+an image.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from relax_hpc.errors import PermanentError
+from relax_hpc.multimodal import IMAGE_PAD, IMAGE_PLACEHOLDER, TEXT_IMAGE_MARKER, VISION_TOKENS
 from relax_hpc.rollout.errors import RolloutError
 from relax_hpc.rollout.sample import Sample, SampleStatus, sample_seed
 from relax_hpc.threads import in_daemon_thread
@@ -66,7 +81,8 @@ class EngineSession(Protocol):
 
     def prompt_ids(self, sample: Sample) -> list[int]: ...
 
-    async def request(self, ids: list[int], sp: SamplingParams, *, who: str) -> Generation: ...
+    async def request(self, ids: list[int], sp: SamplingParams, *, who: str,
+                      image_data: list | None = None) -> Generation: ...  # image_data only when there are images
 
     def response_text(self, gen: Generation) -> str: ...
 
@@ -87,21 +103,98 @@ async def _call(fn: Callable, *args: Any, timeout: float | None) -> Any:
         raise EnvError(f"{name}() raised {type(e).__name__}: {e}") from e
 
 
-def encode_observation(tokenizer: Any, obs: dict, env: Any, chat: bool) -> tuple[list[int], str]:
+def encode_observation(tokenizer: Any, obs: dict, env: Any, chat: bool,
+                       images: list | None = None) -> tuple[list[int], str]:
     """An observation's tokens as a continuation of the conversation: with a chat template, the dummy-prefix trick
     (render DUMMY + [message] with the generation prompt, keep what comes after DUMMY, drop a leading BOS), so the
-    turn boundary is the template's; without one, the text's own tokens."""
+    turn boundary is the template's; without one, the text's own tokens.
+
+    ``images`` (PIL, read and sized by :func:`observation_images`): the message's image content parts (or, without
+    a chat template, Relax's ``<image>`` markers in ``obs_str``; none: the images go first) become the model's
+    placeholders, each expanded to one ``<|image_pad|>`` per image token (:func:`relax_hpc.multimodal.encode_ids`)."""
     message = env.format_observation(obs) if hasattr(env, "format_observation") else \
         {"role": obs.get("role", "user"), "content": obs["obs_str"]}
     text = obs["obs_str"]
     if not chat:
-        return list(tokenizer.encode(text, add_special_tokens=False)), text
-    base = tokenizer.apply_chat_template(_DUMMY, tokenize=True)
-    full = tokenizer.apply_chat_template(_DUMMY + [message], tokenize=True, add_generation_prompt=True)
-    ids = list(full[len(base):])
-    if ids and tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id:
-        ids = ids[1:]
-    return ids, tokenizer.decode(ids)
+        if images:
+            text = text.replace(TEXT_IMAGE_MARKER, IMAGE_PLACEHOLDER) if TEXT_IMAGE_MARKER in text else \
+                IMAGE_PLACEHOLDER * len(images) + text
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+    else:
+        if images:
+            message = _with_image_parts(message, len(images))
+        base = tokenizer.apply_chat_template(_DUMMY, tokenize=True)
+        full = tokenizer.apply_chat_template(_DUMMY + [message], tokenize=True, add_generation_prompt=True)
+        ids = list(full[len(base):])
+        if ids and tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id:
+            ids = ids[1:]
+    if images:
+        from relax_hpc.multimodal import encode_ids
+
+        ids = encode_ids(str(tokenizer.name_or_path), ids, images)["input_ids"][0].tolist()
+    return ids, (tokenizer.decode(ids) if chat else text)
+
+
+def _with_image_parts(message: dict, n: int) -> dict:
+    """``message`` with an image content part per image: as it is when it has them (Relax's ``format_observation``
+    form), Relax's ``<image>`` markers in string content made parts, else ``n`` image parts before the text."""
+    content = message.get("content")
+    if isinstance(content, list):
+        if any(isinstance(c, dict) and (c.get("type") == "image" or "image" in c) for c in content):
+            return message
+        return {**message, "content": [{"type": "image"}] * n + list(content)}
+    text = content if isinstance(content, str) else ""
+    if TEXT_IMAGE_MARKER in text:
+        from relax_hpc.rollout.data import image_parts
+
+        return image_parts({**message, "content": text})
+    return {**message, "content": [{"type": "image"}] * n + ([{"type": "text", "text": text}] if text else [])}
+
+
+def observation_images(obs: dict, env: Any, tokenizer: Any, image_tokens: tuple) -> list:
+    """The observation's images as PIL RGB, sized as the data's (``data.image_min/max_token_num``): Relax's
+    ``obs["multi_modal_data"]["image"]`` (one or a list), else the ``image`` values of ``format_observation``'s
+    content parts. PIL images, bytes, base64 and paths (:func:`relax_hpc.multimodal.load_image`). An image that
+    cannot be used, or images for a model without vision, is an :class:`EnvError`."""
+    mm = obs.get("multi_modal_data") or {}
+    if not isinstance(mm, dict):
+        raise EnvError(f"the observation's multi_modal_data is {type(mm).__name__}: Relax's form is "
+                       "{'image': [images]}")
+    refs = mm.get("image")
+    vision = tokenizer is not None and _vision_ids(tokenizer) is not None
+    if refs is None and vision and hasattr(env, "format_observation"):  # a text model's observations: text only
+        content = env.format_observation(obs).get("content")
+        refs = [c["image"] for c in content if isinstance(c, dict) and c.get("image") is not None] \
+            if isinstance(content, list) else None
+    if refs is None or (isinstance(refs, list) and not refs):
+        return []
+    refs = refs if isinstance(refs, (list, tuple)) else [refs]
+    if not vision:
+        raise EnvError(f"the observation has {len(refs)} image(s), but the model has no vision ({IMAGE_PAD} is not "
+                       "in its tokenizer): serve a Qwen2.5-VL or Qwen3-VL model.path")
+    from relax_hpc.multimodal import ImageError, load_image, resize_to_tokens
+
+    model_dir, out = str(tokenizer.name_or_path), []
+    for n, ref in enumerate(refs):
+        try:
+            img = ref.convert("RGB") if hasattr(ref, "convert") and hasattr(ref, "size") else load_image(ref)
+            out.append(resize_to_tokens(img, model_dir, *image_tokens))
+        except ImageError as e:
+            raise EnvError(f"the observation's image {n} cannot be used: {e}") from None
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _vision_ids(tokenizer: Any) -> frozenset[int] | None:
+    """The tokenizer's ids of :data:`~relax_hpc.multimodal.VISION_TOKENS`, None when it has no ``<|image_pad|>``
+    (a text model)."""
+    ids = set()
+    for t in VISION_TOKENS:
+        i = tokenizer.convert_tokens_to_ids(t)
+        if isinstance(i, int) and i != tokenizer.unk_token_id and tokenizer.convert_ids_to_tokens(i) == t:
+            ids.add(i)
+    pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    return frozenset(ids) if isinstance(pad, int) and pad in ids else None
 
 
 def fit_observation(tokenizer: Any, obs: dict, env: Any, chat: bool, room: int) -> tuple[list[int], str] | None:
@@ -125,20 +218,24 @@ def fit_observation(tokenizer: Any, obs: dict, env: Any, chat: bool, room: int) 
     return best
 
 
-def _observation(tokenizer: Any, obs: Any, env: Any, mt: MultiTurn, room: int | None) -> tuple[list[int], str, int]:
-    """(tokens, text, tokens left out) of the env's observation within ``room`` tokens (None: no bound), the room
-    one more answer token leaves: whole if it fits; else cut (``mt.continue_truncated``) or nothing (the rollout
-    ends). An error of the env's ``format_observation`` is an :class:`EnvError`, as its other calls."""
+def _observation(tokenizer: Any, obs: Any, env: Any, mt: MultiTurn,
+                 room: int | None) -> tuple[list[int], str, int, list]:
+    """(tokens, text, tokens left out, images) of the env's observation within ``room`` tokens (None: no bound), the
+    room one more answer token leaves: whole if it fits; else cut (``mt.continue_truncated``, text only: an image is
+    never cut) or nothing (the rollout ends). An error of the env's ``format_observation`` or a bad image is an
+    :class:`EnvError`, as its other calls."""
     try:
-        ids, text = encode_observation(tokenizer, _check_obs(obs, "env.step"), env, mt.chat)
+        obs = _check_obs(obs, "env.step")
+        images = observation_images(obs, env, tokenizer, mt.image_tokens)
+        ids, text = encode_observation(tokenizer, obs, env, mt.chat, images)
         if room is None or len(ids) <= room:
-            return ids, text, 0
-        cut = fit_observation(tokenizer, obs, env, mt.chat, room) if mt.continue_truncated else None
+            return ids, text, 0, images
+        cut = fit_observation(tokenizer, obs, env, mt.chat, room) if mt.continue_truncated and not images else None
     except EnvError:
         raise
-    except Exception as e:  # format_observation is the env's code too
+    except Exception as e:  # format_observation is the env's code too; ImageError: its images and placeholders
         raise EnvError(f"the observation could not be encoded: {type(e).__name__}: {e}") from e
-    return (cut[0], cut[1], len(ids) - len(cut[0])) if cut else ([], "", len(ids))
+    return (cut[0], cut[1], len(ids) - len(cut[0]), []) if cut else ([], "", len(ids), [])
 
 
 def _check_obs(obs: Any, where: str) -> dict:
@@ -160,6 +257,8 @@ class MultiTurn:
     chat: bool  # data.apply_chat_template: observations follow the chat template
     # rollout.turn_truncation = continue: a turn cut at max_response_len is a turn, an observation past the bound is cut
     continue_truncated: bool = False
+    # data.image_min/max_token_num: an observation's images are sized as the data's
+    image_tokens: tuple[int | None, int | None] = (None, None)
 
 
 async def generate_multiturn(engines: EngineSession, mt: MultiTurn, sample: Sample, sp: SamplingParams, *,
@@ -188,7 +287,10 @@ async def generate_multiturn(engines: EngineSession, mt: MultiTurn, sample: Samp
             new = sp.max_new_tokens if budget is None else min(sp.max_new_tokens or budget, budget)
             turn_sp = dataclasses.replace(sp, max_new_tokens=new,
                                           sampling_seed=None if seed is None else sample_seed(seed, turn))
-            gen = await engines.request(list(sample.tokens), turn_sp, who=f"sample index={sample.index} turn {turn + 1}")
+            images = (sample.multimodal_inputs or {}).get("images") or None
+            who = f"sample index={sample.index} turn {turn + 1}"
+            gen = await engines.request(list(sample.tokens), turn_sp, who=who,
+                                        **({"image_data": list(images)} if images else {}))
             text = engines.response_text(gen)
             sample.append_response(gen.output_ids, text, gen.output_logprobs,
                                    loss_mask_value=0 if sample.remove_sample else 1)
@@ -217,14 +319,26 @@ async def generate_multiturn(engines: EngineSession, mt: MultiTurn, sample: Samp
             if turn >= mt.max_turns:
                 sample.status, md["rollout_stop_reason"] = SampleStatus.COMPLETED, "turns"
                 break
+            vision = _vision_ids(engines.tokenizer) if engines.tokenizer is not None else None
+            if vision and not vision.isdisjoint(gen.output_ids):  # a next request would hold a pad without image
+                trace["vision_token"] = True
+                sample.status, md["rollout_stop_reason"] = SampleStatus.TRUNCATED, "vision_token"
+                break
             room = None if mt.max_context_len is None else mt.max_context_len - len(sample.tokens) - 1
-            ids, obs_text, left_out = _observation(engines.tokenizer, obs, env, mt, room)
+            ids, obs_text, left_out, obs_images = _observation(engines.tokenizer, obs, env, mt, room)
             if left_out:
                 trace["obs_truncated"] = left_out
                 if not ids:
                     sample.status, md["rollout_stop_reason"] = SampleStatus.TRUNCATED, "context"
                     break
             trace["obs"] = obs_text
+            if obs_images:  # a new dict and list: the samples of a group share their prompt's
+                from relax_hpc.multimodal import png_base64
+
+                mm = sample.multimodal_inputs or {}
+                sample.multimodal_inputs = {**mm, "images": [*(mm.get("images") or []),
+                                                             *(png_base64(im) for im in obs_images)]}
+                trace["obs_images"] = len(obs_images)
             sample.append_response(ids, obs_text, [0.0] * len(ids), loss_mask_value=0)
     except EnvError as e:
         _env_failed(sample, str(e), engines)

@@ -9,8 +9,10 @@ custom generate function can fill ``tokens``, ``loss_mask`` and ``rollout_log_pr
 - ``teacher_log_probs`` (on-policy distillation, ``opd:``): the teacher's log-prob of each response token
   (``response_length`` entries), set by the rollout role after the reward (:mod:`relax_hpc.rollout.teacher`).
 - ``routed_experts`` (MoE routing replay, ``train.routing_replay``; slime/Relax's ``rollout_routed_experts``): the
-  expert ids the engine routed each token but the last to, flat ``[len(tokens) - 1, layers, top_k]`` (SGLang's
-  ``meta_info["routed_experts"]``, decoded by :func:`relax_hpc.engines.client.routed_experts`).
+  expert ids the engine routed each token it ran to, SGLang's ``meta_info["routed_experts"]`` of the latest answer
+  as a compact numpy array ``[tokens, layers × top_k]`` (:func:`relax_hpc.engines.client.decode_routed_experts`;
+  a custom generate function may set a flat list). Tokens the engine never ran (an observation appended after the
+  last call) have none: the rollout role gives them -1 rows (no recorded routing) before the chunk is written.
 - ``reward`` is what the reward function returned: a float, or a dict read through ``reward_key``
   (:meth:`Sample.get_reward_value`).
 - ``weight_versions``: one entry per engine call that produced part of the response (Relax appends
@@ -72,7 +74,7 @@ class Sample:
     weight_versions: list[str] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None  # engine log-probs of the response tokens
     teacher_log_probs: list[float] | None = None  # OPD: the teacher's log-probs of the response tokens
-    routed_experts: list[int] | None = None  # MoE routing replay: the engine's expert ids, flat [len(tokens) - 1, layers, top_k]
+    routed_experts: Any = None  # MoE routing replay: the engine's expert ids, numpy [tokens it ran, layers × top_k]
     remove_sample: bool = False  # keep for normalization but zero its loss mask
     abort_count: int = 0
     status: SampleStatus = SampleStatus.PENDING
@@ -130,13 +132,16 @@ class Sample:
     def update_from_meta_info(self, meta_info: dict[str, Any]) -> None:
         """Status from ``finish_reason`` and the weight version, as Relax reads SGLang's ``meta_info``; its
         ``routed_experts`` (base64 int32, every token the engine ran: the whole sequence so far but the last token,
-        so the latest answer replaces an earlier one) as ``routed_experts``, flat."""
+        so the latest answer replaces an earlier one) as ``routed_experts``: numpy ``[tokens it ran, layers ×
+        top_k]`` (:func:`relax_hpc.engines.client.decode_routed_experts`)."""
         if meta_info.get("weight_version") is not None:
             self.weight_versions.append(str(meta_info["weight_version"]))
-        if meta_info.get("routed_experts") is not None:
+        if meta_info.get("routed_experts") is not None:  # a compact numpy array [tokens ran, layers × top_k]
             from relax_hpc.engines.client import decode_routed_experts
 
-            self.routed_experts = decode_routed_experts(meta_info["routed_experts"]).tolist()
+            ran = meta_info.get("prompt_tokens"), meta_info.get("completion_tokens")
+            n = sum(ran) - 1 if all(isinstance(x, int) for x in ran) else len(self.tokens) - 1
+            self.routed_experts = decode_routed_experts(meta_info["routed_experts"], n)
         reason = meta_info.get("finish_reason")
         kind = reason.get("type") if isinstance(reason, dict) else reason
         if kind in FINISH_REASON_STATUS:
@@ -165,6 +170,8 @@ class Sample:
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (status as its string value); extra attributes set on the instance are kept."""
         out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        if hasattr(out["routed_experts"], "tolist"):  # numpy (decode_routed_experts): JSON lists
+            out["routed_experts"] = out["routed_experts"].tolist()
         out["status"] = self.status.value
         for k, v in self.__dict__.items():
             if k not in out:

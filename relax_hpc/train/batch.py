@@ -103,7 +103,7 @@ class MicroBatch:
     rollout_log_probs: torch.Tensor | None = None
     teacher_log_probs: torch.Tensor | None = None  # [n_real, T] OPD: the teacher's, where every sample has them
     # routing replay: [B·S, layers × top_k] the engine's expert ids of each token of the flattened ``tokens`` (a
-    # sample's last token and padding: -1, routed to experts 0..k-1 and never read), where every sample has them
+    # sample's last token, padding, tokens no engine ran: -1, its router's own choice), where every sample has them
     routed_experts: torch.Tensor | None = None
     # a VLM: the images of the samples, concatenated in row order (None when no sample has any): pixel_values
     # [patches, dim], image_grid_thw [images, 3]; image_limits: per real row, where its image pads end (its response
@@ -111,6 +111,7 @@ class MicroBatch:
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     image_limits: list[int] | None = None
+    image_counts: list[int] | None = None  # per real row, its images (a multi-turn sample's may follow its start)
     weight: float = 1.0  # this micro-batch's share of the global loss (samples or tokens)
 
     @property
@@ -265,8 +266,8 @@ def _finish(samples: Sequence, tokens: torch.Tensor, position_ids: torch.Tensor,
 def _routed(samples: Sequence, tokens: torch.Tensor, offsets: list[int]) -> torch.Tensor | None:
     """The engine's routed experts laid out as the flattened ``tokens`` (:attr:`MicroBatch.routed_experts`), or None
     unless every sample carries them. A sample's L - 1 rows (SGLang's: every token but the last) go to its tokens'
-    positions; the rest (its last token, padding) hold -1 (:mod:`relax_hpc.train.routing` sends them to experts
-    0..k-1): causal attention never lets them reach a real token's log-prob."""
+    positions (-1 rows among them: tokens no engine ran); the rest (its last token, padding) hold -1 too, which
+    :mod:`relax_hpc.train.routing` leaves to the trainer's own router."""
     rows = [field(s, "routed_experts") for s in samples]
     if not rows or any(r is None for r in rows):
         return None
@@ -291,7 +292,7 @@ def _images(mb: MicroBatch, samples: Sequence, starts: list[int]) -> None:
     grids = [field(s, "image_grid_thw") for s in samples]
     if all(g is None or torch.as_tensor(g).numel() == 0 for g in grids):
         return
-    pix, thw, limits, dims = [], [], [], set()
+    pix, thw, limits, counts, dims = [], [], [], [], set()
     for i, (s, g, start) in enumerate(zip(samples, grids, starts)):
         g = torch.zeros(0, 3, dtype=torch.long) if g is None else torch.as_tensor(g).reshape(-1, 3).long()
         p = torch.as_tensor(field(s, "pixel_values", torch.zeros(0))).reshape(-1)
@@ -304,11 +305,13 @@ def _images(mb: MicroBatch, samples: Sequence, starts: list[int]) -> None:
             pix.append(p.reshape(patches, -1))
             thw.append(g)
         limits.append(start if patches else 0)
+        counts.append(int(g.shape[0]) if patches else 0)
     if len(dims) != 1:
         raise ValueError(f"pixel_values: the samples of a micro-batch have patches of {sorted(dims)} values")
     mb.pixel_values = torch.cat(pix).float()
     mb.image_grid_thw = torch.cat(thw)
     mb.image_limits = limits
+    mb.image_counts = counts
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ def _forward_step(loss_fn: Callable, data_iterator, model):
     dev = next(model.parameters()).device
     routing.replay(model, mb.routed_experts, mb.tokens.shape[0])  # MoE routing replay: the engine's experts, or off
     if vlm.is_vlm_model(model):  # keyword call, the images in; the model makes its M-RoPE positions itself
-        out = vlm.vlm_forward(model, mb.tokens, mb.pixel_values, mb.image_grid_thw, image_limits=mb.image_limits or [])
+        out = vlm.vlm_forward(model, mb.tokens, mb.pixel_values, mb.image_grid_thw, image_limits=mb.image_limits or [],
+                              image_counts=mb.image_counts)
     elif mb.packed is None:
         out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None)
     else:
@@ -201,12 +202,19 @@ def compute_log_probs(model: list, samples: Sequence, *, mbs: int, pad_id: int, 
 
 def rollout_logprob_gap(samples: Sequence, log_probs: Sequence[torch.Tensor]) -> dict[str, float]:
     """Mean and max |actor − engine| log-prob over the response tokens with engine log-probs
-    (``rollout_log_probs``), over the whole global batch: ``samples`` is this DP rank's share, and the sums
-    are all-reduced over the DP group (a collective: every rank calls it). Empty when no token has them."""
+    (``rollout_log_probs``) and loss mask 1, over the whole global batch: ``samples`` is this DP rank's share, and
+    the sums are all-reduced over the DP group (a collective: every rank calls it). Empty when no token counts.
+    Masked tokens are left out: a failed sample's placeholder log-probs (0) or an observation's are no engine's."""
     from megatron.core import parallel_state as ps
 
-    diffs = [(lp - B.field(s, "rollout_log_probs")).abs() for s, lp in zip(samples, log_probs)
-             if B.field(s, "rollout_log_probs") is not None]
+    diffs = []
+    for s, lp in zip(samples, log_probs):
+        rollout = B.field(s, "rollout_log_probs")
+        if rollout is None:
+            continue
+        mask = B.field(s, "loss_mask")
+        d = (lp - rollout).abs()
+        diffs.append(d if mask is None else d[torch.as_tensor(mask).reshape(-1) != 0])
     d = torch.cat(diffs) if diffs else torch.zeros(0)
     sums = torch.tensor([float(d.sum()), float(d.numel())], dtype=torch.float64, device=cpu_compat.device())
     top = torch.tensor([float(d.max()) if d.numel() else 0.0], dtype=torch.float64, device=cpu_compat.device())

@@ -135,10 +135,11 @@ def check_train_columns(cols: dict[str, Any]) -> None:
             raise UnsoundTrainData("routed_experts", i, float(routed.lengths()[i]),
                                    f"that many expert ids for {int(toks[i])} tokens (SGLang's [len(tokens) - 1, "
                                    "layers, top_k])", index(i))
-        if routed.data.size and int(routed.data.min()) < 0:
+        if routed.data.size and int(routed.data.min()) < -1:  # -1: no recorded routing (the router chooses)
             t = int(np.argmin(routed.data))
             raise UnsoundTrainData("routed_experts", _sample_of(routed, t), float(routed.data[t]),
-                                   "a negative expert id", index(_sample_of(routed, t)))
+                                   "a negative expert id (only -1, no recorded routing, is allowed)",
+                                   index(_sample_of(routed, t)))
 
 
 def mini_batch_order(n: int, k: int, seed: int, step: int) -> list[np.ndarray]:

@@ -11,13 +11,19 @@ major: ``[S, B]`` flattened; with sequence parallelism this TP rank's slice of t
 for a micro-batch without them. Routers are found on the model chunk, not through megatron's class-wide list of
 instances (which keeps every model a process ever built).
 
-A token the engine did not route (a sample's last token, padding: -1) goes to experts 0..k-1; causal attention keeps
-it from every real token's log-prob. The backward needs no indices (autograd keeps the forward's); activation
-recompute of a layer reruns its router with the indices last set, the same micro-batch's without pipelining
-(with ``pp`` > 1 the schedule interleaves micro-batches: refused at build).
+A token with no recorded routing (a -1 row: a sample's last token, padding, a token no engine ran, such as an
+observation appended after the last engine call or a whole sample that failed before any generation) is routed by
+the trainer's own router, its top-k of its scores, as without replay: megatron-core's ``RouterReplay`` would gather
+at index -1, so each router's replay gets :func:`_replay_topk`, which takes the router's choice on those rows (the
+replay's other rows are as megatron-core gives them). The backward needs no indices (autograd keeps the forward's);
+activation recompute of a layer reruns its router with the indices last set, the same micro-batch's without
+pipelining (with ``pp`` > 1 the schedule interleaves micro-batches: refused at build), and its own top-k of the
+same scores on the -1 rows.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -31,8 +37,27 @@ def routers(chunk) -> list:
     found = chunk.__dict__.get("_replay_routers")  # found once per chunk: a forward per micro-batch asks
     if found is None:
         found = [m for m in chunk.modules() if isinstance(m, TopKRouter) and getattr(m, "router_replay", None)]
+        for r in found:  # -1 rows: the router's own choice (an instance attribute: megatron calls it on the instance)
+            rr = r.router_replay
+            rr.unrouted = None
+            rr.get_replay_topk = functools.partial(_replay_topk, rr, type(rr).get_replay_topk.__get__(rr))
         chunk.__dict__["_replay_routers"] = found
     return found
+
+
+def _replay_topk(rr, replay_topk, scores: torch.Tensor, topk: int, num_groups=None, group_topk=None,
+                 default_compute_topk=None):
+    """``RouterReplay.get_replay_topk`` (``replay_topk``, bound to ``rr``) with -1 rows honoured: in
+    ``REPLAY_FORWARD``, the tokens of ``rr.unrouted`` (``[tokens, 1]`` bool, set by :func:`replay`; None: every
+    token has its ids) take the router's own top-k of ``scores``, the others the replayed ids; probabilities are
+    the scores gathered at the ids either way (what ``torch.topk`` gives for the router's own)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    if rr.router_replay_action != RouterReplayAction.REPLAY_FORWARD or rr.unrouted is None:
+        return replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+    _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+    ids = torch.where(rr.unrouted.to(scores.device), own, rr.target_topk_idx.to(scores.device))
+    return scores.gather(1, ids), ids
 
 
 def forget_instances() -> None:
@@ -54,6 +79,7 @@ def replay(chunk, routed: torch.Tensor | None, batch_rows: int) -> int:
         for r in found:
             r.router_replay.clear_indices()
             r.router_replay.clear_router_replay_action()
+            r.router_replay.unrouted = None
         return 0
     if not found:
         return 0
@@ -70,17 +96,20 @@ def replay(chunk, routed: torch.Tensor | None, batch_rows: int) -> int:
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         ids = ids[rank * (S // tp): (rank + 1) * (S // tp)]
     ids = ids.reshape(-1, layers, k)
-    unrouted = ids < 0
-    ids = torch.where(unrouted, torch.arange(k).expand_as(ids), ids)
+    unrouted = (ids < 0).any(-1, keepdim=True)  # [tokens, layers, 1]: a row is the engine's whole top-k, or none
+    some = unrouted.any(0).reshape(-1).tolist()  # per layer, on the host: a layer without -1 rows gathers only
+    ids = ids.clamp(min=0)  # the -1 rows' ids are never used (their router's own are)
     dev = next(chunk.parameters()).device
     for r in found:
         layer = int(r.layer_number) - 1
         if not 0 <= layer < layers:
             raise PermanentError(f"routed_experts has {layers} layers of experts but the model's router {layer + 1} "
                                  "has none. Fix: serve the same model as the actor trains")
-        r.router_replay.clear_indices()
-        r.router_replay.set_target_indices(ids[:, layer].contiguous().to(dev))
-        r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        rr = r.router_replay
+        rr.clear_indices()
+        rr.set_target_indices(ids[:, layer].contiguous().to(dev))
+        rr.unrouted = unrouted[:, layer].contiguous().to(dev) if some[layer] else None
+        rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     return len(found)
 
 

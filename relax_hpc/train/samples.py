@@ -58,6 +58,8 @@ def _optional_values(s: Any) -> dict[str, list]:
         if name in IMAGE_FIELDS:  # made from multimodal_inputs by _image_values
             continue
         vals = [getattr(x, name, None) for x in s]
+        if name == "routed_experts":  # the sample's [tokens, layers × top_k] (numpy, compact) goes flat to the field
+            vals = [None if v is None else np.asarray(v).reshape(-1) for v in vals]
         have = [v is not None for v in vals]
         if any(have) and not all(have):
             i = have.index(False)
@@ -78,16 +80,17 @@ def _optional_values(s: Any) -> dict[str, list]:
 
 def _image_values(s: Any, model_dir: str | os.PathLike | None) -> dict[str, list]:
     """``pixel_values`` and ``image_grid_thw`` (:data:`~relax_hpc.exchange.fields.IMAGE_FIELDS`) of these samples'
-    images (``multimodal_inputs["images"]``, base64 PNG as the data made them), by the image processor of
-    ``model_dir`` (:func:`relax_hpc.multimodal.encode_ids`, which also checks each image pad run of ``tokens``
-    matches its image); written when some sample has images, empty for a sample without (a sample failed for its
-    images: its loss mask is 0). The processor runs once per distinct image list (a group shares its prompt's)."""
+    images (``multimodal_inputs["images"]``, base64 PNG as the data made them; a multi-turn sample's observations
+    add theirs), by the image processor of ``model_dir`` (:func:`relax_hpc.multimodal.encode_ids`, which also
+    checks each image pad run of ``tokens`` up to the last image matches its image); written when some sample has
+    images, empty for a sample without (a sample failed for its images: its loss mask is 0). The processor runs
+    once per distinct image list (a group shares its prompt's)."""
     refs = [(x.multimodal_inputs or {}).get("images") or [] for x in s]
     if not any(refs):
         return {}
     if model_dir is None:
         raise ValueError("samples carry images but write_step got no model_dir to run the image processor of")
-    from relax_hpc.multimodal import encode_ids, load_image
+    from relax_hpc.multimodal import IMAGE_PAD, VISION_START, encode_ids, images_end, load_image, token_id
 
     pixels, grids, done = [], [], {}
     for x, imgs in zip(s, refs):
@@ -95,9 +98,12 @@ def _image_values(s: Any, model_dir: str | os.PathLike | None) -> dict[str, list
             pixels.append(np.zeros(0, np.float32))
             grids.append(np.zeros(0, np.int64))
             continue
-        key = (tuple(imgs), tuple(x.tokens[: len(x.tokens) - x.response_length]))
+        # the prompt, or up to the last image of a multi-turn sample's observations (rollout/multiturn.py)
+        end = max(len(x.tokens) - x.response_length,
+                  images_end(x.tokens, len(imgs), token_id(model_dir, VISION_START), token_id(model_dir, IMAGE_PAD)))
+        key = (tuple(imgs), tuple(x.tokens[:end]))
         if key not in done:
-            enc = encode_ids(model_dir, x.tokens[: len(x.tokens) - x.response_length], [load_image(r) for r in imgs])
+            enc = encode_ids(model_dir, x.tokens[:end], [load_image(r) for r in imgs])
             done[key] = (enc["pixel_values"].numpy().astype(np.float32).reshape(-1),
                          enc["image_grid_thw"].numpy().astype(np.int64).reshape(-1))
         pixels.append(done[key][0])

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from relax_hpc.errors import PermanentError
-from relax_hpc.multimodal import VLM_MODEL_TYPES, encode, is_vlm
+from relax_hpc.multimodal import VLM_MODEL_TYPES, encode, images_end, is_vlm
 
 __all__ = ["VLM_MODEL_TYPES", "build_vlm", "check_freeze_vision", "encode", "is_vlm", "is_vlm_model", "vision_tower",
            "vlm_forward", "vlm_log_probs"]  # encode: callers import it here too
@@ -156,7 +156,7 @@ _VISION_TOKENS = ("vision_start_token_id", "image_token_id", "video_token_id")  
 
 def vlm_forward(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
                 image_grid_thw: torch.Tensor | None, *, image_limits: Sequence[int] | None = None,
-                pad_id: int = 0) -> torch.Tensor:
+                image_counts: Sequence[int] | None = None, pad_id: int = 0) -> torch.Tensor:
     """The VLM's logits [B, S, V/tp] of ``input_ids`` [B, S] (right-padded) with the batch's images: the model called
     with keyword arguments (it computes the M-RoPE positions itself, so no position ids), right-padded here to a
     multiple of the TP size under sequence parallelism.
@@ -165,7 +165,10 @@ def vlm_forward(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | Non
     ``<|video_pad|>``) is no image of the row but a token like any other (its response's start; 0 for a row without
     images, e.g. a sample failed for its images, and for rows past the list): those ids go in as ``pad_id``, since
     the model takes every image pad for one of the batch's image features and every vision start for the start of
-    an image (a sampled one would break the M-RoPE positions; the logits after it change, the targets do not)."""
+    an image (a sampled one would break the M-RoPE positions; the logits after it change, the targets do not).
+    ``image_counts``: per row, its images; a row's limit moves past its last image when that lies after its start
+    (a multi-turn sample's observation images: the rollout ends a sample at a sampled vision token, so any before
+    the last image are the images' own)."""
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_model_config
 
@@ -178,6 +181,10 @@ def vlm_forward(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | Non
     if image_limits is not None:
         limits = torch.zeros(B, 1, dtype=torch.long)
         limits[: len(image_limits), 0] = torch.as_tensor(list(image_limits), dtype=torch.long)
+        for b, n in enumerate(image_counts or []):
+            if n > 0:
+                end = images_end(input_ids[b].tolist(), n, config.vision_start_token_id, config.image_token_id)
+                limits[b, 0] = max(int(limits[b, 0]), end)
         special = torch.tensor([getattr(config, k) for k in _VISION_TOKENS], device=dev)
         stray = (torch.arange(S).unsqueeze(0) >= limits).to(dev) & torch.isin(ids, special)
         if bool(stray.any()):

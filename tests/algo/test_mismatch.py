@@ -114,3 +114,25 @@ def test_check_refuses_mismatch_metrics_without_a_tis_function_naming_both_keys(
     key, value, msg = problem
     assert value is True and "algorithm.custom_tis_function_path" in msg and "Fix:" in msg
     assert not [p for p in check(AlgorithmConfig(get_mismatch_metrics=True, custom_tis_function_path=VANILLA))]
+
+
+def test_the_engine_gaps_count_only_loss_tokens():
+    """A sample with no loss token (a failed one: placeholder log-prob 0 against the trainer's −1) and a masked
+    token of a live sample count for nothing in train_rollout_logprob_abs_diff / train_rollout_prob_abs_diff, in
+    both reduction modes: the mean is over the three tokens with loss mask 1 (|Δ| ln 2, ln 3, 0)."""
+    lp = torch.full((2, 3), -1.0, dtype=F64)
+    rollout = torch.cat([lp[:1] - torch.log(torch.tensor([[0.5, 3.0, 1.0]], dtype=F64)),
+                         torch.zeros(1, 3, dtype=F64)])
+    rollout[0, 2] = -1.0
+    mask = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    want_lp = (math.log(2) + math.log(3)) / 3
+    e = math.exp(-1)
+    want_p = (abs(e - e / 0.5) + abs(e - e / 3.0)) / 3
+    for per_token in (False, True):
+        _, m = policy_loss(AlgorithmConfig(calculate_per_token_loss=per_token), lp, lp, torch.ones(2, 3, dtype=F64),
+                           mask, rollout_log_probs=rollout)
+        close(m["train_rollout_logprob_abs_diff"], want_lp)
+        close(m["train_rollout_prob_abs_diff"], want_p)
+    mask[0, 1] = 0.0  # a live sample's masked token (an observation): left out too
+    _, m = policy_loss(AlgorithmConfig(), lp, lp, torch.ones(2, 3, dtype=F64), mask, rollout_log_probs=rollout)
+    close(m["train_rollout_logprob_abs_diff"], math.log(2) / 2)

@@ -11,6 +11,8 @@ from relax_hpc.recipe.relax_names import RELAX_NAMES
 from relax_hpc.recipe.validate import check_files, schema_keys
 from relax_hpc.rollout.rewards import BUILTIN_REWARDS
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def problems(data) -> dict[str, str]:
     with pytest.raises(RecipeError) as e:
@@ -903,3 +905,29 @@ def test_routing_replay_is_refused_with_an_actor_fwd_role():
     """actor_fwd's π_old pass has no engine experts to replay."""
     msg = problems({"train": {"routing_replay": True}, "roles": {"actor_fwd": {"enabled": True}}})
     assert "roles.actor_fwd" in msg["train.routing_replay"] and "Fix:" in msg["train.routing_replay"]
+
+
+def test_packing_or_pipelining_a_vision_language_model_is_refused_before_submit(tmp_path):
+    """A VLM trains in padded micro-batches on one pipeline stage: a packing key (or pp > 1) with a VLM model.path
+    is refused by check_files, naming the key, its value and the fix; the actor's build refused it only after the
+    queue. The same keys with a text model pass."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.SourceFileLoader("make_tiny_model_r", str(REPO / "tools" / "make-tiny-model"))
+    tool = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(tool)
+    vlm = tool.make_tiny_model(tmp_path / "vlm", arch="qwen2_5_vl", seed=0)
+    text = model_dir(tmp_path, model_type="qwen3")
+    packed = {"train": {"max_tokens_per_micro_batch": 512, "logprob_max_tokens_per_micro_batch": 1024, "pp": 2,
+                        "max_seq_len": 512}, "roles": {"actor": {"tasks_per_node": 2}}}
+    got = file_problems({"model": {"path": str(vlm)}, **packed}, tmp_path)
+    assert sorted(got) == ["train.logprob_max_tokens_per_micro_batch", "train.max_tokens_per_micro_batch",
+                           "train.pp"], got
+    value, msg = got["train.max_tokens_per_micro_batch"]
+    assert value == 512 and "vision-language model (model_type 'qwen2_5_vl')" in msg, msg
+    assert "Fix: remove train.max_tokens_per_micro_batch" in msg
+    assert got["train.logprob_max_tokens_per_micro_batch"][0] == 1024
+    assert got["train.pp"][0] == 2 and "Fix: train.pp: 1" in got["train.pp"][1]
+    assert file_problems({"model": {"path": str(text)}, **packed}, tmp_path) == {}
+    assert file_problems({"model": {"path": str(vlm)}}, tmp_path) == {}

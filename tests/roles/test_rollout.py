@@ -6,12 +6,14 @@ Partial rollout's generate-again path runs on a CPU engine in tests/rollout/test
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import itertools
 import json
 import logging
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from relax_hpc.algo.config import OPDConfig
@@ -30,7 +32,8 @@ PROMPTS = 8
 
 
 class Engine:
-    """A stub SGLang engine: every ``POST /generate`` gets a valid two-token answer with weight version 3."""
+    """A stub SGLang engine: every ``POST /generate`` gets a valid two-token answer with weight version 3 (asked
+    ``return_routed_experts``: SGLang's ids for every token it ran, 2 layers × top-2, token t's all t % 4)."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -38,14 +41,21 @@ class Engine:
 
         class Handler(StubHandler):
             def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if self.path != "/generate":
                     return self.send_json(200, b"{}")
                 outer.calls += 1
-                return self.send_json(200, json.dumps({"text": "ab", "output_ids": [5, 6], "meta_info": {
-                    "id": "r", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 3,
-                    "completion_tokens": 2, "output_token_logprobs": [[-0.5, 5, None], [-1.0, 6, None]],
-                    "weight_version": "3"}}).encode())
+                meta = {"id": "r", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 3,
+                        "completion_tokens": 2, "output_token_logprobs": [[-0.5, 5, None], [-1.0, 6, None]],
+                        "weight_version": "3"}
+                req = json.loads(body or b"{}")
+                if req.get("return_routed_experts"):
+                    ran = len(req["input_ids"]) + 2 - 1
+                    ids = np.repeat(np.arange(ran, dtype="<i4") % 4, 4)
+                    meta.update(prompt_tokens=len(req["input_ids"]),
+                                routed_experts=base64.b64encode(ids.tobytes()).decode())
+                return self.send_json(200, json.dumps({"text": "ab", "output_ids": [5, 6],
+                                                       "meta_info": meta}).encode())
 
             def do_GET(self):
                 self.send_json(200, b"{}")
@@ -106,8 +116,9 @@ def role(tmp_path, tiny_llama, monkeypatch):  # noqa: F811 - the fixture importe
             f.write(json.dumps({"q": f"{i}+1=", "a": str(i + 1)}) + "\n")
     opened: list[tuple[RoleContext, Channel]] = []
 
-    def make(**rollout) -> Generator:
+    def make(train: dict | None = None, **rollout) -> Generator:
         recipe = recipe_from_dict({
+            "train": train or {},
             "model": {"path": str(tiny_llama)},
             "data": {"path": str(tmp_path / "p.jsonl"), "input_key": "q", "label_key": "a"},
             "rollout": {"rm_type": "math", "n_samples_per_prompt": 2, "rollout_batch_size": 2,
@@ -165,6 +176,38 @@ def test_a_step_is_generated_on_the_engines_its_task_names_and_written_as_one_ch
     assert groups(again) == [2, 3] and again.data_state == r2.data_state and again.engine_requests == {"a": 4}
     with pytest.raises(ValueError, match="an eval task came, but there is no eval set"):
         gen.evaluate(EvalTask(id=next(_ids), step=3))
+
+
+def test_with_routing_replay_the_chunk_carries_each_token_s_engine_experts(role, engines):
+    """``train.routing_replay``: the role asks for the routed experts and its chunk carries, per sample, one row
+    of ids per token but the last: the engine's where it ran the token, -1 where no engine did (the placeholder
+    token of a sample failed before any generation: the step goes on)."""
+    from relax_hpc.rollout.sample import SampleStatus
+
+    e = engines()
+    gen = role(train={"routing_replay": True})
+    r1 = gen.generate(task(1, {"e": e.url}, gen.state(0)))
+    got = read_samples(r1.chunks, ("tokens", "routed_experts"))
+    assert len(got) == 4 and gen.routed_width == 4
+    for s in got:
+        ran = len(s["tokens"]) - 1
+        assert s["routed_experts"].tolist() == np.repeat(np.arange(ran) % 4, 4).tolist()
+
+    steps = gen.driver.generate_rollout_sync
+
+    def one_failed(groups, **kw):  # the first sample fails before its engine call (an env error, a bad image)
+        res = steps(groups, **kw)
+        s = res.samples[0]
+        s.reset_response(s.tokens[: s.prompt_length])
+        s.append_response([0], "", [0.0], loss_mask_value=0)
+        s.status = SampleStatus.FAILED
+        return res
+
+    gen.driver.generate_rollout_sync = one_failed
+    got = read_samples(gen.generate(task(2, {"e": e.url}, None)).chunks, ("tokens", "routed_experts"))
+    assert got[0]["routed_experts"].reshape(-1, 4).tolist() == [[-1] * 4] * (len(got[0]["tokens"]) - 1)
+    assert (got[1]["routed_experts"] >= 0).all()
+    assert "routed_experts" not in role().generate(task(1, {"e": e.url}, None)).chunks[0].fields  # key off
 
 
 def test_the_task_s_cursor_wins_and_a_buffer_without_partial_rollout_is_dropped_loudly(role, caplog):

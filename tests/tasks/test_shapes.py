@@ -1,11 +1,12 @@
-"""The vision quickstart's task: pictures drawn per seed, the data file, the reward in Relax's custom form, and the
-rows read through the data path with their images (a tiny Qwen2.5-VL's processor)."""
+"""The vision quickstart's task: pictures drawn per seed, colours balanced, the committed data files, the reward in
+Relax's custom form, and the rows read through the data path with their images (a tiny Qwen2.5-VL's processor)."""
 
 import asyncio
 import base64
 import io
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ from relax_hpc.tasks import shapes
 from tests.rollout.conftest import _tiny_model_maker
 
 IMAGE_PAD = 9  # make-tiny-model's <|image_pad|>
+DATA = Path(__file__).resolve().parents[2] / "recipes" / "data"
 
 
 def pixels(img) -> Counter:
@@ -32,14 +34,17 @@ def test_pictures_are_the_same_per_seed_and_show_their_colour_and_shape():
                                                          (shapes.picture(0, i) for i in range(40))]
     assert [shapes.png(im) for _, _, im in a] != [shapes.png(im) for _, _, im in (shapes.picture(1, i)
                                                                                  for i in range(40))]
-    assert {c for c, _, _ in a} == set(shapes.COLOURS) and {s for _, s, _ in a} == set(shapes.SHAPES)
+    colours = [c for c, _, _ in a]
+    assert all(sorted(colours[k:k + 4]) == sorted(shapes.COLOURS) for k in range(0, 40, 4))  # balanced: see below
+    assert set(colours[::2]) == set(shapes.COLOURS)  # no colour tied to an index's parity (shapes_turns takes pairs)
+    assert {s for _, s, _ in a} == set(shapes.SHAPES)
     import numpy as np
 
     for colour, shape, img in a:
         assert img.size == (shapes.SIZE, shapes.SIZE) and img.mode == "RGB"
         px = pixels(img)
-        # two colours only (no antialiasing): the background and the shape's
-        assert set(px) == {shapes.BACKGROUND, shapes.COLOURS[colour][1]}, (colour, shape, set(px))
+        # two colours only (no antialiasing): the shape's, and a shade of it around it
+        assert set(px) == {shapes.tint(colour), shapes.COLOURS[colour][1]}, (colour, shape, set(px))
         # the area says the shape: of its bounding box a square fills all, a circle ~π/4, a triangle ~1/2
         fill = shapes.COLOURS[colour][1]
         ys, xs = (np.asarray(img) == fill).all(-1).nonzero()
@@ -47,10 +52,22 @@ def test_pictures_are_the_same_per_seed_and_show_their_colour_and_shape():
         ratio = px[fill] / box
         want = {"s": 1.0, "c": 0.785, "t": 0.5}[shape]
         assert ratio == pytest.approx(want, abs=0.08), (shape, ratio)
+        # big: at least 40 px across, so its colour reaches every one of the 4 image tokens' 28×28 quarters
+        assert xs.max() - xs.min() + 1 >= shapes.MIN_SIDE and px[fill] >= 0.2 * shapes.SIZE ** 2, (shape, px[fill])
+        for qy in (0, 28):
+            for qx in (0, 28):
+                quarter = (np.asarray(img)[qy:qy + 28, qx:qx + 28] == fill).all(-1)
+                assert quarter.any(), (colour, shape, qx, qy)
 
 
-def test_rows_ask_colour_and_shape_of_each_picture():
-    recs = shapes.rows(n=5, seed=3)
+def test_rows_ask_the_colour_by_default_and_any_set_of_questions():
+    recs = shapes.rows(n=8, seed=3)
+    assert [r["prompt"] for r in recs] == ["<image>colour?"] * 8
+    # every colour twice: an answer that ignores the image is right 1/4 of the time, whatever it is
+    assert Counter(r["label"] for r in recs) == {c: 2 for c in shapes.COLOURS}
+    with pytest.raises(ValueError, match="size"):
+        shapes.rows(n=2, questions=("size",))
+    recs = shapes.rows(n=5, seed=3, questions=("colour", "shape"))
     assert len(recs) == 10
     for colour_q, shape_q in zip(recs[::2], recs[1::2]):
         assert colour_q["prompt"] == "<image>colour?" and shape_q["prompt"] == "<image>shape?"
@@ -60,6 +77,16 @@ def test_rows_ask_colour_and_shape_of_each_picture():
         assert shapes.COLOURS[colour_q["label"]][0] == meta["colour"]
         assert shapes.SHAPES[shape_q["label"]] == meta["shape"]
     assert json.loads(json.dumps(recs)) == recs
+
+
+def test_the_committed_data_is_the_clis_output_and_the_eval_pictures_are_new():
+    train = [json.loads(line) for line in (DATA / "shapes.jsonl").read_text().splitlines()]
+    held = [json.loads(line) for line in (DATA / "shapes-eval.jsonl").read_text().splitlines()]
+    assert train == shapes.rows(128, 0) and held == shapes.rows(32, 1)
+    assert Counter(r["label"] for r in held) == {c: 8 for c in shapes.COLOURS}  # chance is exactly 1/4
+    seen = {r["images"][0] for r in train}
+    # drawn apart from the training pictures; only a shape that fills the whole picture can repeat one (1 of 32)
+    assert sum(r["images"][0] in seen for r in held) <= 1
 
 
 @pytest.mark.parametrize("response, label, want", [
@@ -90,10 +117,11 @@ def test_the_data_file_reads_through_the_data_path_with_its_images(tmp_path, tin
     from PIL import Image
 
     out = tmp_path / "data" / "shapes.jsonl"
-    args = [str(out), "--n", "3", "--seed", "5"] + (["--image-dir", str(tmp_path / "data" / "img")] if files else [])
+    args = [str(out), "--n", "3", "--seed", "5", "--questions", "colour,shape"] \
+        + (["--image-dir", str(tmp_path / "data" / "img")] if files else [])
     assert shapes.main(args) == 0
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["label"] for r in recs] == [r["label"] for r in shapes.rows(3, 5)]
+    assert [r["label"] for r in recs] == [r["label"] for r in shapes.rows(3, 5, questions=("colour", "shape"))]
     if files:
         assert recs[0]["images"] == ["img/shape-5-00000.png"]  # relative to the JSONL
     ds = PromptDataset(out, keys=DataKeys(input_key="prompt", label_key="label", image_key="images"),
@@ -107,3 +135,9 @@ def test_the_data_file_reads_through_the_data_path_with_its_images(tmp_path, tin
         assert img.size == (56, 56) and shapes.png(img.convert("RGB")) == shapes.png(shapes.picture(5, i // 2)[2])
         assert s.prompt.endswith(("colour?<|im_end|>\n<|im_start|>assistant\n",
                                   "shape?<|im_end|>\n<|im_start|>assistant\n")), s.prompt
+
+
+def test_the_cli_refuses_an_unknown_question(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        shapes.main([str(tmp_path / "x.jsonl"), "--questions", "colour,size"])
+    assert "--questions colour,size" in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()

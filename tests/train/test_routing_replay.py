@@ -136,7 +136,10 @@ def test_the_rollout_asks_for_experts_with_routing_replay(tiny_moe, tmp_path):
 
         res = run(True)
         want = hf_routing(tiny_moe, [s.tokens for s in res.samples])
-        assert [s.routed_experts for s in res.samples] == [w.reshape(-1).tolist() for w in want]
+        # kept compact from the decode on: int16 [tokens the engine ran, layers × top_k], no Python lists
+        assert [(s.routed_experts.dtype.name, s.routed_experts.shape) for s in res.samples] == [
+            ("int16", (len(s.tokens) - 1, 4)) for s in res.samples]
+        assert [s.routed_experts.reshape(-1).tolist() for s in res.samples] == [w.reshape(-1).tolist() for w in want]
         assert "routed_experts" in write_step(tmp_path, 1, res).fields
         assert all(s.routed_experts is None for s in run(False).samples)
     finally:
@@ -201,7 +204,8 @@ def test_routed_experts_travel_from_the_engine_answer_to_the_micro_batch(tmp_pat
         return RolloutResult(samples=samples, raw_rewards=[1.0, 0.0, 0.5], metrics={}, group_size=3)
 
     r = result()
-    assert r.samples[1].routed_experts == routed(4, 1)
+    kept = r.samples[1].routed_experts
+    assert kept.shape == (4, 4) and kept.reshape(-1).tolist() == routed(4, 1)
     ref = write_step(tmp_path, 1, r, seq=0)
     assert "routed_experts" in ref.fields and "routed_experts" not in write_step(tmp_path, 1, result(False), 1).fields
     batch = P.train_plan(P.read_train_columns([ref]), AlgorithmConfig(), 3).samples
@@ -227,6 +231,78 @@ def test_routed_experts_travel_from_the_engine_answer_to_the_micro_batch(tmp_pat
     assert torch.is_tensor(batch[0].routed_experts)
 
 
+def test_tokens_no_engine_ran_get_minus_one_rows_and_the_step_goes_on(tmp_path):
+    """A multi-turn sample whose observation was appended after its last engine call, and a sample that failed
+    before any generation (an environment error: only the prompt and a placeholder token): the rollout role gives
+    their unrun tokens -1 rows (no recorded routing), the writer and the trainer's door accept them (a -2 is still
+    refused), and the micro-batch carries them to the router (which then chooses itself: test_replay_* below).
+    Without any width (no sample reached an engine, none known) nothing is made up."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from relax_hpc.algo import AlgorithmConfig
+    from relax_hpc.roles.rollout import routed_rows
+    from relax_hpc.rollout.driver import RolloutResult
+    from relax_hpc.rollout.sample import Sample, SampleStatus
+    from relax_hpc.train import plan as P
+    from relax_hpc.train.batch import make_micro_batch
+    from relax_hpc.train.samples import write_step
+
+    def answer(s: Sample, resp: list[int], base: int) -> None:  # one engine call: SGLang's meta_info for it
+        ran = len(s.tokens) + len(resp) - 1
+        ids = np.asarray([(base + t + j) % 4 for t in range(ran) for j in range(4)], dtype="<i4")
+        s.append_response(resp, "r", [-0.5] * len(resp))
+        s.update_from_meta_info({"finish_reason": {"type": "stop"}, "prompt_tokens": len(s.tokens) - len(resp),
+                                 "completion_tokens": len(resp), "routed_experts": base64.b64encode(ids).decode()})
+
+    def samples() -> list:
+        one = Sample(group_index=0, index=0, prompt="p", tokens=[5, 6, 7])
+        answer(one, [8], 0)
+        multi = Sample(group_index=0, index=1, prompt="p", tokens=[5, 6, 7])
+        answer(multi, [9, 2], 1)
+        multi.append_response([40, 41], "obs", [0.0, 0.0], loss_mask_value=0)  # turn 2's observation
+        answer(multi, [3], 1)  # the engine ran everything so far: 7 tokens
+        multi.append_response([42, 43, 44], "obs", [0.0] * 3, loss_mask_value=0)  # after the last call: never ran
+        failed = Sample(group_index=0, index=2, prompt="p", tokens=[3, 4])
+        failed.append_response([0], "", [0.0], loss_mask_value=0)  # env error before any generation
+        failed.status = SampleStatus.FAILED
+        return [one, multi, failed]
+
+    s = samples()
+    assert s[1].routed_experts.shape == (7, 4) and s[2].routed_experts is None
+    saved = Sample.from_dict(json.loads(json.dumps(s[1].to_dict())))  # partial rollout's buffer: JSON lists
+    assert np.array_equal(np.asarray(saved.routed_experts), s[1].routed_experts)
+    assert routed_rows(s) == 4
+    assert [x.routed_experts.dtype.name for x in s] == ["int16"] * 3
+    multi = s[1].routed_experts
+    assert multi.shape == (10, 4) and (multi[7:] == -1).all() and (multi[:7] >= 0).all()
+    assert s[2].routed_experts.tolist() == [[-1] * 4] * 2 and s[0].routed_experts.shape == (3, 4)
+    result = RolloutResult(samples=s, raw_rewards=[1.0, 0.0, 0.0], metrics={}, group_size=3)
+    ref = write_step(tmp_path, 1, result)
+    cols = P.read_train_columns([ref])
+    P.check_train_columns(cols)  # -1 is "no recorded routing", not a bad id
+    batch = P.train_plan(cols, AlgorithmConfig(), 3).samples
+    mb = make_micro_batch(batch, pad_id=0, train=True)  # [3 rows × 11 tokens, 4]
+    rows = mb.routed_experts.reshape(3, 11, 4)
+    assert (rows[1, :7] == torch.as_tensor(multi[:7]).long()).all() and (rows[1, 7:] == -1).all()
+    assert (rows[2] == -1).all()
+    cols["routed_experts"].data[0] = -2
+    with pytest.raises(P.UnsoundTrainData, match="is -2.0: a negative expert id"):
+        P.check_train_columns(cols)
+    nobody = samples()[2:]
+    assert routed_rows(nobody) is None and nobody[0].routed_experts is None  # no width: nothing made up
+    assert routed_rows(nobody, 4) == 4 and nobody[0].routed_experts.tolist() == [[-1] * 4] * 2  # an earlier width
+    # a sample with loss tokens but no ids (its engine returns none) is not trained without replay: still refused
+    deaf = samples()
+    deaf[0].routed_experts = None
+    routed_rows(deaf)
+    assert deaf[0].routed_experts is None and deaf[2].routed_experts.shape == (2, 4)
+    with pytest.raises(ValueError, match="routed_experts: 2 of 3 samples carry it, sample 0"):
+        write_step(tmp_path, 2, RolloutResult(samples=deaf, raw_rewards=[1.0, 0.0, 0.0], metrics={}, group_size=3))
+
+
 def job_replay(args: dict, out: Path) -> dict:
     """The trainer's log-probs of the engine's samples without replay, with the engine's experts, with its own
     routing (packed micro-batches, and padded ones of 3 rows for the [B, S] → [S, B] order); a GRPO step with
@@ -248,12 +324,31 @@ def job_replay(args: dict, out: Path) -> dict:
              for t, s, a in zip(data["tokens"], data["starts"], [1.0, -1.0] * 8)]
     engine = [dict(x, routed_experts=r) for x, r in zip(plain, data["engine_routed"])]
     own = [dict(x, routed_experts=r) for x, r in zip(plain, data["own_routed"])]
+    # tokens no engine ran (-1 rows: the last 3 of each sample's, as an observation after the last engine call, and
+    # a whole sample, as one that failed before any generation): the router's own choice there, the engine's elsewhere
+    def tail(r: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+        r = r.clone().reshape(-1, 4)
+        r[-3:] = fill.reshape(-1, 4)[-3:]
+        return r.reshape(-1)
+
+    unrun = [dict(x, routed_experts=tail(x["routed_experts"], torch.full_like(x["routed_experts"], -1)))
+             for x in engine]
+    unrun[1]["routed_experts"] = torch.full_like(engine[1]["routed_experts"], -1)
+    own_there = [dict(x, routed_experts=tail(x["routed_experts"], o)) for x, o in zip(engine, data["own_routed"])]
+    own_there[1]["routed_experts"] = data["own_routed"][1]
     res = {"none": actor.compute_log_probs(plain), "engine": actor.compute_log_probs(engine),
-           "own": actor.compute_log_probs(own)}
+           "own": actor.compute_log_probs(own), "unrun": actor.compute_log_probs(unrun),
+           "own_there": actor.compute_log_probs(own_there)}
     res["engine_padded"] = compute_log_probs(actor.model, engine, mbs=3, pad_id=0)
     res = {k: [x.tolist() for x in v] for k, v in res.items()}
-    step = actor.train_step([dict(x, old_log_probs=torch.tensor(o)) for x, o in zip(engine, res["engine"])])
-    res["step"] = {k: step[k] for k in ("loss", "grad_norm", "ppo_kl")}
+    # the step: the engine's log-probs beside, and sample 0 failed (loss mask 0, placeholder engine log-probs 0): the
+    # trainer-engine gap is the mean over the other samples' tokens only
+    batch = [dict(x, old_log_probs=torch.tensor(o), rollout_log_probs=r)
+             for x, o, r in zip(unrun, res["unrun"], data["rollout"])]
+    batch[0] = dict(batch[0], loss_mask=torch.zeros(len(res["unrun"][0])), rollout_log_probs=torch.zeros(
+        len(res["unrun"][0])))
+    step = actor.train_step(batch)
+    res["step"] = {k: step[k] for k in ("loss", "grad_norm", "ppo_kl", "train_rollout_logprob_abs_diff")}
     try:
         actor.train_step([dict(x, old_log_probs=torch.tensor(o)) for x, o in zip(plain, res["none"])])
         res["refused"] = None
@@ -324,6 +419,12 @@ def test_replay_closes_the_trainer_engine_gap(replay_run):
     print(f"[routing replay] own routing replayed vs none: max |Δ| {own:.1e}; padded vs packed: {padded:.1e}")
     assert own == 0.0
     assert padded <= 1e-5
+    # -1 rows (tokens no engine ran, a sample that reached none) are the router's own choice: the same log-probs as
+    # its own ids replayed there, exactly; not experts 0..k-1 (which moves them: the engine's tail rows differ)
+    unrun = diff("unrun", "own_there")
+    print(f"[routing replay] -1 rows vs the trainer's own ids there: max |Δ| {unrun:.1e}")
+    assert unrun == 0.0
+    assert r["unrun"][1] == r["none"][1]  # a sample all -1: as without replay
 
 
 def test_replay_at_ep2_is_replay_at_ep1(replay_run):
@@ -341,8 +442,14 @@ def test_replay_at_ep2_is_replay_at_ep1(replay_run):
 
 
 def test_replay_trains_and_refuses_samples_without_experts(replay_run):
+    import torch
+
     step = replay_run["step"]
     assert step["grad_norm"] > 0 and all(v == v for v in step.values())
+    # train_rollout_logprob_abs_diff over the loss tokens only: sample 0 (loss mask 0, engine log-probs 0) left out
+    lps, rollout = replay_run["unrun"][1:], replay_run["data"]["rollout"][1:]
+    want = float(torch.cat([(torch.tensor(a) - b).abs() for a, b in zip(lps, rollout)]).mean())
+    assert step["train_rollout_logprob_abs_diff"] == pytest.approx(want, rel=1e-2), (step, want)
     msg = replay_run["refused"]
     assert msg and "train.routing_replay = true but 8 of 8 samples" in msg and "Fix:" in msg
 

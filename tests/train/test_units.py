@@ -183,3 +183,18 @@ def test_fusion_flags_are_on_only_where_their_kernels_import():
     # this machine: no Transformer Engine and no apex, so even on CUDA nothing would be on
     assert not any(_importable(m) for m in FUSIONS.values())
     assert fusion_flags(asked, cuda=True, importable=_importable) == dict.fromkeys(FUSIONS, False)
+
+
+def test_the_rollout_logprob_gap_counts_only_loss_tokens():
+    """``train/train_rollout_logprob_abs_diff`` (and its max) over the response tokens with loss mask 1: a failed
+    sample (loss mask 0, placeholder engine log-probs 0) and a masked token of a live one are left out."""
+    from relax_hpc.train.logprobs import rollout_logprob_gap
+
+    samples = [{"rollout_log_probs": torch.tensor([-1.0, -2.0, -9.0]), "loss_mask": torch.tensor([1, 1, 0])},
+               {"rollout_log_probs": torch.zeros(2), "loss_mask": torch.zeros(2)},  # failed: no engine log-probs
+               {"rollout_log_probs": torch.tensor([-0.5])}]  # no mask: every response token counts
+    got = rollout_logprob_gap(samples, [torch.tensor([-1.5, -2.0, -1.0]), torch.full((2,), -3.0),
+                                        torch.tensor([-0.25])])
+    assert got["train/train_rollout_logprob_abs_diff"] == pytest.approx((0.5 + 0.0 + 0.25) / 3)
+    assert got["train/train_rollout_logprob_abs_diff_max"] == pytest.approx(0.5)
+    assert rollout_logprob_gap(samples[1:2], [torch.zeros(2)]) == {}  # no loss token: no gap to report
