@@ -572,7 +572,9 @@ class CPUEngine(WeightReceiver):
         if again:
             raise HTTPError(400, f"memory of {again} is already released; resume it first (/resume_memory_occupation)")
         with self.scheduler.cv:  # no request can be queued between this check and the refusal being set
-            running, waiting = len(self.scheduler.running) + len(self.solo), len(self.scheduler.waiting)
+            # a finished request leaves the running batch a moment after its answer went out: not ongoing
+            live = sum(not r.done.is_set() for r in self.scheduler.running)
+            running, waiting = live + len(self.solo), len(self.scheduler.waiting)
             if running or waiting:
                 raise HTTPError(400, f"release_memory_occupation should be called only when no ongoing request: "
                                      f"#running-req: {running}, #queue-req: {waiting}. Pause with mode abort (or "
