@@ -12,27 +12,10 @@ import pytest
 import torch
 
 from relax_hpc import multimodal
-from tests.rollout.conftest import ENGINE_ARGS, _tiny_model_maker
+from tests.rollout.conftest import _tiny_model_maker
 
 IMAGE_PAD = 9  # make-tiny-model's <|image_pad|>
 MERGE = 2
-
-
-@pytest.fixture(scope="session")
-def tiny_vlm(tmp_path_factory):
-    return _tiny_model_maker()(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl", arch="qwen2_5_vl", seed=0)
-
-
-@pytest.fixture(scope="module")
-def vlm_engine(tiny_vlm, tmp_path_factory):
-    from relax_hpc.engines.launcher import start_engine
-
-    handle = start_engine("cpu", tiny_vlm, log_path=tmp_path_factory.mktemp("vlm-engine") / "engine.log",
-                          extra_args=ENGINE_ARGS)
-    try:
-        yield handle.wait_ready(120)
-    finally:
-        handle.stop()
 
 
 def png(w: int, h: int, seed: int) -> tuple[str, object]:

@@ -35,6 +35,25 @@ def tiny_llama(tmp_path_factory) -> Path:
 ENGINE_ARGS = ["--threads", "1", "--seed", "0"]
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> Path:
+    """tools/make-tiny-model --arch qwen2_5_vl --seed 0: the vision quickstart's model."""
+    return _tiny_model_maker()(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl", arch="qwen2_5_vl", seed=0)
+
+
+@pytest.fixture(scope="module")
+def vlm_engine(tiny_vlm, tmp_path_factory):
+    """A CPU engine serving ``tiny_vlm``, ready (its client); stopped afterwards."""
+    from relax_hpc.engines.launcher import start_engine
+
+    handle = start_engine("cpu", tiny_vlm, log_path=tmp_path_factory.mktemp("vlm-engine") / "engine.log",
+                          extra_args=ENGINE_ARGS)
+    try:
+        yield handle.wait_ready(120)
+    finally:
+        handle.stop()
+
+
 def import_source(tmp_path, monkeypatch, name: str, source: str):
     """``source`` written as module ``name`` in ``tmp_path`` and imported afresh (a user's plugin file: reward,
     generate function, filter), importable by path for this test only."""

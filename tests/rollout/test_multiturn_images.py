@@ -25,29 +25,12 @@ from relax_hpc.tasks import shapes_turns
 from relax_hpc.train import samples as S
 from relax_hpc.train.config import TrainConfig
 from tests.engines.test_engine_vision import hf_logprobs
-from tests.rollout.conftest import ENGINE_ARGS, _tiny_model_maker
+
 
 VISION_START, VISION_END, IMAGE_PAD = 6, 7, 9  # make-tiny-model's ids
 PADS = 4  # a 56×56 picture: 4 image tokens
 KEYS = DataKeys(input_key="prompt", label_key="label", image_key="images")
 BAD = 2  # the row whose second picture is not an image
-
-
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory):
-    return _tiny_model_maker()(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl", arch="qwen2_5_vl", seed=0)
-
-
-@pytest.fixture(scope="module")
-def vlm_engine(tiny_vlm, tmp_path_factory):
-    from relax_hpc.engines.launcher import start_engine
-
-    handle = start_engine("cpu", tiny_vlm, log_path=tmp_path_factory.mktemp("vlm-engine") / "engine.log",
-                          extra_args=ENGINE_ARGS)
-    try:
-        yield handle.wait_ready(120)
-    finally:
-        handle.stop()
 
 
 @pytest.fixture
