@@ -46,8 +46,12 @@ def vlm_engine(tiny_vlm, tmp_path_factory):
     """A CPU engine serving ``tiny_vlm``, ready (its client); stopped afterwards."""
     from relax_hpc.engines.launcher import start_engine
 
-    handle = start_engine("cpu", tiny_vlm, log_path=tmp_path_factory.mktemp("vlm-engine") / "engine.log",
-                          extra_args=ENGINE_ARGS)
+    yield from served(start_engine("cpu", tiny_vlm, log_path=tmp_path_factory.mktemp("vlm-engine") / "engine.log",
+                                   extra_args=ENGINE_ARGS))
+
+
+def served(handle):
+    """A fixture's body for a started engine: its client once ready, the engine stopped afterwards."""
     try:
         yield handle.wait_ready(120)
     finally:
@@ -97,10 +101,7 @@ def engine_fixtures(here: Path):
         if handle is None:  # not seen at collection (e.g. requested dynamically): start one now
             handle = start_engine("cpu", tiny_llama, log_path=tmp_path_factory.mktemp("engine-log") / "cpu-engine.log",
                                   extra_args=ENGINE_ARGS)
-        try:
-            yield handle.wait_ready(120)
-        finally:
-            handle.stop()
+        yield from served(handle)
 
     return _prestarted_engines, cpu_engine
 
