@@ -50,7 +50,8 @@ FIELDS: tuple[Field, ...] = (
           "on-policy distillation (opd:): the teacher's log-prob of each response token; only OPD runs' chunks"),
     Field("routed_experts", "ragged", "int32", ROLLOUT, ("train",),
           "MoE routing replay (train.routing_replay): the expert ids the engine's router chose, SGLang's "
-          "meta_info.routed_experts flattened: [len(tokens) - 1, layers, top_k]; only in chunks whose engine returned them"),
+          "meta_info.routed_experts flattened: [len(tokens) - 1, layers, top_k], -1 rows for tokens no engine ran (the "
+          "trainer's router chooses); only in chunks of runs with train.routing_replay"),
     Field("pixel_values", "ragged", "float32", ROLLOUT, ("train", "logprobs"),
           "vision-language models: the image processor's patches of the sample's images, flat [patches, C·T·P·P] "
           "(empty for a sample without images); only in chunks of samples with images"),

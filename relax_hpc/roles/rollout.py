@@ -433,16 +433,14 @@ def routed_rows(samples: list, width: int | None = None) -> int | None:
     width used."""
     import numpy as np
 
-    arrays: dict[int, np.ndarray] = {}
-    for i, s in enumerate(samples):
-        if s.routed_experts is not None:
-            arrays[i] = np.asarray(s.routed_experts)
-            if arrays[i].ndim == 1 and len(s.tokens) > 1 and arrays[i].size % (len(s.tokens) - 1) == 0:
-                arrays[i] = arrays[i].reshape(len(s.tokens) - 1, -1)  # a flat list over every token (custom)
+    arrays = {i: np.asarray(s.routed_experts) for i, s in enumerate(samples) if s.routed_experts is not None}
     widths = {a.shape[1] for a in arrays.values() if a.ndim == 2}
     if len(widths) > 1:
         return width  # the writer names the sample
     w = widths.pop() if widths else width
+    if not w:  # only flat lists (a custom generate function): their width, if one covers every token of its sample
+        w = next((a.size // (len(samples[i].tokens) - 1) for i, a in arrays.items()
+                  if a.ndim == 1 and len(samples[i].tokens) > 1 and a.size % (len(samples[i].tokens) - 1) == 0), None)
     if not w:
         return None
     dtype = np.result_type(np.int16, *(a.dtype for a in arrays.values()))

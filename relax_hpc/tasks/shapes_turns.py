@@ -31,12 +31,14 @@ FOLLOW_UP = "<image>and this?"  # the observation: Relax's <image> marker, then 
 
 
 def rows(n: int = 64, seed: int = 0) -> list[dict[str, Any]]:
-    """The dataset's rows: row ``i`` shows picture ``2i`` of :func:`~relax_hpc.tasks.shapes.picture` in its prompt
-    and carries picture ``2i + 1`` (base64 PNG) in its metadata for the environment."""
+    """The dataset's rows: row ``i`` shows picture ``i`` of :func:`~relax_hpc.tasks.shapes.picture` in its prompt
+    and carries picture ``n + i`` (base64 PNG) in its metadata for the environment. With ``n`` a multiple of 4 the
+    two are never of the same block of four pictures (each block holds each colour once, in its own order), so B's
+    colour is independent of A's and the first answer says nothing of the second."""
     out = []
     for i in range(n):
-        colour_a, _, img_a = picture(seed, 2 * i)
-        colour_b, _, img_b = picture(seed, 2 * i + 1)
+        colour_a, _, img_a = picture(seed, i)
+        colour_b, _, img_b = picture(seed, n + i)
         out.append({"prompt": PROMPT, "images": [base64.b64encode(png(img_a)).decode()], "label": colour_a,
                     "metadata": {"index": i, "colour": COLOURS[colour_a][0], "second_label": colour_b,
                                  "second_colour": COLOURS[colour_b][0],

@@ -23,13 +23,24 @@ def local_executor(monkeypatch):
     monkeypatch.delenv("RELAX_TEST_FAIL_ROLE", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _children_before():
+    """The descendants this pytest process had before the test (an engine a session fixture started, torch's
+    shared-memory manager): not the test's to stop."""
+    global _BEFORE
+    _BEFORE = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+
+
+_BEFORE: set[int] = set()
+
+
 def our_children() -> list:
-    """This process's descendants but torch's shared-memory manager, which an earlier test in the same pytest
-    process may have started and which lives as long as the process."""
+    """This process's descendants the test started (see :func:`_children_before`), still alive."""
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.name() != "torch_shm_manager":
+            if p.pid not in _BEFORE and p.name() != "torch_shm_manager":
                 out.append(p)
         except psutil.NoSuchProcess:  # gone while we looked: not left over
             pass
