@@ -71,6 +71,21 @@ def exit_code(path: str | Path) -> int | None:
     return codes[-1] if codes else None
 
 
-def run_files(run_dir: str | Path) -> list[Path]:
-    """The ``run-*.wandb`` files of a run directory, oldest attempt first."""
-    return sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
+def run_files(run_dir: str | Path, timeout_s: float = 60.0) -> list[Path]:
+    """The ``run-*.wandb`` files of a run directory, oldest attempt first, once each holds its exit record: W&B's
+    service process may still be writing a file when ``run.finish()`` has returned (seen on a loaded machine)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        files = sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
+        if all(_complete(f) for f in files) or time.monotonic() > deadline:
+            return files
+        time.sleep(0.2)
+
+
+def _complete(path: Path) -> bool:
+    try:
+        return exit_code(path) is not None
+    except Exception:  # a record cut in the middle of its write
+        return False
