@@ -93,6 +93,7 @@ def _image_values(s: Any, model_dir: str | os.PathLike | None) -> dict[str, list
     from relax_hpc.multimodal import IMAGE_PAD, VISION_START, encode_ids, images_end, load_image, token_id
 
     pixels, grids, done = [], [], {}
+    start_id, pad_id = token_id(model_dir, VISION_START), token_id(model_dir, IMAGE_PAD)
     for x, imgs in zip(s, refs):
         if not imgs:
             pixels.append(np.zeros(0, np.float32))
@@ -100,7 +101,7 @@ def _image_values(s: Any, model_dir: str | os.PathLike | None) -> dict[str, list
             continue
         # the prompt, or up to the last image of a multi-turn sample's observations (rollout/multiturn.py)
         end = max(len(x.tokens) - x.response_length,
-                  images_end(x.tokens, len(imgs), token_id(model_dir, VISION_START), token_id(model_dir, IMAGE_PAD)))
+                  images_end(x.tokens, len(imgs), start_id, pad_id))
         key = (tuple(imgs), tuple(x.tokens[:end]))
         if key not in done:
             enc = encode_ids(model_dir, x.tokens[:end], [load_image(r) for r in imgs])
