@@ -5,7 +5,8 @@ Layout of a checkpoint root::
     ROOT/step_00000012/            one complete checkpoint
         .metadata, __*_*.distcp, common.pt, metadata.json   model + optimizer (dist_checkpointing)
         rng/rank_00000.pt ...      per-rank python/numpy/torch RNG states
-        meta.json                  step, extra_state, layout; written after everything above
+        manifest.sha256            sha256 of every file above (:mod:`.manifest`), once they are fsynced
+        meta.json                  step, extra_state, layout, "manifest"; written after everything above
     ROOT/latest                    "step_00000012": written last, atomically (tmp + fsync + rename), once
                                    every file and directory of the step dir is fsynced (:func:`fsync_tree`)
 
@@ -14,6 +15,10 @@ Why these choices:
   checkpoint then resumes at TP=1 (measured bit-exact, with the fixes in :mod:`.cpu_compat`).
 * ``latest`` is the only thing a resumer trusts: a save killed half way (preemption) leaves a step dir
   without ``meta.json`` and ``latest`` still names the previous complete checkpoint.
+* Nothing is read that the save did not write: :func:`load` checks every file against the manifest first (each
+  rank a share of the files), and refuses a damaged checkpoint naming the file (:class:`CheckpointDamaged`, a
+  permanent error: a restart reads the same bytes); one saved before manifests loads with a warning after a
+  size check of its shards against ``.metadata`` (a truncated file is named, not an ``EOFError``).
 * RNG states are per rank and do not reshard; on a different layout each rank takes rank 0's state
   (dropout is 0 in training, so the model's numbers do not depend on it).
 * Saves are synchronous. Upstream then still starts a ``spawn`` multiprocessing Manager (2-3 s per
@@ -25,6 +30,7 @@ Why these choices:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import random
@@ -37,8 +43,11 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.rundir import fsync_dir as _fsync_dir
+from relax_hpc.train import manifest
 from relax_hpc.train.latest import LATEST, complete, resolve, step_dir_name  # noqa: F401 - the layout, shared
+from relax_hpc.train.manifest import CheckpointDamaged  # noqa: F401 - what load raises
 
+log = logging.getLogger("relax_hpc.checkpoint")
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -134,15 +143,21 @@ def save(root: str | os.PathLike, model: list, optimizer, *, step: int, extra_st
     if rank == 0 or _local_rank() == 0:  # one rank per node: every file written there is durable before latest
         fsync_tree(out)
     dist.barrier()
+    # Every rank hashes the files it wrote (still in its page cache); rank 0 the rest, then writes the manifest.
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, manifest.hash_files(out, manifest.own_files(out, rank)))
     if rank == 0:
         extra = dict(extra_state or {})
-        meta = {"step": step, "layout": _layout(), "time": time.time()}
+        meta = {"step": step, "layout": _layout(), "time": time.time(), "manifest": manifest.MANIFEST}
         try:
             json.dumps(extra)
             meta["extra_state"] = extra
         except (TypeError, ValueError):  # not JSON: keep it as a pickle beside meta.json
             _fsync_write(out / "extra_state.pkl", pickle.dumps(extra))
             meta["extra_state_pickle"] = "extra_state.pkl"
+        listed = {k: v for d in digests for k, v in d.items()}
+        listed.update(manifest.hash_files(out, [n for n in manifest.listing(out) if n not in listed]))
+        manifest.write(out, listed)
         _fsync_write(out / "meta.json", json.dumps(meta, indent=1).encode())
         _fsync_dir(out)
         tmp = root / f".{LATEST}.tmp"
@@ -189,15 +204,29 @@ def _prune(root: Path, keep: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def load(path: str | os.PathLike, model: list, optimizer, *, load_optimizer: bool = True) -> tuple[int, dict]:
-    """Collective. Loads model (+ optimizer, RNG) at any TP/PP; returns (step, extra_state)."""
+def load(path: str | os.PathLike, model: list, optimizer, *, load_optimizer: bool = True,
+         verify: bool = True) -> tuple[int, dict]:
+    """Collective. Loads model (+ optimizer, RNG) at any TP/PP; returns (step, extra_state).
+
+    First every file is checked against the checkpoint's manifest (:func:`verify_collective`; ``verify=False``
+    only where the caller just did, as relax-export). A damaged checkpoint raises :class:`CheckpointDamaged`
+    naming the file and the fix, on every rank."""
     from megatron.core import dist_checkpointing
 
     step_dir = resolve(path)
     meta = json.loads((step_dir / "meta.json").read_text())
+    if verify:
+        verify_collective(step_dir, meta)
     opt = optimizer if load_optimizer else None
     sd = _sharded_state_dict(model, opt, is_loading=True)
-    state = dist_checkpointing.load(sd, str(step_dir))
+    try:
+        state = dist_checkpointing.load(sd, str(step_dir))
+    except Exception as e:  # CheckpointException is a BaseException: caught below
+        raise _load_failed(step_dir, e) from e
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise _load_failed(step_dir, e) from e
     chunks = _unwrapped(model)
     if len(chunks) == 1:
         chunks[0].load_state_dict(state["model"], strict=True)
@@ -216,3 +245,81 @@ def load(path: str | os.PathLike, model: list, optimizer, *, load_optimizer: boo
         extra = meta.get("extra_state", {})
     dist.barrier()
     return int(meta["step"]), extra
+
+
+RESUME_FIX = ("resume from an earlier complete checkpoint (write its name into the checkpoint root's `latest`, "
+              "e.g. `echo step_00000010 > RUN_DIR/checkpoints/latest`), or put back the files from a copy")
+NO_MANIFEST = ("checkpoint {} has no {} (saved before checkpoints carried checksums): its bytes cannot be checked, "
+               "only the sizes of its files")
+
+
+def problems(step_dir: str | os.PathLike, meta: dict, rank: int = 0, world: int = 1) -> tuple[list[str], str | None]:
+    """(what is wrong with this rank's share of a checkpoint's files, a warning): the manifest's check, or for a
+    checkpoint saved before manifests, its shards' sizes against ``.metadata`` and a warning. Never raises."""
+    found, has = manifest.check(step_dir, meta, rank, world)
+    if has:
+        return found, None
+    return (short_files(step_dir) if rank == 0 else []), NO_MANIFEST.format(step_dir, manifest.MANIFEST)
+
+
+def verify_collective(step_dir: str | os.PathLike, meta: dict, fix: str = RESUME_FIX) -> None:
+    """Collective: each rank checks its share of the files; if any rank found damage, every rank raises
+    :class:`CheckpointDamaged` with all of it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine, warning = problems(step_dir, meta, rank, world)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    found = [p for ps in everyone for p in ps]
+    if found:
+        raise manifest.damaged(step_dir, found, fix)
+    if warning and rank == 0:
+        log.warning("%s", warning)
+
+
+def short_files(step_dir: str | os.PathLike) -> list[str]:
+    """The shards of a torch_dist checkpoint shorter than its ``.metadata`` says (a copy or a save cut short),
+    each named; an unreadable ``.metadata`` is named too."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root = Path(step_dir)
+    try:
+        storage = FileSystemReader(str(root)).read_metadata().storage_data
+    except BaseException as e:  # an unpickling error of a damaged file can be anything
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        return [f"{root / '.metadata'} cannot be read ({type(e).__name__}: {_first_line(e)})"]
+    need: dict[str, int] = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    bad = []
+    for rel, n in sorted(need.items()):
+        try:
+            size = (root / rel).stat().st_size
+        except FileNotFoundError:
+            bad.append(f"{root / rel} is missing")
+            continue
+        if size < n:
+            bad.append(f"{root / rel} is truncated ({size} bytes, .metadata says at least {n})")
+    return bad
+
+
+def _load_failed(step_dir: Path, e: BaseException) -> BaseException:
+    """What dist_checkpointing raised, as one line naming the checkpoint: torch's ``CheckpointException`` carries
+    each rank's error with a traceback in its text; a bare ``EOFError`` names nothing."""
+    failures = getattr(e, "failures", None)
+    inner = list(failures.values()) if isinstance(failures, dict) else [e]
+    inner = [x[0] if isinstance(x, tuple) else x for x in inner]
+    what = "; ".join(f"{type(x).__name__}: {_first_line(x)}" if str(x).strip() else type(x).__name__ for x in inner)
+    if all(isinstance(x, OSError) and not isinstance(x, FileNotFoundError) for x in inner):
+        return RuntimeError(f"checkpoint {step_dir} could not be read ({what}); a filesystem error may pass: "
+                            "try again")
+    short = short_files(step_dir)
+    named = f" ({'; '.join(short)})" if short else ""
+    return CheckpointDamaged(f"checkpoint {step_dir} cannot be loaded: {what}{named}: its files are damaged or "
+                             "were not all written", RESUME_FIX)
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    """An error's first line, printable ASCII only: an unpickling error may quote the damaged bytes."""
+    line = "".join(c if " " <= c <= "~" else "?" for c in (str(e).strip().splitlines() or [""])[0])
+    return line if len(line) <= limit else line[:limit] + "…"

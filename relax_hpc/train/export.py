@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from relax_hpc.errors import PermanentError
+
 
 def export_hf(bridge, model: list, out_dir: str | os.PathLike) -> Path:
     """Write config, tokenizer and safetensors weights to ``out_dir`` (rank 0 writes; all ranks call)."""
@@ -51,13 +53,32 @@ def load_hf_weights(bridge, model: list, named: Mapping[str, torch.Tensor]) -> N
     bridge._model_bridge.load_weights_hf_to_megatron(_InMemory(named), model)
 
 
+class NonFiniteWeights(PermanentError):
+    """A checkpoint holds NaN or infinite weights: an export of it would be a broken model that loads fine."""
+
+
+def nonfinite(chunks: list) -> list[tuple[str, int, int]]:
+    """(name, non-finite values, values) of every floating-point tensor of the model's state that is not all finite."""
+    bad = []
+    for i, chunk in enumerate(chunks):
+        prefix = f"model{i}." if len(chunks) > 1 else ""
+        for name, t in chunk.state_dict().items():
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                n = int((~torch.isfinite(t)).sum())
+                if n:
+                    bad.append((prefix + name, n, t.numel()))
+    return bad
+
+
 def export_checkpoint(step_dir: str | os.PathLike, model_path: str | os.PathLike, out_dir: str | os.PathLike, *,
-                      bf16: bool = False) -> Path:
+                      bf16: bool = False, verify: bool = True) -> Path:
     """A checkpoint step directory as an HF directory, in a process whose default group has one rank.
 
     The model is built at TP=1, PP=1 from ``model_path`` (the run's ``model.path``: architecture, config,
     tokenizer) and its weights replaced by the checkpoint's; dist_checkpointing reshards whatever TP/PP the
     checkpoint was saved with. ``bf16`` must be the run's ``train.bf16`` (the dtype the weights were saved in).
+    The checkpoint's files are checked against its manifest first (``verify=False``: the caller just did), and
+    weights that are not all finite raise :class:`NonFiniteWeights` naming each tensor before anything is written.
     """
     from relax_hpc.train import checkpoint as ckpt
     from relax_hpc.train.config import TrainConfig
@@ -71,5 +92,9 @@ def export_checkpoint(step_dir: str | os.PathLike, model_path: str | os.PathLike
     built = build_model(model_path, cfg)
     for m in built.chunks:
         m.requires_grad_(False)
-    ckpt.load(step_dir, built.chunks, None, load_optimizer=False)
+    ckpt.load(step_dir, built.chunks, None, load_optimizer=False, verify=verify)
+    bad = nonfinite(built.chunks)
+    if bad:
+        raise NonFiniteWeights(f"checkpoint {step_dir} has non-finite weights: " + ", ".join(
+            f"{name} ({n} of {total} values NaN or inf)" for name, n, total in bad))
     return export_hf(built.bridge, built.chunks, out_dir)

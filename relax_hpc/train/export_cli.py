@@ -5,17 +5,22 @@ from the run's ``model.path`` and the checkpoint loaded into it, whatever TP/PP 
 (dist_checkpointing reshards); then megatron-bridge writes config and safetensors
 (:func:`relax_hpc.train.export.export_checkpoint`) and the tokenizer files are copied from ``model.path``.
 
-Everything that can refuse (no run, no checkpoint, no such step, OUT_DIR not empty, no model) is checked before
-megatron is imported, so a mistake costs a second, not the model's build. Of the run's resolved recipe
-(``RUN/recipe.yaml``, relax-submit's) it reads two keys: ``model.path`` and ``train.bf16``.
+Everything that can refuse (no run, no checkpoint, no such step, OUT_DIR not empty or holding an input, no model, a
+checkpoint whose files do not match its manifest) is checked before megatron is imported, so a mistake costs
+seconds, not the model's build; weights that are not finite are refused after the load, naming the tensors. The
+export is written beside OUT_DIR and renamed to it when complete (:func:`publish`), so OUT_DIR never holds a mix
+and a failed export leaves it as it was. Of the run's resolved recipe (``RUN/recipe.yaml``, relax-submit's) it
+reads two keys: ``model.path`` and ``train.bf16``.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import glob
 import json
 import os
+import secrets
 import shutil
 import sys
 import time
@@ -44,6 +49,7 @@ class Plan:
     model_path: Path  # the run's model.path, resolved
     bf16: bool  # the run's train.bf16: the dtype the weights were saved in
     out: Path
+    force: bool = False  # replace a non-empty OUT_DIR
 
 
 def find_run(run: str | os.PathLike) -> Path:
@@ -139,13 +145,27 @@ def resolve_model(run: Path, path: str | None, where: dict) -> Path:
                       "the run started from")
 
 
-def check_out_dir(out: Path, force: bool, run: Path, step: int) -> None:
+def check_out_dir(out: Path, force: bool, run: Path, step: int, inputs: dict[str, Path] | None = None) -> None:
+    """Refuse an OUT_DIR that is a file, that is not empty (without --force), that is (or holds) one of the
+    export's ``inputs`` ({what: path}), or that lies inside ``inputs["checkpoints"]``: --force replaces OUT_DIR,
+    which must never take the model, the run or a checkpoint with it."""
+    inputs = dict(inputs or {})
+    ckpts = inputs.pop("checkpoints", None)
+    if ckpts is not None and ckpts in out.parents:
+        raise ExportError(f"OUT_DIR {out} is inside the run's checkpoints ({ckpts}): refusing to write the export "
+                          f"of run {run} step {step} among them. Fix: a directory outside {ckpts}")
+    for what, path in inputs.items():
+        if path == out or out in path.parents:
+            held = "is" if path == out else f"holds {path}, which is"
+            raise ExportError(f"OUT_DIR {out} {held} {what}: the export of run {run} step {step} reads it, and "
+                              f"{'--force would delete it' if force else 'must not be written into it'}. Fix: "
+                              "a new directory outside it (e.g. beside it)")
     if out.exists() and not out.is_dir():
         raise ExportError(f"OUT_DIR {out} is a file. Fix: name a directory for the export of run {run} step {step}")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ExportError(f"OUT_DIR {out} is not empty: refusing to mix the export of run {run} step {step} with "
-                          "what is there. Fix: a new or empty directory, or --force to write into it (its weight "
-                          "files are removed first)")
+                          "what is there. Fix: a new or empty directory, or --force to replace it (its content is "
+                          "deleted once the new export is complete)")
 
 
 def plan(args: argparse.Namespace) -> Plan:
@@ -154,8 +174,10 @@ def plan(args: argparse.Namespace) -> Plan:
     path, bf16, where = read_recipe_keys(run)
     model = resolve_model(run, str(args.model) if args.model else path, where)
     out = Path(args.out_dir).expanduser().resolve()
-    check_out_dir(out, args.force, run, step)
-    return Plan(run, step_dir, step, meta, model, bf16, out)
+    inputs = {"the run's model directory (model.path)": model, "the run directory": run,
+              "the checkpoint": step_dir.resolve(), "checkpoints": (run / "checkpoints").resolve()}
+    check_out_dir(out, args.force, run, step, inputs)
+    return Plan(run, step_dir, step, meta, model, bf16, out, bool(args.force))
 
 
 def copy_tokenizer_files(src: Path, out: Path) -> list[str]:
@@ -168,39 +190,125 @@ def copy_tokenizer_files(src: Path, out: Path) -> list[str]:
     return copied
 
 
+def verify_checkpoint(p: Plan) -> None:
+    """The checkpoint's files against its manifest (sha256 of every file; for one saved before manifests, its
+    shards' sizes), before megatron is imported; raises :class:`ExportError` naming each damaged file."""
+    from relax_hpc.train import checkpoint as ckpt  # torch, not megatron
+    from relax_hpc.train.manifest import damaged
+
+    found, warning = ckpt.problems(p.step_dir, p.meta)
+    if found:
+        raise ExportError(f"{damaged(p.step_dir, found).what}. Fix: {_other_steps(p)}, or put back the damaged "
+                          "files from a copy")
+    if warning:
+        print(f"relax-export: warning: {warning}", file=sys.stderr, flush=True)
+
+
+def _other_steps(p: Plan) -> str:
+    others = [d for d in complete(p.run / "checkpoints") if d.name != p.step_dir.name]
+    return (f"export another step (--step one of {_steps(others)})" if others else
+            "the run has no other complete checkpoint to export")
+
+
 def export(p: Plan) -> Path:
-    """Build, load, write (imports megatron). Runs in this process with one gloo rank and no GPU."""
+    """Verify, build, load, write (imports megatron). Runs in this process with one gloo rank and no GPU.
+
+    Everything is written into a new directory beside OUT_DIR, which is renamed to OUT_DIR when complete: a failed
+    export leaves OUT_DIR as it was, and of two exports into one directory at once one is there whole and the
+    other refused (:func:`publish`)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a login node's rules on a GPU node too: the CPU layer, gloo
     import warnings
 
     for cat in (FutureWarning, DeprecationWarning):  # megatron's and torch's, about their own APIs: noise here
         warnings.filterwarnings("ignore", category=cat)
     warnings.filterwarnings("ignore", module=r"megatron\.")  # "Apex is not installed", deprecations of specs
+    verify_checkpoint(p)
     import torch
     import torch._dynamo
     import torch.distributed as dist
 
-    from relax_hpc.train.export import export_checkpoint
+    from relax_hpc.train.checkpoint import fsync_tree
+    from relax_hpc.train.export import NonFiniteWeights, export_checkpoint
+    from relax_hpc.train.manifest import CheckpointDamaged
 
     torch._dynamo.config.disable = True  # Megatron's torch.compile'd fusions cost ~20 s of C++ on a CPU, for nothing
-    p.out.mkdir(parents=True, exist_ok=True)
-    for f in p.out.iterdir():  # --force: no stale shard of an earlier export may sit beside the new ones
-        if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES):
-            f.unlink()
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    p.out.parent.mkdir(parents=True, exist_ok=True)
+    stage = _new_dir(p.out, "relax-export")
     try:
-        export_checkpoint(p.step_dir, p.model_path, p.out, bf16=p.bf16)
-    finally:
+        own = not dist.is_initialized()
         if own:
-            dist.destroy_process_group()
-    copy_tokenizer_files(p.model_path, p.out)
-    (p.out / PROVENANCE).write_text(json.dumps({
-        "run": str(p.run), "step": p.step, "checkpoint": str(p.step_dir), "saved_layout": p.meta.get("layout"),
-        "model_path": str(p.model_path), "dtype": "bfloat16" if p.bf16 else "float32", "time": time.time()},
-        indent=1) + "\n")
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            export_checkpoint(p.step_dir, p.model_path, stage, bf16=p.bf16, verify=False)  # verified above
+        except CheckpointDamaged as e:  # bytes that match no manifest (an older checkpoint) and do not load
+            raise ExportError(f"{e.what}. Fix: {_other_steps(p)}") from None
+        except NonFiniteWeights as e:
+            raise ExportError(f"{e}: refusing to export them (the training diverged before this save, or its "
+                              f"files were damaged since). Fix: {_other_steps(p)}") from None
+        finally:
+            if own:
+                dist.destroy_process_group()
+        copy_tokenizer_files(p.model_path, stage)
+        (stage / PROVENANCE).write_text(json.dumps({
+            "run": str(p.run), "step": p.step, "checkpoint": str(p.step_dir), "saved_layout": p.meta.get("layout"),
+            "model_path": str(p.model_path), "dtype": "bfloat16" if p.bf16 else "float32", "time": time.time()},
+            indent=1) + "\n")
+        fsync_tree(stage)  # the files are durable before the rename makes them OUT_DIR
+        publish(stage, p)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)  # gone after a rename; an unfinished export's otherwise
     return p.out
+
+
+def _new_dir(out: Path, what: str) -> Path:
+    """A new directory beside ``out`` (same filesystem: a rename moves it), named for the process that made it."""
+    while True:
+        d = out.parent / f".{out.name}.{what}-{os.getpid()}-{secrets.token_hex(3)}"
+        try:
+            d.mkdir()
+            return d
+        except FileExistsError:
+            continue
+
+
+def publish(stage: Path, p: Plan) -> None:
+    """Rename the finished export to OUT_DIR. rename(2) replaces only a missing or empty directory, atomically: if
+    another export filled OUT_DIR meanwhile this one is refused and OUT_DIR keeps the other's, whole. --force moves
+    the old OUT_DIR aside first and deletes it once the new one is in place."""
+    from relax_hpc.rundir import fsync_dir
+
+    try:
+        os.rename(stage, p.out)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not p.force:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise ExportError(_filled(p)) from None
+            raise
+        aside = _new_dir(p.out, "relax-export-old")
+        try:
+            os.rename(p.out, aside)  # onto an empty directory: replaces it
+        except FileNotFoundError:  # another --force export moved it aside first
+            pass
+        try:
+            os.rename(stage, p.out)
+        except OSError as e2:
+            if e2.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise ExportError(_filled(p)) from None
+            raise
+        finally:
+            shutil.rmtree(aside, ignore_errors=True)
+    fsync_dir(p.out.parent)
+
+
+def _filled(p: Plan) -> str:
+    try:
+        other = json.loads((p.out / PROVENANCE).read_text())
+        theirs = f" (its {PROVENANCE}: run {other.get('run')} step {other.get('step')})"
+    except (OSError, ValueError):
+        theirs = ""
+    return (f"OUT_DIR {p.out} was filled by another export while this one (run {p.run} step {p.step}) ran"
+            f"{theirs}: refusing to mix them; OUT_DIR keeps the other one whole and nothing of this one was left. "
+            "Fix: export into another directory, or run one export at a time (--force replaces OUT_DIR)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -214,7 +322,8 @@ def parser() -> argparse.ArgumentParser:
                     help="the run step whose checkpoint to export (default: checkpoints/latest)")
     ap.add_argument("--model", default=None, metavar="DIR",
                     help="the HF model directory the run started from (default: the run's model.path)")
-    ap.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR")
+    ap.add_argument("--force", action="store_true",
+                    help="replace a non-empty OUT_DIR (its content is deleted once the new export is complete)")
     return ap
 
 
@@ -231,9 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         export(p)
-    except Exception as e:
-        print(f"relax-export: exporting run {p.run} step {p.step} failed: {type(e).__name__}: {e}", file=sys.stderr,
-              flush=True)
+    except ExportError as e:
+        print(f"relax-export: {e}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
+    except BaseException as e:  # torch's CheckpointException is a BaseException: one line, not its traceback
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        what = (str(e).strip().splitlines() or [""])[0][:500]
+        print(f"relax-export: exporting run {p.run} step {p.step} ({p.step_dir}) failed: {type(e).__name__}: "
+              f"{what}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     print(f"relax-export: wrote {p.out} in {time.time() - t0:.1f} s; load it with "
           f"AutoModelForCausalLM.from_pretrained({str(p.out)!r})", flush=True)
