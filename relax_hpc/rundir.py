@@ -12,6 +12,7 @@ summary.json, the events) still land. :func:`no_space_message` is that reason, i
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import errno
 import functools
@@ -62,6 +63,10 @@ class RunDir:
     @property
     def token_file(self) -> Path:  # shared secret for the control socket, by relax-submit
         return self.path / "token"
+
+    @property
+    def secrets_file(self) -> Path:  # the recipe's secrets (slurm.env's values, ...), by relax-submit (secrets, below)
+        return self.path / "secrets.json"
 
     @property
     def api_key_file(self) -> Path:  # the run's inference-engine API key, by the first caller of api_key()
@@ -437,3 +442,139 @@ def json_text(data: Any) -> str:
 
 def write_json(path: Path, data: Any) -> None:
     write_private(path, json_text(data))
+
+
+# -- the recipe's secrets and RUN/secrets.json -------------------------------------------------------------------
+# Which values of a recipe are secrets (docs/controller.md, "Secrets"):
+#
+# * every value of ``slurm.env`` (a token such as ``HF_TOKEN`` or ``WANDB_API_KEY`` is set there);
+# * a value of ``slurm.container.env`` whose name says TOKEN, KEY, SECRET, PASSWORD (:func:`secret_name`);
+# * every ``logging.notify_urls`` entry (an Apprise URL carries its service's password or token in the URL itself).
+#
+# Masked at the source: the recipe copy (``RUN/recipe.yaml``) and ``job.json`` hold :data:`MASK` where the value was,
+# so nothing that reads or uploads them (relax-status --json, the dry run, W&B's config, a run directory attached to
+# a bug report) can show one. The values are in one file, ``RUN/secrets.json`` (0600, :func:`write_secrets`), as
+# ``{override key: value}``; the controller loads the recipe with them as overrides (:func:`secret_overrides`), so a
+# requeued or resumed attempt has them too. Roles read the masked copy: none needs a secret's value, which reaches
+# the steps through their environment (never a command line). Only these keys are masked: the roles read every
+# other value of the copy. Here, with the run directory, because the W&B writer (which the recipe validator
+# imports) masks with it too: nothing of the recipe's is imported.
+
+MASK = "***"
+SECRET_ENV = "slurm.env"  # every value a secret
+SECRET_NAMED_ENV = "slurm.container.env"  # the values whose names say so (secret_name)
+SECRET_URLS = "logging.notify_urls"  # every entry
+_NAME = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(?![A-Za-z])", re.IGNORECASE)
+
+
+def secret_name(name: str) -> bool:
+    """An environment variable whose name says it holds a secret: TOKEN, KEY, SECRET, PASSWORD (PASSWD, CREDENTIAL)
+    not followed by another letter (``HF_TOKEN``, ``WANDB_API_KEY``, ``AWS_SECRET_ACCESS_KEY``, ``DB_PASSWORD``; not
+    ``TOKENIZERS_PARALLELISM``)."""
+    return bool(_NAME.search(str(name)))
+
+
+def masked_url(url: str) -> str:
+    """A notification URL as the recipe copy and W&B show it: its scheme, the rest masked."""
+    return f"{url.split('://', 1)[0]}://{MASK}" if "://" in url else MASK
+
+
+def is_masked(value: Any) -> bool:
+    """True for a value :func:`split_secrets` put in place of a secret (the validator passes it over)."""
+    return isinstance(value, str) and (value == MASK or value.endswith(f"://{MASK}"))
+
+
+def _dig(data: Any, path: str) -> Any:
+    for part in path.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def split_secrets(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A recipe as a dict (``recipe_to_dict``) → (a copy with each secret masked, the secrets as
+    ``{override key: value}``). A value masked already (a copy's) is not a secret of its own."""
+    masked, found = copy.deepcopy(data), {}
+    env = _dig(masked, SECRET_ENV)
+    named = _dig(masked, SECRET_NAMED_ENV)
+    for mapping, every in ((env, True), (named, False)):
+        if not isinstance(mapping, dict):
+            continue
+        prefix = SECRET_ENV if every else SECRET_NAMED_ENV
+        for k, v in list(mapping.items()):
+            if isinstance(v, str) and (every or secret_name(k)) and not is_masked(v):
+                found[f"{prefix}.{k}"] = v
+                mapping[k] = MASK
+    urls = _dig(masked, SECRET_URLS)
+    if isinstance(urls, list) and any(isinstance(u, str) and not is_masked(u) for u in urls):
+        found[SECRET_URLS] = list(urls)
+        section = _dig(masked, SECRET_URLS.rpartition(".")[0])
+        section[SECRET_URLS.rpartition(".")[2]] = [masked_url(u) if isinstance(u, str) else u for u in urls]
+    return masked, found
+
+
+def mask_secrets(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (a recipe as a dict) with its secrets masked."""
+    return split_secrets(data)[0]
+
+
+def secret_overrides(found: dict[str, Any]) -> list[str]:
+    """The secrets as the recipe loader's overrides (``key=value``, the value as JSON, which YAML reads alike)."""
+    return [f"{k}={json.dumps(v)}" for k, v in found.items()]
+
+
+def _secret_key(key: str) -> bool:
+    """An override key that sets a secret or a section holding one."""
+    for path in (SECRET_ENV, SECRET_NAMED_ENV, SECRET_URLS):
+        if path == key or path.startswith(key + ".") or key.startswith(path + "."):
+            return True
+    return False
+
+
+def mask_override(item: str) -> str:
+    """A command-line override (``key=value``) as ``job.json`` keeps it: the value masked where it sets a secret,
+    or a section holding one (``slurm.env={HF_TOKEN: x}``); the item as it is otherwise."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not _secret_key(key):
+        return item
+    parts = key.split(".")
+    if key.startswith(SECRET_ENV + ".") and len(parts) == 3:
+        return f"{key}={MASK}"
+    if key.startswith(SECRET_NAMED_ENV + ".") and len(parts) == 4:  # one variable: its name decides
+        return f"{key}={MASK}" if secret_name(parts[-1]) else item
+    import yaml
+
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return f"{key}={MASK}"
+    tree: dict[str, Any] = {}
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    if key == SECRET_URLS and isinstance(value, str):  # one URL given where a list belongs (the validator says so)
+        return f"{key}={masked_url(value)}"
+    out = _dig(mask_secrets(tree), key)
+    return f"{key}={out if isinstance(out, str) else json.dumps(out)}"
+
+
+def write_secrets(run: RunDir, found: dict[str, Any]) -> None:
+    """``RUN/secrets.json`` (0600, atomic): the recipe's secrets, by relax-submit (written even when empty, so that
+    a run says it has none)."""
+    write_private(run.secrets_file, json.dumps({"recipe": found}, indent=1) + "\n")
+
+
+def read_secrets(run: RunDir) -> dict[str, Any]:
+    """The recipe's secrets of a run (``{override key: value}``); {} for a run without the file (made before it
+    existed, or by hand). RunFileError for one that cannot be used: a run must not start without its secrets."""
+    try:
+        doc = read_json_file(run.secrets_file, dict)
+    except RunFileError as e:
+        if e.missing:
+            return {}
+        raise
+    found = doc.get("recipe")
+    if not isinstance(found, dict) or not all(isinstance(k, str) for k in found):
+        raise RunFileError(run.secrets_file, 'has no "recipe" object of override keys')
+    return found

@@ -150,3 +150,58 @@ def test_only_the_run_directorys_full_disk_is_the_runs(tmp_path, small_disk):
     assert not run_disk_full(rd, ValueError("bad row"))
     disk.fill()
     assert run_disk_full(rd, text_only)  # now it is
+
+
+# -- the recipe's secrets (RUN/secrets.json): which values, their masks, the file
+
+def test_secrets_are_slurm_env_named_container_variables_and_notify_urls():
+    from relax_hpc.rundir import MASK, secret_name, secret_overrides, split_secrets
+
+    data = {"run": {"steps": 2},
+            "slurm": {"env": {"HF_TOKEN": "tok", "OMP_NUM_THREADS": "1"},
+                      "container": {"env": {"MY_API_KEY": "k", "NCCL_DEBUG": "INFO", "TOKENIZERS_PARALLELISM": "x"}}},
+            "data": {"input_key": "prompt"},  # a recipe key named like a key is no secret: only env names count
+            "logging": {"notify_urls": ["json://u:pw@host/x"]}}
+    masked, found = split_secrets(data)
+    assert found == {"slurm.env.HF_TOKEN": "tok", "slurm.env.OMP_NUM_THREADS": "1",
+                     "slurm.container.env.MY_API_KEY": "k", "logging.notify_urls": ["json://u:pw@host/x"]}
+    assert masked["slurm"]["env"] == {"HF_TOKEN": MASK, "OMP_NUM_THREADS": MASK}
+    assert masked["slurm"]["container"]["env"] == {"MY_API_KEY": MASK, "NCCL_DEBUG": "INFO",
+                                                   "TOKENIZERS_PARALLELISM": "x"}
+    assert masked["logging"]["notify_urls"] == ["json://***"] and masked["data"] == {"input_key": "prompt"}
+    assert data["slurm"]["env"]["HF_TOKEN"] == "tok"  # the caller's dict is left as it was
+    assert split_secrets(masked) == (masked, {})  # a copy's masks are not secrets of their own
+    assert secret_overrides(found)[0] == 'slurm.env.HF_TOKEN="tok"'
+    assert [n for n in ("HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD", "hf_token", "APIKEY",
+                        "TOKENIZERS_PARALLELISM", "KEYBOARD", "NCCL_DEBUG") if secret_name(n)] == \
+        ["HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD", "hf_token", "APIKEY"]
+
+
+@pytest.mark.parametrize("item,kept", [
+    ("slurm.env.HF_TOKEN=tok", "slurm.env.HF_TOKEN=***"),
+    ("slurm.env={HF_TOKEN: tok, B: c}", 'slurm.env={"HF_TOKEN": "***", "B": "***"}'),
+    ("slurm={env: {A: tok}, partition: gpu}", 'slurm={"env": {"A": "***"}, "partition": "gpu"}'),
+    ("slurm.container.env.MY_TOKEN=tok", "slurm.container.env.MY_TOKEN=***"),
+    ("slurm.container.env.NCCL_DEBUG=INFO", "slurm.container.env.NCCL_DEBUG=INFO"),
+    ("logging.notify_urls=[json://u:tok@h/x]", 'logging.notify_urls=["json://***"]'),
+    ("logging.notify_urls=json://u:tok@h/x", "logging.notify_urls=json://***"),
+    ("slurm.env.HF_TOKEN=[unclosed", "slurm.env.HF_TOKEN=***"),
+    ("run.steps=2", "run.steps=2"), ("slurm.partition=gpu", "slurm.partition=gpu"),
+])
+def test_an_override_keeps_its_secret_out_of_job_json(item, kept):
+    from relax_hpc.rundir import mask_override
+
+    assert mask_override(item) == kept
+
+
+def test_the_secrets_file_is_the_owners_and_a_damaged_one_is_refused(tmp_path):
+    from relax_hpc.rundir import RunDir, read_secrets, write_secrets
+
+    run = RunDir(tmp_path)
+    assert read_secrets(run) == {}  # a run made before the file existed: its copy holds the values
+    write_secrets(run, {"slurm.env.HF_TOKEN": "tok"})
+    assert run.secrets_file.stat().st_mode & 0o777 == 0o600
+    assert read_secrets(run) == {"slurm.env.HF_TOKEN": "tok"}
+    run.secrets_file.write_text('{"recipe": ["x"]}')
+    with pytest.raises(RunFileError, match="secrets.json: has no \"recipe\" object"):
+        read_secrets(run)  # a run must not start without its secrets

@@ -64,30 +64,41 @@ def mounts(c: ContainerConfig, run_dir: Path) -> list[str]:
 def srun_options(recipe: Recipe, run_dir: Path) -> list[str]:
     """pyxis's srun options for a step (none for Apptainer, or without a container). The image's own value of a
     variable wins over the job's unless ``--container-env`` names it: ``PYTHONPATH`` (this relax_hpc) and
-    ``env``'s names are named; ``env``'s values reach the step by ``--export``."""
+    ``env``'s names are named; ``env``'s values are in srun's environment (:func:`step_env`), which srun passes on
+    (its default ``--export=ALL``): never on the command line, which every user of the node can read."""
     c = recipe.slurm.container
     if c is None or c.runtime != "pyxis":
         return []
-    out = [f"--container-image={c.image}", f"--container-mounts={','.join(mounts(c, run_dir))}",
-           f"--container-workdir={workdir(c)}", f"--container-env={','.join(['PYTHONPATH', *c.env])}"]
-    if c.env:
-        out.append("--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in c.env.items())]))
-    return out
+    return [f"--container-image={c.image}", f"--container-mounts={','.join(mounts(c, run_dir))}",
+            f"--container-workdir={workdir(c)}", f"--container-env={','.join(['PYTHONPATH', *c.env])}"]
+
+
+def step_env(recipe: Recipe) -> dict[str, str]:
+    """What a step's process (srun, or the local process that runs ``apptainer exec``) gets in its environment for
+    ``slurm.container.env``: the variables themselves for pyxis (``--container-env`` names them), Apptainer's
+    ``APPTAINERENV_<NAME>`` for Apptainer (which sets ``NAME`` inside, over the image's value). Values may be
+    secrets (a token): a process's environment is its owner's to read, its command line anyone's."""
+    c = recipe.slurm.container
+    if c is None or c.runtime is None:
+        return {}
+    if c.runtime == "apptainer":
+        return {f"APPTAINERENV_{k}": v for k, v in c.env.items()}
+    return dict(c.env)
 
 
 def command(recipe: Recipe, run_dir: Path, argv: list[str], pythonpath: str | None = None) -> list[str]:
     """A step's own command ``argv`` (``[python, -m, module, ...]``) as it runs in the container: the image's
-    Python instead of the host's, behind ``apptainer exec`` for Apptainer (``--env`` wins over the image's
-    values). ``pythonpath``: the step's (default :func:`step_pythonpath`)."""
+    Python instead of the host's, behind ``apptainer exec`` for Apptainer (``--env PYTHONPATH`` wins over the
+    image's value; ``env``'s variables come by :func:`step_env`, off the command line). ``pythonpath``: the step's
+    (default :func:`step_pythonpath`)."""
     c = recipe.slurm.container
     if c is None:
         return list(argv)
     inner = [c.python, *argv[1:]]
     if c.runtime != "apptainer":
         return inner
-    env = {"PYTHONPATH": pythonpath or step_pythonpath(), **c.env}
     return [APPTAINER, "exec", "--nv", "--bind", ",".join(mounts(c, run_dir)),
-            *(x for k, v in env.items() for x in ("--env", f"{k}={v}")), "--pwd", workdir(c), c.image, *inner]
+            "--env", f"PYTHONPATH={pythonpath or step_pythonpath()}", "--pwd", workdir(c), c.image, *inner]
 
 
 def unserved(recipe: Recipe, runtimes: tuple[str, ...], here: bool = False) -> str | None:

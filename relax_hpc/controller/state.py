@@ -101,6 +101,7 @@ class RunState:
         self.failure: Failure | None = None
         self.members = cross_members(recipe)
         self.task_timeout_s = float(recipe.logging.task_timeout_s)
+        self.max_restarts = int(recipe.checkpoint.max_restarts)
         now = time.time()
         job = run.read_json(run.job, {}) or {}
         self.doc: dict[str, Any] = {
@@ -121,14 +122,32 @@ class RunState:
         if prev:
             self.doc.update({k: prev[k] for k in CARRIED if prev.get(k) is not None})
             self.doc["restarts"] += 1 if restart else 0
-            self.doc["history"] = (self.doc["history"] + [{k: prev.get(k) for k in (
-                "attempt", "job_id", "state", "reason", "step", "updated_at")}])[-MAX_EVENTS:]
+            ended = {k: prev.get(k) for k in ("attempt", "job_id", "state", "reason", "step", "updated_at")}
+            if prev.get("restarting"):  # published as RUNNING while it restarted: the try itself FAILED
+                ended.update(state=FAILED, reason=prev["restarting"])
+            self.doc["history"] = (self.doc["history"] + [ended])[-MAX_EVENTS:]
         self.dirty, self.urgent, self._last_write = True, True, 0.0
         self.on_event = None  # called with (name, detail) for each event (the controller notifies)
 
     @property
     def running(self) -> bool:
         return self.doc["state"] == RUNNING
+
+    @property
+    def will_restart(self) -> bool:
+        """This try FAILED of a step's failure a restart may fix (``role``), and a restart is left
+        (``checkpoint.max_restarts``): the controller restarts every step from the latest checkpoint."""
+        f = self.failure
+        return (self.doc["state"] == FAILED and f is not None and f.kind == "role"
+                and self.doc["restarts"] < self.max_restarts)
+
+    def public(self) -> dict[str, Any]:
+        """``state.json`` as written: the doc, except while a failure is being restarted (:attr:`will_restart`),
+        which is no end of the run and must not read as one (a watcher takes FAILED for the end): RUNNING, phase
+        ``restarting``, the failure in ``restarting`` (and ``last_failure``); FAILED only once no restart is left."""
+        if not self.will_restart:
+            return self.doc
+        return {**self.doc, "state": RUNNING, "reason": None, "phase": "restarting", "restarting": self.doc["reason"]}
 
     # -- inputs
     def step_started(self, role: str, now: float) -> None:
@@ -308,14 +327,14 @@ class RunState:
         if self.dirty and (self.urgent or now - self._last_write >= every_s):
             self.doc["updated_at"] = now
             try:
-                write_json(self.run.state, self.doc)
+                write_json(self.run.state, self.public())
             except OSError as e:
                 if no_space(e) is None:
                     raise
                 self.out_of_space(e, self.run.state)  # the failure in the doc, then in the reserve's blocks
-                if not self.run.write_in_reserve(self.run.state, json_text(self.doc)):
+                if not self.run.write_in_reserve(self.run.state, json_text(self.public())):
                     try:
-                        write_json(self.run.state, self.doc)
+                        write_json(self.run.state, self.public())
                     except OSError as again:  # no reserve left: the log says it, a later write tries again
                         log.error("could not write %s: %s", self.run.state, again)
                         return

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import relax_hpc
+from relax_hpc.controller import container
 from relax_hpc.controller.backend import (Backend, Proc, backend_for, executor_from_env,  # noqa: F401
                                           stop_processes, task_log_pattern)
 from relax_hpc.recipe import Recipe, RoleStep, initial_engines, role_steps
@@ -54,8 +55,11 @@ def pythonpath(path: str | None) -> str:
 
 
 def _common_env(recipe: Recipe, launch_id: str, rendezvous: str) -> dict[str, str]:
+    """A role step's environment beyond the controller's: ``slurm.env`` and the container's variables travel here,
+    never on a command line (their values may be secrets)."""
     return {
         **recipe.slurm.env,
+        **container.step_env(recipe),
         "RELAX_LAUNCH_ID": launch_id,
         "RELAX_RENDEZVOUS": rendezvous,
         "PYTHONUNBUFFERED": "1",
@@ -117,7 +121,7 @@ def start_engine_step(recipe: Recipe, run_dir: Path, executor: str | Backend, na
     host_log = Path(run_dir) / "logs" / f"{name}.host.log"
     host_log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": pythonpath(os.environ.get("PYTHONPATH")), "PYTHONUNBUFFERED": "1",
-           **recipe.slurm.env}
+           **recipe.slurm.env, **container.step_env(recipe)}
     with open(host_log, "ab") as out:
         return subprocess.Popen(engine_step_argv(recipe, Path(run_dir), executor, name, origin, op, exclude),
                                 env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,

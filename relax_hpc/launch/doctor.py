@@ -259,10 +259,17 @@ def check_interfaces(spec: str | None = None) -> Check:
     return Check("network", OK, f"{where}: " + ", ".join(f"{n} {' '.join(a)}" for n, a in v4.items()))
 
 
-def write_probe(root: str | Path) -> dict[str, Any]:
-    """A fresh probe file in ``root`` (made if missing): path, token, and (dev, ino) as this node sees it."""
+def write_probe(root: str | Path, create: bool = False) -> dict[str, Any]:
+    """A fresh probe file in ``root``: path, token, and (dev, ino) as this node sees it. A missing ``root`` is a
+    DoctorError naming it (a typo must not make a directory and pass), unless ``create`` (the default runs root,
+    which relax-submit makes anyway)."""
     root = Path(root).absolute()
-    root.mkdir(parents=True, exist_ok=True)
+    if create:
+        root.mkdir(parents=True, exist_ok=True)
+    elif not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise DoctorError(f"--run-dir {root} {what}. Fix: give the runs root your recipes use (run.runs_root), as "
+                          f"it is on this node, or leave --run-dir out for {DEFAULT_RUNS_ROOT}")
     token = secrets.token_hex(8)
     path = root / f"{PROBE_PREFIX}{token}"
     path.write_text(token)
@@ -424,8 +431,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--partition", help="the partition for --nodes (default: the cluster's default)")
     ap.add_argument("--gpus-per-node", type=int, default=None,
                     help="GPUs each task asks for (default: all of the partition's smallest node)")
-    ap.add_argument("--run-dir", default=DEFAULT_RUNS_ROOT,
-                    help=f"the runs root to check (recipe run.runs_root; default {DEFAULT_RUNS_ROOT})")
+    ap.add_argument("--run-dir", default=None,
+                    help=f"the runs root to check, an existing directory (recipe run.runs_root; default "
+                         f"{DEFAULT_RUNS_ROOT}, made if missing)")
     ap.add_argument("--json", action="store_true", help="print the checks as JSON")
     ap.add_argument("--node-task", help=argparse.SUPPRESS)  # one srun task: the probe, as JSON
     return ap
@@ -439,10 +447,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(asdict(c)), flush=True)
         return 0
     try:
+        if args.run_dir is None:  # the default runs root: made, as relax-submit would; a given one must exist
+            Path(DEFAULT_RUNS_ROOT).mkdir(parents=True, exist_ok=True)
+        run_dir = args.run_dir or DEFAULT_RUNS_ROOT
         if args.nodes > 0:
-            checks = cluster_checks(args.nodes, args.partition, args.gpus_per_node, args.run_dir)
+            checks = cluster_checks(args.nodes, args.partition, args.gpus_per_node, run_dir)
         else:
-            probe = write_probe(args.run_dir)
+            probe = write_probe(run_dir)
             try:
                 checks = local_checks(probe)
             finally:

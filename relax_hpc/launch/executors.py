@@ -50,9 +50,12 @@ class ControllerTask:
         self.resubmit = resubmit
 
     def __call__(self) -> Any:
-        from relax_hpc.controller import run_controller
+        from relax_hpc.controller import recipe_copy, run_controller
         from relax_hpc.launch import attach
+        from relax_hpc.rundir import RunDir
 
+        # slurm.env's values: from the run's secrets file, not from the batch script (RUN/secrets.json)
+        os.environ.update(recipe_copy.job_env(RunDir(Path(self.run_dir))))
         return run_controller(self.run_dir, requeue_job=scontrol_requeue, resubmit=self.resubmit, capacity=attach)
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit_utils.DelayedSubmission:

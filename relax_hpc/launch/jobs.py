@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relax_hpc.controller import recipe_copy
 from relax_hpc.launch import localproc
 from relax_hpc.launch.executors import ControllerTask, HetSlurmExecutor, RelaxLocalExecutor, runner_argv
 from relax_hpc.launch.render import PACKAGE_ROOT, render_script
 from relax_hpc.launch.slurm import parse_time
-from relax_hpc.recipe import Recipe, load_recipe
+from relax_hpc.recipe import Recipe
 from relax_hpc.rundir import RunDir, write_json, write_private
 
 
@@ -110,7 +111,7 @@ def start_local(p: Plan, rd: RunDir) -> tuple[dict, Any]:
 
 def resume_local(rd: RunDir, old: dict, python: str | None = None) -> tuple[dict, Any]:
     """A new local process for an ended run (its job.json was ``old``); (the new job.json, the submitit job)."""
-    recipe = load_recipe(rd.recipe)
+    recipe = recipe_copy.load(rd)  # with its secrets
     p = Plan(recipe, str(rd.recipe), [], "local", python or old.get("python") or sys.executable, [rd.path])
     (rd.path / "cancel.json").unlink(missing_ok=True)  # an earlier relax-cancel is not this attempt's
     job = submit_local(p, rd)
@@ -128,7 +129,7 @@ def resubmit(run_dir: str | Path, python: str | None = None) -> dict:
     ``previous_job_ids``). Returns the updated job.json contents."""
     rd = RunDir(Path(run_dir).resolve())
     old = rd.read_json(rd.job, {}) or {}
-    recipe = load_recipe(rd.recipe)
+    recipe = recipe_copy.load(rd)  # with its secrets
     search = [Path.cwd()] + ([Path(old["recipe_source"]).parent] if old.get("recipe_source") else []) + [rd.path]
     p = Plan(recipe, str(rd.recipe), [], "slurm", python or old.get("python") or sys.executable, search)
     script = p.script(rd.path)

@@ -20,9 +20,10 @@ import jinja2
 import relax_hpc
 from relax_hpc.recipe import Recipe, RecipeError
 from relax_hpc.recipe.layout import het_groups, role_steps
+from relax_hpc.rundir import MASK
 
 PACKAGE_ROOT = Path(relax_hpc.__file__).resolve().parents[1]  # put on PYTHONPATH: the job imports this relax_hpc
-SBATCH_DIR = PACKAGE_ROOT / "sbatch"
+SBATCH_DIR = Path(relax_hpc.__file__).resolve().parent / "sbatch"  # package data: the wheel carries it
 DEFAULT_TEMPLATE = "hetjob.sbatch.j2"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -132,7 +133,9 @@ def template_context(recipe: Recipe, run_dir: Path, command: list[str], pythonpa
         "requeue": s.requeue,
         "signal_lead_s": s.signal_lead_s,
         "groups": groups_of(recipe),
-        "env": dict(s.env),
+        # slurm.env's names, each value masked: the values are secrets (relax_hpc.rundir.split_secrets), kept out of
+        # the script (RUN/job.sbatch, sbatch's copy); the launcher's task sets them from RUN/secrets.json
+        "env": {k: MASK for k in s.env},
         "command": list(command),
         "python": command[0],
         "pythonpath": pythonpath,
@@ -141,7 +144,7 @@ def template_context(recipe: Recipe, run_dir: Path, command: list[str], pythonpa
 
 def resolve_template(name: str | None, search: Iterable[Path] = ()) -> Path:
     """The template file: the default, or ``slurm.template`` as given (absolute), relative to one of
-    ``search`` (the working directory, the recipe's directory), or a file name under ``sbatch/``."""
+    ``search`` (the working directory, the recipe's directory), or a file name under ``relax_hpc/sbatch/``."""
     if not name:
         return SBATCH_DIR / DEFAULT_TEMPLATE
     p = Path(name).expanduser()

@@ -1,7 +1,9 @@
 """Notifications of a run's life through Apprise (Slack, e-mail, ntfy, a JSON webhook, ... one URL each).
 
 Where the URLs come from: the recipe's ``logging.notify_urls`` and the environment variable
-``RELAX_NOTIFY_URLS`` (whitespace- or comma-separated; for secrets that should not sit in a recipe).
+``RELAX_NOTIFY_URLS`` (whitespace- or comma-separated). The recipe's URLs are secrets (they carry the service's
+password or token): the run directory's copy of the recipe holds them masked, the controller gets them from the run's
+secrets file (:mod:`relax_hpc.rundir`, "the recipe's secrets").
 Delivery must never cost the run anything: each send runs in a daemon thread the caller waits on for at
 most ``timeout_s``, and a failure is logged (by URL scheme only: URLs carry tokens) and forgotten.
 """
@@ -77,8 +79,12 @@ class Notifier:
         """Errors for URLs Apprise cannot parse (recipe validation); each names the key, the scheme and the fix."""
         import apprise
 
+        from relax_hpc.rundir import is_masked
+
         errors = []
         for i, url in enumerate(urls):
+            if is_masked(url):  # the run directory's copy: the URL itself is in the run's secrets file
+                continue
             if not apprise.Apprise().add(url):
                 errors.append(f"logging.notify_urls[{i}] = {_scheme(url)} is not a URL Apprise understands. "
                               f"Fix: see {HELP} for the URL of your service")

@@ -76,9 +76,13 @@ def credential_problems(cfg: WandbConfig, env: dict[str, str] | None = None, hom
 
 
 def public_config(recipe: dict[str, Any]) -> dict[str, Any]:
-    """The recipe as the W&B config, without its secrets: an online run uploads it. Apprise URLs carry their tokens
-    in the URL itself (only the scheme is kept, as the validator shows them); any other URL loses its user:password.
+    """The recipe as the W&B config, without its secrets: an online run uploads it, and an offline one keeps it in
+    its files. The recipe's secrets (:func:`relax_hpc.rundir.split_secrets`: ``slurm.env``'s values, a container
+    variable named like a token, the Apprise URLs) are masked; of an Apprise URL only the scheme is kept, as the
+    validator shows them; any other URL loses its user:password.
     """
+    from relax_hpc.rundir import mask_secrets
+
     def clean(v: Any, key: str = "") -> Any:
         if isinstance(v, dict):
             return {k: clean(x, k) for k, x in v.items()}
@@ -92,7 +96,7 @@ def public_config(recipe: dict[str, Any]) -> dict[str, Any]:
             return f"{scheme}://{host.rsplit('@', 1)[-1]}{sep}{path}"
         return v
 
-    return clean(recipe)
+    return clean(mask_secrets(recipe))
 
 
 class WandbWriter:

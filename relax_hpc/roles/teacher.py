@@ -11,7 +11,9 @@ tasks_per_node) is the number of teachers. Teachers never get weight syncs. Task
   student's response tokens;
 - ``stop``: the engines stop (by PID) on the way out, whatever happened.
 
-The teacher must use the student's tokenizer: it scores the student's token ids as they are.
+The teacher must use the student's tokenizer: it scores the student's token ids as they are. A teacher engine that
+dies is noticed by the rollout's client (:class:`~relax_hpc.rollout.teacher.TeacherError`, restartable): the run uses
+one of its ``checkpoint.max_restarts``, which starts this role, and so its engines, again.
 """
 
 from __future__ import annotations

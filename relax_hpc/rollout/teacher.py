@@ -19,12 +19,12 @@ response tokens (Relax's ``--opd-type sglang``, ``relax/engine/rollout/on_policy
 - **Teachers**: ``urls`` (teacher engines, or one router in front of them): each call goes to the one with the fewest
   calls in flight, round-robin among equals; one that refused a connection or answered a malformed or inconsistent
   answer is passed over for :data:`DOWN_S` seconds.
-- **Failures**, as the GenRM client handles its judges (:mod:`relax_hpc.rollout.genrm`): a transport error, a 5xx
-  or an answer of the wrong shape is retried on the next teacher, ``retries`` attempts in all with backoff
-  ``0.5·2^k`` s, all inside one deadline of ``timeout_s`` per batch; then :class:`TeacherError` (transient: a
-  restart may find the teacher back). A 4xx (but 408 and 429) is the request's fault and would come back from
-  every teacher: it raises :class:`TeacherRefused` at once, a :class:`~relax_hpc.errors.PermanentError` naming the
-  teacher, its answer and the fix.
+- **Failures**, as the GenRM client handles its judges (:mod:`relax_hpc.rollout.genrm`): a transport error, a 5xx or
+  an answer of the wrong shape is retried on the next teacher, ``retries`` attempts in all with backoff ``0.5·2^k`` s,
+  all inside one deadline of ``timeout_s`` per batch; then :class:`TeacherError` (transient: the step's failure uses a
+  restart, which starts the run's own teacher engines again). A 4xx (but 408 and 429) is the request's fault and would
+  come back from every teacher: it raises :class:`TeacherRefused` at once, a :class:`~relax_hpc.errors.PermanentError`
+  naming the teacher, its answer and the fix.
 - **Every number is checked.** A teacher log-prob that is NaN, null, infinite or positive (or such a top-k value)
   sends that sample to the next teacher; when every attempt gave a bad value, the sample's :class:`TeacherScore`
   has no log-probs and an ``error`` naming the teacher, the position and the value. The caller marks the sample
@@ -104,16 +104,24 @@ class TeacherScore:
 
 class TeacherError(RuntimeError):
     """A batch got no answer from any teacher within ``timeout_s`` and ``retries`` (transport errors, 5xx, answers of
-    the wrong shape): a restart, or a later try, may find the teacher back."""
+    the wrong shape): a restart, or a later try, may find the teacher back. ``restartable``: the generate task that
+    raises it lets the controller restart the steps (:mod:`relax_hpc.roles.tasks`), which starts the run's own teacher
+    engines again (the teacher role is a step), as an engine that died is (``checkpoint.max_restarts``)."""
+
+    restartable = True
 
 
 class TeacherRefused(TeacherError, PermanentError):
     """A teacher refused the request itself (4xx): every teacher would, every time. The run fails with the reason."""
 
+    restartable = False
+
 
 class TeacherBadValues(TeacherError, PermanentError):
     """The teachers answered, but never with usable numbers for some sample (NaN, inf, positive log-probs on every
     attempt): the same tokens would get the same answer again, so the run fails rather than restarting."""
+
+    restartable = False
 
 
 class TeacherClient:

@@ -130,7 +130,21 @@ def test_a_killed_step_is_restarted_and_the_run_goes_on(tmp_path, role, monkeypa
     run = make_run(tmp_path, dict(TINY, checkpoint={"max_restarts": 1}))
     killed: list = []
     kill_once(run, role, killed)
-    final = run_controller(run.path)
+    seen, done = set(), threading.Event()
+
+    def watch():  # what a watcher of state.json reads meanwhile: never an end while the run goes on
+        while not done.is_set():
+            seen.add((run.read_json(run.state, {}) or {}).get("state"))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        final = run_controller(run.path)
+    finally:
+        done.set()
+        watcher.join()
+    assert seen <= {None, "RUNNING", "COMPLETED"}, seen
     assert final["state"] == "COMPLETED" and final["restarts"] == 1 and final["attempt"] == 0
     assert role in final["last_failure"] and "code -9" in final["last_failure"]
     assert killed[0] not in final["roles"][role]["pids"]

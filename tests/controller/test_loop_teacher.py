@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from loop_sim import drive, metrics, sim_loop, sim_recipe, sim_run
+from loop_sim import answer, deliver_joins, drive, metrics, sim_loop, sim_recipe, sim_run
 
 from relax_hpc.algo.config import OPDConfig
+from relax_hpc.controller import messages as M
 from relax_hpc.launch.status import read_state
 from relax_hpc.recipe.schema import RoleGroup
 
@@ -81,3 +82,71 @@ def test_without_opd_no_teacher_goes_out_and_train_reads_no_teacher_field(tmp_pa
     assert [e[3]["teachers"] for e in log if e[2] == "generate"] == [{}]
     assert "teacher_log_probs" not in loop.broker.tasks["train"] and "teachers" not in loop.state.doc
     loop.finish()
+
+
+def dead_teacher_error(timeout_s: float = 2.0) -> BaseException:
+    """What rollout's teacher client raises when the run's own teacher engine is gone: a real client, a port no one
+    listens on any more."""
+    import socket
+
+    from relax_hpc.rollout.sample import Sample
+    from relax_hpc.rollout.teacher import TeacherClient, TeacherClientConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed on leaving: nothing listens there
+    client = TeacherClient(TeacherClientConfig(urls=[f"http://127.0.0.1:{port}"], timeout_s=timeout_s, retries=2))
+    try:
+        client.score([Sample(index=0, tokens=[1, 2, 3], response_length=1)])
+    except BaseException as e:  # noqa: BLE001 (the error is what the test looks at)
+        return e
+    finally:
+        client.close()
+    raise AssertionError("a teacher that is gone answered")
+
+
+def reported(run, error: BaseException) -> M.TaskError:
+    """``error`` as the rollout role's rank 0 reports a task that raised it (roles.tasks.TaskStream.failed)."""
+    from types import SimpleNamespace
+
+    from relax_hpc.roles.tasks import TaskStream
+
+    sent = []
+    stream = TaskStream.__new__(TaskStream)  # rank 0's stream, its control connection a recorder
+    stream.ctx = SimpleNamespace(run=run, ident=SimpleNamespace(role="rollout", rank=0))
+    stream._client = SimpleNamespace(task_done=lambda role, rank, task_id, result: sent.append(result))
+    stream.failed({"id": 1, "kind": "generate"}, error)
+    return M.decode_result("generate", sent[0])
+
+
+def test_the_run_s_own_teacher_engine_dying_uses_a_restart(tmp_path):
+    """The teacher role's engine died: the rollout's generate gets no answer from it (TeacherError, transient), reports
+    it restartable, and the controller fails the try as a step's failure, which a restart fixes (it starts the teacher
+    role, and so its engines, again): state.json says restarting, not FAILED. A teacher that refuses the request or
+    answers unusable numbers would do the same after a restart: those still end the run at once."""
+    from relax_hpc.rollout.teacher import TeacherBadValues, TeacherError, TeacherRefused
+
+    err = dead_teacher_error()
+    assert type(err) is TeacherError and "127.0.0.1" in str(err)
+    recipe = opd_recipe(tmp_path, own=True, steps=2)
+    run = sim_run(tmp_path, recipe)
+    report = reported(run, err)
+    assert report.restartable and report.error.startswith("TeacherError: ")
+    loop, ch = sim_loop(recipe, run)
+    deliver_joins(loop, ch)
+    while ch.queue:
+        role, task = ch.queue.pop(0)
+        res = report if task["kind"] == "generate" else answer(loop, task, role)
+        loop.on_message({"type": "task_done", "task_id": task["id"], "rank": 0, "result": res.to_dict()})
+        deliver_joins(loop, ch)
+        if task["kind"] == "generate":
+            break
+    st = loop.state
+    assert st.doc["state"] == "FAILED" and st.failure.kind == "role" and st.will_restart
+    assert "TeacherError" in st.doc["reason"] and st.failure.role == "rollout"
+    st.write()
+    ctl, problem = read_state(run)  # as relax-status and a watcher read state.json: the run goes on
+    assert problem is None and (ctl["state"], ctl["phase"]) == ("RUNNING", "restarting")
+    loop.finish()
+    for permanent in (TeacherRefused("HTTP 400"), TeacherBadValues("NaN log-probs")):
+        assert not reported(run, permanent).restartable

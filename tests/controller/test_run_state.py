@@ -116,6 +116,39 @@ def test_write_is_atomic_private_json(state):
     assert path.stat().st_mode & 0o777 == 0o600
 
 
+
+def test_a_failure_that_will_be_restarted_is_never_published_as_the_end(tmp_path):
+    """A step's crash with a restart left: state.json says RUNNING (phase restarting, the failure named) from the
+    first write on, through the restart, so a watcher never reads FAILED for a run that goes on; the restarted try
+    records how the one before ended. With no restart left the same failure is FAILED at once."""
+    run = make_run(tmp_path, {**TINY, "checkpoint": {"max_restarts": 1}})
+    recipe = load_recipe(run.recipe)
+    st = RunState(run, recipe, role_steps(recipe), "local", env={})
+    st.step_exited("actor", -9)
+    assert st.doc["state"] == "FAILED" and st.will_restart and not st.running  # the attempt itself is over
+    st.write()
+    doc = json.loads(run.state.read_text())
+    assert (doc["state"], doc["phase"], doc["reason"]) == ("RUNNING", "restarting", None)
+    assert "actor failed: step exited with code -9" in doc["restarting"] == doc["last_failure"]
+    again = RunState(run, recipe, role_steps(recipe), "local", env={}, restart=True)
+    assert again.doc["restarts"] == 1 and "restarting" not in again.doc
+    assert again.doc["history"][-1]["state"] == "FAILED" and "code -9" in again.doc["history"][-1]["reason"]
+    again.step_exited("actor", -9)  # the one restart is used: this failure ends the run
+    assert not again.will_restart
+    again.write()
+    doc = json.loads(run.state.read_text())
+    assert doc["state"] == "FAILED" and "code -9" in doc["reason"] and "restarting" not in doc
+    for kind in ("permanent", "task"):  # failures a restart cannot fix are published at once
+        st = RunState(create_run(tmp_path, kind), recipe, role_steps(recipe), "local", env={})
+        st.fail("rollout", 0, "n0", "ValueError: bad data", kind=kind)
+        st.write()
+        assert json.loads(st.run.state.read_text())["state"] == "FAILED"
+
+
+def create_run(tmp_path, name):
+    return make_run(tmp_path / name, {**TINY, "checkpoint": {"max_restarts": 1}})
+
+
 # ------------------------------------------------------------------------------------------ hung tasks ---
 
 @pytest.fixture

@@ -48,8 +48,10 @@ def test_pyxis_role_and_engine_steps(tmp_path, monkeypatch):
     assert mounts[0] == "/lustre/models:/lustre/models:ro" and own not in mounts
     assert set(mounts[1:]) == {f"{tmp_path}:{tmp_path}", f"{container.PACKAGE_ROOT}:{container.PACKAGE_ROOT}"}
     pyxis = ["--container-image=nvcr.io#nvidia/pytorch:25.09-py3", f"--container-workdir={tmp_path}",
-             "--container-env=PYTHONPATH,NCCL_DEBUG", "--export=ALL,NCCL_DEBUG=INFO"]
+             "--container-env=PYTHONPATH,NCCL_DEBUG"]
     assert all(o in argv for o in pyxis)
+    # the container's values travel in srun's environment (--container-env names them), never on its command line
+    assert actor.env["NCCL_DEBUG"] == "INFO" and not any("INFO" in a or a.startswith("--export") for a in argv)
     # srun's options, the container's, the recipe's srun_args, then the image's python (not the host's)
     assert argv[-5:] == ["--exclusive", "python3", "-m", "relax_hpc.roles.actor", str(run_dir.resolve())]
     assert argv.index("--kill-on-bad-exit=1") < argv.index(pyxis[0]) < argv.index("--exclusive")
@@ -70,7 +72,7 @@ def test_apptainer_prefix_under_slurm_and_locally(tmp_path, monkeypatch):
     assert argv[i:] == ["apptainer", "exec", "--nv",
                         "--bind", ",".join(["/data:/data", *(f"{p}:{p}" for p in sorted(
                             [container.PACKAGE_ROOT, str(run_dir)], key=len))]),
-                        "--env", f"PYTHONPATH={container.step_pythonpath()}", "--env", "HF_HOME=/data/hf",
+                        "--env", f"PYTHONPATH={container.step_pythonpath()}",
                         "--pwd", "/data/work", "/img/relax.sif",
                         "/opt/py/bin/python", "-m", "relax_hpc.roles.engine", str(run_dir)]
     assert argv[i - 1] == "--exclusive"  # srun's options first
@@ -82,6 +84,10 @@ def test_apptainer_prefix_under_slurm_and_locally(tmp_path, monkeypatch):
     proc = step_commands(r, run_dir, "local", PY)[0].procs[1]
     assert proc.argv[:4] == ["taskset", "-c", "0", "apptainer"] and proc.argv[-3:-1] == ["-m", "relax_hpc.roles.actor"]
     assert f"PYTHONPATH={proc.env['PYTHONPATH']}" in proc.argv and proc.env["RELAX_RANK"] == "1"
+    # the container's variables: Apptainer's APPTAINERENV_<NAME> in the step's environment, off its command line
+    assert proc.env["APPTAINERENV_HF_HOME"] == "/data/hf" and not any("/data/hf" in a for a in proc.argv)
+    slurm_step = step_commands(r, run_dir, "slurm", PY)[0].procs[0]
+    assert slurm_step.env["APPTAINERENV_HF_HOME"] == "/data/hf" and not any("/data/hf" in a for a in slurm_step.argv)
 
 
 def test_no_container_leaves_the_steps_as_they_were(tmp_path):
@@ -175,9 +181,11 @@ def test_readable_puts_each_container_part_on_a_line_and_means_the_same(tmp_path
 
 
 FAKE_APPTAINER = """#!/bin/bash
-# An Apptainer-style runner: records its arguments (one JSON line), applies --env and --pwd, runs the command
-# after the image. Like apptainer, it refuses anything but `exec` and options it does not know.
-printf '%s\\n' "$(python3 -c 'import json,sys; print(json.dumps(sys.argv[1:]))' "$@")" >> "{log}"
+# An Apptainer-style runner: applies APPTAINERENV_<NAME> (as NAME), records its arguments and what the command will
+# see of the variables the test names (one JSON line), applies --env and --pwd, runs the command after the image.
+# Like apptainer, it refuses anything but `exec` and options it does not know.
+for v in $(compgen -e | grep '^APPTAINERENV_'); do export "${{v#APPTAINERENV_}}=${{!v}}"; done
+printf '%s\\n' "$(python3 -c 'import json,os,sys; print(json.dumps({{"argv": sys.argv[1:], "env": {{k: os.environ.get(k) for k in ("CONTAINER_TEST", "SECRET_TOKEN", "HF_TOKEN")}}}}))' "$@")" >> "{log}"
 [ "$1" = exec ] || {{ echo "fake apptainer: only exec" >&2; exit 2; }}
 shift
 while [ $# -gt 0 ]; do
@@ -194,11 +202,19 @@ done
 shift
 exec "$@"
 """
+CANARY = "canary-7f3e9a1c"  # a token's value: it must reach the steps, and no file of the run but its secrets file
+
+
+def files_holding(root: Path, text: str) -> list[Path]:
+    """Every file under ``root`` whose bytes hold ``text``."""
+    return sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and text.encode() in p.read_bytes())
 
 
 def test_a_local_run_goes_through_the_apptainer_prefix(no_slurm_env, tmp_path):
     """The smoke recipe (bootstrap only) with every step in an Apptainer-style container: each rank went through
-    the prefix with the run dir bound, the image's interpreter, --env and --pwd applied, and the run completed."""
+    the prefix with the run dir bound, the image's interpreter, --env and --pwd applied, and the run completed.
+    The recipe's secrets (a container variable named like a token, a slurm.env token) reach every step's process,
+    never its command line, and no file of the run directory but RUN/secrets.json (0600)."""
     bin_dir, log, work = tmp_path / "bin", tmp_path / "apptainer.jsonl", tmp_path / "work"
     bin_dir.mkdir()
     work.mkdir()
@@ -206,24 +222,33 @@ def test_a_local_run_goes_through_the_apptainer_prefix(no_slurm_env, tmp_path):
     fake.write_text(FAKE_APPTAINER.format(log=log))
     fake.chmod(0o755)
     env = {**no_slurm_env, "PATH": f"{bin_dir}{os.pathsep}{no_slurm_env['PATH']}"}
+    recipe_file = tmp_path / "secret.yaml"  # the secrets in a file: relax-submit's own command line is the user's
+    recipe_file.write_text(f"defaults: [{SMOKE}]\nslurm:\n  env: {{HF_TOKEN: {CANARY}-hf}}\n"
+                           f"  container:\n    env: {{SECRET_TOKEN: {CANARY}-ct}}\n")
     over = ["roles.reference.enabled=false", "roles.actor_fwd.enabled=false", "roles.actor_fwd.share_with=null",
             "roles.actor.nodes=1",
             "slurm.container.runtime=apptainer", "slurm.container.image=/images/relax.sif",
             f"slurm.container.python={sys.executable}", f"slurm.container.workdir={work}",
             "slurm.container.env.CONTAINER_TEST=inside"]
-    p = cli("relax-submit", "--local", "--json", str(SMOKE), *over, cwd=tmp_path, env=env, timeout=240)
+    p = cli("relax-submit", "--local", "--json", str(recipe_file), *over, cwd=tmp_path, env=env, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     d = json.loads(p.stdout)
     assert d["state"] == "COMPLETED", d
     calls = [json.loads(x) for x in log.read_text().splitlines()]
     run_dir = Path(d["run_dir"]).resolve()
-    roles = sorted(c[-2].rsplit(".", 1)[1] for c in calls)
+    roles = sorted(c["argv"][-2].rsplit(".", 1)[1] for c in calls)
     assert roles == ["actor", "rollout"], calls
-    for c in calls:
+    for call in calls:
+        c = call["argv"]
         assert c[:3] == ["exec", "--nv", "--bind"] and f"{run_dir}:{run_dir}" in c[3].split(",")
-        assert ["--env", "CONTAINER_TEST=inside"] == c[c.index("CONTAINER_TEST=inside") - 1:][:2]
         assert c[c.index("--pwd") + 1:][:3] == [str(work), "/images/relax.sif", sys.executable]
         assert c[-1] == str(run_dir)
+        # inside: the container's variables (APPTAINERENV_), slurm.env's (the job's environment)
+        assert call["env"] == {"CONTAINER_TEST": "inside", "SECRET_TOKEN": f"{CANARY}-ct", "HF_TOKEN": f"{CANARY}-hf"}
+        assert not any(CANARY in a or "CONTAINER_TEST" in a for a in c)  # ... and nothing of them on its command line
+    assert files_holding(run_dir, CANARY) == [run_dir / "secrets.json"]
+    assert (run_dir / "secrets.json").stat().st_mode & 0o777 == 0o600
+    assert CANARY not in p.stdout + p.stderr
 
 
 def test_attached_engines_run_in_the_container_too(tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ def test_this_machine(tmp_path):
     """Every check runs here; what this machine has passes, what it lacks (CUDA on CI) is skipped, not failed."""
     import torch
 
-    probe = doctor.write_probe(tmp_path / "runs")
+    probe = doctor.write_probe(tmp_path)
     checks = by_name(doctor.local_checks(probe))
     assert list(checks) == ["python", "torch", "cuda", "nccl", "transformer_engine", "sglang", "ports", "network",
                             "run dir"]
@@ -46,6 +46,7 @@ def test_this_machine(tmp_path):
 def test_run_dir_not_shared_fails_with_its_fix(tmp_path):
     """A node that does not see the submitter's probe, or sees another file at its path (a node-local /scratch of
     the same name), fails naming the directory and the fix."""
+    (tmp_path / "shared").mkdir()
     probe = doctor.write_probe(tmp_path / "shared")
     gone = doctor.look_at_probe(str(tmp_path / "elsewhere" / Path(probe["path"]).name), probe["token"])
     c = doctor.check_filesystem(probe, gone)
@@ -134,12 +135,28 @@ def test_main_exit_code_and_json(tmp_path, capsys, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # the probe is removed
 
 
+def test_a_run_dir_that_does_not_exist_is_refused_naming_it(tmp_path, capsys, monkeypatch):
+    """A typo in --run-dir must not make the directory (and then pass the check on it): exit 2, the path named."""
+    typo = tmp_path / "rnus"
+    assert doctor.main(["--json", "--run-dir", str(typo)]) == 2
+    err = capsys.readouterr().err
+    assert f"--run-dir {typo} does not exist" in err and "run.runs_root" in err
+    assert not typo.exists()
+    (tmp_path / "file").write_text("x")
+    assert doctor.main(["--run-dir", str(tmp_path / "file")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)  # left out: the default runs root, made as relax-submit would
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "nosuchif")
+    assert doctor.main(["--json"]) == 1 and (tmp_path / "runs").is_dir()
+
+
 @pytest.mark.slurm
 def test_two_nodes_on_the_dev_cluster(slurm_cluster, tmp_path, capsys):
     """One task per node (srun); every node sees the run directory's probe as the same file; a bad
     NCCL_SOCKET_IFNAME fails on both nodes with its fix, and the doctor exits 1. The table lists both nodes."""
     env = {**slurm_cluster.env, "NCCL_SOCKET_IFNAME": "nosuchif", "COLUMNS": "200"}
     env.pop("RELAX_SGLANG_PYTHON", None)
+    (tmp_path / "runs").mkdir()
     argv = [sys.executable, "-m", "relax_hpc.launch.doctor", "--nodes", "2", "--gpus-per-node", "0",
             "--run-dir", str(tmp_path / "runs")]
     p = subprocess.run(argv + ["--json"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)

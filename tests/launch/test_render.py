@@ -93,25 +93,27 @@ def test_smoke_recipe_renders():
     recipe = load_recipe(SMOKE)
     script = render_script(recipe, Path("/runs/smoke-1"), RUNNER, "/repo")
     assert script.count("#SBATCH hetjob") == len(het_groups(recipe)) - 1
-    assert "export OMPI_MCA_btl=self,tcp" in script
+    # slurm.env's values are secrets: the controller sets them (from RUN/secrets.json); the script names them only
+    assert "# slurm.env: OMPI_MCA_btl (set by" in script and "self,tcp" not in script
 
 
 def test_values_are_quoted_and_inert(tmp_path):
-    """An env value with spaces and shell syntax, a run dir with a space and a quote: the script parses, and
-    running it exports the exact value and executes none of it."""
+    """A command argument with spaces and shell syntax, a run dir with a space and a quote: the script parses, and
+    running it passes the exact value and executes none of it. An env value is not in the script at all (a secret:
+    the controller sets it)."""
     pwned = tmp_path / "PWNED"
     nasty = f"a b; touch {pwned}; $(touch {pwned}) `touch {pwned}` 'q' \"dq\" * ~ $HOME"
     run_dir = tmp_path / "run dir 'x'"
     out = tmp_path / "seen.txt"
     probe = [sys.executable, "-c",
-             "import os, sys; open(sys.argv[1], 'w').write(os.environ['NASTY'] + '|' + os.environ['RELAX_RUN_DIR'])",
-             str(out)]
+             "import os, sys; open(sys.argv[1], 'w').write(sys.argv[2] + '|' + os.environ['RELAX_RUN_DIR'])",
+             str(out), nasty]
     data = four_groups(env={"NASTY": nasty})
     script = render(data, run_dir=str(run_dir), command=probe)
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
-    assert "export NASTY='a b; touch" in script
+    assert "touch" in script and "export NASTY" not in script and "'a b; touch" not in script.split("exec ")[0]
     p = subprocess.run(["bash", str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert out.read_text() == f"{nasty}|{run_dir}"
@@ -134,8 +136,8 @@ def test_custom_template(tmp_path):
                    "echo {{ env.X }}\nexec {{ command | shjoin }}\n")
     script = render(four_groups(template=str(tpl), env={"X": "a b; c"}))
     assert "# group 1 rollout nodes=1" in script
-    assert "echo 'a b; c'" in script  # quoted although the template forgot | shquote
-    # relative names: looked up in the given directories (working dir, recipe dir), then sbatch/
+    assert "echo '***'" in script and "a b; c" not in script  # masked (a secret), quoted though the template forgot
+    # relative names: looked up in the given directories (working dir, recipe dir), then relax_hpc/sbatch/
     assert "group 0 actor" in render(four_groups(template="mine.j2", env={"X": "1"}), search=[tmp_path])
     assert "#SBATCH hetjob" in render(four_groups(template="hetjob.sbatch.j2"))
 

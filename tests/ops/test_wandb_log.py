@@ -135,3 +135,27 @@ def test_the_config_w_and_b_gets_has_no_secrets():
     assert got["logging"]["notify_urls"] == ["slack://...", "mailto://..."]
     assert got["opd"]["teacher_url"] == "https://teacher:30000/generate"
     assert got["model"] == {"path": "/m"} and got["n"] == 3
+
+
+def test_no_w_and_b_file_holds_a_recipe_secret(tmp_path, monkeypatch):
+    """The config W&B writes to its files (and uploads, online or through wandb sync) is the controller's recipe with
+    its secrets masked: a slurm.env token, a container variable named like a key, a notification URL's password.
+    The token in the controller's environment (as the launcher sets slurm.env there) is not written either."""
+    from relax_hpc.recipe import recipe_from_dict, recipe_to_dict
+
+    canary = "canary-3a8f61d2"
+    monkeypatch.setenv("HF_TOKEN", f"{canary}-env")
+    recipe = recipe_from_dict({"slurm": {"env": {"HF_TOKEN": f"{canary}-env"},
+                                         "container": {"runtime": "pyxis", "image": "i.sqsh",
+                                                       "env": {"MY_API_KEY": f"{canary}-ct"}}},
+                               "logging": {"notify_urls": [f"json://relax:{canary}-url@localhost/hook"]}})
+    config = public_config(recipe_to_dict(recipe))
+    assert config["slurm"]["env"] == {"HF_TOKEN": "***"} and config["logging"]["notify_urls"] == ["json://..."]
+    m = RunMetrics(tmp_path, wandb=WandbConfig(project="relax-test", mode="offline"), run_name="s", config=config)
+    m.log(1, {"rollout/raw_reward": 0.5})
+    m.finish({"run": "s", "state": "COMPLETED", "reason": None, "total_steps": 1})
+    [run_file] = wandb_files.run_files(tmp_path)
+    files = [p for p in (tmp_path / "wandb").rglob("*") if p.is_file() and not p.is_symlink()]
+    assert run_file in files and any(p.name.startswith("debug") for p in files)
+    assert [p for p in files if canary.encode() in p.read_bytes()] == []
+    assert "HF_TOKEN" in run_file.read_bytes().decode("utf-8", "replace")  # the config is there, masked

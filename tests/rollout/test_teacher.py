@@ -120,6 +120,7 @@ def test_a_teacher_answering_400_fails_the_run_naming_it_and_the_fix(cpu_engine)
         with pytest.raises(TeacherRefused) as e:
             c.score([too_long])
         assert is_permanent(e.value) and cpu_engine.url in str(e.value) and "HTTP 400" in str(e.value)
+        assert not e.value.restartable  # a restart would get the same refusal
         assert "longest sample has 610 tokens" in str(e.value) and "whose context holds it" in str(e.value)
         assert c.take_metrics()["opd/teacher_calls"] == 1.0  # not retried: every teacher would refuse it
     finally:
@@ -134,6 +135,7 @@ def test_a_teacher_that_does_not_answer_in_time_is_a_transient_error(spare):
         with pytest.raises(TeacherError, match=r"within teacher timeout_s = 1 s .*timed out") as e:
             c.score(samples()[:2])
         assert not is_permanent(e.value) and not isinstance(e.value, TeacherRefused)
+        assert e.value.restartable  # the step's failure uses a restart (tests/controller/test_loop_teacher.py)
     finally:
         spare.scheduler.resume()
         c.close()
