@@ -2,14 +2,18 @@
 processor's work (pixels and the expanded token ids), shared by the data (:mod:`relax_hpc.rollout.data`), the
 reference engine (:mod:`relax_hpc.engines.model_runner`) and the trainer (:mod:`relax_hpc.train.vlm`).
 
-A leaf: it imports no Megatron and no other relax_hpc package but :mod:`relax_hpc.errors`; PIL, torch and
+A leaf: it imports no Megatron and no other relax_hpc package but :mod:`relax_hpc.media`; PIL, torch and
 transformers only inside the functions that need them (the recipe check reads images with PIL alone).
 
 **An image reference** (a data row's image column, or one item of SGLang's ``image_data``) is raw bytes, a
-``data:`` URL, a base64 string, a file path (relative to ``base_dir`` when given), or a dict ``{"bytes": ...}`` /
-``{"path": ...}`` (a Hugging Face ``datasets`` Image column in Parquet). :func:`load_image` reads it with PIL and
-converts it to RGB; :class:`ImageError` says why it cannot: no such file, not an image, over
-:data:`MAX_IMAGE_BYTES` bytes or :data:`MAX_IMAGE_PIXELS` pixels (checked from the header, before decoding).
+``data:`` URL, a base64 string, an http(s) URL (where allowed), a file path, or a dict ``{"bytes": ...}`` /
+``{"path": ...}`` (a Hugging Face ``datasets`` Image column in Parquet). Which files and URLs may be read is a
+:class:`~relax_hpc.media.MediaPolicy`: a data row's are confined to its dataset's directory and
+``data.media_roots`` (:mod:`relax_hpc.media`). :func:`load_image` reads it with PIL (the common formats only,
+:data:`IMAGE_FORMATS`) and converts it to RGB; :class:`ImageError` says why it cannot: outside the allowed
+directories, no such file, not an image, over :data:`MAX_IMAGE_BYTES` bytes, or over a pixel budget (at most
+:data:`MAX_IMAGE_PIXELS`), checked from the header before anything is decoded (:func:`open_header`). No message
+quotes a byte of what was read.
 
 **Placeholders.** The chat template writes ``<|vision_start|><|image_pad|><|vision_end|>`` per image; the
 processor (:func:`encode`) repeats ``<|image_pad|>`` once per merged patch of its image (``grid_t·grid_h·grid_w /
@@ -28,6 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from relax_hpc.media import MediaError, MediaPolicy, as_policy, fetch_url, may_be_path, read_file, resolve, url_scheme
+
 VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 IMAGE_PAD = "<|image_pad|>"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # one image in the chat text, before expansion
@@ -36,7 +42,6 @@ VISION_TOKENS = (VISION_START, IMAGE_PAD, "<|video_pad|>")  # ids the model take
 TEXT_IMAGE_MARKER = "<image>"  # Relax's (slime's) marker in a text prompt: the images go there, in order
 MAX_IMAGE_BYTES = 64 << 20  # a larger encoded image is refused (a data file is not a place for such)
 MAX_IMAGE_PIXELS = 64_000_000  # width × height above this is refused before decoding (a decompression bomb)
-_PATH_MAX = 4096
 
 
 class ImageError(ValueError):
@@ -49,19 +54,22 @@ def is_vlm(hf_dir: str | os.PathLike) -> bool:
     return cfg.get("model_type") in VLM_MODEL_TYPES
 
 
-def image_bytes(ref: Any, base_dir: str | os.PathLike | None = None) -> bytes:
-    """The encoded bytes of an image reference (module docstring); :class:`ImageError` when there are none."""
+def image_bytes(ref: Any, where: MediaPolicy | str | os.PathLike | None = None) -> bytes:
+    """The encoded bytes of an image reference (module docstring); :class:`ImageError` when there are none.
+    ``where``: a :class:`~relax_hpc.media.MediaPolicy` (a data row's: the files it may name), a directory (confined
+    to it), or None (a trusted caller: paths anywhere)."""
+    policy = as_policy(where)
     if isinstance(ref, dict):
         if ref.get("bytes") is not None:
             ref = ref["bytes"]
         elif ref.get("path") is not None:
             ref = ref["path"]
         else:
-            raise ImageError(f"a mapping without 'bytes' or 'path' (keys {sorted(ref)})")
+            raise ImageError(f"a mapping without 'bytes' or 'path' (keys {sorted(map(str, ref))[:8]})")
     if isinstance(ref, (bytes, bytearray, memoryview)):
         data = bytes(ref)
     elif isinstance(ref, str):
-        data = _str_bytes(ref, base_dir)
+        data = _str_bytes(ref, policy)
     else:
         raise ImageError(f"an image must be a path, bytes or a base64 string, got {type(ref).__name__}")
     if len(data) > MAX_IMAGE_BYTES:
@@ -71,39 +79,56 @@ def image_bytes(ref: Any, base_dir: str | os.PathLike | None = None) -> bytes:
     return data
 
 
-def _str_bytes(ref: str, base_dir: str | os.PathLike | None) -> bytes:
+def _str_bytes(ref: str, policy: MediaPolicy) -> bytes:
     if ref.startswith("data:"):
         head, _, payload = ref.partition(",")
         if ";base64" not in head:
-            raise ImageError(f"a data: URL that is not base64 ({head[:40]!r})")
+            raise ImageError("a data: URL that is not base64")
         return _b64(payload, "the data: URL's payload")
-    if len(ref) < _PATH_MAX and "\n" not in ref:
-        path = Path(ref).expanduser()
-        if not path.is_absolute() and base_dir is not None:
-            path = Path(base_dir) / path
+    scheme = url_scheme(ref)
+    if scheme is not None:
+        if scheme not in ("http", "https"):
+            raise ImageError(f"a {scheme}:// URL: only http(s) URLs are fetched (with data.allow_media_urls), "
+                             "and data: URLs, base64 and paths are read")
+        if not policy.allow_urls:
+            raise ImageError("an http(s) URL, and URLs are not fetched. Fix: set data.allow_media_urls: true to let "
+                             "the dataset's rows name them, or give a path, bytes or base64")
         try:
-            is_file = path.is_file()
-        except OSError:  # e.g. ENAMETOOLONG: a base64 string longer than a file name may be
-            is_file = False
-        if is_file:
-            size = path.stat().st_size
-            if size > MAX_IMAGE_BYTES:
-                raise ImageError(f"{path}: {size} bytes, over the {MAX_IMAGE_BYTES} bytes an image may have")
-            try:
-                return path.read_bytes()
-            except OSError as e:
-                raise ImageError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
-        try:  # not a file: base64, or a path that is not there
+            return fetch_url(ref, MAX_IMAGE_BYTES)
+        except MediaError as e:
+            raise ImageError(str(e)) from None
+    if not may_be_path(ref):
+        return _b64(ref, "the string (neither a file nor base64)")
+    try:
+        path = resolve(ref, policy)
+    except MediaError as outside:  # a confined row's path that leads out; unless it is base64 (JPEG's is "/9j/...")
+        try:
             return _b64(ref, "the string")
         except ImageError:
-            if "/" in ref or "\\" in ref or Path(ref).suffix.lower() in _IMAGE_SUFFIXES:
-                where = " (relative paths are read from the data file's directory)" if base_dir is not None else ""
-                raise ImageError(f"no such file {str(path)!r}{where}") from None
-            raise ImageError("neither a file that exists nor valid base64") from None
-    return _b64(ref, "the string (neither a file nor base64)")
+            raise ImageError(str(outside)) from None
+    try:
+        is_file = path.is_file()
+    except OSError:  # e.g. ENAMETOOLONG: a base64 string longer than a file name may be
+        is_file = False
+    if is_file:
+        try:
+            return read_file(path, MAX_IMAGE_BYTES)
+        except MediaError as e:
+            raise ImageError(str(e).replace("a media file", "an image")) from None
+    try:  # not a file: base64, or a path that is not there
+        return _b64(ref, "the string")
+    except ImageError:
+        if "/" in ref or "\\" in ref or Path(ref).suffix.lower() in _IMAGE_SUFFIXES:
+            base = policy.base_dir if policy.confined else None
+            where = " (relative paths are read from the data file's directory)" if base is not None else ""
+            raise ImageError(f"no such file {ref!r}{where}") from None
+        raise ImageError("neither a file that exists nor valid base64") from None
 
 
 _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff"}
+# the formats PIL may open: the common image ones. Not EPS (Ghostscript runs on it), not the dozens of rare
+# plugins a hostile file could pick by its first bytes.
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")  # JPEG includes MPO (a camera's JPEG)
 
 
 def _b64(s: str, what: str) -> bytes:
@@ -115,31 +140,55 @@ def _b64(s: str, what: str) -> bytes:
         raise ImageError(f"{what} is not valid base64 ({e})") from None
 
 
-def open_image(data: bytes):
-    """PIL image (RGB, decoded) of encoded image bytes; :class:`ImageError` when it is not an image or too large."""
+def open_header(data: bytes, max_pixels: int | None = None, budget: str | None = None):
+    """The PIL image of encoded bytes with only its header read (nothing decoded yet), its size checked against
+    ``max_pixels`` (and :data:`MAX_IMAGE_PIXELS` always); ``budget`` names where that bound comes from (a recipe
+    key) for the message. :class:`ImageError` when it is not an image of :data:`IMAGE_FORMATS`, or too large. The
+    message never quotes the bytes: they may be a file the row had no business naming."""
     from PIL import Image, UnidentifiedImageError
 
+    cap, name = MAX_IMAGE_PIXELS, "an image may have"
+    if max_pixels is not None and max_pixels < cap:
+        cap, name = max_pixels, budget or "an image may have here"
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+    except Image.DecompressionBombError:  # PIL's own bound (2 × Image.MAX_IMAGE_PIXELS), above ours
+        raise ImageError(f"over the {cap} pixels {name} (its header says more than PIL opens)") from None
     except UnidentifiedImageError:
-        raise ImageError(f"not an image PIL can read ({len(data)} bytes starting {data[:8]!r})") from None
-    except Exception as e:  # a damaged header
-        raise ImageError(f"not a readable image ({type(e).__name__}: {e})") from None
+        raise ImageError(f"not an image PIL can read ({len(data)} bytes; formats {', '.join(IMAGE_FORMATS)})") \
+            from None
+    except Exception as e:  # a damaged header; PIL's message may quote header bytes: its kind only
+        raise ImageError(f"not a readable image ({type(e).__name__}, {len(data)} bytes)") from None
     w, h = img.size
-    if w * h > MAX_IMAGE_PIXELS:
-        raise ImageError(f"{w}×{h} = {w * h} pixels, over the {MAX_IMAGE_PIXELS} an image may have")
+    if w * h > cap:
+        raise ImageError(f"{w}×{h} = {w * h} pixels, over the {cap} pixels {name}")
     if w < 1 or h < 1:
         raise ImageError(f"{w}×{h}: an empty image")
+    return img
+
+
+def decode(img):
+    """An image from :func:`open_header`, decoded and converted to RGB; :class:`ImageError` when it cannot be."""
     try:
         img.load()
         return img.convert("RGB")
     except Exception as e:  # truncated file, bad stream
-        raise ImageError(f"cannot be decoded ({type(e).__name__}: {e})") from None
+        msg = str(e)
+        said = f": {msg}" if msg and len(msg) < 120 and not any(q in msg for q in "'\"\\") else ""
+        raise ImageError(f"cannot be decoded ({type(e).__name__}{said})") from None
 
 
-def load_image(ref: Any, base_dir: str | os.PathLike | None = None):
-    """An image reference (module docstring) as a decoded RGB PIL image; :class:`ImageError` with the reason."""
-    return open_image(image_bytes(ref, base_dir))
+def open_image(data: bytes, max_pixels: int | None = None, budget: str | None = None):
+    """PIL image (RGB, decoded) of encoded image bytes; :class:`ImageError` when it is not an image or too large
+    (checked from the header, before decoding: :func:`open_header`)."""
+    return decode(open_header(data, max_pixels, budget))
+
+
+def load_image(ref: Any, where: MediaPolicy | str | os.PathLike | None = None, max_pixels: int | None = None,
+               budget: str | None = None):
+    """An image reference (module docstring) as a decoded RGB PIL image; :class:`ImageError` with the reason.
+    ``where`` as :func:`image_bytes`; ``max_pixels``/``budget`` as :func:`open_header`."""
+    return open_image(image_bytes(ref, where), max_pixels, budget)
 
 
 def png_base64(img) -> str:
@@ -173,6 +222,23 @@ def token_pixels(hf_dir: str | os.PathLike) -> int:
     """Pixels per image token: (patch_size · merge_size)², 28² for Qwen2.5-VL, 32² for Qwen3-VL."""
     ip = image_processor(str(hf_dir))
     return (ip.patch_size * ip.merge_size) ** 2
+
+
+PROMPT_IMAGES = 4  # a prompt's default pixel budget: this many images at the per-image budget
+
+
+def processor_max_pixels(hf_dir: str | os.PathLike) -> int:
+    """The most pixels the model's image processor leaves an image (its ``max_pixels``): it resizes anything larger
+    down to this, so a larger source only costs memory."""
+    return _pixels(image_processor(str(hf_dir)), "max_pixels", "longest_edge")
+
+
+def pixel_budgets(hf_dir: str | os.PathLike, per_image: int | None, per_prompt: int | None) -> tuple[int, int]:
+    """(per image, per prompt) source pixels a data row's images may have (``data.max_image_pixels``,
+    ``data.max_prompt_pixels``); None: the processor's ``max_pixels`` (:func:`processor_max_pixels`), and
+    :data:`PROMPT_IMAGES` times the image's. Never over :data:`MAX_IMAGE_PIXELS` an image."""
+    image = min(per_image if per_image is not None else processor_max_pixels(hf_dir), MAX_IMAGE_PIXELS)
+    return image, per_prompt if per_prompt is not None else PROMPT_IMAGES * image
 
 
 def resize_to_tokens(img, hf_dir: str | os.PathLike, min_tokens: int | None, max_tokens: int | None):

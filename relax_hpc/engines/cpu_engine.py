@@ -23,7 +23,9 @@ Semantics (``docs/engines.md`` has the full list):
   ``input_top_logprobs``: one teacher-forced forward, ``log_softmax`` of the raw logits (no temperature, as SGLang
   computes input log-probs); with ``max_new_tokens`` 0 nothing is generated (:mod:`~relax_hpc.engines.model_runner`).
 * **Images.** A Qwen2.5-VL / Qwen3-VL directory is served with SGLang's ``image_data``; such a request runs alone,
-  outside the batches, and its answer adds the expanded prompt ids (:mod:`~relax_hpc.engines.model_runner`).
+  outside the batches, and its answer adds the expanded prompt ids (:mod:`~relax_hpc.engines.model_runner`). The
+  images served at once are bounded: at most ``--image-pixel-budget`` source pixels (read from the headers, before
+  decoding); a request that finds no room within ``--image-wait-s`` is answered 503 with ``Retry-After``.
 * **Device.** ``--device auto`` puts the model on ``cuda:0`` of the visible GPUs when torch sees one, else on the
   CPU; ``--dtype auto`` is bfloat16 on CUDA, float32 on the CPU. Sampling runs on the CPU either way.
 * **Weights.** ``/init_weights_update_group`` joins a group as rank ``rank_offset`` (TP=1) with the backend asked,
@@ -72,7 +74,7 @@ import torch
 from relax_hpc.engines.http import (API_KEY_ENV, JSON_NULL, EngineServer, HTTPError, advertised_host, ok, read_api_key,
                                    route_handler)
 from relax_hpc.engines.http_server import IDLE_S, MAX_BODY, MAX_CONNECTIONS
-from relax_hpc.engines.model_runner import CPUEngine
+from relax_hpc.engines.model_runner import IMAGE_PIXEL_BUDGET, IMAGE_WAIT_S, Busy, CPUEngine, brief
 from relax_hpc.engines.receiver import weight_routes
 
 log = logging.getLogger("relax_hpc.cpu_engine")
@@ -121,7 +123,7 @@ def engine_handler(engine: CPUEngine, api_key: str | None = None):
     def pause(b):
         mode = b.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
-            raise HTTPError(400, f"mode must be abort, retract or in_place, not {mode!r}")
+            raise HTTPError(400, f"mode must be abort, retract or in_place, not {brief(mode)}")
         engine.scheduler.pause(mode)
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
@@ -145,8 +147,16 @@ def engine_handler(engine: CPUEngine, api_key: str | None = None):
             return 200, JSON_NULL
         return call
 
+    def generate(b):
+        _answer.retry_after = None
+        try:
+            return ok(engine.generate(b))
+        except Busy as e:  # with_retry_after adds its Retry-After
+            _answer.retry_after = e.retry_after
+            raise
+
     routes = {
-        "/generate": lambda b: ok(engine.generate(b)),
+        "/generate": generate,
         "/health": health, "/health_generate": health, "/ready": lambda b: (200, None),
         "/server_info": lambda b: ok(engine.server_info()), "/get_server_info": lambda b: ok(engine.server_info()),
         "/model_info": lambda b: ok(engine.model_info()), "/get_model_info": lambda b: ok(engine.model_info()),
@@ -156,7 +166,25 @@ def engine_handler(engine: CPUEngine, api_key: str | None = None):
         **weight_routes(engine),
     }
     routes.update({path: logged(path, routes[path], fields) for path, fields in LOGGED.items() if path in routes})
-    return route_handler(routes, api_key)
+    return with_retry_after(route_handler(routes, api_key))
+
+
+_answer = threading.local()  # per handler thread: the Retry-After of the answer being sent
+
+
+def with_retry_after(base):
+    """``base`` (a :func:`~relax_hpc.engines.http.route_handler` class) whose 503 answers carry ``Retry-After`` when
+    the route that refused set one (:class:`~relax_hpc.engines.model_runner.Busy`): a route runs in the thread that
+    then answers, so a thread-local carries it from one to the other."""
+
+    class Handler(base):
+        def send_response(self, code, message=None):
+            super().send_response(code, message)
+            retry, _answer.retry_after = getattr(_answer, "retry_after", None), None
+            if retry is not None and code == 503:
+                self.send_header("Retry-After", str(retry))
+
+    return Handler
 
 
 def serve(engine: CPUEngine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, *,
@@ -199,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="a connection that owes its request (or the rest of it) this long is closed")
     p.add_argument("--max-body-mb", type=float, default=MAX_BODY / (1 << 20),
                    help="a request claiming a larger body is answered 413 without reading it")
+    p.add_argument("--image-pixel-budget", type=int, default=IMAGE_PIXEL_BUDGET,
+                   help="source pixels (width × height) of the images of the requests served at once; a request "
+                        "that does not fit waits, then is answered 503 with Retry-After")
+    p.add_argument("--image-wait-s", type=float, default=IMAGE_WAIT_S,
+                   help="how long a request with images waits for room in --image-pixel-budget before the 503")
     a = p.parse_args(argv)
     api_key = read_api_key(a.api_key_file)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cpu_engine %(levelname)s %(message)s")
@@ -209,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--weight-sync-backends {a.weight_sync_backends}: each must be nccl or gloo")
     try:
         engine = CPUEngine(a.model, a.dtype, a.max_batch_size, a.batch_wait_ms, a.seed, a.weight_version,
-                           a.served_model_name, device=a.device, weight_sync_backends=backends)
+                           a.served_model_name, device=a.device, weight_sync_backends=backends,
+                           image_pixel_budget=a.image_pixel_budget, image_wait_s=a.image_wait_s)
     except ValueError as e:  # --device / --dtype that cannot be served here
         p.error(str(e))
     if a.sglang_version:

@@ -26,7 +26,16 @@ images runs on its own in its HTTP thread, not in the scheduler's batches (its M
 request; the model lock per forward, as there); it obeys the pause modes and aborts between its tokens
 (:meth:`CPUEngine._solo_control`; ``retract`` holds it as ``in_place``). Its answer adds
 ``meta_info["input_ids"]`` (relax_hpc's: the expanded prompt ids, so a caller can train on exactly what was run);
-``prompt_tokens`` counts them, as SGLang counts the expanded prompt. A bad image is answered 400, naming it.
+``prompt_tokens`` counts them, as SGLang counts the expanded prompt. A bad image is answered 400, naming it (its
+place in ``image_data`` and the reason, never its bytes).
+
+**Image memory is bounded** (:class:`PixelBudget`). Before any image of a request is decoded, its size is read from
+its header (over :data:`~relax_hpc.multimodal.MAX_IMAGE_PIXELS` an image: 400) and the request's pixels are reserved
+from the engine's budget (``--image-pixel-budget``, source pixels of the requests with images being served at
+once), held until it is answered. A request that does not fit waits for room up to ``--image-wait-s``, then is
+answered 503 with ``Retry-After`` (a client retries it, here or on another engine); one larger than the whole budget
+can never fit: 400. So decoded images, the processor's pixels and their KV caches grow with the budget, not with the
+number of concurrent requests.
 
 **Routed experts (MoE routing replay).** ``return_routed_experts`` (one for all, or one per item) adds SGLang's
 ``meta_info["routed_experts"]``: base64 int32 ``[prompt + completion - 1, layers, top_k]``, each token's experts as
@@ -52,11 +61,14 @@ from relax_hpc.engines.bad_output import BAD_OUTPUT_ENV, BadOutput
 from relax_hpc.engines.http import ENGINE_VERSION, HTTPError
 from relax_hpc.engines.receiver import WeightReceiver, checkpoint_key_mapping
 from relax_hpc.engines.scheduler import Req, Scheduler, abort_reason, left_padded, sample_batch
-from relax_hpc.multimodal import ImageError, is_vlm
+from relax_hpc.multimodal import MAX_IMAGE_PIXELS, ImageError, is_vlm
 
 log = logging.getLogger("relax_hpc.cpu_engine")
 
 TOP_K_ALL = 1 << 30  # SGLang's "top_k off" value (1073741824); -1 also means off
+IMAGE_PIXEL_BUDGET = 2 * MAX_IMAGE_PIXELS  # source pixels of the images being served at once (--image-pixel-budget)
+IMAGE_WAIT_S = 30.0  # a request with images waits this long for room in the budget, then 503 (--image-wait-s)
+RETRY_AFTER_S = 2  # the Retry-After of such a 503, seconds
 
 # SGLang 0.5.23 SamplingParams keys (unknown keys are rejected, as SGLang does). The ones in _SUPPORTED
 # change what we generate; the others are accepted only at a neutral value (None, default, empty).
@@ -98,6 +110,56 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return dt
 
 
+class Busy(HTTPError):
+    """503: the engine cannot take the request now; ``retry_after`` seconds is when to try again (the HTTP layer
+    sends it as ``Retry-After``)."""
+
+    def __init__(self, message: str, retry_after: int = RETRY_AFTER_S):
+        super().__init__(503, message)
+        self.retry_after = retry_after
+
+
+class PixelBudget:
+    """Source pixels (width × height, from the headers) of the images of the requests being served at once: a
+    request reserves its images' pixels before decoding any and returns them when answered. ``in_use`` now,
+    ``peak`` the most ever held (never over ``total``), ``waiting`` the requests waiting for room now, ``refused``
+    those turned away for want of it."""
+
+    def __init__(self, total: int):
+        if total < 1:
+            raise ValueError(f"--image-pixel-budget must be at least 1 pixel, got {total}")
+        self.total, self.in_use, self.peak, self.refused, self.waiting = int(total), 0, 0, 0, 0
+        self.cv = threading.Condition()
+
+    def acquire(self, n: int, wait_s: float) -> bool:
+        """Reserve ``n`` pixels, waiting up to ``wait_s`` for room; False (and nothing reserved) if none came."""
+        with self.cv:
+            self.waiting += 1
+            self.cv.notify_all()
+            try:
+                fits = self.cv.wait_for(lambda: self.in_use + n <= self.total, timeout=max(0.0, wait_s))
+            finally:
+                self.waiting -= 1
+            if not fits:
+                self.refused += 1
+            else:
+                self.in_use += n
+                self.peak = max(self.peak, self.in_use)
+            self.cv.notify_all()  # whoever watches the state (a test, a waiting request)
+            return fits
+
+    def release(self, n: int) -> None:
+        with self.cv:
+            self.in_use -= n
+            self.cv.notify_all()
+
+    def state(self) -> dict:
+        with self.cv:
+            return {"image_pixel_budget": self.total, "image_pixels_in_use": self.in_use,
+                    "image_pixels_peak": self.peak, "image_requests_waiting": self.waiting,
+                    "image_requests_refused": self.refused}
+
+
 class CPUEngine(WeightReceiver):
     """The model, its weights and the endpoint logic (HTTP-free, so it reads like SGLang's request structs). The
     reference engine: on the CPU, or on one GPU (``device``)."""
@@ -106,7 +168,8 @@ class CPUEngine(WeightReceiver):
 
     def __init__(self, model_path: str, dtype: str = "auto", max_batch: int = 64, batch_wait_ms: float = 5.0,
                  seed: int | None = None, weight_version: str = "default", served_model_name: str | None = None,
-                 device: str = "auto", weight_sync_backends: list[str] | None = None):
+                 device: str = "auto", weight_sync_backends: list[str] | None = None,
+                 image_pixel_budget: int = IMAGE_PIXEL_BUDGET, image_wait_s: float = IMAGE_WAIT_S):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.model_path = str(model_path)
@@ -148,6 +211,8 @@ class CPUEngine(WeightReceiver):
         self.started = time.time()
         self.scheduler = Scheduler(self, max_batch, batch_wait_ms / 1000.0)
         self.solo: dict[int, Req] = {}  # requests with images running alone (_generate_one), under scheduler.cv
+        self.pixels = PixelBudget(image_pixel_budget)  # the images being served at once (module docstring)
+        self.image_wait_s = float(image_wait_s)
         self.scheduler.thread.start()
         self.host, self.port, self.url = "", 0, ""
 
@@ -167,6 +232,14 @@ class CPUEngine(WeightReceiver):
         return None
 
     def generate(self, body: dict):
+        held: list[int] = []  # pixels this request reserved for its images (_images): returned once answered
+        try:
+            return self._generate(body, held)
+        finally:
+            if held:
+                self.pixels.release(sum(held))
+
+    def _generate(self, body: dict, held: list[int]):
         if body.get("stream"):
             raise HTTPError(400, "stream=true is not supported by the CPU engine")
         has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
@@ -188,7 +261,7 @@ class CPUEngine(WeightReceiver):
         sps, rlps, rids, starts, tops = (_per_item(body.get(k), n, k) for k in (
             "sampling_params", "return_logprob", "rid", "logprob_start_len", "top_logprobs_num"))
         text_in_lp = bool(body.get("return_text_in_logprobs"))
-        mms = self._images(body.get("image_data"), prompts, batched)
+        mms = self._images(body.get("image_data"), prompts, batched, held)
         if any(mms):
             prompts = [p if mm is None else mm["input_ids"][0].tolist() for p, mm in zip(prompts, mms)]
         reqs = [self._make_req(p, sp or {}, bool(lp), rid) for p, sp, lp, rid in zip(prompts, sps, rlps, rids)]
@@ -237,10 +310,12 @@ class CPUEngine(WeightReceiver):
                 self.bad_output.spoil(o)
         return outs if batched else outs[0]
 
-    def _images(self, image_data, prompts: list, batched: bool) -> list[dict | None]:
+    def _images(self, image_data, prompts: list, batched: bool, held: list[int]) -> list[dict | None]:
         """Per item: None (no images) or :func:`relax_hpc.multimodal.encode_ids`'s inputs (``input_ids`` expanded,
         ``pixel_values``, ``image_grid_thw``). SGLang's forms of ``image_data`` (module docstring); 400 naming a bad
-        image, or images for a model without vision."""
+        image, or images for a model without vision. Every image's header is read first and the request's pixels
+        reserved from :attr:`pixels` (appended to ``held``) before any is decoded: 503 + Retry-After when they do not
+        fit within ``image_wait_s``."""
         pad = getattr(self.config, "image_token_id", None) if self.vlm else None
 
         def no_images(i: int, p: list) -> None:
@@ -261,23 +336,43 @@ class CPUEngine(WeightReceiver):
             per_item = [x if isinstance(x, list) else ([] if x is None else [x]) for x in image_data]
         else:
             raise HTTPError(400, f"image_data must have one entry per item of the batch of {len(prompts)}")
-        from relax_hpc.multimodal import encode_ids, load_image
+        from relax_hpc.multimodal import decode, encode_ids, image_bytes, open_header
 
-        out: list[dict | None] = []
+        headers: list[list] = []  # per item, its images opened to the header (nothing decoded)
         for i, (p, refs) in enumerate(zip(prompts, per_item)):
             if not refs:
                 no_images(i, p)
-                out.append(None)
-                continue
-            imgs = []
+            headers.append([])
             for j, ref in enumerate(refs):
                 where = f"image_data[{i}][{j}]" if batched else f"image_data[{j}]"
                 try:
-                    imgs.append(load_image(ref))
-                except ImageError as e:
-                    shown = ref if isinstance(ref, str) and len(ref) < 120 else f"{type(ref).__name__} of {len(ref)}"
-                    raise HTTPError(400, f"{where} ({shown}) is not a usable image: {e}") from None
+                    headers[-1].append(open_header(image_bytes(ref)))
+                except ImageError as e:  # the reason names a path or a size, never the bytes
+                    kind = f"{type(ref).__name__} of {len(ref)}" if hasattr(ref, "__len__") else type(ref).__name__
+                    raise HTTPError(400, f"{where} ({kind}) is not a usable image: {e}") from None
+        need = sum(im.width * im.height for item in headers for im in item)
+        if need > self.pixels.total:
+            raise HTTPError(400, f"the request's images have {need} pixels, more than this engine serves at once "
+                                 f"({self.pixels.total}, --image-pixel-budget): it can never fit. Fix: smaller or "
+                                 "fewer images per request")
+        if not self.pixels.acquire(need, self.image_wait_s):
+            raise Busy(f"the request's images have {need} pixels and the engine's image budget has "
+                       f"{self.pixels.total - self.pixels.in_use} of {self.pixels.total} free (--image-pixel-budget) "
+                       f"after waiting {self.image_wait_s:g} s: try again later")
+        held.append(need)
+        out: list[dict | None] = []
+        for i, (p, item) in enumerate(zip(prompts, headers)):
+            if not item:
+                out.append(None)
+                continue
             try:
+                imgs = []
+                for j, im in enumerate(item):
+                    try:
+                        imgs.append(decode(im))
+                    except ImageError as e:
+                        raise ImageError(f"image_data[{i}][{j}]: {e}" if batched else f"image_data[{j}]: {e}") \
+                            from None
                 out.append(encode_ids(self.model_path, p, imgs))
             except ImageError as e:
                 raise HTTPError(400, f"{'item %d: ' % i if batched else ''}{e}") from None
@@ -530,7 +625,7 @@ class CPUEngine(WeightReceiver):
                                  "num_running_reqs": running, "num_waiting_reqs": waiting,
                                  "paused": self.scheduler.paused, **self.scheduler.stats}],
             "version": self.reported_version or ENGINE_VERSION, "engine": "relax_hpc-cpu", "frontend": "python",
-            **self.sync_info(), "memory_released": bool(self.released),
+            **self.sync_info(), "memory_released": bool(self.released), **self.pixels.state(),
         }
 
     def abort_all(self, message: str) -> None:
@@ -549,10 +644,10 @@ class CPUEngine(WeightReceiver):
         if tags is None or tags == []:  # SGLang: none or empty = every type
             return list(MEMORY_TAGS)
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-            raise HTTPError(400, f"tags must be null or a list of {list(MEMORY_TAGS)}, not {tags!r}")
+            raise HTTPError(400, f"tags must be null or a list of {list(MEMORY_TAGS)}, not {brief(tags)}")
         unknown = [t for t in tags if t not in MEMORY_TAGS]
         if unknown:
-            raise HTTPError(400, f"unknown memory tags {unknown}: the tags are {list(MEMORY_TAGS)} (null: all)")
+            raise HTTPError(400, f"unknown memory tags {brief(unknown)}: the tags are {list(MEMORY_TAGS)} (null: all)")
         return list(dict.fromkeys(tags))
 
     def release_memory_occupation(self, body: dict) -> None:
@@ -629,16 +724,25 @@ class CPUEngine(WeightReceiver):
             "has_audio_understanding": False,
         }
 
+def brief(v, limit: int = 80) -> str:
+    """A value from a request body, for a message: its repr when short, else its kind and size; a message (which the
+    engine logs) never carries more of a body than this."""
+    text = repr(v)
+    if len(text) <= limit:
+        return text
+    return f"a {type(v).__name__} of {len(v)}" if hasattr(v, "__len__") else f"a {type(v).__name__}"
+
+
 def _check_sampling(sp: dict) -> dict:
     if not isinstance(sp, dict):
         raise HTTPError(400, "sampling_params must be an object")
     unknown = set(sp) - _SAMPLING_KEYS
     if unknown:
-        raise HTTPError(400, f"unknown sampling_params keys: {sorted(unknown)}")
+        raise HTTPError(400, f"unknown sampling_params keys: {brief(sorted(unknown))}")
     for k, v in sp.items():
         if k in _SUPPORTED or v in (None, "", [], {}) or (k in _NEUTRAL and v == _NEUTRAL[k]):
             continue
-        raise HTTPError(400, f"sampling param {k}={v!r} is not supported by the CPU engine")
+        raise HTTPError(400, f"sampling param {k}={brief(v)} is not supported by the CPU engine")
     out = {"max_new_tokens": sp.get("max_new_tokens", 128), "temperature": sp.get("temperature", 1.0),
            "top_p": sp.get("top_p", 1.0), "top_k": sp.get("top_k", -1), "stop_token_ids": sp.get("stop_token_ids"),
            "ignore_eos": sp.get("ignore_eos", False), "sampling_seed": sp.get("sampling_seed"),
@@ -662,7 +766,7 @@ def _input_request(r: Req, start, top_n) -> tuple[int | None, int]:
     -1, for none given, or without ``return_logprob`` (SGLang ignores it then), else in ``[0, len(input_ids))``."""
     for key, v in (("logprob_start_len", start), ("top_logprobs_num", top_n)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-            raise HTTPError(400, f"{key} must be an integer, not {v!r}")
+            raise HTTPError(400, f"{key} must be an integer, not {brief(v)}")
     top_n = top_n or 0
     if top_n < 0:
         raise HTTPError(400, f"top_logprobs_num must be at least 0, not {top_n}")

@@ -918,6 +918,7 @@ def check_files(recipe: Recipe, cwd: str | Path | None = None) -> list[Problem]:
     (``relax_hpc.roles.runtime.resolve``): against the directory the run is submitted from, ``cwd``."""
     base = Path.cwd() if cwd is None else Path(cwd)
     problems = _check_data_paths(recipe, base)
+    problems += _check_media_roots(recipe, base)
     problems += _check_model_dirs(recipe, base)
     problems += _check_runs_root(recipe, base)
     problems += _check_context(recipe, base)
@@ -1076,6 +1077,20 @@ def _check_data_paths(r: Recipe, base: Path) -> list[Problem]:
     for note in notes:
         log.warning("%s", note)
     return out + [(key, paths[key], msg) for key, msg in problems]
+
+
+def _check_media_roots(r: Recipe, base: Path) -> list[Problem]:
+    """``data.media_roots``: each an existing directory (a typo would fail every row that names a file there, one
+    sample at a time, after the queue)."""
+    out: list[Problem] = []
+    for i, root in enumerate(r.data.media_roots):
+        if not isinstance(root, str) or not root.strip() or "\0" in root:
+            continue  # refused by check_data
+        if not _resolve(root, base).is_dir():
+            out.append((f"data.media_roots[{i}]", root, f"is not a directory (relative paths are relative to the "
+                        f"directory you submit from, {base}). Fix: an existing directory that holds the dataset's "
+                        "images, or remove it"))
+    return out
 
 
 def _check_plugins(r: Recipe, base: Path) -> list[Problem]:

@@ -101,7 +101,7 @@ class Generator:
 
     def __init__(self, ctx: RoleContext):
         from relax_hpc.rollout.data import (data_source_from_config, dataset_from_config, eval_datasets_from_config,
-                                            load_tokenizer)
+                                            load_tokenizer, prompt_room)
         from relax_hpc.plugins import load_plugin
         from relax_hpc.engines.pool import NamesFile
         from relax_hpc.rollout.driver import RolloutDriver
@@ -123,6 +123,8 @@ class Generator:
             log.info("eval sets: %s", ", ".join(f"{n} ({len(ds)} prompts)" for n, ds in self.eval_sets.items()))
         # loads the reward function (fails early); its engine clients send the run's API key
         self.driver = RolloutDriver(r, {}, tokenizer=self.tokenizer, api_key=ctx.run.api_key())
+        # a row whose images make its prompt too long for train.max_seq_len fails its sample (rollout/data.py)
+        dataset.prompt_room = prompt_room(r.rollout, r.train.max_seq_len, self.driver.multiturn is not None)
         self.driver.on_progress = ctx.progress
         self.driver.leaving = NamesFile(ctx.run.draining)  # engines the controller drains: no new requests
         ro = r.rollout  # DAPO dynamic sampling and the per-step sample filter (relax_hpc.rollout.dynamic)

@@ -31,6 +31,10 @@ class DataConfig:
     multimodal_keys: dict[str, str] = field(default_factory=dict)  # modality -> record field (Relax --multimodal-keys), e.g. {image: images}: paths (relative to the data file), bytes or base64, one or a list; only "image" so far
     image_min_token_num: int | None = None  # images smaller than this many image tokens are enlarged (Relax --image-min-token-num); null = the model processor's min_pixels
     image_max_token_num: int | None = None  # images larger than this many image tokens are shrunk (Relax --image-max-token-num); null = the model processor's max_pixels
+    media_roots: list[str] = field(default_factory=list)  # directories besides the data file's own that a row's image paths may lie in (symlinks resolved); relative to the submit directory. Any other path fails its sample
+    allow_media_urls: bool = False  # fetch http(s) image URLs a row names; false: such a row fails its sample (data: URLs and base64 are always read)
+    max_image_pixels: int | None = None  # an image over this many pixels (width × height, read from its header before decoding) fails its sample; null = the model processor's max_pixels (what it would resize to anyway)
+    max_prompt_pixels: int | None = None  # a row whose images add up to more pixels fails its sample; null = 4 × max_image_pixels
 
 
 @dataclass

@@ -14,7 +14,9 @@ Relax's data contract (``--prompt-data``, ``--input-key``, ``--label-key``, ``--
 - ``multimodal_keys`` (``{"image": COLUMN}``, Relax's ``--multimodal-keys``): the column holds each prompt's images
   (paths relative to the data file, bytes, base64, one or a list); Relax's ``<image>`` markers or Qwen's
   ``{"type": "image"}`` content parts place them. They are read when a step draws the prompt
-  (:meth:`PromptDataset.with_images`), and a bad one fails only its sample (docs/multimodal.md).
+  (:meth:`PromptDataset.with_images`): files only under the data file's directory and ``data.media_roots``, URLs only
+  with ``data.allow_media_urls``, within the pixel budgets, their tokens counted in the prompt's length; a bad one
+  fails only its sample (docs/multimodal.md).
 
 :class:`PromptDataset` reads files eagerly and reports the file, the line (JSONL) or row (Parquet) and the
 key for any bad record; blank lines are skipped and prompts over ``max_prompt_len`` dropped, each logged once per
@@ -312,6 +314,11 @@ class PromptDataset(_Records):
         max_prompt_len: int | None = None,
         image_min_token_num: int | None = None,
         image_max_token_num: int | None = None,
+        media_roots: Iterable[str | os.PathLike] = (),
+        allow_media_urls: bool = False,
+        max_image_pixels: int | None = None,
+        max_prompt_pixels: int | None = None,
+        prompt_room: int | None = None,
     ) -> None:
         self.files = expand_paths(paths)
         if isinstance(tokenizer, (str, os.PathLike)):
@@ -326,6 +333,11 @@ class PromptDataset(_Records):
             raise DataError("data.multimodal_keys needs the model's directory (model.path: its image processor and "
                             "tokenizer) to read images with; none was given")
         self.image_tokens = (image_min_token_num, image_max_token_num)
+        # the files a row may name (relax_hpc.media): its file's directory, these roots; URLs only when allowed
+        self.media_roots = tuple(Path(os.path.abspath(Path(r).expanduser())) for r in media_roots)
+        self.allow_media_urls = allow_media_urls
+        self.pixel_budget = (max_image_pixels, max_prompt_pixels)  # None: the processor's (multimodal.pixel_budgets)
+        self.prompt_room = prompt_room  # the most prompt tokens, images expanded, a sample may start with
         self.num_filtered = 0
         self.num_blank = 0
         self.samples: list[Sample] = []
@@ -379,19 +391,41 @@ class PromptDataset(_Records):
         image token). Read here, when a step draws the prompt, not when the file is read: a dataset of images does
         not sit in memory.
 
-        A bad image (missing file, not an image, too large, placeholders that do not match the images) fails only
-        this sample (:func:`image_failed`): status FAILED, its row and reason in ``metadata["image_error"]``."""
-        from relax_hpc.multimodal import ImageError, encode_ids, load_image, png_base64, resize_to_tokens
+        A row's files are read only from ``base_dir`` (its data file's directory) and ``data.media_roots``, URLs only
+        with ``data.allow_media_urls`` (:mod:`relax_hpc.media`). Each image's size is checked from its header against
+        the pixel budgets (``data.max_image_pixels``, ``data.max_prompt_pixels``) before it is decoded. The expanded
+        prompt counts against ``rollout.max_prompt_len`` and :attr:`prompt_room` (what train.max_seq_len leaves).
+
+        A bad row (a file outside those directories or missing, not an image, over a budget, placeholders that do not
+        match the images, too long with its images) fails only this sample (:func:`image_failed`): status FAILED,
+        its row and reason in ``metadata["image_error"]``; the reason names paths and sizes, never file contents."""
+        from relax_hpc.multimodal import (PROMPT_IMAGES, ImageError, MediaPolicy, decode, encode_ids, image_bytes,
+                                          open_header, pixel_budgets, png_base64, resize_to_tokens)
 
         refs = sample.multimodal_inputs["images"]
         model_dir = str(self.tokenizer.name_or_path)
+        policy = MediaPolicy(base_dir=base_dir, roots=self.media_roots, allow_urls=self.allow_media_urls)
         imgs = []
         try:
             if isinstance(refs, str) and refs.startswith(_BAD):
                 raise ImageError(refs[len(_BAD):])
+            per_image, per_prompt = pixel_budgets(model_dir, *self.pixel_budget)
+            image_budget = ("an image may have (data.max_image_pixels" +
+                            ("" if self.pixel_budget[0] is not None else "; null: the model processor's max_pixels") +
+                            "). Fix: a smaller image, or raise data.max_image_pixels")
+            total = 0
             for n, ref in enumerate(refs):
                 try:
-                    imgs.append(resize_to_tokens(load_image(ref, base_dir), model_dir, *self.image_tokens))
+                    img = open_header(image_bytes(ref, policy), per_image, image_budget)
+                    total += img.width * img.height
+                    if total > per_prompt:  # before this one is decoded
+                        default = "" if self.pixel_budget[1] is not None else \
+                            f"; null: {PROMPT_IMAGES} × data.max_image_pixels"
+                        raise ImageError(
+                            f"{img.width}×{img.height}: the row's images come to {total} pixels with it, over the "
+                            f"{per_prompt} pixels a prompt's images may have (data.max_prompt_pixels{default}). "
+                            "Fix: fewer or smaller images, or raise data.max_prompt_pixels")
+                    imgs.append(resize_to_tokens(decode(img), model_dir, *self.image_tokens))
                 except ImageError as e:
                     raise ImageError(f"image {n}{_ref_name(ref)}: {e}") from None
             placeholders = sample.prompt.count(IMAGE_PAD)
@@ -400,11 +434,28 @@ class PromptDataset(_Records):
                                  f'one {TEXT_IMAGE_MARKER} in the text or one {{"type": "image"}} content part per '
                                  "image")
             tokens = encode_ids(model_dir, sample.tokens, imgs)["input_ids"][0].tolist() if imgs else sample.tokens
+            self._check_length(len(tokens), len(tokens) - len(sample.tokens) + len(imgs))
         except ImageError as e:
             return image_failed(sample.copy(multimodal_inputs=None),
                                 f"{where}: key {self.keys.image_key!r} (data.multimodal_keys.image): {e}",
                                 getattr(self.tokenizer, "eos_token_id", None))
         return sample.copy(tokens=tokens, multimodal_inputs={"images": [png_base64(im) for im in imgs]})
+
+    def _check_length(self, n: int, image_tokens: int) -> None:
+        """A prompt with its images expanded (``n`` tokens, ``image_tokens`` of them the images') longer than
+        ``rollout.max_prompt_len`` or :attr:`prompt_room`: an :class:`~relax_hpc.multimodal.ImageError`. Such a row
+        cannot be dropped when the file is read (its images are read when drawn): it fails its sample instead of
+        reaching the trainer, where it would fail the step."""
+        from relax_hpc.multimodal import ImageError
+
+        what = f"with its images the prompt has {n} tokens ({image_tokens} of them the images')"
+        if self.max_prompt_len is not None and n > self.max_prompt_len:
+            raise ImageError(f"{what}, more than rollout.max_prompt_len = {self.max_prompt_len}. Fix: fewer or "
+                             "smaller images (data.image_max_token_num shrinks them), or raise rollout.max_prompt_len")
+        if self.prompt_room is not None and n > self.prompt_room:
+            raise ImageError(f"{what}, more than the {self.prompt_room} a sample's prompt may have to fit "
+                             "train.max_seq_len with its response. Fix: fewer or smaller images "
+                             "(data.image_max_token_num shrinks them), or raise train.max_seq_len")
 
 
 def _numbers(what: str, numbers: list[int]) -> str:
@@ -684,7 +735,21 @@ def dataset_from_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig, *, tok
         max_prompt_len=rollout_cfg.max_prompt_len,
         image_min_token_num=data_cfg.image_min_token_num,
         image_max_token_num=data_cfg.image_max_token_num,
+        media_roots=data_cfg.media_roots,
+        allow_media_urls=data_cfg.allow_media_urls,
+        max_image_pixels=data_cfg.max_image_pixels,
+        max_prompt_pixels=data_cfg.max_prompt_pixels,
     )
+
+
+def prompt_room(rollout_cfg: RolloutConfig, max_seq_len: int, multiturn: bool) -> int:
+    """The most prompt tokens (images expanded) a sample may start with and still fit ``train.max_seq_len``, the
+    longest sample the trainer takes: room for ``rollout.max_response_len`` after it (one turn), or for one token
+    within the context bound (multi-turn: ``rollout.max_context_len``, else ``train.max_seq_len``; a custom generate
+    function: ``train.max_seq_len``). :attr:`PromptDataset.prompt_room` of the run's training data."""
+    if multiturn or rollout_cfg.custom_generate_function_path is not None:
+        return max(1, min(rollout_cfg.max_context_len or max_seq_len, max_seq_len) - 1)
+    return max(1, max_seq_len - rollout_cfg.max_response_len)
 
 
 def eval_datasets_from_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig, *,
@@ -934,6 +999,25 @@ def _check_media(d: DataConfig) -> list[tuple[str, object, str]]:
             out.append((key, v, "must be at least 1 image token, or null for the model processor's bound"))
     if lo is not None and hi is not None and 1 <= hi < lo:
         out.append(("data.image_max_token_num", hi, f"is below data.image_min_token_num = {lo}. Fix: max >= min"))
+    from relax_hpc.multimodal import MAX_IMAGE_PIXELS
+
+    per_image, per_prompt = d.max_image_pixels, d.max_prompt_pixels
+    if per_image is not None and not 1 <= per_image <= MAX_IMAGE_PIXELS:
+        out.append(("data.max_image_pixels", per_image, f"must be 1 to {MAX_IMAGE_PIXELS} pixels (the most relax_hpc "
+                                                        "decodes), or null for the model processor's max_pixels"))
+    if per_prompt is not None and per_prompt < 1:
+        out.append(("data.max_prompt_pixels", per_prompt, "must be at least 1 pixel, or null for 4 × "
+                                                          "data.max_image_pixels"))
+    roots = d.media_roots
+    if not isinstance(roots, list) or not all(isinstance(x, str) and x.strip() and "\0" not in x for x in roots):
+        out.append(("data.media_roots", roots, "must be a list of directories. Fix: e.g. [/datasets/images]"))
+    if not (mk or {}).get("image"):  # they act on the files and pixels of a row's images: without images, nothing
+        for key, v, default in (("data.media_roots", roots, []), ("data.allow_media_urls", d.allow_media_urls, False),
+                                ("data.max_image_pixels", per_image, None),
+                                ("data.max_prompt_pixels", per_prompt, None)):
+            if v != default:
+                out.append((key, v, "acts on a row's images, but data.multimodal_keys has no image column. Fix: set "
+                                    "data.multimodal_keys: {image: COLUMN}, or remove this key"))
     if (lo is not None or hi is not None) and not (mk or {}).get("image"):
         key = "data.image_min_token_num" if lo is not None else "data.image_max_token_num"
         out.append((key, lo if lo is not None else hi, "bounds images, but data.multimodal_keys has no image column. "
