@@ -12,7 +12,7 @@ socket (a ``scale`` question the loop answers at once, :meth:`Elastic.ask`), wit
   ``rollout.engine.max_restarts`` times at most, and rejoins like a scaled-out one.
 - Scale-out starts engines as new job steps on the spare nodes
   of rollout's component (``roles.rollout.elastic``; locally, as processes), or with ``attach`` as a separate
-  Slurm job (``sbatch/attach.sbatch.j2``) on any partition. Each announces itself (``engine_join``) and enters
+  Slurm job (``relax_hpc/sbatch/attach.sbatch.j2``) on any partition. Each announces itself (``engine_join``) and enters
   the registry as ``syncing``: the actor's next sync puts the current weights on it (the weight-sync group is
   rebuilt with it), and only then is it ``ready`` and given requests. The join time (asked → ready) is logged.
 - Scale-in drains: only engines added by scale-out leave (the run's own are protected). A draining engine gets

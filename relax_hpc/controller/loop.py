@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from relax_hpc.controller import recipe_copy
 from relax_hpc.controller.backend import Backend, backend_from_env
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.elastic import Capacity
@@ -45,7 +46,7 @@ from relax_hpc.controller.state import COMPLETED, FAILED, REQUEUED, RunState
 from relax_hpc.controller.steps import step_commands
 from relax_hpc.errors import no_space
 from relax_hpc.ops.notify import EVENTS, Notifier, notify_urls
-from relax_hpc.recipe import Recipe, load_recipe, role_steps
+from relax_hpc.recipe import Recipe, role_steps
 from relax_hpc.rundir import RunDir, write_json
 
 log = logging.getLogger("relax_hpc.controller")
@@ -105,7 +106,7 @@ def run_controller(run_dir: str | os.PathLike, *, requeue_job: RequeueJob | None
 
 
 def _run(run: RunDir, requeue_job: RequeueJob | None, resubmit: Resubmit | None, capacity: Capacity | None) -> dict:
-    recipe, backend = load_recipe(run.recipe), backend_from_env()
+    recipe, backend = recipe_copy.load(run), backend_from_env()  # with its secrets (RUN/secrets.json)
     if not run.ensure_reserve():  # gone after a full disk (or a run made before it existed): made again
         log.warning("could not reserve space in %s (is its filesystem full?): a full disk may end this run "
                     "without state.json saying so", run.path)
@@ -119,9 +120,7 @@ def _run(run: RunDir, requeue_job: RequeueJob | None, resubmit: Resubmit | None,
             if not restart:
                 state.event("started", f"attempt {state.doc['attempt']}, job {state.doc['job_id']} ({backend.name})")
             _attempt(run, recipe, backend, state, sig, capacity)
-            f = state.failure
-            restart = (state.doc["state"] == FAILED and f is not None and f.kind == "role"
-                       and state.doc["restarts"] < recipe.checkpoint.max_restarts)
+            restart = state.will_restart  # state.json said RUNNING (phase restarting) throughout: no end to watchers
             if not restart:
                 break
             state.event("step_restarted", f"{state.doc['reason']}; restarting every step from the latest "
@@ -255,8 +254,12 @@ def _summary_line(run: RunDir) -> str:
     s = run.read_json(run.path / "summary.json", {}) or {}
     if s.get("reward_first10") is None:
         return f"{s.get('steps', 0)} steps"
-    return (f"{s['steps']} steps in {s.get('wall_time_s')} s; mean reward first {s['reward_window']} steps "
+    line = (f"{s['steps']} steps in {s.get('wall_time_s')} s; mean reward first {s['reward_window']} steps "
             f"{s['reward_first10']:.3f}, last {s['reward_window']} steps {s['reward_last10']:.3f}")
+    for name, v in (s.get("eval_last") or {}).items():  # the task's own measure, where the recipe evaluates
+        line += (f"; eval {name} pass@1 {(s.get('eval_first') or {}).get(name, float('nan')):.3f} (step "
+                 f"{s.get('eval_first_step')}) -> {v:.3f} (step {s.get('eval_last_step')})")
+    return line
 
 
 def _report(state: RunState, steps: list[StepProcess]) -> None:

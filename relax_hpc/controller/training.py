@@ -155,7 +155,8 @@ class TrainingLoop:
         self.resume.rewind(self.broker)
         self.metrics = RunMetrics(run.path, recipe.logging.tensorboard, start_step=self.resume.step,
                                   started=state.doc.get("started_at"), wandb=recipe.logging.wandb, run_name=run.name,
-                                  config=public_config(recipe_to_dict(recipe)) if recipe.logging.wandb else None)
+                                  config=public_config(recipe_to_dict(recipe)) if recipe.logging.wandb else None,
+                                  plot_marks=recipe.logging.plot_marks)
         if self.metrics.wandb_error:
             state.event("wandb_off", f"{self.metrics.wandb_error}; TensorBoard and metrics.jsonl have every metric")
         self.tasks, self.rows, self.gen = Dispatcher(channel), StepRows(), Generation.of(self.resume)
@@ -738,6 +739,9 @@ class TrainingLoop:
                 log.info("mean reward: first %d steps %.3f, last %d steps %.3f (%d steps, %.0f s); summary %s",
                          summary["reward_window"], first, summary["reward_window"], last, summary["steps"],
                          summary["wall_time_s"], self.run.path / "summary.json")
+            for name, v in (summary.get("eval_last") or {}).items():
+                log.info("eval %s pass@1: step %d %.3f -> step %d %.3f", name, summary["eval_first_step"],
+                         summary["eval_first"].get(name, float("nan")), summary["eval_last_step"], v)
             self.state.progress(reward_first10=first, reward_last10=last, phase="finished")
         finally:
             try:

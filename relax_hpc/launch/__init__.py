@@ -10,6 +10,7 @@ Modules, one job each:
   jobs       starting a run's job: the het job, the local process, a Slurm run's continuation job
   jobstate   a job's state from Slurm or its process, joined with state.json
   submit     relax-submit's order: check → run directory → submit → job.json
+  provenance the code a run runs (version, commit, local changes): RUN_DIR/provenance.json
   runs       find a run by name, directory or job id
   status     squeue/sacct + state.json → one status; rich rendering
   follow     live view until a run ends

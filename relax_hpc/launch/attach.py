@@ -2,7 +2,7 @@
 
 Why here: the controller decides when capacity comes and goes (:mod:`relax_hpc.controller.elastic`); this module
 (its ``Capacity``, handed to the controller by the launcher, so the controller never imports the launcher) only
-knows how to ask Slurm for a separate job: render ``sbatch/attach.sbatch.j2`` and submit it; its tasks run
+knows how to ask Slurm for a separate job: render ``relax_hpc/sbatch/attach.sbatch.j2`` and submit it; its tasks run
 :mod:`relax_hpc.roles.engine` and join the run. Engines inside the run's own allocation are job steps the
 controller starts itself (:func:`relax_hpc.controller.steps.start_engine_step`), like the role steps.
 """
@@ -74,7 +74,7 @@ def render_attach(recipe: Recipe, run_dir: Path, op: str, names_prefix: str, n: 
         "qos": opts.qos, "constraint": opts.constraint or s.constraint, "time": opts.time or s.time,
         "ntasks": n, "ntasks_per_node": g.tasks_per_node, "cpus_per_task": g.cpus_per_task,
         "gpus_per_node": g.gpus_per_node, "mem": opts.mem or g.mem, "extra": list(opts.extra),
-        "env": dict(s.env), "pythonpath": str(PACKAGE_ROOT),
+        "env": {}, "pythonpath": str(PACKAGE_ROOT),  # slurm.env's values are secrets: sbatch's environment has them
         "command": [*container.srun_options(recipe, run_dir),  # slurm.container, as the run's own engine steps
                     *container.command(recipe, run_dir, engine_argv(run_dir, names_prefix, "attached", op, python))],
     }
@@ -95,7 +95,7 @@ def submit_attached(recipe: Recipe, run_dir: Path, op: str, names_prefix: str, n
     path.write_text(text)
     try:
         out = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=60,
-                             env=_clean_env(), check=False)
+                             env=_clean_env({**recipe.slurm.env, **container.step_env(recipe)}), check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise slurm.SlurmError(f"sbatch {path}: {e}") from None
     if out.returncode != 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import sys
 import time
@@ -62,11 +63,20 @@ def _submit_parser() -> argparse.ArgumentParser:
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
     ap.add_argument("--local", action="store_true", help="run on this machine (the default without sbatch on PATH)")
     ap.add_argument("--dry-run", action="store_true", help="print the sbatch script and step commands; submit nothing")
+    ap.add_argument("--render-only", action="store_true",
+                    help="with --dry-run: the Slurm batch script and srun lines without the checks against a cluster "
+                         "or this machine (partition, nodes, GPUs, the files the run opens), for a recipe whose "
+                         "cluster cannot be reached from here; the recipe itself is still validated")
     ap.add_argument("--json", action="store_true", help="print one JSON object (run, run_dir, job_id, ...)")
     ap.add_argument("--detach", action="store_true", help="local runs: return at once instead of following the run")
     ap.add_argument("--resume", action="store_true",
                     help="start an ended run again from its latest checkpoint, in its own directory")
     return ap
+
+
+SKIPPED_CHECKS = ("the recipe was validated, but not checked against any cluster or this machine: partition, "
+                  "node and GPU counts, memory, the files the run opens (model, data), the container runtime, the "
+                  "SGLang interpreter")
 
 
 def _next_commands(record: dict, named_by_path: bool) -> list[str]:
@@ -79,10 +89,21 @@ def _next_commands(record: dict, named_by_path: bool) -> list[str]:
 
 
 def _from_relax_args(argv: list[str]) -> int:
-    """``relax-submit --from-relax-args ARGS...``: print the recipe YAML for a Relax launch script's flags."""
+    """``relax-submit --from-relax-args ARGS...``: print the recipe YAML for a Relax launch script's flags, given as
+    words or as one quoted string (``"--flag a --flag b"``: split as the shell would)."""
     from relax_hpc.recipe import recipe_from_dict
     from relax_hpc.recipe.from_relax import convert, to_yaml
 
+    if not argv:
+        _err("relax-submit --from-relax-args: no flags given. Fix: relax-submit --from-relax-args --hf-checkpoint "
+             "/models/Qwen3-4B --rollout-batch-size 32 ... (a launch script's flags)")
+        return EXIT_REFUSED
+    if len(argv) == 1 and any(c.isspace() for c in argv[0]):
+        try:
+            argv = shlex.split(argv[0])
+        except ValueError as e:  # an unclosed quote
+            _err(f"relax-submit --from-relax-args: cannot split {argv[0]!r} as a shell would: {e}")
+            return EXIT_REFUSED
     try:
         data, notes = convert(argv)
         recipe_from_dict(data, source="relax-submit --from-relax-args")
@@ -99,25 +120,39 @@ def submit_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--from-relax-args"]:  # the rest are Relax's flags, not ours
         return _from_relax_args(argv[1:])
-    args = _submit_parser().parse_intermixed_args(argv)
+    ap = _submit_parser()
+    args = ap.parse_intermixed_args(argv)
+    if args.render_only and (not args.dry_run or args.local or args.resume):
+        ap.error("--render-only goes with --dry-run, without --local or --resume (it shows the Slurm batch script)")
     console = Console(stderr=args.json)
-    no_sbatch = not args.local and not slurm.have_sbatch()
+    no_sbatch = not args.local and not args.render_only and not slurm.have_sbatch()
     executor = "local" if args.local or no_sbatch else "slurm"
     if no_sbatch:
         _err("relax-submit: no sbatch on PATH: running with the local executor (processes on this machine)")
     if args.resume:
         return _resume(args, console)
     try:
-        p = plan(args.recipe, args.overrides, executor)
+        p = plan(args.recipe, args.overrides, executor, check_place=not args.render_only)
     except RecipeError as e:
-        return _refused(e, args.json)
+        code = _refused(e, args.json)
+        if args.dry_run and no_sbatch:  # checked against this machine, maybe for want of the cluster it is for
+            _err("To see the batch script and srun lines for a cluster not reachable from here, without checking "
+                 "the recipe against it: relax-submit --dry-run --render-only ...")
+        return code
 
     if args.dry_run:
         d = dry_run(p)
+        if args.render_only:
+            d["render_only"] = True
+            d["skipped_checks"] = SKIPPED_CHECKS
         if args.json:
             _print_json(d)
         else:
-            print(f"# relax-submit --dry-run: nothing submitted, nothing created. Executor: {d['executor']}.")
+            how = "--dry-run --render-only" if args.render_only else "--dry-run"
+            print(f"# relax-submit {how}: nothing submitted, nothing created. Executor: {d['executor']}.")
+            if args.render_only:
+                print(f"# NOT CHECKED (--render-only): {SKIPPED_CHECKS}. relax-submit checks them where Slurm is "
+                      "reachable.")
             print(f"# Run directory would be: {d['run_dir']}")
             if d["script"] is not None:
                 print("# ---------------- sbatch script ----------------")

@@ -1,7 +1,11 @@
-"""Follow a run until it ends: a live rich view on a terminal, one line per change elsewhere, or JSON lines.
+"""Follow a run until it ends: a live rich view on a terminal, a line every few steps elsewhere, or JSON lines.
 
 Shared by ``relax-status --watch`` and the foreground mode of ``relax-submit --local``, so both show the same
-thing. Polling is all it does: every fact comes from :func:`relax_hpc.launch.status.collect`.
+thing: the step, the reward (the last step's and the mean of the last 10), the time per step and the time left,
+each role's phase, the last failure. Polling is all it does: every fact comes from
+:func:`relax_hpc.launch.status.collect`. Without a terminal (a log, CI, a pipe) a line is printed when the run's
+state, a role's error or the last failure changes, and otherwise every :func:`log_every` steps, or after
+:data:`LOG_EVERY_S` seconds with a step done since the last line: a 100-step run writes ~20 lines, not 100.
 """
 
 from __future__ import annotations
@@ -15,6 +19,21 @@ from rich.live import Live
 
 from relax_hpc.launch.status import collect, is_final, render, signature, summary_line
 from relax_hpc.rundir import RunDir
+
+LOG_LINES = 20  # lines a run's progress takes in a log, about
+LOG_EVERY_S = 60.0  # and a line at least this often while steps are done
+
+
+def log_every(total: object) -> int:
+    """Steps between two progress lines in a log: about :data:`LOG_LINES` lines over the run."""
+    return max(1, total // LOG_LINES) if isinstance(total, int) and not isinstance(total, bool) else 1
+
+
+def _news(info: dict) -> tuple:
+    """What is printed the moment it changes (not the step, not the phases: they change all the time)."""
+    errors = tuple((n, r.get("error")) for n, r in info["roles"].items())
+    return (info["state"], info.get("reason"), info.get("controller_state"), info.get("last_failure"),
+            info.get("error"), errors)
 
 
 def follow(rd: RunDir, console: Console, interval: float = 2.0, json_lines: bool = False,
@@ -47,12 +66,15 @@ def follow(rd: RunDir, console: Console, interval: float = 2.0, json_lines: bool
             info = _settle(rd, info, settle_s)
             live.update(render(info))
         return info
-    last_line = None
+    news: tuple | None = None
+    last_step, last_t = 0, 0.0
     while True:
-        line = summary_line(info)
-        if line != last_line:
-            console.print(line, highlight=False, soft_wrap=True)
-            last_line = line
+        step = info.get("step") if isinstance(info.get("step"), int) else 0
+        due = _news(info) != news or step >= last_step + log_every(info.get("total_steps")) or \
+            (step > last_step and time.monotonic() - last_t >= LOG_EVERY_S)
+        if due:
+            console.print(summary_line(info), highlight=False, soft_wrap=True)
+            news, last_step, last_t = _news(info), step, time.monotonic()
         if info["error"]:
             return info
         if stop(info):

@@ -9,16 +9,20 @@ RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT, ...), for local runs too, so scr
 from __future__ import annotations
 
 import datetime as _dt
+import json
+import math
 import time
 from typing import Any
 
 from rich.console import Group as RichGroup
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from relax_hpc.launch import slurm
+from relax_hpc.launch import provenance, slurm
 from relax_hpc.launch.backend import launcher_for
 from relax_hpc.launch.runs import RunUnreadable, load_job
+from relax_hpc.ops.metrics import REWARD, WINDOW
 from relax_hpc.recipe import load_recipe
 from relax_hpc.recipe.layout import role_steps
 from relax_hpc.rundir import RunDir, RunFileError, is_regular, read_json_file
@@ -94,6 +98,66 @@ def _layout(rd: RunDir, state: dict) -> list[dict]:
                  "ntasks": None} for name, r in roles.items()]
 
 
+TAIL_BYTES = 256 << 10  # of metrics.jsonl read for the progress: its last rows (a row is a few hundred bytes)
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _metric_rows(rd: RunDir) -> list[dict]:
+    """The last rows of ``metrics.jsonl`` (its tail only: a long run's file is large and this is read every
+    refresh); none when it is missing or cannot be read. A row cut by a kill, or text that is not JSON, is skipped."""
+    path = rd.path / "metrics.jsonl"
+    if not is_regular(path):  # missing, or a FIFO whose read would hang
+        return []
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            start = max(0, size - TAIL_BYTES)
+            f.seek(start)
+            lines = f.read(TAIL_BYTES).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
+    rows = []
+    for line in lines[1:] if start else lines:  # the first line of a tail is a piece of a row
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def progress(rd: RunDir, step: Any, total: Any, final: bool) -> dict:
+    """What a user watching a run wants besides its state, from ``metrics.jsonl``'s last rows: the last step's mean
+    reward (``reward_last``), the mean over the last :data:`~relax_hpc.ops.metrics.WINDOW` steps
+    (``reward_mean``, over ``reward_window`` steps), seconds per step over the same steps (``step_time_s``: wall
+    time between their rows, so the eval, the weight sync and a fully-async overlap are all in it) and the time
+    left at that pace (``eta_s``; None once the run ended). Non-finite rewards are left out of the mean."""
+    by_step: dict[int, dict] = {}
+    for row in _metric_rows(rd):  # step 0's row (the eval before training) has no reward
+        if isinstance(row.get("step"), int) and _finite(row.get(REWARD)) and _finite(row.get("time")):
+            by_step[row["step"]] = row  # a step logged twice (a resumed run): the later row
+    steps = sorted(by_step)[-(WINDOW + 1):]
+    out: dict[str, Any] = {"reward_last": None, "reward_mean": None, "reward_window": 0, "metrics_step": None,
+                           "step_time_s": None, "eta_s": None}
+    if not steps:
+        return out
+    rewards = [by_step[s][REWARD] for s in steps[-WINDOW:]]
+    out.update(reward_last=by_step[steps[-1]][REWARD], reward_mean=sum(rewards) / len(rewards),
+               reward_window=len(rewards), metrics_step=steps[-1])
+    if len(steps) > 1:
+        out["step_time_s"] = (by_step[steps[-1]]["time"] - by_step[steps[0]]["time"]) / (steps[-1] - steps[0])
+    elif _finite(by_step[steps[0]].get("perf/step_time")):
+        out["step_time_s"] = float(by_step[steps[0]]["perf/step_time"])
+    done = max(steps[-1], step if isinstance(step, int) else 0)
+    if not final and isinstance(total, int) and out["step_time_s"] is not None:
+        out["eta_s"] = max(0.0, (total - done) * out["step_time_s"])
+    return out
+
+
 def collect(rd: RunDir, now: float | None = None) -> dict:
     """Everything ``relax-status --json`` prints for one run.
 
@@ -119,12 +183,14 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
         overall, reason, source = "UNKNOWN", error, "none"
     layout = _layout(rd, ctl)
     ctl_roles = ctl.get("roles") or {}
+    final = slurm.is_finished(overall)
     roles: dict[str, dict] = {}
     for entry in layout:
         r = dict(entry)
         r.update({k: v for k, v in (ctl_roles.get(entry["role"]) or {}).items() if k != "het_group"})
         hb = _epoch(r.get("last_heartbeat"))
-        r["heartbeat_age_s"] = None if hb is None else round(now - hb, 1)
+        # an ended run's roles send no more heartbeats: an age that grows forever says nothing
+        r["heartbeat_age_s"] = None if hb is None or final else round(now - hb, 1)
         roles[entry["role"]] = r
     if not components:  # local, or Slurm forgot the job: one entry per het group from the recipe
         for k in sorted({e["het_group"] for e in layout if e["het_group"] is not None}):
@@ -162,12 +228,23 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
         "time_left_s": time_left,
         "components": components,
         "roles": roles,
-        "engines": [{"name": name, **(info or {})} for name, info in (ctl.get("engines") or {}).items()],
+        "engines": [_engine(name, info, final) for name, info in (ctl.get("engines") or {}).items()],
         "judges": [{"name": name, **(info or {})} for name, info in (ctl.get("judges") or {}).items()],
         "teachers": [{"name": name, **(info or {})} for name, info in (ctl.get("teachers") or {}).items()],  # OPD
         "scale": list(ctl.get("scale") or []),  # relax-scale's operations, the newest last
+        "progress": progress(rd, ctl.get("step"), ctl.get("total_steps"), final),
+        "provenance": provenance.read(rd),  # the code the run ran (relax-submit's record)
         "logs": str(rd.logs),
     }
+
+
+def _engine(name: str, info: dict | None, final: bool) -> dict:
+    """An engine as state.json has it; once the run ended, one it last saw serving (``ready``, ``syncing``, ...) is
+    ``stopped``: its process ended with the run, so neither that state nor its URL holds any more."""
+    e = {"name": name, **(info or {})}
+    if final and e.get("state") not in ("dead", "gone", None):
+        e["last_state"], e["state"] = e["state"], "stopped"
+    return e
 
 
 def is_final(info: dict) -> bool:
@@ -197,6 +274,9 @@ def render(info: dict) -> RichGroup:
     head = Text.assemble((info["run"], "bold"), f"  job {info['job_id']} ({info['executor']})  ",
                          _styled(info["state"]), step, left)
     parts: list[Any] = [head]
+    bar = _progress_view(info)
+    if bar is not None:
+        parts.append(bar)
     life = _life_line(info)
     if life:
         parts.append(Text(life, style="dim"))
@@ -224,8 +304,9 @@ def render(info: dict) -> RichGroup:
             engines.add_column(col)
         for e in info["engines"]:
             where = f"{e.get('job_id')}.{e['step_id']}" if e.get("step_id") else e.get("job_id")
+            url = "-" if e.get("state") == "stopped" else _cell(e.get("url"))  # gone with the run
             engines.add_row(e["name"], _styled_engine(e), _cell(e.get("weight_version")), _cell(e.get("origin")),
-                            _cell(e.get("node")), _cell(where), _cell(e.get("url")))
+                            _cell(e.get("node")), _cell(where), url)
         parts += [Text(""), engines]
     if info.get("weights"):
         parts.append(Text(f"weights: {info['weights']}", style="dim"))
@@ -233,13 +314,73 @@ def render(info: dict) -> RichGroup:
         job = f", job {op['job_id']}" if op.get("job_id") else ""
         parts.append(Text(f"scale {op['id']} {op['spec']} ({op['origin']}{job}): {op['state']}: {op.get('detail', '')}",
                           style="yellow" if op["state"] == "running" else "dim"))
+    code = provenance.describe(info.get("provenance"))
+    if code:
+        parts.append(Text(code, style="dim"))
     parts.append(Text(f"logs: {info['logs']}", style="dim"))
     return RichGroup(*parts)
 
 
+def duration(s: float | None) -> str:
+    """``42s``, ``3m05s``, ``2h07m``: a step time or a time left, read at a glance."""
+    if s is None:
+        return "-"
+    if s < 10:
+        return f"{s:.1f}s"
+    s = int(round(s))
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _reward(v: Any) -> str:
+    return f"{v:.3f}" if _finite(v) else "-"
+
+
+def progress_fields(info: dict, step: bool = True) -> list[str]:
+    """The progress as words: ``step 37/100``, ``reward 0.412 (mean 0.380 over 10 steps)``, ``1.8s/step``,
+    ``1m53s left``; what the live view and the log lines both show (``step``: with the step)."""
+    prog = info.get("progress") or {}
+    out = []
+    if step and info.get("step") is not None:
+        out.append(f"step {info['step']}/{info.get('total_steps') or '?'}")
+    if prog.get("reward_last") is not None:
+        out.append(f"reward {_reward(prog['reward_last'])} (mean {_reward(prog.get('reward_mean'))} over "
+                   f"{prog.get('reward_window')} steps)")
+    if prog.get("step_time_s") is not None:
+        out.append(f"{duration(prog['step_time_s'])}/step")
+    if prog.get("eta_s") is not None:
+        out.append(f"{duration(prog['eta_s'])} left")
+    return out
+
+
+def _progress_view(info: dict) -> Table | None:
+    """One row: a bar of steps done, then :func:`progress_fields`."""
+    total, step = info.get("total_steps"), info.get("step")
+    fields = progress_fields(info, step=False)  # the head line has the step
+    bar = isinstance(total, int) and total > 0 and isinstance(step, int)
+    if not fields and not bar:
+        return None
+    row = Table.grid(padding=(0, 2))
+    cells: list[Any] = []
+    if bar:
+        row.add_column(no_wrap=True)
+        done = min(step, total)
+        cells.append(ProgressBar(total=total, completed=done, width=30,
+                                 complete_style="green" if is_final(info) else "cyan"))
+        row.add_column(no_wrap=True)
+        cells.append(f"{100 * done // total:3d}%")
+    for f in fields:
+        row.add_column(no_wrap=True)
+        cells.append(Text(f, style="bold" if f.startswith("reward") else ""))
+    row.add_row(*cells)
+    return row
+
+
 def _styled_engine(e: dict) -> Text:
     state = str(e.get("state") or ("dead" if e.get("dead") else "-"))
-    style = {"ready": "green", "dead": "red", "draining": "yellow", "syncing": "yellow", "starting": "yellow"}
+    style = {"ready": "green", "dead": "red", "draining": "yellow", "syncing": "yellow", "starting": "yellow",
+             "stopped": "dim"}
     why = e.get("dead") or (e.get("left") if state == "gone" else None)
     return Text(state + (f" ({why})" if why else ""), style=style.get(state, ""))
 
@@ -249,8 +390,8 @@ def _life_line(info: dict) -> str:
     bits = []
     if info.get("phase") and info["state"] == "RUNNING":
         bits.append(f"phase {info['phase']}")
-    if isinstance(info.get("reward"), (int, float)):
-        bits.append(f"reward {info['reward']:.3f}")
+    if isinstance(info.get("reward"), (int, float)) and (info.get("progress") or {}).get("reward_last") is None:
+        bits.append(f"reward {info['reward']:.3f}")  # state.json's, where metrics.jsonl gave none
     if info.get("attempt"):
         bits.append(f"attempt {info['attempt']}")
     if info.get("restarts"):
@@ -271,10 +412,11 @@ def signature(info: dict) -> tuple:
 
 
 def summary_line(info: dict) -> str:
-    """One line for terminals that are not interactive (logs, CI)."""
+    """One line for output that is not a terminal (logs, CI): the run, its state, :func:`progress_fields`, each
+    role's phase, the last failure."""
     phases = " ".join(f"{n}={r.get('phase') or '-'}" for n, r in info["roles"].items())
-    step = "" if info.get("step") is None else f" step {info['step']}/{info.get('total_steps') or '?'}"
-    return f"{info['run']} {info['state']}{step} {phases}".rstrip()
+    failure = f"last failure: {info['last_failure']}" if info.get("last_failure") else ""
+    return "  ".join(x for x in (f"{info['run']} {info['state']}", *progress_fields(info), phases, failure) if x)
 
 
 # ------------------------------------------------------------------------------------------- audit ---

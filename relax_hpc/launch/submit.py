@@ -17,14 +17,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.controller import container
+from relax_hpc.controller import container, recipe_copy
 from relax_hpc.controller.steps import describe_steps
+from relax_hpc.launch import provenance
 from relax_hpc.launch.backend import launcher_for
 from relax_hpc.launch.jobs import Plan, SubmitError, pythonpath, resubmit
 from relax_hpc.launch.preflight import preflight_problems
-from relax_hpc.recipe import RecipeError, dump_recipe
+from relax_hpc.recipe import RecipeError
 from relax_hpc.recipe.load import read_recipe
-from relax_hpc.rundir import RunDir, create_run_dir, write_json, write_private
+from relax_hpc.rundir import RunDir, create_run_dir, mask_override, write_json
 from relax_hpc.train.latest import read_latest
 
 # Plan, SubmitError and resubmit are relax-submit's names too (a task pickled before they moved to
@@ -33,12 +34,16 @@ __all__ = ["Plan", "SubmitError", "dry_run", "plan", "pythonpath", "resubmit", "
 
 
 def plan(recipe_path: str | Path, overrides: list[str] | tuple[str, ...] = (), executor: str = "slurm",
-         python: str | None = None) -> Plan:
+         python: str | None = None, check_place: bool = True) -> Plan:
     """Load, validate and check a recipe for ``executor``; raises RecipeError (nothing is created) with the
-    validator's and the place's problems together, those about keys the user set first."""
+    validator's and the place's problems together, those about keys the user set first. ``check_place=False``
+    (``--dry-run --render-only``): the recipe is validated, but not checked against a cluster or this machine
+    (partition, nodes, GPUs, the files it opens, the container runtime): what a dry run of a recipe whose cluster
+    cannot be reached from here may show."""
     loaded = read_recipe(recipe_path, list(overrides))
     problems = list(loaded.problems)
-    if loaded.typed:  # every value is the user's: check it against the place it runs too, even if refused already
+    # every value is the user's: check it against the place it runs too, even if refused already
+    if loaded.typed and check_place:
         refused = {k for k, _, _ in problems}
         problems += [x for x in preflight_problems(loaded.recipe, executor, refused) if x not in problems]
         place = launcher_for(executor)
@@ -81,11 +86,12 @@ def submit(p: Plan) -> tuple[dict, Any]:
     """Make the run directory, submit, write job.json; returns (job.json contents, submitit job handle)."""
     rd = create_run_dir(p.runs_root, p.recipe.run.name)
     try:
-        write_private(rd.recipe, dump_recipe(p.recipe))
+        recipe_copy.save(rd, p.recipe)  # the secrets in RUN/secrets.json, masked in the copy and in job.json
+        provenance.record(rd)  # the code that will run: version, commit, local changes
         record: dict[str, Any] = {
             "run": rd.name, "run_dir": str(rd.path), "executor": p.executor,
             "job_name": p.recipe.slurm.job_name or f"relax-{p.recipe.run.name}",
-            "recipe_source": str(Path(p.source).resolve()), "overrides": p.overrides,
+            "recipe_source": str(Path(p.source).resolve()), "overrides": [mask_override(o) for o in p.overrides],
             "submitit_folder": str(rd.path / "submitit"), "python": p.python,
             "host": socket.gethostname(), "user": getpass.getuser(),
         }
@@ -107,4 +113,6 @@ def resume(run_dir: str | Path, executor: str | None = None, python: str | None 
     rd = RunDir(Path(run_dir).resolve())
     read_latest(rd.path / "checkpoints")  # a broken `latest` (BrokenLatest) is refused before anything is touched
     old = rd.read_json(rd.job, {}) or {}
-    return launcher_for(executor or old.get("executor", "slurm")).resume(rd, old, python)
+    out = launcher_for(executor or old.get("executor", "slurm")).resume(rd, old, python)
+    provenance.record_resume(rd)
+    return out

@@ -31,6 +31,7 @@ from relax_hpc.rundir import write_json
 log = logging.getLogger("relax_hpc.metrics")
 
 REWARD = "rollout/raw_reward"
+PASS1 = "-pass@1"  # eval/<set>-pass@1: the share of an eval set's prompts answered right (reward >= 1)
 WINDOW = 10  # steps averaged at each end of the run for summary.json
 
 
@@ -84,10 +85,12 @@ class RunMetrics:
 
     def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, start_step: int = 0,
                  started: float | None = None, wandb: Any = None, run_name: str | None = None,
-                 config: dict[str, Any] | None = None):
+                 config: dict[str, Any] | None = None, plot_marks: dict[str, float] | None = None):
         self.dir = Path(run_dir)
+        self.plot_marks = dict(plot_marks or {})  # logging.plot_marks: labelled levels drawn on reward.png
         self.rewards: dict[int, float] = {}
         self.evaluated: set[int] = set()  # steps whose row has eval/* metrics (kept from an earlier attempt too)
+        self.pass1: dict[int, dict[str, float]] = {}  # step -> {eval set: eval/<set>-pass@1}, for the summary and plot
         self.started = started or time.time()
         earlier = self._keep_until(start_step)
         self._tb: TensorBoardWriter | None = None
@@ -150,6 +153,7 @@ class RunMetrics:
                     self.rewards[int(row["step"])] = float(row[REWARD])
                 if any(k.startswith("eval/") for k in row):
                     self.evaluated.add(int(row["step"]))
+                    self._note_evals(int(row["step"]), row)
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
         os.replace(tmp, path)
@@ -168,7 +172,22 @@ class RunMetrics:
             self.rewards[int(step)] = vals[REWARD]
         if any(k.startswith("eval/") for k in vals):
             self.evaluated.add(int(step))
+            self._note_evals(int(step), vals)
         return vals
+
+    def _note_evals(self, step: int, vals: dict[str, Any]) -> None:
+        for k, v in vals.items():
+            if k.startswith("eval/") and k.endswith(PASS1):
+                self.pass1.setdefault(step, {})[k[len("eval/"):-len(PASS1)]] = float(v)
+
+    def eval_ends(self) -> dict[str, Any]:
+        """Each eval set's pass@1 at the first and at the last step evaluated (``eval_first``/``eval_last``, by set
+        name, with ``eval_first_step``/``eval_last_step``); empty when no eval ran."""
+        if not self.pass1:
+            return {}
+        first, last = min(self.pass1), max(self.pass1)
+        return {"eval_first": self.pass1[first], "eval_first_step": first,
+                "eval_last": self.pass1[last], "eval_last_step": last}
 
     def amend(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
         """Add ``metrics`` to step ``step``'s row (eval results, which come after the row was written): TensorBoard
@@ -205,6 +224,7 @@ class RunMetrics:
             self.rewards[int(step)] = vals[REWARD]
         if any(k.startswith("eval/") for k in vals):
             self.evaluated.add(int(step))
+            self._note_evals(int(step), vals)
         return vals
 
     def reward_ends(self) -> tuple[float | None, float | None]:
@@ -227,13 +247,14 @@ class RunMetrics:
             "reward_final": self.rewards[steps[-1]] if steps else None,
             "tensorboard": str(self.dir / "tensorboard") if self._tb is not None else None,
             "wandb": self._wb.files if self._wb is not None else None,
-            "reward_png": None, **(extra or {}),
+            "reward_png": None, **self.eval_ends(), **(extra or {}),
         }
         if self.wandb_error:
             summary["wandb_error"] = self.wandb_error
         if steps:
             try:
-                plot_rewards(self.dir / "reward.png", steps, [self.rewards[s] for s in steps], title=state.get("run"))
+                plot_rewards(self.dir / "reward.png", steps, [self.rewards[s] for s in steps], title=state.get("run"),
+                             evals=self.pass1, marks=self.plot_marks)
                 summary["reward_png"] = str(self.dir / "reward.png")
             except Exception as e:  # a plot must never turn a finished run into a failed one
                 log.warning("could not draw reward.png: %s", e)
@@ -252,8 +273,11 @@ class RunMetrics:
             self._jsonl.close()
 
 
-def plot_rewards(path: str | os.PathLike, steps: list[int], rewards: list[float], title: str | None = None) -> None:
-    """Mean raw reward per step (dots) and its running mean over ``WINDOW`` steps (line), as a PNG."""
+def plot_rewards(path: str | os.PathLike, steps: list[int], rewards: list[float], title: str | None = None,
+                 evals: dict[int, dict[str, float]] | None = None, marks: dict[str, float] | None = None) -> None:
+    """Mean raw reward per step (dots) and its running mean over ``WINDOW`` steps (line), as a PNG; with ``evals``
+    (step -> {set: pass@1}) each eval set's pass@1 as a line of squares, with ``marks`` (label -> level) dashed
+    horizontal lines (the task's chance level and ceiling: ``logging.plot_marks``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -263,6 +287,13 @@ def plot_rewards(path: str | os.PathLike, steps: list[int], rewards: list[float]
     ax.plot(steps, rewards, ".", color="tab:blue", alpha=0.5, label="mean reward of the step")
     smooth = [statistics.fmean(rewards[max(0, i - WINDOW + 1): i + 1]) for i in range(len(rewards))]
     ax.plot(steps, smooth, "-", color="tab:orange", label=f"running mean ({WINDOW} steps)")
+    for name in sorted({n for v in (evals or {}).values() for n in v}):
+        at = sorted(s for s, v in (evals or {}).items() if name in v)
+        ax.plot(at, [evals[s][name] for s in at], "s-", markersize=4, label=f"eval/{name}-pass@1")
+    for i, (label, level) in enumerate(sorted((marks or {}).items(), key=lambda kv: kv[1])):
+        ax.axhline(level, linestyle="--", linewidth=1, color=("tab:gray", "tab:green", "tab:red")[i % 3])
+        ax.annotate(f"{label} {level:g}", (0.01, level), xycoords=("axes fraction", "data"), fontsize=8,
+                    va="bottom", color="dimgray")
     ax.set_xlabel("rollout step")
     ax.set_ylabel(REWARD)
     ax.set_title(title or "reward")

@@ -1,9 +1,9 @@
 """Load a recipe: YAML, then its ``defaults:`` (files it extends, later wins), then command-line overrides.
 
-A ``defaults:`` entry is a path relative to the recipe file, or a name under ``configs/`` without the
-``.yaml`` (``algorithm/grpo``). Overrides are ``key.sub=value`` with the value read as YAML, so
-``train.lr=1e-5`` is a number and ``slurm.sbatch_extra=[--exclusive]`` a list. Files and override values are
-read within the bounds of :mod:`relax_hpc.recipe.reader` (size, depth, aliases expanded, UTF-8).
+A ``defaults:`` entry is a path relative to the recipe file, or a name under ``relax_hpc/configs/`` (package
+data: the wheel carries it) without the ``.yaml`` (``algorithm/grpo``). Overrides are ``key.sub=value`` with the
+value read as YAML, so ``train.lr=1e-5`` is a number and ``slurm.sbatch_extra=[--exclusive]`` a list. Files and
+override values are read within the bounds of :mod:`relax_hpc.recipe.reader` (size, depth, aliases expanded, UTF-8).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from relax_hpc.recipe.reader import (MAX_BYTES, MAX_DEPTH, LimitError, TextError
 from relax_hpc.recipe.schema import Recipe
 from relax_hpc.recipe.validate import Problem, build, check
 
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"  # relax_hpc/configs: found through the package
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
@@ -149,7 +149,8 @@ def _load_with_defaults(path: Path, chain: tuple[Path, ...], budget: list[int], 
     for name in defaults:
         if not name or "\0" in name or not encodable(name) or len(name) > 4096:
             raise RecipeError([("defaults", name, f"is not a file name (in {path}). Fix: a path relative to that "
-                                "file, or a name under configs/ without .yaml (algorithm/grpo)")], source=source)
+                                "file, or a name under relax_hpc/configs/ without .yaml (algorithm/grpo)")],
+                              source=source)
     merged: dict = {}
     for name in defaults:
         merged = _merge(merged, _load_with_defaults(_resolve_default(name, path), chain + (path,), budget, source))

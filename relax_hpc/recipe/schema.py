@@ -91,7 +91,7 @@ class SlurmConfig:
     requeue: bool = True  # requeue the job after a checkpoint on signal or preemption
     max_requeues: int = 5  # give up (fail) after this many restarts
     mpi: Literal["pmix", "none"] = "pmix"  # srun --mpi for role steps (pmix: rendezvous through MPI)
-    template: str | None = None  # your own Jinja2 sbatch template (default: sbatch/hetjob.sbatch.j2)
+    template: str | None = None  # your own Jinja2 sbatch template (default: relax_hpc/sbatch/hetjob.sbatch.j2)
     container: ContainerConfig | None = None  # run the role and engine steps in this image; None: on the host
 
 
@@ -134,6 +134,7 @@ class LoggingConfig:
     heartbeat_s: float = 2.0  # roles report this often
     heartbeat_timeout_s: float = 60.0  # a role silent this long is dead
     task_timeout_s: float = 1800.0  # a role whose task makes no progress this long is hung (restarted); 0: off
+    plot_marks: dict[str, float] = field(default_factory=dict)  # labelled levels drawn on reward.png, e.g. {chance: 0.1, ceiling: 1.0}
     check_weight_sync: bool = True  # after each weight sync, compare a spot fingerprint of the weights on every engine with the actor's (weights/fingerprint_match)
 
 

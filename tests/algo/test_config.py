@@ -1,4 +1,4 @@
-"""AlgorithmConfig and OPDConfig: defaults (Relax's), meaning checks, and the configs/algorithm fragments."""
+"""AlgorithmConfig and OPDConfig: defaults (Relax's), meaning checks, and the relax_hpc/configs/algorithm fragments."""
 
 import dataclasses
 import typing
@@ -9,7 +9,7 @@ import yaml
 
 from relax_hpc.algo.config import AlgorithmConfig, OPDConfig, check, check_opd, clip_high
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "algorithm"
+CONFIGS = Path(__file__).resolve().parents[2] / "relax_hpc" / "configs" / "algorithm"
 
 
 def test_relax_defaults():

@@ -25,7 +25,7 @@ from slurm_helpers import slurm_wait_job
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
-CLUSTER = {"defaults": [str(REPO / "configs" / "cluster" / "dev-slurm.yaml")],
+CLUSTER = {"defaults": [str(REPO / "relax_hpc" / "configs" / "cluster" / "dev-slurm.yaml")],
            "logging": {"heartbeat_s": 1, "heartbeat_timeout_s": 60}}
 FOUR = {**CLUSTER, "roles": {
     "actor": {"nodes": 1, "tasks_per_node": 2}, "rollout": {"nodes": 1},

@@ -190,9 +190,11 @@ def test_quickstart_learns_on_slurm_with_four_groups_at_once(slurm_cluster, tmp_
     st, seen = follow_slurm(sub, tmp_path, slurm_cluster.env, 4, 1200)
     assert st.get("state") == "COMPLETED", st
     assert seen == {f"{job}+{k}" for k in range(4)}, "the four components never ran at once"
-    # relax-status --json shows the engine registry: where the engine runs (the rollout component's job and step)
+    # relax-status --json shows the engine registry: where the engine ran (the rollout component's job and step);
+    # the run has ended, so the engine is stopped, last seen ready
     [engine] = st["engines"]
-    assert (engine["name"], engine["origin"], engine["state"]) == ("engine0", "initial", "ready")
+    assert (engine["name"], engine["origin"], engine["state"], engine["last_state"]) == \
+        ("engine0", "initial", "stopped", "ready")
     assert engine["weight_version"] == str(STEPS) and engine["job_id"].isdigit() and engine["step_id"].isdigit()
     ctl = json.loads((run_dir / "state.json").read_text())
     het = ctl["roles"]["rollout"]["het_group"]

@@ -1,4 +1,4 @@
-"""The attached job's script (sbatch/attach.sbatch.j2) and relax-scale's request parsing."""
+"""The attached job's script (relax_hpc/sbatch/attach.sbatch.j2) and relax-scale's request parsing."""
 
 from __future__ import annotations
 

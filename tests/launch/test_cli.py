@@ -56,6 +56,39 @@ def test_dry_run_local_without_slurm(no_slurm_env, tmp_path):
     assert no_run_dirs(tmp_path)
 
 
+EIGHT_GPU = SMOKE.parent / "qwen3-4b-dapo-8gpu.yaml"
+ELSEWHERE = ["model.path=/cluster/models/Qwen3-4B", "data.path=/cluster/data/dapo.jsonl", "slurm.partition=gpu"]
+
+
+def test_render_only_shows_the_batch_script_of_a_recipe_for_a_cluster_not_reachable_from_here(no_slurm_env,
+                                                                                              tmp_path):
+    """The 8-GPU recipe on a machine with no Slurm and no GPU: a plain dry run falls back to a local run and refuses
+    the GPUs and the cluster's paths, and says how to see the script anyway; --render-only prints the batch script
+    and the srun lines, labelled as not checked, and submits and creates nothing."""
+    p = cli("relax-submit", "--dry-run", str(EIGHT_GPU), *ELSEWHERE, cwd=tmp_path, env=no_slurm_env)
+    assert p.returncode == 2 and "roles.actor.gpus_per_node = 8" in p.stderr and "--render-only" in p.stderr
+    p = cli("relax-submit", "--dry-run", "--render-only", str(EIGHT_GPU), *ELSEWHERE, cwd=tmp_path,
+            env=no_slurm_env)
+    assert p.returncode == 0, p.stderr
+    assert "no sbatch on PATH" not in p.stderr and "Executor: slurm" in p.stdout
+    assert "# NOT CHECKED (--render-only)" in p.stdout and "partition, node and GPU counts" in p.stdout
+    assert "#SBATCH --gpus-per-node=8" in p.stdout and "#SBATCH --partition=gpu" in p.stdout
+    assert "srun --het-group=0 --nodes=1 --ntasks=8" in p.stdout and "/cluster/models" not in p.stderr
+    assert no_run_dirs(tmp_path)
+    d = json.loads(cli("relax-submit", "--dry-run", "--render-only", "--json", str(EIGHT_GPU), *ELSEWHERE,
+                       cwd=tmp_path, env=no_slurm_env).stdout)
+    assert d["render_only"] is True and d["script"].startswith("#!/bin/bash") and "skipped_checks" in d
+
+
+def test_render_only_still_validates_the_recipe_and_needs_dry_run(no_slurm_env, tmp_path):
+    p = cli("relax-submit", "--dry-run", "--render-only", str(EIGHT_GPU), *ELSEWHERE, "roles.actor.nodes=two",
+            cwd=tmp_path, env=no_slurm_env)
+    assert_refused(p, "roles.actor.nodes", "integer", tmp_path)
+    for args in (["--render-only"], ["--render-only", "--dry-run", "--local"]):
+        p = cli("relax-submit", *args, str(SMOKE), cwd=tmp_path, env=no_slurm_env)
+        assert p.returncode == 2 and "--render-only goes with --dry-run" in p.stderr
+
+
 # ------------------------------------------------------------------------------------------ refusals ---
 
 VALIDATOR_CASES = [
@@ -176,6 +209,11 @@ def test_local_smoke_run_without_slurm(no_slurm_env, tmp_path):
     assert (run_dir.stat().st_mode & 0o777) == 0o700
     job = json.loads((run_dir / "job.json").read_text())
     assert job["executor"] == "local" and job["pid"] == int(job["job_id"])
+    import relax_hpc  # the code that ran, recorded by relax-submit and shown by relax-status
+
+    assert d["provenance"]["relax_hpc"] == relax_hpc.__version__
+    assert d["provenance"] == json.loads((run_dir / "provenance.json").read_text())
+    assert d["progress"]["reward_last"] is None and d["progress"]["eta_s"] is None  # the smoke run trains nothing
 
 
 @pytest.mark.slow
@@ -207,6 +245,7 @@ def test_local_detach_then_cancel(no_slurm_env, tmp_path):
     assert again["state"] == "COMPLETED" and again["executor"] == "local" and again["reason"] is None
     assert again["run_dir"] == d["run_dir"] and again["job_id"] != d["job_id"]
     assert again["previous_job_ids"] == [d["job_id"]]
+    assert len(json.loads((Path(d["run_dir"]) / "provenance.json").read_text())["resumes"]) == 1
     state = json.loads((Path(d["run_dir"]) / "state.json").read_text())
     assert state["attempt"] == len(state["history"]) == 1  # the first, cancelled while going, in the history
     assert state["history"][0]["state"] == "CANCELLED", state["history"]

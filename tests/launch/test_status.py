@@ -142,6 +142,109 @@ def test_slurm_unreachable(tmp_path, monkeypatch):
     assert info["state"] == "UNKNOWN" and "cannot ask Slurm" in info["reason"]
 
 
+# ---------------------------------------------------------------------------------- progress ---
+
+def metrics_rows(rd, steps, t0=1000.0, dt=2.0, reward=lambda s: s / 100):
+    """metrics.jsonl as the controller writes it (relax_hpc.ops.metrics): step 0's eval row (no reward), then one
+    row per step, ``dt`` seconds apart."""
+    rows = [{"step": 0, "time": t0, "eval/arith": 0.1}]
+    rows += [{"step": s, "time": t0 + dt * s, "rollout/raw_reward": reward(s), "perf/step_time": 1.5} for s in steps]
+    (rd.path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_progress_reward_step_time_and_time_left(tmp_path, monkeypatch):
+    """The step, the last step's reward and the mean of the last 10, the time per step (wall time between the rows,
+    not perf/step_time) and the time left at that pace: in --json, the rich view and the log line."""
+    rd = run_dir(tmp_path)
+    write_json(rd.state, {"state": "RUNNING", "step": 12, "total_steps": 100, "reward": 0.12,
+                          "last_failure": "rollout rank 0 on node3 failed: OOM",
+                          "roles": {"actor": {"phase": "train"}, "rollout": {"phase": "generate"}}})
+    metrics_rows(rd, range(1, 13))
+    with_comps(monkeypatch, comp(0, "RUNNING"), comp(1, "RUNNING"))
+    info = status.collect(rd)
+    prog = info["progress"]
+    assert prog["reward_last"] == 0.12 and prog["reward_window"] == 10 and prog["metrics_step"] == 12
+    assert prog["reward_mean"] == pytest.approx(sum(range(3, 13)) / 1000)  # steps 3..12
+    assert prog["step_time_s"] == pytest.approx(2.0) and prog["eta_s"] == pytest.approx(88 * 2.0)
+    json.dumps(info)
+    words = ["step 12/100", "reward 0.120 (mean 0.075 over 10 steps)", "2.0s/step", "2m56s left"]
+    out = io.StringIO()
+    Console(file=out, width=160).print(status.render(info))
+    assert all(w in out.getvalue() for w in words), out.getvalue()
+    assert "12%" in out.getvalue() and "last failure: rollout rank 0" in out.getvalue()
+    line = status.summary_line(info)
+    assert all(w in line for w in words) and "actor=train reference=- rollout=generate" in line
+    assert line.endswith("last failure: rollout rank 0 on node3 failed: OOM")
+
+    write_json(rd.state, {"state": "COMPLETED", "step": 100, "total_steps": 100})
+    metrics_rows(rd, range(1, 101))
+    with_comps(monkeypatch, comp(0, "COMPLETED"), comp(1, "COMPLETED"))
+    prog = status.collect(rd)["progress"]
+    assert prog["eta_s"] is None and prog["reward_last"] == 1.0  # an ended run has no time left
+
+
+def test_progress_reads_the_controller_s_own_metrics_file(tmp_path, monkeypatch):
+    """What RunMetrics writes (an eval amended into step 0, rewards, a NaN one), a cut last line, and no file."""
+    from relax_hpc.ops.metrics import REWARD, RunMetrics
+
+    rd = run_dir(tmp_path)
+    write_json(rd.state, {"state": "RUNNING", "step": 3, "total_steps": 10})
+    with_comps(monkeypatch, comp(0, "RUNNING"), comp(1, "RUNNING"))
+    assert status.collect(rd)["progress"]["reward_last"] is None  # no metrics.jsonl yet
+    m = RunMetrics(rd.path, tensorboard=False)
+    m.log(1, {REWARD: 0.25, "train/loss": 1.0})
+    m.amend(0, {"eval/arith": 0.1})
+    m.log(2, {REWARD: 0.75})
+    m.log(3, {REWARD: float("nan")})  # a NaN reward stays in the metrics; it is not a number to average
+    m.close()
+    with open(rd.path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "time": 12')  # a kill mid-write
+    prog = status.collect(rd)["progress"]
+    assert prog["reward_last"] == 0.75 and prog["reward_mean"] == 0.5 and prog["reward_window"] == 2
+    assert prog["step_time_s"] is not None and prog["step_time_s"] >= 0 and prog["eta_s"] is not None
+
+
+def test_a_finished_run_s_engines_are_stopped_and_its_heartbeats_not_aged(tmp_path, monkeypatch):
+    """state.json keeps the engines as last seen (ready, with a URL): once the run ended they are ``stopped``, their
+    URL is not shown, and no heartbeat age grows; while it runs they are what the controller says."""
+    rd = run_dir(tmp_path)
+    doc = {"step": 3, "total_steps": 3, "roles": {"rollout": {"phase": "done", "last_heartbeat": time.time() - 3600}},
+           "engines": {"engine0": {"url": "http://node3:30000", "state": "ready", "node": "node3"},
+                       "engine1": {"url": "http://node3:30001", "state": "dead", "dead": "connection refused"}}}
+    write_json(rd.state, {"state": "RUNNING", **doc})
+    with_comps(monkeypatch, comp(0, "RUNNING"), comp(1, "RUNNING"))
+    info = status.collect(rd)
+    assert [e["state"] for e in info["engines"]] == ["ready", "dead"]
+    assert info["roles"]["rollout"]["heartbeat_age_s"] >= 3600
+    write_json(rd.state, {"state": "COMPLETED", **doc})
+    with_comps(monkeypatch, comp(0, "COMPLETED"), comp(1, "COMPLETED"))
+    info = status.collect(rd)
+    assert [(e["state"], e.get("last_state")) for e in info["engines"]] == [("stopped", "ready"), ("dead", None)]
+    assert info["roles"]["rollout"]["heartbeat_age_s"] is None
+    out = io.StringIO()
+    Console(file=out, width=160).print(status.render(info))
+    assert "stopped" in out.getvalue() and "http://node3:30000" not in out.getvalue()
+    assert "ago" not in out.getvalue()
+
+
+def test_the_code_a_run_ran_is_in_its_status(tmp_path, monkeypatch, capsys):
+    """relax-submit's provenance.json (relax_hpc's version, the checkout's commit): in --json and the view."""
+    import relax_hpc
+    from relax_hpc.launch import provenance
+    from relax_hpc.launch.cli import status_main
+
+    rd = run_dir(tmp_path)
+    write_json(rd.state, {"state": "COMPLETED"})
+    with_comps(monkeypatch, comp(0, "COMPLETED"), comp(1, "COMPLETED"))
+    assert status.collect(rd)["provenance"] is None  # a run submitted before runs recorded it
+    doc = provenance.record(rd)
+    assert status_main([str(rd.path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["provenance"]
+    assert got["relax_hpc"] == relax_hpc.__version__ and got["commit"] == doc["commit"]
+    assert status_main([str(rd.path)]) == 0
+    assert f"code: relax_hpc {relax_hpc.__version__}" in capsys.readouterr().out
+
+
 @pytest.fixture
 def sleeper():
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)

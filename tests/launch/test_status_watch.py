@@ -14,7 +14,7 @@ from relax_hpc.launch import localproc
 from relax_hpc.rundir import write_json
 
 from .conftest import base_env
-from .test_status import run_dir, sleeper as run_process  # noqa: F401 (a fixture)
+from .test_status import metrics_rows, run_dir, sleeper as run_process  # noqa: F401 (a fixture)
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -69,6 +69,7 @@ def test_watch_refreshes_in_a_terminal_and_exits_with_the_run(tmp_path, run_proc
                  pid_start=localproc.start_ticks(run_process.pid))
     roles = {"actor": {"phase": "train", "ranks": 1}, "rollout": {"phase": "generate", "ranks": 1}}
     write_json(rd.state, {"state": "RUNNING", "step": 1, "total_steps": 3, "attempt": 0, "roles": roles})
+    metrics_rows(rd, [1])
     code = "import sys; from relax_hpc.launch.cli import status_main; sys.exit(status_main(sys.argv[1:]))"
     term = Terminal([sys.executable, "-c", code, str(rd.path), "--watch", "--interval", "0.2"],
                     base_env(TERM="xterm-256color", COLUMNS="120", LINES="40"))
@@ -77,7 +78,10 @@ def test_watch_refreshes_in_a_terminal_and_exits_with_the_run(tmp_path, run_proc
         term.expect(r"\b1\s*/\s*3\b")
         drawn = len(term.raw)
         write_json(rd.state, {"state": "RUNNING", "step": 2, "total_steps": 3, "attempt": 0, "roles": roles})
+        metrics_rows(rd, [1, 2])
         term.expect(r"\b2\s*/\s*3\b")
+        # the progress: the reward (last, mean), the time per step and the time left (from metrics.jsonl)
+        term.expect(r"reward 0\.020 \(mean 0\.015 over 2 steps\)\s+2\.0s/step\s+2\.0s left")
         redraw = term.raw[drawn:]
         # drawn over the old view (cursor moved up, lines erased), not printed below it
         assert re.search(r"\x1b\[\d*A", redraw) and "\x1b[2K" in redraw, repr(redraw[:400])

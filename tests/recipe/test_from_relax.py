@@ -222,3 +222,17 @@ def test_the_opd_recipe_from_flags_is_validated():
     with pytest.raises(RecipeError) as e:
         recipe_from_dict(bad)
     assert {k for k, _, _ in e.value.problems} == {"opd.teacher_url", "opd.loss_coef"}
+
+
+def test_one_quoted_string_of_flags_is_split_as_the_shell_would(capsys):
+    """``--from-relax-args "--flag a --flag b"`` (as the README writes it) gives the recipe of the words; before,
+    the one string was taken for one unknown flag and an empty recipe came out with exit 0."""
+    from relax_hpc.launch.cli import submit_main
+
+    assert submit_main(["--from-relax-args", *SCRIPT]) == 0
+    words = capsys.readouterr().out
+    assert submit_main(["--from-relax-args", " ".join(SCRIPT)]) == 0
+    assert capsys.readouterr().out == words and "rollout_batch_size: 32" in words
+    assert submit_main(["--from-relax-args", "--lr '1e-6"]) == 2  # an unclosed quote: refused, named
+    assert "cannot split" in capsys.readouterr().err
+    assert submit_main(["--from-relax-args"]) == 2 and "no flags given" in capsys.readouterr().err

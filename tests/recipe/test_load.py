@@ -1,4 +1,4 @@
-"""Loading: defaults chains (later wins), configs/ names, overrides typed as YAML, resolved dump; the bounds
+"""Loading: defaults chains (later wins), relax_hpc/configs/ names, overrides typed as YAML, resolved dump; the bounds
 of the text (size, depth, aliases, UTF-8, regular files) and the order problems are reported in."""
 
 import os
@@ -31,7 +31,7 @@ def test_defaults_later_wins_and_file_wins_over_defaults(tmp_path):
 
 def test_defaults_by_configs_name():
     rec = load_recipe(REPO / "recipes" / "smoke.yaml")
-    assert rec.slurm.partition == "debug"  # from configs/cluster/dev-slurm.yaml
+    assert rec.slurm.partition == "debug"  # from relax_hpc/configs/cluster/dev-slurm.yaml
     assert rec.slurm.env["OMPI_MCA_btl"] == "self,tcp"
 
 

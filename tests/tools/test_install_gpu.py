@@ -57,7 +57,8 @@ def test_pins_in_one_place():
 
 
 def test_refuses_bad_arguments():
-    for args, says in ((["--te"], "--te goes with --gpu"), (["--dry-run"], "goes with --gpu or --sglang"),
+    for args, says in ((["--te"], "--te goes with --gpu"), (["--dry-run", "--report", "r.json"],
+                                                             "--report goes with --gpu or --sglang"),
                        (["--sglang"], "needs a directory"), (["--cpu"], "unknown argument --cpu")):
         p = subprocess.run(["bash", str(INSTALL), *args], capture_output=True, text=True, timeout=30)
         assert p.returncode == 2 and says in p.stderr, (args, p.stderr)

@@ -155,3 +155,15 @@ def test_a_run_is_found_by_its_directory_or_its_recipe_name(tmp_path, monkeypatc
     assert find_run(str(tmp_path / "runs" / "walk-long-20260103-000000")).name == "walk-long-20260103-000000"
     with pytest.raises(ExportError, match="not a run directory"):
         find_run("wal")
+
+
+def test_the_export_answers_the_standard_transformers_call(exported):
+    """``model.generate(**tok(text, return_tensors="pt"))`` on the export, as a user tries it: no token_type_ids
+    (tools/make-tiny-model's tokenizer declares the inputs a causal LM takes), one greedy token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(exported["out"])
+    enc = tok("3+4=", return_tensors="pt")
+    out = AutoModelForCausalLM.from_pretrained(exported["out"]).generate(**enc, max_new_tokens=1, do_sample=False,
+                                                                         pad_token_id=tok.pad_token_id)
+    assert set(enc) == {"input_ids", "attention_mask"} and out.shape[1] == enc["input_ids"].shape[1] + 1
