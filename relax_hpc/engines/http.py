@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import traceback
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -40,6 +41,16 @@ API_KEY_ENV = "RELAX_ENGINE_API_KEY"
 _OPEN_PREFIXES = ("/health",)  # as SGLang's add_api_key_middleware: health checks need no key
 
 
+def parse_json(raw: bytes):
+    """``raw`` as JSON; :class:`HTTPError` 400 for a body nested deeper than the parser goes (a RecursionError
+    otherwise, answered 500 as if the server were at fault)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise HTTPError(400, f"the JSON body nests deeper than this server parses (about "
+                             f"{sys.getrecursionlimit()} levels)") from None
+
+
 def ok(data):
     return 200, data
 
@@ -51,6 +62,7 @@ def route_handler(routes: dict, api_key: str | None = None):
 
     class Handler(BoundedHandler):
         server_version = ENGINE_VERSION
+        open_paths = _OPEN_PREFIXES  # what the server's door lets through without the key
 
         def _send(self, status: int, data) -> None:
             if data is None:
@@ -76,7 +88,7 @@ def route_handler(routes: dict, api_key: str | None = None):
             if fn is None:
                 return self._send(404, {"error": {"message": f"no endpoint {path} on the CPU engine"}})
             try:
-                body = json.loads(raw) if raw.strip() else {}
+                body = parse_json(raw) if raw.strip() else {}
                 if not isinstance(body, dict):
                     raise HTTPError(400, "request body must be a JSON object")
                 status, data = fn(body)
@@ -94,6 +106,7 @@ def route_handler(routes: dict, api_key: str | None = None):
 
         do_GET = do_POST = do_PUT = _dispatch
 
+    Handler.api_key = api_key
     return Handler
 
 

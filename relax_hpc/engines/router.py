@@ -13,14 +13,15 @@ restarted by the controller) and the request goes to the next engine; with none 
 every dead engine and why. ``GET /health`` answers 200.
 
 **Its key.** It listens on 127.0.0.1, where every user of the node can connect: every ``POST`` must carry
-``Authorization: Bearer KEY`` with the router's key (401 otherwise, checked before the body is read; the connections
-are bounded as the CPU engine's are, :mod:`relax_hpc.engines.http_server`). The key is a random secret of the
+``Authorization: Bearer KEY`` with the router's key (401 otherwise, checked by the server's door before the request
+gets a thread; the connections are bounded as the CPU engine's are, :mod:`relax_hpc.engines.http_server`: a flood
+of keyless connections holds no thread and gives way to keyed ones). The key is a random secret of the
 rollout process (:func:`router_api_key`), not the engines' key, so that code a function runs cannot reach the
 engines' weight updates with it; it never leaves the process on its own, nor is it on a command line. A function
 sends it without writing it: ``out = await post(url, payload)`` (this module's :func:`post`, in place of Relax's
 ``relax.utils.http_utils.post``), or its own HTTP client with ``headers=router_headers()``.
 
-The stdlib's threading HTTP server on purpose: each request blocks its own thread while the engine client
+A thread per request on purpose (the server's workers): each request blocks its own thread while the engine client
 (thread-safe, on its own event loop) does the call, so a generate function awaiting the router never waits on
 the event loop it runs in.
 """
@@ -77,13 +78,16 @@ async def post(url: str, payload: Any, *, timeout: float | None = None) -> Any:
     return r.json()
 
 
-ROUTER_MAX_CONNECTIONS = 1 << 16
+# every sample of a step may post at once (rollout_batch_size x n_samples_per_prompt); kept below the process's
+# file limit (http_server.fd_budget: half of what is free, the other half for the engine clients' own connections)
+ROUTER_MAX_CONNECTIONS = 4096
 
 
 class _Server(BoundedServer):
     # a step sends every sample's request at once (128 in the quickstart): the stdlib's listen backlog of 5 let
     # connections overflow the accept queue, and their clients saw resets (ReadError) instead of answers
     request_queue_size = 4096
+    fd_share = 0.5
 
 
 class RouterDriver(Protocol):
@@ -100,21 +104,27 @@ class RouterDriver(Protocol):
 
 class EngineRouter:
     """``POST /generate`` on 127.0.0.1:``port``, spread over ``driver``'s live engines, for requests carrying
-    :attr:`api_key`. ``unauthorized`` counts the requests refused for want of it."""
+    :attr:`api_key`. ``unauthorized`` counts the requests refused for want of it. ``max_connections``: sockets held
+    at once (lowered to what the process's file limit leaves, :func:`~relax_hpc.engines.http_server.fd_budget`)."""
 
-    def __init__(self, driver: RouterDriver) -> None:
+    def __init__(self, driver: RouterDriver, max_connections: int = ROUTER_MAX_CONNECTIONS) -> None:
         global _DEADLINE_S
         self.driver = driver
         self.api_key = router_api_key()
         self._picker = LeastBusy()
         self._lock = threading.Lock()
         self.requests = 0
-        self.unauthorized = 0
         self.deadline_s = float(driver.client_kwargs["generate_timeout"])
         _DEADLINE_S = self.deadline_s
         router = self
 
         class Handler(BoundedHandler):
+            api_key, open_paths = router.api_key, ("/health",)  # what the server's door checks
+            unauthorized_payload = {
+                "error": "Unauthorized: this router needs its key, Authorization: Bearer KEY. From a custom generate "
+                         "function: `from relax_hpc.rollout.router import post` and `await post(url, payload)`, or "
+                         "headers=router_headers() (docs/agentic.md)"}
+
             def _answer(self, status: int, payload: Any) -> None:
                 data = json.dumps(payload).encode()
                 self.send_response(status)
@@ -124,12 +134,8 @@ class EngineRouter:
                 self.wfile.write(data)
 
             def refuse(self, status: int, payload: Any) -> None:
-                if status == 401:
-                    with router._lock:
-                        router.unauthorized += 1
-                    payload = {"error": "Unauthorized: this router needs its key, Authorization: Bearer KEY. From a "
-                                        "custom generate function: `from relax_hpc.rollout.router import post` and "
-                                        "`await post(url, payload)`, or headers=router_headers() (docs/agentic.md)"}
+                if status == 401:  # the door answers these; this is its second look
+                    self.server._count("unauthorized")
                 return super().refuse(status, payload)
 
             def do_GET(self) -> None:
@@ -147,15 +153,18 @@ class EngineRouter:
                     body = json.loads(raw or b"{}")
                 except ValueError as e:
                     return self._answer(400, {"error": f"the body is not JSON: {e}"})
+                except RecursionError:
+                    return self._answer(400, {"error": "the body nests deeper than this router parses"})
+                if not isinstance(body, dict):
+                    return self._answer(400, {"error": f"the body must be a JSON object, not {type(body).__name__}"})
                 status, payload = router.generate(body)
                 try:
                     self._answer(status, payload)
                 except OSError:
                     self.close_connection = True  # the function gave up on it
 
-        # every sample of a step may post at once (rollout_batch_size x n_samples_per_prompt): the router's own
-        # cap is far above that; the engines' caps stay where they are, the driver's pool bounds what reaches them
-        self._server = _Server(("127.0.0.1", 0), Handler, max_connections=ROUTER_MAX_CONNECTIONS)
+        # the engines' caps stay where they are: the driver's pool bounds what reaches them
+        self._server = _Server(("127.0.0.1", 0), Handler, max_connections=max_connections)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="engine-router", daemon=True)
         self._thread.start()
@@ -199,6 +208,11 @@ class EngineRouter:
                 last = f"{engine.name}: no JSON ({e})"
             finally:
                 self._picker.release(name)
+
+    @property
+    def unauthorized(self) -> int:
+        """Requests refused (401) for want of the key."""
+        return self._server.unauthorized
 
     def close(self) -> None:
         self._server.shutdown()

@@ -1,7 +1,8 @@
 """The EngineRouter (relax_hpc.engines.router) in front of stub engines, over real sockets: its key is checked before
 a byte reaches an engine, a request goes to the least busy engine and through it untouched, an engine that fails
 passes its requests on (one whose output is wrong is declared dead, never tried again), and a body over the cap is
-refused unread. The deadline across engines and the answer checks are tests/rollout/test_request_deadline.py's and
+refused unread; a flood of connections without the key holds no thread and every keyed request is served (issue
+47). The deadline across engines and the answer checks are tests/rollout/test_request_deadline.py's and
 test_engine_output.py's."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from relax_hpc.engines.router import EngineRouter, router_headers
 from relax_hpc.recipe.schema import Recipe
 from relax_hpc.rollout.config import RolloutConfig
 from relax_hpc.rollout.driver import RolloutDriver
+from tests.engines.flood import Flood, fds_for, wait_for
 from tests.engines.stub_http import StubHandler, StubServer
 
 FAST = Backoff(base=0.01, factor=2.0, cap=0.05, jitter=False)
@@ -91,11 +93,11 @@ class Engine:
 def make():
     made: list[tuple[EngineRouter, list[Engine]]] = []
 
-    def router(*engines: Engine) -> EngineRouter:
+    def router(*engines: Engine, **kw) -> EngineRouter:
         driver = RolloutDriver(Recipe(rollout=RolloutConfig(rm_type="math", max_response_len=2, max_retries=1,
                                                             request_timeout_s=30)),
                                {e.name: e.url for e in engines}, backoff=FAST, api_key=ENGINE_KEY)
-        driver.router = EngineRouter(driver)
+        driver.router = EngineRouter(driver, **kw)
         made.append((driver.router, list(engines)))
         return driver.router
 
@@ -216,3 +218,55 @@ def test_a_body_over_the_cap_is_refused_unread(make):
     assert status == 400
     assert e.calls == 0 and router.requests == 0
     assert generate(router).status_code == 200  # the router still serves
+
+
+def test_a_flood_without_the_key_holds_no_thread_and_every_keyed_request_is_served(make):
+    """Issue 47's probe against the router: 2,000 connections without its key (1,000 idle ones held open, then a
+    burst of 1,000 of every kind that keeps going while the keyed requests are sent) to a router holding at most 512.
+    Each of 60 keyed generates (half on fresh connections, half on a kept-alive one) gets its engine's answer, no
+    keyless byte reaches the engine, and the router had at most the keyed requests' workers (before: a thread per
+    idle connection, 2,000 connections gave it 2,000 threads)."""
+    cap, flood_n = 512, fds_for(2000 + 512) - 512  # the router's sockets and the flood's, in this one process
+    e = Engine("a", [5, 6])
+    router = make(e, max_connections=cap)
+    server = router._server
+    gen = f"http://127.0.0.1:{router.port}/generate"
+    with httpx.Client(headers=router_headers(), timeout=60) as warm:
+        assert warm.post(gen, json=BODY).status_code == 200  # a kept-alive connection, made before
+        base = threading.active_count()
+        flood = Flood(router.port, keep=flood_n // 2)
+        try:
+            flood.hold(flood_n // 2)
+            wait_for(lambda: server.stats()["accepted"] >= flood_n // 2 + 1, "the idle connections to be accepted")
+            assert server.stats()["pushed_out"] > 0  # full: it had to make room
+            flood.start()
+            answers = []
+            for i in range(60):
+                flood.wait_made((i + 1) * (flood_n // 2) // 60)  # the keyed requests spread over the burst
+                r = warm.post(gen, json=BODY) if i % 2 else generate(router)  # even: a fresh connection
+                answers.append((r.status_code, r.json()))
+            flood.wait_made(flood_n // 2)
+        finally:
+            flood.stop()
+    assert answers == [(200, answer([5, 6]))] * 60
+    assert e.calls == 61 and set(e.keys) == {f"Bearer {ENGINE_KEY}"}  # the keyed ones, and nothing of the flood's
+    assert flood.errors == 0
+    st = server.stats()
+    assert router.unauthorized == st["unauthorized"] > 0 and router.requests == 61, st
+    assert st["peak_workers"] <= 2, st  # threads only for keyed requests: never one for the flood
+    # the burst's thread, two workers, and the stand-in engine's thread per connection of the router's (one, two
+    # where the router's client opened a second): before, one per flood connection
+    assert flood.max_threads <= base + 5, (base, flood.max_threads)
+    assert generate(router).status_code == 200
+
+
+def test_a_body_nested_200000_deep_is_a_400(make):
+    e = Engine("a", [5, 6])
+    router = make(e)
+    deep = b"[" * 200_000 + b"]" * 200_000
+    for body in (deep, b'{"input_ids": ' + deep + b"}"):
+        r = httpx.post(f"http://127.0.0.1:{router.port}/generate", content=body, timeout=30, headers=router_headers())
+        assert r.status_code == 400 and "nests deeper" in r.json()["error"], r.text[:300]
+    r = httpx.post(f"http://127.0.0.1:{router.port}/generate", json=[BODY], timeout=30, headers=router_headers())
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]
+    assert e.calls == 0 and generate(router).status_code == 200
