@@ -51,7 +51,7 @@ import torch
 from relax_hpc.algo.config import PLUGIN_CALLS, AlgorithmConfig, OPDConfig, clip_high
 from relax_hpc.algo.kl import approx_kl
 from relax_hpc.algo.opd import opd_loss
-from relax_hpc.algo.reductions import reduce, token_mean
+from relax_hpc.algo.reductions import reduce
 from relax_hpc.algo.tis import load_tis_function, weights_the_loss
 from relax_hpc.plugins import load_plugin
 
@@ -150,10 +150,6 @@ LOSSES: dict[str, LossFn] = {}
 _RESERVED = ("loss", "pg_loss", "entropy_loss", "kl_loss", "ois", "opsm_clipfrac", "train_rollout_logprob_abs_diff",
              "train_rollout_prob_abs_diff", "opd_loss", "opd_per_token_clip_frac", "opd_is_clip_frac")
 """Metric names :func:`policy_loss` reports itself, which a loss must not return."""
-
-TOKEN_MEAN_METRICS = frozenset({"train_rollout_logprob_abs_diff", "train_rollout_prob_abs_diff"})
-"""Metrics of :func:`policy_loss` that are means over the batch's loss tokens in both reduction modes: a trainer that
-splits a step into micro-batches weights them by each micro-batch's loss tokens, not by its loss weight."""
 
 
 def register_loss(name: str) -> Callable[[LossFn], LossFn]:
@@ -443,14 +439,16 @@ def _opd_term(cfg: AlgorithmConfig, opd: OPDConfig | None, batch: LossInputs, lo
 
 
 def _mismatch_diffs(cfg: AlgorithmConfig, batch: LossInputs, train_side: torch.Tensor, metrics: dict) -> None:
-    """|train − rollout| log-prob and prob gaps, whenever the engine's log-probs are there (metrics only): means over
-    the tokens with loss mask 1 whatever ``calculate_per_token_loss`` (:data:`TOKEN_MEAN_METRICS`), so a sample
-    with no loss token (a failed one's placeholder log-probs) counts for nothing."""
+    """|train − rollout| log-prob and prob gaps, whenever the engine's log-probs are there (metrics only), reduced as
+    Relax reports ``train_rollout_logprob_abs_diff``: its ``sum_of_sample_mean`` over the loss mask (each sample's
+    mean over its loss tokens; a sample with none counts 0, in the count of samples too), which the trainer turns
+    into the mean over the step's samples like every other loss metric; with ``calculate_per_token_loss`` the token
+    mean (Relax's per-token reducer). The loss mask, not TIS's: a masked token's engine log-prob is no engine's."""
     rollout = batch.rollout_log_probs
     if rollout is None:
         return
-    mask = batch.loss_mask
-    metrics["train_rollout_logprob_abs_diff"] = token_mean((train_side - rollout).abs().detach(), mask)
-    metrics["train_rollout_prob_abs_diff"] = token_mean(
-        (torch.exp(train_side) - torch.exp(rollout)).abs().detach(), mask
+    mask, per_token = batch.loss_mask, cfg.calculate_per_token_loss
+    metrics["train_rollout_logprob_abs_diff"] = reduce((train_side - rollout).abs().detach(), mask, per_token)
+    metrics["train_rollout_prob_abs_diff"] = reduce(
+        (torch.exp(train_side) - torch.exp(rollout)).abs().detach(), mask, per_token
     )

@@ -2,7 +2,10 @@
 generate answers that have something to spoil, one way (:data:`BAD_OUTPUTS`). See
 :mod:`relax_hpc.engines.cpu_engine` for the kinds. A scoring answer (no output, ``input_token_logprobs``) has
 something to spoil for ``nan_logprobs`` and ``positive_logprobs``: its first input log-prob (row 1; row 0 is
-SGLang's null pad)."""
+SGLang's null pad). The routing replay kinds spoil an answer's ``meta_info.routed_experts`` (only answers that
+carry them, i.e. asked with ``return_routed_experts``): ``expert_out_of_range`` sets the first token's first id to
+:data:`PAST_ANY_EXPERT`, ``duplicate_expert`` gives the first token's first layer its first id twice (top-k >= 2),
+``extra_layer`` sends each token's row twice (as many ids as twice the layers)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,10 @@ import threading
 log = logging.getLogger("relax_hpc.cpu_engine")
 
 BAD_OUTPUT_ENV = "RELAX_TEST_ENGINE_BAD_OUTPUT"
-BAD_OUTPUTS = ("nan_logprobs", "positive_logprobs", "no_logprobs", "token_past_vocab", "empty_output", "wrong_count")
+BAD_OUTPUTS = ("nan_logprobs", "positive_logprobs", "no_logprobs", "token_past_vocab", "empty_output", "wrong_count",
+               "expert_out_of_range", "duplicate_expert", "extra_layer")
+ROUTED_OUTPUTS = ("expert_out_of_range", "duplicate_expert", "extra_layer")  # spoil meta_info.routed_experts
+PAST_ANY_EXPERT = 1 << 20  # an expert id no model has (Qwen3-30B-A3B has 128 experts, DeepSeek-V3 256)
 
 
 class BadOutput:
@@ -42,7 +48,8 @@ class BadOutput:
         scoring = not out["output_ids"] and inputs is not None and len(inputs) > 1 \
             and self.kind in ("nan_logprobs", "positive_logprobs")
         if not scoring and (not out["output_ids"] or (meta["finish_reason"] or {}).get("type") == "abort"
-                            or (not rows and self.kind.endswith("logprobs"))):
+                            or (not rows and self.kind.endswith("logprobs"))
+                            or (self.kind in ROUTED_OUTPUTS and not meta.get("routed_experts"))):
             return  # nothing of that kind to spoil here: the next answer
         with self.lock:
             if self.left <= 0:
@@ -62,6 +69,25 @@ class BadOutput:
             out["output_ids"], meta["completion_tokens"], out["text"] = [], 0, ""
             if rows is not None:
                 meta["output_token_logprobs"] = []
+        elif self.kind in ROUTED_OUTPUTS:
+            meta["routed_experts"] = _spoil_routed(meta, self.kind)
         else:  # wrong_count
             meta["completion_tokens"] += 1
 
+
+def _spoil_routed(meta: dict, kind: str) -> str:
+    """``meta["routed_experts"]`` (SGLang's base64 of int32 ``[prompt + completion - 1, layers, top_k]``) spoiled
+    the ``kind`` way (module docstring)."""
+    import base64
+
+    import numpy as np
+
+    ids = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4").copy()
+    if kind == "expert_out_of_range":
+        ids[0] = PAST_ANY_EXPERT
+    elif kind == "duplicate_expert":
+        ids[1] = ids[0]  # the first token's first layer (ids[0..k-1]) with top-k >= 2
+    else:  # extra_layer: each token's row twice
+        rows = meta["prompt_tokens"] + meta["completion_tokens"] - 1
+        ids = np.concatenate([ids.reshape(rows, -1)] * 2, axis=1)
+    return base64.b64encode(ids.astype("<i4").tobytes()).decode()

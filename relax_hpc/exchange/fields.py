@@ -13,6 +13,7 @@ for metrics, never for the loss).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 ROLLOUT, REFERENCE, ACTOR_FWD = "rollout", "reference", "actor_fwd"
 
@@ -51,7 +52,9 @@ FIELDS: tuple[Field, ...] = (
     Field("routed_experts", "ragged", "int32", ROLLOUT, ("train",),
           "MoE routing replay (train.routing_replay): the expert ids the engine's router chose, SGLang's "
           "meta_info.routed_experts flattened: [len(tokens) - 1, layers, top_k], -1 rows for tokens no engine ran (the "
-          "trainer's router chooses); only in chunks of runs with train.routing_replay"),
+          "trainer's router chooses); only in chunks of runs with train.routing_replay. Checked by "
+          "routed_experts_problem: ids in [0, num_experts), a token's top_k of a layer distinct, as many rows as "
+          "tokens, layers × top_k a row"),
     Field("pixel_values", "ragged", "float32", ROLLOUT, ("train", "logprobs"),
           "vision-language models: the image processor's patches of the sample's images, flat [patches, C·T·P·P] "
           "(empty for a sample without images); only in chunks of samples with images"),
@@ -74,6 +77,86 @@ def finite_max(name: str) -> float:
     import numpy as np  # here: the recipe validator imports modules that import this one
 
     return float(np.finfo(BY_NAME[name].dtype).max)
+
+
+UNROUTED = -1  # routed_experts of a token no engine ran: its rows are all -1, and the trainer's router picks
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What a model's ``routed_experts`` rows are: ``layers`` × ``top_k`` expert ids a token, each in
+    ``[0, num_experts)``. From the model's config.json (:meth:`from_config`) on the rollout side, from the built
+    model's routers on the trainer's."""
+
+    layers: int
+    top_k: int
+    num_experts: int
+
+    @property
+    def width(self) -> int:
+        """Expert ids a token: one row of ``routed_experts``."""
+        return self.layers * self.top_k
+
+    @classmethod
+    def from_config(cls, config: Any) -> Routing | None:
+        """A HF ``config.json`` (a dict; a VLM's ``text_config``): ``num_hidden_layers``, ``num_experts_per_tok``
+        and ``num_experts`` (Qwen-MoE; DeepSeek's ``n_routed_experts``, Mixtral's ``num_local_experts``); None for a
+        dense model or a config without them."""
+        if not isinstance(config, dict):
+            return None
+        if isinstance(config.get("text_config"), dict):
+            config = config["text_config"]
+        layers, k = config.get("num_hidden_layers"), config.get("num_experts_per_tok")
+        experts = next((config[key] for key in ("num_experts", "n_routed_experts", "num_local_experts")
+                        if isinstance(config.get(key), int)), None)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (layers, k, experts)):
+            return None
+        return cls(layers, k, experts)
+
+
+def routed_experts_problem(ids: Any, tokens: int, routing: Routing | None = None, *,
+                           unrouted: bool = False) -> str | None:
+    """What is wrong with one sample's ``routed_experts`` ``ids`` (any integer array: flat, or ``[tokens, width]``),
+    or None. ``tokens``: the rows it must have (the tokens the engine ran: ``len(tokens) - 1`` in a chunk).
+    Checked: integer ids; a whole number of ids a token, every token a row; with ``routing`` (the model's), the
+    width ``layers × top_k`` (a row for an extra layer is refused), each id in ``[0, num_experts)`` and each
+    (token, layer)'s ``top_k`` ids distinct (a router picks k different experts); without it only ids >= 0.
+    ``unrouted``: a (token, layer) may be all :data:`UNROUTED` (-1: no recorded routing, as the chunk's rows of
+    tokens no engine ran), never partly. An engine's answer has no -1 (``unrouted`` False). Vectorized: an
+    engine's answer at 48 layers × top-8 is ~400 ids a token."""
+    import numpy as np  # here: the recipe validator imports modules that import this one
+
+    a = np.asarray(ids)
+    if a.dtype.kind not in "iu":
+        return f"expert ids of dtype {a.dtype}, not integers"
+    if routing is not None and a.size != tokens * routing.width:
+        why = [f"{a.size // routing.width} rows of {routing.width}"] if a.size % routing.width == 0 else []
+        if tokens > 0 and a.size % tokens == 0:
+            why.append(f"{a.size // tokens} ids a token: a row for an extra or a missing layer, or another model")
+        return (f"{a.size} expert ids, not {tokens} tokens × {routing.layers} layers × top-{routing.top_k} = "
+                f"{tokens * routing.width}" + (f" ({'; or '.join(why)})" if why else ""))
+    if tokens < 1 or a.size == 0 or a.size % tokens:
+        return (f"{a.size} expert ids for {tokens} tokens: not a whole number a token "
+                "(SGLang's [tokens the engine ran, layers, top_k])")
+    width = a.size // tokens
+    k = routing.top_k if routing is not None else width  # unknown top-k: a token's row is one group
+    g = a.reshape(tokens, width // k, k).astype(np.int64)
+    whole = (g == UNROUTED).all(-1, keepdims=True) if unrouted else np.zeros((*g.shape[:2], 1), dtype=bool)
+    checks = [(g < 0) & ~whole, "below 0" + (" and not a whole -1 row (no recorded routing)" if unrouted else "")]
+    if routing is not None:
+        srt = np.sort(g, axis=-1)
+        dup = np.zeros_like(g, dtype=bool)
+        dup[..., 1:] = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+        checks += [g >= routing.num_experts, f"outside [0, {routing.num_experts}) (the model's num_experts)",
+                   dup, f"repeated (a router picks top-{k} distinct experts)"]
+    for bad, what in zip(checks[::2], checks[1::2]):
+        hit = np.argwhere(bad)
+        if hit.size:
+            t, layer = int(hit[0][0]), int(hit[0][1])
+            where = f"token {t}, layer {layer}" if routing is not None else f"token {t}"
+            return f"{where} has expert ids {g[t, layer].tolist()}: an id {what}"
+    return None
+
 
 PRODUCER = ROLLOUT  # the writer of a step's main chunk file
 # side fields another role adds after the rollout wrote the chunk; the writer's role names its side file

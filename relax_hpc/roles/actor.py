@@ -16,8 +16,9 @@ the controller's tasks (:mod:`relax_hpc.roles.tasks`; every task's fields and it
   this DP rank's share of each, take π_old for all of them before the first update from actor_fwd's
   ``log_probs`` or a forward pass (or the engine's log-probs with ``algorithm.use_rollout_logprobs``), then
   k ``train_step`` calls. Returns Relax's ``train/*`` metrics (means over the k steps; ``train/num_steps`` = k),
-  ``train/train_rollout_logprob_abs_diff`` (mean |π_old − engine| log-prob over the loss-mask tokens; with
-  identical weights this is the numerical gap, ~1e-7 on CPU) and ``perf/train_time``. Non-finite numbers
+  ``train/train_rollout_logprob_abs_diff`` (Relax's |π_old − engine| log-prob: per sample over its loss-mask tokens,
+  then over the samples), its ``_max`` over the loss-mask tokens (with identical weights the numerical gap, ~1e-6
+  on CPU) and ``perf/train_time``. Non-finite numbers
   (``train.nonfinite``): a training column that is not fit to train on (NaN/inf reward, log-prob NaN or above 0:
   :func:`relax_hpc.train.plan.check_train_columns`) skips the whole step before any tensor is built, a
   non-finite loss or grad norm skips its optimizer step; ``train/nonfinite_skipped`` counts them and the result's

@@ -201,31 +201,30 @@ def compute_log_probs(model: list, samples: Sequence, *, mbs: int, pad_id: int, 
 
 
 def rollout_logprob_gap(samples: Sequence, log_probs: Sequence[torch.Tensor]) -> dict[str, float]:
-    """Mean and max |actor − engine| log-prob over the response tokens with engine log-probs
-    (``rollout_log_probs``) and loss mask 1, over the whole global batch: ``samples`` is this DP rank's share, and
-    the sums are all-reduced over the DP group (a collective: every rank calls it). Empty when no token counts.
-    Masked tokens are left out: a failed sample's placeholder log-probs (0) or an observation's are no engine's."""
+    """``train/train_rollout_logprob_abs_diff_max``: the largest |actor − engine| log-prob over the response tokens
+    with engine log-probs (``rollout_log_probs``) and loss mask 1, over the whole global batch: ``samples`` is this DP
+    rank's share, and the max is all-reduced over the DP group (a collective: every rank calls it). Empty when no
+    token counts. Masked tokens are left out: a failed sample's placeholder log-probs (0) or an observation's are no
+    engine's. The mean, ``train/train_rollout_logprob_abs_diff``, is Relax's and comes with the loss metrics
+    (:func:`relax_hpc.algo.losses.policy_loss`: a mean over samples of each one's mean over its loss tokens): one
+    token far off shows here when the mean hides it."""
     from megatron.core import parallel_state as ps
 
-    diffs = []
+    top, count = 0.0, 0
     for s, lp in zip(samples, log_probs):
         rollout = B.field(s, "rollout_log_probs")
         if rollout is None:
             continue
         mask = B.field(s, "loss_mask")
         d = (lp - rollout).abs()
-        diffs.append(d if mask is None else d[torch.as_tensor(mask).reshape(-1) != 0])
-    d = torch.cat(diffs) if diffs else torch.zeros(0)
-    sums = torch.tensor([float(d.sum()), float(d.numel())], dtype=torch.float64, device=cpu_compat.device())
-    top = torch.tensor([float(d.max()) if d.numel() else 0.0], dtype=torch.float64, device=cpu_compat.device())
-    if ps.get_data_parallel_world_size() > 1:
-        dist.all_reduce(sums, group=ps.get_data_parallel_group())
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
-    total, count = sums.tolist()
-    if count == 0:
-        return {}
-    return {"train/train_rollout_logprob_abs_diff": total / count,
-            "train/train_rollout_logprob_abs_diff_max": float(top.item())}
+        d = d if mask is None else d[torch.as_tensor(mask).reshape(-1) != 0]
+        if d.numel():
+            top, count = max(top, float(d.max())), count + d.numel()
+    acc = torch.tensor([top, float(count)], dtype=torch.float64, device=cpu_compat.device())
+    if ps.get_data_parallel_world_size() > 1:  # [max, count]: one all-reduce (MAX), a count > 0 anywhere counts
+        dist.all_reduce(acc, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+    top, count = acc.tolist()
+    return {"train/train_rollout_logprob_abs_diff_max": top} if count > 0 else {}
 
 
 def sample_means(samples: Sequence, names: Sequence[str]) -> dict[str, float]:

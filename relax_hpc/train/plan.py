@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from relax_hpc.errors import PermanentError
 from relax_hpc.exchange.chunk import ChunkRef, Ragged
 from relax_hpc.exchange.fields import (FORWARD_FIELDS, LOGPROB_TOLERANCE, OPTIONAL_ROLLOUT_FIELDS, SEGMENT_FIELDS,
-                                       TRAIN_FIELDS)
+                                       TRAIN_FIELDS, routed_experts_problem)
 from relax_hpc.train.samples import as_ref, read_columns
 
 if TYPE_CHECKING:
@@ -82,7 +82,8 @@ def check_train_columns(cols: dict[str, Any]) -> None:
     """Raise :class:`UnsoundTrainData` at the first bad value of the columns an update reads: ``raw_reward``
     (finite, as stored: float32, where 1e39 is inf), and ``rollout_log_probs``, ``ref_log_probs``, ``log_probs``,
     ``teacher_log_probs`` (OPD) where present (finite and at most ``LOGPROB_TOLERANCE``), every token, masked or
-    not (a masked NaN still poisons a ratio). Checks only: no tensor is built."""
+    not (a masked NaN still poisons a ratio); a VLM's images; routing replay's ``routed_experts``
+    (:func:`_check_routed`). Checks only: no tensor is built."""
     idx = cols.get("index")
 
     def index(i: int) -> int | None:
@@ -126,20 +127,26 @@ def check_train_columns(cols: dict[str, Any]) -> None:
             i = int(bad[0])
             raise UnsoundTrainData("image_grid_thw", i, float(grids.lengths()[i]),
                                    "that many values: 3 per image (t, h, w)", index(i))
-    routed = cols.get("routed_experts")  # routing replay: a whole number of expert ids per token but the last
+    routed = cols.get("routed_experts")  # routing replay: a row of layers × top_k expert ids a token but the last
     if routed is not None:
-        toks = cols["tokens"].lengths() - 1
-        bad = np.flatnonzero((routed.lengths() == 0) | (routed.lengths() % np.maximum(toks, 1) != 0))
-        if bad.size:
-            i = int(bad[0])
-            raise UnsoundTrainData("routed_experts", i, float(routed.lengths()[i]),
-                                   f"that many expert ids for {int(toks[i])} tokens (SGLang's [len(tokens) - 1, "
-                                   "layers, top_k])", index(i))
-        if routed.data.size and int(routed.data.min()) < -1:  # -1: no recorded routing (the router chooses)
-            t = int(np.argmin(routed.data))
-            raise UnsoundTrainData("routed_experts", _sample_of(routed, t), float(routed.data[t]),
-                                   "a negative expert id (only -1, no recorded routing, is allowed)",
-                                   index(_sample_of(routed, t)))
+        _check_routed(routed, cols["tokens"].lengths() - 1, index)
+
+
+def _check_routed(routed: Ragged, rows: np.ndarray, index: Callable[[int], int | None]) -> None:
+    """Each sample's ``routed_experts`` as the schema wants them (:func:`routed_experts_problem`, -1 rows allowed:
+    tokens no engine ran), and one width for the step (one model). The model's own bounds (experts, top-k, layers)
+    are checked where the trainer knows them: :func:`relax_hpc.train.routing.replay`."""
+    width = None
+    for i in range(len(rows)):
+        ids, n = routed[i], int(rows[i])
+        problem = routed_experts_problem(ids, n, unrouted=True)
+        if problem is not None:
+            raise UnsoundTrainData("routed_experts", i, float(ids.size),
+                                   f"that many expert ids for {n} tokens, refused: {problem}", index(i))
+        if width is not None and ids.size != n * width:
+            raise UnsoundTrainData("routed_experts", i, float(ids.size // n), f"expert ids a token, where sample 0 "
+                                   f"has {width}: one model routes every sample (layers × top_k)", index(i))
+        width = ids.size // n
 
 
 def mini_batch_order(n: int, k: int, seed: int, step: int) -> list[np.ndarray]:

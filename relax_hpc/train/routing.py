@@ -9,7 +9,9 @@ replay). This module feeds it: :func:`replay` before each micro-batch's forward 
 layer's indices from :attr:`~relax_hpc.train.batch.MicroBatch.routed_experts`, in Megatron's token order (sequence
 major: ``[S, B]`` flattened; with sequence parallelism this TP rank's slice of the sequence), or turns replay off
 for a micro-batch without them. Routers are found on the model chunk, not through megatron's class-wide list of
-instances (which keeps every model a process ever built).
+instances (which keeps every model a process ever built). The ids are checked against the built model first
+(:func:`check`: its layers × top-k a token, ids below its number of experts, a token's top-k distinct): the
+trainer's last line behind the rollout's check of each engine answer.
 
 A token with no recorded routing (a -1 row: a sample's last token, padding, a token no engine ran, such as an
 observation appended after the last engine call or a whole sample that failed before any generation) is routed by
@@ -28,6 +30,7 @@ import functools
 import torch
 
 from relax_hpc.errors import PermanentError
+from relax_hpc.exchange.fields import Routing, routed_experts_problem
 
 
 def routers(chunk) -> list:
@@ -84,14 +87,12 @@ def replay(chunk, routed: torch.Tensor | None, batch_rows: int) -> int:
     if not found:
         return 0
     k = found[0].topk
+    cfg = found[0].config
+    check(routed, Routing(int(cfg.num_layers), int(k), int(cfg.num_moe_experts)))
     n, width = routed.shape
-    if width % k:
-        raise PermanentError(f"routed_experts: {width} expert ids per token is not a whole number of the model's "
-                             f"top-{k} layers. Fix: serve the same model (num_experts_per_tok) as the actor trains")
     layers = width // k
     S = n // batch_rows
     ids = routed.reshape(batch_rows, S, layers, k).transpose(0, 1)  # Megatron's [S, B, ...] order
-    cfg = found[0].config
     if cfg.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         ids = ids[rank * (S // tp): (rank + 1) * (S // tp)]
@@ -101,16 +102,29 @@ def replay(chunk, routed: torch.Tensor | None, batch_rows: int) -> int:
     ids = ids.clamp(min=0)  # the -1 rows' ids are never used (their router's own are)
     dev = next(chunk.parameters()).device
     for r in found:
-        layer = int(r.layer_number) - 1
-        if not 0 <= layer < layers:
-            raise PermanentError(f"routed_experts has {layers} layers of experts but the model's router {layer + 1} "
-                                 "has none. Fix: serve the same model as the actor trains")
+        layer = int(r.layer_number) - 1  # global: check() made layers the model's num_layers
         rr = r.router_replay
         rr.clear_indices()
         rr.set_target_indices(ids[:, layer].contiguous().to(dev))
         rr.unrouted = unrouted[:, layer].contiguous().to(dev) if some[layer] else None
         rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     return len(found)
+
+
+def check(routed: torch.Tensor, routing: Routing) -> None:
+    """The trainer's own check of a micro-batch's ids (``[tokens, width]``, -1 rows: tokens no engine ran, padding)
+    against the model it builds: ``layers × top_k`` a token, ids in ``[0, num_experts)``, a token's top-k distinct
+    per layer (:func:`~relax_hpc.exchange.fields.routed_experts_problem`). The rollout refuses such an engine's
+    answer and the trainer's door (:func:`relax_hpc.train.plan.check_train_columns`) such rows; this catches what
+    neither could know, e.g. ids that fit the engine's model but not this one, before an index out of range
+    (a device-side assert on CUDA) or a silently wrong mixture."""
+    problem = routed_experts_problem(routed.cpu().numpy(), int(routed.shape[0]), routing, unrouted=True)
+    if problem is not None:
+        raise PermanentError(
+            f"routed_experts (train.routing_replay) do not fit the model the actor trains ({routing.layers} layers, "
+            f"top-{routing.top_k} of {routing.num_experts} experts): {problem}. Fix: serve the same model on the "
+            "engines as the actor trains (num_hidden_layers, num_experts_per_tok, num_experts), or "
+            "train.routing_replay: false")
 
 
 def topk_of(model: list) -> int | None:

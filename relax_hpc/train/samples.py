@@ -16,13 +16,14 @@ share only (:class:`~relax_hpc.train.batch.TrainingSample`, views again, no copi
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
 from relax_hpc.exchange.chunk import ChunkRef, DamagedChunk, Ragged, columns_to_samples, read_chunk, write_chunk
 from relax_hpc.exchange.fields import (BY_NAME, IMAGE_FIELDS, OPTIONAL_ROLLOUT_FIELDS, PRODUCER, TRAIN_FIELDS,
-                                       rollout_fields)
+                                       Routing, rollout_fields, routed_experts_problem)
 
 __all__ = ["exchange_root", "write_step", "as_ref", "read_columns", "read_samples"]
 
@@ -50,9 +51,11 @@ def _rollout_values(s: Any) -> dict[str, list]:
     }
 
 
-def _optional_values(s: Any) -> dict[str, list]:
+def _optional_values(s: Any, model_dir: str | os.PathLike | None = None) -> dict[str, list]:
     """The optional rollout fields (:data:`~relax_hpc.exchange.fields.OPTIONAL_ROLLOUT_FIELDS`) these samples carry:
-    a field is written when every sample has it (OPD's ``teacher_log_probs``), and none may have it partly."""
+    a field is written when every sample has it (OPD's ``teacher_log_probs``), and none may have it partly.
+    ``routed_experts`` are checked by the schema (:func:`~relax_hpc.exchange.fields.routed_experts_problem`: a row
+    a token but the last, -1 rows allowed; with ``model_dir``'s config, its layers × top-k, experts, distinct)."""
     out: dict[str, list] = {}
     for name in OPTIONAL_ROLLOUT_FIELDS:
         if name in IMAGE_FIELDS:  # made from multimodal_inputs by _image_values
@@ -65,17 +68,28 @@ def _optional_values(s: Any) -> dict[str, list]:
             i = have.index(False)
             raise ValueError(f"{name}: {sum(have)} of {len(vals)} samples carry it, sample {i} (index "
                              f"{s[i].index}) does not: a step's chunk has the field for every sample or for none")
+        routing = _routing(model_dir) if name == "routed_experts" and any(have) else None
         for x, v in zip(s, vals):  # per response token, as rollout_log_probs; routed experts: per token but the last
             if v is not None and name == "routed_experts":
-                if len(x.tokens) < 2 or len(v) == 0 or len(v) % (len(x.tokens) - 1):
-                    raise ValueError(f"routed_experts of sample index {x.index} has {len(v)} expert ids for "
-                                     f"{len(x.tokens)} tokens: SGLang's [len(tokens) - 1, layers, top_k]")
+                problem = routed_experts_problem(v, len(x.tokens) - 1, routing, unrouted=True)
+                if problem is not None:
+                    raise ValueError(f"routed_experts of sample index {x.index} ({len(x.tokens)} tokens): {problem}")
             elif v is not None and len(v) != x.response_length:
                 raise ValueError(f"{name} of sample index {x.index} has {len(v)} values for a response of "
                                  f"{x.response_length} tokens")
         if s and all(have):
             out[name] = vals
     return out
+
+
+def _routing(model_dir: str | os.PathLike | None) -> Routing | None:
+    """The model's routing replay rows (layers × top-k, experts) from ``model_dir``'s config.json, if any."""
+    import json
+
+    try:
+        return Routing.from_config(json.loads((Path(model_dir) / "config.json").read_text())) if model_dir else None
+    except (OSError, ValueError):
+        return None
 
 
 def _image_values(s: Any, model_dir: str | os.PathLike | None) -> dict[str, list]:
@@ -130,7 +144,7 @@ def write_step(run_path: str | os.PathLike, step: int, result: Any, seq: int = 0
     record's), e.g. the prompts it holds (:func:`~relax_hpc.exchange.audit.prompt_attrs`)."""
     values = _rollout_values(result.samples)
     values["raw_reward"] = list(result.raw_rewards)
-    extra = {**_optional_values(result.samples), **_image_values(result.samples, model_dir)}
+    extra = {**_optional_values(result.samples, model_dir), **_image_values(result.samples, model_dir)}
     values.update(extra)
     names = rollout_fields(tuple(extra))
     assert set(values) == set(names), sorted(set(values) ^ set(names))  # the schema and this writer agree

@@ -104,7 +104,6 @@ def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig
     from megatron.core import parallel_state as ps
 
     from relax_hpc.algo import policy_loss
-    from relax_hpc.algo.losses import TOKEN_MEAN_METRICS
 
     n = share.stats.n
     dp = ps.get_data_parallel_world_size()
@@ -123,7 +122,6 @@ def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig
                 "(return_routed_experts), or train.routing_replay: false")
     per_token = bool(algo_cfg.calculate_per_token_loss)
     total = max(share.stats.loss_tokens if per_token else float(n), 1.0)
-    loss_tokens = max(float(share.stats.loss_tokens), 1.0)
     mbs = plan_micro_batches(share.samples, train_cfg.micro_batch_size, pad_id=pad_id, train=True, pp=pp,
                              max_seq_len=train_cfg.max_seq_len, global_seq_len=share.stats.max_seq_len,
                              max_tokens=train_cfg.max_tokens_per_micro_batch, multiple=seq_multiple(model))
@@ -147,9 +145,7 @@ def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig
             ref_log_probs=data(mb.ref_log_probs), rollout_log_probs=data(mb.rollout_log_probs), entropy=ent,
             opd=opd, teacher_log_probs=data(mb.teacher_log_probs),  # OPD's loss form (opd.loss_coef)
         )
-        # token means (the engine gaps): weighted by loss tokens, so the step's value is the mean over its loss tokens
-        reported = {k: float(v) * (mb.num_loss_tokens / loss_tokens if k in TOKEN_MEAN_METRICS else mb.weight)
-                    for k, v in metrics.items()}
+        reported = {k: float(v) * mb.weight for k, v in metrics.items()}  # as Relax reports: by share of the step
         return loss * (mb.weight * M * dp), reported
 
     for m in model:

@@ -90,3 +90,53 @@ def test_verify_all_survives_a_quarantine_that_clears_the_step(xroot):
     assert [d["chunk"] for d in b.damaged()] == [bad.id]
     assert b.outstanding() == []  # the held lease went with the step
     b.close()
+
+
+class Draws:
+    """hypothesis' ``data`` for a rule called by hand: each ``draw`` from a ``sampled_from`` takes the first element
+    the next predicate accepts."""
+
+    def __init__(self, *picks):
+        self.picks = list(picks)
+
+    def draw(self, strategy):
+        pick = self.picks.pop(0)
+        return next(e for e in strategy.elements if pick(e))
+
+
+def test_the_property_test_s_sequence_a_held_chunk_reported_after_its_step_cleared(monkeypatch):
+    """The sequence tests/exchange/test_stateful.py found, replayed through its own state machine (every model
+    check on): step 0's chunks are made, ``fwd`` consumes them, the other tasks consume the first; one chunk file is
+    bit-flipped and ``ref`` holds a batch of the other two (it reads them, the flipped one is quarantined); a second
+    chunk file is bit-flipped and ``ref`` comes back to its lease: the first read fails and its quarantine completes
+    and clears step 0, then ``step_0/chunk_roll-a_2`` fails to read (its file is in ``quarantine/``, already gone)
+    and is reported: the broker must say it is quarantined (it used to say False, failing the model's assertion)."""
+    from . import test_stateful
+    from .test_stateful import Exchange
+
+    monkeypatch.setattr(test_stateful, "event", lambda *a, **k: None)  # hypothesis' statistics: only inside a test
+
+    def chunk(name):
+        return lambda c: c.ref.name == f"chunk_{name}"
+
+    def main_file(c):
+        return c.endswith(".h5") and c.count(".") == 1
+
+    m = Exchange()
+    try:
+        m.setup(k=0, auto=True, first=[[1]])
+        m.produce_into_the_newest_step(producer="roll-a", lens=[1])  # a step's chunks are made
+        m.produce_into_the_newest_step(producer="roll-a", lens=[1])
+        m.end_step_(0)
+        m.consume(task="fwd", batch=8, data=Draws(lambda h: h == "fwd-0"), outcome="ack")
+        for task in ("ref", "adv", "train"):  # the first chunk: consumed by every task
+            m.consume(task=task, batch=1, data=Draws(lambda h, t=task: h == f"{t}-0"), outcome="ack")
+        m.damage_a_file(data=Draws(chunk("roll-a_2"), main_file), mode="flip", frac=0.5)
+        m.consume(task="ref", batch=8, data=Draws(lambda h: h == "ref-1"), outcome="hold")
+        assert [d["chunk"] for d in m.b.damaged()] == ["step_0/chunk_roll-a_2"]
+        m.damage_a_file(data=Draws(chunk("roll-a_1"), main_file), mode="flip", frac=0.5)
+        m.consumer_reconnects(holder="ref-1")  # asserts report_damaged is True for both
+        assert m.b.uncleared() == [] and sorted(d["chunk"] for d in m.b.damaged()) == [
+            "step_0/chunk_roll-a_1", "step_0/chunk_roll-a_2"]
+    finally:
+        m.teardown()

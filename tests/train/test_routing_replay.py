@@ -222,11 +222,12 @@ def test_routed_experts_travel_from_the_engine_answer_to_the_micro_batch(tmp_pat
                             pad_id=0, train=True).routed_experts is None
     bad = result()
     bad.samples[2].routed_experts = routed(3, 0)[:-1]
-    with pytest.raises(ValueError, match="routed_experts of sample index 2 has 11 expert ids for 5 tokens"):
+    with pytest.raises(ValueError, match=r"routed_experts of sample index 2 \(5 tokens\): 11 expert ids for 4 tokens"):
         write_step(tmp_path, 2, bad)
     cols = P.read_train_columns([ref])
     cols["routed_experts"].data[5] = -3
-    with pytest.raises(P.UnsoundTrainData, match="routed_experts of sample 0 .* is -3.0: a negative expert id"):
+    with pytest.raises(P.UnsoundTrainData, match=r"routed_experts of sample 0 .*for 3 tokens, refused: token 1 has "
+                                                 r"expert ids \[1, -3, 3, 0\]: an id below 0"):
         P.check_train_columns(cols)
     assert torch.is_tensor(batch[0].routed_experts)
 
@@ -289,7 +290,11 @@ def test_tokens_no_engine_ran_get_minus_one_rows_and_the_step_goes_on(tmp_path):
     assert (rows[1, :7] == torch.as_tensor(multi[:7]).long()).all() and (rows[1, 7:] == -1).all()
     assert (rows[2] == -1).all()
     cols["routed_experts"].data[0] = -2
-    with pytest.raises(P.UnsoundTrainData, match="is -2.0: a negative expert id"):
+    with pytest.raises(P.UnsoundTrainData, match=r"token 0 has expert ids \[-2, .*\]: an id below 0 and not a whole "
+                                                 r"-1 row"):
+        P.check_train_columns(cols)
+    cols["routed_experts"].data[0] = -1  # a token's ids -1 only in part: not "no recorded routing"
+    with pytest.raises(P.UnsoundTrainData, match=r"token 0 has expert ids \[-1, .*\]: an id below 0"):
         P.check_train_columns(cols)
     nobody = samples()[2:]
     assert routed_rows(nobody) is None and nobody[0].routed_experts is None  # no width: nothing made up
@@ -341,8 +346,8 @@ def job_replay(args: dict, out: Path) -> dict:
            "own_there": actor.compute_log_probs(own_there)}
     res["engine_padded"] = compute_log_probs(actor.model, engine, mbs=3, pad_id=0)
     res = {k: [x.tolist() for x in v] for k, v in res.items()}
-    # the step: the engine's log-probs beside, and sample 0 failed (loss mask 0, placeholder engine log-probs 0): the
-    # trainer-engine gap is the mean over the other samples' tokens only
+    # the step: the engine's log-probs beside, and sample 0 failed (loss mask 0, placeholder engine log-probs 0): it
+    # adds nothing to the trainer-engine gap
     batch = [dict(x, old_log_probs=torch.tensor(o), rollout_log_probs=r)
              for x, o, r in zip(unrun, res["unrun"], data["rollout"])]
     batch[0] = dict(batch[0], loss_mask=torch.zeros(len(res["unrun"][0])), rollout_log_probs=torch.zeros(
@@ -446,9 +451,11 @@ def test_replay_trains_and_refuses_samples_without_experts(replay_run):
 
     step = replay_run["step"]
     assert step["grad_norm"] > 0 and all(v == v for v in step.values())
-    # train_rollout_logprob_abs_diff over the loss tokens only: sample 0 (loss mask 0, engine log-probs 0) left out
+    # train_rollout_logprob_abs_diff as Relax reports it (its sum_of_sample_mean over the step's 8 micro-batches of
+    # one sample, divided by the samples): each sample's mean |Δ| over its loss tokens; sample 0 (loss mask 0, engine
+    # log-probs 0) adds 0 and counts
     lps, rollout = replay_run["unrun"][1:], replay_run["data"]["rollout"][1:]
-    want = float(torch.cat([(torch.tensor(a) - b).abs() for a, b in zip(lps, rollout)]).mean())
+    want = sum(float((torch.tensor(a) - b).abs().mean()) for a, b in zip(lps, rollout)) / 8
     assert step["train_rollout_logprob_abs_diff"] == pytest.approx(want, rel=1e-2), (step, want)
     msg = replay_run["refused"]
     assert msg and "train.routing_replay = true but 8 of 8 samples" in msg and "Fix:" in msg

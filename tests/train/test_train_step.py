@@ -48,7 +48,6 @@ def test_layouts_match_tp1(single_run, multi_run, layout):
     # the actor role's DP-share path: π_old of its own share equals the gathered global pass, and the
     # engine gap all-reduced over DP equals one process's over the whole batch
     assert got["share_max_diff"] <= TOL and got["share_n"] == (4 if layout.endswith("dp2") else 8)
-    assert got["gap_mean"] == pytest.approx(ref["gap_mean"], abs=1e-6)
     assert got["gap_max"] == pytest.approx(ref["gap_max"], abs=1e-6) and ref["gap_max"] == pytest.approx(0.008, abs=1e-5)
     # Relax's rollout/log_probs: the mean over all samples of each one's token mean, whatever the layout
     assert got["mean_lp"] == pytest.approx(got["mean_lp_want"], abs=1e-6) and got["mean_keys"] == ["old_log_probs"]

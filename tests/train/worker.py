@@ -136,7 +136,7 @@ def job_parity(args: dict, out: Path) -> dict:
 
 def _share_checks(actor, batch: list, old: list) -> dict:
     """What the actor role does with its DP share: π_old of its own samples only (``share=True``: no gather), and
-    the |π_old − engine| gap all-reduced over DP. Engine log-probs here are π_old + 0.001·(i+1) for sample i,
+    the largest |π_old − engine| gap all-reduced over DP. Engine log-probs here are π_old + 0.001·(i+1) for sample i,
     so every layout must find the same gap as one process over the whole batch."""
     from relax_hpc.train.batch import dp_shard
     from relax_hpc.train.logprobs import rollout_logprob_gap, sample_means
@@ -151,8 +151,7 @@ def _share_checks(actor, batch: list, old: list) -> dict:
     return {"share_max_diff": max((a - o).abs().max().item() for a, (_, o) in zip(own, pairs)),
             "mean_lp": means["old_log_probs"], "mean_keys": sorted(means),
             "mean_lp_want": sum(float(o.mean()) for o in old) / len(old),
-            "share_n": len(mine), "gap_mean": gap["train/train_rollout_logprob_abs_diff"],
-            "gap_max": gap["train/train_rollout_logprob_abs_diff_max"]}
+            "share_n": len(mine), "gap_max": gap["train/train_rollout_logprob_abs_diff_max"]}
 
 
 def job_train(args: dict, out: Path) -> dict:
