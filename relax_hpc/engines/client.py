@@ -22,8 +22,10 @@ Failure policy (why it is shaped this way):
 * a ``/generate`` answer is checked before anyone believes it (:func:`output_problem`): log-probs finite, at most
   0 and within float32 (the exchange's column), one per output token and present when asked for; token ids in
   ``[0, vocab_size)``; ``completion_tokens`` equal to the tokens sent; no empty output but an abort or a
-  ``max_new_tokens`` of 0. An answer that fails is an :class:`EngineOutputError`: the engine is broken (bad
-  weights, a faulty kernel, the wrong model), so the driver declares it dead instead of training on its output;
+  ``max_new_tokens`` of 0; routed experts (MoE routing replay) one row a token the engine ran, ids in
+  ``[0, num_experts)``, a token's top-k distinct. An answer that fails is an :class:`EngineOutputError`: the
+  engine is broken (bad weights, a faulty kernel, the wrong model), so the driver declares it dead instead of
+  training on its output;
 * a scoring request (:meth:`EngineClient.ainput_logprobs`: ``max_new_tokens`` 0, ``logprob_start_len``, the
   teacher's request in on-policy distillation) is checked alike (:func:`parse_input_logprobs`): shapes and ids
   raise, a bad log-prob value is reported per prompt (:attr:`InputLogprobs.problem`).
@@ -53,9 +55,12 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import httpx
+
+if TYPE_CHECKING:
+    from relax_hpc.exchange.fields import Routing
 
 log = logging.getLogger(__name__)
 
@@ -238,13 +243,14 @@ def _bounds() -> tuple[float, float]:
 
 
 def output_problem(gen: Generation, *, return_logprob: bool | None = None, vocab_size: int | None = None,
-                   max_new_tokens: int | None = None) -> str | None:
+                   max_new_tokens: int | None = None, routing: Routing | None = None) -> str | None:
     """What is wrong with the engine's answer ``gen``, or None. Checked: each log-prob finite, within float32, and
     at most the schema's ``LOGPROB_TOLERANCE`` above 0 (a log-probability is never positive); log-probs present when
     ``return_logprob`` was asked; every token id in ``[0, vocab_size)`` (only ``>= 0`` when the vocabulary is not
-    known); ``completion_tokens`` equal to the number of output ids; and an empty output only when the request was
+    known); ``completion_tokens`` equal to the number of output ids; an empty output only when the request was
     aborted or asked for ``max_new_tokens`` = 0 (an engine stops or runs out of length after a token it sent,
-    never before the first). None of these happens to a working engine."""
+    never before the first); and ``meta_info.routed_experts`` where the answer has them (:func:`routed_problem`,
+    against the model's ``routing`` when known). None of these happens to a working engine."""
     ids, lps = gen.output_ids, gen.output_logprobs
     bad = next(((i, t) for i, t in enumerate(ids) if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
     if bad is not None:
@@ -266,11 +272,41 @@ def output_problem(gen: Generation, *, return_logprob: bool | None = None, vocab
     if not ids and not gen.aborted and max_new_tokens != 0:
         return (f"an empty output with finish reason {gen.finish_reason.type!r} (max_new_tokens "
                 f"{max_new_tokens}): only an aborted request, or one asking for 0 tokens, ends with none")
-    return None
+    return routed_problem(gen, routing)
+
+
+def routed_problem(gen: Generation, routing: Routing | None = None) -> str | None:
+    """What is wrong with the answer's ``meta_info.routed_experts`` (MoE routing replay), or None (also when it
+    has none): base64 of int32, one row of ``layers × top_k`` ids for each token the engine ran (prompt +
+    completion − 1; the rows of an aborted answer or one without ``prompt_tokens`` are not counted), judged by the
+    exchange's schema (:func:`~relax_hpc.exchange.fields.routed_experts_problem`: with ``routing``, ids in
+    ``[0, num_experts)`` and a token's top-k distinct per layer; without, ids >= 0). An engine that routes a token
+    to an expert the model has not, or to one expert twice, is broken like one that returns a NaN log-prob: its
+    output never trains."""
+    import binascii
+
+    from relax_hpc.exchange.fields import routed_experts_problem
+
+    raw = gen.meta_info.get("routed_experts")
+    if raw is None:
+        return None
+    try:
+        flat = decode_routed_experts(raw)
+    except (binascii.Error, TypeError, ValueError) as e:
+        return f"meta_info.routed_experts is not base64 of int32 ({type(e).__name__}: {e})"
+    n = gen.prompt_tokens + gen.completion_tokens - 1
+    if gen.aborted or not isinstance(gen.meta_info.get("prompt_tokens"), int):
+        # an abort may cut the rows short, and without prompt_tokens the tokens ran are unknown: the number of rows
+        # is not checked, their ids are
+        w = routing.width if routing is not None else None
+        n = flat.size // w if w and flat.size % w == 0 else n
+    problem = routed_experts_problem(flat, n, routing)
+    return None if problem is None else f"meta_info.routed_experts: {problem}"
 
 
 def parse_generation(engine_url: str, obj: Any, *, return_logprob: bool | None = None,
-                     vocab_size: int | None = None, max_new_tokens: int | None = None) -> Generation:
+                     vocab_size: int | None = None, max_new_tokens: int | None = None,
+                     routing: Routing | None = None) -> Generation:
     """Turn one SGLang ``/generate`` response object into a :class:`Generation`, checked (:func:`output_problem`,
     with what the request asked); :class:`EngineOutputError` if it fails a check, an :class:`EngineError` if it is
     malformed (as garbage from something between us and the engine would be: retried, the engine not blamed)."""
@@ -293,7 +329,8 @@ def parse_generation(engine_url: str, obj: Any, *, return_logprob: bool | None =
     except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:
         raise EngineError(engine_url, "/generate",
                           f"malformed response ({type(e).__name__}: {e}): {str(obj)[:300]}") from e
-    problem = output_problem(gen, return_logprob=return_logprob, vocab_size=vocab_size, max_new_tokens=max_new_tokens)
+    problem = output_problem(gen, return_logprob=return_logprob, vocab_size=vocab_size, max_new_tokens=max_new_tokens,
+                             routing=routing)
     if problem is None and row_ids is not None and row_ids != out_ids:
         problem = (f"the token ids of output_token_logprobs ({len(row_ids)} rows) are not output_ids "
                    f"({len(out_ids)} tokens)")
@@ -618,30 +655,54 @@ class EngineClient:
     async def agenerate(self, input_ids: Sequence[int], sampling_params: SamplingParams | dict | None = None, *,
                         return_logprob: bool = True, rid: str | None = None, timeout: float | None = None,
                         extra: dict | None = None, vocab_size: int | None = None,
-                        image_data: Sequence | None = None) -> Generation:
+                        image_data: Sequence | None = None, routing: Routing | None = None) -> Generation:
         """``POST /generate`` for one prompt of token ids (``timeout``: total deadline, default the client's
         ``generate_timeout``), with its images (``image_data``, SGLang's: base64 strings, ``data:`` URLs or paths the
         engine can read, one per ``<|image_pad|>`` run of the prompt, in order). Many may run concurrently
         (asyncio.gather); the engine batches them. An aborted request (pause/abort) returns normally with
         ``finish_reason.type == "abort"``. The answer is checked (:func:`output_problem`; token ids against
-        ``vocab_size`` when given): :class:`EngineOutputError` if bad; with images, :func:`_check_expansion`."""
+        ``vocab_size`` when given, routed experts against ``routing``): :class:`EngineOutputError` if bad; with
+        images, :func:`_check_expansion`."""
         body = self._generate_payload(input_ids, sampling_params, return_logprob, rid, extra, image_data)
         r = await self.arequest("POST", "/generate", body, timeout=self.generate_timeout if timeout is None else timeout)
         gen = parse_generation(self.url, self._json("/generate", r), return_logprob=return_logprob,
-                               vocab_size=vocab_size, max_new_tokens=requested_max_new_tokens(body["sampling_params"]))
+                               vocab_size=vocab_size, max_new_tokens=requested_max_new_tokens(body["sampling_params"]),
+                               routing=routing)
         if image_data:
             _check_expansion(self.url, gen, len(body["input_ids"]))
         return gen
 
+    async def agenerate_group(self, prompts: Sequence[Sequence[int]], sampling_params: Sequence[SamplingParams], *,
+                              return_logprob: bool = True, timeout: float | None = None, extra: dict | None = None,
+                              vocab_size: int | None = None, routing: Routing | None = None) -> list[Generation]:
+        """``POST /generate`` for several prompts in one request (SGLang's batch form: ``input_ids`` a list of lists,
+        ``sampling_params`` one dict per prompt); the answers in prompt order, each checked as :meth:`agenerate`
+        checks one. A GRPO group is one such request (``rollout.batch_group_requests``): one HTTP round trip for
+        ``n_samples_per_prompt`` samples instead of one each. No images, no ``rid`` (nothing to abort one by one)."""
+        if len(prompts) != len(sampling_params) or not prompts:
+            raise ValueError(f"{len(prompts)} prompts with {len(sampling_params)} sampling parameters")
+        sps = [sp.to_json() for sp in sampling_params]
+        body = {"input_ids": [list(p) for p in prompts], "sampling_params": sps, "return_logprob": bool(return_logprob)}
+        body.update(extra or {})
+        r = await self.arequest("POST", "/generate", body, timeout=self.generate_timeout if timeout is None else timeout)
+        out = self._json("/generate", r)
+        if not isinstance(out, list) or len(out) != len(prompts):
+            got = f"a list of {len(out)}" if isinstance(out, list) else type(out).__name__
+            raise EngineOutputError(self.url, f"a batch of {len(prompts)} prompts answered with {got}")
+        return [parse_generation(self.url, o, return_logprob=return_logprob, vocab_size=vocab_size,
+                                 max_new_tokens=requested_max_new_tokens(sp), routing=routing)
+                for o, sp in zip(out, sps)]
+
     def generate(self, input_ids: Sequence[int], sampling_params: SamplingParams | dict | None = None, *,
                  return_logprob: bool = True, rid: str | None = None, timeout: float | None = None,
                  extra: dict | None = None, vocab_size: int | None = None,
-                 image_data: Sequence | None = None) -> Generation:
+                 image_data: Sequence | None = None, routing: Routing | None = None) -> Generation:
         """Blocking :meth:`agenerate`."""
         body = self._generate_payload(input_ids, sampling_params, return_logprob, rid, extra, image_data)
         r = self.request("POST", "/generate", body, timeout=self.generate_timeout if timeout is None else timeout)
         gen = parse_generation(self.url, self._json("/generate", r), return_logprob=return_logprob,
-                               vocab_size=vocab_size, max_new_tokens=requested_max_new_tokens(body["sampling_params"]))
+                               vocab_size=vocab_size, max_new_tokens=requested_max_new_tokens(body["sampling_params"]),
+                               routing=routing)
         if image_data:
             _check_expansion(self.url, gen, len(body["input_ids"]))
         return gen
@@ -875,6 +936,24 @@ class EngineClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def model_routing(model_path: str | None, tokenizer: Any = None) -> Routing | None:
+    """The routing replay rows the model's engines send (:class:`~relax_hpc.exchange.fields.Routing`: layers ×
+    top-k ids, each below its number of experts), from ``config.json`` of ``model_path``, else of the tokenizer's
+    directory (a multimodal model's ``text_config``); None for a dense model or where no config is found (then
+    an engine's routed experts are checked for what needs no model: ids >= 0, one row a token)."""
+    from relax_hpc.exchange.fields import Routing
+
+    for where in (model_path, getattr(tokenizer, "name_or_path", None)):
+        if not where:
+            continue
+        try:
+            config = json.loads((Path(where).expanduser() / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        return Routing.from_config(config)
+    return None
 
 
 def vocabulary_size(model_path: str | None, tokenizer: Any = None) -> int | None:

@@ -131,6 +131,7 @@ class RolloutConfig:
     sample_filter_path: str | None = None  # fn(args, groups) called once per step; may set sample.remove_sample (zero loss mask, still normalized)
     # --- engines -------------------------------------------------------------------------------------
     sglang_server_concurrency: int = 512  # max in-flight generate requests per engine
+    batch_group_requests: bool = True  # a group of plain single-turn samples is one /generate (SGLang's batch form), not n
     max_retries: int = 3  # times one request is retried after an error on an engine that is still alive (with exponential backoff and jitter)
     request_timeout_s: float = 600.0  # total deadline of one generate request (connect, send, whole answer, retries)
     engine: EngineConfig = field(default_factory=EngineConfig)

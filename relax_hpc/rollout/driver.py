@@ -20,7 +20,9 @@ logged and recorded by name (URL unless a name is given) in :attr:`RolloutResult
 to ``on_engine_dead`` — and never used again by this driver; the request goes to another engine, from
 scratch. An engine whose answer cannot be right (:class:`~relax_hpc.engines.client.EngineOutputError`: NaN,
 infinite or positive log-probs, none where asked, a token id outside the model's vocabulary (:attr:`vocab_size`),
-counts that disagree, an empty output that was not aborted) is declared dead the same way, at once and with that
+counts that disagree, an empty output that was not aborted; with ``train.routing_replay``, routed experts that do
+not fit the model (:attr:`routing`: an expert id outside ``[0, num_experts)``, one expert twice in a token's top-k,
+rows for another number of tokens or layers) is declared dead the same way, at once and with that
 reason, and the request goes to another engine: a broken engine's output never reaches training. Only if no
 engine is left does the batch fail, with :class:`NoEngineError` naming every dead engine and why. An engine
 that answers an error (HTTP 5xx) or aborts the request is retried up to ``max_retries`` times (on another
@@ -54,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from relax_hpc.engines.client import (Backoff, EngineError, EngineOutputError, Generation, SamplingParams,
-                                     vocabulary_size)
+                                     model_routing, vocabulary_size)
 from relax_hpc.engines.pool import Engine, EngineLike, EnginePool, as_client
 from relax_hpc.rollout.metrics import sample_metrics
 from relax_hpc.rollout.rewards import GENERATE_PARAMS, RewardFailure, RewardRunner, positive_seconds
@@ -155,7 +157,9 @@ class RolloutDriver:
     run's engine key) on every call. A given EngineClient is used as it is. ``tokenizer``: turns prompts without token ids into ids
     (``encode(prompt, add_special_tokens=False)``) and decodes responses the engine sent no text for.
     ``on_engine_dead(name, reason)`` is called once per engine declared dead. ``vocab_size``: the bound of an
-    output token id (:func:`vocabulary_size` of the recipe's model and the tokenizer when not given).
+    output token id (:func:`vocabulary_size` of the recipe's model and the tokenizer when not given). With
+    ``train.routing_replay``, :attr:`routing` is the model's (:func:`model_routing`: layers, top-k, experts), what
+    each answer's routed experts are checked against.
     """
 
     def __init__(self, recipe: Recipe, engines: Sequence[EngineLike] | dict[str, EngineLike], *,
@@ -166,6 +170,8 @@ class RolloutDriver:
         self.cfg = recipe.rollout
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size if vocab_size is not None else vocabulary_size(recipe.model.path, tokenizer)
+        replay = getattr(getattr(recipe, "train", None), "routing_replay", False)
+        self.routing = model_routing(recipe.model.path, tokenizer) if replay else None
         self.reward = reward if reward is not None else RewardRunner(recipe)  # loads the reward function: fails early
         self.on_engine_dead = on_engine_dead
         # called as groups are generated and scored: the rollout role passes ctx.progress (logging.task_timeout_s)
@@ -357,7 +363,7 @@ class RolloutDriver:
                 # engine is given up in time for the request to finish elsewhere; with none, all of it
                 cap = left / 2 if len(self.pool.alive()) > 1 and left >= 2 * MIN_ATTEMPT_S else left
                 gen = await engine.client.agenerate(prompt_ids, sp, return_logprob=not evaluation, rid=rid,
-                                                    vocab_size=self.vocab_size, timeout=cap,
+                                                    vocab_size=self.vocab_size, routing=self.routing, timeout=cap,
                                                     extra=self._replay(evaluation),
                                                     **({"image_data": image_data} if image_data else {}))
             except EngineError as err:
@@ -505,13 +511,55 @@ class RolloutDriver:
     # --- a batch -------------------------------------------------------------------------------------
     async def _group(self, group: list[Sample], sp: SamplingParams, evaluation: bool, batch: BatchCounters,
                      seeds: list[int | None]) -> list[RewardFailure]:
-        outs = await asyncio.gather(*(self._generate_one(s, sp, evaluation, batch, seed)
-                                      for s, seed in zip(group, seeds)))
+        if await self._group_request(group, sp, evaluation, seeds, batch):
+            outs: list[Sample | list[Sample]] = list(group)
+        else:
+            outs = await asyncio.gather(*(self._generate_one(s, sp, evaluation, batch, seed)
+                                          for s, seed in zip(group, seeds)))
         group[:] = [x for out in outs for x in (out if isinstance(out, list) else [out])]  # segments in place
         self._progressed(len(group))
         failures = await self.reward.score_group(group, evaluation=evaluation, apply_policy=False)
         self._progressed(1)
         return failures
+
+    async def _group_request(self, group: list[Sample], sp: SamplingParams, evaluation: bool,
+                             seeds: list[int | None], batch: BatchCounters) -> bool:
+        """The whole group as one ``/generate`` (``rollout.batch_group_requests``): each sample keeps its own
+        ``sampling_seed``, so it samples what its own request would have. Only for plain single-turn samples (no
+        custom generate function, no multi-turn, no images, none failed or partly generated). True when every
+        sample is filled; on any engine error nothing is filled and the group goes the per-sample way, whose
+        retries, deadlines and dead-engine handling then apply. Output that cannot be right declares the engine dead
+        here, as one request's would: its other answers are not trusted either."""
+        if not self.cfg.batch_group_requests or len(group) < 2 or self.multiturn is not None or any(
+                s.status is not SampleStatus.PENDING or s.response_length > 0 or s.multimodal_inputs
+                or self.generate_function(s) is not None for s in group):
+            return False
+        prompts = [self.prompt_ids(s) for s in group]
+        sps = [sp if seed is None else dataclasses.replace(sp, sampling_seed=seed) for seed in seeds]
+        engine = await self.pool.acquire(set())
+        cap = self.request_timeout_s / 2 if len(self.pool.alive()) > 1 else self.request_timeout_s
+        try:
+            gens = await engine.client.agenerate_group(prompts, sps, return_logprob=not evaluation, timeout=cap,
+                                                       vocab_size=self.vocab_size, routing=self.routing,
+                                                       extra=self._replay(evaluation))
+        except EngineError as err:
+            log.warning("group request of %d samples (group_index=%s) failed on engine %s (%s); sending them one by "
+                        "one", len(group), group[0].group_index, engine.name, err.cause)
+            bad = err
+        else:
+            bad = None
+        finally:
+            await self.pool.release(engine)
+        if bad is not None:
+            if isinstance(bad, EngineOutputError):
+                await self._declare_dead(engine, bad, batch)
+                batch.retries += 1
+            return False
+        if any(g.aborted for g in gens):  # paused or aborted mid-way: the per-sample path retries each
+            return False
+        for s, p, g in zip(group, prompts, gens):
+            self._fill(s, p, g)
+        return True
 
     def _progressed(self, n: int) -> None:
         if self.on_progress is not None:

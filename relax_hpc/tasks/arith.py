@@ -1,15 +1,14 @@
 """One-digit addition: ``"a+b="`` → the digit ``a + b`` (a, b digits, a + b ≤ 9). The quickstart's task.
 
 Why this task: a tiny model made by ``tools/make-tiny-model`` (character-level tokenizer: every digit
-and ``+``/``=`` is one token) starts at chance and can learn it from scratch with GRPO in a couple of
-hundred steps on a CPU, and a partial-credit reward gives a signal from the first step: random digits
-near the answer score something, so group-normalized advantages are rarely all zero.
+and ``+``/``=`` is one token) starts at chance and learns all 55 sums from scratch with GRPO in a few minutes on
+a CPU; the task's own measure is greedy accuracy over the 55 sums (the quickstart evaluates it before and after).
 
-The reward is Relax's custom form (``rollout.custom_rm_path: relax_hpc.tasks.arith.reward_func``):
-
-- 1.0 if the response's first character is the right digit;
-- 0.5 · (1 − |d − answer| / 9) if it is another digit d;
-- 0.0 otherwise (no response, a letter, a symbol).
+The reward is Relax's custom form (``rollout.custom_rm_path: relax_hpc.tasks.arith.reward_func``): 1.0 if the
+response's first character is the right digit, else 0.0. An earlier partial credit for near digits
+(0.5 · (1 − |d − answer| / 9)) taught the wrong thing: a digit near the middle earns it on every prompt without
+reading the prompt, so the policy collapsed to answering 4, 6 or 7 everywhere (15 of 55 right) while its reward
+rose (docs/quickstart.md, "Why the quickstart learns the sums").
 
 ``python -m relax_hpc.tasks.arith OUT.jsonl`` writes the 55 prompts (``recipes/data/arith.jsonl``), one
 JSON object per line with ``prompt`` and ``label``.
@@ -31,8 +30,22 @@ def score(response: str, label: Any) -> float:
     first = (response or "")[:1]
     if not first.isdigit() or not first.isascii():
         return 0.0
-    d = int(first)
-    return 1.0 if d == answer else 0.5 * (1.0 - abs(d - answer) / 9.0)
+    return 1.0 if int(first) == answer else 0.0
+
+
+def shaped_score(response: str, label: Any) -> float:
+    """:func:`score` with partial credit for a near digit: 0.5 · (1 − |d − answer| / 9). The reward rises within a
+    few steps of a random model, which is what the end-to-end tests of the machinery need (resume, faults, modes:
+    tests/e2e/conftest.py's overrides); it does not teach the sums (its best prompt-blind answer is a middle digit)."""
+    full = score(response, label)
+    first = (response or "")[:1]
+    if full or not first.isdigit() or not first.isascii():
+        return full
+    return 0.5 * (1.0 - abs(int(first) - int(str(label).strip())) / 9.0)
+
+
+async def shaped_reward(args: Any, sample: Any, **kwargs: Any) -> float:
+    return shaped_score(sample.response, sample.label)
 
 
 async def reward_func(args: Any, sample: Any, **kwargs: Any) -> float:

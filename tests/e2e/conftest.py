@@ -40,8 +40,19 @@ def tiny_model(tmp_path_factory) -> Path:
                            heads=4, kv_heads=2, seed=0)
 
 
-def quickstart_overrides(model: Path, runs_root: Path, *extra: str) -> list[str]:
-    return [f"model.path={model}", f"data.path={ARITH}", f"run.runs_root={runs_root}", *extra]
+# The machinery tests (resume, faults, modes, elastic, ...) need a run whose reward moves within a few cheap steps, not
+# the quickstart's whole task: 16 prompts x 8 samples at lr 3e-3 with partial credit for near digits, no eval. The
+# quickstart as a user runs it (all 55 sums x 32, exact reward, greedy eval) is test_quickstart.py's
+# test_the_quickstart_solves_the_sums.
+MACHINERY = ("rollout.rollout_batch_size=16", "rollout.n_samples_per_prompt=8", "train.lr=0.003",
+             "rollout.custom_rm_path=relax_hpc.tasks.arith.shaped_reward", "rollout.eval_interval=null",
+             "data.eval_prompt_data={}", "rollout.eval_temperature=null", "rollout.n_samples_per_eval_prompt=1",
+             "logging.plot_marks={}")
+
+
+def quickstart_overrides(model: Path, runs_root: Path, *extra: str, machinery: bool = True) -> list[str]:
+    return [f"model.path={model}", f"data.path={ARITH}", f"run.runs_root={runs_root}",
+            *(MACHINERY if machinery else ()), *extra]
 
 
 def make_run(tmp_path: Path, model: Path, *overrides: str, recipe: Path = QUICKSTART, name: str = "e2e") -> RunDir:

@@ -155,12 +155,48 @@ def test_a_seeded_batch_samples_the_same_tokens_whatever_the_concurrency(cpu_eng
 
 
 def test_concurrency_bound_per_engine(cpu_engine, dataset, tokenizer):
-    recipe = make_recipe(rm_type="math", sglang_server_concurrency=3, max_response_len=4)
+    recipe = make_recipe(rm_type="math", sglang_server_concurrency=3, max_response_len=4, batch_group_requests=False)
     driver = RolloutDriver(recipe, [cpu_engine], tokenizer=tokenizer)
     groups = RolloutDataSource(dataset, rollout_batch_size=4, n_samples_per_prompt=4).get_samples()
     res = driver.generate_rollout_sync(groups)
     (stats,) = driver.engine_stats().values()
     assert len(res.samples) == 16 and stats["requests"] == 16 and stats["peak_in_flight"] == 3
+
+
+def test_a_group_is_one_request(cpu_engine, dataset, tokenizer):
+    """rollout.batch_group_requests (the default): one /generate per group, every sample filled as by its own."""
+    driver = RolloutDriver(make_recipe(rm_type="math", max_response_len=4), [cpu_engine], tokenizer=tokenizer)
+    res = driver.generate_rollout_sync(RolloutDataSource(dataset, rollout_batch_size=4,
+                                                         n_samples_per_prompt=4).get_samples())
+    (stats,) = driver.engine_stats().values()
+    assert len(res.samples) == 16 and stats["requests"] == 4
+    assert all(s.response_length > 0 and len(s.rollout_log_probs) == s.response_length for s in res.samples)
+
+
+def test_a_group_request_samples_what_single_requests_sample(cpu_engine, dataset, tokenizer):
+    """Each sample of a group request keeps its own sampling_seed: seeded batches give the same tokens either way."""
+    runs = []
+    for batched in (True, False):
+        driver = RolloutDriver(make_recipe(rm_type="math", max_response_len=6, temperature=1.0,
+                                           batch_group_requests=batched), [cpu_engine], tokenizer=tokenizer)
+        groups = RolloutDataSource(dataset, rollout_batch_size=3, n_samples_per_prompt=4).get_samples()
+        res = driver.generate_rollout_sync(groups, seed=7)
+        runs.append([(s.tokens, s.rollout_log_probs) for s in res.samples])
+    assert [t for t, _ in runs[0]] == [t for t, _ in runs[1]]
+    assert len({tuple(t) for t, _ in runs[0]}) > 1  # sampled, not one answer repeated
+    for (_, a), (_, b) in zip(*runs):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_a_group_request_on_a_dead_engine_goes_sample_by_sample(cpu_engine, dataset, tokenizer):
+    """A group request that fails is not retried as a group: its samples take the per-sample path, which finds the
+    dead engine, reports it and finishes them on the live one."""
+    driver = RolloutDriver(make_recipe(rm_type="math", max_response_len=4),
+                           {"dead": dead_url(), "live": cpu_engine}, tokenizer=tokenizer)
+    res = driver.generate_rollout_sync(RolloutDataSource(dataset, rollout_batch_size=4,
+                                                         n_samples_per_prompt=3).get_samples())
+    assert len(res.samples) == 12 and all(s.response_length > 0 for s in res.samples)
+    assert [f.name for f in res.engine_failures] == ["dead"] and driver.live_engines == ["live"]
 
 
 def test_engine_killed_mid_batch_is_reported_and_requests_retried(cpu_engine, tiny_llama, tmp_path, dataset,
@@ -169,7 +205,8 @@ def test_engine_killed_mid_batch_is_reported_and_requests_retried(cpu_engine, ti
                            extra_args=["--threads", "1", "--seed", "1"])
     try:
         dead_seen = []
-        recipe = make_recipe(rm_type="math", sglang_server_concurrency=2, max_response_len=48)
+        recipe = make_recipe(rm_type="math", sglang_server_concurrency=2, max_response_len=48,
+                             batch_group_requests=False)  # per-sample requests: some in flight on the victim
         driver = RolloutDriver(recipe, {"survivor": cpu_engine, "victim": victim}, tokenizer=tokenizer,
                                on_engine_dead=lambda name, why: dead_seen.append((name, why)))
         groups = RolloutDataSource(dataset, rollout_batch_size=6, n_samples_per_prompt=4).get_samples()

@@ -149,7 +149,9 @@ def _groups(tmp_path, tokenizer, prompts=3, n=2):
 
 
 def _recipe(tiny_llama, **rollout) -> Recipe:
-    rollout = {"rm_type": "math", "max_response_len": 4, "n_samples_per_prompt": 2, **rollout}
+    # the canned stand-ins answer one prompt per request: a group goes sample by sample (group requests: below)
+    rollout = {"rm_type": "math", "max_response_len": 4, "n_samples_per_prompt": 2, "batch_group_requests": False,
+               **rollout}
     return Recipe(model=ModelConfig(path=str(tiny_llama)), rollout=RolloutConfig(**rollout))
 
 
@@ -192,6 +194,22 @@ def test_with_every_engine_bad_the_batch_fails_naming_each_and_why(canned, tiny_
     assert "no rollout engine left" in msg
     assert f"gpu-a: bad output: output token 1 has id {VOCAB + 7}, outside [0, {VOCAB})" in msg, msg
     assert "gpu-b: bad output: meta_info.completion_tokens = 9 for 2 output ids" in msg, msg
+
+
+def test_a_group_request_answered_badly_declares_the_engine_dead(canned, cpu_engine, tiny_llama, tokenizer, tmp_path):
+    """rollout.batch_group_requests: a group's answer is checked answer by answer (a NaN log-prob in any of them), and
+    as a whole (one answer per prompt); either declares the engine dead, and the group is served elsewhere."""
+    nan = json.loads(json.dumps(answer()).replace("-0.5", "NaN"))
+    for body, why in ((json.dumps([answer(), nan]), "the log-prob of output token 0 (id 5) is nan"),
+                      (json.dumps(answer()), "a batch of 2 prompts answered with dict")):
+        bad = canned(body)
+        driver = RolloutDriver(_recipe(tiny_llama, batch_group_requests=True), {"bad": bad.url, "good": cpu_engine},
+                               tokenizer=tokenizer)
+        res = driver.generate_rollout_sync(_groups(tmp_path, tokenizer))
+        assert bad.calls >= 1 and len(res.samples) == 6
+        assert all(s.response_length >= 1 and all(math.isfinite(lp) for lp in s.rollout_log_probs)
+                   for s in res.samples)
+        assert list(driver.dead_engines) == ["bad"] and why in driver.dead_engines["bad"], driver.dead_engines
 
 
 RELAX_GENERATE = '''

@@ -22,10 +22,11 @@ def test_the_data_file_is_the_55_prompts():
 
 
 @pytest.mark.parametrize("response, label, want", [
-    ("7", "7", 1.0), ("7abc", "7", 1.0), ("5", "7", 0.5 * (1 - 2 / 9)), ("0", "9", 0.0), ("9", "0", 0.0),
+    ("7", "7", 1.0), ("7abc", "7", 1.0), ("6", "7", 0.0), ("8", "7", 0.0), ("0", "9", 0.0), ("9", "0", 0.0),
     ("x", "3", 0.0), ("", "3", 0.0), (" 3", "3", 0.0), ("٣", "3", 0.0),
 ])
 def test_score(response, label, want):
+    """Exact match only: a near digit earns nothing (partial credit collapsed the quickstart to middle digits)."""
     assert arith.score(response, label) == pytest.approx(want)
 
 
@@ -35,9 +36,16 @@ def test_reward_func_works_unchanged_through_relax_custom_rm_path():
     runner = RewardRunner(recipe)
     group = [Sample(prompt="3+4=", label="7", response="7"), Sample(prompt="3+4=", label="7", response="1")]
     failures = asyncio.run(runner.score_group(group))
-    assert failures == [] and [s.reward for s in group] == [1.0, pytest.approx(0.5 * (1 - 6 / 9))]
+    assert failures == [] and [s.reward for s in group] == [1.0, 0.0]
 
 
 def test_main_writes_the_data(tmp_path):
     out = tmp_path / "a.jsonl"
     assert arith.main([str(out)]) == 0 and out.read_text() == DATA.read_text()
+
+
+@pytest.mark.parametrize("response, label, want", [
+    ("7", "7", 1.0), ("5", "7", 0.5 * (1 - 2 / 9)), ("0", "9", 0.0), ("x", "3", 0.0), ("", "3", 0.0),
+])
+def test_shaped_score_gives_near_digits_partial_credit(response, label, want):
+    assert arith.shaped_score(response, label) == pytest.approx(want)
