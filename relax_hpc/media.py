@@ -96,7 +96,8 @@ def resolve(ref: str, policy: MediaPolicy) -> Path:
         return path
     real = policy.inside(path)
     if real is None:
-        shown = f"{ref!r}" if str(path) == ref else f"{ref!r} ({os.path.realpath(path)})"
+        # the joined path, never its real one: a symlink's target or $HOME would tell the row about the node
+        shown = f"{ref!r}" if str(path) == ref else f"{ref!r} ({os.path.normpath(path)})"
         raise MediaError(f"{shown} is outside {policy.where()}: a data row may only name files there. "
                          "Fix: move the file under the dataset's directory, or add its directory to data.media_roots")
     return real
@@ -140,7 +141,7 @@ def fetch_url(url: str, max_bytes: int, timeout: float = URL_TIMEOUT_S) -> bytes
                                  "is followed")
             return super().redirect_request(req, fp, code, msg, headers, newurl)
 
-    shown = _short(url)
+    shown = short_url(url)
     opener = urllib.request.OpenerDirector()
     for h in (urllib.request.ProxyHandler(), urllib.request.HTTPHandler(), urllib.request.HTTPSHandler(),
               Redirects(), urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor()):
@@ -164,7 +165,7 @@ def fetch_url(url: str, max_bytes: int, timeout: float = URL_TIMEOUT_S) -> bytes
     return data
 
 
-def _short(url: str) -> str:
+def short_url(url: str) -> str:
     """A URL for a message: without its query and credentials (a signed URL's token), cut to 200 characters."""
     from urllib.parse import urlsplit
 

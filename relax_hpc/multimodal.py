@@ -121,7 +121,8 @@ def _str_bytes(ref: str, policy: MediaPolicy) -> bytes:
         if "/" in ref or "\\" in ref or Path(ref).suffix.lower() in _IMAGE_SUFFIXES:
             base = policy.base_dir if policy.confined else None
             where = " (relative paths are read from the data file's directory)" if base is not None else ""
-            raise ImageError(f"no such file {ref!r}{where}") from None
+            shown = repr(ref) if len(ref) <= 120 else f"(a string of {len(ref)} characters)"  # never a body's bulk
+            raise ImageError(f"no such file {shown}{where}") from None
         raise ImageError("neither a file that exists nor valid base64") from None
 
 

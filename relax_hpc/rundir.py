@@ -519,7 +519,7 @@ def mask_secrets(data: dict[str, Any]) -> dict[str, Any]:
 
 def secret_overrides(found: dict[str, Any]) -> list[str]:
     """The secrets as the recipe loader's overrides (``key=value``, the value as JSON, which YAML reads alike)."""
-    return [f"{k}={json.dumps(v)}" for k, v in found.items()]
+    return [f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in found.items()]  # \ud83d escapes: YAML keeps surrogates
 
 
 def _secret_key(key: str) -> bool:

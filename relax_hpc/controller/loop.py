@@ -45,6 +45,7 @@ from relax_hpc.controller.signals import Signals
 from relax_hpc.controller.state import COMPLETED, FAILED, REQUEUED, RunState
 from relax_hpc.controller.steps import step_commands
 from relax_hpc.errors import no_space
+from relax_hpc.ops.metrics import summary_line
 from relax_hpc.ops.notify import EVENTS, Notifier, notify_urls
 from relax_hpc.recipe import Recipe, role_steps
 from relax_hpc.rundir import RunDir, write_json
@@ -251,15 +252,7 @@ def _on_interrupt(run: RunDir, state: RunState, backend: Backend, name: str) -> 
 
 
 def _summary_line(run: RunDir) -> str:
-    s = run.read_json(run.path / "summary.json", {}) or {}
-    if s.get("reward_first10") is None:
-        return f"{s.get('steps', 0)} steps"
-    line = (f"{s['steps']} steps in {s.get('wall_time_s')} s; mean reward first {s['reward_window']} steps "
-            f"{s['reward_first10']:.3f}, last {s['reward_window']} steps {s['reward_last10']:.3f}")
-    for name, v in (s.get("eval_last") or {}).items():  # the task's own measure, where the recipe evaluates
-        line += (f"; eval {name} pass@1 {(s.get('eval_first') or {}).get(name, float('nan')):.3f} (step "
-                 f"{s.get('eval_first_step')}) -> {v:.3f} (step {s.get('eval_last_step')})")
-    return line
+    return summary_line(run.read_json(run.path / "summary.json", {}) or {})
 
 
 def _report(state: RunState, steps: list[StepProcess]) -> None:

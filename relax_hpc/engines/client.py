@@ -945,15 +945,19 @@ def model_routing(model_path: str | None, tokenizer: Any = None) -> Routing | No
     an engine's routed experts are checked for what needs no model: ids >= 0, one row a token)."""
     from relax_hpc.exchange.fields import Routing
 
+    config = next(_model_configs(model_path, tokenizer), None)
+    return None if config is None else Routing.from_config(config)
+
+
+def _model_configs(model_path: str | None, tokenizer: Any = None):
+    """``config.json`` of ``model_path``, then of the tokenizer's directory, each that can be read."""
     for where in (model_path, getattr(tokenizer, "name_or_path", None)):
         if not where:
             continue
         try:
-            config = json.loads((Path(where).expanduser() / "config.json").read_text())
+            yield json.loads((Path(where).expanduser() / "config.json").read_text())
         except (OSError, ValueError):
             continue
-        return Routing.from_config(config)
-    return None
 
 
 def vocabulary_size(model_path: str | None, tokenizer: Any = None) -> int | None:
@@ -963,13 +967,7 @@ def vocabulary_size(model_path: str | None, tokenizer: Any = None) -> int | None
     engine samples from and what the trainer indexes. It is often larger than ``len(tokenizer)`` (padded for the
     kernels), and an id in between is a legitimate, if unlikely, sample; one past it fails the trainer's embedding
     lookup. A relative ``model_path`` is relative to the working directory, as the roles read recipe paths."""
-    for where in (model_path, getattr(tokenizer, "name_or_path", None)):
-        if not where:
-            continue
-        try:
-            config = json.loads((Path(where).expanduser() / "config.json").read_text())
-        except (OSError, ValueError):
-            continue
+    for config in _model_configs(model_path, tokenizer):
         for c in (config, config.get("text_config") or {}):
             v = c.get("vocab_size") if isinstance(c, dict) else None
             if isinstance(v, int) and v > 0:

@@ -43,15 +43,20 @@ Semantics (``docs/engines.md`` has the full list):
   needs ``Authorization: Bearer KEY`` and is answered 401 otherwise, as SGLang's ``--api-key`` does (it
   leaves ``/health`` and ``/health_generate`` open too). The key comes through the environment or a file,
   never argv, so it does not show in ``ps``. It is checked from the headers before the body is read.
-* **Bounded connections** (:mod:`relax_hpc.engines.http_server`): at most ``--max-connections`` served at once
-  (one thread each; more are answered 503 at once), a connection that owes its request for
-  ``--idle-timeout-s`` is closed, a body claimed over ``--max-body-mb`` is answered 413 unread.
+* **Bounded connections** (:mod:`relax_hpc.engines.http_server`): at most ``--max-connections`` sockets held at
+  once (lowered to the process's file limit); one event-loop thread reads every request's head, and a thread
+  serves only a keyed request; a keyless connection is answered 401 at the door, a body claimed over
+  ``--max-body-mb`` is answered 413 unread.
+* **Bounded image memory.** The pixels of the images being served at once stay within ``--image-pixel-budget``
+  (each request reserves its images' pixels from their headers before decoding); a request that finds no room
+  waits up to ``--image-wait-s``, then gets 503 with ``Retry-After``; one larger than the whole budget gets 400.
 
 Test hook: ``RELAX_TEST_ENGINE_BAD_OUTPUT=KIND:N[:CLAIM]`` spoils the engine's first ``N`` generate answers
 that have something to spoil (tokens, not aborted; log-probs for the log-prob kinds), one way
 (:data:`BAD_OUTPUTS`): ``nan_logprobs``, ``positive_logprobs`` or ``no_logprobs`` (the first token's log-prob
 NaN, +0.5, or none at all; the first two spoil a scoring answer's first input log-prob too), ``token_past_vocab`` (the first token id = ``vocab_size``), ``empty_output`` (no
-tokens, finish reason kept), ``wrong_count`` (``completion_tokens`` one more). With ``CLAIM`` (a file path) only
+tokens, finish reason kept), ``wrong_count`` (``completion_tokens`` one more), and for MoE models with routed
+experts ``expert_out_of_range``, ``duplicate_expert``, ``extra_layer`` (``meta_info.routed_experts`` spoilt). With ``CLAIM`` (a file path) only
 the engine that creates that file first misbehaves: one engine of a run, and not the one started in its place.
 
 Its parts: :mod:`~relax_hpc.engines.http` (routes, the key check), :mod:`~relax_hpc.engines.scheduler` (batches,
@@ -222,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key-file", default=None,
                    help=f"file holding the API key clients must send (default: ${API_KEY_ENV}; neither: no key)")
     p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
-                   help="connections served at once, one thread each; more are answered 503 at once")
+                   help="sockets held at once (lowered to the file limit); threads only for keyed requests")
     p.add_argument("--idle-timeout-s", type=float, default=IDLE_S,
                    help="a connection that owes its request (or the rest of it) this long is closed")
     p.add_argument("--max-body-mb", type=float, default=MAX_BODY / (1 << 20),

@@ -129,3 +129,11 @@ def read_api_key(path: str | None) -> str | None:
         return key
     return env_key or None
 
+
+def brief(v, limit: int = 80) -> str:
+    """A value from a request body, for a message: its repr when short, else its kind and size; a message (which the
+    engine logs) never carries more of a body than this."""
+    text = repr(v)
+    if len(text) <= limit:
+        return text
+    return f"a {type(v).__name__} of {len(v)}" if hasattr(v, "__len__") else f"a {type(v).__name__}"

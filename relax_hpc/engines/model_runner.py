@@ -58,7 +58,7 @@ import uuid
 import torch
 
 from relax_hpc.engines.bad_output import BAD_OUTPUT_ENV, BadOutput
-from relax_hpc.engines.http import ENGINE_VERSION, HTTPError
+from relax_hpc.engines.http import ENGINE_VERSION, HTTPError, brief
 from relax_hpc.engines.receiver import WeightReceiver, checkpoint_key_mapping
 from relax_hpc.engines.scheduler import Req, Scheduler, abort_reason, left_padded, sample_batch
 from relax_hpc.multimodal import MAX_IMAGE_PIXELS, ImageError, is_vlm
@@ -723,15 +723,6 @@ class CPUEngine(WeightReceiver):
             "architectures": getattr(self.config, "architectures", None), "has_image_understanding": self.vlm,
             "has_audio_understanding": False,
         }
-
-def brief(v, limit: int = 80) -> str:
-    """A value from a request body, for a message: its repr when short, else its kind and size; a message (which the
-    engine logs) never carries more of a body than this."""
-    text = repr(v)
-    if len(text) <= limit:
-        return text
-    return f"a {type(v).__name__} of {len(v)}" if hasattr(v, "__len__") else f"a {type(v).__name__}"
-
 
 def _check_sampling(sp: dict) -> dict:
     if not isinstance(sp, dict):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from relax_hpc.engines.http import HTTPError, ok
+from relax_hpc.engines.http import HTTPError, brief, ok
 
 
 def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
@@ -51,18 +51,10 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
     return pg
 
 
-def flat_bucket_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
-    """dtype of SGLang's flattened bucket: what ``torch.cat`` of the flattened tensors promotes to."""
-    out = dtypes[0]
-    for d in dtypes[1:]:
-        out = torch.promote_types(out, d)
-    return out
-
-
 def _resolve_dtype(name) -> torch.dtype:
     dt = getattr(torch, str(name).replace("torch.", ""), None)
     if not isinstance(dt, torch.dtype):
-        raise HTTPError(400, f"unknown dtype {name!r}")
+        raise HTTPError(400, f"unknown dtype {brief(name)}")
     return dt
 
 
@@ -220,12 +212,13 @@ class WeightReceiver:
         device = self.device if self.group_backends.get(group_name, "gloo") == "nccl" else "cpu"
         # Receive everything the trainer sends before judging names/shapes: refusing halfway would hang its broadcast.
         if fmt == "flattened_bucket":
-            numels = [int(torch.Size(s).numel()) for s in shapes]
-            flat = torch.empty(sum(numels), dtype=flat_bucket_dtype(dtypes), device=device)
-            dist.broadcast(flat, src=0, group=pg)
+            # SGLang 0.5.23's FlattenedTensorBucket: each tensor's bytes end to end, received as one uint8 buffer
+            sizes = [int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, dtypes)]
+            raw = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            dist.broadcast(raw, src=0, group=pg)
             tensors, off = [], 0
-            for s, d, k in zip(shapes, dtypes, numels):
-                tensors.append(flat[off:off + k].view(s).to(d))
+            for s, d, k in zip(shapes, dtypes, sizes):
+                tensors.append(raw[off:off + k].view(d).view(s))
                 off += k
         elif fmt in (None, "", "direct"):
             tensors = [torch.empty(s, dtype=d, device=device) for s, d in zip(shapes, dtypes)]
@@ -295,7 +288,7 @@ class WeightReceiver:
         p = self.params.get(key)
         if p is None:
             as_ = f" (loaded as {key!r})" if key != name else ""
-            raise HTTPError(400, f"unknown parameter {name!r}{as_}: not in the HF model's state_dict")
+            raise HTTPError(400, f"unknown parameter {brief(name)}{as_}: not in the HF model's state_dict")
         return key, p
 
     def load_named(self, named: list[tuple[str, torch.Tensor]]) -> None:

@@ -30,6 +30,7 @@ from relax_hpc.launch.status import audit_run, collect, is_final, render, render
 from relax_hpc.launch.submit import SubmitError, dry_run, plan, submit
 from relax_hpc.recipe import RecipeError
 from relax_hpc.recipe.errors import short_repr
+from relax_hpc.ops.metrics import summary_line
 from relax_hpc.rundir import FULL_BYTES, RESERVE_BYTES, RunDir, free_bytes, no_space_message
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -271,6 +272,9 @@ def _foreground(rd: RunDir, record: dict, job: Any, console: Console, as_json: b
         _print_json(dict(record, state=info["state"], reason=info["reason"]))
     elif info["state"] == "COMPLETED":
         console.print(f"Run {record['run']} COMPLETED.", highlight=False)
+        summary = rd.read_json(rd.path / "summary.json", None)
+        if summary:  # the task's own measure where the recipe evaluates, as the run's last line
+            console.print(summary_line(summary), highlight=False, soft_wrap=True)
     else:
         _err(f"relax-submit: run {record['run']} {info['state']}: {info.get('reason') or 'no reason recorded'}\n"
              f"Logs: {rd.logs}")

@@ -273,6 +273,20 @@ class RunMetrics:
             self._jsonl.close()
 
 
+def summary_line(s: dict[str, Any]) -> str:
+    """``summary.json`` in one line, as a run's last lines say it: steps and time, the mean reward of the first and
+    the last steps, and each eval set's pass@1 at the first and the last eval (the task's own measure)."""
+    if s.get("reward_first10") is None:
+        line = f"{s.get('steps', 0)} steps"
+    else:
+        line = (f"{s['steps']} steps in {s.get('wall_time_s')} s; mean reward first {s['reward_window']} steps "
+                f"{s['reward_first10']:.3f}, last {s['reward_window']} steps {s['reward_last10']:.3f}")
+    for name, v in (s.get("eval_last") or {}).items():
+        line += (f"; eval {name} pass@1 {(s.get('eval_first') or {}).get(name, float('nan')):.3f} (step "
+                 f"{s.get('eval_first_step')}) -> {v:.3f} (step {s.get('eval_last_step')})")
+    return line
+
+
 def plot_rewards(path: str | os.PathLike, steps: list[int], rewards: list[float], title: str | None = None,
                  evals: dict[int, dict[str, float]] | None = None, marks: dict[str, float] | None = None) -> None:
     """Mean raw reward per step (dots) and its running mean over ``WINDOW`` steps (line), as a PNG; with ``evals``

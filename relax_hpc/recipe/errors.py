@@ -16,11 +16,18 @@ class RecipeError(ValueError):
         n = len(self.problems)
         lines = [f"{where} is invalid ({n} problem{'s' if n != 1 else ''}); nothing was submitted:"]
         for key, value, msg in self.problems[:MAX_SHOWN]:
-            shown = "" if value is _MISSING else f" = {short_repr(value)}"
+            shown = "" if value is _MISSING else " = ***" if _secret(key) else f" = {short_repr(value)}"
             lines.append(f"  - {key}{shown}: {msg}")
         if n > MAX_SHOWN:
             lines.append(f"  ... and {n - MAX_SHOWN} more (fix these first)")
         return "\n".join(lines)
+
+
+SECRET_KEYS = ("slurm.env", "slurm.container.env", "logging.notify_urls")  # values never shown (rundir.MASK's keys)
+
+
+def _secret(key: str) -> bool:
+    return any(key == k or key.startswith((k + ".", k + "[")) for k in SECRET_KEYS)
 
 
 MAX_SHOWN = 50

@@ -381,10 +381,12 @@ def _check_container(r: Recipe) -> list[Problem]:
         elif k == "PYTHONPATH" or launcher_env_var(k):
             out.append((name, v, f"{k} is set by relax_hpc for every step (PYTHONPATH puts this relax_hpc first; "
                                  "RELAX_*/SLURM_* say who a rank is). Fix: remove it from slurm.container.env"))
-        elif any(ch in v for ch in ",\n\r\0"):
-            out.append((name, v, "contains ',' or a line break: srun --export and apptainer --env split values at "
-                                 "','. Fix: set it in slurm.env instead (the job's environment reaches the steps "
-                                 "unless the image sets the same variable)"))
+        elif c.runtime == "pyxis" and (k in _HOST_LOADER_ENV or k.startswith("LD_")):
+            out.append((name, v, f"with pyxis, env's values are in the environment of the host's srun (pyxis takes "
+                                 f"them from there), so {k} would change how the host runs srun itself. Fix: set it "
+                                 "in the image (ENV in its Dockerfile), or use runtime: apptainer"))
+        elif "\0" in v:  # values travel in the steps' environment (not on srun/apptainer lines): ',' is fine
+            out.append((name, v, "contains a NUL byte, which no environment variable can hold. Fix: remove it"))
     if c.workdir is not None and not _MOUNT_PATH.fullmatch(c.workdir):
         out.append((f"{key}.workdir", c.workdir, f"{_bad_chars(c.workdir, _MOUNT_PATH)}: the working directory is "
                                                  "an absolute path without ',' ':' or shell syntax. Fix: e.g. "
@@ -403,6 +405,9 @@ def _check_container(r: Recipe) -> list[Problem]:
                                                       "options, and --export for its env). Fix: remove it, and "
                                                       "say it in slurm.container"))
     return out
+
+
+_HOST_LOADER_ENV = ("PATH", "PYTHONHOME", "PYTHONSTARTUP")  # with LD_*: what decides which binary a host process runs
 
 
 def _check_elastic(r: Recipe) -> list[Problem]:
@@ -769,7 +774,7 @@ def _script_strings(r: Recipe) -> dict[str, str | None]:
     }
     out.update({f"slurm.sbatch_extra[{i}]": v for i, v in enumerate(s.sbatch_extra)})
     out.update({f"slurm.srun_args[{i}]": v for i, v in enumerate(s.srun_args)})
-    out.update({f"slurm.env.{k}": v for k, v in s.env.items()})
+    # slurm.env's values are not here: they travel in the steps' environment, never in the script (secrets)
     out.update({f"data.eval_prompt_data.{k}": v for k, v in r.data.eval_prompt_data.items()})
     out.update({f"roles.{n}.mem": r.role(n).mem for n in ROLE_NAMES})
     return out
@@ -858,6 +863,8 @@ def _check_env(env: dict[str, str], broken: set[str]) -> list[Problem]:
                                 "variables such as SLURM_JOB_ID, SLURM_PROCID, SLURM_NTASKS, SLURM_HET_*, "
                                 "SLURM_RESTART_COUNT); overriding it breaks the run. Fix: remove it from slurm.env "
                                 "and size the job with roles.<role>.nodes/tasks_per_node"))
+        elif isinstance(v, str) and "\0" in v:  # the value travels in the environment, where a NUL cannot
+            out.append((key, v, "contains a NUL byte, which no environment variable can hold. Fix: remove it"))
     return out
 
 

@@ -482,6 +482,10 @@ def _image_refs(v: Any) -> list[Any] | str:
 
 def _ref_name(ref: Any) -> str:
     """How an image reference reads in a message: a short path as itself, else its kind and size."""
+    from relax_hpc.media import short_url, url_scheme
+
+    if isinstance(ref, str) and url_scheme(ref):  # never its credentials or query (a signed URL's token)
+        return f" ({short_url(ref)})"
     if isinstance(ref, str) and len(ref) < 200 and not ref.startswith("data:"):
         return f" ({ref!r})"
     return f" ({type(ref).__name__}, {len(ref)} long)" if isinstance(ref, (str, bytes, bytearray)) else ""

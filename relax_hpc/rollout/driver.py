@@ -297,7 +297,7 @@ class RolloutDriver:
 
     async def generate_sample(self, sample: Sample, sp: SamplingParams, *, evaluation: bool = False,
                               batch: BatchCounters | None = None, seed: int | None = None,
-                              stop: asyncio.Event | None = None) -> Sample:
+                              stop: asyncio.Event | None = None, spent: float = 0.0) -> Sample:
         """Generate ``sample``'s response (retrying as the module docstring says); fills the sample in place.
         ``seed`` becomes the request's ``sampling_seed`` (the same on a retry, so a retry samples alike).
 
@@ -321,7 +321,7 @@ class RolloutDriver:
             sp = dataclasses.replace(sp, max_new_tokens=left if sp.max_new_tokens is not None else None)
         else:
             prompt_ids = self.prompt_ids(sample)
-        gen = await self.request(prompt_ids, sp, evaluation=evaluation, batch=batch, stop=stop,
+        gen = await self.request(prompt_ids, sp, evaluation=evaluation, batch=batch, stop=stop, spent=spent,
                                  who=f"sample index={sample.index} group_index={sample.group_index}",
                                  image_data=(sample.multimodal_inputs or {}).get("images") or None)
         if gen is None:  # the step ended before it was sent
@@ -335,15 +335,16 @@ class RolloutDriver:
 
     async def request(self, prompt_ids: list[int], sp: SamplingParams, *, evaluation: bool = False,
                       batch: BatchCounters | None = None, stop: asyncio.Event | None = None,
-                      who: str = "a request", image_data: list | None = None) -> Generation | None:
+                      who: str = "a request", image_data: list | None = None, spent: float = 0.0) -> Generation | None:
         """One ``/generate`` on the least-loaded live engine, with the driver's handling (module docstring):
         dead engines left out, 5xx and aborts retried up to ``max_retries``, a 4xx a :class:`RolloutError` naming
         ``who``. With ``stop`` (partial rollout): None if ``stop`` is set before it is sent, and an abort after
-        ``stop`` returns the partial generation instead of a retry. The multi-turn loop calls this per turn."""
+        ``stop`` returns the partial generation instead of a retry. The multi-turn loop calls this per turn.
+        ``spent``: seconds of the deadline already used for this sample (its group's request, which failed)."""
         batch = batch if batch is not None else BatchCounters()
         attempts = 0
         avoid: set[str] = set()
-        budget, spent = self.request_timeout_s, 0.0  # the request's total deadline: time at engines (module docstring)
+        budget = self.request_timeout_s  # the request's total deadline: time at engines (module docstring)
         last = "none"
         while True:
             if stop is not None and stop.is_set():
@@ -427,7 +428,7 @@ class RolloutDriver:
         return path, self._generate_fns[path]
 
     async def _generate_one(self, sample: Sample, sp: SamplingParams, evaluation: bool, batch: BatchCounters,
-                            seed: int | None) -> Sample | list[Sample]:
+                            seed: int | None, spent: float = 0.0) -> Sample | list[Sample]:
         if sample.status is SampleStatus.FAILED:  # failed before generation (its images: rollout/data.py)
             return sample
         custom = self.generate_function(sample)
@@ -435,7 +436,7 @@ class RolloutDriver:
             return await generate_multiturn(_TurnSession(self, evaluation, batch), self.multiturn, sample, sp,
                                             seed=seed)
         if custom is None:
-            return await self.generate_sample(sample, sp, evaluation=evaluation, batch=batch, seed=seed)
+            return await self.generate_sample(sample, sp, evaluation=evaluation, batch=batch, seed=seed, spent=spent)
         path, fn = custom
         args = self.reward.args
         if self.router is None:  # where a Relax function finds "SGLang's router": this driver's engines
@@ -511,10 +512,11 @@ class RolloutDriver:
     # --- a batch -------------------------------------------------------------------------------------
     async def _group(self, group: list[Sample], sp: SamplingParams, evaluation: bool, batch: BatchCounters,
                      seeds: list[int | None]) -> list[RewardFailure]:
-        if await self._group_request(group, sp, evaluation, seeds, batch):
+        done, spent = await self._group_request(group, sp, evaluation, seeds, batch)
+        if done:
             outs: list[Sample | list[Sample]] = list(group)
-        else:
-            outs = await asyncio.gather(*(self._generate_one(s, sp, evaluation, batch, seed)
+        else:  # one by one, within what is left of each sample's deadline
+            outs = await asyncio.gather(*(self._generate_one(s, sp, evaluation, batch, seed, spent)
                                           for s, seed in zip(group, seeds)))
         group[:] = [x for out in outs for x in (out if isinstance(out, list) else [out])]  # segments in place
         self._progressed(len(group))
@@ -523,21 +525,24 @@ class RolloutDriver:
         return failures
 
     async def _group_request(self, group: list[Sample], sp: SamplingParams, evaluation: bool,
-                             seeds: list[int | None], batch: BatchCounters) -> bool:
+                             seeds: list[int | None], batch: BatchCounters) -> tuple[bool, float]:
         """The whole group as one ``/generate`` (``rollout.batch_group_requests``): each sample keeps its own
         ``sampling_seed``, so it samples what its own request would have. Only for plain single-turn samples (no
         custom generate function, no multi-turn, no images, none failed or partly generated). True when every
-        sample is filled; on any engine error nothing is filled and the group goes the per-sample way, whose
-        retries, deadlines and dead-engine handling then apply. Output that cannot be right declares the engine dead
+        sample is filled, and the seconds the attempt took (which count against each sample's
+        ``rollout.request_timeout_s``); on any engine error nothing is filled and the group goes the per-sample way,
+        whose retries, deadlines and dead-engine handling then apply. One group request is one of an engine's
+        ``rollout.sglang_server_concurrency`` requests in flight. Output that cannot be right declares the engine dead
         here, as one request's would: its other answers are not trusted either."""
         if not self.cfg.batch_group_requests or len(group) < 2 or self.multiturn is not None or any(
                 s.status is not SampleStatus.PENDING or s.response_length > 0 or s.multimodal_inputs
                 or self.generate_function(s) is not None for s in group):
-            return False
+            return False, 0.0
         prompts = [self.prompt_ids(s) for s in group]
         sps = [sp if seed is None else dataclasses.replace(sp, sampling_seed=seed) for seed in seeds]
         engine = await self.pool.acquire(set())
         cap = self.request_timeout_s / 2 if len(self.pool.alive()) > 1 else self.request_timeout_s
+        t0 = time.monotonic()
         try:
             gens = await engine.client.agenerate_group(prompts, sps, return_logprob=not evaluation, timeout=cap,
                                                        vocab_size=self.vocab_size, routing=self.routing,
@@ -550,16 +555,17 @@ class RolloutDriver:
             bad = None
         finally:
             await self.pool.release(engine)
+        took = time.monotonic() - t0
         if bad is not None:
             if isinstance(bad, EngineOutputError):
                 await self._declare_dead(engine, bad, batch)
                 batch.retries += 1
-            return False
+            return False, took
         if any(g.aborted for g in gens):  # paused or aborted mid-way: the per-sample path retries each
-            return False
+            return False, took
         for s, p, g in zip(group, prompts, gens):
             self._fill(s, p, g)
-        return True
+        return True, took
 
     def _progressed(self, n: int) -> None:
         if self.on_progress is not None:

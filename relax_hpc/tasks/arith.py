@@ -55,9 +55,11 @@ async def reward_func(args: Any, sample: Any, **kwargs: Any) -> float:
 
 async def multiturn_reward(args: Any, sample: Any, **kwargs: Any) -> float:
     """The multi-turn variant (``recipes/quickstart-multiturn.yaml``, env ``recipes/examples/env_arith.py``): the
-    last turn's answer scored as above, halved if it took a second turn (right at once 1.0, right after " no=" 0.5)."""
+    last turn's answer scored with partial credit (:func:`shaped_score`: the multi-turn recipe runs the cheap batch,
+    where the exact reward gives too little signal), halved if it took a second turn (right at once 1.0, right
+    after " no=" 0.5)."""
     traces = sample.metadata.get("rollout_traces") or [{"response": sample.response}]
-    value = score(traces[-1]["response"], sample.label)
+    value = shaped_score(traces[-1]["response"], sample.label)
     return value if len(traces) <= 1 else 0.5 * value
 
 

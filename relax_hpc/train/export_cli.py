@@ -292,11 +292,14 @@ def publish(stage: Path, p: Plan) -> None:
         try:
             os.rename(stage, p.out)
         except OSError as e2:
+            try:  # put the old export back where nothing took its place: a failed export leaves OUT_DIR as it was
+                os.rename(aside, p.out)
+            except OSError:  # another export's is there now: the old one goes, as with a success
+                shutil.rmtree(aside, ignore_errors=True)
             if e2.errno in (errno.ENOTEMPTY, errno.EEXIST):
                 raise ExportError(_filled(p)) from None
             raise
-        finally:
-            shutil.rmtree(aside, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
     fsync_dir(p.out.parent)
 
 

@@ -208,8 +208,8 @@ def send_buckets(named: Iterable[tuple[str, torch.Tensor]], pg: dist.ProcessGrou
         if inflight is not None:
             finish(*inflight)
         handle = announce(bucket) if announce is not None else None
-        if mode == "bucketed":
-            works = [dist.broadcast(bucket.flat, src=0, group=pg, async_op=True)]
+        if mode == "bucketed":  # as bytes: SGLang 0.5.23 receives a flattened bucket into a uint8 buffer
+            works = [dist.broadcast(bucket.flat.view(torch.uint8), src=0, group=pg, async_op=True)]
         elif mode == "per_tensor":
             works = [dist.broadcast(t.contiguous(), src=0, group=pg, async_op=True) for _, t in bucket.unpack()]
         else:
@@ -233,7 +233,7 @@ def receive(names: Sequence[str], dtypes: Sequence[str | torch.dtype], shapes: S
     metas = plan((n, s, dtype_from_name(d)) for n, d, s in zip(names, dtypes, shapes))
     if load_format == "flattened_bucket":
         flat = empty_flat(metas, device)
-        dist.broadcast(flat, src=0, group=pg)
+        dist.broadcast(flat.view(torch.uint8), src=0, group=pg)  # the sender's bytes (send_buckets)
         return unpack(flat, metas)
     if load_format not in (None, "", "direct"):
         raise ValueError(f"load_format must be 'flattened_bucket' or None, not {load_format!r}")

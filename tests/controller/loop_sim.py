@@ -50,9 +50,10 @@ class FakeStep:
 
 
 def sim_recipe(tmp_path: Path, *overrides: str):
-    """The quickstart recipe with ``overrides`` (the model is never loaded)."""
+    """The quickstart recipe with ``overrides`` (the model is never loaded), without its greedy eval unless an
+    override asks for one (the loop's steps are what these tests follow)."""
     return load_recipe(QUICKSTART, [f"model.path={Path('/no/model')}", f"data.path={ARITH}",
-                                    f"run.runs_root={tmp_path / 'runs'}", *overrides])
+                                    f"run.runs_root={tmp_path / 'runs'}", "rollout.eval_interval=null", *overrides])
 
 
 def sim_run(tmp_path: Path, recipe) -> RunDir:

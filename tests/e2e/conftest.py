@@ -4,6 +4,7 @@ that several test files assert on (session-scoped: one whole run, each file its 
 
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import importlib.util
 import json
@@ -13,6 +14,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,21 +45,35 @@ def tiny_model(tmp_path_factory) -> Path:
 # The machinery tests (resume, faults, modes, elastic, ...) need a run whose reward moves within a few cheap steps, not
 # the quickstart's whole task: 16 prompts x 8 samples at lr 3e-3 with partial credit for near digits, no eval. The
 # quickstart as a user runs it (all 55 sums x 32, exact reward, greedy eval) is test_quickstart.py's
-# test_the_quickstart_solves_the_sums.
-MACHINERY = ("rollout.rollout_batch_size=16", "rollout.n_samples_per_prompt=8", "train.lr=0.003",
-             "rollout.custom_rm_path=relax_hpc.tasks.arith.shaped_reward", "rollout.eval_interval=null",
-             "data.eval_prompt_data={}", "rollout.eval_temperature=null", "rollout.n_samples_per_eval_prompt=1",
-             "logging.plot_marks={}")
+# test_the_quickstart_solves_the_sums. Each key is set only where the recipe has the quickstart's value (a recipe
+# that sets its own batch, reward or eval, as the vision ones do, keeps it).
+MACHINERY = {"rollout.rollout_batch_size": 16, "rollout.n_samples_per_prompt": 8, "train.lr": 0.003,
+             "rollout.custom_rm_path": "relax_hpc.tasks.arith.shaped_reward", "rollout.eval_interval": None,
+             "data.eval_prompt_data": {}, "rollout.eval_temperature": None, "rollout.n_samples_per_eval_prompt": 1,
+             "logging.plot_marks": {}}
 
 
-def quickstart_overrides(model: Path, runs_root: Path, *extra: str, machinery: bool = True) -> list[str]:
+def _value(recipe: Any, key: str) -> Any:
+    for part in key.split("."):
+        recipe = getattr(recipe, part)
+    return recipe
+
+
+@functools.lru_cache(maxsize=None)
+def machinery_overrides(recipe: Path = QUICKSTART) -> tuple[str, ...]:
+    quickstart, r = load_recipe(QUICKSTART), load_recipe(recipe)
+    return tuple(f"{k}={json.dumps(v)}" for k, v in MACHINERY.items() if _value(r, k) == _value(quickstart, k))
+
+
+def quickstart_overrides(model: Path, runs_root: Path, *extra: str, machinery: bool = True,
+                         recipe: Path = QUICKSTART) -> list[str]:
     return [f"model.path={model}", f"data.path={ARITH}", f"run.runs_root={runs_root}",
-            *(MACHINERY if machinery else ()), *extra]
+            *(machinery_overrides(recipe) if machinery else ()), *extra]
 
 
 def make_run(tmp_path: Path, model: Path, *overrides: str, recipe: Path = QUICKSTART, name: str = "e2e") -> RunDir:
     """A run directory holding the quickstart recipe with ``overrides`` (absolute paths: the roles' cwd differs)."""
-    r = load_recipe(recipe, quickstart_overrides(model, tmp_path / "runs", *overrides))
+    r = load_recipe(recipe, quickstart_overrides(model, tmp_path / "runs", *overrides, recipe=recipe))
     run = create_run_dir(tmp_path / "runs", name)
     run.recipe.write_text(dump_recipe(r))
     return run
@@ -184,7 +200,7 @@ def submit_detached(tmp_path: Path, model: Path, *overrides: str, recipe: Path =
     starts the controller again when it asks to be requeued. The run directory."""
     out = subprocess.run(
         [sys.executable, "-m", "relax_hpc.launch.cli", "--local", "--detach", "--json", str(recipe),
-         *quickstart_overrides(model, tmp_path / "runs", *overrides)],
+         *quickstart_overrides(model, tmp_path / "runs", *overrides, recipe=recipe)],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return RunDir(Path(json.loads(out.stdout)["run_dir"]))

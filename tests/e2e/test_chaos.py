@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from .conftest import ARITH, QUICKSTART, REPO
+from .conftest import ARITH, QUICKSTART, REPO, machinery_overrides
 from .interrupt import SHORT, STEPS
 
 
@@ -20,7 +20,8 @@ def test_one_chaos_trial_survives(tmp_path, tiny_model, uninterrupted_run):
     p = subprocess.run(
         [sys.executable, str(REPO / "tools" / "chaos"), "--local", str(QUICKSTART), "--trials", "1", "--seed", "3",
          "--faults", "kill-rank", "--runs-root", str(tmp_path / "runs"), "--timeout", "600",
-         "--reference", str(reference.path), f"model.path={tiny_model}", f"data.path={ARITH}", *SHORT],
+         "--reference", str(reference.path), f"model.path={tiny_model}", f"data.path={ARITH}",
+         *machinery_overrides(), *SHORT],  # the reference's settings (reference_run's)
         capture_output=True, text=True, timeout=1500, cwd=REPO)
     lines = p.stdout.strip().splitlines()
     assert p.returncode == 0, p.stdout + p.stderr

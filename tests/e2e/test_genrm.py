@@ -23,7 +23,8 @@ def test_genrm_recipe_on_slurm_counts_the_judge_calls(slurm_cluster, tmp_path, t
                             max_pos=2048)
     sub = submit_slurm(REPO / "recipes" / "genrm-slurm.yaml", tmp_path, slurm_cluster.env,
                        quickstart_overrides(tiny_model, tmp_path / "runs", f"run.steps={STEPS}",
-                                            f"rollout.rollout_batch_size={PROMPTS}", f"genrm.model_path={judge}"))
+                                            f"rollout.rollout_batch_size={PROMPTS}", f"genrm.model_path={judge}",
+                                            "rollout.custom_rm_path=relax_hpc.tasks.arith.judged_reward"))
     job, run_dir = sub["job_id"], Path(sub["run_dir"])
     st, seen = follow_slurm(sub, tmp_path, slurm_cluster.env, 3, 600)
     assert st.get("state") == "COMPLETED", st

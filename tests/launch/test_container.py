@@ -145,8 +145,9 @@ def test_apptainer_must_be_on_path_for_local_steps(tmp_path, monkeypatch):
      "Fix: remove it"),
     ({"runtime": "pyxis", "image": "i", "env": {"RELAX_RANK": "0"}}, "slurm.container.env.RELAX_RANK", "0",
      "Fix: remove it"),
-    ({"runtime": "pyxis", "image": "i", "env": {"NCCL_SOCKET_IFNAME": "ib0,ib1"}},
-     "slurm.container.env.NCCL_SOCKET_IFNAME", "ib0,ib1", "set it in slurm.env"),
+    ({"runtime": "pyxis", "image": "i", "env": {"LD_LIBRARY_PATH": "/opt/lib"}},
+     "slurm.container.env.LD_LIBRARY_PATH", "/opt/lib", "host's srun"),
+    ({"runtime": "apptainer", "image": "i", "env": {"X": "a\0b"}}, "slurm.container.env.X", "a\0b", "NUL"),
     ({"runtime": "pyxis", "image": "i", "env": {"A-B": "1"}}, "slurm.container.env.A-B", "1", "rename it"),
     ({"runtime": "apptainer", "image": "i", "workdir": "work"}, "slurm.container.workdir", "work", "absolute path"),
     ({"runtime": "apptainer", "image": "i", "workdir": "/w/$HOME"}, "slurm.container.workdir", "/w/$HOME", "'$'"),
@@ -157,6 +158,14 @@ def test_bad_values_are_refused_by_key_value_and_fix(c, key, value, text):
     got = problems(**c)
     assert key in got, got
     assert got[key][0] == value and text in got[key][1], got[key]
+
+
+def test_values_with_commas_are_fine_now_that_they_travel_in_the_environment():
+    """A value like NCCL_SOCKET_IFNAME=ib0,ib1 was refused while values went on srun --export / apptainer --env lines."""
+    for runtime in ("pyxis", "apptainer"):
+        c = recipe_from_dict({"slurm": {"container": {"runtime": runtime, "image": "i",
+                                                       "env": {"NCCL_SOCKET_IFNAME": "ib0,ib1"}}}}).slurm.container
+        assert c.env == {"NCCL_SOCKET_IFNAME": "ib0,ib1"}
 
 
 def test_container_options_in_srun_args_are_refused():

@@ -70,9 +70,15 @@ def test_metacharacters_in_lists_and_names():
     assert "';'" in p["slurm.sbatch_extra[1]"]
 
 
-def test_env_values_may_hold_spaces_but_not_newlines():
+def test_env_values_may_hold_spaces_and_newlines_not_nul():
+    """slurm.env's values travel in the steps' environment (secrets: never in the script): a newline is fine there,
+    a NUL cannot be; and a refused value is never shown (it may be a token)."""
     assert recipe_from_dict({"slurm": {"env": {"X": "a b; c"}}}).slurm.env["X"] == "a b; c"
-    assert "contains a newline" in problems({"slurm": {"env": {"X": "a\nb"}}})["slurm.env.X"]
+    assert recipe_from_dict({"slurm": {"env": {"X": "a\nb"}}}).slurm.env["X"] == "a\nb"
+    assert "NUL" in problems({"slurm": {"env": {"X": "a\0b"}}})["slurm.env.X"]
+    with pytest.raises(RecipeError) as ei:
+        recipe_from_dict({"slurm": {"env": {"SLURM_JOB_ID": "hf_SECRETVALUE"}}})
+    assert "hf_SECRETVALUE" not in str(ei.value) and "slurm.env.SLURM_JOB_ID = ***" in str(ei.value)
 
 
 def test_tp_pp_must_divide_actor_ranks():
@@ -137,7 +143,6 @@ def line(err: RecipeError, key: str) -> str:
     ({"slurm": {"time": "01:00:00\n"}}, "slurm.time"),
     ({"slurm": {"sbatch_extra": ["--exclusive\n"]}}, "slurm.sbatch_extra[0]"),
     ({"slurm": {"srun_args": ["--overlap\n"]}}, "slurm.srun_args[0]"),
-    ({"slurm": {"env": {"FOO": "1\n"}}}, "slurm.env.FOO"),
     ({"run": {"name": "exp1\n"}}, "run.name"),
     ({"run": {"runs_root": "/scratch/runs\n"}}, "run.runs_root"),
     ({"roles": {"actor": {"mem": "16G\n"}}}, "roles.actor.mem"),
@@ -151,7 +156,7 @@ def test_trailing_newline_is_refused_naming_the_key(data, key):
 
 def test_newline_in_an_env_name_is_refused_and_shown_escaped():
     err = error({"slurm": {"env": {"FOO\n": "1"}}})
-    assert "  - slurm.env['FOO\\n'] = '1': the variable name 'FOO\\n' must be letters" in str(err)
+    assert "  - slurm.env['FOO\\n'] = ***: the variable name 'FOO\\n' must be letters" in str(err)
 
 
 def test_inner_newline_is_said_to_be_inside():
@@ -251,7 +256,7 @@ def test_rm_type_is_free_with_a_custom_reward_function():
                                   "SLURM_LOCALID", "SLURMD_NODENAME", "PMIX_RANK"])
 def test_launcher_variables_in_slurm_env_are_refused(name):
     text = line(error({"slurm": {"env": {name: "2"}}}), f"slurm.env.{name}")
-    assert f"slurm.env.{name} = '2'" in text and "launcher" in text and "Fix: remove it from slurm.env" in text
+    assert f"slurm.env.{name} = ***" in text and "launcher" in text and "Fix: remove it from slurm.env" in text
 
 
 @pytest.mark.parametrize("name", ["SLURM_CONF", "SLURM_MPI_TYPE", "SBATCH_PARTITION", "RELAX_SGLANG_PYTHON",
@@ -931,3 +936,12 @@ def test_packing_or_pipelining_a_vision_language_model_is_refused_before_submit(
     assert got["train.pp"][0] == 2 and "Fix: train.pp: 1" in got["train.pp"][1]
     assert file_problems({"model": {"path": str(text)}, **packed}, tmp_path) == {}
     assert file_problems({"model": {"path": str(vlm)}}, tmp_path) == {}
+
+
+def test_pyxis_env_may_not_change_the_hosts_srun():
+    """pyxis reads slurm.container.env from the host srun's own environment: PATH or LD_* there would pick which srun
+    (and which libraries) the host runs. Apptainer passes them as APPTAINERENV_*, inside only: allowed there."""
+    base = {"image": "nvcr.io/nvidia/pytorch:25.01-py3", "env": {"LD_PRELOAD": "/x.so", "PATH": "/opt/conda/bin"}}
+    p = problems({"slurm": {"container": {**base, "runtime": "pyxis"}}})
+    assert "host's srun" in p["slurm.container.env.LD_PRELOAD"] and "host's srun" in p["slurm.container.env.PATH"]
+    assert recipe_from_dict({"slurm": {"container": {**base, "runtime": "apptainer"}}}).slurm.container.env["PATH"]

@@ -121,8 +121,9 @@ def role(tmp_path, tiny_llama, monkeypatch):  # noqa: F811 - the fixture importe
             "train": train or {},
             "model": {"path": str(tiny_llama)},
             "data": {"path": str(tmp_path / "p.jsonl"), "input_key": "q", "label_key": "a"},
+            # the stub engines answer one prompt per request: a group goes sample by sample
             "rollout": {"rm_type": "math", "n_samples_per_prompt": 2, "rollout_batch_size": 2,
-                        "max_response_len": 2, **rollout},
+                        "max_response_len": 2, "batch_group_requests": False, **rollout},
             **({"mode": "fully_async", "max_staleness": 1} if rollout.get("partial_rollout") else {})})
         rd = create_run_dir(tmp_path / "runs", "r")
         write_private(rd.recipe, dump_recipe(recipe))

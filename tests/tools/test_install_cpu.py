@@ -10,11 +10,12 @@ import importlib.metadata as md
 import os
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 from packaging.tags import sys_tags
+
+from tests.tools.test_install_gpu import pypi_reachable
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "tools" / "install"
@@ -26,12 +27,6 @@ def torch_pin() -> str:
     return line.split("==")[1].split("#")[0].strip()
 
 
-def pypi_reachable() -> bool:
-    try:
-        urllib.request.urlopen(urllib.request.Request("https://pypi.org/simple/pip/", method="HEAD"), timeout=10)
-        return True
-    except OSError:
-        return False
 
 
 def plan(env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
