@@ -714,7 +714,20 @@ def multiturn_from(recipe: Recipe, args: Any) -> Any:
     return MultiTurn(build_env=build_env, args=args, max_turns=turns, max_context_len=ro.max_context_len or recipe.train.max_seq_len,
                      step_timeout_s=ro.env_step_timeout_s, chat=bool(recipe.data.apply_chat_template),
                      continue_truncated=ro.turn_truncation == "continue",
-                     image_tokens=(recipe.data.image_min_token_num, recipe.data.image_max_token_num))
+                     image_tokens=(recipe.data.image_min_token_num, recipe.data.image_max_token_num),
+                     media=_data_media(recipe.data), max_image_pixels=recipe.data.max_image_pixels)
+
+
+def _data_media(data: Any) -> Any:
+    """The data's media rules (rollout/data.py's for a row): the data file's directory and data.media_roots."""
+    import os
+    from pathlib import Path
+
+    from relax_hpc.media import MediaPolicy
+
+    base = Path(data.path).expanduser().resolve().parent if isinstance(data.path, str) else None
+    roots = tuple(Path(os.path.abspath(Path(r).expanduser())) for r in data.media_roots)
+    return MediaPolicy(base_dir=base, roots=roots, allow_urls=data.allow_media_urls)
 
 
 def check_generated(s: Sample, path: str) -> None:

@@ -151,7 +151,8 @@ def _with_image_parts(message: dict, n: int) -> dict:
     return {**message, "content": [{"type": "image"}] * n + ([{"type": "text", "text": text}] if text else [])}
 
 
-def observation_images(obs: dict, env: Any, tokenizer: Any, image_tokens: tuple) -> list:
+def observation_images(obs: dict, env: Any, tokenizer: Any, image_tokens: tuple, media: Any = None,
+                       max_image_pixels: int | None = None) -> list:
     """The observation's images as PIL RGB, sized as the data's (``data.image_min/max_token_num``): Relax's
     ``obs["multi_modal_data"]["image"]`` (one or a list), else the ``image`` values of ``format_observation``'s
     content parts. PIL images, bytes, base64 and paths (:func:`relax_hpc.multimodal.load_image`). An image that
@@ -172,12 +173,14 @@ def observation_images(obs: dict, env: Any, tokenizer: Any, image_tokens: tuple)
     if not vision:
         raise EnvError(f"the observation has {len(refs)} image(s), but the model has no vision ({IMAGE_PAD} is not "
                        "in its tokenizer): serve a Qwen2.5-VL or Qwen3-VL model.path")
-    from relax_hpc.multimodal import ImageError, load_image, resize_to_tokens
+    from relax_hpc.multimodal import ImageError, load_image, pixel_budgets, resize_to_tokens
 
     model_dir, out = str(tokenizer.name_or_path), []
+    per_image = pixel_budgets(model_dir, max_image_pixels, None)[0] if media is not None else None
     for n, ref in enumerate(refs):
         try:
-            img = ref.convert("RGB") if hasattr(ref, "convert") and hasattr(ref, "size") else load_image(ref)
+            img = ref.convert("RGB") if hasattr(ref, "convert") and hasattr(ref, "size") else \
+                load_image(ref, media, per_image, "data.max_image_pixels" if per_image is not None else None)
             out.append(resize_to_tokens(img, model_dir, *image_tokens))
         except ImageError as e:
             raise EnvError(f"the observation's image {n} cannot be used: {e}") from None
@@ -226,7 +229,7 @@ def _observation(tokenizer: Any, obs: Any, env: Any, mt: MultiTurn,
     :class:`EnvError`, as its other calls."""
     try:
         obs = _check_obs(obs, "env.step")
-        images = observation_images(obs, env, tokenizer, mt.image_tokens)
+        images = observation_images(obs, env, tokenizer, mt.image_tokens, mt.media, mt.max_image_pixels)
         ids, text = encode_observation(tokenizer, obs, env, mt.chat, images)
         if room is None or len(ids) <= room:
             return ids, text, 0, images
@@ -259,6 +262,10 @@ class MultiTurn:
     continue_truncated: bool = False
     # data.image_min/max_token_num: an observation's images are sized as the data's
     image_tokens: tuple[int | None, int | None] = (None, None)
+    # where an observation's image paths may lie and how big an image may be: the data's (an env may pass a row's
+    # paths on, and a row is untrusted input); None: the data file's rules do not apply (tests building a MultiTurn)
+    media: Any = None
+    max_image_pixels: int | None = None
 
 
 async def generate_multiturn(engines: EngineSession, mt: MultiTurn, sample: Sample, sp: SamplingParams, *,

@@ -226,3 +226,27 @@ def test_observation_images_forms_sizes_and_errors(tmp_path, tiny_vlm, tiny_llam
     with pytest.raises(EnvError, match="the model has no vision"):
         observation_images({"obs_str": "x", "multi_modal_data": {"image": [raw]}}, object(),
                            AutoTokenizer.from_pretrained(str(tiny_llama)), (None, None))
+
+
+def test_an_observation_image_path_obeys_the_datas_rules(tmp_path, tiny_vlm):
+    """An env may pass a row's paths on (the two-turn task does): such a path is read under the data's rules, as the
+    prompt's images are (the data file's directory and data.media_roots, the pixel budget), never from anywhere."""
+    from transformers import AutoTokenizer
+
+    from relax_hpc.media import MediaPolicy
+    from relax_hpc.rollout.multiturn import EnvError, observation_images
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_vlm))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "p.png").write_bytes(shapes_turns.png(shapes_turns.picture(0, 1)[2]))
+    (tmp_path / "secret.png").write_bytes(shapes_turns.png(shapes_turns.picture(1, 1)[2]))
+    rules = MediaPolicy(base_dir=tmp_path / "data")
+    obs = lambda ref: {"obs_str": "x", "multi_modal_data": {"image": ref}}  # noqa: E731
+    assert len(observation_images(obs("p.png"), object(), tok, (None, None), rules)) == 1
+    for ref in (str(tmp_path / "secret.png"), "../secret.png"):
+        with pytest.raises(EnvError, match="is outside the dataset's directory"):
+            observation_images(obs(ref), object(), tok, (None, None), rules)
+    with pytest.raises(EnvError, match="data.max_image_pixels"):
+        observation_images(obs("p.png"), object(), tok, (None, None), rules, max_image_pixels=100)
+    # without rules (a MultiTurn built by hand, not from a recipe) a path is read wherever it is
+    assert len(observation_images(obs(str(tmp_path / "secret.png")), object(), tok, (None, None))) == 1
