@@ -44,7 +44,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 # The machinery tests (resume, faults, modes, elastic, ...) need a run whose reward moves within a few cheap steps, not
 # the quickstart's whole task: 16 prompts x 8 samples at lr 3e-3 with partial credit for near digits, no eval. The
-# quickstart as a user runs it (all 55 sums x 32, exact reward, greedy eval) is test_quickstart.py's
+# quickstart as a user runs it (all 55 sums x 32, exact reward, greedy eval) is test_quickstart_solves.py's
 # test_the_quickstart_solves_the_sums. Each key is set only where the recipe has the quickstart's value (a recipe
 # that sets its own batch, reward or eval, as the vision ones do, keeps it).
 MACHINERY = {"rollout.rollout_batch_size": 16, "rollout.n_samples_per_prompt": 8, "train.lr": 0.003,

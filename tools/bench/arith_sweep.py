@@ -10,7 +10,7 @@ them (``exact``: 1 for the right digit; ``partial``: the earlier reward, 0.5 · 
 digit), normalizes per group (GRPO), and takes one AdamW step (betas 0.9/0.98, grad clip 1.0) on
 −mean(advantage · log π). Every 20 steps it prints greedy accuracy over all 55 sums. A step takes milliseconds, so a
 grid of settings runs in minutes; docs/quickstart.md has the grid that chose recipes/quickstart.yaml, which the
-real run then confirmed (tests/e2e/test_quickstart.py).
+real run then confirmed (tests/e2e/test_quickstart_solves.py).
 """
 
 import argparse
