@@ -5,22 +5,14 @@ declared one made that call fail ("The following `model_kwargs` are not used by 
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from tests.weights.conftest import make_tiny_model  # the tool loaded as a module (absolute: as test_vlm_sync does)
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def make_tiny_model(out: Path, **kw) -> Path:
-    loader = importlib.machinery.SourceFileLoader("relax_make_tiny_model", str(REPO / "tools" / "make-tiny-model"))
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return Path(mod.make_tiny_model(out, **kw))
 
 
 def standard_call(model_dir: Path) -> list[int]:
