@@ -79,3 +79,35 @@ def test_a_run_without_steps_still_gets_a_summary(tmp_path):
     summary = RunMetrics(tmp_path, tensorboard=False).finish({"run": "r", "state": "FAILED", "reason": "boom"})
     assert summary["steps"] == 0 and summary["reward_first10"] is None and summary["reward_png"] is None
     assert summary["reason"] == "boom" and not (tmp_path / "reward.png").exists()
+
+
+def test_the_summary_carries_each_eval_sets_first_and_last_pass1_and_survives_a_resume(tmp_path):
+    """eval_first/eval_last: eval/<set>-pass@1 at the first and the last step evaluated (step 0's row is the eval
+    before training); a resumed attempt reads them back from metrics.jsonl; summary_line says them."""
+    from relax_hpc.ops.metrics import summary_line
+
+    m = RunMetrics(tmp_path, tensorboard=False)
+    m.amend(0, {"eval/arith": 0.02, "eval/arith-pass@1": 1 / 55})
+    for step in (1, 2):
+        m.log(step, {"rollout/raw_reward": 0.1 * step})
+    m.amend(2, {"eval/arith-pass@1": 54 / 55, "eval/other-pass@1": 0.5})
+    m.close()
+    again = RunMetrics(tmp_path, tensorboard=False, start_step=2)  # a resume after step 2
+    s = again.finish({"run": "r", "state": "COMPLETED"})
+    assert s["eval_first"] == {"arith": 1 / 55} and s["eval_first_step"] == 0
+    assert s["eval_last"] == {"arith": 54 / 55, "other": 0.5} and s["eval_last_step"] == 2
+    assert "eval arith pass@1 0.018 (step 0) -> 0.982 (step 2)" in summary_line(s)
+    (tmp_path / "none").mkdir()
+    assert RunMetrics(tmp_path / "none", tensorboard=False).eval_ends() == {}  # no eval: no eval_* keys
+
+
+def test_plot_marks_are_drawn_on_reward_png(tmp_path):
+    """logging.plot_marks: labelled levels on reward.png (the same curve with and without them differs only there)."""
+    from relax_hpc.ops.metrics import plot_rewards
+
+    steps, rewards = list(range(1, 21)), [0.05 * s for s in range(1, 21)]
+    plot_rewards(tmp_path / "plain.png", steps, rewards, title="t")
+    plot_rewards(tmp_path / "marks.png", steps, rewards, title="t", marks={"chance": 0.1, "ceiling": 1.0})
+    plot_rewards(tmp_path / "evals.png", steps, rewards, title="t", evals={0: {"arith": 0.02}, 20: {"arith": 0.98}})
+    plain = (tmp_path / "plain.png").read_bytes()
+    assert (tmp_path / "marks.png").read_bytes() != plain and (tmp_path / "evals.png").read_bytes() != plain
