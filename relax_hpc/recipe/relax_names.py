@@ -3,7 +3,7 @@
 Why a table: people come from Relax with its flags in their head (``--num-rollout``, ``--hf-checkpoint``) and
 write them into a recipe. A "did you mean" by spelling points at the wrong key (``num_rollout`` is not
 ``runs_root``); this table points at the right one, or says plainly that relax_hpc has no such feature yet.
-Names are Relax's flags with ``_`` for ``-`` and no leading dashes (see /work/shared/reference/relax-flags.md).
+Names are Relax's flags with ``_`` for ``-`` and no leading dashes (docs/migrating-from-relax.md).
 A value is a recipe key (``section.field``), ``key: value`` where Relax's flag is a value of one key
 (``--fully-async`` is ``mode: fully_async``; ``<--flag>``: the value of that flag), or None: no equivalent yet.
 tests/recipe/test_validate.py checks that every key named here exists in the schema.

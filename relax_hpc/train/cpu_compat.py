@@ -1,8 +1,8 @@
 """Everything megatron-core 0.16.1 / megatron-bridge 0.3.1 need to run on a machine with no GPU. One module.
 
 Applied only when ``torch.cuda.is_available()`` is False (CI, laptops); on a GPU nothing here runs
-and the GPU code paths stay exactly as upstream wrote them. The facts behind each fix are measured in
-``/work/shared/reference/ml-cpu-notes.md`` (§1, §3, appendix A); in short:
+and the GPU code paths stay exactly as upstream wrote them. The facts behind each fix, in
+short:
 
 * collectives: gloo instead of NCCL (:func:`backend`);
 * ``torch.cuda.current_device()`` is called on every forward (rotary embedding, the attention memory

@@ -1,4 +1,4 @@
-"""Weight sync, actor → inference engines (DESIGN §5; ``docs/weights.md``).
+"""Weight sync, actor → inference engines (``docs/weights.md``).
 
   buckets      pack (name, tensor) streams into flat one-dtype buckets (SGLang's "flattened_bucket") and back
   sync         WeightSender: the weight-sync group (TCPStore on port 0 + gloo/NCCL) and push(); load_from_disk

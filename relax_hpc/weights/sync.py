@@ -378,7 +378,7 @@ class WeightSender:
         self.engines, self.tp_sizes = engines, [int(t) for t in tp_sizes]
         name = self.group_name or f"relax_weight_sync_{os.getpid()}_{next(_group_seq)}"
         timeout = timedelta(seconds=max(self.timeout, self.connect_timeout))
-        # port 0: the kernel picks a free one, so two runs on a node never collide (DESIGN §3)
+        # port 0: the kernel picks a free one, so two runs on a node never collide
         store = master_store(master_address, None, timeout)  # listening on master_address's address only
         port = store.port
         log.info("weight-sync group %s: %d ranks, store %s:%d, engines %s (TP %s)", name, self.world_size,
