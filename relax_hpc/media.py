@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +67,12 @@ class MediaPolicy:
 
 
 TRUSTED = MediaPolicy(confined=False)
+
+
+def data_roots(roots: Iterable[str | os.PathLike]) -> tuple[Path, ...]:
+    """``data.media_roots`` as :class:`MediaPolicy` takes them: absolute, ``~`` expanded (relative to the working
+    directory, the submit directory the roles run in)."""
+    return tuple(Path(os.path.abspath(Path(r).expanduser())) for r in roots)
 
 
 def as_policy(where: MediaPolicy | str | os.PathLike | None) -> MediaPolicy:

@@ -101,7 +101,7 @@ from relax_hpc.controller.step_rows import StepRows
 from relax_hpc.exchange.broker import Broker
 from relax_hpc.exchange.chunk import ChunkRef
 from relax_hpc.exchange.fields import LOGPROB_FIELDS, PRODUCER, task_fields
-from relax_hpc.ops.metrics import REWARD, RunMetrics
+from relax_hpc.ops.metrics import REWARD, RunMetrics, summary_line
 from relax_hpc.ops.wandb_log import public_config
 from relax_hpc.recipe import Recipe, initial_engines, recipe_to_dict
 from relax_hpc.rundir import RunDir
@@ -736,12 +736,7 @@ class TrainingLoop:
             summary = self.metrics.finish(self.state.doc, {"engines": self.registry.to_state(),
                                                            "mode": self.recipe.mode})
             if first is not None:
-                log.info("mean reward: first %d steps %.3f, last %d steps %.3f (%d steps, %.0f s); summary %s",
-                         summary["reward_window"], first, summary["reward_window"], last, summary["steps"],
-                         summary["wall_time_s"], self.run.path / "summary.json")
-            for name, v in (summary.get("eval_last") or {}).items():
-                log.info("eval %s pass@1: step %d %.3f -> step %d %.3f", name, summary["eval_first_step"],
-                         summary["eval_first"].get(name, float("nan")), summary["eval_last_step"], v)
+                log.info("%s; summary %s", summary_line(summary), self.run.path / "summary.json")
             self.state.progress(reward_first10=first, reward_last10=last, phase="finished")
         finally:
             try:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
 from relax_hpc.errors import PermanentError
+from relax_hpc.media import data_roots, short_url, url_scheme
 from relax_hpc.multimodal import IMAGE_PAD, IMAGE_PLACEHOLDER, TEXT_IMAGE_MARKER
 from relax_hpc.rollout.sample import Sample, SampleStatus
 from relax_hpc.seed import DEFAULT_SEED
@@ -334,7 +335,7 @@ class PromptDataset(_Records):
                             "tokenizer) to read images with; none was given")
         self.image_tokens = (image_min_token_num, image_max_token_num)
         # the files a row may name (relax_hpc.media): its file's directory, these roots; URLs only when allowed
-        self.media_roots = tuple(Path(os.path.abspath(Path(r).expanduser())) for r in media_roots)
+        self.media_roots = data_roots(media_roots)
         self.allow_media_urls = allow_media_urls
         self.pixel_budget = (max_image_pixels, max_prompt_pixels)  # None: the processor's (multimodal.pixel_budgets)
         self.prompt_room = prompt_room  # the most prompt tokens, images expanded, a sample may start with
@@ -482,8 +483,6 @@ def _image_refs(v: Any) -> list[Any] | str:
 
 def _ref_name(ref: Any) -> str:
     """How an image reference reads in a message: a short path as itself, else its kind and size."""
-    from relax_hpc.media import short_url, url_scheme
-
     if isinstance(ref, str) and url_scheme(ref):  # never its credentials or query (a signed URL's token)
         return f" ({short_url(ref)})"
     if isinstance(ref, str) and len(ref) < 200 and not ref.startswith("data:"):

@@ -720,14 +720,12 @@ def multiturn_from(recipe: Recipe, args: Any) -> Any:
 
 def _data_media(data: Any) -> Any:
     """The data's media rules (rollout/data.py's for a row): the data file's directory and data.media_roots."""
-    import os
     from pathlib import Path
 
-    from relax_hpc.media import MediaPolicy
+    from relax_hpc.media import MediaPolicy, data_roots
 
     base = Path(data.path).expanduser().resolve().parent if isinstance(data.path, str) else None
-    roots = tuple(Path(os.path.abspath(Path(r).expanduser())) for r in data.media_roots)
-    return MediaPolicy(base_dir=base, roots=roots, allow_urls=data.allow_media_urls)
+    return MediaPolicy(base_dir=base, roots=data_roots(data.media_roots), allow_urls=data.allow_media_urls)
 
 
 def check_generated(s: Sample, path: str) -> None:
