@@ -14,6 +14,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DEV_SLURM = REPO / "tools" / "dev-slurm"
 
+# The suite's processes share one user on one node: a squeue answer cached for 10 s across them (relax_hpc.launch.slurm)
+# would let one test see another's old view of the queue. Off for the suite; tests/launch/test_status_polling.py
+# turns it on where the cache itself is tested.
+os.environ.setdefault("RELAX_SLURM_CACHE", "0")
+
 
 # Under pytest-xdist (`tools/test -n 2`), the tests that share one of these session fixtures run on one worker, each
 # test file's tests too (module fixtures), so no expensive setup is made twice. slurm_cluster is among them: the dev

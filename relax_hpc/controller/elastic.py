@@ -23,6 +23,9 @@ socket (a ``scale`` question the loop answers at once, :meth:`Elastic.ask`), wit
 - Capacity that goes away (scancel, preemption, the time limit's signal, a dead node) is not a failure: the
   engine is declared ``gone``, the driver re-issues its requests, and the run goes on.
 - ``cancel``: an attached job still pending is withdrawn (``scancel``).
+- External engines (origin ``external``: started by anyone, ``relax-scale --attach-url URL --key-file FILE`` or
+  ``rollout.external_engines``) are :mod:`.external`'s: they get the weights from disk, not in the group, and
+  are drained (``relax-scale --drain URL``, the run's end) or dropped, never stopped.
 
 Every request and outcome is an event in ``state.json`` (``scale`` and ``scale_done``, which notify), and
 ``state.json``'s ``scale`` lists the operations. When the attempt ends, every engine started here is stopped and
@@ -37,9 +40,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol
 
-from relax_hpc.controller.backend import Backend, backend_for
+from relax_hpc.controller.backend import Backend, SchedulerPolls, backend_for
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.engines import EngineRegistry
+from relax_hpc.controller.external import External
+from relax_hpc.rollout.external import check_url
 from relax_hpc.controller.state import RunState
 from relax_hpc.controller.steps import start_engine_step
 from relax_hpc.recipe import Recipe
@@ -116,8 +121,12 @@ class Elastic:
         self.failed_starts: dict[str, str] = {}  # engine of the run's allocation → why it could not be started
         #                                            (its tries used up)
         self.last_jobs_check = 0.0
+        self.polls = SchedulerPolls()  # Slurm about attached jobs: every 30 s, sooner after a change
         self._stop_ids = iter(range(1, 1 << 30))
         self.started = False  # the training loop says when engines may join (the initial ones are up)
+        self.external = External(run, registry, model_path=str(recipe.model.path), event=self._event,
+                                 on_change=on_change,
+                                 configured=[dict(x) for x in recipe.rollout.external_engines])
         state.progress(scale=[])  # an earlier attempt's operations ended with it (its engines were stopped)
 
     # -- questions
@@ -125,6 +134,8 @@ class Elastic:
         """A ``scale`` request: accepted (an op id) or refused, with a sentence either way."""
         if msg.get("cancel"):
             return self._cancel(msg["cancel"])
+        if msg.get("external") is not None or msg.get("drain_url") is not None:
+            return self._external(msg)
         m = TARGET.match(msg["target"].strip())
         if not m:
             return _no(f"target {msg['target']!r}: expected +N, -N or =N (rollout engines)")
@@ -161,6 +172,7 @@ class Elastic:
                 op.job_id, partition = self.cap.submit_attached(self.recipe, self.run.path, op.id, prefix, n, attach)
             except (ValueError, RuntimeError) as e:
                 return self._refuse(op, f"could not submit the attached job: {e}")
+            self.polls.changed()  # a new job: worth asking Slurm about soon
             self.jobs[op.id] = op.job_id
             op.engines = [f"{prefix}{k}" for k in range(n)]
             where = f"attached job {op.job_id}" + (f" on partition {partition}" if partition else "")
@@ -203,6 +215,44 @@ class Elastic:
         self._event("scale", f"{op.id} {op.spec} by {op.by}: {op.detail}")
         return {"accepted": True, "op": op.id, "message": f"{op.id}: {op.detail} (requests in flight finish "
                 f"within rollout.elastic.drain_timeout_s = {self.cfg.drain_timeout_s:g} s, or are re-issued)"}
+
+    def _external(self, msg: dict) -> dict:
+        """``relax-scale --attach-url URL --key-file FILE`` (``external``: {url, key_file}) or ``--drain URL``."""
+        if not self.started or not self.state.running:
+            return _no("the run is not ready for scaling yet (its engines are starting) or is ending; try again "
+                       "once relax-status shows engines ready")
+        busy = self.running()
+        if busy is not None:
+            return _no(f"scale operation {busy.id} ({busy.spec}, {busy.origin}) is still running; wait for it")
+        ext = msg.get("external")
+        if ext is not None:
+            if not isinstance(ext, dict) or not isinstance(ext.get("url"), str) or \
+                    not isinstance(ext.get("key_file"), str):
+                return _no("external: expected {url, key_file} (relax-scale --attach-url URL --key-file FILE)")
+            op = self._new_op({**msg, "target": f"attach-url {ext['url']}"}, self.count() + 1, "external")
+            name, why = self.external.add(ext["url"], ext["key_file"], op.by)
+            if name is None:
+                return self._refuse(op, why)
+            op.engines, op.detail = [name], f"{name} at {self.registry.engines[name].url} (external)"
+            self._event("scale", f"{op.id} {op.spec} by {op.by}: {op.detail}")
+            return {"accepted": True, "op": op.id, "message": f"{op.id}: {why}"}
+        try:
+            url = check_url(msg["drain_url"]) if isinstance(msg.get("drain_url"), str) else None
+        except ValueError as e:
+            return _no(str(e))
+        hit = [e for e in self.registry.engines.values()
+               if e.url == url and e.state in ("starting", "syncing", "ready")]
+        if not hit:
+            return _no(f"no engine of this run serves at {msg.get('drain_url')!r}; relax-status lists them")
+        if hit[0].origin != "external":
+            return _no(f"{hit[0].name} at {url} is the run's own ({hit[0].origin}). Fix: relax-scale RUN rollout=-N "
+                       "drains engines added by scale-out")
+        op = self._new_op({**msg, "target": f"drain {url}"}, self.count() - 1, "drain")
+        op.engines = [hit[0].name]
+        self.drain(hit[0].name, f"{op.id} {op.spec}", op.id)
+        op.detail = f"draining {hit[0].name} (external: it keeps running)"
+        self._event("scale", f"{op.id} {op.spec} by {op.by}: {op.detail}")
+        return {"accepted": True, "op": op.id, "message": f"{op.id}: {op.detail}"}
 
     def _cancel(self, op_id: str) -> dict:
         op = next((o for o in self.ops if o.id == op_id), None)
@@ -269,6 +319,8 @@ class Elastic:
                 log.error("rollout engine %s (%s) died: %s", name, e.url, why)
             else:
                 self._event("engine_gone", f"{name}: {why}; its requests in flight go to the other engines")
+            if e is not None and e.origin == "external":
+                self.external.dropped(name)
             self._write_draining()
             self.on_change()
             if e.origin in ("initial", "step"):
@@ -331,6 +383,11 @@ class Elastic:
     def tick(self) -> None:
         now = time.time()
         for name, d in list(self.draining.items()):
+            ext = name in self.registry.engines and self.registry.engines[name].origin == "external"
+            if ext and (not self.holds(name) or now >= d.deadline):  # no stop: the run does not own it
+                d.cut = self.holds(name)
+                self._gone_drained(name, "; it keeps running (an external engine is never stopped)")
+                continue
             if d.stop_sent is None:
                 held = self.holds(name)
                 if held and now < d.deadline:
@@ -360,12 +417,17 @@ class Elastic:
             e = self.registry.engines.get(name)
             if e is not None and e.state not in ("gone", "dead") and now - t > silent:
                 self.lost(name, f"its host is silent for {now - t:.0f} s (a dead node?)")
+        if self.started and self.state.running and self.external.configured:
+            self.external.join_configured()
+        self.external.tick(self.lost)
         if now - self.last_jobs_check > CHECK_JOBS_S:
             self.last_jobs_check = now
             self._check_pending(now)
         self._progress(now)
 
     def _check_pending(self, now: float) -> None:
+        ask, t0 = self.polls.due(now), time.monotonic()  # Slurm is asked when polls allow, once per job
+        states: dict[str, tuple[str, str | None, bool]] = {}
         for name, op_id in list(self.expected.items()):
             op = next((o for o in self.ops if o.id == op_id), None)
             if op is None:  # a step engine started again: its step's exit is watched in tick
@@ -375,11 +437,15 @@ class Elastic:
                     self.cap.cancel_attached(op.job_id)
                 self._join_failed(name, f"did not join within rollout.elastic.join_timeout_s = "
                                         f"{self.cfg.join_timeout_s:g} s")
-            elif op.job_id:
-                st, reason, finished = self.cap.attached_state(op.job_id)
+            elif op.job_id and ask:
+                if op.job_id not in states:
+                    states[op.job_id] = self.cap.attached_state(op.job_id)
+                st, reason, finished = states[op.job_id]
                 if finished:
                     self._join_failed(name, f"attached job {op.job_id} ended {st}{' (' + reason + ')' if reason else ''}"
                                             f" before its engine joined (see {self.run.logs}/attach-{op.id}-*.out)")
+        if states:
+            self.polls.done(now, time.monotonic() - t0)
 
     def _progress(self, now: float) -> None:
         """Ops whose engines all arrived (ready) or left (gone) are done; join and drain times recorded."""
@@ -407,7 +473,16 @@ class Elastic:
 
     # -- the end of the attempt
     def finish(self) -> None:
-        """Stop every engine started here, cancel every attached job: they belong to this attempt."""
+        """Stop every engine started here, cancel every attached job: they belong to this attempt. External engines
+        are drained (the run is over: nothing is sent to them any more), never stopped."""
+        for name in self.external.finish():
+            self.draining.pop(name, None)
+            self.registry.gone(name, "drained at the end of the run; it keeps running (an external engine is never "
+                                     "stopped)")
+            self.external.dropped(name)
+            self._event("engine_gone", f"{name} ({self.registry.engines[name].url}): drained at the end of the run, "
+                                       "still running")
+            self.on_change()
         self.stop_steps(list(self.procs.values()), grace_s=5.0)
         for op_id, job in self.jobs.items():
             err = self.cap.cancel_attached(job)
@@ -472,13 +547,14 @@ class Elastic:
         p = self.procs.get(name)
         return p is not None and p.poll() is not None
 
-    def _gone_drained(self, name: str) -> None:
+    def _gone_drained(self, name: str, more: str = "") -> None:
         d = self.draining.pop(name, None)
         if d is None:
             return
         took = time.time() - d.since
         why = f"drained in {took:.1f} s" + ("; requests still in flight at the timeout were re-issued" if d.cut else "")
-        self.registry.gone(name, why)
+        self.registry.gone(name, why + more)
+        self.external.dropped(name)
         op = next((o for o in self.ops if o.id == d.op), None)
         if op is not None:
             op.gone[name] = took

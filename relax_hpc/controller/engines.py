@@ -5,9 +5,10 @@ and which may take requests. One table, owned by the controller, is that agreeme
 actor get their engine lists from it with each task.
 
 An engine is an :class:`Engine`: its name and URL, ``origin`` (``initial``: started with the run's rollout role;
-``step`` and ``attached``: added later as a job step or an attached job, for elastic rollout), the node, Slurm job
-and step it runs in, its ``weight_version`` (the step whose weights it serves; ``"0"``: the model on disk) and its
-``state``:
+``step`` and ``attached``: added later as a job step or an attached job, for elastic rollout; ``external``: started
+by anyone, not the run's: it gets the weights from disk, never in the weight-sync group, :mod:`.external`), the
+node, Slurm job and step it runs in, its ``weight_version`` (the step whose weights it serves; ``"0"``: the model on
+disk) and its ``state``:
 
     starting → syncing → ready → draining → gone
          any state but gone → dead
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 STATES = ("starting", "syncing", "ready", "draining", "gone", "dead")
-ORIGINS = ("initial", "step", "attached")
+ORIGINS = ("initial", "step", "attached", "external")
 _NEXT = {"starting": {"syncing", "ready"}, "syncing": {"ready"}, "ready": {"syncing", "draining"},
          "draining": {"gone"}, "gone": set(), "dead": set()}
 
@@ -115,8 +116,10 @@ class EngineRegistry:
                 self.move(name, "ready")
 
     def live(self) -> dict[str, str]:
-        """Engines a weight sync goes to: every one not dead, gone or draining ``{name: url}``."""
-        return {n: e.url for n, e in self.engines.items() if e.state in ("starting", "syncing", "ready")}
+        """Engines a weight sync goes to: every one not dead, gone or draining ``{name: url}``, but the external ones
+        (they load the weights from disk, outside the group)."""
+        return {n: e.url for n, e in self.engines.items()
+                if e.state in ("starting", "syncing", "ready") and e.origin != "external"}
 
     def routable(self, min_version: int | None = None, max_version: int | None = None) -> dict[str, str]:
         """Engines a generate task may send requests to: ready, and serving at least step ``min_version``'s weights

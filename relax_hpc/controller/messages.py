@@ -295,6 +295,7 @@ class SyncTask(TaskMessage):
     kind: ClassVar[str] = "sync"
     version: str
     engines: dict[str, str]  # the live ones, {name: url}; empty: the ones of the last connect
+    snapshot: str | None = _omit_none()  # also write the weights there as an HF directory (external engines)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -288,8 +288,9 @@ class TrainingLoop:
             self._unfix_if_stuck()
         for r in self.fwd:
             self._pump_logprobs(r)
-        if self._idle("rollout") and (n := self.evals.take()) is not None:  # a due eval before the next generate:
-            self._assign("rollout", n, M.EvalTask(step=n, judges=self.boot.judges,  # the weights it is due on
+        # a due eval before the next generate, on the weights it is due on (train.offload: after a checkpoint)
+        if self._idle("rollout") and not self._saving_on_device() and (n := self.evals.take()) is not None:
+            self._assign("rollout", n, M.EvalTask(step=n, judges=self.boot.judges,
                                                   engines=self.registry.routable(min_version=n)))
         self._pump_generate()
         self.state.progress(phase=self._phase(), generated=self.gen.generated)
@@ -321,6 +322,8 @@ class TrainingLoop:
         """Rollout's next generate, if it is idle and the gate, the engines and a pause let it start."""
         n = self.gen.next()
         owed = self._owed(n)  # fixed: a held sync waits for this step, so a stop does not hold it back
+        if self._saving_on_device():
+            return
         if self._idle("rollout") and (self.stop.request is None or owed) and (self.gen.regen or
                                                                               self.gen.generated < self.total):
             # an engine to send to (none ready while the only ones left are catching up, or are being started
@@ -348,7 +351,8 @@ class TrainingLoop:
 
     def _sync(self, n: int) -> None:
         """The actor puts step ``n``'s weights on the live engines, as version ``"n"``."""
-        self._assign("actor", n, M.SyncTask(version=str(n), engines=self.registry.live()))
+        self._assign("actor", n, M.SyncTask(version=str(n), engines=self.registry.live(),
+                                            snapshot=self.elastic.external.snapshot_for(n)))  # external engines
 
     def _checkpoint(self, n: int) -> None:
         extra: dict[str, Any] = {"step": n, "data": self.gen.data.get(n)}
@@ -367,6 +371,12 @@ class TrainingLoop:
 
     def _idle(self, role: str) -> bool:
         return self.tasks.idle(role)
+
+    def _saving_on_device(self) -> bool:
+        """train.offload (colocate): the actor's state is back on the device while it saves a checkpoint, so the
+        engines neither generate nor evaluate until it is off again (they would not have their memory)."""
+        return self.recipe.train.offload and any(t.role == "actor" and t.kind == "checkpoint"
+                                                 for t in self.tasks.pending.values())
 
     def _routable(self, n: int) -> dict[str, str]:
         """The engines generate(n) may use: ready, serving the weights of step n−1−k or newer (k: the staleness
@@ -492,6 +502,7 @@ class TrainingLoop:
         if kind == "scale":  # relax-scale: answered now (the connection thread waits for it)
             if Channel.take(msg):
                 Channel.answer(msg, self.elastic.ask(msg))
+                self._pump()  # an external engine joined (syncing): a catch-up sync writes it a snapshot
             return
         if kind == "engine_join":
             self.elastic.joined(msg)
@@ -671,6 +682,7 @@ class TrainingLoop:
     def _sync_done(self, task: Task, res: M.SyncResult) -> None:
         n = task.step
         self._synced_engines(task, res)
+        self.elastic.external.synced(n)  # external engines load the snapshot it wrote (if any)
         if not self.started:  # the resume sync
             self.started = True
             return
@@ -681,7 +693,10 @@ class TrainingLoop:
         if bad:
             log.warning("step %d: engines report other weight versions than %d after the sync: %s", n, n, bad)
         self.broker.ack(self.leases.pop(n).id)  # consumed by every task: the step is cleared; the gate moves
-        if not self.evals.queue and not self.evals.due(n) and self.stop.outcome is None and self.state.running:
+        every = self.recipe.checkpoint.interval  # 0: only after the last step
+        save = bool(every and n % every == 0) or n == self.total
+        if not self.evals.queue and not self.evals.due(n) and self.stop.outcome is None and self.state.running \
+                and not (save and self.recipe.train.offload):  # train.offload: the checkpoint first (_pump_generate)
             self._pump_generate()  # the next generate first (an eval due on these weights would go before it)
         cur = self.rows.close(n)
         if self.fixed:
@@ -693,8 +708,7 @@ class TrainingLoop:
         self.evals.synced(n)  # if due: on the weights just synced; the pump hands it to rollout before the generate
         first, _ = self.metrics.reward_ends()
         self.state.progress(step=n, reward=vals.get(REWARD), reward_first10=first)
-        every = self.recipe.checkpoint.interval  # 0: only after the last step
-        if (every and n % every == 0) or n == self.total:
+        if save:
             self._checkpoint(n)
         self.gen.forget(n, keep=self.last_ckpt_step or 0)
 

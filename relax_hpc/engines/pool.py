@@ -131,15 +131,96 @@ class EnginePool:
 EngineLike = EngineClient | Any  # an EngineClient, or anything with .client() (EngineHandle) or .url
 
 
-def as_client(e: Any, **client_kwargs: Any) -> EngineClient:
-    """An EngineClient is used as given; a handle or URL gets one built with the driver's settings."""
+def as_client(e: Any, externals: "ExternalEngines | None" = None, **client_kwargs: Any) -> EngineClient:
+    """An EngineClient is used as given; a handle or URL gets one built with the driver's settings. A URL that
+    ``externals`` lists (an engine the run does not own) gets its own key and a client that checks every answer's
+    weight version against the versions sent to that engine (:class:`CheckedClient`)."""
     if isinstance(e, EngineClient):
         return e
     if hasattr(e, "client") and callable(e.client):
         return e.client(**client_kwargs)
     if isinstance(e, str):
+        ext = externals.get(e) if externals is not None else None
+        if ext is not None:
+            from relax_hpc.engines.keys import read_key_file
+
+            key = read_key_file(ext["key_file"], f"the key file of external engine {e}")
+            return CheckedClient(e, sent=lambda force=False: externals.sent(e, force),
+                                 **{**client_kwargs, "api_key": key})
         return EngineClient(e, **client_kwargs)
     raise TypeError(f"not an engine: {e!r} (give EngineClient, EngineHandle or a URL)")
+
+
+class ExternalEngines:
+    """``RUN_DIR/external_engines.json``, written by the controller (:mod:`relax_hpc.controller.external`): for each
+    external engine's URL its key file and the weight versions sent to it. Re-read when its mtime changed, and
+    always when an answer's version is not among those listed (the controller lists a version before it sends it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._doc: dict[str, dict] = {}
+        self._mtime: float | None = None
+
+    def _read(self, force: bool = False) -> dict[str, dict]:
+        try:
+            mtime = self.path.stat().st_mtime_ns
+            if force or mtime != self._mtime:
+                self._doc, self._mtime = json.loads(self.path.read_text() or "{}"), mtime
+        except (OSError, ValueError):
+            pass  # absent (no external engine) or mid-rewrite (the next look reads it)
+        return self._doc
+
+    def get(self, url: str) -> dict | None:
+        return self._read().get(url.rstrip("/"))
+
+    def sent(self, url: str, force: bool = False) -> list[str]:
+        return list((self._read(force).get(url.rstrip("/")) or {}).get("sent") or [])
+
+
+class CheckedClient(EngineClient):
+    """The client of an engine the run does not own: every answer's weight version must be one the controller
+    sent it (``sent()``, newest last), or the answer is an :class:`~relax_hpc.engines.client.EngineOutputError`:
+    the driver declares the engine dead and sends the request elsewhere, and the controller drops it with why."""
+
+    def __init__(self, url: str, *, sent: Callable[..., list[str]], **kw: Any) -> None:
+        super().__init__(url, **kw)
+        self._sent = sent
+
+    def _check(self, gens: list) -> None:
+        self._check_versions([g.weight_version for g in gens])
+
+    def _check_versions(self, versions: list) -> None:
+        from relax_hpc.engines.client import EngineOutputError
+
+        for v in versions:
+            v = None if v is None else str(v)
+            if v in self._sent() or v in self._sent(True):  # the second look re-reads the file: a load just sent
+                continue
+            raise EngineOutputError(self.url, f"weight version {v!r}, which the run never sent to this external "
+                                    f"engine (sent: {', '.join(self._sent()) or 'none'})")
+
+    def request(self, method: str, path: str, *args: Any, **kw: Any):
+        """The router's path (custom generate functions): a ``/generate`` answer's versions are checked too."""
+        r = super().request(method, path, *args, **kw)
+        if method == "POST" and path == "/generate":
+            try:
+                body = r.json()
+            except ValueError:
+                return r  # the router's own check names a body that is not JSON
+            items = body if isinstance(body, list) else [body]
+            self._check_versions([(i.get("meta_info") or {}).get("weight_version") if isinstance(i, dict) else None
+                                  for i in items])
+        return r
+
+    async def agenerate(self, *args: Any, **kw: Any):
+        gen = await super().agenerate(*args, **kw)
+        self._check([gen])
+        return gen
+
+    async def agenerate_group(self, *args: Any, **kw: Any):
+        gens = await super().agenerate_group(*args, **kw)
+        self._check(gens)
+        return gens
 
 
 class NamesFile:

@@ -29,6 +29,7 @@ from relax_hpc.launch.scale import ScaleError, scale
 from relax_hpc.launch.status import audit_run, collect, is_final, render, render_audit
 from relax_hpc.launch.submit import SubmitError, dry_run, plan, submit
 from relax_hpc.recipe import RecipeError
+from relax_hpc.recipe import memory_plan
 from relax_hpc.recipe.errors import short_repr
 from relax_hpc.ops.metrics import summary_line
 from relax_hpc.rundir import FULL_BYTES, RESERVE_BYTES, RunDir, free_bytes, no_space_message
@@ -72,6 +73,12 @@ def _submit_parser() -> argparse.ArgumentParser:
     ap.add_argument("--detach", action="store_true", help="local runs: return at once instead of following the run")
     ap.add_argument("--resume", action="store_true",
                     help="start an ended run again from its latest checkpoint, in its own directory")
+    ap.add_argument("--sweep", nargs="+", action="extend", metavar="KEY=V1,V2",
+                    help="one run per point of the grid of these values, e.g. --sweep train.lr=1e-6,3e-6 "
+                         "rollout.temperature=0.8,1.0 (4 runs); give plain overrides before it (docs/slurm.md)")
+    ap.add_argument("--sweep-max-running", type=int, metavar="N",
+                    help="with --sweep: at most N points run at once (Slurm dependencies hold the others)")
+    ap.add_argument("--sweep-name", metavar="NAME", help="with --sweep: its name (default: <run.name>-<time>)")
     return ap
 
 
@@ -130,6 +137,9 @@ def submit_main(argv: list[str] | None = None) -> int:
     executor = "local" if args.local or no_sbatch else "slurm"
     if no_sbatch:
         _err("relax-submit: no sbatch on PATH: running with the local executor (processes on this machine)")
+    if args.sweep or args.sweep_max_running is not None or args.sweep_name:
+        from relax_hpc.launch.sweep import submit_main as sweep_submit  # one run per point
+        return sweep_submit(args, executor, console, _print_json, _err)
     if args.resume:
         return _resume(args, console)
     try:
@@ -142,7 +152,11 @@ def submit_main(argv: list[str] | None = None) -> int:
         return code
 
     if args.dry_run:
+        mem, mem_problems, no_plan = memory_plan.for_recipe(p.recipe, Path.cwd())
+        if args.render_only and mem_problems:  # the file checks, which refuse these, do not run with --render-only
+            return _refused(RecipeError(mem_problems, source=args.recipe), args.json)
         d = dry_run(p)
+        d["memory_plan"] = mem.as_dict() if mem else {"unavailable": no_plan}
         if args.render_only:
             d["render_only"] = True
             d["skipped_checks"] = SKIPPED_CHECKS
@@ -158,6 +172,8 @@ def submit_main(argv: list[str] | None = None) -> int:
             if d["script"] is not None:
                 print("# ---------------- sbatch script ----------------")
                 print(d["script"], end="" if d["script"].endswith("\n") else "\n")
+            print("# ---------------- memory plan: one GPU, GiB (docs/gpu.md, Memory plan) ----------------")
+            print("\n".join(f"# {ln}" for ln in (mem.table() if mem else f"none: {no_plan}").splitlines()))
             print("# ---------------- role steps (the controller starts these) ----------------")
             for line in d["steps"]:
                 print(container.readable(line))  # the container's parts on lines of their own
@@ -288,6 +304,7 @@ def _status_parser() -> argparse.ArgumentParser:
                                  description="State of a run: Slurm's view (per het component) and the controller's "
                                              "(step, phase per role).")
     ap.add_argument("run", nargs="?", help="run name, run directory or job id (default: the latest run)")
+    ap.add_argument("--sweep", metavar="NAME", help="a sweep's points, one row each (relax-submit --sweep)")
     ap.add_argument("--watch", action="store_true", help="refresh until the run ends (Ctrl-C stops watching only)")
     ap.add_argument("--json", action="store_true", help="print JSON (with --watch: one object per line, on change)")
     ap.add_argument("--runs-root", default=DEFAULT_RUNS_ROOT, help=f"where runs are (default {DEFAULT_RUNS_ROOT})")
@@ -301,6 +318,9 @@ def _status_parser() -> argparse.ArgumentParser:
 
 def status_main(argv: list[str] | None = None) -> int:
     args = _status_parser().parse_args(argv)
+    if args.sweep:
+        from relax_hpc.launch.sweep import status_main as sweep_status
+        return sweep_status(args, _print_json, _err)
     try:
         rd = find_run(args.run, args.runs_root)
     except RunNotFound as e:
@@ -340,7 +360,8 @@ def status_main(argv: list[str] | None = None) -> int:
 
 def _cancel_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="relax-cancel", description="Cancel a run (scancel, or stop a local run).")
-    ap.add_argument("run", help="run name, run directory or job id")
+    ap.add_argument("run", nargs="?", help="run name, run directory or job id")
+    ap.add_argument("--sweep", metavar="NAME", help="cancel every point of this sweep (relax-submit --sweep)")
     ap.add_argument("--runs-root", default=DEFAULT_RUNS_ROOT, help=f"where runs are (default {DEFAULT_RUNS_ROOT})")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--grace", type=float, default=30.0,
@@ -357,7 +378,13 @@ def _cancel_parser() -> argparse.ArgumentParser:
 
 
 def cancel_main(argv: list[str] | None = None) -> int:
-    args = _cancel_parser().parse_args(argv)
+    ap = _cancel_parser()
+    args = ap.parse_args(argv)
+    if bool(args.run) == bool(args.sweep):
+        ap.error("name a run, or a sweep with --sweep NAME")
+    if args.sweep:
+        from relax_hpc.launch.sweep import cancel_main as sweep_cancel
+        return sweep_cancel(args, _print_json, _err)
     try:
         rd = find_run(args.run, args.runs_root)
     except RunNotFound as e:
@@ -394,6 +421,11 @@ def _scale_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
                     help="with --attach: one more sbatch option, e.g. --sbatch=--reservation=r1 (repeatable)")
     ap.add_argument("--cancel", metavar="OP", help="withdraw scale operation OP (an attached job still pending)")
+    ap.add_argument("--attach-url", metavar="URL", help="a running engine started by anyone (SGLang or the reference "
+                                                       "engine) serves the run too; needs --key-file")
+    ap.add_argument("--key-file", metavar="FILE", help="with --attach-url: the file (mode 0600) holding that engine's "
+                                                      "API key; a key is never taken on the command line")
+    ap.add_argument("--drain", metavar="URL", help="drain the external engine at URL (it keeps running)")
     ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the operation to finish (default 0)")
     ap.add_argument("--runs-root", default=DEFAULT_RUNS_ROOT, help=f"where runs are (default {DEFAULT_RUNS_ROOT})")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -403,8 +435,11 @@ def _scale_parser() -> argparse.ArgumentParser:
 def scale_main(argv: list[str] | None = None) -> int:
     ap = _scale_parser()
     args = ap.parse_args(argv)
-    if bool(args.target) == bool(args.cancel):
-        ap.error("give either a target (rollout=+N, -N, N) or --cancel OP")
+    if sum(bool(x) for x in (args.target, args.cancel, args.attach_url, args.drain)) != 1:
+        ap.error("give one of: a target (rollout=+N, -N, N), --cancel OP, --attach-url URL --key-file FILE, "
+                 "--drain URL")
+    if bool(args.key_file) != bool(args.attach_url):
+        ap.error("--attach-url URL and --key-file FILE go together (the key is read from the file, never given here)")
     opts = {k: getattr(args, k) for k in ATTACH_OPTIONS}
     if not args.attach and (any(v is not None for v in opts.values()) or args.sbatch):
         ap.error(f"{'/'.join(f'--{k}' for k in (*ATTACH_OPTIONS, 'sbatch'))} need --attach")
@@ -415,7 +450,8 @@ def scale_main(argv: list[str] | None = None) -> int:
         _err(f"relax-scale: {e}")
         return EXIT_REFUSED
     try:
-        out = scale(rd, args.target, attach=attach, cancel=args.cancel, wait_s=args.wait)
+        out = scale(rd, args.target, attach=attach, cancel=args.cancel, wait_s=args.wait, attach_url=args.attach_url,
+                    key_file=args.key_file, drain_url=args.drain)
     except ScaleError as e:
         _err(f"relax-scale: {e}")
         return EXIT_REFUSED

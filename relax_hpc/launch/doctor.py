@@ -20,6 +20,7 @@ import importlib
 import importlib.metadata as md
 import importlib.util
 import json
+import math
 import os
 import platform
 import re
@@ -116,7 +117,16 @@ def check_cuda() -> Check:
                      "runtime needs a torch built for an older CUDA")
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     kinds = ", ".join(f"{names.count(n)}× {n}" for n in dict.fromkeys(names))
-    return Check("cuda", OK, f"runtime {torch.version.cuda}, driver {driver or '?'}, {kinds}")
+    totals = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+    return Check("cuda", OK, f"runtime {torch.version.cuda}, driver {driver or '?'}, {kinds}; {gpu_memory_key(totals)}")
+
+
+def gpu_memory_key(totals: list[int]) -> str:
+    """The recipe line for the memory plan (``slurm.gpu_memory_gb``, GiB) from the cards' total bytes: the smallest
+    card's, rounded down to 0.1 GiB, so a plan that fits it fits every card of the node."""
+    if not totals:
+        return "no card: slurm.gpu_memory_gb unknown"
+    return f"recipe: slurm.gpu_memory_gb: {math.floor(min(totals) / (1 << 30) * 10) / 10:g}"
 
 
 def check_nccl() -> Check:

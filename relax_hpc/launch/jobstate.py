@@ -35,7 +35,7 @@ def full_disk(rd: RunDir) -> str | None:
 
 
 def slurm_state(rd: RunDir, job: dict, ctl: dict) -> JobState:
-    comps = slurm.job_components(job["job_id"], job.get("job_name"))
+    comps = slurm.job_components(job["job_id"], job.get("job_name"), job.get("submitted_at"))
     ctl_state = slurm.state_word(ctl["state"]) if ctl.get("state") else None
     slurm_reason = next((c.reason for c in comps if c.reason), None)
     if comps:

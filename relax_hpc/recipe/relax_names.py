@@ -16,13 +16,14 @@ RELAX_NAMES: dict[str, str | None] = {
     "fully_async": "mode: fully_async",
     "colocate": "mode: colocate",
     "hybrid": None,
-    "resource": "roles",
+    "resource": "roles",  # {role: [1, GPUs]}: each role's nodes, GPUs and ranks (from_relax.size_roles)
     "actor_num_nodes": "roles.actor.nodes",
     "actor_num_gpus_per_node": "roles.actor.gpus_per_node",
     "rollout_num_gpus": "roles.rollout",
     "num_gpus_per_node": "roles",
-    "rollout_num_gpus_per_engine": None,
-    "offload": None, "offload_train": None, "offload_rollout": "rollout.engine.offload",
+    "rollout_num_gpus_per_engine": "roles.rollout",  # an engine's TP: gpus_per_node / tasks_per_node
+    "ref_actor_config": "forward",  # reference's and actor_fwd's own TP/PP, sequence parallel, token budget
+    "offload": "train.offload", "offload_train": "train.offload", "offload_rollout": "rollout.engine.offload",
     "debug_rollout_only": None, "debug_train_only": None,
     "train_backend": None,
     # --- data ------------------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ RELAX_NAMES: dict[str, str | None] = {
     "adam_eps": "train.adam_eps",
     "clip_grad": "train.clip_grad",
     "use_distributed_optimizer": "train.use_distributed_optimizer",
-    "bf16": "train.bf16",
+    "bf16": "train.bf16", "fp16": None,
     "seed": "run.seed",
     "tensor_model_parallel_size": "train.tp",
     "pipeline_model_parallel_size": "train.pp",
@@ -158,16 +159,27 @@ RELAX_NAMES: dict[str, str | None] = {
     "use_dynamic_batch_size": "train.max_tokens_per_micro_batch: <--max-tokens-per-gpu>",
     "max_tokens_per_gpu": "train.max_tokens_per_micro_batch",
     "log_probs_max_tokens_per_gpu": "train.logprob_max_tokens_per_micro_batch",
+    "balance_data": "train.balance_data",
+    "optimizer_cpu_offload": "train.optimizer_cpu_offload",
+    "overlap_cpu_optimizer_d2h_h2d": "train.overlap_cpu_optimizer_d2h_h2d",
+    "use_precision_aware_optimizer": "train.use_precision_aware_optimizer",
+    "optimizer": None, "context_parallel_size": None, "expert_tensor_parallel_size": None,
+    "attention_dropout": None, "hidden_dropout": None, "attention_backend": None,
+    "accumulate_allreduce_grads_in_fp32": None, "attention_softmax_in_fp32": None,
     # --- async -----------------------------------------------------------------------------------------
     "max_staleness": "max_staleness",
-    "num_iters_per_train_update": None,
+    "num_iters_per_train_update": None, "num_data_storage_units": None,
     # --- fault tolerance, checkpoint, logging ----------------------------------------------------------
     "max_global_restart": "checkpoint.max_restarts",
-    "use_fault_tolerance": None,
+    "use_fault_tolerance": None, "use_health_check": None,
     "save_interval": "checkpoint.interval",
     "max_actor_ckpt_to_keep": "checkpoint.keep",
     "load": None, "save": None, "save_hf": None,
+    "megatron_to_hf_mode": None, "warm_hf_checkpoint_page_cache": None,
     "use_tensorboard": "logging.tensorboard",
+    "tb_project_name": None, "tb_experiment_name": None, "use_clearml": None, "use_metrics_service": None,
+    "timeline_dump_dir": None,
+    "use_streaming_dataset": None, "streaming_buffer_size": None,
     "notify_urls": "logging.notify_urls",
     # W&B (logging.wandb, docs/metrics.md); the key goes in WANDB_API_KEY or ~/.netrc, never in a recipe; the
     # files go to RUN_DIR/wandb and the run id comes from the run directory (one W&B run across requeues)
@@ -180,6 +192,72 @@ RELAX_NAMES: dict[str, str | None] = {
     "wandb_key": None, "wandb_dir": None, "wandb_run_id": None, "disable_wandb_random_suffix": None,
     "wandb_always_use_train_step": None,
 }
+
+# Why a flag has no key (its RELAX_NAMES value is None, or its key is not in this schema): printed in the recipe's
+# header by relax-submit --from-relax-args. Not here: "not supported yet".
+WHY: dict[str, str] = {
+    "hybrid": "not supported yet: relax_hpc's modes are colocate and fully_async",
+    "fp16": "not supported yet: relax_hpc trains in bf16 (train.bf16: true) or fp32",
+    "num_iters_per_train_update": "not supported: relax_hpc's fully-async actor takes each step's whole batch and "
+                                  "makes train.num_steps_per_rollout optimizer steps of it; streaming the batch in "
+                                  "chunks has no counterpart",
+    "balance_data": "not supported yet: data-parallel ranks take contiguous shares of each mini-batch",
+    "use_streaming_dataset": "not needed: relax_hpc reads the prompt files whole at the start (data.path) and walks "
+                             "them in shuffled epochs",
+    "streaming_buffer_size": "not needed: no streaming dataset (see --use-streaming-dataset)",
+    "use_fault_tolerance": "always on in relax_hpc: a dead engine is found and started again "
+                           "(rollout.engine.max_restarts; docs/reliability.md)",
+    "use_health_check": "always on in relax_hpc: every role sends heartbeats (logging.heartbeat_timeout_s) and a "
+                        "failed step restarts from the latest checkpoint (checkpoint.max_restarts)",
+    "attention_backend": "relax_hpc lets Megatron pick the kernel (Transformer Engine's fused attention where TE is "
+                         "installed, else PyTorch SDPA)",
+    "accumulate_allreduce_grads_in_fp32": "always so in relax_hpc: gradients are reduced in fp32",
+    "attention_softmax_in_fp32": "always so in relax_hpc (megatron-core's default)",
+    "attention_dropout": "relax_hpc trains with no dropout (log-probs must be deterministic)",
+    "hidden_dropout": "relax_hpc trains with no dropout (log-probs must be deterministic)",
+    "optimizer": "relax_hpc's optimizer is Adam with decoupled weight decay (Relax's default, adam)",
+    "context_parallel_size": "not supported yet: no context parallelism (1 is the only value)",
+    "expert_tensor_parallel_size": "not supported yet: experts are split by train.ep only (1 is the only value)",
+    "num_data_storage_units": "not needed: samples travel as files in the run directory (no TransferQueue)",
+    "warm_hf_checkpoint_page_cache": "not needed: it pre-reads the HF files; what is trained is the same",
+    "megatron_to_hf_mode": "relax_hpc always converts with megatron-bridge (Relax's bridge mode)",
+    "load": "relax_hpc resumes a run from its own directory's checkpoints: relax-submit --resume RUN_DIR",
+    "save": "relax_hpc saves into the run directory (RUN_DIR/checkpoints; checkpoint.interval, checkpoint.keep)",
+    "ref_load": "relax_hpc's reference starts from model.path (refreshed from the actor with "
+                "algorithm.ref_update_interval)",
+    "use_clearml": "not supported: relax_hpc logs to TensorBoard (logging.tensorboard) and W&B (logging.wandb)",
+    "use_metrics_service": "not needed: the controller gathers every role's metrics itself (RUN_DIR/metrics.jsonl, "
+                           "TensorBoard in RUN_DIR/tensorboard)",
+    "tb_project_name": "not needed: TensorBoard's files go to the run's directory, named by the run (run.name)",
+    "tb_experiment_name": "not needed: TensorBoard's files go to the run's directory, named by the run (run.name)",
+    "timeline_dump_dir": "not supported yet: per-step timings are in metrics.jsonl (perf/*)",
+    "offload_train": "not in this relax_hpc: the actor keeps its memory while the engines generate",
+    "optimizer_cpu_offload": "not in this relax_hpc: the optimizer state stays on the GPU",
+    "overlap_cpu_optimizer_d2h_h2d": "not in this relax_hpc: the optimizer state stays on the GPU",
+    "use_precision_aware_optimizer": "not in this relax_hpc: the optimizer keeps fp32 state",
+}
+# Flags whose value here is what relax_hpc always does: {flag: (the value, what relax_hpc does)}
+SAME_AS_HERE: dict[str, tuple[str, str]] = {
+    "optimizer": ("adam", "relax_hpc's optimizer (Adam, decoupled weight decay)"),
+    "context_parallel_size": ("1", "relax_hpc's only value (no context parallelism)"),
+    "expert_tensor_parallel_size": ("1", "relax_hpc's only value"),
+    "attention_dropout": ("0.0", "as relax_hpc always trains"),
+    "hidden_dropout": ("0.0", "as relax_hpc always trains"),
+    "megatron_to_hf_mode": ("bridge", "as relax_hpc always converts (megatron-bridge)"),
+    "num_iters_per_train_update": ("1", "as relax_hpc takes each step's batch whole"),
+    "num_data_storage_units": ("1", "not needed: samples travel as files in the run directory"),
+}
+# Megatron's model-architecture flags (Relax's scripts/models/*.sh MODEL_ARGS): relax_hpc reads the architecture from
+# model.path's config.json (megatron-bridge), so these are left out, named in one note
+ARCHITECTURE = frozenset({
+    "swiglu", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
+    "num_query_groups", "use_rotary_position_embeddings", "disable_bias_linear", "normalization", "norm_epsilon",
+    "rotary_base", "vocab_size", "kv_channels", "qk_layernorm", "untie_embeddings_and_output_weights",
+    "position_embedding_type", "max_position_embeddings", "seq_length", "make_vocab_size_divisible_by",
+    "add_qkv_bias", "use_rope_scaling", "rotary_percent", "num_experts", "moe_ffn_hidden_size", "moe_router_topk",
+    "moe_grouped_gemm", "moe_token_dispatcher_type", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+    "moe_router_score_function", "moe_router_pre_softmax", "apply_layernorm_1p", "init_method_std",
+})
 
 # Flags Relax reads only while a switch is on (its parser takes them either way): {flag: the switch}. Without the
 # switch they change nothing in Relax, so they are carried over only with it; the switch itself sets no key.

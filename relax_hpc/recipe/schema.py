@@ -17,6 +17,7 @@ from relax_hpc.algo.config import AlgorithmConfig, OPDConfig
 from relax_hpc.rollout.config import DataConfig, GenRMConfig, RolloutConfig
 from relax_hpc.seed import DEFAULT_SEED
 from relax_hpc.train.config import TrainConfig
+from relax_hpc.train.forward_config import ForwardConfig
 
 ROLE_NAMES = ("actor", "rollout", "reference", "actor_fwd", "genrm", "teacher")
 """Roles that run as Slurm job steps, in het-group order. ``advantages`` runs beside the controller."""
@@ -93,6 +94,9 @@ class SlurmConfig:
     mpi: Literal["pmix", "none"] = "pmix"  # srun --mpi for role steps (pmix: rendezvous through MPI)
     template: str | None = None  # your own Jinja2 sbatch template (default: relax_hpc/sbatch/hetjob.sbatch.j2)
     container: ContainerConfig | None = None  # run the role and engine steps in this image; None: on the host
+    # one GPU's memory in GiB (nvidia-smi's MiB / 1024; relax-doctor prints it on a GPU node): the memory plan
+    # (relax-submit --dry-run) is checked against it, and a recipe that does not fit is refused; None: no verdict
+    gpu_memory_gb: float | None = None
 
 
 @dataclass
@@ -152,6 +156,7 @@ class Recipe:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     opd: OPDConfig | None = None  # on-policy distillation (docs/distillation.md); None: off
     train: TrainConfig = field(default_factory=TrainConfig)
+    forward: ForwardConfig | None = None  # reference and actor_fwd: their own TP/PP and token budget (Relax --ref-actor-config); None: train's
     roles: Roles = field(default_factory=Roles)
     genrm: GenRMConfig = field(default_factory=GenRMConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)

@@ -28,6 +28,7 @@ from relax_hpc.algo.config import PLUGIN_CALLS, check as check_algorithm, check_
 from relax_hpc.multimodal import VLM_MODEL_TYPES
 from relax_hpc.plugins import PluginError, load_plugin
 from relax_hpc.recipe.errors import _MISSING
+from relax_hpc.recipe.memory_plan import check as check_memory, recipe_problems as check_memory_keys
 from relax_hpc.recipe.reader import TextError, encodable, parse_yaml, read_text, yaml_error_message
 from relax_hpc.recipe.relax_names import RELAX_NAMES, cli_flag, relax_flag
 from relax_hpc.recipe.schema import ROLE_NAMES, Recipe
@@ -35,6 +36,7 @@ from relax_hpc.rollout.data import DataError, check_config as check_data, check_
 from relax_hpc.rollout.rewards import AWAITED_REWARDS, BUILTIN_REWARDS, GENERATE_PARAMS, REWARD_PARAMS, relax_args
 from relax_hpc.rollout.multiturn import env_factory
 from relax_hpc.train.config import check as check_train, steps_per_rollout
+from relax_hpc.train.forward_config import check as check_forward
 
 Problem = tuple[str, object, str]
 
@@ -87,6 +89,7 @@ def unknown_key_hint(key: str, here: list[str], value: Any = _MISSING) -> str:
         if target.split(":")[0] in schema_keys():
             return f"Relax's {cli_flag(name)} is `{target}` here. Fix: {_move_fix(target, value)}"
     elsewhere = [k for k in sorted(schema_keys()) if k.rsplit(".", 1)[-1] == name]
+    elsewhere.sort(key=lambda k: k.startswith("forward."))  # forward.* repeats train.* for the forward roles: train first
     if elsewhere:
         fix = _move_fix(elsewhere[0], value)
         return f"`{name}` is a key of another section: {', '.join(elsewhere[:4])}. Fix: {fix}"
@@ -307,6 +310,7 @@ def check(recipe: Recipe) -> list[Problem]:
         problems += [(f"opd.{k}", v, m) for k, v, m in check_opd(recipe.opd)
                      if not (k == "teacher_url" and v is None)]  # which teacher the run asks: _check_teacher
     problems += [(f"train.{k}", v, m) for k, v, m in check_train(recipe.train)]
+    problems += check_forward(recipe)  # reference and actor_fwd: their layout, as train.* is the actor's
     problems += check_data(recipe.data, recipe.rollout)  # keys already carry their section
     problems += _check_rm_type(recipe)
     problems += _check_batch(recipe)
@@ -317,6 +321,8 @@ def check(recipe: Recipe) -> list[Problem]:
     problems += _check_genrm(recipe)
     problems += _check_teacher(recipe)
     problems += _check_engine_args(recipe)
+    problems += _check_train_offload(recipe)
+    problems += check_memory_keys(recipe)  # slurm.gpu_memory_gb; megatron-core's optimizer offload: GPU only
     if recipe.train.routing_replay and recipe.roles.actor_fwd.enabled:
         problems.append(("train.routing_replay", True, "with roles.actor_fwd: its π_old pass has no engine experts "
                          "to replay, so π_old and π_θ would route differently. Fix: disable roles.actor_fwd (the "
@@ -410,6 +416,38 @@ def _check_container(r: Recipe) -> list[Problem]:
 _HOST_LOADER_ENV = ("PATH", "PYTHONHOME", "PYTHONSTARTUP")  # with LD_*: what decides which binary a host process runs
 
 
+def _check_external(r: Recipe) -> list[Problem]:
+    """rollout.external_engines: each a URL and an absolute key file of mode 0600 (read where the controller runs)."""
+    import os
+
+    from relax_hpc.rollout.external import KeyFileError, check_url, read_key_file
+
+    out: list[Problem] = []
+    seen: set[str] = set()
+    for i, x in enumerate(r.rollout.external_engines):
+        key = f"rollout.external_engines[{i}]"
+        if set(x) != {"url", "key_file"}:
+            out.append((key, x, "must be {url: http://HOST:PORT, key_file: /absolute/path} and nothing else (the key "
+                        "itself never goes in a recipe)"))
+            continue
+        try:
+            url = check_url(x["url"])
+            if url in seen:
+                out.append((f"{key}.url", x["url"], "is listed twice. Fix: list each engine once"))
+            seen.add(url)
+        except ValueError as e:
+            out.append((f"{key}.url", x["url"], f"{e}. Fix: the address of a running engine"))
+        if not os.path.isabs(os.path.expanduser(x["key_file"])):
+            out.append((f"{key}.key_file", x["key_file"], "must be an absolute path (the controller reads it from its "
+                        "own directory). Fix: the full path of the file holding the engine's API key"))
+            continue
+        try:
+            read_key_file(x["key_file"], f"{key}.key_file")
+        except KeyFileError as e:
+            out.append((f"{key}.key_file", x["key_file"], str(e)))
+    return out
+
+
 def _check_elastic(r: Recipe) -> list[Problem]:
     """Scale-out's knobs (docs/elastic.md): spare rollout nodes, drain and join bounds, the attach defaults."""
     out: list[Problem] = []
@@ -433,6 +471,7 @@ def _check_elastic(r: Recipe) -> list[Problem]:
     for key in ("drain_timeout_s", "join_timeout_s"):
         if not getattr(e, key) > 0:
             out.append((f"rollout.elastic.{key}", getattr(e, key), "must be > 0 (seconds)"))
+    out += _check_external(r)
     initial = (el.initial if el is not None else g.nodes) * g.tasks_per_node
     if e.max_engines is not None and e.max_engines < initial:
         out.append(("rollout.elastic.max_engines", e.max_engines, f"is below the {initial} engines the run starts "
@@ -494,6 +533,16 @@ def _check_engine_args(r: Recipe) -> list[Problem]:
                         "actor_fwd follows the actor through a weight-sync group. Fix: disable roles.actor_fwd, or "
                         "offload: false"))
     return out
+
+
+def _check_train_offload(r: Recipe) -> list[Problem]:
+    """train.offload frees the actor's device memory for engines on the same device while they generate: only
+    colocate has them take turns (in fully_async the actor's GPUs are its own, and it trains while they generate)."""
+    if r.train.offload and r.mode != "colocate":
+        return [("train.offload", True, f"moves the actor's parameters, gradients and optimizer state off the GPU "
+                 f"while the engines on it generate, which only mode: colocate has them do (this recipe: {r.mode}, "
+                 "where the actor's GPUs are its own). Fix: offload: false, or mode: colocate")]
+    return []
 
 
 def _check_genrm(r: Recipe) -> list[Problem]:
@@ -911,6 +960,10 @@ def _check_roles(r: Recipe) -> list[Problem]:
     if a.gpus_per_node and a.tasks_per_node != a.gpus_per_node:
         out.append(("roles.actor.tasks_per_node", a.tasks_per_node,
                     f"on GPU nodes the actor runs one rank per GPU: set it to gpus_per_node = {a.gpus_per_node}"))
+    if r.algorithm.use_kl_loss and not r.roles.reference.enabled:  # else the controller refuses it after the queue
+        out.append(("algorithm.use_kl_loss", True, "needs the reference's log-probs (π_ref). Fix: "
+                    "roles.reference.enabled: true (share_with: actor puts it on the actor's nodes), or "
+                    "algorithm.use_kl_loss: false"))
     if r.mode == "colocate" and r.max_staleness != 0:
         out.append(("max_staleness", r.max_staleness, "colocate mode is strictly on-policy: use 0, or mode: fully_async"))
     if r.staleness_mode == "fixed" and r.rollout.partial_rollout:
@@ -931,6 +984,7 @@ def check_files(recipe: Recipe, cwd: str | Path | None = None) -> list[Problem]:
     problems += _check_context(recipe, base)
     problems += _check_plugins(recipe, base)
     problems += _check_custom_config(recipe, base)
+    problems += check_memory(recipe, base)  # the memory plan against slurm.gpu_memory_gb (memory_plan.py)
     return problems
 
 

@@ -35,6 +35,13 @@ the controller's tasks (:mod:`relax_hpc.roles.tasks`; every task's fields and it
 - ``checkpoint {extra}``: ``save_checkpoint`` under ``RUN_DIR/checkpoints``.
 - ``stop``.
 
+Trainer offload (``train.offload``, colocate; :mod:`relax_hpc.train.offload`): the actor's parameters, gradients and
+optimizer state leave the device while the engines generate. ``connect`` ends with everything off; ``train``
+brings it all back first (``perf/train_reload_time``) and sends the gradients and optimizer state off at its end
+(the sync needs only the parameters); ``sync`` sends the parameters off at its end and reports what the step's cycle
+freed (``perf/train_offload_bytes``) and took (``perf/train_offload_time``); ``checkpoint`` brings back what it
+saves and sends it off again (the controller holds the next generate until it is done).
+
 Without ``model.path`` the role only bootstraps (the launch smoke tests).
 """
 
@@ -86,6 +93,11 @@ class Actor:
         self.weights = ActorSync(self.rank, None, ctx.run.api_key(), address=lambda: reachable_host(ctx.ident),
                                  offload=ctx.recipe.rollout.engine.offload,
                                  freeze_vision=ctx.recipe.model.freeze_vision)  # the vision tower is not sent
+        self.offload = None  # train.offload: params, grads and optimizer state off the device while engines generate
+        if ctx.recipe.train.offload:
+            from relax_hpc.train.offload import TrainOffload
+
+            self.offload = TrainOffload(model.model, model.optimizer)
 
     def handlers(self) -> dict[str, Any]:
         from relax_hpc.controller import messages as M
@@ -105,14 +117,40 @@ class Actor:
             self.model.load_checkpoint(task.load)
             loaded = self.model.step
         self.weights.connect(task.engines, task.followers)  # rank 0 builds the weight-sync group
+        self._off(("params", "grads", "optimizer"))  # the engines generate step 1 next
         return M.ConnectResult(engines=sorted(self.weights.engines), loaded_step=loaded, weights=self.weights.route())
 
     # -- train
     def train(self, task: M.TrainTask) -> M.TrainResult:
+        from relax_hpc.exchange.chunk import DamagedChunk
+
         released = self.weights.release()  # engines sharing the GPU give it up first (rank 0 asks them)
-        result = self._train(task)
+        reload_s = self._on(("params", "grads", "optimizer"))  # then the actor's state comes back into it
+        try:
+            result = self._train(task)
+        except DamagedChunk:  # the step is generated again, with the actor idle: off the device again
+            self._off(("params", "grads", "optimizer"))
+            raise
+        self._off(("grads", "optimizer"))  # the sync that follows needs only the parameters
         result.metrics.update(released)
+        if reload_s is not None:
+            result.metrics["perf/train_reload_time"] = reload_s
         return result
+
+    def _on(self, kinds: tuple[str, ...]) -> float | None:
+        """train.offload: bring ``kinds`` back onto the device (seconds; None without offload). A barrier first: rank 0
+        alone asks the engines to release, and no rank may reload into memory they still hold."""
+        if self.offload is None:
+            return None
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        return self.offload.reload(kinds)
+
+    def _off(self, kinds: tuple[str, ...]) -> None:
+        if self.offload is not None:
+            self.offload.offload(kinds)
 
     def _train(self, task: M.TrainTask) -> M.TrainResult:
         from relax_hpc.controller import messages as M
@@ -126,7 +164,8 @@ class Actor:
         k = steps_per_rollout(r.train, len(cols["raw_reward"]))
         try:  # every rank reads the same columns: every rank skips (or fails) alike
             plan = P.train_plan(cols, r.algorithm, r.rollout.n_samples_per_prompt, k=k,
-                                seed=r.run.seed, step=task.step, dp=p.dp, dp_rank=p.dp_rank, opd=r.opd)
+                                seed=r.run.seed, step=task.step, dp=p.dp, dp_rank=p.dp_rank, opd=r.opd,
+                                balance=r.train.balance_data)
         except P.UnsoundTrainData as e:  # the whole step is skipped, or the run fails (train.nonfinite)
             return self._not_trained(task.step, k, e, t0)
         mine = plan.samples  # this rank's samples of every mini-batch: only these become tensors
@@ -188,18 +227,41 @@ class Actor:
     def sync(self, task: M.SyncTask) -> M.SyncResult:
         from relax_hpc.controller import messages as M
 
+        self._on(("params",))  # off since the connect (a resume's or a catch-up sync); else a no-op
         done = self.weights.sync(str(task.version), task.engines, self.model, progress=self.ctx.progress,
                                  check=self.recipe.logging.check_weight_sync)
+        if getattr(task, "snapshot", None):  # external engines (not in the group) load it from disk
+            done.metrics["perf/weight_snapshot_time"] = self._snapshot(task.snapshot)
+        if self.offload is not None:  # the engines generate next: the parameters go too, and the step's cycle is told
+            self._off(("params",))
+            done.metrics.update(self.offload.cycle_metrics())
         return M.SyncResult(metrics=done.metrics, engine_versions=done.engine_versions, checks=done.checks,
                             dead_engines=done.dead_engines, follower_versions=done.follower_versions)
+
+    def _snapshot(self, where: str) -> float:
+        """Collective: the weights as an HF directory at ``where``, whole or not at all (written beside it, then
+        renamed by rank 0); the seconds it took."""
+        import os
+        import shutil
+        from pathlib import Path
+
+        t0, path = time.monotonic(), Path(where)
+        tmp = path.with_name(path.name + ".tmp")
+        self.model.export_hf(tmp)
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        return time.monotonic() - t0
 
     # -- checkpoint
     def checkpoint(self, task: M.CheckpointTask) -> M.CheckpointResult:
         from relax_hpc.controller import messages as M
 
         t0 = time.monotonic()
+        self._on(("params", "optimizer"))  # what it saves (the grads stay off: not saved)
         path = self.model.save_checkpoint(self.ctx.run.path / "checkpoints", dict(task.extra or {}),
                                           keep=self.recipe.checkpoint.keep)
+        self._off(("params", "grads", "optimizer"))
         return M.CheckpointResult(path=str(path), metrics={"perf/save_model_time": time.monotonic() - t0})
 
 

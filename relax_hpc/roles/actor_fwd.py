@@ -1,7 +1,9 @@
 """The actor_fwd role: adds the current policy's log-probs (``log_probs``, π_old) to samples, forward only.
 
 It follows the actor through the actor's checkpoints (task ``load``); the work is
-:func:`relax_hpc.roles.forward.work_forward` (tasks ``logprobs``, ``load``, ``stop``).
+:func:`relax_hpc.roles.forward.work_forward` (tasks ``logprobs``, ``load``, ``stop``). Its model's TP/PP, sequence
+parallelism and token budget are the recipe's ``forward:`` keys where set, else ``train``'s
+(:func:`relax_hpc.train.forward_config.role_train`).
 """
 
 import sys

@@ -1,7 +1,8 @@
 """The forward-only worker shared by the ``reference`` and ``actor_fwd`` roles.
 
 Both roles hold the same Megatron model as the actor (built from ``model.path`` over the role's own group
-with ``train.tp``/``train.pp``) but never train it: ``forward_only`` gives bare chunks without DDP or an
+with ``train.tp``/``train.pp``, or the recipe's ``forward:`` layout and token budget where it sets them:
+:mod:`relax_hpc.train.forward_config`) but never train it: ``forward_only`` gives bare chunks without DDP or an
 optimizer (no gradient buffers, no optimizer state: a fraction of the actor's memory), and the only thing
 they do is a forward pass that turns response tokens into per-token log-probs, which rank 0 adds to the
 exchange as a side file of each chunk (:func:`relax_hpc.exchange.chunk.write_fields`). The reference keeps

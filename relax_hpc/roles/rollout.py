@@ -103,7 +103,7 @@ class Generator:
         from relax_hpc.rollout.data import (data_source_from_config, dataset_from_config, eval_datasets_from_config,
                                             load_tokenizer, prompt_room)
         from relax_hpc.plugins import load_plugin
-        from relax_hpc.engines.pool import NamesFile
+        from relax_hpc.engines.pool import ExternalEngines, NamesFile
         from relax_hpc.rollout.driver import RolloutDriver
         from relax_hpc.rollout.dynamic import PartialRollout
 
@@ -127,6 +127,8 @@ class Generator:
         dataset.prompt_room = prompt_room(r.rollout, r.train.max_seq_len, self.driver.multiturn is not None)
         self.driver.on_progress = ctx.progress
         self.driver.leaving = NamesFile(ctx.run.draining)  # engines the controller drains: no new requests
+        # engines the run does not own: each its own key, every answer's weight version checked (engines/pool.py)
+        self.driver.client_kwargs["externals"] = ExternalEngines(ctx.run.path / "external_engines.json")
         ro = r.rollout  # DAPO dynamic sampling and the per-step sample filter (relax_hpc.rollout.dynamic)
         self.group_filter = (load_plugin(ro.dynamic_sampling_filter_path, "rollout.dynamic_sampling_filter_path")
                              if ro.dynamic_sampling_filter_path else None)

@@ -136,6 +136,7 @@ class RolloutConfig:
     request_timeout_s: float = 600.0  # total deadline of one generate request (connect, send, whole answer, retries)
     engine: EngineConfig = field(default_factory=EngineConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    external_engines: list[dict[str, str]] = field(default_factory=list)  # engines started by anyone that serve this run too: [{url, key_file}], key_file an absolute path of mode 0600 (docs/elastic.md)
     # --- rewards -------------------------------------------------------------------------------------
     rm_type: str | None = None  # built-in reward: math, exact_match, f1, dummy, dapo, deepscaler, multiple_choice, gpqa, random, remote_rm, boxed_<type>; sample.metadata["rm_type"] wins
     rm_url: str | None = None  # remote_rm's reward server, http(s)://...: gets POST {prompt, response, label}, answers a JSON number or object (Relax --rm-url)

@@ -2,8 +2,11 @@
 
 ``rollout.interaction_env_path`` (or Relax's ``rollout_interaction_env_path`` in the ``custom_config_path`` YAML)
 names a module with ``build_env(sample=None, args=None, **_)``. The env it builds has ``reset() -> (obs, info)``,
-``step(response_text) -> (obs, done, info)``, ``close()`` and optionally ``format_observation(obs)``; sync or async.
-Observations are Relax's dicts ``{"obs_str": str, "role": "user", ...}``.
+``step(response_text) -> (obs, done, info)`` or, as Relax's homepage (and gymnasium) has it, ``(obs, reward,
+terminated, truncated, info)`` (:func:`step_result`), ``close()`` and optionally ``format_observation(obs)``; sync or
+async. Observations are Relax's dicts ``{"obs_str": str, "role": "user", ...}``. A five-value step's reward is kept
+with its turn (``rollout_traces[i]["reward"]``) and in ``metadata["step_rewards"]`` (one per such step, in order),
+which the reward function reads; it must be a finite number, or the env has failed its sample.
 
 One rollout, turn by turn (Relax's reference loop, ``examples/deepeyes/rollout.py``):
 
@@ -26,7 +29,8 @@ A prompt as long as the bound leaves no room at all: a :class:`~relax_hpc.errors
 
 It stops on the engine's length limit (``truncated_by: response``; with ``rollout.turn_truncation: continue`` such a
 turn goes to the env like any other, for tasks whose answers are exactly ``max_response_len`` tokens), the context
-bound (``context``), ``max_turns`` (``turns``), the env's ``done``, or an abort. Every stop is recorded in
+bound (``context``), ``max_turns`` (``turns``), the env's ``done`` (or ``terminated``), the env's ``truncated``
+(``env_truncated``, TRUNCATED), or an abort. Every stop is recorded in
 ``metadata["rollout_stop_reason"]``, with ``rollout_turns`` and per-turn ``rollout_traces``. An env that raises,
 times out or returns something malformed fails only its sample: status FAILED, loss mask all 0, reward 0, the
 reason logged and in ``metadata["env_error"]``; under ``reward_error_policy: fail`` it fails the step instead.
@@ -52,6 +56,9 @@ import dataclasses
 import functools
 import inspect
 import logging
+import math
+import numbers
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from relax_hpc.errors import PermanentError
@@ -274,6 +281,7 @@ async def generate_multiturn(engines: EngineSession, mt: MultiTurn, sample: Samp
     prompt_ids = engines.prompt_ids(sample)
     sample.reset_response(prompt_ids)
     traces: list[dict] = []
+    step_rewards: list[float] = []  # the five-value step's, in turn order (a sample generated again starts afresh)
     md = sample.metadata
     env = None
     try:
@@ -316,12 +324,16 @@ async def generate_multiturn(engines: EngineSession, mt: MultiTurn, sample: Samp
                     md["rollout_stop_reason"] = "context" if hit_budget else "response"
                     break
             out = await _call(env.step, text, timeout=mt.step_timeout_s)
-            if not isinstance(out, tuple) or len(out) != 3:
-                raise EnvError(f"env.step returned {type(out).__name__}: Relax's form is (obs, done, info)")
-            obs, done, info = out
+            obs, reward, done, env_truncated, info = step_result(out, env)
             trace["info"] = info if isinstance(info, dict) else {}
+            if reward is not None:  # the five-value form: the turn's reward, for the reward function
+                trace["reward"] = reward
+                step_rewards.append(reward)
             if done:
                 sample.status, md["rollout_stop_reason"] = SampleStatus.COMPLETED, "done"
+                break
+            if env_truncated:  # gymnasium's truncated: the env cut the episode short (a time limit of its own)
+                sample.status, md["rollout_stop_reason"] = SampleStatus.TRUNCATED, "env_truncated"
                 break
             if turn >= mt.max_turns:
                 sample.status, md["rollout_stop_reason"] = SampleStatus.COMPLETED, "turns"
@@ -352,12 +364,60 @@ async def generate_multiturn(engines: EngineSession, mt: MultiTurn, sample: Samp
     finally:
         md["rollout_turns"] = len(traces)
         md["rollout_traces"] = traces
+        if step_rewards:
+            md["step_rewards"] = step_rewards
+        else:
+            md.pop("step_rewards", None)
         if env is not None and hasattr(env, "close"):
             try:
                 await _call(env.close, timeout=mt.step_timeout_s)
             except EnvError as e:  # a close that fails changes nothing of the sample
                 log.warning("sample index=%s: %s", sample.index, e)
     return sample
+
+
+def env_name(env: Any) -> str:
+    """The env as an error names it: its class and the file it was loaded from."""
+    cls = type(env)
+    where = getattr(sys.modules.get(cls.__module__), "__file__", None) or cls.__module__
+    return f"{cls.__qualname__} ({where})"
+
+
+def step_result(out: Any, env: Any) -> tuple[Any, float | None, bool, bool, Any]:
+    """``env.step``'s answer as (obs, reward, terminated, truncated, info): Relax's three values ``(obs, done,
+    info)`` (reward None, truncated False) or the five of its homepage and gymnasium, ``(obs, reward, terminated,
+    truncated, info)``. Anything else, or a reward that is not a finite real number, is an :class:`EnvError`
+    naming the env: the reward goes to the reward function and from it into training, where every number is
+    checked."""
+    if not isinstance(out, tuple) or len(out) not in (3, 5):
+        got = f"a tuple of {len(out)} values" if isinstance(out, tuple) else type(out).__name__
+        raise EnvError(f"env.step of {env_name(env)} returned {got}: Relax's forms are 3 values (obs, done, info) "
+                       "or 5 values (obs, reward, terminated, truncated, info)")
+    if len(out) == 3:
+        obs, done, info = out
+        return obs, None, bool(done), False, info
+    obs, reward, terminated, truncated, info = out
+    return obs, _step_reward(reward, env), bool(terminated), bool(truncated), info
+
+
+def _step_reward(value: Any, env: Any) -> float:
+    """A per-step reward as a float: a real number (numpy / torch 0-d values too), not bool or str, finite and
+    within float32 (the exchange's reward column)."""
+    v = value.item() if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)) else value
+    if isinstance(v, (bool, str, bytes)) or not isinstance(v, numbers.Real):
+        raise EnvError(f"env.step of {env_name(env)} returned the reward {v!r} ({type(value).__name__}): the "
+                       "five-value form's reward must be a finite number (int or float)")
+    try:
+        f = float(v)
+    except OverflowError:  # an int past float64
+        f = math.inf
+    if not math.isfinite(f) or abs(f) > _FLOAT32_MAX:
+        raise EnvError(f"env.step of {env_name(env)} returned the reward {v!r}: not a finite number (float32); "
+                       "a per-step reward goes into training, fix the env")
+    return f
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _env_failed(sample: Sample, why: str, engines: EngineSession) -> None:

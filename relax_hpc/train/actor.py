@@ -110,7 +110,7 @@ class MegatronActor:
             raise RuntimeError("this MegatronActor was built forward_only: it cannot train")
         if not isinstance(batch, Share):
             p = self.parallel
-            batch = share_of(batch, p.dp, p.dp_rank)
+            batch = share_of(batch, p.dp, p.dp_rank, balance=self.train_cfg.balance_data)
         where = self._where(rollout_step)
         metrics = train_step(self.model, self.optimizer, batch, train_cfg=self.train_cfg, algo_cfg=self.algo_cfg,
                              step=self.step, pad_id=self.pad_id, temperature=self.temperature, opd=self.opd)

@@ -338,10 +338,13 @@ def loss_tokens(sample) -> float:
     return float(r if m is None else torch.as_tensor(m, dtype=torch.float32).sum())
 
 
-def share_of(samples: Sequence, dp: int, dp_rank: int) -> Share:
-    """This rank's :class:`Share` of a global batch that every rank holds whole."""
-    stats = GlobalStats(n=len(samples), loss_tokens=sum(loss_tokens(s) for s in samples),
-                        max_seq_len=max((tokens_of(s).numel() for s in samples), default=0))
+def share_of(samples: Sequence, dp: int, dp_rank: int, *, balance: bool = False) -> Share:
+    """This rank's :class:`Share` of a global batch that every rank holds whole (``balance``: dealt by
+    :func:`balanced_shares`, else a contiguous run)."""
+    lens = [tokens_of(s).numel() for s in samples]
+    stats = GlobalStats(n=len(samples), loss_tokens=sum(loss_tokens(s) for s in samples), max_seq_len=max(lens, default=0))
+    if balance:
+        return Share([samples[i] for i in balanced_shares(lens, dp)[dp_rank]], stats)
     return Share(dp_shard(samples, dp, dp_rank), stats)
 
 
@@ -351,6 +354,32 @@ def dp_shard(samples: Sequence, dp: int, dp_rank: int) -> list:
     base, extra = divmod(n, dp)
     start = dp_rank * base + min(dp_rank, extra)
     return list(samples[start: start + base + (1 if dp_rank < extra else 0)])
+
+
+def balanced_shares(lengths: Sequence[int], dp: int) -> list[list[int]]:
+    """Positions 0..n-1 dealt to ``dp`` ranks with :func:`dp_shard`'s share sizes (rank r gets as many as it would
+    contiguously) and token sums as even as a greedy longest-first deal makes them (Relax's ``--balance-data``,
+    Megatron's sequence-length balancing): each position, longest first, goes to the rank with the fewest tokens
+    that still has room; ties go to the lower rank, then the lower position, so every rank computes the same deal.
+    Each rank's positions are returned in ascending order."""
+    n = len(lengths)
+    base, extra = divmod(n, dp)
+    room = [base + (1 if r < extra else 0) for r in range(dp)]
+    tokens = [0] * dp
+    out: list[list[int]] = [[] for _ in range(dp)]
+    for i in sorted(range(n), key=lambda i: (-int(lengths[i]), i)):
+        r = min((r for r in range(dp) if room[r]), key=lambda r: (tokens[r], r))
+        out[r].append(i)
+        tokens[r] += int(lengths[i])
+        room[r] -= 1
+    return [sorted(x) for x in out]
+
+
+def token_imbalance(lengths: Sequence[int], shares: Sequence[Sequence[int]]) -> float:
+    """max over ranks of a rank's tokens / the mean rank's: 1.0 is even; the slowest rank sets a step's pace."""
+    sums = [sum(int(lengths[i]) for i in sh) for sh in shares]
+    mean = sum(sums) / len(sums) if sums else 0.0
+    return max(sums) / mean if mean > 0 else 1.0
 
 
 def chunks(samples: Sequence, size: int) -> list[list]:

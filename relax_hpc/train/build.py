@@ -11,12 +11,14 @@ from typing import Any
 
 
 def build_megatron(recipe: Any, role: str, model_path: str, *, forward_only: bool) -> Any:
-    """Every rank: Megatron's groups over the role's ranks (``train.tp``/``train.pp``/``train.ep``), then the model from
+    """Every rank: Megatron's groups over the role's ranks (``train.tp``/``train.pp``/``train.ep``; for reference and
+    actor_fwd, ``forward.*`` over them: :func:`~relax_hpc.train.forward_config.role_train`), then the model from
     ``model_path`` (``model.path``, resolved: :func:`relax_hpc.roles.runtime.resolve`) as a
     :class:`~relax_hpc.train.actor.MegatronActor`."""
     import torch
 
     from relax_hpc.train.actor import MegatronActor
+    from relax_hpc.train.forward_config import role_train
     from relax_hpc.train.parallel import init_parallel
 
     if not torch.cuda.is_available():
@@ -26,8 +28,9 @@ def build_megatron(recipe: Any, role: str, model_path: str, *, forward_only: boo
 
         torch._dynamo.config.disable = True
         torch.set_num_threads(max(1, recipe.role(role).cpus_per_task))
-    init_parallel(recipe.train.tp, recipe.train.pp, seed=recipe.train.seed, ep=recipe.train.ep)
+    cfg = role_train(recipe, role)  # the forward roles: their own TP/PP and token budget (recipe.forward)
+    init_parallel(cfg.tp, cfg.pp, seed=cfg.seed, ep=cfg.ep)
     temperature = recipe.rollout.temperature if recipe.rollout.temperature > 1e-6 else 1.0  # greedy: the engine uses T=1
-    return MegatronActor.from_hf(model_path, recipe.train, recipe.algorithm, temperature=temperature,
+    return MegatronActor.from_hf(model_path, cfg, recipe.algorithm, temperature=temperature,
                                  forward_only=forward_only, opd=recipe.opd,
                                  freeze_vision=recipe.model.freeze_vision)

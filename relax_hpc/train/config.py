@@ -35,6 +35,10 @@ class TrainConfig:
     adam_eps: float = 1e-8  # Adam denominator epsilon
     clip_grad: float = 1.0  # global gradient-norm clip (0: off)
     use_distributed_optimizer: bool = True  # shard optimizer state over data-parallel ranks (ZeRO-1)
+    # megatron-core's OptimizerConfig options of the same names (Relax's --optimizer-cpu-offload, ...; GPU only):
+    optimizer_cpu_offload: bool = False  # Adam's state and step on the host (HybridDeviceOptimizer, all of it); needs the next
+    use_precision_aware_optimizer: bool = False  # master weights as bf16 + 16-bit remainders; needs Transformer Engine and the distributed optimizer
+    overlap_cpu_optimizer_d2h_h2d: bool = False  # with optimizer_cpu_offload: copy grads/params to and from the host on side streams
     bf16: bool = False  # bf16 weights/activations with fp32 master weights (GPU); False: fp32 everywhere
     seed: int = DEFAULT_SEED  # seeds torch/numpy/python and Megatron's model-parallel RNG on every rank
     max_seq_len: int = 4096  # longest prompt+response accepted; longer samples are an error, not truncated
@@ -47,6 +51,8 @@ class TrainConfig:
     sequence_parallel: bool = False  # split the sequence over TP ranks outside attention/MLP (needs tp > 1)
     nonfinite: Literal["skip", "fail"] = "skip"  # NaN/inf loss, grad norm or training value: skip the update, or fail
     max_nonfinite_skips: int = 3  # consecutive optimizer steps skipped before the run fails; 0: fail at the first
+    balance_data: bool = False  # deal each mini-batch's samples to the DP ranks by token count, evenly (Relax's --balance-data); False: contiguous shares
+    offload: bool = False  # colocate: params, grads and optimizer state leave the device while engines generate (Relax's --offload-train)
 
 
 def check(cfg: TrainConfig) -> list[tuple[str, object, str]]:
@@ -108,6 +114,16 @@ def check(cfg: TrainConfig) -> list[tuple[str, object, str]]:
     need(0 <= cfg.adam_beta2 < 1, "adam_beta2", "must be in [0, 1). Fix: e.g. 0.98")
     need(cfg.adam_eps > 0, "adam_eps", "must be positive. Fix: e.g. 1e-8")
     need(cfg.clip_grad >= 0, "clip_grad", "must be 0 (off) or positive. Fix: e.g. 1.0")
+    # what megatron-core (OptimizerConfig, get_megatron_optimizer) and Megatron-LM's arguments require of them
+    need(not cfg.use_precision_aware_optimizer or cfg.use_distributed_optimizer, "use_precision_aware_optimizer",
+         "needs the distributed optimizer (megatron-core asserts it), and train.use_distributed_optimizer = False. "
+         "Fix: use_distributed_optimizer: true, or use_precision_aware_optimizer: false")
+    need(not cfg.optimizer_cpu_offload or cfg.use_precision_aware_optimizer, "optimizer_cpu_offload",
+         "needs train.use_precision_aware_optimizer: true (megatron's hybrid CPU optimizer runs on its code path; "
+         "Relax passes both). Fix: use_precision_aware_optimizer: true, or optimizer_cpu_offload: false")
+    need(not cfg.overlap_cpu_optimizer_d2h_h2d or cfg.optimizer_cpu_offload, "overlap_cpu_optimizer_d2h_h2d",
+         "overlaps the copies of the CPU optimizer, and train.optimizer_cpu_offload = False: it would do nothing. "
+         "Fix: optimizer_cpu_offload: true, or overlap_cpu_optimizer_d2h_h2d: false")
     need(cfg.nonfinite in ("skip", "fail"), "nonfinite",
          "must be skip or fail. Fix: skip (a non-finite step is not applied) or fail (it ends the run)")
     need(cfg.max_nonfinite_skips >= 0, "max_nonfinite_skips",

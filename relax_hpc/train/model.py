@@ -331,6 +331,34 @@ def _float16_module():
     return Float16Module
 
 
+def optimizer_config(cfg: TrainConfig, params_dtype):
+    """megatron-core's OptimizerConfig for ``train``: Adam (AdamW), and the optimizer offload keys under their own
+    names (Relax's --optimizer-cpu-offload, --overlap-cpu-optimizer-d2h-h2d, --use-precision-aware-optimizer).
+    The whole optimizer goes to the host with ``optimizer_cpu_offload`` (Megatron-LM's --optimizer-offload-fraction
+    default, 1.0; megatron-core's own default, 0.0, would offload nothing). GPU only: the recipe validator refuses
+    them on a CPU-only actor (:func:`relax_hpc.recipe.memory_plan.recipe_problems`)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    try:
+        return OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad, bf16=cfg.bf16, fp16=False, params_dtype=params_dtype,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
+            use_precision_aware_optimizer=cfg.use_precision_aware_optimizer,
+            optimizer_cpu_offload=cfg.optimizer_cpu_offload,
+            optimizer_offload_fraction=1.0 if cfg.optimizer_cpu_offload else 0.0,
+            overlap_cpu_optimizer_d2h_h2d=cfg.overlap_cpu_optimizer_d2h_h2d,
+        )
+    except (AssertionError, RuntimeError, TypeError) as e:  # its checks are asserts; without Transformer Engine a
+        # RuntimeError, or (megatron-core 0.16.1) a TypeError from its TE version check, even with the CPU offload
+        raise ValueError(f"megatron-core refuses the optimizer of train.use_precision_aware_optimizer = "
+                         f"{cfg.use_precision_aware_optimizer}, train.optimizer_cpu_offload = {cfg.optimizer_cpu_offload} "
+                         f"({type(e).__name__}: {e}): the precision-aware optimizer, and so the CPU offload that runs on "
+                         "its code path, needs Transformer Engine on the GPU nodes. Fix: tools/install --gpu --te, or "
+                         "train.use_precision_aware_optimizer: false and optimizer_cpu_offload: false") from e
+
+
 def wrap_ddp_and_optimizer(chunks: list, cfg: TrainConfig):
     """Megatron DDP around each chunk and the Megatron optimizer (DistributedOptimizer when configured).
 
@@ -339,7 +367,7 @@ def wrap_ddp_and_optimizer(chunks: list, cfg: TrainConfig):
     loss scaler into the model config, as Megatron's training loop does.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.utils import get_model_config
 
     ddp_cfg = DistributedDataParallelConfig(
@@ -351,13 +379,7 @@ def wrap_ddp_and_optimizer(chunks: list, cfg: TrainConfig):
         DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0)
         for i, c in enumerate(chunks)
     ]
-    opt_cfg = OptimizerConfig(
-        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-        clip_grad=cfg.clip_grad, bf16=cfg.bf16, fp16=False, params_dtype=config.params_dtype,
-        use_distributed_optimizer=cfg.use_distributed_optimizer,
-    )
-    optimizer = get_megatron_optimizer(opt_cfg, model)
+    optimizer = get_megatron_optimizer(optimizer_config(cfg, config.params_dtype), model)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync

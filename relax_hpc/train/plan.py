@@ -174,7 +174,7 @@ class TrainPlan:
 
 
 def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int = 1, seed: int = 0,
-               step: int = 0, dp: int = 1, dp_rank: int = 0, opd: Any = None) -> TrainPlan:
+               step: int = 0, dp: int = 1, dp_rank: int = 0, opd: Any = None, balance: bool = False) -> TrainPlan:
     """The actor's batch (:mod:`relax_hpc.train.batch`) from the columns of :func:`read_columns`: the
     step's samples split into ``k`` mini-batches (:func:`mini_batch_order`), each cut into ``dp`` shares.
 
@@ -189,23 +189,33 @@ def train_plan(cols: dict[str, Any], algo_cfg: Any, group_size: int, *, k: int =
     and ``teacher_log_probs`` columns (:func:`~relax_hpc.algo.advantages.finish_advantages`). Only this rank's
     samples become tensors: tokens, response_start, loss_mask, advantages and rollout_log_probs as views,
     plus ``ref_log_probs`` / ``old_log_probs`` / ``teacher_log_probs`` from the ``ref_log_probs`` / ``log_probs`` /
-    ``teacher_log_probs`` columns.
+    ``teacher_log_probs`` columns. ``balance`` (``train.balance_data``): each mini-batch is dealt to the ranks
+    by :func:`~relax_hpc.train.batch.balanced_shares` (even token counts, the same share sizes) instead of in
+    contiguous runs; the loss weights come from the mini-batch's statistics, so the update is the same sum either
+    way. ``perf/dp_token_imbalance`` (the deal used) and ``perf/dp_token_imbalance_contiguous`` (the contiguous
+    one) are the largest :func:`~relax_hpc.train.batch.token_imbalance` over the step's mini-batches.
 
     Raises :class:`UnsoundTrainData` where a value is not fit to train on: the columns (:func:`check_train_columns`,
     before any tensor), then R̃ and the advantages built from them (float32 overflow in a group's statistics)."""
-    from relax_hpc.train.batch import GlobalStats, Share, dp_shard
+    from relax_hpc.train.batch import GlobalStats, Share, balanced_shares, dp_shard, token_imbalance
 
     check_train_columns(cols)
     rewards, adv, opd_metrics = _advantages(cols, algo_cfg, group_size, opd)
     mask: Ragged = cols["loss_mask"]
     loss_tokens = _row_sums(mask)
     seq_lens = cols["tokens"].lengths()
-    shares = []
+    shares, used, contiguous = [], 1.0, 1.0
     for part in mini_batch_order(len(rewards), k, seed, step):
         stats = GlobalStats(n=len(part), loss_tokens=float(loss_tokens[part].sum()),
                             max_seq_len=int(seq_lens[part].max()) if len(part) else 0)
-        shares.append(Share([_sample(cols, adv, int(i)) for i in dp_shard(part, dp, dp_rank)], stats))
-    return TrainPlan(shares, {**_reward_metrics(cols, rewards, group_size), **opd_metrics})
+        lens = [int(seq_lens[i]) for i in part]
+        plain = [dp_shard(range(len(part)), dp, r) for r in range(dp)]
+        deal = balanced_shares(lens, dp) if balance else plain
+        contiguous = max(contiguous, token_imbalance(lens, plain))
+        used = max(used, token_imbalance(lens, deal))
+        shares.append(Share([_sample(cols, adv, int(part[j])) for j in deal[dp_rank]], stats))
+    balance_metrics = {"perf/dp_token_imbalance": used, "perf/dp_token_imbalance_contiguous": contiguous}
+    return TrainPlan(shares, {**_reward_metrics(cols, rewards, group_size), **opd_metrics, **balance_metrics})
 
 
 def _advantages(cols: dict[str, Any], algo_cfg: Any, group_size: int, opd: Any = None) -> tuple[Any, Any, dict]:

@@ -47,6 +47,7 @@ NOT_IN_THE_QUICKSTART = {
     r"rollout/removed_samples_ratio": "no sample filter",
     r"rollout/passrate/.*": "no rollout.log_passrate",
     r"rollout/segments_per_rollout": "no custom generate function",
+    r"perf/train_(offload_bytes|offload_time|reload_time)": "no trainer offload (train.offload)",
     r"rollout/(turns|env_tokens_ratio|env_failures|truncated_turns|truncated_by/.*|truncated_observations)":
         "no multi-turn environment",
 }

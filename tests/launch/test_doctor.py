@@ -150,6 +150,19 @@ def test_a_run_dir_that_does_not_exist_is_refused_naming_it(tmp_path, capsys, mo
     assert doctor.main(["--json"]) == 1 and (tmp_path / "runs").is_dir()
 
 
+
+def test_the_cuda_line_gives_the_memory_plans_card_size():
+    """The cards' total bytes as torch reports them (an H100 80GB: 85,520,809,984) become the recipe line for
+    slurm.gpu_memory_gb, in GiB rounded down, the smallest card's (a plan that fits it fits every card); a GPU
+    node's cuda check ends with it."""
+    import torch
+
+    assert doctor.gpu_memory_key([85_520_809_984] * 8) == "recipe: slurm.gpu_memory_gb: 79.6"
+    assert doctor.gpu_memory_key([85_520_809_984, 25_769_803_776]) == "recipe: slurm.gpu_memory_gb: 24"
+    assert "unknown" in doctor.gpu_memory_key([])
+    if torch.cuda.is_available():
+        assert "slurm.gpu_memory_gb: " in doctor.check_cuda().detail
+
 @pytest.mark.slurm
 def test_two_nodes_on_the_dev_cluster(slurm_cluster, tmp_path, capsys):
     """One task per node (srun); every node sees the run directory's probe as the same file; a bad

@@ -36,7 +36,7 @@ def comp(offset, state, reason=None, nodes="node1"):
 
 
 def with_comps(monkeypatch, *comps):
-    monkeypatch.setattr(status.slurm, "job_components", lambda job_id, name=None: list(comps))
+    monkeypatch.setattr(status.slurm, "job_components", lambda job_id, name=None, submitted_at=None: list(comps))
 
 
 def test_slurm_running_joins_state_json(tmp_path, monkeypatch):
@@ -135,7 +135,7 @@ def test_slurm_forgot_the_job(tmp_path, monkeypatch):
 def test_slurm_unreachable(tmp_path, monkeypatch):
     rd = run_dir(tmp_path)
 
-    def boom(job_id, name=None):
+    def boom(job_id, name=None, submitted_at=None):
         raise status.slurm.SlurmError("squeue: not found")
     monkeypatch.setattr(status.slurm, "job_components", boom)
     info = status.collect(rd)

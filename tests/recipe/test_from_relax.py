@@ -29,14 +29,16 @@ def test_split_flags():
 def test_flags_land_on_their_keys_with_their_types():
     data, notes = convert(SCRIPT)
     assert data["model"]["path"] == "/models/Qwen3-4B" and data["data"]["input_key"] == "prompt"
-    assert data["train"] == {"num_steps_per_rollout": 4, "lr": 1e-6, "tp": 2, "max_seq_len": 8192 + 4096}
+    assert data["train"] == {"num_steps_per_rollout": 4, "lr": 1e-6, "tp": 2, "bf16": True, "max_seq_len": 8192 + 4096}
     assert data["rollout"]["stop"] == ["</answer>", "STOP"] and data["mode"] == "fully_async"
-    assert data["algorithm"] == {"eps_clip_high": 0.28, "use_kl_loss": True}
+    assert data["algorithm"] == {"eps_clip_high": 0.28}  # --use-kl-loss at Relax's kl_loss_coef 0: a term of 0
+    assert any(n.startswith("--use-kl-loss: left out, as --kl-loss-coef is 0") for n in notes)
     assert data["rollout"]["dynamic_sampling_filter_path"] == "relax_hpc.rollout.dynamic.check_reward_nonzero_std"
     assert data["roles"]["actor"] == {"nodes": 1, "gpus_per_node": 8, "tasks_per_node": 8}
+    assert data["roles"]["rollout"] == {"nodes": 1, "gpus_per_node": 8, "tasks_per_node": 8}  # 8 engines of 1 GPU
     assert data["data"]["label_key"] is None  # Relax's default, which differs from relax_hpc's
     said = "\n".join(notes)
-    for flag in ("--rollout-num-gpus 8", "--num-epoch 3", "--wandb-project x"):
+    for flag in ("--num-epoch 3", "--wandb-project x"):
         assert flag in said  # not carried over, and said so
     assert "train.max_seq_len: 12288 = --rollout-max-response-len + 4096 tokens of prompt" in said
 
@@ -100,10 +102,10 @@ def test_memory_flags_land_on_the_train_keys():
     data, notes = convert("--tensor-model-parallel-size 2 --sequence-parallel --recompute-granularity full "
                           "--recompute-method block --recompute-num-layers 2 --actor-num-gpus-per-node 2".split())
     assert data["train"] == {"tp": 2, "sequence_parallel": True, "recompute": "full", "recompute_method": "block",
-                             "recompute_num_layers": 2}
+                             "recompute_num_layers": 2, "bf16": True}
     assert _validates(data) == []
-    assert convert(["--recompute-activations"])[0]["train"] == {"recompute": "selective"}  # Megatron's older flag
-    assert convert(["--recompute-granularity", "selective"])[0]["train"] == {"recompute": "selective"}
+    assert convert(["--recompute-activations"])[0]["train"]["recompute"] == "selective"  # Megatron's older flag
+    assert convert(["--recompute-granularity", "selective"])[0]["train"]["recompute"] == "selective"
 
 
 def test_sequence_parallel_without_tp_is_left_out_as_megatron_does():
@@ -117,15 +119,16 @@ def test_token_budgets_carry_over_only_with_dynamic_batch_size():
     """Relax reads --max-tokens-per-gpu and --log-probs-max-tokens-per-gpu only with --use-dynamic-batch-size."""
     budgets = ["--max-tokens-per-gpu", "16384", "--log-probs-max-tokens-per-gpu", "32768"]
     data, notes = convert(["--use-dynamic-batch-size", *budgets])
-    assert data["train"] == {"max_tokens_per_micro_batch": 16384, "logprob_max_tokens_per_micro_batch": 32768}
+    assert data["train"] == {"max_tokens_per_micro_batch": 16384, "logprob_max_tokens_per_micro_batch": 32768,
+                             "bf16": True}
     assert not [n for n in notes if "tokens" in n] and _validates(data) == []
     data, notes = convert(budgets)  # no switch: Relax batches by --micro-batch-size and ignores the budgets
-    assert "train" not in data
+    assert data["train"] == {"bf16": True}
     said = "\n".join(notes)
     for flag in ("--max-tokens-per-gpu 16384", "--log-probs-max-tokens-per-gpu 32768"):
         assert f"{flag}: Relax reads it only with --use-dynamic-batch-size; left out" in said
     data, notes = convert(["--use-dynamic-batch-size"])  # Relax refuses the switch without a budget
-    assert "train" not in data
+    assert data["train"] == {"bf16": True}
     assert any("--use-dynamic-batch-size: without --max-tokens-per-gpu" in n and "train.max_tokens_per_micro_batch"
                in n for n in notes)
     data, _ = convert(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "2048"])  # below train.max_seq_len
@@ -148,17 +151,26 @@ def test_dynamic_batch_size_drops_the_sample_count_and_keeps_a_guessed_max_seq_l
     data, notes = convert(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216", "--rollout-max-response-len",
                            "8192", "--micro-batch-size", "4"])
     tr = data["train"]
-    assert tr == {"max_tokens_per_micro_batch": 9216, "max_seq_len": 9216}
+    assert tr == {"max_tokens_per_micro_batch": 9216, "bf16": True, "max_seq_len": 9216}
     assert any(n.startswith("--micro-batch-size: left out") for n in notes)
     assert any(n.startswith("train.max_seq_len: 9216 = the token budget") for n in notes)
     assert check(TrainConfig(**tr)) == []
 
 
-def test_offload_rollout_hands_the_engines_memory_over():
+def test_offload_flags_land_on_the_engines_and_the_actor():
+    """--offload-rollout: the engines hand their memory over; --offload-train: the actor does (train.offload);
+    --offload: both; --colocate implies both in Relax, so the recipe says so unless the script says otherwise."""
     data, notes = convert(["--colocate", "--offload-rollout"])
     assert data["rollout"]["engine"]["offload"] is True and data["mode"] == "colocate", data
     data, notes = convert(["--offload-train"])
-    assert "engine" not in (data.get("rollout") or {}) and any("--offload-train: not supported" in n for n in notes)
+    assert "engine" not in (data.get("rollout") or {}) and data["train"]["offload"] is True
+    data, _ = convert(["--offload"])
+    assert data["rollout"]["engine"]["offload"] is True and data["train"]["offload"] is True
+    data, notes = convert(["--colocate"])
+    assert data["rollout"]["engine"]["offload"] is True and data["train"]["offload"] is True
+    assert any(n.startswith("train.offload: true, as Relax's --colocate implies") for n in notes)
+    data, _ = convert(["--fully-async"])
+    assert "engine" not in (data.get("rollout") or {}) and "offload" not in data["train"]
 
 
 def test_wandb_flags_land_in_logging_wandb_only_with_use_wandb():
@@ -236,3 +248,111 @@ def test_one_quoted_string_of_flags_is_split_as_the_shell_would(capsys):
     assert submit_main(["--from-relax-args", "--lr '1e-6"]) == 2  # an unclosed quote: refused, named
     assert "cannot split" in capsys.readouterr().err
     assert submit_main(["--from-relax-args"]) == 2 and "no flags given" in capsys.readouterr().err
+
+
+def test_resource_sizes_every_role_and_the_engines():
+    """Relax's --resource {role: [1, GPUs]} on nodes of --num-gpus-per-node (8): one rank per GPU for the Megatron
+    roles, one task per engine for rollout (TP = --rollout-num-gpus-per-engine). Before, the actor got one rank and
+    a TP-2 recipe was refused."""
+    data, notes = convert(["--resource", '{"actor": [1, 16], "rollout": [1, 8], "reference": [1, 2]}',
+                           "--rollout-num-gpus-per-engine", "4", "--tensor-model-parallel-size", "2", "--fully-async"])
+    roles = data["roles"]
+    assert roles["actor"] == {"nodes": 2, "gpus_per_node": 8, "tasks_per_node": 8}
+    assert roles["rollout"] == {"nodes": 1, "gpus_per_node": 8, "tasks_per_node": 2}  # 2 engines of TP 4
+    assert roles["reference"] == {"enabled": True, "nodes": 1, "gpus_per_node": 2, "tasks_per_node": 2}
+    assert _validates(data) == []
+    data, _ = convert(["--resource", '{"actor": [1, 8], "rollout": [1, 8]}', "--colocate",
+                       "--rollout-num-gpus-per-engine", "2", "--tensor-model-parallel-size", "2"])
+    assert data["roles"]["rollout"] == {"share_with": "actor", "gpus_per_node": 8, "tasks_per_node": 4}
+    assert _validates(data) == []
+    data, _ = convert(["--resource", '{"actor": [1, 4]}', "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8"])
+    assert data["roles"]["actor"] == {"nodes": 2, "gpus_per_node": 8, "tasks_per_node": 8}  # the flags win, as in Relax
+    data, _ = convert(["--resource", '{"actor": [1, 4]}', "--num-gpus-per-node", "2"])
+    assert data["roles"]["actor"] == {"nodes": 2, "gpus_per_node": 2, "tasks_per_node": 2}
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--resource", '{"actor": [1, 12]}'], "12 GPUs do not fill whole nodes of 8"),
+    (["--resource", '{"actor": [2, 8]}'], "2 replicas"),
+    (["--resource", "{actor: 8}"], "not JSON"),
+    (["--resource", '{"actor": [1, 8], "rollout": [1, 8]}', "--rollout-num-gpus-per-engine", "3"],
+     "an engine must fit on one node's 8 GPUs"),
+    (["--resource", '{"rollout": [1, 16]}', "--rollout-num-gpus-per-engine", "16"], "a divisor of 8"),
+])
+def test_a_resource_relax_hpc_cannot_lay_out_is_refused_naming_the_fix(argv, said):
+    with pytest.raises(ValueError, match=said):
+        convert(argv)
+
+
+def test_ref_actor_config_gives_the_forward_roles_their_own_layout():
+    """--ref-actor-config (Relax's overrides for reference and actor_fwd) becomes forward.*; the recipe validates with
+    forward roles narrower than the actor (TP 1 against the actor's TP 2) and their own token budget."""
+    cfg = '{"tensor_model_parallel_size": 1, "max_tokens_per_gpu": 16384, "sequence_parallel": false, ' \
+          '"only_load_weight": true, "recompute_granularity": "full"}'
+    data, notes = convert(["--resource", '{"actor": [1, 4], "rollout": [1, 2], "reference": [1, 1], '
+                           '"actor_fwd": [1, 1]}', "--ref-actor-config", cfg, "--fully-async",
+                           "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-dynamic-batch-size",
+                           "--max-tokens-per-gpu", "9216"])
+    assert data["forward"] == {"tp": 1, "max_tokens_per_micro_batch": 16384, "sequence_parallel": False}
+    assert any(n.startswith("--ref-actor-config only_load_weight: always so") for n in notes)
+    assert any(n.startswith("--ref-actor-config recompute_granularity: not supported") for n in notes)
+    r = recipe_from_dict(data)
+    assert (r.train.tp, r.forward.tp, r.roles.reference.tasks_per_node) == (2, 1, 1)
+    data, notes = convert(["--ref-actor-config", cfg, "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216"])
+    assert "forward" not in data and any("no reference or actor_fwd in --resource" in n for n in notes)
+    with pytest.raises(ValueError, match="not JSON"):
+        convert(["--resource", '{"reference": [1, 1]}', "--ref-actor-config", "{tp: 1}"])
+
+
+def test_sglang_flags_become_the_engines_own_arguments():
+    data, notes = convert(["--sglang-mem-fraction-static", "0.8", "--sglang-enable-deterministic-inference",
+                           "--sglang-router-policy", "round_robin"])
+    assert data["rollout"]["engine"] == {"kind": "sglang", "args": ["--mem-fraction-static", "0.8",
+                                                                    "--enable-deterministic-inference"]}
+    assert any(n.startswith("--sglang-router-policy round_robin: not in relax_hpc's table") for n in notes)
+
+
+# The flags issue #39 lists from Relax's Qwen3-4B scripts: each maps to a key or is named with the reason
+ISSUE_FLAGS = [["--calculate-per-token-loss"], ["--use-dynamic-batch-size", "--log-probs-max-tokens-per-gpu", "8192"],
+               ["--use-streaming-dataset"], ["--streaming-buffer-size", "10000"], ["--use-fault-tolerance"],
+               ["--use-health-check"], ["--attention-backend", "flash"], ["--accumulate-allreduce-grads-in-fp32"],
+               ["--attention-softmax-in-fp32"], ["--warm-hf-checkpoint-page-cache"],
+               # megatron-core needs them together (Relax's scripts pass the three)
+               ["--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer"],
+               ["--megatron-to-hf-mode", "raw"], ["--use-clearml"], ["--use-metrics-service"],
+               ["--tb-project-name", "p"], ["--tb-experiment-name", "e"], ["--balance-data"],
+               ["--num-iters-per-train-update", "8"]]
+
+
+@pytest.mark.parametrize("argv", ISSUE_FLAGS, ids=lambda a: a[-1] if a[-1].startswith("--") else a[-2])
+def test_each_flag_of_relax_s_scripts_maps_to_a_key_or_is_named_with_the_reason(argv):
+    data, notes = convert(argv)
+    data.pop("data"), data["train"].pop("bf16")  # what every conversion writes (Relax's defaults)
+    if not data["train"]:
+        del data["train"]
+    flag = argv[-1] if argv[-1].startswith("--") else argv[-2]
+    named = [n for n in notes if n.startswith(flag)]
+    assert bool(data) != bool(named), (data, named)  # a key, or a note: never both, never neither
+    if named:
+        reason = named[0].split(": ", 1)[1]
+        assert "not in relax_hpc's table" not in reason and reason.split(";")[0] not in ("", "not supported yet")
+        assert any(w in reason for w in ("not needed", "not supported", "always", "relax_hpc")), reason
+    on_gpus = {"roles": {"actor": {"gpus_per_node": 8, "tasks_per_node": 8}}}  # the optimizer's offload needs GPUs
+    assert _validates({**data, **on_gpus}) == []
+
+
+def test_a_kl_term_gets_a_reference_role_and_a_zero_one_is_left_out():
+    base = ["--resource", '{"actor": [1, 8], "rollout": [1, 8]}', "--colocate", "--use-kl-loss"]
+    data, notes = convert([*base, "--kl-loss-coef", "0.01"])
+    assert data["algorithm"] == {"use_kl_loss": True, "kl_loss_coef": 0.01}
+    assert data["roles"]["reference"] == {"enabled": True, "share_with": "actor", "gpus_per_node": 8,
+                                          "tasks_per_node": 8}
+    assert _validates(data) == []
+    data, notes = convert([*base, "--kl-loss-coef", "0.00", "--kl-loss-type", "low_var_kl"])
+    assert "algorithm" not in data and "reference" not in data["roles"]
+
+
+def test_relax_trains_in_bf16_unless_told_fp16():
+    assert convert([])[0]["train"] == {"bf16": True}
+    data, notes = convert(["--fp16"])
+    assert "bf16" not in data.get("train", {}) and any(n.startswith("--fp16: not supported yet") for n in notes)

@@ -108,6 +108,14 @@ def test_colocate_is_on_policy():
     assert recipe_from_dict({"mode": "fully_async", "max_staleness": 2}).max_staleness == 2
 
 
+def test_kl_loss_without_a_reference_is_refused_before_the_queue():
+    """The controller refused it too, but only once the job had started."""
+    msg = problems({"algorithm": {"use_kl_loss": True}})["algorithm.use_kl_loss"]
+    assert "roles.reference.enabled: true" in msg and "Fix:" in msg
+    ok = recipe_from_dict({"algorithm": {"use_kl_loss": True}, "roles": {"reference": {"enabled": True}}})
+    assert ok.algorithm.use_kl_loss
+
+
 def test_section_checks_are_prefixed():
     p = problems({"train": {"lr": -1.0}, "algorithm": {"eps_clip": 2.0}})
     assert "train.lr" in p and "algorithm.eps_clip" in p

@@ -99,7 +99,7 @@ def multi_run(tiny_models, tmp_path_factory) -> dict:
         "equal_pp2": ["equal", dict(EQUAL_ARGS, hf=tiny_models["qwen3"], layout={"tp": 1, "pp": 2},
                                     variants={"packed": PACKED_VARIANTS["packed"]})],
         "equal_dp2": ["equal", dict(EQUAL_ARGS, hf=tiny_models["qwen3"], layout={"tp": 1},
-                                    variants={"packed": PACKED_VARIANTS["packed"]})],
+                                    variants={"packed": PACKED_VARIANTS["packed"], "balanced": {"balance_data": True}})],
     }
     res = run_job("suite", jobs, nproc=2, out_dir=root, timeout=480)
     res["ckpt_root"] = str(root)

@@ -128,3 +128,9 @@ def test_keys_that_packing_or_recompute_would_ignore_are_refused_by_name():
     assert keys(recompute="full", recompute_method="block", recompute_num_layers=2) == set()
     (_, value, msg), = check(TrainConfig(max_tokens_per_micro_batch=8192, micro_batch_size=4))
     assert value == 4 and "max_tokens_per_micro_batch = 8192" in msg and "Fix:" in msg
+
+
+def test_balanced_data_trains_as_the_contiguous_shares_at_dp2(multi_run):
+    """train.balance_data deals the global batch to the two DP ranks by token count: a different split (the
+    8 samples' lengths spread 4–40), the same update (every sample once, weights from the global statistics)."""
+    _check_equal(part(multi_run, "equal_dp2"), "balanced")

@@ -269,3 +269,38 @@ def test_teacher_log_probs_come_for_every_response_token_of_every_sample_or_not_
     with pytest.raises(P.UnsoundTrainData, match=r"teacher_log_probs of sample 3 \(index 3\) is 2.0: that many values "
                                                  r"for a response of 3 tokens"):
         P.train_plan({**good, "teacher_log_probs": cut}, AlgorithmConfig(), 2)
+
+
+def test_balanced_shares_even_the_tokens_with_the_contiguous_share_sizes():
+    from relax_hpc.train.batch import balanced_shares, dp_shard, token_imbalance
+
+    lens = [40, 38, 35, 30, 6, 5, 5, 4, 4, 3]  # long-tailed and sorted: contiguous halves are as uneven as it gets
+    plain = [dp_shard(range(len(lens)), 2, r) for r in range(2)]
+    deal = balanced_shares(lens, 2)
+    assert [len(x) for x in deal] == [len(x) for x in plain]  # the share sizes the ranks expect
+    assert sorted(i for x in deal for i in x) == list(range(len(lens)))  # each sample once
+    assert token_imbalance(lens, plain) > 1.6 and token_imbalance(lens, deal) < 1.02
+    assert balanced_shares(lens, 2) == deal  # every rank computes the same deal
+    three = balanced_shares([5, 1, 1, 1, 1, 1, 1], 3)  # room runs out: sizes 3, 2, 2 as dp_shard's
+    assert [len(x) for x in three] == [3, 2, 2] and sorted(sum(three, [])) == list(range(7))
+    assert balanced_shares([7], 2) == [[0], []] and token_imbalance([], [[], []]) == 1.0
+
+
+def test_train_plan_balances_each_mini_batch_and_reports_the_imbalance(tmp_path):
+    """train.balance_data through the actor's plan: same samples and statistics per mini-batch, a lower
+    perf/dp_token_imbalance than the contiguous deal it also reports; off, the shares are the contiguous ones."""
+    ref = write_step(tmp_path, 1, _bigger(8, 2))
+    cols = P.read_train_columns([ref])
+    cfg = AlgorithmConfig()
+    on = [P.train_plan(cols, cfg, 2, k=2, seed=9, step=4, dp=2, dp_rank=r, balance=True) for r in (0, 1)]
+    off = [P.train_plan(cols, cfg, 2, k=2, seed=9, step=4, dp=2, dp_rank=r) for r in (0, 1)]
+    for j in range(2):
+        got = sorted(tuple(s.tokens.tolist()) for p in on for s in p.shares[j].samples)
+        want = sorted(tuple(s.tokens.tolist()) for p in off for s in p.shares[j].samples)
+        assert got == want and on[0].shares[j].stats == off[0].shares[j].stats
+        assert [len(p.shares[j].samples) for p in on] == [len(p.shares[j].samples) for p in off]
+    m_on, m_off = on[0].metrics, off[0].metrics
+    assert m_on["perf/dp_token_imbalance_contiguous"] == m_off["perf/dp_token_imbalance_contiguous"] > 1.0
+    assert m_off["perf/dp_token_imbalance"] == m_off["perf/dp_token_imbalance_contiguous"]
+    assert m_on["perf/dp_token_imbalance"] < m_on["perf/dp_token_imbalance_contiguous"]
+    assert on[0].metrics == on[1].metrics
