@@ -105,6 +105,55 @@ def test_pins_only_in_requirements_pins():
         assert "==" not in line, f"setup.cfg pins {line!r}: requirements-pins.txt does"
 
 
+def _pins() -> dict[str, str]:
+    out = {}
+    for line in (REPO / "requirements-pins.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            out[canonicalize_name(name)] = version
+    return out
+
+
+def _pin_problems(pins: dict[str, str]) -> tuple[int, list[str]]:
+    """(ranges checked, pins outside a range) over what megatron-core's and megatron-bridge's metadata declare."""
+    from packaging.version import Version
+
+    checked, bad = 0, []
+    for owner in ("megatron-core", "megatron-bridge"):
+        for text in md.requires(owner) or []:
+            req = Requirement(text)
+            name = canonicalize_name(req.name)
+            if name in pins and req.specifier:
+                checked += 1
+                if Version(pins[name]) not in req.specifier:
+                    bad.append(f"{name}=={pins[name]} is outside {owner} {pins[owner]}'s {req}")
+    return checked, bad
+
+
+def test_the_pins_satisfy_what_the_pinned_packages_declare():
+    """Each pin is inside every range the other pinned packages' own metadata declares for it (extras included:
+    megatron-core's dev extra and megatron-bridge both name Transformer Engine), so the pinned set is one that
+    its makers allow; TE 2.12.0 (the pin before) is caught."""
+    pins = _pins()
+    for owner in ("megatron-core", "megatron-bridge"):
+        assert md.version(owner) == pins[owner], f"{owner}: installed {md.version(owner)}, pinned {pins[owner]}"
+    checked, bad = _pin_problems(pins)
+    assert checked >= 3 and not bad, bad  # TE from both, torch from megatron-core at least
+    _, old = _pin_problems({**pins, "transformer-engine": "2.12.0"})
+    assert len(old) == 1 and "megatron-core" in old[0], old
+
+
+def test_tools_install_pins_nothing_by_hand():
+    """tools/install takes versions from requirements-pins.txt (`pin NAME` or `-c`), never a literal `pkg==x`."""
+    import re
+
+    text = (REPO / "tools" / "install").read_text()
+    literal = [m.group(0) for m in re.finditer(r"\b(triton|transformer-engine|torch|sglang|megatron-\w+)==[0-9][\w.]*",
+                                                    text)]
+    assert not literal, f"tools/install pins by hand: {literal} (put them in requirements-pins.txt)"
+
+
 def _source_tree(dest: Path) -> Path:
     """What the wheel is built from (setup.cfg, pyproject.toml, README.md, relax_hpc/), copied: the build leaves
     nothing in the checkout (build/, egg-info) and sees no file outside the package."""

@@ -51,8 +51,8 @@ SGLANG_KEY_ENV = "RELAX_SGLANG_API_KEY"  # SGLang's, turned into --api-key insid
 SGLANG_LAUNCHER = (
     "import os, runpy, sys\n"
     f"key = os.environ.pop({SGLANG_KEY_ENV!r}, None)\n"
-    "if key:\n"
-    "    sys.argv += ['--api-key', key]\n"
+    "if key:\n"  # one `--api-key=KEY` word: a key starting with '-' (token_urlsafe: 1 in 64) is not an option
+    "    sys.argv.append('--api-key=' + key)\n"
     "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)\n")
 _PORT_IN_USE = ("address already in use", "errno 98", "port is in use", "already in use")
 
@@ -88,6 +88,8 @@ def _masked(command: Sequence[str]) -> str:
             out[-1] = "-m sglang.launch_server (through relax_hpc's launcher: the API key from the environment)"
         elif out and out[-1] == "--api-key":
             out.append("***")
+        elif c.startswith("--api-key="):
+            out.append("--api-key=***")
         else:
             out.append(c)
     return " ".join(out)

@@ -84,7 +84,7 @@ def test_sglang_gets_the_key_through_its_environment_never_its_command_line(tmp_
             assert h.alive() and time.monotonic() < deadline, h.log_tail()
             time.sleep(0.05)
         seen = json.loads(out.read_text())
-        assert seen["argv"][-2:] == ["--api-key", KEY] and seen["argv"][:2] == ["--model-path", str(tmp_path)]
+        assert seen["argv"][-1] == f"--api-key={KEY}" and seen["argv"][:2] == ["--model-path", str(tmp_path)]
         assert "--x" in seen["argv"] and not seen["key_in_env"]  # taken out before SGLang starts its processes
         cmdline = Path(f"/proc/{h.pid}/cmdline").read_bytes().decode(errors="replace")
         assert "sglang.launch_server" in cmdline and KEY not in cmdline

@@ -52,7 +52,7 @@ def sglang_python() -> str:
     return python
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one SGLang app for the requests and the responses tests (each take() clears)
 def recorder(sglang_python, tmp_path_factory):
     d = tmp_path_factory.mktemp("sglang-recorder")
     key = "relax-contract-key"

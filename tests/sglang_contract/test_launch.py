@@ -24,8 +24,10 @@ def sglang_recipes() -> list[str]:
     return sorted(p.name for p in RECIPES.glob("*.yaml") if "kind: sglang" in p.read_text())
 
 
-def launch(sglang_python, tmp_path, monkeypatch, recipe_name: str, overrides=()) -> tuple[int, dict, object, str]:
-    """Start the rollout engine of ``recipe_name`` as the engine role does; SGLang's parser reads its arguments."""
+def launch(sglang_python, tmp_path, monkeypatch, recipe_name: str, overrides=(),
+           key: str | None = None) -> tuple[int, dict, object, str]:
+    """Start the rollout engine of ``recipe_name`` as the engine role does; SGLang's parser reads its arguments.
+    ``key``: the run's API key (else the run makes one, as a run does)."""
     from relax_hpc.roles import engine as engine_role
     from relax_hpc.roles import engine_host
 
@@ -39,6 +41,8 @@ def launch(sglang_python, tmp_path, monkeypatch, recipe_name: str, overrides=())
     recipe = load_recipe(RECIPES / recipe_name, list(overrides))
     run = RunDir(tmp_path / "run")
     run.logs.mkdir(parents=True, exist_ok=True)
+    if key is not None:
+        run.api_key_file.write_text(key + "\n")
     h = engine_host.start_node_engine(run, recipe.roles.rollout, recipe.model.path, name="engine0", local=True,
                                       local_rank=0, seed=recipe.run.seed, sglang_args=engine_role._sglang_args(recipe),
                                       kind=recipe.rollout.engine.kind)
@@ -76,3 +80,13 @@ def test_misspelled_flag_fails(sglang_python, tmp_path, monkeypatch):
                          ['rollout.engine.args=["--mem-fractoin-static", "0.8"]'])
     assert rc == 2 and a == {}
     assert "unrecognized arguments: --mem-fractoin-static 0.8" in h.log_tail(5)
+
+
+def test_api_key_starting_with_a_dash_reaches_sglang(sglang_python, tmp_path, monkeypatch):
+    """The run's key is ``secrets.token_urlsafe``: 1 in 64 begins with '-'. The launcher hands it over as one
+    ``--api-key=KEY`` word; as two words SGLang's parser took such a key for an option and refused to start
+    ("argument --api-key: expected one argument"), the flake of this file's launch tests."""
+    name = sglang_recipes()[0]
+    rc, a, h, key = launch(sglang_python, tmp_path, monkeypatch, name, key="-k3y-" + "x" * 38)
+    assert key.startswith("-") and rc == 0, h.log_tail(5)
+    assert a["api_key"] == key and not a["key_on_cmdline"]

@@ -94,22 +94,44 @@ def test_gpu_check_plan_and_no_cuda(gc, tmp_path):
     assert not site.exists()
 
 
+def stand_in_sglang(root: Path, version: str) -> Path:
+    """An interpreter that has SGLang ``version`` installed (its metadata only) and sets its own PYTHONPATH, as an
+    SGLang venv's python: what the sglang stage finds, wraps and hands the SGLang tests (which skip without CUDA)."""
+    info = root / "site" / f"sglang-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+    py = root / "python"
+    py.write_text(f'#!/bin/sh\nPYTHONPATH={root / "site"} exec {sys.executable} "$@"\n')
+    py.chmod(0o755)
+    return py
+
+
 def test_gpu_check_cpu_dry_run_every_stage_and_the_bench(gc, tmp_path):
     """Every stage of gpu-check on this CPU (the bench at its smoke shape), then the docs table from its result."""
     empty, out = tmp_path / "wheels", tmp_path / "out"
     empty.mkdir()
-    p = run(GPU_CHECK, "--cpu-dry-run", "--wheels", empty, "--site", tmp_path / "site", "--out", out, timeout=300)
+    sgl = stand_in_sglang(tmp_path / "sgl", gc.sglang_pin())
+    p = run(GPU_CHECK, "--cpu-dry-run", "--wheels", empty, "--site", tmp_path / "site", "--out", out,
+            "--sglang-python", sgl, "--sglang-site", tmp_path / "sglang-site", timeout=300)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     res = json.loads((out / "gpu-check.json").read_text())
     assert res["ok"] and res["dry_run"]
-    assert [s["name"] for s in res["stages"]] == ["cuda", "wheels", "imports", "tests", "bench", "handover"]
+    assert [s["name"] for s in res["stages"]] == ["cuda", "wheels", "imports", "tests", "sglang", "bench", "handover"]
     stages = {s["name"]: s for s in res["stages"]}
     pins = {n: v for n, v, _, _ in gc.PINS}
     assert {n: stages["imports"]["detail"]["versions"][n] for n in pins} == pins
     cases = {c["id"].split("::")[-1]: c for c in stages["tests"]["detail"]["cases"]}
     assert all(cases[t]["status"] == "skipped" for t in NEW_GPU_TESTS)  # no CUDA here
+    # the sglang stage: the stand-in found, wrapped (no PYTHONPATH of ours), the SGLang tests run (skipped: no CUDA)
+    g = stages["sglang"]["detail"]
+    assert g["available"] and g["version"] == gc.sglang_pin() and g["python"] == str(sgl)
+    assert "unset PYTHONPATH" in Path(g["wrapper"]).read_text()
+    assert {c["id"].split("::")[-1] for c in g["cases"]} == {
+        "test_generate_with_routed_experts", "test_release_and_resume_memory", "test_colocate_handover_by_cuda_ipc",
+        "test_weight_sync_over_nccl", "test_real_sglang_engine"}, g["cases"]
+    assert g["tests"] == g["skipped"] == 5
     assert {f.name for f in out.iterdir()} == {"gpu-check.json", "gpu-check.log", "actor_gpu.json", "handover_gpu.json",
-                                               "pytest-gpu.xml"}
+                                               "pytest-gpu.xml", "pytest-sglang.xml"}
     # the colocate step (tools/bench/handover_gpu.py): its parts within the step, the pushes' figures on one basis
     h = json.loads((out / "handover_gpu.json").read_text())
     st, push = h["step"], h["push"]
@@ -203,3 +225,38 @@ def test_pins_are_the_projects(gc):
             "antlr4-python3-runtime"} <= set(pins)
     assert pins["transformers"] < Version("5") and pins["huggingface-hub"] < Version("1")
     assert [n for n, _, kind, _ in gc.PINS if kind == "sdist"] == ["antlr4-python3-runtime"]
+
+
+def test_gpu_check_plan_lists_the_sglang_stage_and_its_budget(tmp_path):
+    sgl = stand_in_sglang(tmp_path / "sgl", "0.5.23")
+    p = run(GPU_CHECK, "--plan", "--sglang-python", sgl, "--sglang-reserve", "180")
+    assert p.returncode == 0, p.stderr
+    assert f"sglang: stage budget 180 s; SGLang 0.5.23 pinned; --sglang-python / RELAX_SGLANG_PYTHON: {sgl}, " \
+           "sglang 0.5.23" in p.stdout, p.stdout
+    assert "pytest -m gpu tests/engines/test_sglang_gpu.py tests/engines/test_launcher.py::test_real_sglang_engine" \
+        in p.stdout and "budget: 550 s (260 s kept for the bench, 180 s for the sglang stage)" in p.stdout
+
+
+def test_sglang_stage_without_sglang_says_so_or_fails_when_required(gc, tmp_path):
+    """No SGLang anywhere (no interpreter given, none in this python, no wheels): the stage passes saying why, runs
+    nothing; with --require-sglang it fails naming the fix."""
+    import argparse
+
+    a = argparse.Namespace(sglang_python=None, sglang_wheels=str(tmp_path / "none"), sglang_site=str(tmp_path / "s"),
+                           require_sglang=False)
+    log = gc.Log(tmp_path / "log")
+    got = gc.stage_sglang(a, {}, tmp_path, log, 60, dry=True)
+    assert got["available"] is False and "has no sglang" in got["why"] and "no sglang wheel in" in got["why"]
+    assert not (tmp_path / "s").exists() and not (tmp_path / "pytest-sglang.xml").exists()
+    a.require_sglang = True
+    with pytest.raises(gc.Failed, match="no SGLang here .*Fix: RELAX_SGLANG_PYTHON="):
+        gc.stage_sglang(a, {}, tmp_path, log, 60, dry=True)
+
+
+def test_only_the_nccl_skip_on_one_gpu_passes_the_sglang_stage(gc):
+    cases = [{"id": "e::test_generate_with_routed_experts", "status": "passed", "why": None},
+             {"id": "e::test_weight_sync_over_nccl", "status": "skipped", "why": "needs 2 GPUs: NCCL refuses two ranks"},
+             {"id": "l::test_real_sglang_engine", "status": "skipped", "why": "needs RELAX_SGLANG_PYTHON"}]
+    assert gc.judge_sglang_skips(cases, dry=False, gpus=1) == ["l::test_real_sglang_engine (needs RELAX_SGLANG_PYTHON)"]
+    assert len(gc.judge_sglang_skips(cases, dry=False, gpus=2)) == 2  # with two GPUs the NCCL test must run
+    assert gc.judge_sglang_skips(cases, dry=True, gpus=0) == []
