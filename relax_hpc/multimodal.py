@@ -58,6 +58,18 @@ def image_bytes(ref: Any, where: MediaPolicy | str | os.PathLike | None = None) 
     """The encoded bytes of an image reference (module docstring); :class:`ImageError` when there are none.
     ``where``: a :class:`~relax_hpc.media.MediaPolicy` (a data row's: the files it may name), a directory (confined
     to it), or None (a trusted caller: paths anywhere)."""
+    return media_bytes(ref, where)
+
+
+def media_bytes(ref: Any, where: MediaPolicy | str | os.PathLike | None = None, *, kind: str = "image",
+                max_bytes: int | None = None, suffixes: frozenset | set | None = None,
+                error: type[ValueError] = ImageError) -> bytes:
+    """:func:`image_bytes` for any medium (``kind``: "image", "audio clip"): the same reference forms and
+    confinement, at most ``max_bytes``; a string with one of ``suffixes`` (or a slash) that is no file is "no such
+    file"; ``error``: the exception class raised (its message the reason). ``max_bytes`` None: :data:`MAX_IMAGE_BYTES`
+    (read when called)."""
+    if max_bytes is None:
+        max_bytes = MAX_IMAGE_BYTES
     policy = as_policy(where)
     if isinstance(ref, dict):
         if ref.get("bytes") is not None:
@@ -65,26 +77,31 @@ def image_bytes(ref: Any, where: MediaPolicy | str | os.PathLike | None = None) 
         elif ref.get("path") is not None:
             ref = ref["path"]
         else:
-            raise ImageError(f"a mapping without 'bytes' or 'path' (keys {sorted(map(str, ref))[:8]})")
+            raise error(f"a mapping without 'bytes' or 'path' (keys {sorted(map(str, ref))[:8]})")
+    article = "an" if kind[0] in "aeiou" else "a"
     if isinstance(ref, (bytes, bytearray, memoryview)):
         data = bytes(ref)
     elif isinstance(ref, str):
-        data = _str_bytes(ref, policy)
+        try:
+            data = _str_bytes(ref, policy, kind, max_bytes, _IMAGE_SUFFIXES if suffixes is None else suffixes)
+        except ImageError as e:
+            raise error(str(e)) from None
     else:
-        raise ImageError(f"an image must be a path, bytes or a base64 string, got {type(ref).__name__}")
-    if len(data) > MAX_IMAGE_BYTES:
-        raise ImageError(f"{len(data)} bytes, over the {MAX_IMAGE_BYTES} bytes an image may have")
+        raise error(f"{article} {kind} must be a path, bytes or a base64 string, got {type(ref).__name__}")
+    if len(data) > max_bytes:
+        raise error(f"{len(data)} bytes, over the {max_bytes} bytes {article} {kind} may have")
     if not data:
-        raise ImageError("empty (0 bytes)")
+        raise error("empty (0 bytes)")
     return data
 
 
-def _str_bytes(ref: str, policy: MediaPolicy) -> bytes:
+def _str_bytes(ref: str, policy: MediaPolicy, kind: str, max_bytes: int, suffixes) -> bytes:
+    article = "an" if kind[0] in "aeiou" else "a"
     if ref.startswith("data:"):
         head, _, payload = ref.partition(",")
         if ";base64" not in head:
             raise ImageError("a data: URL that is not base64")
-        return _b64(payload, "the data: URL's payload")
+        return _b64(payload, "the data: URL's payload", kind, max_bytes)
     scheme = url_scheme(ref)
     if scheme is not None:
         if scheme not in ("http", "https"):
@@ -94,16 +111,16 @@ def _str_bytes(ref: str, policy: MediaPolicy) -> bytes:
             raise ImageError("an http(s) URL, and URLs are not fetched. Fix: set data.allow_media_urls: true to let "
                              "the dataset's rows name them, or give a path, bytes or base64")
         try:
-            return fetch_url(ref, MAX_IMAGE_BYTES)
+            return fetch_url(ref, max_bytes)
         except MediaError as e:
             raise ImageError(str(e)) from None
     if not may_be_path(ref):
-        return _b64(ref, "the string (neither a file nor base64)")
+        return _b64(ref, "the string (neither a file nor base64)", kind, max_bytes)
     try:
         path = resolve(ref, policy)
     except MediaError as outside:  # a confined row's path that leads out; unless it is base64 (JPEG's is "/9j/...")
         try:
-            return _b64(ref, "the string")
+            return _b64(ref, "the string", kind, max_bytes)
         except ImageError:
             raise ImageError(str(outside)) from None
     try:
@@ -112,13 +129,13 @@ def _str_bytes(ref: str, policy: MediaPolicy) -> bytes:
         is_file = False
     if is_file:
         try:
-            return read_file(path, MAX_IMAGE_BYTES)
+            return read_file(path, max_bytes)
         except MediaError as e:
-            raise ImageError(str(e).replace("a media file", "an image")) from None
+            raise ImageError(str(e).replace("a media file", f"{article} {kind}")) from None
     try:  # not a file: base64, or a path that is not there
-        return _b64(ref, "the string")
+        return _b64(ref, "the string", kind, max_bytes)
     except ImageError:
-        if "/" in ref or "\\" in ref or Path(ref).suffix.lower() in _IMAGE_SUFFIXES:
+        if "/" in ref or "\\" in ref or Path(ref).suffix.lower() in suffixes:
             base = policy.base_dir if policy.confined else None
             where = " (relative paths are read from the data file's directory)" if base is not None else ""
             shown = repr(ref) if len(ref) <= 120 else f"(a string of {len(ref)} characters)"  # never a body's bulk
@@ -132,9 +149,12 @@ _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".t
 IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")  # JPEG includes MPO (a camera's JPEG)
 
 
-def _b64(s: str, what: str) -> bytes:
-    if len(s) > MAX_IMAGE_BYTES * 4 // 3 + 4:
-        raise ImageError(f"{what}: {len(s)} base64 characters, over the {MAX_IMAGE_BYTES} bytes an image may have")
+def _b64(s: str, what: str, kind: str = "image", max_bytes: int | None = None) -> bytes:
+    if max_bytes is None:
+        max_bytes = MAX_IMAGE_BYTES
+    if len(s) > max_bytes * 4 // 3 + 4:
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise ImageError(f"{what}: {len(s)} base64 characters, over the {max_bytes} bytes {article} {kind} may have")
     try:
         return base64.b64decode("".join(s.split()), validate=True)
     except (binascii.Error, ValueError) as e:

@@ -198,10 +198,28 @@ class Backend(ABC):
         """Requeue this attempt or submit its continuation; returns what was done (may not return)."""
 
 
+LAYOUT_ENV = "RELAX_SLURM_LAYOUT"  # the batch script says the layout it was submitted in (slurm.layout settled)
+GROUP_NODES_ENV = "RELAX_GROUP_NODELIST_"  # + K: single layout, group K's nodes (the batch script sets them)
+
+
+def slurm_layout(recipe: Recipe, env: Mapping[str, str] | None = None) -> str:
+    """``hetjob`` or ``single``: the recipe's ``slurm.layout`` (relax-submit settles ``auto`` before the recipe is
+    copied into the run), else what the batch script says (:data:`LAYOUT_ENV`), else a het job if Slurm says so
+    (``SLURM_HET_SIZE``), else hetjob (a dry run that did not ask the site: ``--render-only``)."""
+    if recipe.slurm.layout != "auto":
+        return recipe.slurm.layout
+    env = os.environ if env is None else env
+    told = env.get(LAYOUT_ENV)
+    if told in ("hetjob", "single"):
+        return told
+    return "single" if env.get("SLURM_JOB_ID") and not env.get("SLURM_HET_SIZE") else "hetjob"
+
+
 class SlurmBackend(Backend):
-    """A role is one ``srun --het-group=K`` job step (``--overlap`` when it shares another role's component, or,
-    like the rollout driver, shares its nodes with the engine steps); an engine is one task on one node of
-    rollout's component."""
+    """A role is one job step: ``srun --het-group=K`` in a het job, ``srun --relative=OFFSET`` on its group's nodes
+    in the ``single`` layout (:func:`slurm_layout`); ``--overlap`` when it shares another role's nodes, or, like
+    the rollout driver, shares its nodes with the engine steps. An engine is one task on one node of rollout's
+    component (het) or of rollout's nodes (single)."""
 
     name = "slurm"
     preemption_requeues = True
@@ -215,7 +233,16 @@ class SlurmBackend(Backend):
         return env.get("SLURMD_NODENAME") or socket.gethostname()
 
     def nodelist(self, het_group: int, env: Mapping[str, str]) -> str:
-        return env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{het_group}", "localhost")
+        # a het component's own list; in the single layout the batch script's (the group's slice of the allocation)
+        return env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{het_group}") or env.get(f"{GROUP_NODES_ENV}{het_group}") \
+            or "localhost"
+
+    def placement(self, step: RoleStep, recipe: Recipe) -> list[str]:
+        """Where a step of ``step``'s group goes: its het component, or its group's first node of the one
+        allocation (``--relative``; the step's ``--nodes`` are that node and the next ones, its group's)."""
+        if slurm_layout(recipe) == "hetjob":
+            return [f"--het-group={step.het_group}"]
+        return [f"--relative={step.node_offset}"]
 
     def rendezvous(self, recipe: Recipe) -> str:
         return "mpi" if recipe.slurm.mpi == "pmix" else "file"
@@ -223,11 +250,12 @@ class SlurmBackend(Backend):
     def srun_argv(self, step: RoleStep, recipe: Recipe, run_dir: Path, argv: list[str],
                   pythonpath: str | None = None) -> list[str]:
         """The role's step; in ``slurm.container`` (:mod:`.container`) when the recipe has one."""
-        out = ["srun", f"--het-group={step.het_group}"]
+        out = ["srun", *self.placement(step, recipe)]
         if step.shared or step.overlap:
             out.append("--overlap")
         return [*out, f"--nodes={step.nodes}", f"--ntasks={step.ntasks}", f"--ntasks-per-node={step.tasks_per_node}",
-                f"--cpus-per-task={recipe.role(step.role).cpus_per_task}", f"--mpi={recipe.slurm.mpi}",
+                f"--cpus-per-task={recipe.role(step.role).cpus_per_task}",
+                *([f"--mpi={recipe.slurm.mpi}"] if recipe.slurm.mpi != "none" else []),  # none: no flag at all
                 "--kill-on-bad-exit=1", f"--output={task_log_pattern(run_dir, step.role)}",
                 *container.srun_options(recipe, run_dir), *recipe.slurm.srun_args,
                 *self.in_container(recipe, run_dir, argv, pythonpath)]
@@ -242,12 +270,33 @@ class SlurmBackend(Backend):
         step = next(s for s in role_steps(recipe) if s.role == "rollout")
         g = recipe.roles.rollout
         gpus = g.gpus_per_node // max(1, g.tasks_per_node)
-        return ["srun", f"--het-group={step.het_group}", *(["--overlap"] if step.shared else []), "--nodes=1",
+        if slurm_layout(recipe) == "hetjob":
+            where = [f"--het-group={step.het_group}", *([f"--exclude={','.join(exclude)}"] if exclude else [])]
+        else:
+            where = self._single_engine_place(step, g.tasks_per_node, name, list(exclude))
+        return ["srun", *where, *(["--overlap"] if step.shared else []), "--nodes=1",
                 "--ntasks=1", f"--cpus-per-task={g.cpus_per_task}", *([f"--gres=gpu:{gpus}"] if gpus else []),
-                *([f"--exclude={','.join(exclude)}"] if exclude else []), "--kill-on-bad-exit=1",
-                f"--job-name=engine-{name}", f"--output={Path(run_dir) / 'logs' / (name + '.host.log')}",
+                "--kill-on-bad-exit=1", f"--job-name=engine-{name}",
+                f"--output={Path(run_dir) / 'logs' / (name + '.host.log')}",
                 *container.srun_options(recipe, run_dir), *recipe.slurm.srun_args,
                 *self.in_container(recipe, run_dir, argv)]
+
+    def _single_engine_place(self, step: RoleStep, tasks_per_node: int, name: str, exclude: list[str],
+                             env: Mapping[str, str] | None = None) -> list[str]:
+        """Single layout: a run's own engine ``engineK`` on its node of rollout's (``--relative``: the K-th task slot's
+        node, as the het job's component fills them); any other (a scale-out's, off ``exclude``) on whichever of
+        rollout's nodes Slurm finds room on: ``--exclude`` the allocation's other nodes (named by the batch script,
+        :data:`GROUP_NODES_ENV`)."""
+        env = os.environ if env is None else env
+        if name.startswith("engine") and name[6:].isdigit() and not exclude:
+            return [f"--relative={step.node_offset + int(name[6:]) // max(1, tasks_per_node)}"]
+        groups = {k[len(GROUP_NODES_ENV):]: v.split(",") for k, v in env.items() if k.startswith(GROUP_NODES_ENV)}
+        mine = groups.get(str(step.het_group))
+        if not mine:  # no node names (a dry run): rollout's first node
+            return [f"--relative={step.node_offset}"]
+        others = {n for k, v in groups.items() if k != str(step.het_group) for n in v} - set(mine)
+        off = sorted(others | set(exclude))
+        return [f"--exclude={','.join(off)}"] if off else []
 
     def spare_engines(self, recipe: Recipe, used: int, count: int) -> int:
         g = recipe.roles.rollout

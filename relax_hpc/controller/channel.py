@@ -101,6 +101,11 @@ class Channel:
             self._tasks.setdefault(role, []).append(task)
             self._task_cond.notify_all()
 
+    def drop(self, role: str) -> list[dict]:
+        """Take ``role``'s queued tasks off its queue (its ranks were stopped to start again alone); returns them."""
+        with self._task_cond:
+            return self._tasks.pop(role, [])
+
     def _head(self, role: str, wait_s: float) -> dict | None:
         deadline = time.monotonic() + max(0.0, wait_s)
         with self._task_cond:

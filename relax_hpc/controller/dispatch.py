@@ -24,6 +24,7 @@ class Task:
     life: int = 0  # which life of the step's partition it works on (a step voided for damage starts a new one)
     engines: dict[str, str] | None = None  # generate/sync: the engines it was given, so a death it reports is of those
     versions: dict[str, str | None] | None = None  # generate: their weight versions when it was given them
+    message: M.TaskMessage | None = None  # what was sent (a role started again alone gets it again)
 
 
 class Dispatcher:
@@ -37,7 +38,7 @@ class Dispatcher:
                versions: dict[str, str | None] | None = None) -> None:
         """Queue ``task`` for ``role``, as part of step ``at`` (of the partition's ``life``); gives it its id."""
         tid = next(self._ids)
-        self.pending[tid] = Task(role, task.kind, at, life, getattr(task, "engines", None), versions)
+        self.pending[tid] = Task(role, task.kind, at, life, getattr(task, "engines", None), versions, task)
         if self.outbox is not None:  # handling a report: sent once its journal records are durable
             self.outbox.append((role, replace(task, id=tid).to_dict()))
         else:
@@ -53,6 +54,15 @@ class Dispatcher:
             out, self.outbox = self.outbox, None
             for role, task in out:  # only now: nothing acts on a record before it is durable
                 self.channel.assign(role, task)
+
+    def drop(self, role: str) -> list[Task]:
+        """``role``'s tasks in flight, forgotten (off the channel's queue too), in the order they were given: its
+        ranks were stopped to start again alone, and a late report of theirs is then of no task."""
+        self.channel.drop(role)
+        if self.outbox is not None:
+            self.outbox = [(r, t) for r, t in self.outbox if r != role]
+        ids = sorted(tid for tid, t in self.pending.items() if t.role == role)
+        return [self.pending.pop(tid) for tid in ids]
 
     def done(self, task_id: int) -> Task | None:
         """The task a report is about (None: unknown, or reported already)."""

@@ -13,8 +13,12 @@ Surviving the cluster (``docs/controller.md``, "Surviving the cluster"):
   :mod:`.requeue`) or the run ends CANCELLED.
 * SIGTERM (scancel, or preemption: Slurm signals the steps too and kills after KillWait): stop now; a
   preempted job is requeued by Slurm and resumes from the last checkpoint.
-* A step that crashes, is killed or hangs (no heartbeat): every step is stopped and started again from
-  the latest checkpoint, at most ``checkpoint.max_restarts`` times per attempt. A task's own verdict
+* A step that crashes, is killed or hangs (no heartbeat), two tiers (docs/reliability.md): a role other than
+  the actor is started again alone (role tier: a new job step in the same allocation, or new local processes;
+  :func:`_restart_alone`), rejoins and is given back the work it held, while the actor and the engines keep their
+  processes, memory and weights, at most ``health.max_role_restarts`` times per try. The actor's failure, or a role
+  failing again within ``health.window_s`` of its restart alone (global tier): every step is stopped and started
+  again from the latest checkpoint, at most ``checkpoint.max_restarts`` times per attempt. A task's own verdict
   (a reward that raised, no engine alive) fails the run at once: doing it again would end the same way; so
   does a role's error that will repeat (bad data, a user function that does not load: ``relax_hpc.errors``).
 * A full disk: any write that fails for want of space (the controller's, or a role's report) fails the run at
@@ -43,7 +47,7 @@ from relax_hpc.controller.procs import StepProcess, stop_steps
 from relax_hpc.controller.requeue import RequeueJob, Resubmit, come_back
 from relax_hpc.controller.signals import Signals
 from relax_hpc.controller.state import COMPLETED, FAILED, REQUEUED, RunState
-from relax_hpc.controller.steps import step_commands
+from relax_hpc.controller.steps import step_command, step_commands
 from relax_hpc.errors import no_space
 from relax_hpc.ops.metrics import summary_line
 from relax_hpc.ops.notify import EVENTS, Notifier, notify_urls
@@ -54,7 +58,7 @@ log = logging.getLogger("relax_hpc.controller")
 TICK_S = 0.2  # how long the loop waits for messages before it checks exits, silence and signals
 STOP_GRACE_S = 10.0
 LEVELS = {"failed": "failure", "finished": "success", "preempted": "warning", "step_restarted": "warning",
-          "engine_gone": "warning",
+          "engine_gone": "warning", "role_restarted": "warning",
           "cancelled": "warning"}
 
 
@@ -124,8 +128,9 @@ def _run(run: RunDir, requeue_job: RequeueJob | None, resubmit: Resubmit | None,
             restart = state.will_restart  # state.json said RUNNING (phase restarting) throughout: no end to watchers
             if not restart:
                 break
+            state.restarting_all(time.time())
             state.event("step_restarted", f"{state.doc['reason']}; restarting every step from the latest "
-                        f"checkpoint ({state.doc['restarts'] + 1}/{recipe.checkpoint.max_restarts})")
+                        f"checkpoint ({state.doc['restarts'] + 1}/{recipe.checkpoint.max_restarts}; global tier)")
             state.write()
     doc = state.doc
     if doc["state"] == REQUEUED:
@@ -165,6 +170,7 @@ def _attempt(run: RunDir, recipe: Recipe, backend: Backend, state: RunState, sig
     try:
         write_json(run.controller_addr, {"host": host, "port": channel.port, "pid": os.getpid()})
         train = TrainingLoop(recipe, run, state, channel, backend, capacity) if recipe.model.path else None
+        state.recover_on_ready = train is None  # with a training loop a role has recovered when it works again
         state.write()  # this attempt (and restart count) is on disk before any role can read it
         for s in steps:
             log.info("starting %s: %s", s.role, " ".join(s.cmd.procs[0].argv))
@@ -188,6 +194,11 @@ def _attempt(run: RunDir, recipe: Recipe, backend: Backend, state: RunState, sig
                 if code is not None:
                     state.step_exited(s.role, code, s.last_line() if code else "")
             state.check_silence(time.time(), recipe.logging.heartbeat_timeout_s)
+            for role, failure in state.take_alone().items():  # role tier: this role alone, the others go on
+                _restart_alone(run, recipe, backend, state, steps, train, role, failure)
+            roles_up = all(r["phase"] in ("ready", "done") for r in state.doc["roles"].values())
+            if state.doc["health"]["pending"] and (train.started if train is not None else roles_up):
+                state.recovered_all(time.time())  # after a global restart: working again
             name = sig.take()
             if name == "SIGUSR2":
                 _on_stop(state, train, "requeue", "SIGUSR2: the time limit is near")
@@ -217,6 +228,25 @@ def _attempt(run: RunDir, recipe: Recipe, backend: Backend, state: RunState, sig
             _end_step(state, "writing summary.json and reward.png", train.finish)
         _end_step(state, "writing state.json", state.write)
         _report(state, steps)
+
+
+def _restart_alone(run: RunDir, recipe: Recipe, backend: Backend, state: RunState, steps: list[StepProcess],
+                   train: TrainingLoop | None, role: str, failure) -> None:
+    """Role tier: stop what is left of ``role``'s step (by PID), start the step again alone (under Slurm a new job
+    step of the same het group in this allocation; locally new processes), and give the role back its work: the
+    tasks it held go to the new ranks, its leases back to the exchange's queue (:meth:`TrainingLoop.role_restarted`).
+    The new ranks bootstrap their own group, skip the cross-role check (done at the run's start) and join the
+    exchange through the controller as before; no other role's process is touched."""
+    i = next(k for k, s in enumerate(steps) if s.role == role)
+    log.warning("%s; starting %s alone again (role tier), the other roles go on", failure.reason(), role)
+    stop_steps([steps[i]], STOP_GRACE_S)
+    if train is not None:
+        train.role_restarted(role)  # before the new ranks can ask for a task: the queue they get is the new one
+    new = StepProcess(step_command(recipe, run.path, backend, role, restarted=True), run.path)
+    log.info("starting %s again: %s", role, " ".join(new.cmd.procs[0].argv))
+    new.start()
+    steps[i] = new
+    state.restarted_alone(role, failure, time.time())
 
 
 def _end_step(state: RunState, what: str, fn) -> None:

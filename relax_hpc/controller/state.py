@@ -16,7 +16,12 @@ A run lives through attempts (a requeued or continued job, a local requeue) and,
 its steps; ``state.json`` is carried across both: ``attempt``, ``restarts``, ``history`` (how each earlier
 try ended), ``last_checkpoint``, ``last_failure`` and ``events`` survive, the per-role view starts anew.
 
-Which failures a restart may fix is decided here too (:class:`Failure`'s ``kind``; only ``role`` restarts).
+Which failures a restart may fix is decided here too (:class:`Failure`'s ``kind``; only ``role`` restarts), and
+which tier of recovery acts (docs/reliability.md, "Two tiers of recovery"): a role other than the actor that dies,
+goes silent or hangs is started again alone (:meth:`RunState.take_alone`; the loop does it) while the others keep
+their processes, at most ``health.max_role_restarts`` times per try; the actor's failure, or a role failing again
+within ``health.window_s`` of its restart alone, fails the try, and every step restarts from the checkpoint.
+``state.json``'s ``health`` says which tier acted, why, and how long each recovery took.
 A full disk fails the run at once, naming the mount point: a role's report says so, a write of ``state.json``
 that fails for want of space writes the failure into the run directory's reserve, and any failure seen
 while the run directory's filesystem is full is taken for one (docs/reliability.md, "A full disk").
@@ -43,7 +48,8 @@ log = logging.getLogger("relax_hpc.controller")
 ORDER = {p: i for i, p in enumerate(PHASES)}
 RUNNING, COMPLETED, FAILED, CANCELLED = "RUNNING", "COMPLETED", "FAILED", "CANCELLED"
 REQUEUED = "REQUEUED"  # this attempt ended to come back (time limit, relax-cancel --requeue); the run goes on
-CARRIED = ("history", "restarts", "last_checkpoint", "last_failure", "events", "started_at", "reward_first10")
+CARRIED = ("history", "restarts", "last_checkpoint", "last_failure", "events", "started_at", "reward_first10", "health")
+MAX_RECOVERIES = 20  # recoveries kept in state.json's health
 MAX_EVENTS = 50
 
 
@@ -102,6 +108,14 @@ class RunState:
         self.members = cross_members(recipe)
         self.task_timeout_s = float(recipe.logging.task_timeout_s)
         self.max_restarts = int(recipe.checkpoint.max_restarts)
+        self.max_alone, self.window_s = int(recipe.health.max_role_restarts), float(recipe.health.window_s)
+        self.alone: dict[str, Failure] = {}  # roles to start again alone (the loop takes them: take_alone)
+        self.alone_at: dict[str, float] = {}  # role -> when it was last started again alone, in this try
+        self.alone_done: dict[str, int] = {}  # role -> its restarts alone in this try
+        self.fresh: set[tuple[str, int]] = set()  # ranks started again alone that have not said hello yet
+        self.recovering: dict[str, float] = {}  # role -> when its failure was seen (until it works again)
+        self.recover_on_ready = False  # no training loop: a role restarted alone has recovered once it is ready
+        self._unlogged_recovery = 0.0  # seconds of recoveries ended since the last metrics row
         now = time.time()
         job = run.read_json(run.job, {}) or {}
         self.doc: dict[str, Any] = {
@@ -118,6 +132,9 @@ class RunState:
                 "exit_code": None,
             } for s in steps},
             "cross_group": {"world": len(self.members), "ok": None},
+            # which tier of recovery acted, why, and how long it took (role_restarts: restarts of a role alone,
+            # in the run; global_restarts: restarts of every step; pending: a global restart not yet recovered)
+            "health": {"role_restarts": 0, "global_restarts": 0, "recoveries": [], "pending": None},
         }
         if prev:
             self.doc.update({k: prev[k] for k in CARRIED if prev.get(k) is not None})
@@ -157,6 +174,9 @@ class RunState:
         role, rank = msg.get("role"), msg.get("rank")
         if role not in self.ranks or not isinstance(rank, int) or not 0 <= rank < len(self.ranks[role]):
             return  # publish/lookup, or a rank this run does not have
+        if role in self.alone or ((role, rank) in self.fresh and msg["type"] != "hello"):
+            return  # the late words of a rank of the step being restarted alone, not of its new ranks
+        self.fresh.discard((role, rank))
         r = self.ranks[role][rank]
         r.last, r.node = now, msg.get("node", r.node)
         kind = msg["type"]
@@ -176,7 +196,7 @@ class RunState:
         self._refresh(role)
 
     def step_exited(self, role: str, code: int, hint: str = "") -> None:
-        if role in self.exit_codes:
+        if role in self.exit_codes or role in self.alone:
             return
         self.exit_codes[role] = code
         self.doc["roles"][role]["exit_code"] = code
@@ -230,9 +250,23 @@ class RunState:
             r.task, r.task_since = key, now
 
     # -- outcomes
-    def fail(self, role: str, rank: int | None, node: str | None, message: str, kind: str = "role") -> None:
+    def fail(self, role: str, rank: int | None, node: str | None, message: str, kind: str = "role",
+             alone: bool = True) -> None:
+        """``role`` failed; ``alone``: the role's own process failed (died, silent, hung, its error), so it may be
+        started again alone (role tier); False for a task's restartable error, which may lie elsewhere (a dead
+        teacher engine seen by rollout's generate): every step restarts."""
+        if role in self.alone:
+            return  # being started again alone: what its old ranks say or do on the way out is no news
         if self.running and kind in ("role", "task", "controller"):
             kind, message = self._full_disk(kind, message)
+        if self.running and kind == "role" and alone:
+            message, alone = self._tier(role, message)
+            if alone:
+                self.alone[role] = Failure(role, rank, node, message, kind)
+                self.recovering[role] = time.time()
+                self.doc["last_failure"] = self.alone[role].reason()
+                self.dirty = self.urgent = True
+                return
         self.urgent = True
         if role in self.doc["roles"]:
             self.doc["roles"][role]["error"] = self.doc["roles"][role]["error"] or message
@@ -243,7 +277,108 @@ class RunState:
             self.failure = Failure(role, rank, node, message, kind)
             self._finish(FAILED, self.failure.reason())
             self.doc["last_failure"] = self.failure.reason()
+            self.doc["last_failure_at"] = time.time()
         self.dirty = True
+
+    def _tier(self, role: str, message: str) -> tuple[str, bool]:
+        """Which tier recovers from ``role``'s failure (kind ``role``): alone (True) or every step (False, the
+        message then says why, when it is not the actor's)."""
+        if role == "actor" or role not in self.steps:
+            return message, False
+        if self.max_alone <= 0:
+            return f"{message} (health.max_role_restarts is 0: every step restarts)", False
+        if role in self.members and _get(self.ranks[role][0].info, "cross_group", "ok") is not True:
+            # the others may wait in the start's check for this role's old rank 0
+            return message, False  # at the run's start: nothing to keep yet
+        done = sum(self.alone_done.values())
+        if done >= self.max_alone:
+            return (f"{message} (restarted alone {done} time(s) in this try, health.max_role_restarts="
+                    f"{self.max_alone}: every step restarts)"), False
+        last = self.alone_at.get(role)
+        if last is not None and time.time() - last < self.window_s:
+            return (f"{message} (again {time.time() - last:.0f}s after its restart alone, within health.window_s="
+                    f"{self.window_s:g}: every step restarts)"), False
+        return message, True
+
+    @property
+    def _try(self) -> tuple[int, int]:
+        return (int(self.doc["attempt"]), int(self.doc["restarts"]))
+
+    def take_alone(self) -> dict[str, Failure]:
+        """The roles to start again alone now (role tier), each with its failure; the loop starts them."""
+        out, self.alone = self.alone, {}
+        return out
+
+    def restarted_alone(self, role: str, failure: Failure, now: float) -> None:
+        """``role``'s step was started again alone: its ranks start anew (their old ones' late words are dropped
+        until each new rank's hello), the failure is recorded with the role tier, the others go on."""
+        old = self.ranks[role][0].info.get("cross_group")  # checked at the run's start; the new ranks do not rejoin
+        self.ranks[role] = [Rank() for _ in self.ranks[role]]
+        if old is not None:
+            self.ranks[role][0].info["cross_group"] = old
+        self.fresh |= {(role, i) for i in range(len(self.ranks[role]))}
+        self.exit_codes.pop(role, None)
+        self.launched[role] = self.alone_at[role] = now
+        d = self.doc["roles"][role]
+        d.update(phase="starting", ranks_ready=0, error=None, exit_code=None, last_heartbeat=None,
+                 pids=[None] * len(self.ranks[role]), collective_ok=None)
+        h = self.doc["health"]
+        h["role_restarts"] += 1
+        self.alone_done[role] = self.alone_done.get(role, 0) + 1
+        n = sum(self.alone_done.values())
+        h["recoveries"] = (h["recoveries"] + [{"tier": "role", "role": role, "why": failure.reason(),
+                                               "at": self.recovering.get(role, now), "recovery_s": None,
+                                               "try": list(self._try)}])[-MAX_RECOVERIES:]
+        self.event("role_restarted", f"{failure.reason()}; {role} started again alone ({n}/{self.max_alone}), the "
+                                     f"other roles and the engines go on")
+        self._refresh(role)
+
+    def recovered(self, role: str, now: float) -> None:
+        """``role``, restarted alone, works again (its first task done; without a training loop: ready)."""
+        if role in self.alone or any(r == role for r, _ in self.fresh):
+            return  # not started again yet, or its new ranks not all up: what its old ranks did is no recovery
+        since = self.recovering.pop(role, None)
+        if since is None:
+            return
+        took = now - since
+        for r in reversed(self.doc["health"]["recoveries"]):
+            if r.get("tier") == "role" and r.get("role") == role and r.get("recovery_s") is None:
+                r["recovery_s"] = round(took, 3)
+                break
+        self._unlogged_recovery += took
+        self.event("role_recovered", f"{role} works again {took:.1f}s after its failure (role tier)")
+
+    def restarting_all(self, now: float) -> None:
+        """This try failed and every step restarts (global tier): remembered (in ``health.pending``, carried to the
+        next try) until :meth:`recovered_all`."""
+        h = self.doc["health"]
+        f = self.failure
+        h["global_restarts"] += 1
+        h["pending"] = {"tier": "global", "role": f.role if f else None, "why": self.doc["reason"],
+                        "at": self.doc.get("last_failure_at", now), "recovery_s": None}
+
+    def recovered_all(self, now: float) -> None:
+        """After a global restart: the training loop works again (the engines have the checkpoint's weights; without
+        one: every role ready)."""
+        h = self.doc["health"]
+        p = h.get("pending")
+        if not p:
+            return
+        took = now - float(p.get("at") or now)
+        done = {**p, "recovery_s": round(took, 3), "try": list(self._try)}
+        h["recoveries"] = (h["recoveries"] + [done])[-MAX_RECOVERIES:]
+        h["pending"] = None
+        self._unlogged_recovery += took
+        log.info("every step restarted from the checkpoint; working again %.1fs after the failure (global tier)", took)
+
+    def health_metrics(self) -> dict[str, float]:
+        """``health/role_restarts`` (restarts of a role alone so far in the run) and, when a recovery ended since the
+        last call, ``health/recovery_time`` (its seconds, summed): for the step's metrics row."""
+        out = {"health/role_restarts": float(self.doc["health"]["role_restarts"])}
+        if self._unlogged_recovery:
+            out["health/recovery_time"] = self._unlogged_recovery
+            self._unlogged_recovery = 0.0
+        return out
 
     def _full_disk(self, kind: str, message: str) -> tuple[str, str]:
         """A failure seen while the run directory's filesystem is full is taken for the full disk's doing (a
@@ -318,6 +453,8 @@ class RunState:
         d["last_heartbeat"] = min(heard) if heard else None  # the stalest rank's: old means someone is silent
         cross = [_flag(_get(self.ranks[m][0].info, "cross_group", "ok")) for m in self.members if m in self.ranks]
         self.doc["cross_group"]["ok"] = None if None in cross else all(cross)
+        if self.recover_on_ready and role in self.recovering and d["phase"] in ("ready", "done"):
+            self.recovered(role, time.time())
         self.dirty = True
         self.urgent |= before != (d["phase"], d["ranks_ready"], d["collective_ok"], self.doc["cross_group"]["ok"])
 

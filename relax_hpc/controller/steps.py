@@ -54,6 +54,9 @@ def pythonpath(path: str | None) -> str:
     return PACKAGE_ROOT + (os.pathsep + path if path else "")
 
 
+RESTARTED_ALONE = "RELAX_RESTARTED_ALONE"  # set in a role step started again alone (the role tier of recovery)
+
+
 def _common_env(recipe: Recipe, launch_id: str, rendezvous: str) -> dict[str, str]:
     """A role step's environment beyond the controller's: ``slurm.env`` and the container's variables travel here,
     never on a command line (their values may be secrets)."""
@@ -79,6 +82,20 @@ def step_commands(recipe: Recipe, run_dir: str | Path, executor: str | Backend,
         procs = backend.role_procs(step, recipe, run_dir, role_argv(step.role, run_dir, python), env)
         out.append(StepCommand(step, launch_id, procs))
     return out
+
+
+def step_command(recipe: Recipe, run_dir: str | Path, executor: str | Backend, role: str, *, restarted: bool = False,
+                 python: str = sys.executable) -> StepCommand:
+    """What to start for ``role``'s step alone (with ``restarted``: started again alone, the role tier of recovery:
+    its ranks then skip the cross-role check, which needs every role's rank 0)."""
+    backend = backend_for(executor)
+    run_dir = Path(run_dir).resolve()
+    step = next(s for s in role_steps(recipe) if s.role == role)
+    launch_id = secrets.token_hex(6)
+    env = _common_env(recipe, launch_id, backend.rendezvous(recipe))
+    if restarted:
+        env[RESTARTED_ALONE] = "1"
+    return StepCommand(step, launch_id, backend.role_procs(step, recipe, run_dir, role_argv(role, run_dir, python), env))
 
 
 def describe_steps(recipe: Recipe, run_dir: str | Path, python: str = sys.executable,

@@ -71,7 +71,12 @@ with the chunk's name. Test hook: ``RELAX_TEST_DAMAGE_CHUNK=<step>:truncate|flip
 Resume: from ``checkpoints/latest`` (step K): rollout restores the data cursor saved with it, the actor
 loads it in ``connect``, a sync puts it on the engines (version ``"K"``), partitions after K are voided
 (``Broker.rewind``) and produced again; generation is seeded by (run seed, step), so a colocate run
-resumes exactly as if never stopped. Stop with a checkpoint (:meth:`request_stop`): no new generation,
+resumes exactly as if never stopped. Role tier of recovery (:meth:`TrainingLoop.role_restarted`, docs/reliability.md): a role other than the actor
+started again alone gets back the tasks it held, after what its fresh start needs (a frozen role's engines, actor_fwd's
+follow and the actor's reconnect to it with a catch-up sync, the reference's last refresh); its leases go back to the
+exchange's queue and are leased again; a rollout driver's generate goes again from the cursor and partial rollout's
+buffer saved after the step before. The actor and the engines keep their processes and weights. Stop with a
+checkpoint (:meth:`request_stop`): no new generation,
 the actor finishes its step, checkpoints unless the last checkpoint is of this step, and ``outcome``
 becomes ``"requeue"`` or ``"cancel"``. An eval is never logged twice: the checkpoint of step K may be saved
 before ``eval(K)`` is done; a resume from it runs ``eval(K)`` again (the engines have K's weights after the
@@ -165,6 +170,10 @@ class TrainingLoop:
         self.ready: dict[int, set[str]] = {}  # steps generated, not yet trained -> the forward roles that added theirs
         self.leases: dict[Any, Any] = {}  # step (train) or (role, step) (a forward role) -> its lease
         self.held_sync: int | None = None  # a trained step whose sync waits (an earlier step's eval; fixed: rollout)
+        self.loaded: dict[str, str] = {}  # forward role -> the checkpoint its last load named (given again on a restart)
+        # actor_fwd started again alone: "follow" until it serves the weight sync again, "reconnect" until the actor
+        # has it in the group (syncs wait meanwhile: the group still names its old, dead, URL)
+        self.refollow: str | None = None
         self.stop, self.paused = Stop(), False  # paused: RUN_DIR/pause seen (see _paused)
         self.boot = Readiness(judges=None if recipe.roles.genrm.enabled else {},
                               teachers=None if recipe.roles.teacher.enabled else _external_teachers(recipe),
@@ -223,6 +232,47 @@ class TrainingLoop:
                 self._assign(r, k, M.LoadTask(path=path))
         if self.boot.followers is None:
             self._assign("actor_fwd", k, M.FollowTask())
+
+    def role_restarted(self, role: str) -> None:
+        """Role tier of recovery: ``role`` (not the actor) is being started again alone. The tasks it held are
+        forgotten and given again to its new ranks, after what a fresh start of the role needs; its leases go back to
+        the exchange's queue (released; :meth:`_pump_logprobs` leases the step again, so the journal records each
+        sample consumed once). The actor and the engines are not touched."""
+        dropped = self.tasks.drop(role)
+        for key in [k for k in self.leases if isinstance(k, tuple) and k[0] == role]:
+            self.broker.release(self.leases.pop(key).id, f"{role} restarted alone")
+        self.rows.freed(role)
+        kinds = {t.kind for t in dropped}
+        if role in FROZEN_ROLES:  # new engines under new URLs: generates wait for them (the pump holds)
+            setattr(self.boot, FROZEN_ROLES[role], None)
+            if "start_engines" not in kinds:
+                self._assign(role, self.step, M.StartEnginesTask())
+        if role == "actor_fwd" and role in self.fwd:  # the model on disk now; the actor pushes it the weights again
+            self.fwd[role] = 0
+            self.refollow = "follow"
+            if "follow" not in kinds:
+                self._assign(role, self.step, M.FollowTask())
+        if role == "reference" and role in self.loaded and "load" not in kinds:  # its last refresh
+            self._assign(role, self.step, M.LoadTask(path=self.loaded[role]))
+        for t in dropped:
+            if t.kind != "logprobs" and t.message is not None:  # log-probs: leased again by the pump
+                self.tasks.assign(role, t.step, t.message, t.life, t.versions)
+        log.info("%s restarted alone: the tasks it held (%s) go to its new ranks, its leases back to the exchange",
+                 role, ", ".join(f"{t.kind}({t.step})" for t in dropped) or "none")
+        self._pump()
+
+    def _pump_refollow(self) -> None:
+        """actor_fwd, started again alone, serves the weight sync at a new URL: the actor rebuilds its group with it
+        (the engines keep theirs), then a catch-up sync gives it the weights the actor holds (or the held sync does)."""
+        if self.refollow != "reconnect" or not self._idle("actor"):
+            return
+        self.refollow = None
+        self._assign("actor", self.step, M.ConnectTask(engines=self.registry.live(), load=None,
+                                                       followers=self.boot.followers or {}))
+        if self.held_sync is not None:
+            self._release_sync()
+        elif self.step > 0 or self.resume.path:  # else it holds step 0's weights already (the model on disk)
+            self._sync(self.step)
 
     def _keep(self, k: int) -> None:
         """Resume the steps generated before step ``k``'s checkpoint (fixed staleness): trained, not generated again;
@@ -284,6 +334,7 @@ class TrainingLoop:
                 if n in self.ready and self.ready[n].issuperset(self.fwd):
                     self._train(n)
             self._pump_catch_up()
+        self._pump_refollow()
         if self.fixed and self.held_sync is not None and self._idle("actor") and self._idle("rollout"):
             self._unfix_if_stuck()
         for r in self.fwd:
@@ -304,7 +355,7 @@ class TrainingLoop:
     def _pump_catch_up(self) -> None:
         """An engine started again (or joined) gets the weights the actor holds (step self.step's) now, once."""
         syncing = frozenset(n for n, e in self.registry.engines.items() if e.state == "syncing")
-        if self._idle("actor") and syncing and self.boot.catch_up != (self.step, syncing):
+        if self._idle("actor") and syncing and self.boot.catch_up != (self.step, syncing) and self.refollow is None:
             self.boot.catch_up = (self.step, syncing)
             self._sync(self.step)
 
@@ -367,6 +418,8 @@ class TrainingLoop:
         engines = getattr(task, "engines", None)
         versions = ({n: self.registry.engines[n].weight_version for n in engines if n in self.registry.engines}
                     if engines else None)
+        if isinstance(task, M.LoadTask):
+            self.loaded[role] = task.path
         self.tasks.assign(role, at, task, self.gen.life(at), versions)
 
     def _idle(self, role: str) -> bool:
@@ -414,7 +467,8 @@ class TrainingLoop:
         """Whether step ``n``'s sync must wait: the engines keep the weights an earlier step's eval runs on (fully
         async), or (fixed staleness) rollout has not yet generated step n+k, the last one on the weights before n
         (unless those steps were let go: :meth:`_unfix_if_stuck`)."""
-        return self.evals.owed(before=n) or (self.fixed is not None and self.fixed.waits(n, self.gen.done))
+        return (self.evals.owed(before=n) or (self.fixed is not None and self.fixed.waits(n, self.gen.done))
+                or self.refollow is not None)  # actor_fwd restarted alone: the actor's group first
 
     def _owed(self, n: int) -> bool:
         """Fixed staleness: a held sync waits for step ``n``'s generate."""
@@ -526,6 +580,8 @@ class TrainingLoop:
         task = self.tasks.done(msg["task_id"])
         if task is None or not self.state.running:
             return
+        if task.role in self.state.recovering:  # restarted alone, and working again
+            self.state.recovered(task.role, time.time())
         self.rows.freed(task.role)
         if task.kind in ("logprobs", "train") and task.life != self.gen.life(task.step):
             return self._pump()  # its step was voided (damaged chunks) since: it is generated again, this is void
@@ -538,9 +594,10 @@ class TrainingLoop:
         if isinstance(res, M.TaskError):
             if task.kind in ("logprobs", "train") and self._read_failed(task, res.error):
                 return self._pump()
-            # the task's verdict ends the run, unless the machinery broke (a restart may help)
+            # the task's verdict ends the run, unless the machinery broke (a restart of every step may help: what
+            # broke may be another role's, e.g. a teacher engine gone, so not the role tier)
             self.state.fail(task.role, msg["rank"], self._node(task.role), f"{at}: {res.error}",
-                            kind="role" if res.restartable else "task")
+                            kind="role" if res.restartable else "task", alone=False)
             return
         if isinstance(res, (M.GenerateResult, M.LogprobsResult, M.TrainResult, M.SyncResult)) and task.step in self.rows.cur:
             self.rows.cur[task.step].update(res.metrics)  # a step's own metrics
@@ -575,6 +632,9 @@ class TrainingLoop:
     def _follow_done(self, task: Task, res: M.FollowResult) -> None:
         self.boot.followers = {task.role: res.url}
         log.info("%s follows the actor's weights at %s", task.role, res.url)
+        if self.refollow == "follow":  # started again alone: the actor's group names its old URL
+            self.refollow = "reconnect"
+            return
         self._connect()
 
     def _connect(self) -> None:
@@ -603,6 +663,8 @@ class TrainingLoop:
             self.elastic.lost(name, f"found dead: {why}")
 
     def _connect_done(self, task: Task, res: M.ConnectResult) -> None:
+        if self.started:  # a reconnect for a follower started again alone: its catch-up sync follows
+            return
         if res.weights:
             log.info("weights: %s", res.weights)
             self.state.event("weights", res.weights)
@@ -699,6 +761,7 @@ class TrainingLoop:
                 and not (save and self.recipe.train.offload):  # train.offload: the checkpoint first (_pump_generate)
             self._pump_generate()  # the next generate first (an eval due on these weights would go before it)
         cur = self.rows.close(n)
+        cur.update(self.state.health_metrics())  # health/role_restarts, health/recovery_time
         if self.fixed:
             self.fixed.rows.pop(n, None)
         self.step = n

@@ -92,6 +92,7 @@ LOGGED = {
     "/update_weights_from_distributed": ("load_format", "weight_version"),
     "/update_weights_from_tensor": ("load_format", "weight_version"),
     "/update_weights_from_disk": ("model_path", "weight_version"), "/update_weight_version": ("new_version",),
+    "/load_lora_adapter_from_tensors": ("lora_name",),
 }
 
 
@@ -116,6 +117,13 @@ def logged(path: str, fn, fields: tuple[str, ...]):
             message = data.get("message") if isinstance(data, dict) else data
             log.warning("refused %s (%d): %s", path, status, message)
         return status, data
+    return call
+
+
+def lora_route(engine: CPUEngine):
+    def call(b):  # SGLang answers {"success", "message"}: 200, or 400 when it failed
+        success, message = engine.load_lora_adapter_from_tensors(b)
+        return (200 if success else 400), {"success": success, "message": message}
     return call
 
 
@@ -169,6 +177,7 @@ def engine_handler(engine: CPUEngine, api_key: str | None = None):
         "/release_memory_occupation": memory(engine.release_memory_occupation),
         "/resume_memory_occupation": memory(engine.resume_memory_occupation),
         **weight_routes(engine),
+        "/load_lora_adapter_from_tensors": lora_route(engine),  # SGLang's call (engines/lora.py)
     }
     routes.update({path: logged(path, routes[path], fields) for path, fields in LOGGED.items() if path in routes})
     return with_retry_after(route_handler(routes, api_key))

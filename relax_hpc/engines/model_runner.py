@@ -59,8 +59,10 @@ import torch
 
 from relax_hpc.engines.bad_output import BAD_OUTPUT_ENV, BadOutput
 from relax_hpc.engines.http import ENGINE_VERSION, HTTPError, brief
+from relax_hpc.engines.lora import AdapterServing
 from relax_hpc.engines.receiver import WeightReceiver, checkpoint_key_mapping
 from relax_hpc.engines.scheduler import Req, Scheduler, abort_reason, left_padded, sample_batch
+from relax_hpc.engines import audio as engine_audio
 from relax_hpc.multimodal import MAX_IMAGE_PIXELS, ImageError, is_vlm
 
 log = logging.getLogger("relax_hpc.cpu_engine")
@@ -160,7 +162,7 @@ class PixelBudget:
                     "image_requests_refused": self.refused}
 
 
-class CPUEngine(WeightReceiver):
+class CPUEngine(AdapterServing, WeightReceiver):  # AdapterServing: LoRA adapters (engines/lora.py)
     """The model, its weights and the endpoint logic (HTTP-free, so it reads like SGLang's request structs). The
     reference engine: on the CPU, or on one GPU (``device``)."""
 
@@ -178,10 +180,14 @@ class CPUEngine(WeightReceiver):
         self.dtype = resolve_dtype(dtype, self.device)
         if weight_sync_backends:
             self.weight_sync_backends = list(weight_sync_backends)
-        self.config = AutoConfig.from_pretrained(self.model_path)
+        self.omni = engine_audio.is_omni(self.model_path)  # an omni thinker: audio (relax_hpc.engines.audio)
+        self.config = engine_audio.load_config(self.model_path) if self.omni else \
+            AutoConfig.from_pretrained(self.model_path)
         self.vlm = is_vlm(self.model_path)
         if self.vlm:  # Qwen2_5_VLForConditionalGeneration / Qwen3VLForConditionalGeneration
             from transformers import AutoModelForImageTextToText as model_class
+        elif self.omni:
+            model_class = engine_audio.model_class()
         else:
             model_class = AutoModelForCausalLM
         self.model = model_class.from_pretrained(self.model_path, dtype=self.dtype).eval()
@@ -262,6 +268,11 @@ class CPUEngine(WeightReceiver):
             "sampling_params", "return_logprob", "rid", "logprob_start_len", "top_logprobs_num"))
         text_in_lp = bool(body.get("return_text_in_logprobs"))
         mms = self._images(body.get("image_data"), prompts, batched, held)
+        auds = engine_audio.audio_inputs(self, body.get("audio_data"), prompts, batched, HTTPError)
+        if any(auds):
+            if any(mms):
+                raise HTTPError(400, "image_data and audio_data in one request are not supported by the CPU engine")
+            mms = auds
         if any(mms):
             prompts = [p if mm is None else mm["input_ids"][0].tolist() for p, mm in zip(prompts, mms)]
         reqs = [self._make_req(p, sp or {}, bool(lp), rid) for p, sp, lp, rid in zip(prompts, sps, rlps, rids)]
@@ -389,12 +400,16 @@ class CPUEngine(WeightReceiver):
         ids = torch.tensor([r.input_ids])
         mask = torch.ones_like(ids)
         try:
-            pos, delta = self.model.model.get_rope_index(input_ids=ids, image_grid_thw=mm["image_grid_thw"],
-                                                         attention_mask=mask)  # [3, 1, L], [1, 1]
+            if "features" in mm:  # audio (relax_hpc.engines.audio)
+                pos, delta, media = engine_audio.prefill_kwargs(mm, ids, dev, self.dtype)
+            else:
+                pos, delta = self.model.model.get_rope_index(input_ids=ids, image_grid_thw=mm["image_grid_thw"],
+                                                             attention_mask=mask)  # [3, 1, L], [1, 1]
+                media = dict(pixel_values=mm["pixel_values"].to(dev, self.dtype),
+                             image_grid_thw=mm["image_grid_thw"].to(dev))
             with self.model_lock:
                 out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                                 pixel_values=mm["pixel_values"].to(dev, self.dtype),
-                                 image_grid_thw=mm["image_grid_thw"].to(dev), use_cache=True)
+                                 use_cache=True, **media)
             while not r.done.is_set():
                 (tok,), (lp,) = sample_batch([r], out.logits[:, -1, :].to("cpu", torch.float32))
                 r.output_ids.append(tok)

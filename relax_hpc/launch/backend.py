@@ -32,6 +32,7 @@ class Launcher(Backend):
     batch_script: bool  # relax-submit renders a batch script for it (the dry run prints it)
     follows: bool  # relax-submit stays and shows the run until it ends (unless --detach)
     time_limited: bool  # the job has a time limit (relax-status shows the time left)
+    queued: bool  # jobs wait in a scheduler's queue: one may be held until another ends (a sweep's throttle)
     needs_pid: bool  # job.json must name the run's process id (it is what relax-status and relax-cancel look at)
     component_nodes: str | None  # the nodes of a component relax-status knows only from the recipe
 
@@ -79,6 +80,7 @@ class SlurmLauncher(SlurmBackend, Launcher):
     batch_script = True
     follows = False
     time_limited = True
+    queued = True
     needs_pid = False
     component_nodes = None
 
@@ -128,6 +130,7 @@ class LocalLauncher(LocalBackend, Launcher):
     batch_script = False
     follows = True
     time_limited = False
+    queued = False
     needs_pid = True
     component_nodes = "localhost"
 

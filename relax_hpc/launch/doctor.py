@@ -1,8 +1,11 @@
 """``relax-doctor``: is this node, or every node of a partition, ready for a run? A table of checks, each failure
 with its fix.
 
-    relax-doctor [--run-dir DIR] [--json]                              this machine
+    relax-doctor [--run-dir DIR] [--partition P] [--json]              this machine
     relax-doctor --nodes N [--partition P] [--gpus-per-node G] ...    one task per node, as a Slurm job (srun)
+
+Both end with the partition's answer to a heterogeneous job (``sbatch --test-only``: what ``slurm.layout: auto``
+picks, :func:`choose_layout`).
 
 The checks: Python and torch against relax_hpc's requirements, the CUDA driver/runtime and GPUs (skipped on a CPU
 build of torch), NCCL, Transformer Engine (optional), SGLang in ``RELAX_SGLANG_PYTHON`` against the releases
@@ -34,6 +37,7 @@ from typing import Any
 
 from relax_hpc.engines.client import OLDEST_SGLANG, SESSION_SGLANG, update_protocol
 from relax_hpc.launch import slurm
+from relax_hpc.launch.layouts import het_jobs_allowed
 from relax_hpc.launch.runs import DEFAULT_RUNS_ROOT
 
 OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"
@@ -175,11 +179,11 @@ def sglang_finding(version: str) -> tuple[str, str, str]:
         protocol = update_protocol(version)
     except ValueError:
         return FAIL, f"SGLang {version}: older than {SUPPORTED_SGLANG}", \
-            "tools/install --sglang DIR (a supported release), then export RELAX_SGLANG_PYTHON=DIR/bin/python"
+            "tools/install --gpu --sglang DIR (a supported release), then export RELAX_SGLANG_PYTHON=DIR/bin/python"
     m = re.match(r"^v?(\d+)\.(\d+)\.(\d+)", version)
     if m and tuple(int(x) for x in m.groups()) > SESSION_SGLANG:
         return WARN, f"SGLang {version}: newer than the release relax_hpc follows ({SUPPORTED_SGLANG})", \
-            "works if its update API is unchanged; tools/install --sglang DIR installs the tested one"
+            "works if its update API is unchanged; tools/install --gpu --sglang DIR installs the tested one"
     return OK, f"SGLang {version} ({protocol} weight updates)", ""
 
 
@@ -198,7 +202,7 @@ def check_sglang(python: str | None = None) -> Check:
     return Check("sglang", status, detail, fix)
 
 
-_SGLANG_FIX = "tools/install --sglang DIR, then export RELAX_SGLANG_PYTHON=DIR/bin/python (or source DIR/relax-sglang.env)"
+_SGLANG_FIX = "tools/install --gpu --sglang DIR (on a GPU node; --sglang alone: the CPU layer for the contract tests), then export RELAX_SGLANG_PYTHON=DIR/bin/python (or source DIR/relax-sglang.env)"
 
 
 def _not_executable(path: str) -> str | None:
@@ -381,6 +385,19 @@ def cluster_checks(nodes: int, partition: str | None, gpus: int | None, run_dir:
     return checks
 
 
+# ---- heterogeneous jobs: does the site take them? (slurm.layout) ----
+
+def check_hetjobs(partition: str | None = None) -> Check:
+    """relax-doctor's line for ``slurm.layout``: whether the partition takes het jobs."""
+    v = het_jobs_allowed(partition)
+    if v.allowed is None:
+        return Check("het jobs", SKIP if not slurm.have_sbatch() else WARN, v.detail,
+                     "" if not slurm.have_sbatch() else "check slurm.partition / slurm.account (sinfo, sacctmgr)")
+    if not v.allowed:
+        return Check("het jobs", WARN, v.detail, "runs go as one allocation: slurm.layout: single (auto does it)")
+    return Check("het jobs", OK, v.detail + "; slurm.layout: auto -> hetjob")
+
+
 # ---- relax-submit's preflight ----
 
 def submit_problems(recipe: Any, executor: str) -> list[tuple[str, object, str]]:
@@ -430,7 +447,7 @@ def render(checks: list[Check]) -> Any:
     for col in ("check", "node(s)", "status", "detail", "fix"):
         t.add_column(col, overflow="fold")
     for (name, status, detail, fix), hosts in rows.items():
-        t.add_row(name, ",".join(sorted(hosts)), Text(status, style=STYLE[status]), detail, fix)
+        t.add_row(name, ",".join(sorted(hosts)), Text(status, style=STYLE[status]), Text(detail), Text(fix))
     return t
 
 
@@ -438,7 +455,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="relax-doctor", description="Check this node, or N nodes of a Slurm "
                                  "partition, before a run: a table of checks, each failure with its fix.")
     ap.add_argument("--nodes", type=int, default=0, help="run as a Slurm job on N nodes (one task each)")
-    ap.add_argument("--partition", help="the partition for --nodes (default: the cluster's default)")
+    ap.add_argument("--partition", help="the partition for --nodes and the het-job check (default: the cluster's "
+                    "default)")
     ap.add_argument("--gpus-per-node", type=int, default=None,
                     help="GPUs each task asks for (default: all of the partition's smallest node)")
     ap.add_argument("--run-dir", default=None,
@@ -468,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
                 checks = local_checks(probe)
             finally:
                 Path(probe["path"]).unlink(missing_ok=True)
+        het = check_hetjobs(args.partition)  # asked from here, the submitting node: what relax-submit will see
+        het.node = socket.gethostname()
+        checks.append(het)
     except (DoctorError, slurm.SlurmError, OSError) as e:
         print(f"relax-doctor: {e}", file=sys.stderr)
         return 2

@@ -15,12 +15,14 @@ import dataclasses
 
 from relax_hpc.launch.backend import launcher_for
 from relax_hpc.launch.doctor import submit_problems
+from relax_hpc.launch.layouts import het_jobs_allowed, settle_layout
 from relax_hpc.launch.places import Problem, check_local, check_slurm, cuda_device_count, mem_mb
 from relax_hpc.ops.wandb_log import credential_problems
 from relax_hpc.recipe import Recipe, RecipeError
 from relax_hpc.recipe.validate import check_files
 
-__all__ = ["Problem", "check_local", "check_slurm", "cuda_device_count", "mem_mb", "preflight", "preflight_problems"]
+__all__ = ["Problem", "check_local", "check_slurm", "cuda_device_count", "layout_problems", "mem_mb", "preflight",
+           "preflight_problems"]
 
 
 def preflight(recipe: Recipe, executor: str, source: str | None = None) -> None:
@@ -47,10 +49,29 @@ def preflight_problems(recipe: Recipe, executor: str,
     problems = check_files(recipe)
     layout = not any(k.endswith(".share_with") for k in refused)
     problems += launcher_for(executor).place_problems(recipe, layout)
+    if launcher_for(executor).batch_script and not any(k.startswith("<cluster>") for k, _, _ in problems):
+        problems += layout_problems(recipe)
     problems += submit_problems(recipe, executor)  # relax-doctor's cheap ones: the SGLang interpreter
     if recipe.logging.wandb is not None:  # the job sees this environment (sbatch exports it)
         problems += credential_problems(recipe.logging.wandb)
     return problems
+
+
+def layout_problems(recipe: Recipe) -> list[Problem]:
+    """``slurm.layout: hetjob`` on a partition that refuses heterogeneous jobs (``sbatch --test-only``, asked once
+    per process: :func:`~relax_hpc.launch.doctor.het_jobs_allowed`). ``auto`` never is a problem: it is settled
+    here, in ``recipe`` itself (:func:`~relax_hpc.launch.doctor.settle_layout`: single where het jobs are refused),
+    so that the script, the dry run's step lines and the run's recipe copy agree."""
+    s = recipe.slurm
+    if s.layout == "auto":
+        settle_layout(recipe)
+    if s.layout != "hetjob" or s.__dict__.get("layout_why"):  # single, or hetjob picked by auto (allowed)
+        return []
+    v = het_jobs_allowed(s.partition, s.account, s.qos)
+    if v.allowed is False:
+        return [("slurm.layout", s.layout, f"{v.detail}. Fix: slurm.layout: single (one allocation of all the "
+                 "roles' nodes), or auto (picks single here)")]
+    return []
 
 
 def _unset_refused_strings(recipe: Recipe, refused: set[str] | frozenset[str]) -> Recipe:

@@ -1,4 +1,5 @@
-"""Render a recipe into the sbatch script of its one heterogeneous job.
+"""Render a recipe into the sbatch script of its one job: a heterogeneous job (``slurm.layout: hetjob``, a
+component per role group) or one homogeneous allocation of all the groups' nodes (``single``).
 
 Why a module of its own: the script is the only text relax_hpc hands to a shell, so the rule "nothing from a
 recipe reaches a shell unquoted" is enforced here, in one place. The Jinja2 environment quotes *every*
@@ -19,7 +20,9 @@ import jinja2
 
 import relax_hpc
 from relax_hpc.recipe import Recipe, RecipeError
-from relax_hpc.recipe.layout import het_groups, role_steps
+from relax_hpc.launch.layouts import layout_of
+from relax_hpc.launch.places import mem_mb
+from relax_hpc.recipe.layout import het_groups, role_steps, total_nodes
 from relax_hpc.rundir import MASK
 
 PACKAGE_ROOT = Path(relax_hpc.__file__).resolve().parents[1]  # put on PYTHONPATH: the job imports this relax_hpc
@@ -117,13 +120,28 @@ def groups_of(recipe: Recipe) -> list[Group]:
     return out
 
 
+def single_group(recipe: Recipe) -> Group:
+    """The ``single`` layout's one block: every group's nodes, each node as big as the biggest group's node needs
+    (one task per node with all of its CPUs: the steps place their own tasks, ``srun --relative``), so any role's
+    steps fit on any of its nodes. A homogeneous allocation: a CPU-only group's nodes get the GPUs too."""
+    groups = groups_of(recipe)
+    mems = [g.mem for g in groups if g.mem]
+    return Group(0, tuple(r for g in groups for r in g.roles), groups[0].partition, groups[0].account, groups[0].qos,
+                 groups[0].constraint, groups[0].time, total_nodes(recipe), 1,
+                 max(g.ntasks_per_node * g.cpus_per_task for g in groups), max(g.gpus_per_node for g in groups),
+                 max(mems, key=mem_mb) if mems else None, groups[0].extra)
+
+
 def template_context(recipe: Recipe, run_dir: Path, command: list[str], pythonpath: str) -> dict[str, Any]:
     """Everything a template may use (documented in docs/cli.md)."""
     run_dir = Path(run_dir)
     logs = run_dir / "logs"
     s = recipe.slurm
+    layout, why = layout_of(recipe)
     return {
         "recipe": recipe,
+        "layout": layout,  # hetjob | single (slurm.layout, auto settled)
+        "layout_why": why,
         "run": run_dir.name,
         "run_dir": str(run_dir),
         "logs_dir": str(logs),
@@ -132,7 +150,10 @@ def template_context(recipe: Recipe, run_dir: Path, command: list[str], pythonpa
         "error": str(logs / "batch-%j.err"),
         "requeue": s.requeue,
         "signal_lead_s": s.signal_lead_s,
-        "groups": groups_of(recipe),
+        "groups": groups_of(recipe) if layout == "hetjob" else [single_group(recipe)],
+        # single: each group's first node and node count in the one allocation (het_group, node_offset, group.nodes)
+        "node_groups": [{"het_group": s.het_group, "node_offset": s.node_offset, "nodes": s.group.nodes}
+                        for s in het_groups(recipe)],
         # slurm.env's names, each value masked: the values are secrets (relax_hpc.rundir.split_secrets), kept out of
         # the script (RUN/job.sbatch, sbatch's copy); the launcher's task sets them from RUN/secrets.json
         "env": {k: MASK for k in s.env},

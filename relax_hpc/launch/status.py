@@ -59,6 +59,7 @@ _STATE_FIELDS = {
     "roles": _OBJECTS, "engines": _OBJECTS, "judges": _OBJECTS, "teachers": _OBJECTS,
     "events": (lambda v: isinstance(v, list), "an array"),
     "last_checkpoint": (lambda v: isinstance(v, dict), "an object"),
+    "health": (lambda v: isinstance(v, dict), "an object"),
     "scale": (lambda v: isinstance(v, list) and all(isinstance(op, dict) and all(k in op for k in _SCALE_KEYS)
                                                     for op in v), f"an array of objects with {', '.join(_SCALE_KEYS)}"),
 }
@@ -216,6 +217,7 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
         "controller_state": ctl.get("state"),
         "attempt": ctl.get("attempt"),
         "restarts": ctl.get("restarts"),
+        "health": ctl.get("health"),  # which tier of recovery acted, why, how long it took
         "last_checkpoint": ctl.get("last_checkpoint"),
         "last_failure": ctl.get("last_failure"),
         "events": (ctl.get("events") or [])[-5:],
@@ -258,12 +260,14 @@ def _styled(state: Any) -> Text:
     return Text(s, style=STATE_STYLE.get(slurm.state_word(s) if state else "UNKNOWN", ""))
 
 
-def _cell(v: Any) -> str:
+def _cell(v: Any) -> Text:
+    """A table cell as plain text: a value from the run (an error's log line: ``[/pytorch/.../x.cc:78]``) is never
+    read as rich markup."""
     if v is None or v == "":
-        return "-"
+        return Text("-")
     if isinstance(v, (list, tuple)):
-        return ",".join("?" if x is None else str(x) for x in v) or "-"
-    return str(v)
+        return Text(",".join("?" if x is None else str(x) for x in v) or "-")
+    return Text(str(v))
 
 
 def render(info: dict) -> RichGroup:
@@ -293,7 +297,7 @@ def render(info: dict) -> RichGroup:
         roles.add_column(col)
     for name, r in info["roles"].items():
         hb = r.get("heartbeat_age_s")
-        roles.add_row(name, _cell(r.get("het_group")), _cell(r.get("phase")),
+        roles.add_row(Text(name), _cell(r.get("het_group")), _cell(r.get("phase")),
                       _cell(r.get("nodes") if r.get("nodes") else r.get("nodes_requested")),
                       _cell(r.get("ranks") if r.get("ranks") is not None else r.get("ntasks")),
                       "-" if hb is None else f"{hb:.0f}s ago", _cell(r.get("error")))
@@ -305,7 +309,7 @@ def render(info: dict) -> RichGroup:
         for e in info["engines"]:
             where = f"{e.get('job_id')}.{e['step_id']}" if e.get("step_id") else e.get("job_id")
             url = "-" if e.get("state") == "stopped" else _cell(e.get("url"))  # gone with the run
-            engines.add_row(e["name"], _styled_engine(e), _cell(e.get("weight_version")), _cell(e.get("origin")),
+            engines.add_row(Text(e["name"]), _styled_engine(e), _cell(e.get("weight_version")), _cell(e.get("origin")),
                             _cell(e.get("node")), _cell(where), url)
         parts += [Text(""), engines]
     if info.get("weights"):
@@ -396,6 +400,14 @@ def _life_line(info: dict) -> str:
         bits.append(f"attempt {info['attempt']}")
     if info.get("restarts"):
         bits.append(f"{info['restarts']} step restart(s)")
+    health = info.get("health") if isinstance(info.get("health"), dict) else {}
+    if health.get("role_restarts"):
+        bits.append(f"{health['role_restarts']} role restart(s) alone")
+    last = (health.get("recoveries") or [None])[-1]
+    if isinstance(last, dict):
+        took = last.get("recovery_s")
+        bits.append(f"last recovery: {last.get('tier')} tier ({last.get('role')}), "
+                    + (f"{took:.1f}s" if isinstance(took, (int, float)) else "in progress"))
     ck = info.get("last_checkpoint")
     if isinstance(ck, dict) and ck.get("step") is not None:
         bits.append(f"last checkpoint step {ck['step']}")

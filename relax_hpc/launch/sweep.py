@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_hpc.launch import slurm
+from relax_hpc.launch.backend import launcher_for
 from relax_hpc.launch.runs import RunNotFound
 from relax_hpc.launch.submit import Plan, plan, submit
 from relax_hpc.recipe import RecipeError
@@ -152,7 +153,7 @@ def plan_sweep(recipe_path: str | Path, overrides: list[str], specs: list[str], 
     axes = parse_axes(specs, overrides)
     if max_running is not None and max_running < 1:
         raise SweepError(f"--sweep-max-running {max_running}: must be at least 1 (or left out: all at once)")
-    if max_running is not None and executor != "slurm":
+    if max_running is not None and not launcher_for(executor).queued:
         raise SweepError("--sweep-max-running needs Slurm (the throttle is a Slurm dependency); a local sweep "
                          "starts every point at once. Fix: leave it out, or submit to Slurm")
     if name is not None and not _NAME.fullmatch(name):
@@ -241,7 +242,7 @@ def sweep_status(doc: dict) -> dict:
     at most one ``sacct``) answers for every point (:func:`relax_hpc.launch.slurm.want`)."""
     from relax_hpc.launch.status import collect
 
-    slurm.want([p["job_id"] for p in doc["points"] if p.get("executor", "slurm") == "slurm" and p.get("job_id")])
+    slurm.want([p["job_id"] for p in doc["points"] if launcher_for(p.get("executor")).queued and p.get("job_id")])
     rows = []
     for p in doc["points"]:
         row = {"point": p.get("point"), "label": p.get("label"), "run": p.get("run"), "run_dir": p["run_dir"],
@@ -263,6 +264,7 @@ def sweep_status(doc: dict) -> dict:
 
 def render_status(info: dict):
     from rich.table import Table
+    from rich.text import Text
 
     from relax_hpc.launch.status import _styled
 
@@ -273,8 +275,8 @@ def render_status(info: dict):
     for r in info["points"]:
         step = "-" if r["step"] is None else f"{r['step']}/{r['total_steps'] or '?'}"
         reward = f"{r['reward']:.3f}" if isinstance(r["reward"], (int, float)) else "-"
-        t.add_row(r["label"] or "-", r["run"] or "-", str(r["job_id"] or "-"), _styled(r["state"]), step, reward,
-                  r["reason"] or "-")
+        t.add_row(Text(r["label"] or "-"), Text(r["run"] or "-"), str(r["job_id"] or "-"), _styled(r["state"]), step,
+                  reward, Text(r["reason"] or "-"))  # Text: a reason is never read as rich markup
     return t
 
 

@@ -217,6 +217,7 @@ def convert(argv: list[str]) -> tuple[dict, list[str]]:
             _put(data, key, value)
             notes.append(f"{key}: {value!r} is Relax's default (relax_hpc's differs), written out")
     _size_max_seq_len(data, notes)
+    _lora(data, notes)
     tr = data.get("train") or {}
     if "max_tokens_per_micro_batch" in tr and "micro_batch_size" in tr:  # packed by tokens: a sample count unused
         del tr["micro_batch_size"]
@@ -427,6 +428,27 @@ def _kl_reference(data: dict, notes: list[str], colocate: bool) -> None:
                      "actor computes π_ref itself, relax_hpc's reference role does")
     else:
         notes.append("--use-kl-loss: needs a reference role (roles.reference; Relax: reference in --resource)")
+
+
+def _lora(data: dict, notes: list[str]) -> None:
+    """Relax trains LoRA only with a --lora-rank above 0 (its default, 0, is full fine-tuning); its
+    --lora-target-modules all-linear is every linear of the layers."""
+    tr = data.get("train") or {}
+    lora = tr.get("lora")
+    if lora is None:
+        return
+    if not lora.get("rank"):
+        del tr["lora"]
+        notes.append("--lora-*: left out, as Relax trains LoRA only with --lora-rank above 0 "
+                     "(full fine-tuning here too)")
+        return
+    targets = lora.get("target_modules")
+    if isinstance(targets, str):
+        targets = [t for t in targets.replace(",", " ").split() if t]
+    if targets in (["all-linear"], ["all_linear"]):
+        targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    if targets is not None:
+        lora["target_modules"] = targets
 
 
 def _size_max_seq_len(data: dict, notes: list[str]) -> None:

@@ -1,12 +1,14 @@
-"""Where each role runs: which het component it owns or shares, and how many ranks it has.
+"""Where each role runs: which het component (role group) it owns or shares, and how many ranks it has.
 
 Both the sbatch renderer (one ``#SBATCH`` block per component) and the controller (one
-``srun --het-group=K`` per role) read this, so they can never disagree about the layout.
+``srun --het-group=K`` per role) read this, so they can never disagree about the layout. In the ``single``
+layout (``slurm.layout``) the groups are consecutive slices of one allocation's nodes: group K starts at node
+:attr:`RoleStep.node_offset` (``srun --relative``), in the same order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from relax_hpc.recipe.schema import ROLE_NAMES, Recipe, RoleGroup
 
@@ -20,6 +22,7 @@ class RoleStep:
     nodes: int
     tasks_per_node: int
     overlap: bool = False  # shares its nodes with steps started later (the rollout driver: the engine steps)
+    node_offset: int = 0  # single layout: its group's first node in the allocation (the groups before it, summed)
 
     @property
     def ntasks(self) -> int:
@@ -45,6 +48,10 @@ def role_steps(recipe: Recipe) -> list[RoleStep]:
             one = name == "rollout"  # the driver, as above
             steps.append(RoleStep(name, owners[g.share_with], host, True, 1 if one else g.nodes,
                                   1 if one else g.tasks_per_node))
+    offsets, at = {}, 0
+    for s in sorted((s for s in steps if not s.shared), key=lambda s: s.het_group):
+        offsets[s.het_group], at = at, at + s.group.nodes
+    steps = [replace(s, node_offset=offsets[s.het_group]) for s in steps]
     return sorted(steps, key=lambda s: (s.het_group, s.shared))
 
 
@@ -62,3 +69,8 @@ def initial_engines(recipe: Recipe) -> list[str]:
 def het_groups(recipe: Recipe) -> list[RoleStep]:
     """One entry per het component (its owning role), in component order."""
     return [s for s in role_steps(recipe) if not s.shared]
+
+
+def total_nodes(recipe: Recipe) -> int:
+    """The nodes of every group together: the ``single`` layout's one allocation."""
+    return sum(s.group.nodes for s in het_groups(recipe))

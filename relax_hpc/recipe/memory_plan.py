@@ -7,7 +7,8 @@ they are). Per GPU, in GiB (2^30 bytes):
 
 * a Megatron role (the actor; reference and actor_fwd forward only) holds its parameter shard ``N_gpu`` =
   (layer parameters / (tp·pp), experts / (ep·tp·pp)) + the embedding (and an untied output head) / tp;
-  parameters ``N_gpu × (2 bf16 | 4 fp32)``, gradients ``N_gpu × 4`` (Megatron's grad buffer reduces in fp32),
+  parameters ``N_gpu × (2 bf16 | 4 fp32)``, gradients ``N_gpu × 4`` (Megatron's grad buffer reduces in fp32; with
+  ``train.lora`` the gradients and the optimizer state below count the adapters' parameters only: the base is frozen),
   optimizer state ``N_gpu × (8 Adam moments + 4 fp32 master weights with bf16, 2 with the precision-aware
   optimizer's remainders) / DP`` with the distributed optimizer (DP = ranks / (tp·pp·cp)), on the host with
   ``train.optimizer_cpu_offload``;
@@ -38,6 +39,7 @@ from typing import Any
 
 from relax_hpc.recipe.reader import TextError, read_text
 from relax_hpc.recipe.schema import Recipe, RoleGroup
+from relax_hpc.train.config import megatron_targets
 from relax_hpc.train.forward_config import role_train
 
 Problem = tuple[str, object, str]
@@ -252,6 +254,18 @@ def _cell(v: float | None) -> str:
 
 # ---------------------------------------------------------------------------------------------- the terms ---
 
+def lora_params(shape: ModelShape, lora, layers: int, tp: int) -> float:
+    """A pipeline stage's LoRA adapter parameters per TP rank: rank × (in + out) per targeted linear of its
+    ``layers`` layers (the output layer's on the stage that holds it, counted here: the heaviest case)."""
+    q, kv, h = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.hidden
+    ffn = shape.shared_ffn if shape.experts else shape.ffn
+    sizes = {"linear_qkv": h + q + 2 * kv, "linear_proj": q + h, "linear_fc1": h + 2 * ffn, "linear_fc2": ffn + h}
+    targets = megatron_targets(lora.target_modules)
+    per_layer = sum(sizes[m] for m in targets if m in sizes)
+    head = h + shape.vocab if "output_layer" in targets else 0
+    return lora.rank * (layers * per_layer + head) / tp
+
+
 def _megatron_terms(recipe: Recipe, shape: ModelShape, role: str, ranks: int, notes: list[str]) -> dict[str, Term]:
     """Per GPU of a Megatron role: params, grads, optimizer (actor only), activations, context."""
     t = role_train(recipe, role)  # the forward roles' own layout (forward:), else train's
@@ -267,8 +281,11 @@ def _megatron_terms(recipe: Recipe, shape: ModelShape, role: str, ranks: int, no
     pbytes = 2 if t.bf16 else 4
     out = {"params": Term(role, "params", n * pbytes / GiB, f"{n / 1e9:.2f}B parameters x {pbytes} bytes")}
     train = role == "actor"
+    if train and t.lora is not None:  # LoRA: grads and Adam state for the adapters only (the base is frozen)
+        dense, experts = lora_params(shape, t.lora, layers, tp), 0.0
+        n = dense
     if train:
-        out["grads"] = Term(role, "grads", n * 4 / GiB, "fp32 grad buffer")
+        out["grads"] = Term(role, "grads", n * 4 / GiB, "fp32 grad buffer" + (" (LoRA adapters)" if t.lora else ""))
         master = (2 if t.use_precision_aware_optimizer else 4) if t.bf16 else 0
         per = 8 + master
         shard_d, shard_e = (dp, edp) if t.use_distributed_optimizer else (1, 1)

@@ -107,7 +107,10 @@ RELAX_NAMES: dict[str, str | None] = {
         "get_mismatch_metrics", "calculate_per_token_loss", "use_opsm", "opsm_delta", "ref_update_interval")},
     "disable_compute_advantages_and_returns": None,  # advantages always come from the rewards here (no SFT path)
     "loss_type": None, "custom_loss_function_path": None, "gamma": None, "lambd": None,
-    "lora_rank": None, "ref_load": None,
+    "ref_load": None,
+    # LoRA (docs/lora.md): --lora-rank 0 (Relax's default) is no LoRA (from_relax._lora)
+    "lora_rank": "train.lora.rank", "lora_alpha": "train.lora.alpha", "lora_dropout": "train.lora.dropout",
+    "lora_target_modules": "train.lora.target_modules", "lora_adapter_mode": "train.lora.mode: adapter",
     # --- on-policy distillation (relax/utils/opd/opd_utils.py add_opd_arguments) -----------------------
     "use_opd": "opd.enabled",
     "opd_type": "opd.teacher_url: <--opd-teacher-url>",  # sglang: a teacher server; megatron is refused

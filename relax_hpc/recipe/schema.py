@@ -91,7 +91,13 @@ class SlurmConfig:
     signal_lead_s: int = 120  # --signal=B:USR2@lead: seconds before the limit to checkpoint
     requeue: bool = True  # requeue the job after a checkpoint on signal or preemption
     max_requeues: int = 5  # give up (fail) after this many restarts
-    mpi: Literal["pmix", "none"] = "pmix"  # srun --mpi for role steps (pmix: rendezvous through MPI)
+    # srun --mpi for role steps. none (no --mpi flag; Slurm's MpiDefault applies): rank 0 puts its address in the run
+    # directory (the file rendezvous, no MPI needed); pmix: the address goes by MPI (mpi4py, the [mpi] extra)
+    mpi: Literal["pmix", "none"] = "none"
+    # hetjob: one Slurm heterogeneous job, a component per role group; single: one homogeneous allocation of all the
+    # groups' nodes, each role's steps placed on its own nodes (srun --relative); auto: hetjob where the partition
+    # takes het jobs (relax-submit asks sbatch --test-only, relax-doctor says it), else single (docs/slurm.md)
+    layout: Literal["auto", "hetjob", "single"] = "auto"
     template: str | None = None  # your own Jinja2 sbatch template (default: relax_hpc/sbatch/hetjob.sbatch.j2)
     container: ContainerConfig | None = None  # run the role and engine steps in this image; None: on the host
     # one GPU's memory in GiB (nvidia-smi's MiB / 1024; relax-doctor prints it on a GPU node): the memory plan
@@ -105,6 +111,9 @@ class ModelConfig:
     # a vision-language model's vision tower (encoder and merger) is not trained and not sent by the weight sync
     # (Relax --freeze-vision-model with --freeze-vision-projection); refused for a text model
     freeze_vision: bool = False
+    # an omni model's audio tower is not trained and not sent by the weight sync; false (training it) is not wired
+    # yet and is refused (relax_hpc.train.omni)
+    freeze_audio: bool = True
 
 
 @dataclass
@@ -112,6 +121,15 @@ class CheckpointConfig:
     interval: int = 0  # save every N steps (0: only on signal and at the end)
     keep: int = 2  # keep the last K checkpoints
     max_restarts: int = 2  # a step that crashes, is killed or hangs: restart every step from the latest checkpoint, at most this many times per job attempt
+
+
+@dataclass
+class HealthConfig:
+    """Two tiers of recovery (docs/reliability.md): a role other than the actor that dies or goes silent is started
+    again alone; the actor's death, or a role failing again soon, restarts every step (``checkpoint.max_restarts``)."""
+
+    max_role_restarts: int = 3  # restarts of a role alone per job attempt (0: every failure restarts every step)
+    window_s: float = 600.0  # a role failing again this soon after its restart alone: every step restarts instead
 
 
 @dataclass
@@ -161,6 +179,7 @@ class Recipe:
     genrm: GenRMConfig = field(default_factory=GenRMConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)  # the role tier of recovery
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def role(self, name: str) -> RoleGroup:

@@ -281,9 +281,13 @@ def check(recipe: Recipe) -> list[Problem]:
         problems.append(("slurm.signal_lead_s", recipe.slurm.signal_lead_s, "must be 0 or more seconds"))
     for key, val, low in (("checkpoint.interval", recipe.checkpoint.interval, 0), ("checkpoint.keep", recipe.checkpoint.keep, 1),
                           ("checkpoint.max_restarts", recipe.checkpoint.max_restarts, 0),
-                          ("slurm.max_requeues", recipe.slurm.max_requeues, 0)):
+                          ("slurm.max_requeues", recipe.slurm.max_requeues, 0),
+                          ("health.max_role_restarts", recipe.health.max_role_restarts, 0)):
         if val < low:
             problems.append((key, val, f"must be at least {low}"))
+    if recipe.health.window_s < 0:
+        problems.append(("health.window_s", recipe.health.window_s, "must be 0 or more seconds (0: a role restarted "
+                                                                    "alone may fail again at once and still restart alone)"))
     if recipe.logging.task_timeout_s < 0:
         problems.append(("logging.task_timeout_s", recipe.logging.task_timeout_s,
                          "must be 0 or more seconds (0 turns the hung-task check off)"))
@@ -775,6 +779,9 @@ def _check_rm_type(r: Recipe) -> list[Problem]:
                    "boxed_math), or write your reward function and set rollout.custom_rm_path")]
 
 
+_PLACEMENT_OPTIONS = {"--het-group", "--relative", "-r", "--nodelist", "-w", "--exclude", "-x"}  # each step's own
+
+
 def _check_strings(r: Recipe) -> list[Problem]:
     """Every string that becomes a Slurm argument must be a plain word: no value reaches a shell unquoted,
     and refusing metacharacters up front turns a confusing sbatch failure into a named key."""
@@ -796,6 +803,10 @@ def _check_strings(r: Recipe) -> list[Problem]:
         if f"slurm.srun_args[{i}]" not in broken and not _SLURM_OPTION.fullmatch(opt):
             out.append((f"slurm.srun_args[{i}]", opt,
                         _meta_msg(opt, "one srun option per item, like '--container-image=img.sqsh'")))
+        elif opt.split("=")[0] in _PLACEMENT_OPTIONS:
+            out.append((f"slurm.srun_args[{i}]", opt, "places the steps, which relax_hpc does itself per role "
+                        "(--het-group, or --relative in slurm.layout single). Fix: remove it; give a role its "
+                        "nodes with roles.<role>.nodes and slurm.constraint"))
     out += _check_env(s.env, broken)
     if r.run.name is not None and "run.name" not in broken and not _RUN_NAME.fullmatch(r.run.name):
         out.append(("run.name", r.run.name,
@@ -1042,6 +1053,7 @@ def _check_model_kind(r: Recipe, val: str, kind: object) -> list[Problem]:
     builds, after the queue: refused here before submitting)."""
     out: list[Problem] = []
     vlm = kind in VLM_MODEL_TYPES
+    out += _check_omni_kind(r, val, kind)
     if r.model.freeze_vision and not vlm:
         out.append(("model.freeze_vision", True, f"model.path {val!r} is a text model (model_type {kind!r}): "
                     "it has no vision tower to freeze. Fix: model.freeze_vision: false, or a "
@@ -1057,6 +1069,38 @@ def _check_model_kind(r: Recipe, val: str, kind: object) -> list[Problem]:
     if r.train.pp != 1:
         out.append(("train.pp", r.train.pp, f"model.path {val!r} is a vision-language model (model_type {kind!r}): "
                     "pipeline stages after the first are not wired for it. Fix: train.pp: 1"))
+    return out
+
+
+def _check_omni_kind(r: Recipe, val: str, kind: object) -> list[Problem]:
+    """Audio needs an omni thinker's model.path (relax_hpc.train.omni), which trains frozen-tower, padded, on one
+    pipeline stage: refused here, before the queue, rather than when the actor builds or the engine answers 400."""
+    from relax_hpc.audio import OMNI_MODEL_TYPES
+
+    out: list[Problem] = []
+    omni = kind in OMNI_MODEL_TYPES
+    mk = r.data.multimodal_keys if isinstance(r.data.multimodal_keys, dict) else {}
+    if mk.get("audio") and not omni:
+        hint = " (the whole Qwen2.5-Omni: give its thinker's directory)" if kind == "qwen2_5_omni" else ""
+        out.append(("data.multimodal_keys.audio", mk["audio"], f"model.path {val!r} (model_type {kind!r}) has no "
+                    f"audio tower this build runs{hint}. Fix: an omni thinker's model.path (model_type one of "
+                    f"{list(OMNI_MODEL_TYPES)}), or remove the audio column"))
+    if not r.model.freeze_audio:
+        out.append(("model.freeze_audio", False, "training the audio tower is not wired yet (the weight sync sends "
+                    "the language model only). Fix: model.freeze_audio: true"))
+    if not omni:
+        return out
+    if mk.get("image"):
+        out.append(("data.multimodal_keys.image", mk["image"], f"model.path {val!r} is an omni thinker: images "
+                    "in its prompts are not wired yet (3-D positions in the actor). Fix: audio only"))
+    for attr in ("max_tokens_per_micro_batch", "logprob_max_tokens_per_micro_batch"):
+        value = getattr(r.train, attr)
+        if value is not None:
+            out.append((f"train.{attr}", value, f"packs micro-batches (THD), but model.path {val!r} is an omni "
+                        f"thinker: packing is not wired for audio. Fix: remove train.{attr}"))
+    if r.train.pp != 1:
+        out.append(("train.pp", r.train.pp, f"model.path {val!r} is an omni thinker: its audio tower sits on one "
+                    "pipeline stage. Fix: train.pp: 1"))
     return out
 
 

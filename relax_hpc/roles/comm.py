@@ -2,15 +2,19 @@
 
 Rendezvous: rank 0 opens a ``TCPStore`` on port 0 (the kernel picks a free port, so two runs on one node
 never collide) and tells the others where it is: through MPI (``RELAX_RENDEZVOUS=mpi``: the step runs
-under ``srun --mpi=pmix``; mpi4py is imported only then) or through ``RUN_DIR/rendezvous/<role>.json``
-(``file``: local runs, or Slurm without pmix). The file carries the step's launch id, so a file left by
+under ``srun --mpi=pmix``; mpi4py, the ``[mpi]`` extra, is imported only then) or through
+``RUN_DIR/rendezvous/<role>.json`` (``file``: the default, ``slurm.mpi: none``, and local runs; no MPI needed). The file carries the step's launch id, so a file left by
 an earlier attempt is never used. Then ``init_process_group`` (NCCL with GPUs, gloo without) and a check:
 an all_reduce of the ranks and an all_gather of node names.
 
-Cross-role group (for weight sync later): actor rank 0 plus rank 0 of every other role. The actor opens a
-store on port 0 and publishes its address through the controller; the others look it up and join a
-separate gloo group built straight on that store (``dist.new_group`` cannot span separate jobs).
-Every wait here is bounded by ``logging.heartbeat_timeout_s``.
+Cross-role group: actor rank 0 plus rank 0 of every other role, a check at the run's start that every role can
+reach the actor (an all_reduce), nothing more: no role needs a group with the actor afterwards (the weights travel
+in the actor's own weight-sync group, :mod:`relax_hpc.weights`; work and results through the controller and the
+exchange). So the group is left at the end without a collective, and a role started again alone (the role tier of
+recovery, ``RELAX_RESTARTED_ALONE``) does not rejoin it: it rejoins only its own group, the controller and the
+exchange, and the actor keeps its process. The actor opens a store on port 0 and publishes its address through
+the controller; the others look it up and join a separate gloo group built straight on that store
+(``dist.new_group`` cannot span separate jobs). Every wait here is bounded by ``logging.heartbeat_timeout_s``.
 
 Where a store listens: a TCPStore takes any connection and asks for no key, and torch's server listens on every
 interface when no socket is given. :func:`~relax_hpc.stores.master_store` binds the address the run uses instead:
@@ -47,7 +51,7 @@ class Comm:
     nodes: list[str]
     cross_world: int | None = None  # set on the cross group's members (rank 0 of each role)
     cross_ok: bool | None = None
-    cross_group: Any = None  # ProcessGroupGloo, kept for weight sync
+    cross_group: Any = None  # ProcessGroupGloo of the start's check (kept alive, never used again)
     _stores: list = field(default_factory=list)  # a store must outlive the groups built on it
 
     def summary(self) -> dict:
@@ -57,10 +61,9 @@ class Comm:
         return out
 
     def close(self) -> None:
-        """Leave together: rank 0 holds the store, so it must not go while others still use it."""
-        if self.cross_group is not None:
-            self.cross_group.allreduce([torch.zeros(1)]).wait()
-            self.cross_group = None
+        """Leave together: rank 0 holds the store, so it must not go while others still use it. The cross-role group
+        is not waited on: a role started again alone is not in it, and no one uses it after the start's check."""
+        self.cross_group = None
         dist.barrier()
         dist.destroy_process_group()
         self._stores.clear()
@@ -141,6 +144,6 @@ def bootstrap(ctx: RoleContext) -> Comm:
     comm = Comm(i.rank, i.world, backend, x.item() == expected, nodes, _stores=[store])
     if not comm.collective_ok:
         raise RuntimeError(f"check all_reduce gave {x.item()}, expected {expected}")
-    if i.rank == 0:
+    if i.rank == 0 and not os.environ.get("RELAX_RESTARTED_ALONE"):  # the check needs every role's rank 0
         _cross_group(ctx, comm, timeout)
     return comm

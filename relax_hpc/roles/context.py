@@ -65,6 +65,7 @@ class RoleContext:
         if _whole(task.get("step")):
             shown["step"] = task["step"]
         self.info["task"] = shown
+        _injected_kill(self, task)
 
     def progress(self, n: int = 1) -> None:
         """Say the work moved on (a sample generated, a micro-batch done): without it for
@@ -153,6 +154,23 @@ class RoleContext:
         self.run_cleanups()
         self.stop_heartbeat()
         self.client.close()
+
+
+def _injected_kill(ctx: RoleContext, task: dict) -> None:
+    """Test hook: ``RELAX_TEST_KILL_TASK=<role>:<kind>:<step>`` SIGKILLs every rank of that role as it begins that
+    task (of that step: the task's, or its first chunk's), holding it, in the role's first life only (not after a
+    restart of any tier): a ``kill -9`` that lands at a known point of the run, without racing it."""
+    spec = os.environ.get("RELAX_TEST_KILL_TASK", "")
+    role, kind, step = (spec.split(":") + ["", "", ""])[:3]
+    if not spec or role != ctx.ident.role or kind != task.get("kind") or os.environ.get("RELAX_RESTARTED_ALONE"):
+        return
+    chunks = task.get("chunks") or [{}]
+    first = chunks[0] if isinstance(chunks[0], dict) else {}
+    at = task.get("step") if _whole(task.get("step")) else first.get("step")
+    st = ctx.run.read_json(ctx.run.state, {}) or {}
+    if str(at) == step and not st.get("restarts") and not st.get("attempt"):
+        say(f"RELAX_TEST_KILL_TASK={spec}: SIGKILL of this rank")
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def say(text: str, stream: Any = None) -> None:

@@ -48,13 +48,13 @@ def compute_and_write(actor: Any, refs: Sequence[dict | ChunkRef], field: str, w
     import numpy as np  # here, not at the top: a role imports numpy, h5py and torch after its hello
 
     from relax_hpc.exchange.chunk import write_fields
-    from relax_hpc.exchange.fields import IMAGE_FIELDS, LOGPROB_FIELDS
+    from relax_hpc.exchange.fields import LOGPROB_FIELDS, MEDIA_FIELDS
     from relax_hpc.train.plan import logprob_batch
     from relax_hpc.train.samples import as_ref, read_columns
 
     chunks = [as_ref(r) for r in refs]
     todo = [c for c in chunks if field not in c.all_fields]
-    images = tuple(f for f in IMAGE_FIELDS if todo and all(f in c.all_fields for c in todo))  # a VLM's chunks
+    images = tuple(f for f in MEDIA_FIELDS if todo and all(f in c.all_fields for c in todo))  # VLM / omni chunks
     batch = logprob_batch(read_columns(todo, (*LOGPROB_FIELDS, *images), agree=True)) if todo else []
     lps = actor.compute_log_probs(batch) if batch else []
     if rank != 0:

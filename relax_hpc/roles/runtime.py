@@ -46,13 +46,14 @@ def classify(ctx: RoleContext, error: BaseException, loading: bool) -> tuple[str
 def _injected_failure(ctx: RoleContext) -> None:
     """Test hooks: ``RELAX_TEST_FAIL_ROLE=<role>`` makes that role fail right after its bootstrap;
     ``RELAX_TEST_HOLD_ROLE=<role>`` keeps it ready (heartbeating, never done) until the controller stops its
-    step, in the run's first try only (attempt 0, no restart yet), so a test can act on a running controller
-    without racing the run's end."""
+    step, in the run's first try only (attempt 0, no restart yet, not started again alone), so a test can act on a
+    running controller without racing the run's end."""
     role = ctx.ident.role
     if os.environ.get("RELAX_TEST_FAIL_ROLE") == role:
         raise RuntimeError(f"RELAX_TEST_FAIL_ROLE={role}: injected failure after bootstrap")
     st = ctx.run.read_json(ctx.run.state, {}) or {}
-    if os.environ.get("RELAX_TEST_HOLD_ROLE") == role and not st.get("restarts") and not st.get("attempt"):
+    if (os.environ.get("RELAX_TEST_HOLD_ROLE") == role and not st.get("restarts") and not st.get("attempt")
+            and not os.environ.get("RELAX_RESTARTED_ALONE")):
         threading.Event().wait()
 
 

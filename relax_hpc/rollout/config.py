@@ -28,13 +28,14 @@ class DataConfig:
     eval_prompt_data: dict[str, str] = field(default_factory=dict)  # eval sets: name -> JSONL/Parquet path (Relax --eval-prompt-data)
     eval_input_key: str | None = None  # input_key of the eval sets; null = input_key
     eval_label_key: str | None = None  # label_key of the eval sets; null = label_key
-    multimodal_keys: dict[str, str] = field(default_factory=dict)  # modality -> record field (Relax --multimodal-keys), e.g. {image: images}: paths (relative to the data file), bytes or base64, one or a list; only "image" so far
+    multimodal_keys: dict[str, str] = field(default_factory=dict)  # modality -> record field (Relax --multimodal-keys), e.g. {image: images} or {audio: audios}: paths (relative to the data file), bytes or base64, one or a list; "image" and "audio" (an omni model's; not both in one recipe yet)
     image_min_token_num: int | None = None  # images smaller than this many image tokens are enlarged (Relax --image-min-token-num); null = the model processor's min_pixels
     image_max_token_num: int | None = None  # images larger than this many image tokens are shrunk (Relax --image-max-token-num); null = the model processor's max_pixels
     media_roots: list[str] = field(default_factory=list)  # directories besides the data file's own that a row's image paths may lie in (symlinks resolved); relative to the submit directory. Any other path fails its sample
     allow_media_urls: bool = False  # fetch http(s) image URLs a row names; false: such a row fails its sample (data: URLs and base64 are always read)
     max_image_pixels: int | None = None  # an image over this many pixels (width × height, read from its header before decoding) fails its sample; null = the model processor's max_pixels (what it would resize to anyway)
     max_prompt_pixels: int | None = None  # a row whose images add up to more pixels fails its sample; null = 4 × max_image_pixels
+    max_audio_seconds: float | None = None  # an audio clip longer than this (read from its header before decoding) fails its sample; null = what the model's processor takes (its chunk_length)
 
 
 @dataclass

@@ -74,6 +74,7 @@ class DataKeys:
     input_name: str = "data.input_key"  # the recipe keys that set input_key/label_key, for the messages
     label_name: str = "data.label_key"
     image_key: str | None = None  # the record field with the images (``data.multimodal_keys.image``)
+    audio_key: str | None = None  # the record field with the audio clips (``data.multimodal_keys.audio``)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,14 +245,23 @@ class _Records:
                                 f"got {type(metadata).__name__}")
         tools = rec.get(k.tool_key) if k.tool_key else None
         images = _image_refs(rec.get(k.image_key)) if k.image_key else None
+        audios = _image_refs(rec.get(k.audio_key), "an audio clip") if k.audio_key else None
         if k.image_key and self.apply_chat_template and _is_messages(raw):
             raw = [image_parts(m) for m in raw]
+        if k.audio_key and self.apply_chat_template and _is_messages(raw):
+            raw = [audio_parts(m) for m in raw]
         prompt = self._prompt_text(where, raw, tools)
         if k.image_key and not self.apply_chat_template and isinstance(prompt, str):
             prompt = prompt.replace(TEXT_IMAGE_MARKER, IMAGE_PLACEHOLDER)
+        if k.audio_key and not self.apply_chat_template and isinstance(prompt, str):
+            from relax_hpc.audio import AUDIO_PLACEHOLDER, TEXT_AUDIO_MARKER
+
+            prompt = prompt.replace(TEXT_AUDIO_MARKER, AUDIO_PLACEHOLDER)
         sample = Sample(prompt=prompt, label=label, metadata=metadata)
         if images is not None:
             sample.multimodal_inputs = {"images": images}
+        if audios is not None:
+            sample.multimodal_inputs = {"audios": audios}
         if self.tokenizer is not None:
             sample.tokens = list(self.tokenizer.encode(prompt, add_special_tokens=False))
         return sample
@@ -267,6 +277,7 @@ class _Records:
             raise DataError(f"{where}: key {key} must be a string prompt, got {type(raw).__name__}")
         if isinstance(raw, str):
             messages = [image_parts({"role": "user", "content": raw}) if self.keys.image_key
+                        else audio_parts({"role": "user", "content": raw}) if self.keys.audio_key
                         else {"role": "user", "content": raw}]
         elif _is_messages(raw):
             messages = [dict(m) for m in raw]
@@ -320,6 +331,7 @@ class PromptDataset(_Records):
         max_image_pixels: int | None = None,
         max_prompt_pixels: int | None = None,
         prompt_room: int | None = None,
+        max_audio_seconds: float | None = None,
     ) -> None:
         self.files = expand_paths(paths)
         if isinstance(tokenizer, (str, os.PathLike)):
@@ -330,6 +342,10 @@ class PromptDataset(_Records):
             raise DataError("apply_chat_template needs a tokenizer (model.path); none was given")
         if max_prompt_len is not None and tokenizer is None:
             raise DataError("max_prompt_len needs a tokenizer (model.path) to count prompt tokens; none was given")
+        if keys.audio_key and not getattr(tokenizer, "name_or_path", None):
+            raise DataError("data.multimodal_keys.audio needs the model's directory (model.path: its feature extractor "
+                            "and tokenizer) to read audio with; none was given")
+        self.max_audio_seconds = max_audio_seconds  # None: the processor's (audio.max_seconds)
         if keys.image_key and not getattr(tokenizer, "name_or_path", None):
             raise DataError("data.multimodal_keys needs the model's directory (model.path: its image processor and "
                             "tokenizer) to read images with; none was given")
@@ -383,7 +399,51 @@ class PromptDataset(_Records):
         """The prompt template ``i``; a row with images comes with them read (:meth:`with_images`)."""
         sample = self.samples[i]
         row = self._rows.get(i if i >= 0 else i + len(self.samples))
+        if row is not None and "audios" in (sample.multimodal_inputs or {}):
+            return self.with_audio(sample, *row)
         return sample if row is None else self.with_images(sample, *row)
+
+    def with_audio(self, sample: Sample, where: str, base_dir: Path) -> Sample:
+        """A copy of ``sample`` whose ``multimodal_inputs["audios"]`` are read (:func:`relax_hpc.audio.load_audio`:
+        WAV only; the files a row may name as images'), resampled to the processor's rate and kept as
+        base64 WAV (SGLang's ``audio_data``), and whose ``tokens`` have each ``<|AUDIO|>`` repeated once per audio
+        token. A clip longer than ``data.max_audio_seconds`` (judged from its header) or that cannot be read,
+        placeholders that do not match, or a prompt too long with its audio fail only this sample (FAILED,
+        ``metadata["image_error"]`` with its row and reason, as a bad image)."""
+        from relax_hpc.audio import AUDIO_PAD, TEXT_AUDIO_MARKER, AudioError, audio_tokens, clip_frames, \
+            expand_audio, load_audio, sampling_rate, token_id, wav_base64
+        from relax_hpc.multimodal import ImageError, MediaPolicy
+
+        refs = sample.multimodal_inputs["audios"]
+        model_dir = str(self.tokenizer.name_or_path)
+        policy = MediaPolicy(base_dir=base_dir, roots=self.media_roots, allow_urls=self.allow_media_urls)
+        clips = []
+        try:
+            if isinstance(refs, str) and refs.startswith(_BAD):
+                raise AudioError(refs[len(_BAD):])
+            budget = None if self.max_audio_seconds is None else \
+                "a clip may have (data.max_audio_seconds). Fix: a shorter clip, or raise data.max_audio_seconds"
+            for n, ref in enumerate(refs):
+                try:
+                    clips.append(load_audio(ref, model_dir, policy, self.max_audio_seconds, budget))
+                except AudioError as e:
+                    raise AudioError(f"clip {n}{_ref_name(ref)}: {e}") from None
+            placeholders = sample.prompt.count(AUDIO_PAD)
+            if placeholders != len(clips):
+                raise AudioError(f"{len(clips)} clip(s) but {placeholders} audio placeholder(s) in the prompt. Fix: "
+                                 f'one {TEXT_AUDIO_MARKER} in the text or one {{"type": "audio"}} content part per '
+                                 "clip")
+            counts = [audio_tokens(clip_frames(model_dir, len(c))) for c in clips]  # the features' count, uncomputed
+            if any(c < 1 for c in counts):
+                raise AudioError(f"clips of {[len(c) for c in clips]} samples: too short for one audio token")
+            tokens = expand_audio(sample.tokens, counts, token_id(model_dir, AUDIO_PAD)) if clips else sample.tokens
+            self._check_length(len(tokens), len(tokens) - len(sample.tokens) + len(clips), "audio")
+        except (AudioError, ImageError) as e:
+            return image_failed(sample.copy(multimodal_inputs=None),
+                                f"{where}: key {self.keys.audio_key!r} (data.multimodal_keys.audio): {e}",
+                                getattr(self.tokenizer, "eos_token_id", None), "audio")
+        rate = sampling_rate(model_dir)
+        return sample.copy(tokens=tokens, multimodal_inputs={"audios": [wav_base64(c, rate) for c in clips]})
 
     def with_images(self, sample: Sample, where: str, base_dir: Path) -> Sample:
         """A copy of ``sample`` whose ``multimodal_inputs["images"]`` are read
@@ -442,21 +502,22 @@ class PromptDataset(_Records):
                                 getattr(self.tokenizer, "eos_token_id", None))
         return sample.copy(tokens=tokens, multimodal_inputs={"images": [png_base64(im) for im in imgs]})
 
-    def _check_length(self, n: int, image_tokens: int) -> None:
-        """A prompt with its images expanded (``n`` tokens, ``image_tokens`` of them the images') longer than
-        ``rollout.max_prompt_len`` or :attr:`prompt_room`: an :class:`~relax_hpc.multimodal.ImageError`. Such a row
-        cannot be dropped when the file is read (its images are read when drawn): it fails its sample instead of
-        reaching the trainer, where it would fail the step."""
+    def _check_length(self, n: int, image_tokens: int, kind: str = "images") -> None:
+        """A prompt with its images (``kind``: or audio) expanded (``n`` tokens, ``image_tokens`` of them the
+        media's) longer than ``rollout.max_prompt_len`` or :attr:`prompt_room`: an
+        :class:`~relax_hpc.multimodal.ImageError`. Such a row cannot be dropped when the file is read (its media are
+        read when drawn): it fails its sample instead of reaching the trainer, where it would fail the step."""
         from relax_hpc.multimodal import ImageError
 
-        what = f"with its images the prompt has {n} tokens ({image_tokens} of them the images')"
+        fix = "fewer or smaller images (data.image_max_token_num shrinks them)" if kind == "images" else \
+            "fewer or shorter clips (data.max_audio_seconds bounds them)"
+        what = f"with its {kind} the prompt has {n} tokens ({image_tokens} of them the {kind}')"
         if self.max_prompt_len is not None and n > self.max_prompt_len:
-            raise ImageError(f"{what}, more than rollout.max_prompt_len = {self.max_prompt_len}. Fix: fewer or "
-                             "smaller images (data.image_max_token_num shrinks them), or raise rollout.max_prompt_len")
+            raise ImageError(f"{what}, more than rollout.max_prompt_len = {self.max_prompt_len}. Fix: {fix}, or "
+                             "raise rollout.max_prompt_len")
         if self.prompt_room is not None and n > self.prompt_room:
             raise ImageError(f"{what}, more than the {self.prompt_room} a sample's prompt may have to fit "
-                             "train.max_seq_len with its response. Fix: fewer or smaller images "
-                             "(data.image_max_token_num shrinks them), or raise train.max_seq_len")
+                             f"train.max_seq_len with its response. Fix: {fix}, or raise train.max_seq_len")
 
 
 def _numbers(what: str, numbers: list[int]) -> str:
@@ -469,7 +530,7 @@ def _numbers(what: str, numbers: list[int]) -> str:
 _BAD = "\0bad:"  # a row's image column that is not images: the reason, kept for the sample to fail with
 
 
-def _image_refs(v: Any) -> list[Any] | str:
+def _image_refs(v: Any, what: str = "an image") -> list[Any] | str:
     """A row's image column as a list of references (none for null), or the reason it is not one."""
     if v is None:
         return []
@@ -478,7 +539,7 @@ def _image_refs(v: Any) -> list[Any] | str:
         return [v]
     if isinstance(v, list) and all(isinstance(x, (str, bytes, bytearray, dict)) for x in v):
         return list(v)
-    return f"{_BAD}must be an image (a path, bytes or base64) or a list of them, got {type(v).__name__}"
+    return f"{_BAD}must be {what} (a path, bytes or base64) or a list of them, got {type(v).__name__}"
 
 
 def _ref_name(ref: Any) -> str:
@@ -505,11 +566,28 @@ def image_parts(message: dict) -> dict:
     return {**message, "content": parts}
 
 
-def image_failed(sample: Sample, why: str, pad_id: int | None = None) -> Sample:
+def audio_parts(message: dict) -> dict:
+    """A chat message whose string content holds Relax's ``<audio>`` markers, as Qwen's content list
+    (``{"type": "audio"}`` where each marker was, ``{"type": "text", ...}`` between); other messages as they are."""
+    from relax_hpc.audio import TEXT_AUDIO_MARKER
+
+    content = message.get("content")
+    if not isinstance(content, str) or TEXT_AUDIO_MARKER not in content:
+        return dict(message)
+    parts: list[dict[str, Any]] = []
+    for i, text in enumerate(content.split(TEXT_AUDIO_MARKER)):
+        if i:
+            parts.append({"type": "audio"})
+        if text:
+            parts.append({"type": "text", "text": text})
+    return {**message, "content": parts}
+
+
+def image_failed(sample: Sample, why: str, pad_id: int | None = None, kind: str = "images") -> Sample:
     """``sample`` failed for its images, before any engine saw it (the driver does not send a FAILED sample): status
     FAILED, ``metadata["image_error"]``, a one-token response with loss mask 0 and reward 0 (so the step's tensors
     keep their shape and the sample counts for nothing), as a failed environment does (rollout/multiturn.py)."""
-    log.error("sample fails, its images cannot be used: %s", why)
+    log.error("sample fails, its %s cannot be used: %s", kind, why)
     sample.metadata = {**sample.metadata, "image_error": why}
     sample.reset_response(list(sample.tokens))
     sample.append_response([int(pad_id or 0)], "", [0.0], loss_mask_value=0)
@@ -714,6 +792,7 @@ def dataset_keys(data_cfg: DataConfig, evaluation: bool = False) -> DataKeys:
         input_name="data.eval_input_key" if e_in else "data.input_key",
         label_name="data.eval_label_key" if e_label else "data.label_key",
         image_key=(data_cfg.multimodal_keys or {}).get("image"),
+        audio_key=(data_cfg.multimodal_keys or {}).get("audio"),
     )
 
 
@@ -726,7 +805,8 @@ def dataset_from_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig, *, tok
     if input_key or label_key is not None:
         keys = DataKeys(input_key=input_key or keys.input_key,
                         label_key=label_key if label_key is not None else keys.label_key,
-                        metadata_key=keys.metadata_key, tool_key=keys.tool_key, image_key=keys.image_key)
+                        metadata_key=keys.metadata_key, tool_key=keys.tool_key, image_key=keys.image_key,
+                        audio_key=keys.audio_key)
     path = path if path is not None else data_cfg.path
     if path is None:
         raise DataError("data.path is not set: give the JSONL/Parquet prompt file(s)")
@@ -742,6 +822,7 @@ def dataset_from_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig, *, tok
         allow_media_urls=data_cfg.allow_media_urls,
         max_image_pixels=data_cfg.max_image_pixels,
         max_prompt_pixels=data_cfg.max_prompt_pixels,
+        max_audio_seconds=data_cfg.max_audio_seconds,
     )
 
 
@@ -976,7 +1057,7 @@ def check_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig) -> list[tuple
     return out
 
 
-MODALITIES = ("image",)  # data.multimodal_keys' keys read so far; Relax's video and audio are not
+MODALITIES = ("image", "audio")  # data.multimodal_keys' keys read so far; Relax's video is not
 RELAX_MODALITIES = ("image", "video", "audio")
 
 
@@ -990,12 +1071,27 @@ def _check_media(d: DataConfig) -> list[tuple[str, object, str]]:
         mk = {}
     for k, col in (mk or {}).items():
         if k not in MODALITIES:
-            why = "is not read yet (only images are)" if k in RELAX_MODALITIES else \
+            why = "is not read yet (only images and audio are)" if k in RELAX_MODALITIES else \
                 f"is not a modality (Relax's are {', '.join(RELAX_MODALITIES)})"
-            out.append((f"data.multimodal_keys.{k}", col, f"{k!r} {why}. Fix: remove it; image: COLUMN is supported"))
+            out.append((f"data.multimodal_keys.{k}", col, f"{k!r} {why}. Fix: remove it; image: COLUMN and audio: "
+                                                         "COLUMN are supported"))
         elif not isinstance(col, str) or not col.strip():
-            out.append((f"data.multimodal_keys.{k}", col, "must name the record field that holds the images. "
-                                                         "Fix: e.g. image: images"))
+            out.append((f"data.multimodal_keys.{k}", col, f"must name the record field that holds the {k}s. "
+                                                         f"Fix: e.g. {k}: {k}s"))
+    if isinstance(mk, dict) and mk.get("image") and mk.get("audio"):
+        out.append(("data.multimodal_keys", mk, "images and audio in one prompt are not wired yet (an omni prompt "
+                                                "with both needs 3-D positions in the actor). Fix: one of them"))
+    secs = d.max_audio_seconds
+    if secs is not None:
+        from relax_hpc.audio import MAX_AUDIO_SECONDS
+
+        if not isinstance(secs, (int, float)) or not 0 < secs <= MAX_AUDIO_SECONDS:
+            out.append(("data.max_audio_seconds", secs, f"must be more than 0 and at most {MAX_AUDIO_SECONDS:g} "
+                                                        "seconds (the most relax_hpc reads of a clip), or null"))
+        elif not (mk if isinstance(mk, dict) else {}).get("audio"):
+            out.append(("data.max_audio_seconds", secs, "bounds audio clips, but data.multimodal_keys has no audio "
+                                                        "column. Fix: set data.multimodal_keys: {audio: COLUMN}, or "
+                                                        "null this"))
     lo, hi = d.image_min_token_num, d.image_max_token_num
     for key, v in (("data.image_min_token_num", lo), ("data.image_max_token_num", hi)):
         if v is not None and v < 1:
@@ -1014,11 +1110,12 @@ def _check_media(d: DataConfig) -> list[tuple[str, object, str]]:
     roots = d.media_roots
     if not isinstance(roots, list) or not all(isinstance(x, str) and x.strip() and "\0" not in x for x in roots):
         out.append(("data.media_roots", roots, "must be a list of directories. Fix: e.g. [/datasets/images]"))
+    media = isinstance(mk, dict) and bool(mk.get("image") or mk.get("audio"))
     if not (mk or {}).get("image"):  # they act on the files and pixels of a row's images: without images, nothing
         for key, v, default in (("data.media_roots", roots, []), ("data.allow_media_urls", d.allow_media_urls, False),
                                 ("data.max_image_pixels", per_image, None),
                                 ("data.max_prompt_pixels", per_prompt, None)):
-            if v != default:
+            if v != default and not (media and key in ("data.media_roots", "data.allow_media_urls")):  # audio's too
                 out.append((key, v, "acts on a row's images, but data.multimodal_keys has no image column. Fix: set "
                                     "data.multimodal_keys: {image: COLUMN}, or remove this key"))
     if (lo is not None or hi is not None) and not (mk or {}).get("image"):

@@ -323,7 +323,8 @@ class RolloutDriver:
             prompt_ids = self.prompt_ids(sample)
         gen = await self.request(prompt_ids, sp, evaluation=evaluation, batch=batch, stop=stop, spent=spent,
                                  who=f"sample index={sample.index} group_index={sample.group_index}",
-                                 image_data=(sample.multimodal_inputs or {}).get("images") or None)
+                                 image_data=(sample.multimodal_inputs or {}).get("images") or None,
+                                 audio_data=(sample.multimodal_inputs or {}).get("audios") or None)
         if gen is None:  # the step ended before it was sent
             sample.status = SampleStatus.ABORTED if resumed else SampleStatus.PENDING
             return sample
@@ -335,7 +336,8 @@ class RolloutDriver:
 
     async def request(self, prompt_ids: list[int], sp: SamplingParams, *, evaluation: bool = False,
                       batch: BatchCounters | None = None, stop: asyncio.Event | None = None,
-                      who: str = "a request", image_data: list | None = None, spent: float = 0.0) -> Generation | None:
+                      who: str = "a request", image_data: list | None = None, spent: float = 0.0,
+                      audio_data: list | None = None) -> Generation | None:
         """One ``/generate`` on the least-loaded live engine, with the driver's handling (module docstring):
         dead engines left out, 5xx and aborts retried up to ``max_retries``, a 4xx a :class:`RolloutError` naming
         ``who``. With ``stop`` (partial rollout): None if ``stop`` is set before it is sent, and an abort after
@@ -365,7 +367,8 @@ class RolloutDriver:
                 cap = left / 2 if len(self.pool.alive()) > 1 and left >= 2 * MIN_ATTEMPT_S else left
                 gen = await engine.client.agenerate(prompt_ids, sp, return_logprob=not evaluation, rid=rid,
                                                     vocab_size=self.vocab_size, routing=self.routing, timeout=cap,
-                                                    extra=self._replay(evaluation),
+                                                    extra={**(self._replay(evaluation) or {}), **(
+                                                        {"audio_data": audio_data} if audio_data else {})} or None,
                                                     **({"image_data": image_data} if image_data else {}))
             except EngineError as err:
                 last = f"engine {engine.name}: {err.cause}"

@@ -57,12 +57,13 @@ class MegatronActor:
     @classmethod
     def from_hf(cls, hf_dir: str | os.PathLike, train_cfg: TrainConfig, algo_cfg=None, *,
                 temperature: float = 1.0, forward_only: bool = False, opd=None,
-                freeze_vision: bool = False) -> "MegatronActor":
+                freeze_vision: bool = False, freeze_audio: bool = True) -> "MegatronActor":
         """Build from an HF directory. ``init_parallel(train_cfg.tp, train_cfg.pp)`` must have run.
 
         ``temperature`` is the rollout sampling temperature: logits are divided by it before log-probs,
         as the engine did when it sampled. ``forward_only`` (reference, actor_fwd): no DDP, no optimizer.
         ``freeze_vision`` (``model.freeze_vision``): a VLM's vision tower is not trained (refused for a text model).
+        ``freeze_audio`` (``model.freeze_audio``): an omni model's audio tower is not trained (false: refused).
         """
         from relax_hpc.train.vlm import build_vlm, check_freeze_vision, is_vlm
 
@@ -71,7 +72,10 @@ class MegatronActor:
 
             algo_cfg = AlgorithmConfig()
         check_freeze_vision(hf_dir, freeze_vision)
+        from relax_hpc.train.omni import build_omni, is_omni
+
         built = build_vlm(hf_dir, train_cfg, freeze_vision=freeze_vision) if is_vlm(hf_dir) else \
+            build_omni(hf_dir, train_cfg, freeze_audio=freeze_audio) if is_omni(hf_dir) else \
             build_model(hf_dir, train_cfg)
         if forward_only:
             model, optimizer = built.chunks, None

@@ -52,6 +52,8 @@ class TrainingSample:
     routed_experts: torch.Tensor | None = None  # routing replay: the engine's expert ids, flat [L - 1, layers, top_k]
     pixel_values: torch.Tensor | None = None  # a VLM: the image processor's patches of its images, flat [patches·dim]
     image_grid_thw: torch.Tensor | None = None  # a VLM: each image's (t, h, w) patch grid, flat [images·3]
+    input_features: torch.Tensor | None = None  # an omni model: its clips' log-mel frames, flat [frames·mel]
+    audio_feature_lens: torch.Tensor | None = None  # an omni model: each clip's frames [clips]
 
 
 def field(sample, name: str, default=None):
@@ -112,6 +114,11 @@ class MicroBatch:
     image_grid_thw: torch.Tensor | None = None
     image_limits: list[int] | None = None
     image_counts: list[int] | None = None  # per real row, its images (a multi-turn sample's may follow its start)
+    # an omni model: the samples' clips, concatenated in row order: input_features [frames, mel], audio_feature_lens
+    # [clips]; audio_limits: per real row, its response start (0 without audio): audio pads before it are its clips'
+    input_features: torch.Tensor | None = None
+    audio_feature_lens: list[int] | None = None
+    audio_limits: list[int] | None = None
     weight: float = 1.0  # this micro-batch's share of the global loss (samples or tokens)
 
     @property
@@ -243,6 +250,7 @@ def _finish(samples: Sequence, tokens: torch.Tensor, position_ids: torch.Tensor,
                     valid=valid, response_lens=lens, lengths=[s + r for s, r in bounds], n_real=len(samples))
     mb.routed_experts = _routed(samples, tokens, offsets)
     _images(mb, samples, [s for s, _ in bounds])
+    _audio(mb, samples, [s for s, _ in bounds])
     if not train:
         return mb
     masks, advs = [], []
@@ -312,6 +320,31 @@ def _images(mb: MicroBatch, samples: Sequence, starts: list[int]) -> None:
     mb.image_grid_thw = torch.cat(thw)
     mb.image_limits = limits
     mb.image_counts = counts
+
+
+def _audio(mb: MicroBatch, samples: Sequence, starts: list[int]) -> None:
+    """The samples' clips on ``mb`` (:attr:`MicroBatch.input_features`, ``audio_feature_lens``, ``audio_limits``),
+    in sample order, where some sample has any."""
+    lens = [field(s, "audio_feature_lens") for s in samples]
+    if all(n is None or torch.as_tensor(n).numel() == 0 for n in lens):
+        return
+    feats, all_lens, limits, mels = [], [], [], set()
+    for i, (s, n, start) in enumerate(zip(samples, lens, starts)):
+        n = [] if n is None else [int(v) for v in torch.as_tensor(n).reshape(-1)]
+        f = torch.as_tensor(field(s, "input_features", torch.zeros(0))).reshape(-1)
+        frames = sum(n)
+        if (frames == 0) != (f.numel() == 0) or (frames and f.numel() % frames):
+            raise ValueError(f"sample {i} of the micro-batch: {f.numel()} feature values for clips of {n} frames")
+        if frames:
+            mels.add(f.numel() // frames)
+            feats.append(f.reshape(frames, -1))
+            all_lens += n
+        limits.append(start if frames else 0)
+    if len(mels) != 1:
+        raise ValueError(f"input_features: the samples of a micro-batch have frames of {sorted(mels)} values")
+    mb.input_features = torch.cat(feats).float()
+    mb.audio_feature_lens = all_lens
+    mb.audio_limits = limits
 
 
 @dataclass(frozen=True)

@@ -33,4 +33,4 @@ def build_megatron(recipe: Any, role: str, model_path: str, *, forward_only: boo
     temperature = recipe.rollout.temperature if recipe.rollout.temperature > 1e-6 else 1.0  # greedy: the engine uses T=1
     return MegatronActor.from_hf(model_path, cfg, recipe.algorithm, temperature=temperature,
                                  forward_only=forward_only, opd=recipe.opd,
-                                 freeze_vision=recipe.model.freeze_vision)
+                                 freeze_vision=recipe.model.freeze_vision, freeze_audio=recipe.model.freeze_audio)

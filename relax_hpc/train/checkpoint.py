@@ -73,14 +73,23 @@ def _unwrapped(model: list) -> list:
     return unwrap_model(model)
 
 
+def _chunk_state(chunk) -> dict:
+    from relax_hpc.train import lora
+
+    sd = chunk.sharded_state_dict()
+    if lora.has_lora([chunk]):  # the adapters only: the frozen base is the model it records (meta.json "lora")
+        sd = {k: v for k, v in sd.items() if lora.is_adapter_key(k)}
+    return sd
+
+
 def _sharded_state_dict(model: list, optimizer, *, is_loading: bool) -> dict:
     chunks = _unwrapped(model)
     if len(chunks) == 1:
-        model_sd = chunks[0].sharded_state_dict()
+        model_sd = _chunk_state(chunks[0])
     else:  # virtual pipeline chunks, Megatron-LM's naming
         model_sd = {}
         for i, c in enumerate(chunks):
-            model_sd.update({f"model{i}": c.sharded_state_dict()})
+            model_sd.update({f"model{i}": _chunk_state(c)})
     sd = {"model": model_sd}
     if optimizer is not None:
         sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)
@@ -149,6 +158,11 @@ def save(root: str | os.PathLike, model: list, optimizer, *, step: int, extra_st
     if rank == 0:
         extra = dict(extra_state or {})
         meta = {"step": step, "layout": _layout(), "time": time.time(), "manifest": manifest.MANIFEST}
+        from relax_hpc.train.lora import has_lora
+
+        rec = has_lora(model)
+        if rec:  # the adapters' setting and the base model they adapt: load refuses another
+            meta["lora"] = rec
         try:
             json.dumps(extra)
             meta["extra_state"] = extra
@@ -217,6 +231,9 @@ def load(path: str | os.PathLike, model: list, optimizer, *, load_optimizer: boo
     meta = json.loads((step_dir / "meta.json").read_text())
     if verify:
         verify_collective(step_dir, meta)
+    from relax_hpc.train.lora import check_base
+
+    check_base(meta.get("lora"), model, str(step_dir))
     opt = optimizer if load_optimizer else None
     sd = _sharded_state_dict(model, opt, is_loading=True)
     try:
@@ -228,11 +245,8 @@ def load(path: str | os.PathLike, model: list, optimizer, *, load_optimizer: boo
             raise
         raise _load_failed(step_dir, e) from e
     chunks = _unwrapped(model)
-    if len(chunks) == 1:
-        chunks[0].load_state_dict(state["model"], strict=True)
-    else:
-        for i, c in enumerate(chunks):
-            c.load_state_dict(state["model"][f"model{i}"], strict=True)
+    for i, c in enumerate(chunks):
+        _load_chunk(c, state["model"] if len(chunks) == 1 else state["model"][f"model{i}"], bool(meta.get("lora")))
     if opt is not None:
         opt.load_state_dict(state["optimizer"])
     same_layout = meta.get("layout") == _layout()
@@ -245,6 +259,21 @@ def load(path: str | os.PathLike, model: list, optimizer, *, load_optimizer: boo
         extra = meta.get("extra_state", {})
     dist.barrier()
     return int(meta["step"]), extra
+
+
+def _load_chunk(chunk, state: dict, adapters_only: bool) -> None:
+    """Load one chunk's state; a LoRA checkpoint's adapters only (the base stays as built from model.path, which
+    :func:`relax_hpc.train.lora.check_base` checked), and every adapter must be there."""
+    if not adapters_only:
+        chunk.load_state_dict(state, strict=True)
+        return
+    from relax_hpc.train.lora import is_adapter_key
+
+    missing, unexpected = chunk.load_state_dict(state, strict=False)
+    missing = [k for k in missing if is_adapter_key(k)]
+    if missing or unexpected:
+        raise RuntimeError(f"LoRA checkpoint does not fit the model: adapters missing {missing[:3]}, "
+                           f"unexpected keys {list(unexpected)[:3]}")
 
 
 RESUME_FIX = ("resume from an earlier complete checkpoint (write its name into the checkpoint root's `latest`, "

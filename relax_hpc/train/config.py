@@ -9,10 +9,51 @@ the data-parallel size and the model's experts (checked at build, where both are
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from relax_hpc.seed import DEFAULT_SEED
+
+# LoRA targets: Megatron's linear layers (the fused ones take one adapter for all their parts), and HF's names for them
+MEGATRON_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+HF_LORA_TARGETS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+                   "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2",
+                   "lm_head": "output_layer"}
+DEFAULT_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def megatron_targets(names: list[str]) -> list[str]:
+    """``train.lora.target_modules`` as Megatron's linear names, in Megatron's order; ValueError naming the
+    problem for an unknown name or part of a fused linear (q_proj without k_proj and v_proj)."""
+    out = set()
+    for n in names:
+        if n in MEGATRON_LORA_TARGETS:
+            out.add(n)
+        elif n in HF_LORA_TARGETS:
+            meg = HF_LORA_TARGETS[n]
+            parts = sorted(h for h, m in HF_LORA_TARGETS.items() if m == meg)
+            if not set(parts) <= set(names) and meg not in names:
+                raise ValueError(f"{n} is one part of Megatron's fused {meg} ({', '.join(parts)}), which takes one "
+                                 f"adapter for all of them. Fix: name all of {', '.join(parts)}, or {meg}")
+            out.add(meg)
+        else:
+            raise ValueError(f"{n!r} is not a LoRA target. Fix: any of {', '.join(MEGATRON_LORA_TARGETS)} "
+                             f"(Megatron's names) or {', '.join(HF_LORA_TARGETS)} (HF's)")
+    return [m for m in MEGATRON_LORA_TARGETS if m in out]
+
+
+@dataclass
+class LoraConfig:
+    """``train.lora``: low-rank adapters trained on the frozen base model (docs/lora.md; Relax's --lora-* flags)."""
+
+    rank: int = 16  # Relax --lora-rank
+    alpha: float = 32.0  # Relax --lora-alpha: the update is scaled by alpha / rank
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))  # Megatron's or HF's names
+    dropout: float = 0.0  # Relax --lora-dropout
+    mode: Literal["merge", "adapter"] = "merge"  # what the weight sync sends: merged weights, or the adapters alone
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass
@@ -53,6 +94,7 @@ class TrainConfig:
     max_nonfinite_skips: int = 3  # consecutive optimizer steps skipped before the run fails; 0: fail at the first
     balance_data: bool = False  # deal each mini-batch's samples to the DP ranks by token count, evenly (Relax's --balance-data); False: contiguous shares
     offload: bool = False  # colocate: params, grads and optimizer state leave the device while engines generate (Relax's --offload-train)
+    lora: LoraConfig | None = None  # low-rank adapters on the frozen base model (docs/lora.md); None: full fine-tuning
 
 
 def check(cfg: TrainConfig) -> list[tuple[str, object, str]]:
@@ -128,7 +170,28 @@ def check(cfg: TrainConfig) -> list[tuple[str, object, str]]:
          "must be skip or fail. Fix: skip (a non-finite step is not applied) or fail (it ends the run)")
     need(cfg.max_nonfinite_skips >= 0, "max_nonfinite_skips",
          "must be 0 (fail at the first non-finite step) or more. Fix: e.g. 3")
+    if cfg.lora is not None:
+        out.extend(check_lora(cfg.lora))
     need(cfg.max_seq_len >= 2, "max_seq_len", "must be at least 2 tokens (one prompt, one response). Fix: e.g. 4096")
+    return out
+
+
+def check_lora(lcfg: LoraConfig) -> list[tuple[str, object, str]]:
+    out: list[tuple[str, object, str]] = []
+    if lcfg.rank < 1:
+        out.append(("lora.rank", lcfg.rank, "must be at least 1. Fix: e.g. 16 (8-64 is usual)"))
+    if lcfg.alpha <= 0:
+        out.append(("lora.alpha", lcfg.alpha, "must be positive (the update is scaled by alpha / rank). Fix: e.g. 2 x rank"))
+    if not 0 <= lcfg.dropout < 1:
+        out.append(("lora.dropout", lcfg.dropout, "must be in [0, 1). Fix: 0.0"))
+    if not lcfg.target_modules:
+        out.append(("lora.target_modules", lcfg.target_modules,
+                    f"names no module. Fix: e.g. [{', '.join(DEFAULT_LORA_TARGETS)}]"))
+    else:
+        try:
+            megatron_targets(lcfg.target_modules)
+        except ValueError as e:
+            out.append(("lora.target_modules", lcfg.target_modules, str(e)))
     return out
 
 

@@ -1,6 +1,7 @@
 """Megatron weights ↔ HF: a full HF directory on disk, (name, full tensor) pairs for weight sync, those
 pairs loaded back (a forward role following the actor through the weight-sync group), and a saved checkpoint
-as an HF directory (:func:`export_checkpoint`, what ``relax-export`` runs).
+as an HF directory (:func:`export_checkpoint`, what ``relax-export`` runs), a LoRA model's adapters merged
+(megatron-bridge merges them on export) or, with ``adapter``, alone in PEFT's format (:func:`export_adapters`).
 
 All go through megatron-bridge, the same mapping that loaded the model, so names, fused-QKV splits and
 TP/PP gathering agree with the HF checkpoint we started from. All but :func:`export_checkpoint` (one process) are
@@ -70,8 +71,33 @@ def nonfinite(chunks: list) -> list[tuple[str, int, int]]:
     return bad
 
 
+def export_adapters(bridge, model: list, out_dir: str | os.PathLike, base_path: str) -> Path:
+    """A LoRA model's adapters in PEFT's format (``adapter_model.safetensors`` + ``adapter_config.json``) under their
+    HF module names (megatron-bridge splits the fused qkv / gate-up adapters: each of q, k, v keeps the shared A and
+    its rows of B, the same update). Collective; rank 0 writes."""
+    from safetensors.torch import save_file
+
+    from relax_hpc.train import lora
+
+    rec = lora.has_lora(model)
+    if rec is None:
+        raise PermanentError("the model has no LoRA adapters to export (its run had no train.lora). "
+                             "Fix: export the full model (without --adapter)")
+    tensors = {lora.peft_name(n): t.detach().cpu().clone()  # q/k/v (gate/up) share one A: safetensors wants copies
+               for n, t in bridge.export_adapter_weights(model, cpu=True, show_progress=False)}
+    out = Path(out_dir)
+    if dist.get_rank() == 0:
+        import json
+
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (out / "adapter_config.json").write_text(json.dumps(lora.peft_config(rec, base_path), indent=1) + "\n")
+    dist.barrier()
+    return out
+
+
 def export_checkpoint(step_dir: str | os.PathLike, model_path: str | os.PathLike, out_dir: str | os.PathLike, *,
-                      bf16: bool = False, verify: bool = True) -> Path:
+                      bf16: bool = False, verify: bool = True, adapter: bool = False) -> Path:
     """A checkpoint step directory as an HF directory, in a process whose default group has one rank.
 
     The model is built at TP=1, PP=1 from ``model_path`` (the run's ``model.path``: architecture, config,
@@ -87,7 +113,16 @@ def export_checkpoint(step_dir: str | os.PathLike, model_path: str | os.PathLike
 
     if dist.get_world_size() != 1:
         raise RuntimeError(f"export_checkpoint runs in one process (world size 1), not {dist.get_world_size()}")
-    cfg = TrainConfig(tp=1, pp=1, bf16=bf16)
+    import json
+
+    from relax_hpc.train.config import LoraConfig
+
+    rec = json.loads((ckpt.resolve(step_dir) / "meta.json").read_text()).get("lora")
+    if adapter and rec is None:
+        raise PermanentError(f"checkpoint {step_dir} holds no LoRA adapters (its run had no train.lora). "
+                             "Fix: export the full model (without --adapter)")
+    # a LoRA checkpoint: the base from model_path (its digest checked at the load) with the adapters saved
+    cfg = TrainConfig(tp=1, pp=1, bf16=bf16, lora=LoraConfig(**rec["config"]) if rec else None)
     init_parallel(1, 1, seed=cfg.seed)
     built = build_model(model_path, cfg)
     for m in built.chunks:
@@ -97,4 +132,6 @@ def export_checkpoint(step_dir: str | os.PathLike, model_path: str | os.PathLike
     if bad:
         raise NonFiniteWeights(f"checkpoint {step_dir} has non-finite weights: " + ", ".join(
             f"{name} ({n} of {total} values NaN or inf)" for name, n, total in bad))
-    return export_hf(built.bridge, built.chunks, out_dir)
+    if adapter:
+        return export_adapters(built.bridge, built.chunks, out_dir, str(model_path))
+    return export_hf(built.bridge, built.chunks, out_dir)  # a LoRA model's adapters merged into its weights

@@ -10,7 +10,8 @@ checkpoint whose files do not match its manifest) is checked before megatron is 
 seconds, not the model's build; weights that are not finite are refused after the load, naming the tensors. The
 export is written beside OUT_DIR and renamed to it when complete (:func:`publish`), so OUT_DIR never holds a mix
 and a failed export leaves it as it was. Of the run's resolved recipe (``RUN/recipe.yaml``, relax-submit's) it
-reads two keys: ``model.path`` and ``train.bf16``.
+reads two keys: ``model.path`` and ``train.bf16``. A LoRA run's checkpoint holds the adapters: they are exported merged into
+the base model (default) or alone in PEFT's format (``--adapter``); the base model must be the one they adapt.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Plan:
     bf16: bool  # the run's train.bf16: the dtype the weights were saved in
     out: Path
     force: bool = False  # replace a non-empty OUT_DIR
+    adapter: bool = False  # a LoRA run's adapters in PEFT's format, not the merged model
 
 
 def find_run(run: str | os.PathLike) -> Path:
@@ -177,7 +179,11 @@ def plan(args: argparse.Namespace) -> Plan:
     inputs = {"the run's model directory (model.path)": model, "the run directory": run,
               "the checkpoint": step_dir.resolve(), "checkpoints": (run / "checkpoints").resolve()}
     check_out_dir(out, args.force, run, step, inputs)
-    return Plan(run, step_dir, step, meta, model, bf16, out, bool(args.force))
+    adapter = bool(getattr(args, "adapter", False))
+    if adapter and not meta.get("lora"):
+        raise ExportError(f"run {run} step {step}: --adapter exports LoRA adapters, and this checkpoint holds a full "
+                          "model (the run had no train.lora). Fix: leave --adapter out")
+    return Plan(run, step_dir, step, meta, model, bf16, out, bool(args.force), adapter)
 
 
 def copy_tokenizer_files(src: Path, out: Path) -> list[str]:
@@ -239,7 +245,8 @@ def export(p: Plan) -> Path:
         if own:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
-            export_checkpoint(p.step_dir, p.model_path, stage, bf16=p.bf16, verify=False)  # verified above
+            export_checkpoint(p.step_dir, p.model_path, stage, bf16=p.bf16, verify=False,  # verified above
+                              adapter=p.adapter)
         except CheckpointDamaged as e:  # bytes that match no manifest (an older checkpoint) and do not load
             raise ExportError(f"{e.what}. Fix: {_other_steps(p)}") from None
         except NonFiniteWeights as e:
@@ -248,8 +255,9 @@ def export(p: Plan) -> Path:
         finally:
             if own:
                 dist.destroy_process_group()
-        copy_tokenizer_files(p.model_path, stage)
-        (stage / PROVENANCE).write_text(json.dumps({
+        if not p.adapter:  # a PEFT adapter directory holds the adapters; its base is named in adapter_config.json
+            copy_tokenizer_files(p.model_path, stage)
+        (stage / PROVENANCE).write_text(json.dumps({"adapter": p.adapter, "lora": p.meta.get("lora"),
             "run": str(p.run), "step": p.step, "checkpoint": str(p.step_dir), "saved_layout": p.meta.get("layout"),
             "model_path": str(p.model_path), "dtype": "bfloat16" if p.bf16 else "float32", "time": time.time()},
             indent=1) + "\n")
@@ -325,6 +333,9 @@ def parser() -> argparse.ArgumentParser:
                     help="the run step whose checkpoint to export (default: checkpoints/latest)")
     ap.add_argument("--model", default=None, metavar="DIR",
                     help="the HF model directory the run started from (default: the run's model.path)")
+    ap.add_argument("--adapter", action="store_true",
+                    help="a LoRA run: write the adapters in PEFT's format (adapter_model.safetensors, "
+                         "adapter_config.json) instead of the model with them merged (docs/lora.md)")
     ap.add_argument("--force", action="store_true",
                     help="replace a non-empty OUT_DIR (its content is deleted once the new export is complete)")
     return ap

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.train import batch as B
-from relax_hpc.train import cpu_compat, routing, vlm
+from relax_hpc.train import cpu_compat, omni, routing, vlm
 from relax_hpc.train.vocab import vocab_parallel_logprobs  # noqa: F401  (callers import it here)
 
 
@@ -55,6 +55,9 @@ def _forward_step(loss_fn: Callable, data_iterator, model):
     if vlm.is_vlm_model(model):  # keyword call, the images in; the model makes its M-RoPE positions itself
         out = vlm.vlm_forward(model, mb.tokens, mb.pixel_values, mb.image_grid_thw, image_limits=mb.image_limits or [],
                               image_counts=mb.image_counts)
+    elif omni.is_omni_model(model):  # the audio tower's embeddings at the audio pads (relax_hpc.train.omni)
+        out = omni.omni_forward(model, mb.tokens, mb.input_features, mb.audio_feature_lens,
+                                audio_limits=mb.audio_limits or [])
     elif mb.packed is None:
         out = model(mb.tokens.to(dev), mb.position_ids.to(dev), None)
     else:

@@ -318,6 +318,10 @@ def build_model(hf_dir: str | Path, cfg: TrainConfig) -> BuiltModel:
     if cfg.tp > 1 and not any(getattr(p, "tensor_model_parallel", False) for c in chunks for p in c.parameters()):
         raise RuntimeError("no parameter is marked tensor_model_parallel at TP > 1: grad norms would be wrong")
     experts_apart(chunks)
+    if cfg.lora is not None:  # adapters on the loaded weights, the base frozen (relax_hpc.train.lora)
+        from relax_hpc.train.lora import apply_lora
+
+        chunks = apply_lora(chunks, cfg.lora, hf_dir, seed=cfg.seed, have_te=_importable("transformer_engine"))
     if cfg.routing_replay:  # the routers keep their replay slots; megatron's class-wide list need not
         from relax_hpc.train import routing
 

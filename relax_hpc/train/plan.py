@@ -53,6 +53,9 @@ def _images(cols: dict[str, Any], i: int, s: TrainingSample) -> TrainingSample:
     if "pixel_values" in cols and "image_grid_thw" in cols:
         s.pixel_values = torch.from_numpy(cols["pixel_values"][i])
         s.image_grid_thw = torch.from_numpy(cols["image_grid_thw"][i])
+    if "input_features" in cols and "audio_feature_lens" in cols:  # an omni model's audio
+        s.input_features = torch.from_numpy(cols["input_features"][i])
+        s.audio_feature_lens = torch.from_numpy(cols["audio_feature_lens"][i])
     return s
 
 
@@ -127,6 +130,13 @@ def check_train_columns(cols: dict[str, Any]) -> None:
             i = int(bad[0])
             raise UnsoundTrainData("image_grid_thw", i, float(grids.lengths()[i]),
                                    "that many values: 3 per image (t, h, w)", index(i))
+    feats = cols.get("input_features")  # an omni model's audio
+    if feats is not None and feats.data.size:
+        bad = np.flatnonzero(~np.isfinite(feats.data))
+        if bad.size:
+            t = int(bad[0])
+            raise UnsoundTrainData("input_features", _sample_of(feats, t), float(feats.data[t]), "not finite",
+                                   index(_sample_of(feats, t)))
     routed = cols.get("routed_experts")  # routing replay: a row of layers × top_k expert ids a token but the last
     if routed is not None:
         _check_routed(routed, cols["tokens"].lengths() - 1, index)

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from relax_hpc.exchange.chunk import ChunkRef, DamagedChunk, Ragged, columns_to_samples, read_chunk, write_chunk
-from relax_hpc.exchange.fields import (BY_NAME, IMAGE_FIELDS, OPTIONAL_ROLLOUT_FIELDS, PRODUCER, TRAIN_FIELDS,
+from relax_hpc.exchange.fields import (BY_NAME, MEDIA_FIELDS, OPTIONAL_ROLLOUT_FIELDS, PRODUCER, TRAIN_FIELDS,
                                        Routing, rollout_fields, routed_experts_problem)
 
 __all__ = ["exchange_root", "write_step", "as_ref", "read_columns", "read_samples"]
@@ -58,7 +58,7 @@ def _optional_values(s: Any, model_dir: str | os.PathLike | None = None) -> dict
     a token but the last, -1 rows allowed; with ``model_dir``'s config, its layers × top-k, experts, distinct)."""
     out: dict[str, list] = {}
     for name in OPTIONAL_ROLLOUT_FIELDS:
-        if name in IMAGE_FIELDS:  # made from multimodal_inputs by _image_values
+        if name in MEDIA_FIELDS:  # made from multimodal_inputs by _image_values / _audio_values
             continue
         vals = [getattr(x, name, None) for x in s]
         if name == "routed_experts":  # the sample's [tokens, layers × top_k] (numpy, compact) goes flat to the field
@@ -126,6 +126,37 @@ def _image_values(s: Any, model_dir: str | os.PathLike | None) -> dict[str, list
     return {"pixel_values": pixels, "image_grid_thw": grids}
 
 
+def _audio_values(s: Any, model_dir: str | os.PathLike | None) -> dict[str, list]:
+    """``input_features`` and ``audio_feature_lens`` (:data:`~relax_hpc.exchange.fields.AUDIO_FIELDS`) of these
+    samples' clips (``multimodal_inputs["audios"]``, base64 WAV as the data made them), by the feature extractor of
+    ``model_dir`` (:func:`relax_hpc.audio.encode_audio_ids`, which also checks each clip's audio pad run in the
+    prompt); written when some sample has audio, empty for one without. Once per distinct clip list and prompt."""
+    refs = [(x.multimodal_inputs or {}).get("audios") or [] for x in s]
+    if not any(refs):
+        return {}
+    if model_dir is None:
+        raise ValueError("samples carry audio but write_step got no model_dir to run the feature extractor of")
+    from relax_hpc.audio import encode_audio_ids, load_audio
+
+    feats, lens, done = [], [], {}
+    for x, clips in zip(s, refs):
+        if not clips:
+            feats.append(np.zeros(0, np.float32))
+            lens.append(np.zeros(0, np.int64))
+            continue
+        prompt = tuple(x.tokens[:len(x.tokens) - x.response_length])
+        key = (tuple(clips), prompt)
+        if key not in done:
+            enc = encode_audio_ids(model_dir, list(prompt), [load_audio(r, model_dir) for r in clips])
+            if enc["input_ids"] != list(prompt):
+                raise ValueError(f"sample index {x.index}: its prompt's audio pads are not its clips' expansion")
+            done[key] = (np.concatenate(enc["features"]).reshape(-1).astype(np.float32),
+                         np.asarray([f.shape[0] for f in enc["features"]], np.int64))
+        feats.append(done[key][0])
+        lens.append(done[key][1])
+    return {"input_features": feats, "audio_feature_lens": lens}
+
+
 def _column(name: str, values: list) -> Any:
     """One field's values as the column its schema says: ndarray, a list of per-sample arrays, or a JSON list."""
     f = BY_NAME[name]
@@ -144,7 +175,8 @@ def write_step(run_path: str | os.PathLike, step: int, result: Any, seq: int = 0
     record's), e.g. the prompts it holds (:func:`~relax_hpc.exchange.audit.prompt_attrs`)."""
     values = _rollout_values(result.samples)
     values["raw_reward"] = list(result.raw_rewards)
-    extra = {**_optional_values(result.samples, model_dir), **_image_values(result.samples, model_dir)}
+    extra = {**_optional_values(result.samples, model_dir), **_image_values(result.samples, model_dir),
+             **_audio_values(result.samples, model_dir)}
     values.update(extra)
     names = rollout_fields(tuple(extra))
     assert set(values) == set(names), sorted(set(values) ^ set(names))  # the schema and this writer agree

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from relax_hpc.threads import daemon_call
 from relax_hpc.weights.check import ROWS, EngineChecker
+from relax_hpc.weights.lora import sync_weights
 from relax_hpc.weights.sync import WeightSender, WeightSyncError, push_from_actor
 
 # the HF names of a vision-language model's vision tower: Qwen2-VL/2.5-VL's checkpoints (and the bridge's export)
@@ -175,7 +176,7 @@ class ActorSync:
         heads: dict[str, Any] = {}
 
         def stream():  # every rank walks the collective gather; rank 0 keeps each tensor's first rows
-            for name, t in model.named_hf_weights():
+            for name, t in sync_weights(model):  # LoRA's adapter mode: the adapters only (weights/lora.py)
                 if self.freeze_vision and vision_weight(name):  # unchanged since the engines loaded it
                     continue
                 heads[name] = t[:ROWS].detach().clone()

@@ -79,7 +79,8 @@ def test_roles_bootstrap_and_complete(tmp_path):
 
 def test_a_failing_role_fails_the_run_fast_with_its_error(tmp_path, monkeypatch):
     monkeypatch.setenv("RELAX_TEST_FAIL_ROLE", "rollout")
-    run = make_run(tmp_path, dict(TINY, checkpoint={"max_restarts": 1}))  # one restart fails too: no more left
+    run = make_run(tmp_path, dict(TINY, checkpoint={"max_restarts": 1},  # one restart fails too: no more left
+                                  health={"max_role_restarts": 0}))  # the global tier only (test_role_restart.py)
     want = "rollout rank 0 on localhost failed: RuntimeError: RELAX_TEST_FAIL_ROLE=rollout"
     with pytest.raises(RunFailed, match=want):  # the report, not a heartbeat timeout, ends it
         run_controller(run.path)
@@ -114,7 +115,7 @@ def test_a_role_that_dies_without_a_word_fails_the_run(tmp_path, monkeypatch):
     """A rank killed from outside (OOM killer, segfault) sends no error message: its exit code says it.
     With no restarts allowed, the run fails with that reason. (The role is held ready until killed.)"""
     monkeypatch.setenv("RELAX_TEST_HOLD_ROLE", "rollout")
-    run = make_run(tmp_path, dict(TINY, checkpoint={"max_restarts": 0}))
+    run = make_run(tmp_path, dict(TINY, checkpoint={"max_restarts": 0}, health={"max_role_restarts": 0}))
     kill_once(run, "rollout", [])
     with pytest.raises(RunFailed, match="rollout failed: step exited with code -9"):
         run_controller(run.path)
@@ -127,7 +128,8 @@ def test_a_killed_step_is_restarted_and_the_run_goes_on(tmp_path, role, monkeypa
     run completes; state.json keeps the failure that was survived and counts the restart. The role is held
     ready in the first try, so the kill always lands before the run could end."""
     monkeypatch.setenv("RELAX_TEST_HOLD_ROLE", role)
-    run = make_run(tmp_path, dict(TINY, checkpoint={"max_restarts": 1}))
+    # the global tier: a reference alone would be started again alone (tests/controller/test_role_restart.py)
+    run = make_run(tmp_path, dict(TINY, checkpoint={"max_restarts": 1}, health={"max_role_restarts": 0}))
     killed: list = []
     kill_once(run, role, killed)
     seen, done = set(), threading.Event()

@@ -158,7 +158,8 @@ def hung_state(tmp_path):
 
 
 def _state_with(tmp_path, **logging):
-    recipe = {**TINY, "logging": {**TINY["logging"], **logging}}
+    # the global tier (a hung rollout alone would be restarted alone: tests/controller/test_role_restart.py)
+    recipe = {**TINY, "logging": {**TINY["logging"], **logging}, "health": {"max_role_restarts": 0}}
     run = make_run(tmp_path, recipe)
     loaded = load_recipe(run.recipe)
     st = RunState(run, loaded, role_steps(loaded), "local", env={})

@@ -100,7 +100,8 @@ def test_two_het_jobs_at_once_bootstrap_on_their_components(tmp_path, slurm_clus
 def test_a_failing_role_fails_the_job_with_its_error_in_the_controller_log(tmp_path, slurm_cluster):
     env = slurm_cluster.env
     # one restart (new steps in the same job) fails too: no more left
-    job, run_dir = submit(tmp_path, {**THREE, "checkpoint": {"max_restarts": 1}}, "fail", env,
+    job, run_dir = submit(tmp_path, {**THREE, "checkpoint": {"max_restarts": 1}, "health": {"max_role_restarts": 0}},
+                          "fail", env,
                           extra_env="RELAX_TEST_FAIL_ROLE=rollout")
     assert slurm_wait_job(job, timeout=400, env=env) == "FAILED"
     state = json.loads((run_dir / "state.json").read_text())

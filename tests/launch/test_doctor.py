@@ -87,7 +87,7 @@ def test_sglang_range(tmp_path):
     """The releases relax_hpc's client speaks (0.5.15+): older fails, newer than the one it follows warns."""
     got = {v: doctor.check_sglang(sglang_env(tmp_path, v)) for v in ("0.5.10", "0.5.20", "0.5.23", "0.6.1", None)}
     assert got["0.5.10"].status == FAIL and "older than 0.5.15" in got["0.5.10"].detail
-    assert "tools/install --sglang DIR" in got["0.5.10"].fix
+    assert "tools/install --gpu --sglang DIR" in got["0.5.10"].fix
     assert (got["0.5.20"].status, got["0.5.23"].status) == (OK, OK)
     assert "plain" in got["0.5.20"].detail and "session" in got["0.5.23"].detail
     assert got["0.6.1"].status == WARN
@@ -175,6 +175,9 @@ def test_two_nodes_on_the_dev_cluster(slurm_cluster, tmp_path, capsys):
     p = subprocess.run(argv + ["--json"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stderr
     checks = json.loads(p.stdout)["checks"]
+    [het] = [c for c in checks if c["name"] == "het jobs"]  # asked from the submitting node: slurm.layout auto
+    assert het["status"] == OK and "takes heterogeneous jobs" in het["detail"], het
+    checks = [c for c in checks if c["name"] != "het jobs"]
     nodes = {c["node"] for c in checks}
     assert len(nodes) == 2
     fs = [c for c in checks if c["name"] == "run dir"]

@@ -57,6 +57,19 @@ def test_slurm_running_joins_state_json(tmp_path, monkeypatch):
     assert "RUNNING" in out.getvalue() and "train" in out.getvalue()
 
 
+def test_a_log_line_with_brackets_is_shown_as_it_is_not_read_as_markup(tmp_path, monkeypatch):
+    """A role's error quoting gloo (``[/pytorch/.../unbound_buffer.cc:78]``) once made relax-submit's view raise rich's
+    MarkupError ("doesn't match any open tag") and exit 1 on Ctrl-C instead of cancelling."""
+    rd = run_dir(tmp_path)
+    err = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out [bold]"
+    write_json(rd.state, {"state": "RUNNING", "step": 1, "total_steps": 2,
+                          "roles": {"actor": {"phase": "train", "error": err}}})
+    with_comps(monkeypatch, comp(0, "RUNNING", reason="[/x]"))
+    out = io.StringIO()
+    Console(file=out, width=400).print(status.render(status.collect(rd)))
+    assert err in out.getvalue() and "[/x]" in out.getvalue()
+
+
 def test_the_engine_registry_is_shown_and_listed_in_json(tmp_path, monkeypatch):
     from relax_hpc.controller.engines import EngineRegistry
 

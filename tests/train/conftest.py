@@ -100,6 +100,9 @@ def multi_run(tiny_models, tmp_path_factory) -> dict:
                                     variants={"packed": PACKED_VARIANTS["packed"]})],
         "equal_dp2": ["equal", dict(EQUAL_ARGS, hf=tiny_models["qwen3"], layout={"tp": 1},
                                     variants={"packed": PACKED_VARIANTS["packed"], "balanced": {"balance_data": True}})],
+        # LoRA (test_lora.py): training at TP 1 × DP 2, TP 2 and PP 2; resume; memory; what each sync mode sends
+        "lora": ["lora", {"hf": tiny_models["qwen3"], "other_hf": tiny_models["llama"], "n": 8, "steps": 2,
+                          "lr": 1e-2, "layouts": [{"tp": 1}, {"tp": 2}, {"tp": 1, "pp": 2}]}],
     }
     res = run_job("suite", jobs, nproc=2, out_dir=root, timeout=480)
     res["ckpt_root"] = str(root)

@@ -474,8 +474,15 @@ def job_suite(args: dict, out: Path) -> dict:
     return res
 
 
+def job_lora(args: dict, out: Path) -> dict:
+    from lora_jobs import job_lora as lora  # tests/train/lora_jobs.py (test_lora.py reads it)
+
+    return lora(args, out)
+
+
 JOBS = {"parity": job_parity, "train": job_train, "resume": job_resume, "nonfinite": job_nonfinite,
-        "equal": job_equal, "attention": job_attention, "kernels": job_kernels, "suite": job_suite}
+        "equal": job_equal, "attention": job_attention, "kernels": job_kernels, "suite": job_suite,
+        "lora": job_lora}
 
 
 def main() -> int:
