@@ -194,16 +194,19 @@ def _attempt(run: RunDir, recipe: Recipe, backend: Backend, state: RunState, sig
                 if code is not None:
                     state.step_exited(s.role, code, s.last_line() if code else "")
             state.check_silence(time.time(), recipe.logging.heartbeat_timeout_s)
-            for role, failure in state.take_alone().items():  # role tier: this role alone, the others go on
-                _restart_alone(run, recipe, backend, state, steps, train, role, failure)
-            roles_up = all(r["phase"] in ("ready", "done") for r in state.doc["roles"].values())
-            if state.doc["health"]["pending"] and (train.started if train is not None else roles_up):
-                state.recovered_all(time.time())  # after a global restart: working again
+            # a signal first: a cancel's SIGTERM reaches the roles' process group too, and roles that died of it
+            # are not failures to restart alone (a role started now would outlive the cancel)
             name = sig.take()
             if name == "SIGUSR2":
                 _on_stop(state, train, "requeue", "SIGUSR2: the time limit is near")
             elif name:
                 _on_interrupt(run, state, backend, name)
+            alone = state.take_alone()
+            for role, failure in alone.items() if state.running else ():  # role tier: this role alone, the others go on
+                _restart_alone(run, recipe, backend, state, steps, train, role, failure)
+            roles_up = all(r["phase"] in ("ready", "done") for r in state.doc["roles"].values())
+            if state.doc["health"]["pending"] and (train.started if train is not None else roles_up):
+                state.recovered_all(time.time())  # after a global restart: working again
             if train is not None:
                 train.tick()
             if train is not None and train.outcome is not None:

@@ -326,6 +326,7 @@ def check(recipe: Recipe) -> list[Problem]:
     problems += _check_teacher(recipe)
     problems += _check_engine_args(recipe)
     problems += _check_train_offload(recipe)
+    problems += _check_lora_adapter_mode(recipe)
     problems += check_memory_keys(recipe)  # slurm.gpu_memory_gb; megatron-core's optimizer offload: GPU only
     if recipe.train.routing_replay and recipe.roles.actor_fwd.enabled:
         problems.append(("train.routing_replay", True, "with roles.actor_fwd: its π_old pass has no engine experts "
@@ -547,6 +548,26 @@ def _check_train_offload(r: Recipe) -> list[Problem]:
                  f"while the engines on it generate, which only mode: colocate has them do (this recipe: {r.mode}, "
                  "where the actor's GPUs are its own). Fix: offload: false, or mode: colocate")]
     return []
+
+
+def _check_lora_adapter_mode(r: Recipe) -> list[Problem]:
+    """train.lora.mode: adapter sends the adapters alone; only relax_hpc's reference engine applies them to every
+    request (SGLang applies an adapter to the requests that name it, which the rollout does not), and actor_fwd's
+    copy of the actor takes full weights only."""
+    lora = r.train.lora
+    if lora is None or lora.mode != "adapter":
+        return []
+    out: list[Problem] = []
+    kind = r.rollout.engine.kind  # auto: SGLang on GPU engine nodes that have it (roles.engine_host.engine_kind)
+    if kind == "sglang" or kind == "auto" and r.roles.rollout.gpus_per_node > 0:
+        out.append(("train.lora.mode", "adapter", f"with rollout.engine.kind: {kind} the engines may be SGLang, which "
+                    "applies a loaded adapter only to requests that name it, and the rollout names none: they would "
+                    "generate with the base model. Fix: mode: merge (merged weights, as a full fine-tune syncs), or "
+                    "rollout.engine.kind: reference"))
+    if r.roles.actor_fwd.enabled:
+        out.append(("train.lora.mode", "adapter", "roles.actor_fwd follows the actor's full weights and cannot take "
+                    "the adapters alone. Fix: mode: merge, or roles.actor_fwd.enabled: false"))
+    return out
 
 
 def _check_genrm(r: Recipe) -> list[Problem]:

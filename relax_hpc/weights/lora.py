@@ -17,7 +17,10 @@ LORA_ATTR = "_relax_lora"  # relax_hpc.train.lora.LORA_ATTR
 
 def lora_record(model: Any) -> dict | None:
     """The LoRA record of a :class:`~relax_hpc.train.actor.MegatronActor`'s model (chunks maybe in DDP), or None."""
-    for chunk in getattr(model, "model", None) or []:
+    chunks = getattr(model, "model", None)
+    if not isinstance(chunks, (list, tuple)):  # not a MegatronActor (an HF model handed to the sync): no LoRA
+        return None
+    for chunk in chunks:
         m = chunk
         while m is not None:
             rec = getattr(m, LORA_ATTR, None)

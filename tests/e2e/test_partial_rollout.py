@@ -59,6 +59,9 @@ def test_partial_rollout_survives_a_requeue_and_a_killed_rollout_role(tmp_path, 
                    "rollout.n_samples_per_prompt=4", "rollout.max_response_len=32", "train.max_seq_len=48",
                    f"rollout.stop_token_ids={list(range(0, 128, 16))}", "rollout.partial_rollout=true",
                    "rollout.over_sampling_batch_size=8", "rollout.mask_offpolicy_in_partial_rollout=true",
+                   # the global tier: every step from step 2's checkpoint (tests/e2e/test_role_restart.py has the
+                   # rollout driver restarted alone, its buffer kept)
+                   "health.max_role_restarts=0",
                    recipe=REPO / "recipes" / "quickstart-async.yaml", name="partial")
 
     hold(run, 2)  # attempt 0: SIGUSR2 (the time limit is near) once step 2 is done

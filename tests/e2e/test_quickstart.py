@@ -34,7 +34,7 @@ from .conftest import (REPO, follow_slurm, metrics, quickstart_overrides, state,
 STEPS = 25
 RISE = 0.15
 METRICS_DOC = REPO / "docs" / "metrics.md"
-_NAME = re.compile(r"`((?:rollout|train|perf|eval|weights|exchange|genrm)/[^`\s]*)`")
+_NAME = re.compile(r"`((?:rollout|train|perf|eval|weights|exchange|genrm|health)/[^`\s]*)`")
 # documented names the quickstart does not write, and why: what it leaves off. Everything else documented, it must
 NOT_IN_THE_QUICKSTART = {
     r"eval/.*|perf/eval_time": "no eval sets (rollout.eval_interval)",

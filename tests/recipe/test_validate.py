@@ -953,3 +953,17 @@ def test_pyxis_env_may_not_change_the_hosts_srun():
     p = problems({"slurm": {"container": {**base, "runtime": "pyxis"}}})
     assert "host's srun" in p["slurm.container.env.LD_PRELOAD"] and "host's srun" in p["slurm.container.env.PATH"]
     assert recipe_from_dict({"slurm": {"container": {**base, "runtime": "apptainer"}}}).slurm.container.env["PATH"]
+
+
+def test_lora_adapter_mode_is_refused_where_the_adapters_would_not_be_applied():
+    """SGLang applies an adapter only to requests naming it (none do); actor_fwd takes full weights only."""
+    lora = {"train": {"lora": {"mode": "adapter"}}}
+    msg = problems({**lora, "rollout": {"engine": {"kind": "sglang"}}})["train.lora.mode"]
+    assert "SGLang" in msg and "mode: merge" in msg
+    msg = problems({**lora, "roles": {"actor_fwd": {"enabled": True}}})["train.lora.mode"]
+    assert "actor_fwd" in msg and "Fix:" in msg
+    assert recipe_from_dict({**lora, "rollout": {"engine": {"kind": "reference"}}}).train.lora.mode == "adapter"
+    assert recipe_from_dict({"train": {"lora": {"mode": "merge"}}, "rollout": {"engine": {"kind": "sglang"}}})
+    msg = problems({**lora, "roles": {"rollout": {"gpus_per_node": 1, "tasks_per_node": 1}}})["train.lora.mode"]
+    assert "kind: auto" in msg  # GPU engine nodes: auto may mean SGLang
+    assert recipe_from_dict(lora).train.lora.mode == "adapter"  # CPU engines (auto): the reference engine

@@ -28,10 +28,21 @@ def test_config_field_types_are_recipe_types():
     import typing
 
     allowed = {int, float, bool, str}
+
+    def ok(t) -> bool:  # a scalar, a Literal, a list of scalars, a nested section (train.lora), or one of them | None
+        if t in allowed or typing.get_origin(t) is typing.Literal:
+            return True
+        if dataclasses.is_dataclass(t):
+            hints = typing.get_type_hints(t)
+            return all(ok(hints[g.name]) for g in dataclasses.fields(t))
+        if typing.get_origin(t) is list:
+            return all(ok(a) for a in typing.get_args(t))
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        return bool(args) and all(ok(a) for a in args)
+
     for f in dataclasses.fields(TrainConfig):
         t = typing.get_type_hints(TrainConfig)[f.name]
-        args = [a for a in typing.get_args(t) if a is not type(None)]
-        assert t in allowed or typing.get_origin(t) is typing.Literal or all(a in allowed for a in args), (f.name, t)
+        assert ok(t), (f.name, t)
 
 
 def test_import_is_cheap():
