@@ -202,6 +202,8 @@ def _attempt(run: RunDir, recipe: Recipe, backend: Backend, state: RunState, sig
             elif name:
                 _on_interrupt(run, state, backend, name)
             alone = state.take_alone()
+            if alone and state.running and _cancel_requested(run):  # the cancel's signal reached them first
+                state.cancel(f"relax-cancel: {', '.join(sorted(alone))} stopped by the cancel")
             for role, failure in alone.items() if state.running else ():  # role tier: this role alone, the others go on
                 _restart_alone(run, recipe, backend, state, steps, train, role, failure)
             roles_up = all(r["phase"] in ("ready", "done") for r in state.doc["roles"].values())
@@ -250,6 +252,14 @@ def _restart_alone(run: RunDir, recipe: Recipe, backend: Backend, state: RunStat
     new.start()
     steps[i] = new
     state.restarted_alone(role, failure, time.time())
+
+
+def _cancel_requested(run: RunDir) -> bool:
+    """relax-cancel (or relax-submit's Ctrl-C) asked for a stop now (``cancel.json``, written before its signal;
+    removed when an attempt starts): a role that dies then is not restarted alone. Local roles run in sessions of
+    their own, so a role started now would be outside what the cancel stops."""
+    req = run.read_json(run.path / "cancel.json", {}) or {}
+    return req.get("by") == "relax-cancel"
 
 
 def _end_step(state: RunState, what: str, fn) -> None:

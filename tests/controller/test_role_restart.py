@@ -68,6 +68,40 @@ def test_a_killed_reference_is_started_again_alone(tmp_path, monkeypatch):
     no_descendants_left(all_pids(final) + killed)
 
 
+def test_a_role_that_dies_while_a_cancel_is_requested_is_not_restarted(tmp_path, monkeypatch):
+    """relax-cancel writes cancel.json, then signals the run: a role that dies of it first is not started again alone
+    (local roles run in sessions of their own: a new one would be outside what the cancel stops); the run ends
+    CANCELLED. Before, Ctrl-C on relax-submit could wait 90 s for a role restarted into the cancel."""
+    from relax_hpc.rundir import write_json
+
+    monkeypatch.setenv("RELAX_TEST_HOLD_ROLE", "reference")
+    run = make_run(tmp_path, dict(TINY, checkpoint={"max_restarts": 0}))
+    killed: list = []
+
+    def cancel_then_kill():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            state = run.read_json(run.state, {}) or {}
+            if (state.get("cross_group") or {}).get("ok") and state["roles"]["reference"]["phase"] == "ready":
+                write_json(run.path / "cancel.json", {"requested_at": time.time(), "by": "relax-cancel"})
+                killed.append(state["roles"]["reference"]["pids"][0])
+                os.kill(killed[0], signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=cancel_then_kill, daemon=True)
+    t.start()
+    with pytest.raises(RunFailed, match="stopped by the cancel"):
+        run_controller(run.path)
+    t.join()
+    final = run.read_json(run.state, {})
+    assert final["state"] == "CANCELLED" and killed and "role_restarted" not in _events(final)
+    assert final["health"]["role_restarts"] == 0
+    log = (run.logs / "controller.log").read_text()
+    assert "starting reference again" not in log
+    no_descendants_left(all_pids(final) + killed)
+
+
 def test_a_role_failing_again_within_the_window_restarts_every_step(tmp_path, monkeypatch):
     """A reference that fails at every start: the first failure restarts it alone, the second (within health.window_s)
     takes the global tier (every step from the checkpoint); in the new try the same happens, and with no step

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import subprocess
 from pathlib import Path
 
 import pytest
