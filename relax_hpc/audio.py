@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from relax_hpc.media import MediaPolicy, may_be_path  # noqa: F401 (may_be_path: the engine's cache uses it from here)
-from relax_hpc.multimodal import media_bytes
+from relax_hpc.multimodal import expand_pads, media_bytes
 
 OMNI_MODEL_TYPES = ("qwen2_5_omni_thinker",)
 AUDIO_PAD = "<|AUDIO|>"
@@ -245,29 +245,10 @@ def features(hf_dir: str | os.PathLike, clips: Sequence[np.ndarray], *, full: bo
 
 
 def expand_audio(ids: Sequence[int], counts: Sequence[int], pad_id: int) -> list[int]:
-    """``ids`` with each clip's ``<|AUDIO|>`` (one per clip, in order) repeated ``counts[i]`` times. Already expanded
-    ids come back as they are; anything else raises :class:`AudioError`."""
-    runs: list[int] = []
-    prev = None
-    for t in ids:
-        if t == pad_id:
-            if prev == pad_id:
-                runs[-1] += 1
-            else:
-                runs.append(1)
-        prev = t
-    counts = [int(c) for c in counts]
-    if runs == counts:
-        return list(ids)
-    if len(runs) != len(counts) or any(r != 1 for r in runs):
-        raise AudioError(f"the prompt has {sum(runs)} audio pad tokens in {len(runs)} run(s) {runs} for "
-                         f"{len(counts)} clip(s) of {counts} tokens: it needs one {AUDIO_PAD} per clip (the chat "
-                         "template's placeholder), or the runs already expanded")
-    out: list[int] = []
-    it = iter(counts)
-    for t in ids:
-        out += [t] * next(it) if t == pad_id else [t]
-    return out
+    """``ids`` with each clip's ``<|AUDIO|>`` (one per clip, in order) repeated ``counts[i]`` times
+    (:func:`relax_hpc.multimodal.expand_pads`). Already expanded ids come back as they are; anything else raises
+    :class:`AudioError`."""
+    return expand_pads(ids, counts, pad_id, what="audio", item="clip", pad=AUDIO_PAD, error=AudioError)
 
 
 def token_id(hf_dir: str | os.PathLike, token: str) -> int:

@@ -2,7 +2,8 @@
 
 The roles (:mod:`relax_hpc.roles.runtime`, :mod:`relax_hpc.roles.comm`) use them to bootstrap, the controller
 (:mod:`relax_hpc.controller.state`) to know whom to expect. A leaf: it imports only the recipe, so neither side
-imports the other for it.
+imports the other for it, and only where :func:`cross_members` needs it: ``import relax_hpc.identity`` loads no
+other relax_hpc module (the recipe's validator brings every package's config and checks).
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from relax_hpc.recipe import Recipe, role_steps
+if TYPE_CHECKING:
+    from relax_hpc.recipe import Recipe
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class Identity:
 
 def cross_members(recipe: Recipe) -> list[str]:
     """Ranks of the cross-role group, in order: the actor (its rank 0), then rank 0 of every other role."""
+    from relax_hpc.recipe.layout import role_steps
+
     return ["actor", *[s.role for s in role_steps(recipe) if s.role != "actor"]]
 
 

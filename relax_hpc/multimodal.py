@@ -18,6 +18,13 @@ quotes a byte of what was read.
 **Placeholders.** The chat template writes ``<|vision_start|><|image_pad|><|vision_end|>`` per image; the
 processor (:func:`encode`) repeats ``<|image_pad|>`` once per merged patch of its image (``grid_t·grid_h·grid_w /
 merge²``). ``AutoProcessor`` is not used: for Qwen-VL it needs torchvision, which the venv has not.
+
+**Videos** (Qwen2.5-VL): a video is a list of frames (each an image reference) or one animated GIF/APNG/WebP
+(:func:`video_frame_refs`; other video files are refused: no decoder among the dependencies). The frames the model
+sees are sampled to :data:`MODEL_FPS` and capped (:func:`sample_frames`), checked as images are and decoded
+(:func:`load_video`); the image processor's video path makes ``pixel_values_videos`` and ``video_grid_thw``
+(:func:`video_values`), and each ``<|video_pad|>`` becomes ``t·h·w / merge²`` tokens (:func:`expand_pads`, the one
+expansion rule of images, videos and audio clips).
 """
 
 from __future__ import annotations
@@ -220,6 +227,169 @@ def png_base64(img) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# Videos
+# --------------------------------------------------------------------------------------------------
+
+VIDEO_PAD = "<|video_pad|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"  # one video in the chat text, before expansion
+TEXT_VIDEO_MARKER = "<video>"  # Relax's marker in a text prompt: the videos go there, in order
+MODEL_FPS = 2.0  # the rate the model is told a video's kept frames were taken at: Qwen's processor's and SGLang's
+# default for frames (neither request form carries a rate), so the engine's M-RoPE positions and the actor's agree
+MAX_VIDEO_FRAMES = 768  # the most frames relax_hpc keeps of one video (Qwen's FPS_MAX_FRAMES), whatever the recipe
+_VIDEO_SUFFIXES = frozenset({".mp4", ".mkv", ".webm", ".avi", ".mov", ".m4v", ".mpg", ".mpeg", ".flv", ".wmv"})
+_ANIMATED = ("GIF", "PNG", "WEBP")  # PIL reads these as frame sequences: the video files relax_hpc decodes
+
+
+def video_frame_refs(ref: Any, where: MediaPolicy | str | os.PathLike | None = None) -> tuple[list, float | None]:
+    """A video reference as (its frames, their rate or None): a list of frames (each an image reference: path,
+    bytes, base64, ``data:`` URL), as it is (the rate is ``data.video_fps``'s); or one file (path, bytes, base64,
+    ``{"bytes"|"path": ...}``) that PIL reads as frames (an animated GIF, APNG or WebP; its rate from the frames'
+    durations). Any other video file (MP4, WebM, ...) is refused naming the fix: no video decoder is among
+    relax_hpc's dependencies (PyAV or decord would be one more native library)."""
+    if isinstance(ref, (list, tuple)):
+        return list(ref), None
+    if isinstance(ref, str) and Path(ref).suffix.lower() in _VIDEO_SUFFIXES:
+        raise ImageError(f"a video file ({Path(ref).suffix.lower()}): only frame lists and animated GIF/PNG/WebP "
+                         "are read (no video decoder is among the dependencies). Fix: extract its frames (e.g. "
+                         "ffmpeg -i in.mp4 -vf fps=2 f%03d.png) and give the row the list of them")
+    data = media_bytes(ref, where, kind="video", suffixes=_VIDEO_SUFFIXES | {".gif", ".png", ".webp"})
+    from PIL import Image
+
+    try:
+        img = Image.open(io.BytesIO(data), formats=_ANIMATED)
+    except Exception:  # not an animated image: which kind, never its bytes
+        kind = "an MP4/QuickTime" if data[4:8] == b"ftyp" else "a Matroska/WebM" if data[:4] == b"\x1aE\xdf\xa3" \
+            else "an unknown"
+        raise ImageError(f"{kind} file ({len(data)} bytes): only frame lists and animated GIF/PNG/WebP are read "
+                         "(no video decoder is among the dependencies). Fix: give the row the list of its frames "
+                         "(e.g. ffmpeg -i in.mp4 -vf fps=2 f%03d.png)") from None
+    n = int(getattr(img, "n_frames", 1))
+    if n > MAX_VIDEO_FRAMES * 8:
+        raise ImageError(f"{n} frames, over the {MAX_VIDEO_FRAMES * 8} a video file may have")
+    frames, ms = [], 0.0
+    for i in range(n):
+        img.seek(i)
+        ms += float(img.info.get("duration") or 0)
+        buf = io.BytesIO()
+        img.convert("RGB").save(buf, format="PNG")
+        frames.append(buf.getvalue())
+    return frames, (n * 1000.0 / ms if ms > 0 else None)
+
+
+def video_refs(v: Any) -> list | str:
+    """A row's video column as a list of videos (none for null), or the reason it is not one (the data's ``\\0bad:``
+    form, for the sample to fail with). One video is a list of frame references, or one file (a path, bytes, base64,
+    ``{"bytes"|"path": ...}``); a list of such lists (or of files) is several."""
+    if v is None:
+        return []
+    one = isinstance(v, (str, bytes, bytearray)) or (isinstance(v, dict) and ("bytes" in v or "path" in v))
+    frame = (str, bytes, bytearray, dict)
+    if one:
+        return [v]
+    if isinstance(v, list) and v and all(isinstance(x, frame) for x in v):
+        return [list(v)]  # one video's frames
+    if isinstance(v, list) and all(isinstance(x, list) and all(isinstance(f, frame) for f in x) for x in v):
+        return [list(x) for x in v]
+    return f"\0bad:must be a video (a list of frames: paths, bytes or base64; or a file) or a list of them, got " \
+           f"{type(v).__name__}"
+
+
+def video_parts(message: dict) -> dict:
+    """A chat message whose string content holds Relax's ``<video>`` markers, as Qwen's content list
+    (``{"type": "video"}`` where each marker was, ``{"type": "text", ...}`` between); other messages as they are."""
+    content = message.get("content")
+    if not isinstance(content, str) or TEXT_VIDEO_MARKER not in content:
+        return dict(message)
+    parts: list[dict[str, Any]] = []
+    for i, text in enumerate(content.split(TEXT_VIDEO_MARKER)):
+        if i:
+            parts.append({"type": "video"})
+        if text:
+            parts.append({"type": "text", "text": text})
+    return {**message, "content": parts}
+
+
+def read_videos(refs: Any, tokens: Sequence[int], hf_dir: str | os.PathLike, where: MediaPolicy, fps: float = MODEL_FPS,
+                max_frames: int | None = None, *, max_pixels: int | None = None,
+                max_prompt_pixels: int | None = None) -> tuple[list[int], list[list[str]]]:
+    """A data row's videos (:func:`video_refs`'s list) read for a sample: (``tokens`` with each ``<|video_pad|>``
+    expanded to its video's tokens, the videos as lists of base64 PNG frames: SGLang's ``video_data``). The frames
+    are those :func:`load_video` keeps; :class:`ImageError` naming the video, the frame and the reason, or the
+    placeholders that do not match. The kept frames of a video are bounded, from their headers, by the pixel
+    budgets (``max_pixels`` a frame, ``max_prompt_pixels`` a video: :func:`pixel_budgets`' defaults, as images),
+    so a row cannot make the rollout decode more than that."""
+    if isinstance(refs, str):
+        raise ImageError(refs.removeprefix("\0bad:"))
+    per_frame, per_video = pixel_budgets(hf_dir, max_pixels, max_prompt_pixels)
+    videos = []
+    for n, ref in enumerate(refs):
+        try:
+            videos.append(load_video(ref, where, fps=fps, max_frames=max_frames, max_pixels=per_frame,
+                                     budget="a video frame may have (data.max_image_pixels)", max_total=per_video,
+                                     total_budget="a video's kept frames may have (data.max_prompt_pixels). Fix: "
+                                                  "fewer frames (data.video_max_frames) or smaller ones, or raise "
+                                                  "data.max_prompt_pixels"))
+        except ImageError as e:
+            raise ImageError(f"video {n}: {e}") from None
+    counts = []
+    ip = image_processor(str(hf_dir))
+    for frames in videos:
+        t, h, w = video_grid(hf_dir, len(frames), frames[0].height, frames[0].width)
+        counts.append(t * h * w // (ip.merge_size ** 2))
+    ids = expand_pads(list(tokens), counts, token_id(hf_dir, VIDEO_PAD), what="video", pad=VIDEO_PAD)
+    return ids, [[png_base64(f) for f in frames] for frames in videos]
+
+
+def sample_frames(n: int, fps: float, max_frames: int | None = None) -> list[int]:
+    """Which of a video's ``n`` frames (taken at ``fps`` a second) the model sees: every one at :data:`MODEL_FPS`
+    (frames ``round(k · fps / MODEL_FPS)``; all when ``fps`` is not above it), then at most ``max_frames`` of those
+    (evenly spaced, first and last kept), never over :data:`MAX_VIDEO_FRAMES`."""
+    if n < 1:
+        return []
+    step = max(1.0, float(fps) / MODEL_FPS)
+    idx = sorted({min(n - 1, int(round(k * step))) for k in range(int((n - 1) / step) + 1)})
+    cap = min(max_frames or MAX_VIDEO_FRAMES, MAX_VIDEO_FRAMES)
+    if len(idx) > cap:
+        pick = [idx[0]] if cap == 1 else [idx[int(round(j * (len(idx) - 1) / (cap - 1)))] for j in range(cap)]
+        idx = sorted(set(pick))
+    return idx
+
+
+def load_video(ref: Any, where: MediaPolicy | str | os.PathLike | None = None, *, fps: float = MODEL_FPS,
+               max_frames: int | None = None, max_pixels: int | None = None, budget: str | None = None,
+               max_total: int | None = None, total_budget: str | None = None) -> list:
+    """A video reference (:func:`video_frame_refs`) as the decoded RGB PIL frames the model sees
+    (:func:`sample_frames`: at :data:`MODEL_FPS`, at most ``max_frames``), every frame of one size; each frame
+    checked from its header as an image is (``max_pixels``/``budget``: :func:`open_header`), and the kept frames
+    together against ``max_total`` pixels (``total_budget`` names it), before any is decoded. :class:`ImageError`
+    naming the frame and the reason."""
+    refs, own = video_frame_refs(ref, where)
+    if not refs:
+        raise ImageError("a video without frames")
+    keep = sample_frames(len(refs), own or fps, max_frames)
+    heads = []
+    for k in keep:
+        try:
+            heads.append((k, open_header(image_bytes(refs[k], where), max_pixels, budget)))
+        except ImageError as e:
+            raise ImageError(f"frame {k}: {e}") from None
+    total = sum(h.width * h.height for _, h in heads)
+    if max_total is not None and total > max_total:
+        raise ImageError(f"{len(heads)} frames of {heads[0][1].width}×{heads[0][1].height} = {total} pixels, over "
+                         f"the {max_total} pixels {total_budget or 'a video may have here'}")
+    sizes = {h.size for _, h in heads}
+    if len(sizes) > 1:
+        raise ImageError(f"frames of {len(sizes)} sizes {sorted(sizes)[:4]}: a video's frames must be one size")
+    out = []
+    for k, h in heads:
+        try:
+            out.append(decode(h))
+        except ImageError as e:
+            raise ImageError(f"frame {k}: {e}") from None
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
 # The processor's work
 # --------------------------------------------------------------------------------------------------
 
@@ -292,11 +462,14 @@ def _bicubic():
     return Image.Resampling.BICUBIC
 
 
-def expand_placeholders(ids: Sequence[int], grid_thw, pad_id: int, merge: int) -> list[int]:
-    """``ids`` with each image's ``<|image_pad|>`` (one per image, in order) repeated once per merged patch of that
-    image. Already expanded ids (each image's run as long as its grid says) come back as they are; anything else
-    raises :class:`ImageError`."""
-    counts = [int(t) * int(h) * int(w) // (merge * merge) for t, h, w in (list(map(int, g)) for g in grid_thw)]
+def expand_pads(ids: Sequence[int], counts: Sequence[int], pad_id: int, *, what: str = "image",
+                pad: str = IMAGE_PAD, item: str | None = None, error: type[ValueError] = ImageError) -> list[int]:
+    """``ids`` with each item's pad token (one per item, in order) repeated ``counts[i]`` times: the placeholder
+    expansion of images, videos and audio clips alike. Already expanded ids (each run as long as its count) come back
+    as they are; anything else raises ``error`` naming ``what`` (the pads' kind: "image", "video", "audio"), ``item``
+    (what one is, default ``what``) and ``pad``."""
+    item = item or what
+    counts = [int(c) for c in counts]
     runs: list[int] = []  # lengths of the runs of pad ids, in order
     prev = None
     for t in ids:
@@ -309,14 +482,26 @@ def expand_placeholders(ids: Sequence[int], grid_thw, pad_id: int, merge: int) -
     if runs == counts:
         return list(ids)
     if len(runs) != len(counts) or any(r != 1 for r in runs):
-        raise ImageError(f"the prompt has {sum(runs)} image pad tokens in {len(runs)} run(s) {runs} for "
-                         f"{len(counts)} image(s) of {counts} tokens: it needs one <|image_pad|> per image "
-                         "(the chat template's placeholder), or the runs already expanded")
+        raise error(f"the prompt has {sum(runs)} {what} pad tokens in {len(runs)} run(s) {runs} for "
+                    f"{len(counts)} {item}(s) of {counts} tokens: it needs one {pad} per {item} "
+                    "(the chat template's placeholder), or the runs already expanded")
     out: list[int] = []
     it = iter(counts)
     for t in ids:
         out += [t] * next(it) if t == pad_id else [t]
     return out
+
+
+def grid_tokens(grid_thw, merge: int) -> list[int]:
+    """Tokens of each image or video of a processor's grid: its merged patches, ``t·h·w / merge²``."""
+    return [int(t) * int(h) * int(w) // (merge * merge) for t, h, w in (list(map(int, g)) for g in grid_thw)]
+
+
+def expand_placeholders(ids: Sequence[int], grid_thw, pad_id: int, merge: int) -> list[int]:
+    """``ids`` with each image's ``<|image_pad|>`` (one per image, in order) repeated once per merged patch of that
+    image (:func:`expand_pads`). Already expanded ids come back as they are; anything else raises
+    :class:`ImageError`."""
+    return expand_pads(ids, grid_tokens(grid_thw, merge), pad_id)
 
 
 def images_end(ids: Sequence[int], n_images: int, vision_start_id: int, pad_id: int) -> int:
@@ -373,3 +558,59 @@ def encode(hf_dir: str | os.PathLike, text: str, images: Sequence | None = None)
             raise ValueError(f"{text.count(IMAGE_PAD)} {IMAGE_PAD} placeholders in the text for {len(images)} images")
         return encode_ids(hf_dir, tok.encode(text, add_special_tokens=False), images)
     return {"input_ids": tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]}
+
+
+def video_grid(hf_dir: str | os.PathLike, frames: int, height: int, width: int) -> tuple[int, int, int]:
+    """The (t, h, w) patch grid the processor makes of a video of ``frames`` frames of ``height`` × ``width``
+    (frames padded to a multiple of its ``temporal_patch_size``, sides by ``smart_resize``), without processing it."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    ip = image_processor(str(hf_dir))
+    h, w = smart_resize(height, width, factor=ip.patch_size * ip.merge_size,
+                        min_pixels=_pixels(ip, "min_pixels", "shortest_edge"),
+                        max_pixels=_pixels(ip, "max_pixels", "longest_edge"))
+    tp = ip.temporal_patch_size
+    return -(-int(frames) // tp), h // ip.patch_size, w // ip.patch_size
+
+
+def video_values(hf_dir: str | os.PathLike, videos: Sequence[Sequence]) -> dict:
+    """``pixel_values_videos`` [patches, C·T·P·P] and ``video_grid_thw`` [videos, 3] of videos (each a list of PIL
+    frames of one size), as Qwen2.5-VL's processor makes them (the image processor's ``_preprocess`` of the frames
+    together: its video path, which the video processor only moves to torchvision), and ``second_per_grid_ts``
+    (one per video: ``temporal_patch_size / MODEL_FPS``)."""
+    import numpy as np
+    import torch
+
+    ip = image_processor(str(hf_dir))
+    pix, grids = [], []
+    for frames in videos:
+        try:
+            p, g = ip._preprocess(list(frames), do_resize=ip.do_resize, size=ip.size, resample=ip.resample,
+                                  do_rescale=ip.do_rescale, rescale_factor=ip.rescale_factor,
+                                  do_normalize=ip.do_normalize, image_mean=ip.image_mean, image_std=ip.image_std,
+                                  patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
+                                  merge_size=ip.merge_size, do_convert_rgb=True)
+        except ValueError as e:  # e.g. an aspect ratio over 200
+            raise ImageError(f"the image processor refused the video: {e}") from None
+        pix.append(np.asarray(p))
+        grids.append(list(g))
+    return {"pixel_values_videos": torch.from_numpy(np.concatenate(pix)).float(),
+            "video_grid_thw": torch.tensor(grids, dtype=torch.long),
+            "second_per_grid_ts": torch.full((len(videos),), ip.temporal_patch_size / MODEL_FPS)}
+
+
+def encode_media_ids(hf_dir: str | os.PathLike, input_ids: Sequence[int], images: Sequence = (),
+                     videos: Sequence[Sequence] = ()) -> dict:
+    """:func:`encode_ids` with videos too: ``input_ids`` [1, S] with each ``<|image_pad|>`` and ``<|video_pad|>``
+    expanded, the images' ``pixel_values``/``image_grid_thw`` (when any) and the videos' ``pixel_values_videos``,
+    ``video_grid_thw`` and ``second_per_grid_ts`` (when any, :func:`video_values`)."""
+    import torch
+
+    out = encode_ids(hf_dir, input_ids, images) if images else {"input_ids": torch.tensor([list(input_ids)])}
+    if videos:
+        ip = image_processor(str(hf_dir))
+        out.update(video_values(hf_dir, videos))
+        ids = expand_pads(out["input_ids"][0].tolist(), grid_tokens(out["video_grid_thw"].tolist(), ip.merge_size),
+                          token_id(hf_dir, VIDEO_PAD), what="video", pad=VIDEO_PAD)
+        out["input_ids"] = torch.tensor([ids])
+    return out

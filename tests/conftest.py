@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import os
 import shutil
 import subprocess
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,9 +25,10 @@ os.environ.setdefault("RELAX_SLURM_CACHE", "0")
 
 # Under pytest-xdist (`tools/test -n 2`), the tests that share one of these session fixtures run on one worker, each
 # test file's tests too (module fixtures), so no expensive setup is made twice. slurm_cluster is among them: the dev
-# cluster's four nodes fit one test's het job at a time, and a second one would only wait in the queue.
-SHARED_FIXTURES = ("slurm_cluster", "single_run", "multi_run", "fully_async_run", "damaged_segments_run",
-                   "_prestarted_engines")
+# cluster's four nodes fit one test's het job at a time, and a second one would only wait in the queue; so is
+# gpu_slurm_cluster (one tools/dev-slurm up and down, not one per worker on the same directory and port).
+SHARED_FIXTURES = ("slurm_cluster", "gpu_slurm_cluster", "single_run", "multi_run", "fully_async_run",
+                   "damaged_segments_run", "_prestarted_engines")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -131,6 +135,68 @@ def slurm_cluster():
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = saved
+
+
+# A second dev cluster, of 8-GPU nodes (fake GPUs): the real recipes' and Relax's scripts' dry runs check their srun
+# lines against it. Its own directory and port, no accounting, no munge: up in a second, beside slurm_cluster.
+GPU_CLUSTER = {"RELAX_DEV_SLURM_DIR": "/tmp/relax-dev-slurm-gpu", "RELAX_DEV_SLURM_PORT": "7917",
+               "RELAX_DEV_SLURM_NODES": "4", "RELAX_DEV_SLURM_CPUS": "64", "RELAX_DEV_SLURM_GPUS": "8",
+               "RELAX_DEV_SLURM_MEM_MB": "500000", "RELAX_DEV_SLURM_ACCOUNTING": "none",
+               "RELAX_DEV_SLURM_AUTH": "none", "RELAX_DEV_SLURM_LINK_ETC": "0", "RELAX_DEV_SLURM_KICK": "0"}
+
+
+@pytest.fixture(scope="session")
+def gpu_slurm_cluster():
+    """A dev cluster of four nodes of 8 GPUs and 64 CPUs (the async script's four roles are four het components),
+    up for the session; the environment to run ``relax-submit`` in (its SLURM_CONF)."""
+    if os.geteuid() != 0:
+        pytest.skip("tools/dev-slurm needs root")
+    env = {**os.environ, **GPU_CLUSTER}
+    env.pop("SLURM_CONF", None)
+    up = subprocess.run([str(DEV_SLURM), "up"], capture_output=True, text=True, env=env, timeout=600)
+    assert up.returncode == 0, up.stderr[-3000:]
+    env["SLURM_CONF"] = up.stdout.strip().splitlines()[-1].removeprefix("export SLURM_CONF=")
+    try:
+        yield env
+    finally:
+        subprocess.run([str(DEV_SLURM), "down"], capture_output=True, env=env, timeout=120)
+
+
+@contextmanager
+def locally(folder: Path, **env: str):
+    """The local executor (``RELAX_EXECUTOR=local``), no role told to fail by an earlier test's environment,
+    ``folder`` importable by the roles (the stub rewards, generate functions and environments beside the tests),
+    ``env`` set; undone at the end (pytest's ``monkeypatch`` is function-scoped: this also serves session-scoped
+    fixtures, tests/e2e/conftest.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RELAX_EXECUTOR", "local")
+        mp.delenv("RELAX_TEST_FAIL_ROLE", raising=False)
+        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p))
+        for k, v in env.items():
+            mp.setenv(k, v)
+        yield
+
+
+@pytest.fixture
+def local_executor(request):
+    """Runs started by the test go as local processes (:func:`locally`), its own folder importable by the roles."""
+    with locally(request.path.parent):
+        yield
+
+
+def make_tiny_model(out: Path, **kw) -> Path:
+    """tools/make-tiny-model's ``make_tiny_model`` (the tool has no .py suffix: loaded as a module)."""
+    loader = importlib.machinery.SourceFileLoader("relax_make_tiny_model", str(REPO / "tools" / "make-tiny-model"))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return Path(mod.make_tiny_model(out, **kw))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> Path:
+    """The vision quickstart's model, made once per session: tools/make-tiny-model --arch qwen2_5_vl --seed 0."""
+    return make_tiny_model(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl", arch="qwen2_5_vl", seed=0)
 
 
 class SmallDisk:

@@ -128,7 +128,7 @@ def check(cfg: AlgorithmConfig) -> list[tuple[str, object, str]]:
 
 def _plugin_form(key: str, value: str | None) -> list[tuple[str, object, str]]:
     """The form of a function reference, without importing it: the roles reload the recipe where the user's
-    module may not import (the validator loads it before submit, ``relax_hpc.recipe.validate.check_files``)."""
+    module may not import (the validator loads it before submit, ``relax_hpc.launch.files.check_files``)."""
     if value is None:
         return []
     from relax_hpc.plugins import PluginError, parse_spec

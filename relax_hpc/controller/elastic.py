@@ -40,10 +40,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol
 
-from relax_hpc.controller.backend import Backend, SchedulerPolls, backend_for
+from relax_hpc.backends import Backend
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.engines import EngineRegistry
 from relax_hpc.controller.external import External
+from relax_hpc.controller.scheduler_polls import SchedulerPolls
 from relax_hpc.rollout.external import check_url
 from relax_hpc.controller.state import RunState
 from relax_hpc.controller.steps import start_engine_step
@@ -99,10 +100,10 @@ class _Drain:
 
 class Elastic:
     def __init__(self, recipe: Recipe, run: RunDir, registry: EngineRegistry, state: RunState, channel: Channel,
-                 executor: str | Backend, *, holds: Callable[[str], bool], on_change: Callable[[], None],
+                 backend: Backend, *, holds: Callable[[str], bool], on_change: Callable[[], None],
                  assign: Callable[[str, dict], None], capacity: Capacity | None = None):
         self.recipe, self.run, self.registry, self.state, self.channel = recipe, run, registry, state, channel
-        self.backend = backend_for(executor)  # where engine steps run (and whether jobs may be attached)
+        self.backend = backend  # where engine steps run (and whether jobs may be attached)
         self.cap = capacity  # None: no attached jobs (started without a launcher, e.g. a test); steps still start
         self.holds = holds  # whether a task in flight was given this engine
         self.on_change = on_change  # the registry changed (state.json)
@@ -501,7 +502,8 @@ class Elastic:
 
     def _spare(self) -> int:
         """Room for more step engines: the spare nodes' engines under Slurm (``roles.rollout.elastic``); locally
-        ``rollout.elastic.max_engines`` in all, or a few step engines (:meth:`~.backend.Backend.spare_engines`)."""
+        ``rollout.elastic.max_engines`` in all, or a few step engines
+        (:meth:`~relax_hpc.backends.Backend.spare_engines`)."""
         steps = [n for n, e in self.registry.engines.items() if e.origin == "step" and e.state not in ("gone", "dead")]
         used = len(steps) + sum(1 for n in self.expected if n.startswith("step"))
         return self.backend.spare_engines(self.recipe, used, self.count())

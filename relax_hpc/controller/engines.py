@@ -121,6 +121,11 @@ class EngineRegistry:
         return {n: e.url for n, e in self.engines.items()
                 if e.state in ("starting", "syncing", "ready") and e.origin != "external"}
 
+    def nodes(self, names: dict[str, str] | list[str]) -> dict[str, str]:
+        """The node each of ``names`` runs on ``{name: node}`` (those with one): the actor's ranks on that node send
+        it its weights in multi-node colocate (:func:`relax_hpc.weights.push.plan_nodes`)."""
+        return {n: self.engines[n].node for n in names if n in self.engines and self.engines[n].node}
+
     def routable(self, min_version: int | None = None, max_version: int | None = None) -> dict[str, str]:
         """Engines a generate task may send requests to: ready, and serving at least step ``min_version``'s weights
         (and at most ``max_version``'s: fixed staleness), when given."""

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Iterator
 
 from relax_hpc.controller import recipe_copy
-from relax_hpc.controller.backend import Backend, backend_from_env
+from relax_hpc.backends import Backend, backend_from_env
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.elastic import Capacity
 from relax_hpc.controller.training import TrainingLoop

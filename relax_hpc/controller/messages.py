@@ -237,6 +237,7 @@ class ConnectTask(TaskMessage):
     engines: dict[str, str]  # {name: url}
     load: str | None  # a checkpoint root, or None (a fresh run)
     followers: dict[str, str] = field(default_factory=dict)  # {role: url}
+    nodes: dict[str, str] | None = _omit_none()  # {engine name: its node}: a node's actor rank sends it the weights
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,6 +253,9 @@ class GenerateTask(TaskMessage):
     judges: dict[str, str] = field(default_factory=dict)  # the genrm role's engines {name: url}, if it runs
     # OPD (opd:): the teacher role's engines {name: url}, or {"opd.teacher_url": url} (an external teacher)
     teachers: dict[str, str] = field(default_factory=dict)
+    # streaming within a step: the places (seq − this seq) of the chunks an earlier attempt announced (chunk_ready);
+    # it writes the others
+    streamed: list[int] | None = _omit_none()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,6 +293,16 @@ class TrainTask(TaskMessage):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StageTask(TaskMessage):
+    """actor, streaming within a step: π_old of step ``step``'s ``chunks`` that have landed (a forward pass per chunk
+    with the weights the actor holds: those step ``step`` starts from), kept for its ``train``."""
+
+    kind: ClassVar[str] = "stage"
+    step: int
+    chunks: list[ChunkRef]
+
+
+@dataclass(frozen=True, kw_only=True)
 class SyncTask(TaskMessage):
     """actor: push the weights to ``engines`` as weight version ``version``."""
 
@@ -296,6 +310,7 @@ class SyncTask(TaskMessage):
     version: str
     engines: dict[str, str]  # the live ones, {name: url}; empty: the ones of the last connect
     snapshot: str | None = _omit_none()  # also write the weights there as an HF directory (external engines)
+    nodes: dict[str, str] | None = _omit_none()  # {engine name: its node}, as in ConnectTask
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -434,12 +449,18 @@ class StopResult(ResultMessage):
     kind: ClassVar[str] = "stop"
 
 
+@dataclass(frozen=True, kw_only=True)
+class StageResult(ResultMessage):
+    kind: ClassVar[str] = "stage"
+    metrics: dict[str, Any] = field(default_factory=dict)  # perf/actor_stage_time
+
+
 TASKS: dict[str, type[TaskMessage]] = {c.kind: c for c in (
     StartEnginesTask, ConnectTask, GenerateTask, LogprobsTask, FollowTask, LoadTask, TrainTask, SyncTask,
-    CheckpointTask, EvalTask, StopTask)}
+    CheckpointTask, EvalTask, StopTask, StageTask)}
 RESULTS: dict[str, type[ResultMessage]] = {c.kind: c for c in (
     StartEnginesResult, ConnectResult, GenerateResult, LogprobsResult, FollowResult, LoadResult, TrainResult,
-    SyncResult, CheckpointResult, EvalResult, StopResult)}
+    SyncResult, CheckpointResult, EvalResult, StopResult, StageResult)}
 
 
 def decode_task(d: Any) -> TaskMessage:

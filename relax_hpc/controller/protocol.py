@@ -40,6 +40,8 @@ Request types (fields besides ``type`` and ``token``):
 - ``engine_join``  name, url, pid, node, origin, op, slurm_step
                                                            an engine added by scale-out is up; it then long-polls
                                                            ``next_task`` as role ``engine:<name>`` (its ``stop``)
+- ``chunk_ready`` role, rank, task_id, chunk (dict)       a chunk of the generate ``task_id`` is written
+                                                           (``rollout.stream_groups``): announced at once
 - ``engine_leave`` name, why, now (bool)                   its host was signalled: drain it (``now``: it is going
                                                            this instant, e.g. SIGTERM: gone at once)
 """
@@ -81,6 +83,7 @@ FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "scale": {"target": str, "attach": (dict, type(None)), "cancel": (str, type(None)), "by": str},
     "engine_join": {"name": str, "url": str, "pid": int, "node": str, "origin": str, "op": str, "slurm_step": str},
     "engine_leave": {"name": str, "why": str, "now": bool},
+    "chunk_ready": {"role": str, "rank": int, "task_id": int, "chunk": dict},
 }
 # answered by the controller's loop (it owns the state), not by the connection thread: see Channel
 ASKED = ("scale",)

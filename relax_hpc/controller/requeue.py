@@ -1,4 +1,4 @@
-"""How an attempt that ended to come back (state REQUEUED) comes back, per backend (:mod:`.backend`).
+"""How an attempt that ended to come back (state REQUEUED) comes back, per backend (:mod:`relax_hpc.backends`).
 
 * Slurm: ``scontrol requeue`` of the het job (same job id; ``SLURM_RESTART_COUNT`` counts). Slurm kills the
   batch script at once, so the caller has written everything before. Where requeue is refused (the job
@@ -17,13 +17,13 @@ under Slurm) cannot come back by itself: the attempt ends with the fix, ``relax-
 
 from __future__ import annotations
 
-from relax_hpc.controller.backend import Backend, RequeueJob, Resubmit, backend_for
+from relax_hpc.backends import Backend, RequeueJob, Resubmit
 from relax_hpc.recipe import Recipe
 from relax_hpc.rundir import RunDir
 
 
-def come_back(run: RunDir, recipe: Recipe, executor: str | Backend, requeue_job: RequeueJob | None = None,
+def come_back(run: RunDir, recipe: Recipe, backend: Backend, requeue_job: RequeueJob | None = None,
               resubmit: Resubmit | None = None) -> str:
-    """Requeue this job or submit its continuation (:meth:`~.backend.Backend.come_back`); returns what was done.
-    Locally it does not return."""
-    return backend_for(executor).come_back(run, recipe, requeue_job, resubmit)
+    """Requeue this job or submit its continuation (:meth:`~relax_hpc.backends.Backend.come_back`); returns what
+    was done. Locally it does not return."""
+    return backend.come_back(run, recipe, requeue_job, resubmit)

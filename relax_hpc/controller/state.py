@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from relax_hpc.controller.backend import Backend, backend_for
+from relax_hpc.backends import Backend
 from relax_hpc.controller.protocol import PHASES
 from relax_hpc.errors import NO_SPACE, PERMANENT, no_space
 from relax_hpc.identity import cross_members
@@ -93,12 +93,11 @@ def _get(d: Any, *keys: str) -> Any:
 
 
 class RunState:
-    def __init__(self, run: RunDir, recipe: Recipe, steps: list[RoleStep], executor: str | Backend,
+    def __init__(self, run: RunDir, recipe: Recipe, steps: list[RoleStep], backend: Backend,
                  env: dict[str, str] | None = None, restart: bool = False):
-        """``executor``: the run's backend (or its name). ``restart``: the steps are being restarted inside this
+        """``backend``: the run's backend. ``restart``: the steps are being restarted inside this
         attempt (not a new attempt of the job)."""
         env = os.environ if env is None else env
-        backend = backend_for(executor)
         prev = run.read_json(run.state, {}) or {}
         self.run, self.steps = run, {s.role: s for s in steps}
         self.ranks = {s.role: [Rank() for _ in range(s.ntasks)] for s in steps}

@@ -2,7 +2,7 @@
 ``relax-submit --dry-run`` prints.
 
 One place builds them so that the dry run shows exactly what will run: a role's or an engine's own command,
-wrapped by the run's backend (:mod:`.backend`). Under Slurm a role is one
+wrapped by the run's backend (:mod:`relax_hpc.backends`). Under Slurm a role is one
 ``srun --het-group=K`` job step (``--overlap`` when it shares another role's component, or, like the rollout
 driver, shares its nodes with the engine steps); locally it is ``nodes × tasks_per_node`` processes of the same
 module, told their rank by environment variables. A rollout engine is a step of its own
@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import relax_hpc
-from relax_hpc.controller import container
-from relax_hpc.controller.backend import (Backend, Proc, backend_for, executor_from_env,  # noqa: F401
-                                          stop_processes, task_log_pattern)
+from relax_hpc.backends import (Backend, Proc, SlurmBackend, container, executor_from_env,  # noqa: F401
+                                stop_processes, task_log_pattern)
 from relax_hpc.recipe import Recipe, RoleStep, initial_engines, role_steps
 
 PACKAGE_ROOT = str(Path(relax_hpc.__file__).resolve().parents[1])  # so every step imports this relax_hpc
@@ -70,10 +69,9 @@ def _common_env(recipe: Recipe, launch_id: str, rendezvous: str) -> dict[str, st
     }
 
 
-def step_commands(recipe: Recipe, run_dir: str | Path, executor: str | Backend,
+def step_commands(recipe: Recipe, run_dir: str | Path, backend: Backend,
                   python: str = sys.executable) -> list[StepCommand]:
-    """What to start for each role step, in het-group order, on ``executor`` (a backend or its name)."""
-    backend = backend_for(executor)
+    """What to start for each role step, in het-group order, on ``backend``."""
     run_dir = Path(run_dir).resolve()
     out = []
     for step in role_steps(recipe):
@@ -84,11 +82,10 @@ def step_commands(recipe: Recipe, run_dir: str | Path, executor: str | Backend,
     return out
 
 
-def step_command(recipe: Recipe, run_dir: str | Path, executor: str | Backend, role: str, *, restarted: bool = False,
+def step_command(recipe: Recipe, run_dir: str | Path, backend: Backend, role: str, *, restarted: bool = False,
                  python: str = sys.executable) -> StepCommand:
     """What to start for ``role``'s step alone (with ``restarted``: started again alone, the role tier of recovery:
     its ranks then skip the cross-role check, which needs every role's rank 0)."""
-    backend = backend_for(executor)
     run_dir = Path(run_dir).resolve()
     step = next(s for s in role_steps(recipe) if s.role == role)
     launch_id = secrets.token_hex(6)
@@ -99,21 +96,20 @@ def step_command(recipe: Recipe, run_dir: str | Path, executor: str | Backend, r
 
 
 def describe_steps(recipe: Recipe, run_dir: str | Path, python: str = sys.executable,
-                   executor: str | Backend = "slurm") -> list[str]:
-    """The step commands as ``executor`` prints them (:meth:`~.backend.Backend.describe`): one per role (per
-    rank locally), then one per engine the run starts with (for ``relax-submit --dry-run``)."""
-    backend = backend_for(executor)
+                   backend: Backend = SlurmBackend()) -> list[str]:
+    """The step commands as ``backend`` prints them (:meth:`~relax_hpc.backends.Backend.describe`): one per role
+    (per rank locally), then one per engine the run starts with (for ``relax-submit --dry-run``)."""
     run_dir = Path(run_dir).resolve()
     return [*(backend.describe(proc) for sc in step_commands(recipe, run_dir, backend, python) for proc in sc.procs),
             *engine_lines(recipe, run_dir, backend, python)]
 
 
-def engine_lines(recipe: Recipe, run_dir: Path, executor: str | Backend, python: str = sys.executable) -> list[str]:
+def engine_lines(recipe: Recipe, run_dir: Path, backend: Backend, python: str = sys.executable) -> list[str]:
     """The command lines of the run's own engine steps, shell-quoted (the controller starts them itself; none
     without ``model.path``: a launch smoke run has no training loop and starts no engine)."""
     if recipe.model.path is None:
         return []
-    return [shlex.join(engine_step_argv(recipe, run_dir, executor, name, "initial", "initial", python=python))
+    return [shlex.join(engine_step_argv(recipe, run_dir, backend, name, "initial", "initial", python=python))
             for name in initial_engines(recipe)]
 
 
@@ -122,17 +118,17 @@ def engine_argv(run_dir: Path, name: str, origin: str, op: str, python: str = sy
     return [python, "-m", "relax_hpc.roles.engine", str(run_dir), "--name", name, "--origin", origin, "--op", op]
 
 
-def engine_step_argv(recipe: Recipe, run_dir: Path, executor: str | Backend, name: str, origin: str, op: str,
+def engine_step_argv(recipe: Recipe, run_dir: Path, backend: Backend, name: str, origin: str, op: str,
                      exclude: list[str] = (), python: str = sys.executable) -> list[str]:
     """Engine ``name``'s step: under Slurm one task on one node of rollout's het component (its share of the
     node's GPUs; ``--overlap`` when rollout shares another role's component; off the ``exclude`` nodes), locally
     a process of this machine (on rollout's CPUs of ``RELAX_LOCAL_CPUS``). Its log:
     ``RUN_DIR/logs/<name>.host.log``; the engine's own: ``<name>.log``."""
-    return backend_for(executor).engine_step_argv(recipe, Path(run_dir), name,
-                                                  engine_argv(run_dir, name, origin, op, python), list(exclude))
+    return backend.engine_step_argv(recipe, Path(run_dir), name, engine_argv(run_dir, name, origin, op, python),
+                                    list(exclude))
 
 
-def start_engine_step(recipe: Recipe, run_dir: Path, executor: str | Backend, name: str, origin: str, op: str,
+def start_engine_step(recipe: Recipe, run_dir: Path, backend: Backend, name: str, origin: str, op: str,
                       exclude: list[str] = ()) -> subprocess.Popen:
     """:func:`engine_step_argv`, started (its own session, so it is stopped as a group)."""
     host_log = Path(run_dir) / "logs" / f"{name}.host.log"
@@ -140,6 +136,6 @@ def start_engine_step(recipe: Recipe, run_dir: Path, executor: str | Backend, na
     env = {**os.environ, "PYTHONPATH": pythonpath(os.environ.get("PYTHONPATH")), "PYTHONUNBUFFERED": "1",
            **recipe.slurm.env, **container.step_env(recipe)}
     with open(host_log, "ab") as out:
-        return subprocess.Popen(engine_step_argv(recipe, Path(run_dir), executor, name, origin, op, exclude),
+        return subprocess.Popen(engine_step_argv(recipe, Path(run_dir), backend, name, origin, op, exclude),
                                 env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -13,6 +13,9 @@ idle role does next in one place, :meth:`TrainingLoop._pump`:
   (``log_probs``: π_old, which the actor then uses instead of its own forward); it follows the actor through the
   weight-sync group like an engine (``follow`` at the start; every sync stages the new weights on it, and the
   task names the version to use), so checkpoints stay at ``checkpoint.interval``;
+- streaming within a step (``rollout.stream_groups``): rollout reports each chunk of a step as it is written
+  (``chunk_ready``, announced at once); the forward roles take them one by one, and the idle actor computes their
+  π_old (``stage(N)``) before the step's last response (docs/controller.md, "Streaming within a step");
 - actor, when idle: ``train(N)`` once step N's chunks have every field it needs, then ``sync(N)``
   (weights → engines, version ``"N"``), then ``checkpoint(N)`` every ``checkpoint.interval`` steps and
   after the last.
@@ -88,11 +91,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from relax_hpc.controller import messages as M
-from relax_hpc.controller.backend import Backend
+from relax_hpc.backends import Backend, LocalBackend
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.dispatch import Dispatcher, Task
 from relax_hpc.controller.elastic import Autoscaler, Capacity, Elastic
@@ -104,7 +107,7 @@ from relax_hpc.controller.resume_plan import plan_resume
 from relax_hpc.controller.state import RunState
 from relax_hpc.controller.step_rows import StepRows
 from relax_hpc.exchange.broker import Broker
-from relax_hpc.exchange.chunk import ChunkRef
+from relax_hpc.exchange.chunk import ChunkRef, parse_chunk_file
 from relax_hpc.exchange.fields import LOGPROB_FIELDS, PRODUCER, task_fields
 from relax_hpc.ops.metrics import REWARD, RunMetrics, summary_line
 from relax_hpc.ops.wandb_log import public_config
@@ -146,9 +149,9 @@ class TrainingLoop:
     (:mod:`~relax_hpc.controller.fixed_staleness`), :attr:`gen` (:mod:`~relax_hpc.controller.generation`),
     :attr:`rows` (:mod:`~relax_hpc.controller.step_rows`), :attr:`tasks` (:mod:`~relax_hpc.controller.dispatch`)."""
 
-    def __init__(self, recipe: Recipe, run: RunDir, state: RunState, channel: Channel, executor: str | Backend = "local",
+    def __init__(self, recipe: Recipe, run: RunDir, state: RunState, channel: Channel, backend: Backend = LocalBackend(),
                  capacity: Capacity | None = None):
-        if recipe.algorithm.use_kl_loss and not recipe.roles.reference.enabled:
+        if recipe.algorithm.use_kl_loss and not recipe.roles.reference.enabled and recipe.train.lora is None:
             raise ValueError("algorithm.use_kl_loss needs reference log-probs. Fix: set roles.reference.enabled: true")
         self.recipe, self.run, self.state = recipe, run, state
         self.fwd = _forward_roles(recipe)  # the forward roles with work to do -> the step whose weights each holds
@@ -168,6 +171,10 @@ class TrainingLoop:
         self.step, self.last_ckpt_step = self.resume.step, self.resume.checkpoint  # synced steps; the last checkpoint
         self.started = False  # engines up, weights connected (and resynced on a resume)
         self.ready: dict[int, set[str]] = {}  # steps generated, not yet trained -> the forward roles that added theirs
+        # streaming within a step (rollout.stream_groups): the chunks of a step being generated, announced so far
+        self.streamed: dict[int, list[ChunkRef]] = {}
+        self.streaming = bool(recipe.rollout.stream_groups)
+        self.staged: dict[int, set[str]] = {}  # step -> its chunks whose π_old the actor computed early (stage)
         self.leases: dict[Any, Any] = {}  # step (train) or (role, step) (a forward role) -> its lease
         self.held_sync: int | None = None  # a trained step whose sync waits (an earlier step's eval; fixed: rollout)
         self.loaded: dict[str, str] = {}  # forward role -> the checkpoint its last load named (given again on a restart)
@@ -178,7 +185,7 @@ class TrainingLoop:
         self.boot = Readiness(judges=None if recipe.roles.genrm.enabled else {},
                               teachers=None if recipe.roles.teacher.enabled else _external_teachers(recipe),
                               followers=None if "actor_fwd" in self.fwd else {})
-        self.elastic = Elastic(recipe, run, EngineRegistry(), state, channel, executor, holds=self.tasks.holds,
+        self.elastic = Elastic(recipe, run, EngineRegistry(), state, channel, backend, holds=self.tasks.holds,
                                on_change=self._engines_changed, assign=channel.assign, capacity=capacity)
         self.autoscaler = Autoscaler(self.elastic)  # elastic: engines added and removed while the run goes
         self.evals = EvalSchedule(recipe.rollout.eval_interval, recipe.rollout.skip_eval_before_train, self.total)
@@ -256,7 +263,11 @@ class TrainingLoop:
             self._assign(role, self.step, M.LoadTask(path=self.loaded[role]))
         for t in dropped:
             if t.kind != "logprobs" and t.message is not None:  # log-probs: leased again by the pump
-                self.tasks.assign(role, t.step, t.message, t.life, t.versions)
+                message = t.message
+                if t.kind == "generate" and self.streamed.get(t.step):  # the chunks it streamed stay: the new
+                    message = replace(message, streamed=sorted(  # ranks write the others
+                        _seq(c) - message.seq for c in self.streamed[t.step]))
+                self.tasks.assign(role, t.step, message, t.life, t.versions)
         log.info("%s restarted alone: the tasks it held (%s) go to its new ranks, its leases back to the exchange",
                  role, ", ".join(f"{t.kind}({t.step})" for t in dropped) or "none")
         self._pump()
@@ -267,8 +278,9 @@ class TrainingLoop:
         if self.refollow != "reconnect" or not self._idle("actor"):
             return
         self.refollow = None
-        self._assign("actor", self.step, M.ConnectTask(engines=self.registry.live(), load=None,
-                                                       followers=self.boot.followers or {}))
+        live = self.registry.live()
+        self._assign("actor", self.step, M.ConnectTask(engines=live, load=None, followers=self.boot.followers or {},
+                                                       nodes=self.registry.nodes(live) or None))
         if self.held_sync is not None:
             self._release_sync()
         elif self.step > 0 or self.resume.path:  # else it holds step 0's weights already (the model on disk)
@@ -333,6 +345,8 @@ class TrainingLoop:
                 n = self.step + 1
                 if n in self.ready and self.ready[n].issuperset(self.fwd):
                     self._train(n)
+                else:
+                    self._pump_stage(n)
             self._pump_catch_up()
         self._pump_refollow()
         if self.fixed and self.held_sync is not None and self._idle("actor") and self._idle("rollout"):
@@ -361,6 +375,8 @@ class TrainingLoop:
 
     def _pump_logprobs(self, r: str) -> None:
         """Forward role ``r``'s field for the oldest step without it (actor_fwd: once it holds step n−1's weights)."""
+        if self.streaming:
+            return self._pump_stream_logprobs(r)
         n = min((s for s, done in self.ready.items() if r not in done), default=None)
         if n is not None and self._idle(r) and (r != "actor_fwd" or self.fwd[r] == n - 1):
             lease = self._lease(r, n, holder=r)
@@ -368,6 +384,41 @@ class TrainingLoop:
                 self.leases[(r, n)] = lease
                 self._assign(r, n, M.LogprobsTask(chunks=list(lease.chunks),
                                                   version=str(n - 1) if r == "actor_fwd" else None))
+
+    def _pump_stream_logprobs(self, r: str) -> None:
+        """Streaming within a step: forward role ``r`` gets the chunks of the oldest step it has not finished that
+        have landed (announced, not yet consumed by it), while rollout may still be writing that step's later
+        ones. Each chunk holds whole groups, in the step's group order."""
+        steps = sorted({s for s, done in self.ready.items() if r not in done} | set(self.streamed))
+        if not steps or not self._idle(r):
+            return
+        n = steps[0]
+        if r == "actor_fwd" and self.fwd[r] != n - 1:  # π_old: the weights of step n−1, once synced to it
+            return
+        # one chunk a task (batch_size 1: the first chunk alone): a forward pass over a fixed set of samples, so its
+        # numbers do not depend on how many chunks had landed (staleness_mode fixed stays bit for bit)
+        lease = self.broker.request(r, step=n, batch_size=1, holder=r)
+        if self.broker.quarantined(n):  # made again once its generate is done (a step is voided whole, never mid-way)
+            return None if n in self.streamed else self._regenerate(n)
+        if lease is not None:
+            self.leases[(r, n)] = lease
+            self._assign(r, n, M.LogprobsTask(chunks=list(lease.chunks),
+                                              version=str(n - 1) if r == "actor_fwd" else None))
+
+    def _pump_stage(self, n: int) -> None:
+        """Streaming within a step: the idle actor computes π_old of step ``n``'s chunks that have landed. It holds
+        step n−1's weights (trained and synced, no sync held), the ones step n's first update starts from. Not where
+        π_old comes from elsewhere (actor_fwd, the engine's log-probs), nor where the engines or an offloaded actor
+        would need the device memory back (train.offload, rollout.engine.offload)."""
+        r = self.recipe
+        if (not self.streaming or "actor_fwd" in self.fwd or r.algorithm.use_rollout_logprobs or r.train.offload
+                or r.rollout.engine.offload or not self._idle("actor")):
+            return
+        done = self.staged.setdefault(n, set())
+        todo = [c for c in self.streamed.get(n, []) if c.id not in done]
+        if todo:
+            done.update(c.id for c in todo)
+            self._assign("actor", n, M.StageTask(step=n, chunks=todo))
 
     def _pump_generate(self) -> None:
         """Rollout's next generate, if it is idle and the gate, the engines and a pause let it start."""
@@ -396,13 +447,16 @@ class TrainingLoop:
         lease = self._lease("train", n, holder="actor")
         if lease is not None:
             del self.ready[n]
+            self.staged.pop(n, None)
             self.leases[n] = lease
             self.rows.waited("actor", n, "perf/actor_wait_time")  # idle until step n's samples were there
-            self._assign("actor", n, M.TrainTask(step=n, chunks=list(lease.chunks)))
+            chunks = sorted(lease.chunks, key=_seq) if self.streaming else list(lease.chunks)  # as the step's groups
+            self._assign("actor", n, M.TrainTask(step=n, chunks=chunks))
 
     def _sync(self, n: int) -> None:
         """The actor puts step ``n``'s weights on the live engines, as version ``"n"``."""
-        self._assign("actor", n, M.SyncTask(version=str(n), engines=self.registry.live(),
+        live = self.registry.live()
+        self._assign("actor", n, M.SyncTask(version=str(n), engines=live, nodes=self.registry.nodes(live) or None,
                                             snapshot=self.elastic.external.snapshot_for(n)))  # external engines
 
     def _checkpoint(self, n: int) -> None:
@@ -540,6 +594,8 @@ class TrainingLoop:
             self.state.event("fixed_staleness_broken", f"step {n} generated again on newer weights (damaged chunks)")
         lives = self.gen.void(n)
         self.ready.pop(n, None)
+        self.streamed.pop(n, None)
+        self.staged.pop(n, None)
         for key in [key for key in self.leases if key == n or (isinstance(key, tuple) and key[1] == n)]:
             del self.leases[key]
         if lives > MAX_REGENERATIONS:
@@ -566,6 +622,10 @@ class TrainingLoop:
             return self._pump()  # a new engine: a catch-up sync if the actor is idle
         if str(msg.get("role", "")).startswith("engine:"):  # an engine host's poll, or its stop done
             return self.elastic.on_message(msg)
+        if kind == "chunk_ready":
+            with self.tasks.holding(), self.broker.group():
+                self._chunk_ready(msg)
+            return
         if kind != "task_done":
             return
         t0 = time.perf_counter()
@@ -594,6 +654,8 @@ class TrainingLoop:
         if isinstance(res, M.TaskError):
             if task.kind in ("logprobs", "train") and self._read_failed(task, res.error):
                 return self._pump()
+            if task.kind == "stage" and res.error.startswith("DamagedChunk:"):  # early π_old only: the train task
+                return self._pump()  # reads the step again and reports the damage (the step is generated again)
             # the task's verdict ends the run, unless the machinery broke (a restart of every step may help: what
             # broke may be another role's, e.g. a teacher engine gone, so not the role tier)
             self.state.fail(task.role, msg["rank"], self._node(task.role), f"{at}: {res.error}",
@@ -646,8 +708,9 @@ class TrainingLoop:
             b.connecting = True
             log.info("engines: %s", ", ".join(f"{n} {u}" for n, u in self.registry.live().items()))
             self.state.progress(engines=self.registry.to_state(), phase="connecting weight sync")
-            self._assign("actor", self.step, M.ConnectTask(engines=self.registry.live(), load=self.resume.path,
-                                                           followers=b.followers))
+            live = self.registry.live()
+            self._assign("actor", self.step, M.ConnectTask(engines=live, load=self.resume.path, followers=b.followers,
+                                                           nodes=self.registry.nodes(live) or None))
 
     def _died(self, task: Task, dead: dict[str, str]) -> None:
         """Engines ``task`` found dead: gone or dead (:meth:`Elastic.lost`), and one of the run's own or a step
@@ -696,10 +759,27 @@ class TrainingLoop:
         _test_damage(self.broker, n, refs)
         self.broker.end_step(n)
         self.ready[n] = set()
+        if self.streamed.pop(n, None) is not None:  # forward roles that took every streamed chunk are done already
+            self.ready[n] = {r for r in self.fwd if self._took_all(r, n)}
         self.gen.finished(n)
         if self.fixed:
             self.fixed.rows[n] = dict(self.rows.cur[n])
         self._release_sync()
+
+    def _chunk_ready(self, msg: dict) -> None:
+        """Streaming within a step: a chunk of a generate still running is written. Announced now, so the forward
+        roles and the actor's π_old pass (``stage``) work on it while the step's later groups are generated. A
+        report of a generate no longer in flight (its role started again alone, its step voided) is dropped: the
+        next attempt writes its chunks itself."""
+        task = self.tasks.pending.get(msg.get("task_id"))
+        if task is None or task.kind != "generate" or task.life != self.gen.life(task.step) or not self.state.running:
+            return
+        ref = ChunkRef.from_dict(msg["chunk"])
+        if ref.step != task.step:
+            raise ValueError(f"chunk_ready of generate({task.step}) names a chunk of step {ref.step}: {ref.id}")
+        if self.broker.announce(ref):
+            self.streamed.setdefault(task.step, []).append(ref)
+        self._pump()
 
     def _count_engines(self, task: Task, res: M.GenerateResult) -> None:
         """Each engine's requests (and the step and version of its first), and the run's engine counts (an engine
@@ -719,7 +799,15 @@ class TrainingLoop:
         for side in res.sides:
             self.broker.add_fields(side)
         self.broker.ack(self.leases.pop((task.role, task.step)).id)
-        self.ready[task.step].add(task.role)
+        if not self.streaming:
+            self.ready[task.step].add(task.role)
+        elif task.step in self.ready and self._took_all(task.role, task.step):  # the step's last chunks
+            self.ready[task.step].add(task.role)
+
+    def _took_all(self, role: str, n: int) -> bool:
+        """Streaming: whether forward role ``role`` consumed every chunk of step ``n``, which rollout has ended."""
+        p = self.broker.progress(role, n)
+        return bool(p.get("ended") and p.get("samples") and p["consumed"] == p["samples"])
 
     def _load_done(self, task: Task, res: M.LoadResult) -> None:
         self.fwd[task.role] = res.step
@@ -801,6 +889,12 @@ class TrainingLoop:
         if res.metrics:  # perf/save_model_time, into the step's row (logged before the save ended)
             self.metrics.amend(task.step, res.metrics)
 
+    def _stage_done(self, task: Task, res: M.StageResult) -> None:
+        cur = self.rows.cur.get(task.step)
+        if cur is not None:  # the step's stages, summed
+            cur["perf/actor_stage_time"] = cur.get("perf/actor_stage_time", 0.0) + res.metrics.get(
+                "perf/actor_stage_time", 0.0)
+
     def _stop_done(self, task: Task, res: M.StopResult) -> None:
         pass  # the role ends; the loop sees it done
 
@@ -825,7 +919,9 @@ class TrainingLoop:
 
 def _forward_roles(recipe: Recipe) -> dict[str, int]:
     """The forward roles with work to do (each adds its field to every chunk), each holding the model on disk."""
-    return {r: 0 for r, on in (("reference", recipe.algorithm.use_kl_loss),
+    from relax_hpc.train.config import reference_from_actor  # LoRA without a reference role: the actor's own π_ref
+
+    return {r: 0 for r, on in (("reference", recipe.algorithm.use_kl_loss and not reference_from_actor(recipe)),
                                ("actor_fwd", recipe.roles.actor_fwd.enabled)) if on}
 
 
@@ -836,6 +932,12 @@ def _consumers(fwd: dict[str, int], opd: bool = False, replay: bool = False) -> 
     train = task_fields("train", (PRODUCER, *fwd)) + (("teacher_log_probs",) if opd else ()) + (
         ("routed_experts",) if replay else ())
     return {"train": train, **{r: LOGPROB_FIELDS for r in fwd}}
+
+
+def _seq(c: ChunkRef) -> int:
+    """A chunk's seq: streamed chunks are named by their place in the step (``rollout.stream_groups``), whatever
+    order they were written in."""
+    return parse_chunk_file(c.name + ".h5")[1]
 
 
 def _opd(recipe: Recipe) -> bool:

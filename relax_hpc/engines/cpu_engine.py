@@ -92,7 +92,8 @@ LOGGED = {
     "/update_weights_from_distributed": ("load_format", "weight_version"),
     "/update_weights_from_tensor": ("load_format", "weight_version"),
     "/update_weights_from_disk": ("model_path", "weight_version"), "/update_weight_version": ("new_version",),
-    "/load_lora_adapter_from_tensors": ("lora_name",),
+    "/load_lora_adapter_from_tensors": ("lora_name",), "/load_lora_adapter": ("lora_name", "lora_path"),
+    "/unload_lora_adapter": ("lora_name",),
 }
 
 
@@ -120,9 +121,9 @@ def logged(path: str, fn, fields: tuple[str, ...]):
     return call
 
 
-def lora_route(engine: CPUEngine):
+def lora_route(engine: CPUEngine, call_name: str = "load_lora_adapter_from_tensors"):
     def call(b):  # SGLang answers {"success", "message"}: 200, or 400 when it failed
-        success, message = engine.load_lora_adapter_from_tensors(b)
+        success, message = getattr(engine, call_name)(b)
         return (200 if success else 400), {"success": success, "message": message}
     return call
 
@@ -177,7 +178,9 @@ def engine_handler(engine: CPUEngine, api_key: str | None = None):
         "/release_memory_occupation": memory(engine.release_memory_occupation),
         "/resume_memory_occupation": memory(engine.resume_memory_occupation),
         **weight_routes(engine),
-        "/load_lora_adapter_from_tensors": lora_route(engine),  # SGLang's call (engines/lora.py)
+        "/load_lora_adapter_from_tensors": lora_route(engine),  # SGLang's calls (engines/lora.py)
+        "/load_lora_adapter": lora_route(engine, "load_lora_adapter"),
+        "/unload_lora_adapter": lora_route(engine, "unload_lora_adapter"),
     }
     routes.update({path: logged(path, routes[path], fields) for path, fields in LOGGED.items() if path in routes})
     return with_retry_after(route_handler(routes, api_key))

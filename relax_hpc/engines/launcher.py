@@ -80,6 +80,13 @@ def sglang_command(python: str, model_path: str, host: str, port: int, tp: int,
             "--port", str(port), "--tp-size", str(tp), *extra_args]
 
 
+def sglang_lora_args(rank: int, hf_targets: Sequence[str]) -> list[str]:
+    """SGLang's launch flags for ``train.lora.mode: adapter``: LoRA on, its memory pool sized for adapters of
+    ``rank`` on ``hf_targets`` (HF module names, SGLang's choices), as it needs them when no adapter is given at
+    launch (the actor loads them at run time: /load_lora_adapter)."""
+    return ["--enable-lora", "--max-lora-rank", str(int(rank)), "--lora-target-modules", *hf_targets]
+
+
 def _masked(command: Sequence[str]) -> str:
     """The command line for the log: the launcher's code named, not quoted; any value after ``--api-key`` hidden."""
     out: list[str] = []

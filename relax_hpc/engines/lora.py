@@ -20,6 +20,18 @@ from collections.abc import Callable
 import torch
 
 SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+# the adapter's name on every engine in train.lora.mode adapter: SGLang applies a loaded adapter only to the requests
+# that name it, so every /generate of such a run carries it (:func:`generate_fields`), and each sync swaps the adapter
+# under this one name (relax_hpc.weights.lora.AdapterDirSync)
+LORA_NAME = "relax-lora"
+
+
+def generate_fields(recipe) -> dict:
+    """The fields every ``/generate`` of a run carries for its LoRA adapter: SGLang's ``lora_path`` (the name of a
+    loaded adapter) in ``train.lora.mode: adapter``; nothing otherwise (merged weights serve every request). The
+    reference engine serves its one adapter to every request and takes the field as SGLang does."""
+    lora = getattr(getattr(recipe, "train", None), "lora", None)
+    return {"lora_path": LORA_NAME} if lora is not None and lora.mode == "adapter" else {}
 
 
 def is_adapter(name: str) -> bool:
@@ -89,6 +101,15 @@ class EngineAdapters:
         if adapters:
             self.loads += 1
 
+    def unload(self, params: dict[str, torch.Tensor]) -> int:
+        """Every adapted weight back to its base ``W0``, the adapters forgotten; how many weights it restored."""
+        with torch.no_grad():
+            for key, w0 in self.base.items():
+                params[key].data.copy_(w0)
+        n = len(self.base)
+        self.base, self.ab = {}, {}
+        return n
+
     def get(self, name: str) -> torch.Tensor | None:
         """An adapter tensor as loaded (B scaled), or None for a name that is not a loaded adapter's."""
         if not is_adapter(name):
@@ -149,11 +170,66 @@ class AdapterServing:
             return super().get_weights_by_name(body)
         return got[: int(body.get("truncate_size", 100))].float().tolist()
 
+    def load_lora_adapter(self, body: dict) -> tuple[bool, str]:
+        """SGLang's ``/load_lora_adapter``: ``lora_name`` and ``lora_path``, a PEFT directory this engine can read
+        (``adapter_config.json``, ``adapter_model.safetensors``; the run's shared filesystem). One adapter at a
+        time, as :meth:`load_lora_adapter_from_tensors`; a name already loaded is refused as SGLang refuses it
+        (unload it first)."""
+        import json
+        from pathlib import Path
+
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            return False, "lora_name and lora_path must be non-empty strings"
+        if getattr(self, "_lora_name", None) == name:
+            return False, f"Failed to load LoRA adapter {name} because it is already loaded"
+        try:
+            from safetensors.torch import load_file
+
+            config = json.loads((Path(path) / "adapter_config.json").read_text())
+            scale = peft_scale(config if isinstance(config, dict) else {})
+            named = [(peft_key(n), t) for n, t in load_file(str(Path(path) / "adapter_model.safetensors")).items()]
+        except (OSError, ValueError) as e:  # a missing file, bad JSON, a damaged safetensors file
+            return False, f"Failed to load LoRA adapter {name!r} from {path}: {e}"
+        ok, message = self._load_peft(name, named, scale)
+        if ok:
+            self._lora_name = name
+        return ok, message
+
+    def unload_lora_adapter(self, body: dict) -> tuple[bool, str]:
+        """SGLang's ``/unload_lora_adapter``: ``lora_name``; the adapted weights go back to the base model."""
+        from relax_hpc.engines.http import HTTPError
+
+        name, have = body.get("lora_name"), getattr(self, "_lora_name", None)
+        if not isinstance(name, str) or name != have:
+            return False, f"LoRA adapter {name!r} is not loaded (loaded: {have!r})"
+        with self.model_lock:
+            if (why := self.updates_refused()) is not None:
+                raise HTTPError(400, why)
+            n = self.adapters.unload(self.params)
+        self._lora_name = None
+        return True, f"Unloaded LoRA adapter {name!r} ({n} weights back to the base model)."
+
+    def _load_peft(self, name, named: list, scale: float) -> tuple[bool, str]:
+        """Load PEFT-named adapter tensors (already as the model names them) with PEFT's ``scale``."""
+        from relax_hpc.engines.http import HTTPError
+
+        bad = [n for n, _ in named if not is_adapter(n)]
+        if bad:
+            return False, f"Failed to load LoRA adapter: {bad[0]!r} is not a lora_A/lora_B tensor"
+        self._scale = scale
+        try:
+            self.load_named(named)
+        except HTTPError as e:
+            return False, f"Failed to load LoRA adapter {name!r}: {e.message}"
+        finally:
+            self._scale = 1.0
+        return True, f"Loaded LoRA adapter {name!r} ({len(named)} tensors)."
+
     def load_lora_adapter_from_tensors(self, body: dict) -> tuple[bool, str]:
         """SGLang's ``/load_lora_adapter_from_tensors``: ``lora_name``, ``config_dict`` (PEFT's adapter_config),
         ``serialized_named_tensors`` (one tensor_wire entry: TP 1 here). This engine serves one adapter, on every
         request: a later load replaces it (module docstring)."""
-        from relax_hpc.engines.http import HTTPError
         from relax_hpc.engines.tensor_wire import deserialize_named
 
         entries = body.get("serialized_named_tensors")
@@ -164,14 +240,4 @@ class AdapterServing:
             scale = peft_scale(body.get("config_dict") or {})
         except ValueError as e:
             return False, f"Failed to load LoRA adapter {body.get('lora_name')!r}: {e}"
-        bad = [n for n, _ in named if not is_adapter(n)]
-        if bad:
-            return False, f"Failed to load LoRA adapter: {bad[0]!r} is not a lora_A/lora_B tensor"
-        self._scale = scale
-        try:
-            self.load_named(named)
-        except HTTPError as e:
-            return False, f"Failed to load LoRA adapter {body.get('lora_name')!r}: {e.message}"
-        finally:
-            self._scale = 1.0
-        return True, f"Loaded LoRA adapter {body.get('lora_name')!r} ({len(named)} tensors)."
+        return self._load_peft(body.get("lora_name"), named, scale)

@@ -18,7 +18,8 @@ float32 logits **without** the request temperature, as SGLang's logits processor
 finish reason ``{"type": "length", "length": 0}``, as SGLang's ``FINISH_LENGTH``. A teacher answers these.
 
 **Images (a vision-language model).** A Qwen2.5-VL / Qwen3-VL directory (:func:`relax_hpc.multimodal.is_vlm`) loads
-as ``AutoModelForImageTextToText``. A request's ``image_data`` takes SGLang's forms (one image for one request, a
+as ``AutoModelForImageTextToText``. A Qwen2.5-VL request's ``video_data`` (:meth:`CPUEngine._videos`: a video a
+list of frames, as the data sends them) runs the same way. A request's ``image_data`` takes SGLang's forms (one image for one request, a
 list for one request, a list per item of a batch; each a base64 string, a ``data:`` URL or a path on the engine's
 host). The prompt (text or ids) has one ``<|image_pad|>`` per image, as the chat template writes it, or the runs
 already expanded; :func:`relax_hpc.multimodal.encode_ids` makes the pixels and the expanded ids. A request with
@@ -268,6 +269,11 @@ class CPUEngine(AdapterServing, WeightReceiver):  # AdapterServing: LoRA adapter
             "sampling_params", "return_logprob", "rid", "logprob_start_len", "top_logprobs_num"))
         text_in_lp = bool(body.get("return_text_in_logprobs"))
         mms = self._images(body.get("image_data"), prompts, batched, held)
+        vids = self._videos(body.get("video_data"), prompts, batched, held)
+        if any(vids):
+            if any(mms):
+                raise HTTPError(400, "image_data and video_data in one request are not supported by the CPU engine")
+            mms = vids
         auds = engine_audio.audio_inputs(self, body.get("audio_data"), prompts, batched, HTTPError)
         if any(auds):
             if any(mms):
@@ -389,6 +395,89 @@ class CPUEngine(AdapterServing, WeightReceiver):  # AdapterServing: LoRA adapter
                 raise HTTPError(400, f"{'item %d: ' % i if batched else ''}{e}") from None
         return out
 
+    def _videos(self, video_data, prompts: list, batched: bool, held: list[int]) -> list[dict | None]:
+        """Per item: None (no videos) or :func:`relax_hpc.multimodal.encode_media_ids`'s inputs (``input_ids`` with
+        each ``<|video_pad|>`` expanded, ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``).
+        ``video_data`` in SGLang's forms: for one request a video or a list of videos, for a batch one entry per
+        item; a video is a list of frames (each an image form: base64, ``data:`` URL, a path on the engine's host;
+        shown at :data:`~relax_hpc.multimodal.MODEL_FPS`, as sent) or an animated GIF/PNG/WebP. Every frame's header
+        is read and the request's pixels reserved (:attr:`pixels`) before any is decoded, as for images; 400 naming
+        a bad frame (the video, the frame, the reason)."""
+        from relax_hpc.multimodal import decode, encode_media_ids, image_bytes, open_header, video_frame_refs
+
+        pad = getattr(self.config, "video_token_id", None) if self.vlm else None
+        if video_data is None or video_data == []:  # no video: video pads would reach the model without features
+            for i, p in enumerate(prompts):
+                if pad is not None and pad in p:
+                    raise HTTPError(400, f"{'item %d: ' % i if batched else ''}the prompt has video pad tokens (id "
+                                         f"{pad}) but the request has no video_data for it")
+            return [None] * len(prompts)
+        if not self.vlm:
+            raise HTTPError(400, f"video_data given, but the model ({getattr(self.config, 'model_type', '?')}) has no "
+                                 "vision: serve a Qwen2.5-VL directory")
+        if getattr(self.config, "model_type", None) != "qwen2_5_vl":
+            raise HTTPError(400, f"video_data for a {self.config.model_type} model: the CPU engine serves videos to "
+                                 "Qwen2.5-VL only (megatron-bridge 0.3.1's Qwen3-VL takes no video)")
+
+        def videos_of(x):
+            return [] if x is None else [x] if isinstance(x, (str, dict)) else list(x)
+
+        if not batched:
+            per_item = [videos_of(video_data)]
+        elif isinstance(video_data, list) and len(video_data) == len(prompts):
+            per_item = [videos_of(x) for x in video_data]
+        else:
+            raise HTTPError(400, f"video_data must have one entry per item of the batch of {len(prompts)}")
+        heads: list[list[list]] = []  # per item, per video, its frames opened to the header
+        for i, vids in enumerate(per_item):
+            heads.append([])
+            for j, v in enumerate(vids):
+                where = f"video_data[{i}][{j}]" if batched else f"video_data[{j}]"
+                try:
+                    refs, _ = video_frame_refs(v)
+                    if not refs:
+                        raise ImageError("a video without frames")
+                    frames = []
+                    for k, f in enumerate(refs):
+                        try:
+                            frames.append(open_header(image_bytes(f)))
+                        except ImageError as e:
+                            raise ImageError(f"frame {k}: {e}") from None
+                except ImageError as e:
+                    raise HTTPError(400, f"{where} is not a usable video: {e}") from None
+                heads[-1].append(frames)
+        need = sum(f.width * f.height for item in heads for v in item for f in v)
+        if need > self.pixels.total:
+            raise HTTPError(400, f"the request's video frames have {need} pixels, more than this engine serves at "
+                                 f"once ({self.pixels.total}, --image-pixel-budget): it can never fit. Fix: fewer or "
+                                 "smaller frames per request")
+        if not self.pixels.acquire(need, self.image_wait_s):
+            raise Busy(f"the request's video frames have {need} pixels and the engine's image budget has "
+                       f"{self.pixels.total - self.pixels.in_use} of {self.pixels.total} free (--image-pixel-budget) "
+                       f"after waiting {self.image_wait_s:g} s: try again later")
+        held.append(need)
+        out: list[dict | None] = []
+        for i, (p, item) in enumerate(zip(prompts, heads)):
+            if not item:
+                if pad is not None and pad in p:
+                    raise HTTPError(400, f"{'item %d: ' % i if batched else ''}the prompt has video pad tokens (id "
+                                         f"{pad}) but the request has no video_data for it")
+                out.append(None)
+                continue
+            try:
+                videos = []
+                for j, v in enumerate(item):
+                    try:
+                        videos.append([decode(f) for f in v])
+                    except ImageError as e:
+                        raise ImageError(f"video_data[{j}]: {e}") from None
+                    if len({f.size for f in videos[-1]}) > 1:
+                        raise ImageError(f"video_data[{j}]: frames of more than one size")
+                out.append(encode_media_ids(self.model_path, p, videos=videos))
+            except ImageError as e:
+                raise HTTPError(400, f"{'item %d: ' % i if batched else ''}{e}") from None
+        return out
+
     @torch.inference_mode()
     def _generate_one(self, r: Req) -> None:
         """A request with images, alone: its M-RoPE positions from the ids and the image grid (transformers'
@@ -402,6 +491,13 @@ class CPUEngine(AdapterServing, WeightReceiver):  # AdapterServing: LoRA adapter
         try:
             if "features" in mm:  # audio (relax_hpc.engines.audio)
                 pos, delta, media = engine_audio.prefill_kwargs(mm, ids, dev, self.dtype)
+            elif "video_grid_thw" in mm:  # a video (Qwen2.5-VL): its time steps apart by second_per_grid_ts
+                pos, delta = self.model.model.get_rope_index(input_ids=ids, video_grid_thw=mm["video_grid_thw"],
+                                                             second_per_grid_ts=mm["second_per_grid_ts"],
+                                                             attention_mask=mask)
+                media = dict(pixel_values_videos=mm["pixel_values_videos"].to(dev, self.dtype),
+                             video_grid_thw=mm["video_grid_thw"].to(dev),
+                             second_per_grid_ts=mm["second_per_grid_ts"].to(dev))
             else:
                 pos, delta = self.model.model.get_rope_index(input_ids=ids, image_grid_thw=mm["image_grid_thw"],
                                                              attention_mask=mask)  # [3, 1, L], [1, 1]

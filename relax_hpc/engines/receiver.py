@@ -1,6 +1,7 @@
 """The receiving side of SGLang's weight-update API: process groups beside the default one, update sessions, the
 updates themselves (broadcast per tensor or as one flattened bucket, tensors handed over by handle, files), the
-version tag and the read-back, by HF parameter name.
+version tag and the read-back, by HF parameter name. A flattened bucket's layout is
+:mod:`relax_hpc.engines.bucket_wire`'s; handed-over tensors are :mod:`relax_hpc.engines.tensor_wire`'s.
 
 A receiver says what it serves (:meth:`WeightReceiver.sync_info`, merged into ``/server_info``): the group backends
 (``weight_sync_backends``: gloo on CPU; nccl and gloo on CUDA, where gloo lands in host memory and is copied to the
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from relax_hpc.engines import bucket_wire
 from relax_hpc.engines.http import HTTPError, brief, ok
 
 
@@ -49,14 +51,6 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     assert pg.rank() == rank and pg.size() == world_size
     return pg
-
-
-def _resolve_dtype(name) -> torch.dtype:
-    dt = getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(dt, torch.dtype):
-        raise HTTPError(400, f"unknown dtype {brief(name)}")
-    return dt
-
 
 
 def checkpoint_key_mapping(model) -> dict[str, str]:
@@ -200,37 +194,32 @@ class WeightReceiver:
         if pg is None:
             return False, (f"Group {group_name} not in {list(self.groups)}. "
                            "Please call `init_weights_update_group` first.")
-        names, shapes = list(body.get("names") or []), [list(s) for s in body.get("shapes") or []]
-        dtypes = [_resolve_dtype(d) for d in body.get("dtypes") or []]
-        if not names or not (len(names) == len(dtypes) == len(shapes)):
-            return False, (f"names, dtypes and shapes must be non-empty and equally long "
-                           f"({len(names)}, {len(dtypes)}, {len(shapes)})")
+        fmt = body.get("load_format")
+        try:  # refused before any byte comes, as SGLang refuses them: the announcement itself is wrong
+            announced = bucket_wire.announced(body.get("names"), body.get("dtypes"), body.get("shapes"))
+            metas = bucket_wire.plan(announced) if fmt == "flattened_bucket" else None
+        except ValueError as e:
+            return False, str(e)
         if body.get("abort_all_requests"):
             self.abort_all("Abort by update_weights_from_distributed (abort_all_requests).")
-        fmt = body.get("load_format")
         # nccl lands on this receiver's device; gloo in host memory (load_named copies it to the device)
         device = self.device if self.group_backends.get(group_name, "gloo") == "nccl" else "cpu"
         # Receive everything the trainer sends before judging names/shapes: refusing halfway would hang its broadcast.
-        if fmt == "flattened_bucket":
-            # SGLang 0.5.23's FlattenedTensorBucket: each tensor's bytes end to end, received as one uint8 buffer
-            sizes = [int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, dtypes)]
-            raw = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-            dist.broadcast(raw, src=0, group=pg)
-            tensors, off = [], 0
-            for s, d, k in zip(shapes, dtypes, sizes):
-                tensors.append(raw[off:off + k].view(d).view(s))
-                off += k
+        if fmt == "flattened_bucket":  # one buffer, received as bytes (bucket_wire has the layout)
+            flat = bucket_wire.empty_flat(metas, device)
+            dist.broadcast(bucket_wire.as_bytes(flat), src=0, group=pg)
+            named = bucket_wire.unpack(flat, metas)
         elif fmt in (None, "", "direct"):
-            tensors = [torch.empty(s, dtype=d, device=device) for s, d in zip(shapes, dtypes)]
-            works = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors]
+            named = [(n, torch.empty(s, dtype=d, device=device)) for n, s, d in announced]
+            works = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in named]
             for w in works:
                 w.wait()
         else:
             return False, f"load_format {fmt!r} is not supported by the CPU engine (null or 'flattened_bucket')"
-        self.load_named(list(zip(names, tensors)))
+        self.load_named(named)
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
-        return True, f"Succeeded to update parameter online ({len(names)} tensors)."
+        return True, f"Succeeded to update parameter online ({len(named)} tensors)."
 
     def update_weights_from_tensor(self, body: dict) -> tuple[bool, str]:
         """SGLang's ``/update_weights_from_tensor``: one ``serialized_named_tensors`` entry per TP rank (TP 1 here),

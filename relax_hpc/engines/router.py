@@ -171,6 +171,9 @@ class EngineRouter:
 
     def generate(self, body: dict) -> tuple[int, Any]:
         """One request, on one engine after another, all within ``rollout.request_timeout_s`` in total."""
+        from relax_hpc.engines.lora import generate_fields  # train.lora.mode adapter: the user's function need not
+
+        body = {**generate_fields(getattr(self.driver, "recipe", None)), **body}  # name the adapter (SGLang)
         deadline = time.monotonic() + self.deadline_s
         tried: set[str] = set()
         last = "none tried"

@@ -1,6 +1,7 @@
 """The wire format of ``/update_weights_from_tensor``: SGLang's ``MultiprocessingSerializer`` form of a list of
 ``(name, tensor)``, said in one place for the sender (:mod:`relax_hpc.weights`) and the engine
-(:mod:`relax_hpc.engines.receiver`).
+(:mod:`relax_hpc.engines.receiver`). Its sibling for ``/update_weights_from_distributed``'s flattened bucket is
+:mod:`relax_hpc.engines.bucket_wire`.
 
 An entry is the base64 text of a :class:`multiprocessing.reduction.ForkingPickler` dump of the list (raw bytes are
 taken too, as SGLang takes them). The pickle carries no tensor data, only handles: a CUDA tensor becomes a CUDA IPC

@@ -61,6 +61,12 @@ FIELDS: tuple[Field, ...] = (
     Field("image_grid_thw", "ragged", "int64", ROLLOUT, ("train", "logprobs"),
           "vision-language models: each image's (t, h, w) patch grid, flat [images, 3], in the order of the "
           "image pads in tokens; beside pixel_values"),
+    Field("pixel_values_videos", "ragged", "float32", ROLLOUT, ("train", "logprobs"),
+          "vision-language models: the image processor's patches of the sample's videos (their frames in pairs), flat "
+          "[patches, C·T·P·P] (empty for a sample without videos); only in chunks of samples with videos"),
+    Field("video_grid_thw", "ragged", "int64", ROLLOUT, ("train", "logprobs"),
+          "vision-language models: each video's (t, h, w) patch grid, flat [videos, 3], in the order of the video "
+          "pads in tokens; beside pixel_values_videos (frames shown at multimodal.MODEL_FPS)"),
     Field("input_features", "ragged", "float32", ROLLOUT, ("train", "logprobs"),
           "omni models: the feature extractor's log-mel frames of the sample's audio clips, flat [frames, mel] "
           "(clips one after another; empty for a sample without audio); only in chunks of samples with audio"),
@@ -172,11 +178,12 @@ SIDE_FIELD = {REFERENCE: "ref_log_probs", ACTOR_FWD: "log_probs"}
 # rollout fields only some runs' chunks carry (the rollout writes them when its samples have them, and the actor
 # reads them where every chunk of the step has them): OPD's teacher log-probs, MoE routing replay's routed experts,
 # a vision-language model's processed images
-OPTIONAL_ROLLOUT_FIELDS = ("teacher_log_probs", "routed_experts", "pixel_values", "image_grid_thw", "input_features",
-                           "audio_feature_lens")
+OPTIONAL_ROLLOUT_FIELDS = ("teacher_log_probs", "routed_experts", "pixel_values", "image_grid_thw",
+                           "pixel_values_videos", "video_grid_thw", "input_features", "audio_feature_lens")
 IMAGE_FIELDS = ("pixel_values", "image_grid_thw")  # written together, by the rollout's image processor
 AUDIO_FIELDS = ("input_features", "audio_feature_lens")  # written together, by the rollout's feature extractor
-MEDIA_FIELDS = IMAGE_FIELDS + AUDIO_FIELDS  # read beside tokens by every forward, where the chunks have them
+VIDEO_FIELDS = ("pixel_values_videos", "video_grid_thw")  # written together, by the rollout's image processor
+MEDIA_FIELDS = IMAGE_FIELDS + VIDEO_FIELDS + AUDIO_FIELDS  # read beside tokens by every forward, where the chunks have them
 
 
 def rollout_fields(optional: tuple[str, ...] = ()) -> tuple[str, ...]:

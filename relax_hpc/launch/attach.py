@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.controller import container
+from relax_hpc.backends import container
 from relax_hpc.controller.steps import engine_argv, pythonpath
 from relax_hpc.launch import slurm
 from relax_hpc.launch.render import PACKAGE_ROOT, SBATCH_DIR, make_environment

@@ -11,7 +11,8 @@ import time
 
 from relax_hpc.controller.protocol import Client, ProtocolError
 
-from relax_hpc.launch.backend import CancelError, launcher_for
+from relax_hpc.backends import CancelError
+from relax_hpc.launch.tools import launcher_for
 from relax_hpc.launch.runs import RunUnreadable, load_job
 from relax_hpc.launch.status import collect, is_final
 from relax_hpc.rundir import RunDir, write_json

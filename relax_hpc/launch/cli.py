@@ -18,10 +18,10 @@ from typing import Any
 
 from rich.console import Console
 
-from relax_hpc.controller import container
+from relax_hpc.backends import container
 from relax_hpc.launch import slurm
 from relax_hpc.launch.attach import ATTACH_OPTIONS
-from relax_hpc.launch.backend import launcher_for
+from relax_hpc.launch.tools import launcher_for
 from relax_hpc.launch.cancel import CancelError, cancel, checkpoint_then_stop
 from relax_hpc.launch.follow import follow
 from relax_hpc.launch.runs import DEFAULT_RUNS_ROOT, RunNotFound, find_run

@@ -406,7 +406,7 @@ def submit_problems(recipe: Any, executor: str) -> list[tuple[str, object, str]]
     but is not executable; locally: also missing), and, when ``rollout.engine.kind`` is ``sglang``, an SGLang
     release outside the range relax_hpc speaks (its metadata, read by that interpreter: tens of ms).
     (key, value, message with fix) triples. Unset is no finding: the steps may get it elsewhere."""
-    from relax_hpc.launch.backend import launcher_for
+    from relax_hpc.launch.tools import launcher_for
 
     kind = recipe.rollout.engine.kind
     if kind == "reference":

@@ -1,6 +1,6 @@
 """Starting a run's job, each backend's way: the het job through submitit's Slurm executor (:func:`submit_slurm`),
 the local process (:func:`submit_local`), and the continuation job of a Slurm run (:func:`resubmit`). relax-submit
-(:mod:`relax_hpc.launch.submit`) decides when; the backends (:mod:`relax_hpc.launch.backend`) which.
+(:mod:`relax_hpc.launch.submit`) decides when; the backends (:mod:`relax_hpc.backends`) which.
 """
 
 from __future__ import annotations

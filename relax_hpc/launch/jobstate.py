@@ -1,7 +1,7 @@
 """A submitted job's state as relax-status reports it, in Slurm's words, from what its backend can ask: Slurm's
 rows for a het job (:func:`slurm_state`), the process for a local run (:func:`local_state`), each joined with the
 controller's ``state.json``. Each returns (state, reason, components, source); the backends' ``job_state``
-(:mod:`relax_hpc.launch.backend`) pick one.
+(:mod:`relax_hpc.backends`) pick one.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relax_hpc.launch import slurm
+from relax_hpc.recipe.layout import one_component
 
 HET_PROBE_TIMEOUT_S = 30.0
 
@@ -66,6 +67,9 @@ def choose_layout(recipe: Any) -> tuple[str, str]:
     process): single where the site refuses het jobs, else hetjob (also when Slurm cannot be asked: the script then
     says so)."""
     s = recipe.slurm
+    if one_component(recipe):
+        # one component is a plain job: steps naming --het-group=0 in it would find no het component to run on
+        return "single", f"slurm.layout: {s.layout} -> single: every role runs in one component (a plain job)"
     if s.layout != "auto":
         return s.layout, f"slurm.layout: {s.layout} (set in the recipe)"
     v = het_jobs_allowed(s.partition, s.account, s.qos)
@@ -87,7 +91,5 @@ def settle_layout(recipe: Any) -> tuple[str, str]:
 def layout_of(recipe: Any) -> tuple[str, str]:
     """The layout a script is rendered in, and why: as settled by :func:`settle_layout`, as set in the recipe, or
     ``auto`` chosen now."""
-    s = recipe.slurm
-    if s.layout == "auto":
-        return choose_layout(recipe)
-    return s.layout, s.__dict__.get("layout_why") or f"slurm.layout: {s.layout} (set in the recipe)"
+    why = recipe.slurm.__dict__.get("layout_why")
+    return (recipe.slurm.layout, why) if why else choose_layout(recipe)

@@ -1,6 +1,6 @@
 """Does a valid recipe fit the place it will run: the cluster's nodes (from ``sinfo``) or this machine (CUDA).
 
-Pure checks, each backend's own (:meth:`~relax_hpc.launch.backend.Launcher.place_problems` runs them; the caller
+Pure checks, each backend's own (:meth:`~relax_hpc.backends.Backend.place_problems` runs them; the caller
 supplies ``sinfo``'s data or a CUDA count). Problems are (key, value, message-with-fix) triples, like the
 validator's.
 """

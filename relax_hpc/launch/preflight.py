@@ -1,11 +1,11 @@
 """Checks of a valid recipe against the place it will run, before anything is submitted.
 
 The recipe validator knows types and internal consistency; only here do we know the cluster (from
-``sinfo``), this machine (CUDA) and the files the run will open (``validate.check_files``). A request Slurm
+``sinfo``), this machine (CUDA) and the files the run will open (:mod:`relax_hpc.launch.files`). A request Slurm
 can never satisfy would otherwise sit PENDING forever or be refused by sbatch with "Requested node
 configuration is not available", naming no key. Problems are (key, value, message-with-fix) triples,
 raised as one :class:`RecipeError`, like the validator's. The checks of a place are its backend's
-(:meth:`~relax_hpc.launch.backend.Launcher.place_problems`, over :mod:`relax_hpc.launch.places`).
+(:meth:`~relax_hpc.backends.Backend.place_problems`, over :mod:`relax_hpc.launch.places`).
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from relax_hpc.launch.backend import launcher_for
+from relax_hpc.launch.tools import launcher_for
 from relax_hpc.launch.doctor import submit_problems
 from relax_hpc.launch.layouts import het_jobs_allowed, settle_layout
 from relax_hpc.launch.places import Problem, check_local, check_slurm, cuda_device_count, mem_mb
 from relax_hpc.ops.wandb_log import credential_problems
 from relax_hpc.recipe import Recipe, RecipeError
-from relax_hpc.recipe.validate import check_files
+from relax_hpc.recipe.layout import one_component
+from relax_hpc.launch.files import check_files
 
 __all__ = ["Problem", "check_local", "check_slurm", "cuda_device_count", "layout_problems", "mem_mb", "preflight",
            "preflight_problems"]
@@ -63,7 +64,7 @@ def layout_problems(recipe: Recipe) -> list[Problem]:
     here, in ``recipe`` itself (:func:`~relax_hpc.launch.doctor.settle_layout`: single where het jobs are refused),
     so that the script, the dry run's step lines and the run's recipe copy agree."""
     s = recipe.slurm
-    if s.layout == "auto":
+    if s.layout == "auto" or one_component(recipe):
         settle_layout(recipe)
     if s.layout != "hetjob" or s.__dict__.get("layout_why"):  # single, or hetjob picked by auto (allowed)
         return []

@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.launch.backend import LAUNCHERS, launcher_for
+from relax_hpc.backends import BACKENDS
+from relax_hpc.launch.tools import launcher_for
 from relax_hpc.rundir import RunDir, RunFileError, named_like, read_json_file
 
 DEFAULT_RUNS_ROOT = "./runs"
@@ -53,7 +54,7 @@ def job_problem(job: dict) -> str | None:
     jid = job.get("job_id")
     if jid is None:
         bad.insert(0, "field 'job_id' is missing")
-    elif (job.get("executor") or "slurm") in LAUNCHERS and not launcher_for(job.get("executor")).job_id_ok(jid):
+    elif (job.get("executor") or "slurm") in BACKENDS and not launcher_for(job.get("executor")).job_id_ok(jid):
         bad.insert(0, f"field 'job_id' is {_short(jid)}, not a Slurm job id (digits)")  # a local run's is any text
     return "; ".join(bad) or None
 

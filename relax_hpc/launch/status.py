@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from relax_hpc.launch import provenance, slurm
-from relax_hpc.launch.backend import launcher_for
+from relax_hpc.launch.tools import launcher_for
 from relax_hpc.launch.runs import RunUnreadable, load_job
 from relax_hpc.ops.metrics import REWARD, WINDOW
 from relax_hpc.recipe import load_recipe
@@ -85,18 +85,19 @@ def _short(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _layout(rd: RunDir, state: dict) -> list[dict]:
-    """Roles in het-group order from the run's recipe (or, if it cannot be read, from state.json)."""
+def _layout(rd: RunDir, state: dict) -> tuple[list[dict], str | None]:
+    """Roles in het-group order from the run's recipe (or, if it cannot be read, from state.json), and the recipe's
+    ``slurm.layout`` as relax-submit settled it (``hetjob`` or ``single``; None where the recipe cannot be read)."""
     try:
         if not is_regular(rd.recipe):  # a FIFO in its place would hang the read
             raise FileNotFoundError(rd.recipe)
         recipe = load_recipe(rd.recipe)
         return [{"role": s.role, "het_group": s.het_group, "shared": s.shared, "nodes_requested": s.nodes,
-                 "ntasks": s.ntasks} for s in role_steps(recipe)]
+                 "ntasks": s.ntasks} for s in role_steps(recipe)], recipe.slurm.layout
     except Exception:
         roles = state.get("roles") or {}
         return [{"role": name, "het_group": (r or {}).get("het_group"), "shared": None, "nodes_requested": None,
-                 "ntasks": None} for name, r in roles.items()]
+                 "ntasks": None} for name, r in roles.items()], None
 
 
 TAIL_BYTES = 256 << 10  # of metrics.jsonl read for the progress: its last rows (a row is a few hundred bytes)
@@ -182,7 +183,10 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
                  f"ended is unknown. See {rd.logs}")
     if error:
         overall, reason, source = "UNKNOWN", error, "none"
-    layout = _layout(rd, ctl)
+    layout, slurm_layout = _layout(rd, ctl)
+    # slurm.layout: single is one plain job, not a het job: one component, named as Slurm names it (J, not J+0),
+    # holding every role (their groups are node ranges inside the one allocation)
+    single = backend.batch_script and slurm_layout == "single"
     ctl_roles = ctl.get("roles") or {}
     final = slurm.is_finished(overall)
     roles: dict[str, dict] = {}
@@ -194,14 +198,16 @@ def collect(rd: RunDir, now: float | None = None) -> dict:
         r["heartbeat_age_s"] = None if hb is None or final else round(now - hb, 1)
         roles[entry["role"]] = r
     if not components:  # local, or Slurm forgot the job: one entry per het group from the recipe
-        for k in sorted({e["het_group"] for e in layout if e["het_group"] is not None}):
+        for k in [0] if single else sorted({e["het_group"] for e in layout if e["het_group"] is not None}):
             components.append({"het_group": k, "label": backend.component_label(job, k), "state": overall,
                                "reason": None, "nodes": backend.component_nodes,
                                "source": source})
     for c in components:
         k = c.get("het_offset", c.get("het_group"))
         c["het_group"] = k
-        c["roles"] = [e["role"] for e in layout if e["het_group"] == k]
+        c["roles"] = [e["role"] for e in layout if single or e["het_group"] == k]
+        if single:
+            c["label"] = str(job.get("job_id"))
     time_left = next((c.get("time_left_s") for c in components if c.get("het_group") == 0), None)
     return {
         "run": rd.name,
@@ -435,8 +441,10 @@ def summary_line(info: dict) -> str:
 
 def consuming_tasks(recipe: Any) -> list[str]:
     """The exchange tasks of the training loop: ``train``, plus the forward roles with work to do
-    (``reference`` with ``algorithm.use_kl_loss``, ``actor_fwd`` when enabled), as the loop derives them."""
-    return ["train"] + [r for r, on in (("reference", recipe.algorithm.use_kl_loss),
+    (``reference`` with ``algorithm.use_kl_loss`` when enabled: with LoRA and no reference role the actor computes
+    π_ref itself; ``actor_fwd`` when enabled), as the loop derives them."""
+    ref = recipe.algorithm.use_kl_loss and recipe.roles.reference.enabled
+    return ["train"] + [r for r, on in (("reference", ref),
                                         ("actor_fwd", recipe.roles.actor_fwd.enabled)) if on]
 
 

@@ -4,7 +4,7 @@ Order matters and is the point of this module: everything that can refuse a reci
 checks against the cluster or this machine, rendering the template) runs *before* the run directory is made
 or anything is submitted; if the submission itself fails, the run directory is removed again. So a refused
 recipe leaves nothing behind, and a run directory always belongs to a submitted job. How a job starts is its
-backend's (:meth:`~relax_hpc.launch.backend.Launcher.submit`, over :mod:`relax_hpc.launch.jobs`).
+backend's (:meth:`~relax_hpc.backends.Backend.submit`, over :mod:`relax_hpc.launch.jobs`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.controller import container, recipe_copy
+from relax_hpc.backends import container
+from relax_hpc.controller import recipe_copy
 from relax_hpc.controller.steps import describe_steps
 from relax_hpc.launch import provenance
-from relax_hpc.launch.backend import launcher_for
+from relax_hpc.launch.tools import launcher_for
 from relax_hpc.launch.jobs import Plan, SubmitError, pythonpath, resubmit
 from relax_hpc.launch.preflight import preflight_problems
 from relax_hpc.recipe import RecipeError
@@ -70,7 +71,7 @@ def step_lines(p: Plan, run_dir: Path) -> list[str]:
     """The role steps' and the run's own engine steps' command lines, from the controller's own builder
     (:mod:`relax_hpc.controller.steps`)."""
     try:
-        return describe_steps(p.recipe, run_dir, p.python, p.executor)
+        return describe_steps(p.recipe, run_dir, p.python, launcher_for(p.executor))
     except Exception as e:  # the step builder belongs to the controller; a dry run should still print the script
         return [f"# (step commands unavailable: {type(e).__name__}: {e})"]
 

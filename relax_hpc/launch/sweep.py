@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_hpc.launch import slurm
-from relax_hpc.launch.backend import launcher_for
+from relax_hpc.launch.tools import launcher_for
 from relax_hpc.launch.runs import RunNotFound
 from relax_hpc.launch.submit import Plan, plan, submit
 from relax_hpc.recipe import RecipeError
@@ -283,7 +283,7 @@ def render_status(info: dict):
 def cancel_sweep(doc: dict, grace_s: float = 30.0) -> dict:
     """Cancel every point that has not ended, the last submitted first (so a throttled point whose job ends
     cannot let the next one start in between). Per point: what was done, or why not."""
-    from relax_hpc.launch.backend import CancelError
+    from relax_hpc.backends import CancelError
     from relax_hpc.launch.cancel import cancel
     from relax_hpc.launch.status import collect, is_final
 

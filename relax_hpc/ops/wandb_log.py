@@ -19,10 +19,9 @@ import netrc
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # the recipe's section; validate imports this module (a real import would be a cycle)
-    from relax_hpc.recipe.schema import WandbConfig
+from relax_hpc.ops.config import WandbConfig
 
 log = logging.getLogger("relax_hpc.metrics")
 

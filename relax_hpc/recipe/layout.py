@@ -55,6 +55,12 @@ def role_steps(recipe: Recipe) -> list[RoleStep]:
     return sorted(steps, key=lambda s: (s.het_group, s.shared))
 
 
+def one_component(recipe: Recipe) -> bool:
+    """Every role runs in one component (e.g. colocate with no other role): the job is a plain one, whatever
+    ``slurm.layout`` says (steps naming ``--het-group=0`` would find no het component to run on)."""
+    return len({st.het_group for st in role_steps(recipe)}) == 1
+
+
 def initial_engines(recipe: Recipe) -> list[str]:
     """The rollout engines a run starts with, ``engine0`` … : one per task slot of rollout's nodes
     (``nodes × tasks_per_node``), or of its first ``elastic.initial`` nodes (the rest are spare, for scale-out).
@@ -64,6 +70,17 @@ def initial_engines(recipe: Recipe) -> list[str]:
         return []
     nodes = g.elastic.initial if g.elastic is not None else g.nodes
     return [f"engine{k}" for k in range(nodes * g.tasks_per_node)]
+
+
+def engine_node(recipe: Recipe, name: str) -> int | None:
+    """The node, counted within rollout's component, of the run's own engine ``engineK``: the K-th task slot's
+    (``K // tasks_per_node``), as the component fills them; None for any other engine (a scale-out's or an attached
+    one goes where there is room). With ``share_with: actor`` the component is the actor's, so engine K sits on the
+    actor's node ``K // tasks_per_node``: multi-node colocate has engines on every actor node, each getting its
+    weights from that node's actor ranks."""
+    if not (name.startswith("engine") and name[6:].isdigit()):
+        return None
+    return int(name[6:]) // max(1, recipe.roles.rollout.tasks_per_node)
 
 
 def het_groups(recipe: Recipe) -> list[RoleStep]:

@@ -75,6 +75,7 @@ class ModelShape:
     moe_ffn: int = 0  # each expert's intermediate size
     shared_ffn: int = 0  # MoE: the shared expert's intermediate size (0: none)
     experts_per_token: int = 0  # MoE: the experts each token is routed to
+    frozen_params: int = 0  # an omni thinker's audio tower: on every Megatron rank beside the model, no grads
 
     @classmethod
     def from_config(cls, config: dict) -> ModelShape:
@@ -100,7 +101,8 @@ class ModelShape:
                    vocab=num("vocab_size"), tied=bool(tied), experts=experts,
                    moe_ffn=num("moe_intermediate_size", default=0) if experts else 0,
                    shared_ffn=num("shared_expert_intermediate_size", default=0) if experts else 0,
-                   experts_per_token=num("num_experts_per_tok", default=1) if experts else 0)
+                   experts_per_token=num("num_experts_per_tok", default=1) if experts else 0,
+                   frozen_params=audio_tower_params(config))
 
     @property
     def attention_params(self) -> int:  # q, k, v, o projections, q/k norms
@@ -266,6 +268,22 @@ def lora_params(shape: ModelShape, lora, layers: int, tp: int) -> float:
     return lora.rank * (layers * per_layer + head) / tp
 
 
+def audio_tower_params(config: dict) -> int:
+    """Parameters of an omni thinker's audio tower (Whisper's encoder and its projection: relax_hpc.train.omni holds
+    it whole and frozen on every Megatron rank) from ``audio_config``; 0 for a model without one."""
+    a = config.get("audio_config") if config.get("model_type") == "qwen2_5_omni_thinker" else None
+    if not isinstance(a, dict):
+        return 0
+    try:
+        d, layers, ffn = int(a["d_model"]), int(a["encoder_layers"]), int(a["encoder_ffn_dim"])
+        mel, out = int(a.get("num_mel_bins", 128)), int(a.get("output_dim", d))
+    except (KeyError, TypeError, ValueError):
+        return 0
+    layer = 4 * d * d + 3 * d + 2 * d * ffn + ffn + d + 4 * d  # q k v o (k without bias), fc1 fc2, two norms
+    return layers * layer + 3 * mel * d + 3 * d * d + 2 * d + d * out + out + 2 * d + 2 * out  # convs, proj,
+    # ln_post, the audio_bos_eos_token embedding
+
+
 def _megatron_terms(recipe: Recipe, shape: ModelShape, role: str, ranks: int, notes: list[str]) -> dict[str, Term]:
     """Per GPU of a Megatron role: params, grads, optimizer (actor only), activations, context."""
     t = role_train(recipe, role)  # the forward roles' own layout (forward:), else train's
@@ -279,7 +297,9 @@ def _megatron_terms(recipe: Recipe, shape: ModelShape, role: str, ranks: int, no
     experts = layers * shape.expert_layer_params / (tp * ep)
     n = dense + experts
     pbytes = 2 if t.bf16 else 4
-    out = {"params": Term(role, "params", n * pbytes / GiB, f"{n / 1e9:.2f}B parameters x {pbytes} bytes")}
+    tower = shape.frozen_params  # replicated, frozen: parameters only
+    why = f"{n / 1e9:.2f}B parameters x {pbytes} bytes" + (f" (+ the audio tower's {tower / 1e9:.2f}B)" if tower else "")
+    out = {"params": Term(role, "params", (n + tower) * pbytes / GiB, why)}
     train = role == "actor"
     if train and t.lora is not None:  # LoRA: grads and Adam state for the adapters only (the base is frozen)
         dense, experts = lora_params(shape, t.lora, layers, tp), 0.0

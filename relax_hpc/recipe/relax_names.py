@@ -201,9 +201,11 @@ RELAX_NAMES: dict[str, str | None] = {
 WHY: dict[str, str] = {
     "hybrid": "not supported yet: relax_hpc's modes are colocate and fully_async",
     "fp16": "not supported yet: relax_hpc trains in bf16 (train.bf16: true) or fp32",
-    "num_iters_per_train_update": "not supported: relax_hpc's fully-async actor takes each step's whole batch and "
-                                  "makes train.num_steps_per_rollout optimizer steps of it; streaming the batch in "
-                                  "chunks has no counterpart",
+    "num_iters_per_train_update": "not supported: Relax's trainer takes N batches from its stream per weight "
+                                  "update; relax_hpc syncs the weights after every rollout step, whose batch the "
+                                  "actor takes whole as train.num_steps_per_rollout optimizer steps. The same "
+                                  "updates per sync: a rollout step N times as large with num_steps_per_rollout: N "
+                                  "(rollout.stream_groups lets its forward passes start on the groups done first)",
     "balance_data": "not supported yet: data-parallel ranks take contiguous shares of each mini-batch",
     "use_streaming_dataset": "not needed: relax_hpc reads the prompt files whole at the start (data.path) and walks "
                              "them in shuffled epochs",

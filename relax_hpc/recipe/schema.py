@@ -1,10 +1,11 @@
 """The recipe schema: one dataclass per section, defaults included.
 
 Each package owns its sections, in its ``config`` module: ``algorithm`` and ``opd`` (:mod:`relax_hpc.algo.config`),
-``train`` (:mod:`relax_hpc.train.config`), ``rollout``, ``data`` and ``genrm`` (:mod:`relax_hpc.rollout.config`).
+``train`` (:mod:`relax_hpc.train.config`), ``rollout``, ``data`` and ``genrm`` (:mod:`relax_hpc.rollout.config`),
+``rollout.engine`` (:mod:`relax_hpc.engines.config`), ``logging.wandb`` (:mod:`relax_hpc.ops.config`).
 This module holds the rest (the run, its roles' resources, Slurm, checkpoints, logging: each read across packages)
 and composes them into :class:`Recipe`, so that one place lists everything a recipe may say. Field types are
-limited to what :mod:`relax_hpc.recipe.validate` understands: int, float, bool, str, ``X | None``, ``Literal[...]``,
+limited to what :mod:`relax_hpc.recipe.build` understands: int, float, bool, str, ``X | None``, ``Literal[...]``,
 ``list[X]``, ``dict[str, X]`` and nested dataclasses.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from relax_hpc.algo.config import AlgorithmConfig, OPDConfig
+from relax_hpc.ops.config import WandbConfig
 from relax_hpc.rollout.config import DataConfig, GenRMConfig, RolloutConfig
 from relax_hpc.seed import DEFAULT_SEED
 from relax_hpc.train.config import TrainConfig
@@ -130,22 +132,6 @@ class HealthConfig:
 
     max_role_restarts: int = 3  # restarts of a role alone per job attempt (0: every failure restarts every step)
     window_s: float = 600.0  # a role failing again this soon after its restart alone: every step restarts instead
-
-
-@dataclass
-class WandbConfig:
-    """Weights & Biases, beside TensorBoard (docs/metrics.md): the same metric names, against ``rollout/step``."""
-
-    project: str = ""  # required (Relax --wandb-project)
-    entity: str | None = None  # team or user (Relax --wandb-team); None: the API key's default
-    name: str | None = None  # the W&B run's display name; None: the run's name
-    group: str | None = None  # Relax --wandb-group
-    tags: list[str] = field(default_factory=list)
-    # online: to the server (WANDB_API_KEY or ~/.netrc needed); offline: files in RUN_DIR/wandb, sent later with
-    # `wandb sync` (compute nodes without internet); disabled: nothing
-    mode: Literal["online", "offline", "disabled"] = "online"
-    host: str | None = None  # a self-hosted server's URL (Relax --wandb-host); None: api.wandb.ai
-    init_timeout_s: float = 90.0  # online: give up on the server after this long (the run goes on without W&B)
 
 
 @dataclass

@@ -23,6 +23,10 @@ the controller's tasks (:mod:`relax_hpc.roles.tasks`; every task's fields and it
   :func:`relax_hpc.train.plan.check_train_columns`) skips the whole step before any tensor is built, a
   non-finite loss or grad norm skips its optimizer step; ``train/nonfinite_skipped`` counts them and the result's
   ``skipped`` says why (or the run fails: :class:`relax_hpc.train.step.NonFiniteError`).
+- ``stage {step, chunks}`` (streaming within a step, ``rollout.stream_groups``): π_old of chunks of step ``step`` that
+  landed while the rest is generated, a forward pass per chunk with the weights held now (those the step's first
+  update starts from), kept until its ``train``, which computes the other chunks' the same way and gives the plan
+  the step's ``log_probs`` column. Returns ``perf/actor_stage_time``.
 - ``sync {version, engines}``: released engines take their memory back (``perf/engine_resume_time``); every rank
   walks ``named_hf_weights`` (a collective); rank 0 pushes them with
   :class:`relax_hpc.weights.WeightSender` (a new group first if the engine set changed) and, with
@@ -41,6 +45,11 @@ brings it all back first (``perf/train_reload_time``) and sends the gradients an
 (the sync needs only the parameters); ``sync`` sends the parameters off at its end and reports what the step's cycle
 freed (``perf/train_offload_bytes``) and took (``perf/train_offload_time``); ``checkpoint`` brings back what it
 saves and sends it off again (the controller holds the next generate until it is done).
+
+LoRA (``train.lora``, docs/lora.md): without a reference role the actor computes ``ref_log_probs`` itself in
+``train``, its adapters switched off (:meth:`Actor._ref_log_probs`); in ``mode: adapter`` with SGLang engines
+``connect`` and ``sync`` hand the engines the adapters as a PEFT directory instead of pushing weights
+(:meth:`Actor._adapter_dir_connect`, :class:`relax_hpc.weights.lora.AdapterDirSync`).
 
 Without ``model.path`` the role only bootstraps (the launch smoke tests).
 """
@@ -92,7 +101,10 @@ class Actor:
         # on the actor's GPU, which then hand their memory over while it trains (rollout.engine.offload)
         self.weights = ActorSync(self.rank, None, ctx.run.api_key(), address=lambda: reachable_host(ctx.ident),
                                  offload=ctx.recipe.rollout.engine.offload,
-                                 freeze_vision=ctx.recipe.model.freeze_vision)  # the vision tower is not sent
+                                 freeze_vision=ctx.recipe.model.freeze_vision,  # the vision tower is not sent
+                                 node=ctx.ident.node)  # a node's engines get their weights from its first rank
+        # streaming within a step (rollout.stream_groups): π_old of the chunks that landed early, chunk id -> per sample
+        self.staged: dict[str, list] = {}
         self.offload = None  # train.offload: params, grads and optimizer state off the device while engines generate
         if ctx.recipe.train.offload:
             from relax_hpc.train.offload import TrainOffload
@@ -103,10 +115,12 @@ class Actor:
         from relax_hpc.controller import messages as M
 
         return {"connect": self.connect, "train": self.train, "sync": self.sync, "checkpoint": self.checkpoint,
-                "stop": lambda task: M.StopResult()}
+                "stage": self.stage, "stop": lambda task: M.StopResult()}
 
     def close(self) -> None:
         self.weights.close()
+        if getattr(self, "_adapter_sync", None) is not None:
+            self._adapter_sync.close()
 
     # -- connect
     def connect(self, task: M.ConnectTask) -> M.ConnectResult:
@@ -116,7 +130,8 @@ class Actor:
         if task.load:  # collective: every rank got this task
             self.model.load_checkpoint(task.load)
             loaded = self.model.step
-        self.weights.connect(task.engines, task.followers)  # rank 0 builds the weight-sync group
+        self.weights.connect(task.engines, task.followers, task.nodes)  # rank 0 (and each node's first rank) connect
+        self._adapter_dir_connect(task.engines)  # train.lora.mode adapter with SGLang: adapters by PEFT directory
         self._off(("params", "grads", "optimizer"))  # the engines generate step 1 next
         return M.ConnectResult(engines=sorted(self.weights.engines), loaded_step=loaded, weights=self.weights.route())
 
@@ -161,6 +176,8 @@ class Actor:
         t0 = time.monotonic()
         r, p = self.recipe, self.model.parallel
         cols = P.read_train_columns(task.chunks, agree=True)  # the forward roles' side fields too, when every chunk has them
+        if self.recipe.rollout.stream_groups and "log_probs" not in cols and not r.algorithm.use_rollout_logprobs:
+            cols["log_probs"] = self._chunk_old_log_probs(task)  # π_old chunk by chunk: staged early, or now
         k = steps_per_rollout(r.train, len(cols["raw_reward"]))
         try:  # every rank reads the same columns: every rank skips (or fails) alike
             plan = P.train_plan(cols, r.algorithm, r.rollout.n_samples_per_prompt, k=k,
@@ -170,6 +187,7 @@ class Actor:
             return self._not_trained(task.step, k, e, t0)
         mine = plan.samples  # this rank's samples of every mini-batch: only these become tensors
         t_read = time.monotonic() - t0
+        ref_s = self._ref_log_probs(mine)
         old = self._old_log_probs(mine)
         out = rollout_logprob_gap(mine, old) if old is not None else {}
         means = sample_means(mine, list(ROLLOUT_MEANS))  # before the updates: π_old as the step saw it
@@ -186,7 +204,45 @@ class Actor:
         out["perf/longest_sample_tokens_per_sec"] = float(lengths.max()) / t_train if t_train > 0 else 0.0
         out["perf/train_time"] = time.monotonic() - t0
         out["perf/train_get_data_time"] = t_read
+        if ref_s is not None:
+            out["perf/ref_log_probs_time"] = ref_s  # the reference role's timer, where the actor does its work
         return M.TrainResult(metrics=out, skipped=skipped or None)
+
+    # -- stage (streaming within a step)
+    def stage(self, task: M.StageTask) -> M.StageResult:
+        """π_old of chunks of step ``task.step`` that landed while the rest of the step is generated: a forward pass
+        per chunk with the weights held now, which are those the step's first update starts from (the controller
+        stages step n only after step n−1 trained, and before step n's train)."""
+        from relax_hpc.controller import messages as M
+
+        t0 = time.monotonic()
+        self.staged = {k: v for k, v in self.staged.items() if k.startswith(f"step_{task.step}/")}  # older: unused
+        for ref in task.chunks:
+            self._stage_chunk(ref)
+        return M.StageResult(metrics={"perf/actor_stage_time": time.monotonic() - t0})
+
+    def _stage_chunk(self, ref: Any) -> list:
+        """π_old of one chunk's samples, alone in their forward pass: the same numbers whenever it is computed."""
+        from relax_hpc.exchange.fields import LOGPROB_FIELDS, MEDIA_FIELDS
+        from relax_hpc.train.plan import logprob_batch
+        from relax_hpc.train.samples import as_ref, read_columns
+
+        c = as_ref(ref)
+        if c.id not in self.staged:
+            media = tuple(f for f in MEDIA_FIELDS if f in c.all_fields)  # a VLM's / omni model's chunks
+            batch = logprob_batch(read_columns([c], (*LOGPROB_FIELDS, *media), agree=True))
+            self.staged[c.id] = [lp.detach().cpu().numpy().astype("float32")
+                                 for lp in self.model.compute_log_probs(batch)]
+        return self.staged[c.id]
+
+    def _chunk_old_log_probs(self, task: M.TrainTask) -> Any:
+        """The ``log_probs`` column of the step (π_old), chunk by chunk in the task's order: the staged chunks' and
+        the others' computed now the same way, so the numbers do not depend on which chunks landed early."""
+        from relax_hpc.exchange.chunk import Ragged
+
+        per_sample = [lp for ref in task.chunks for lp in self._stage_chunk(ref)]
+        self.staged = {}
+        return Ragged.from_list(per_sample)
 
     def _not_trained(self, step: int, k: int, e: Exception, t0: float) -> M.TrainResult:
         """Step ``step``'s data is not fit to train on: its ``k`` optimizer steps are skipped (``train.nonfinite``)."""
@@ -200,6 +256,21 @@ class Actor:
                                       "train/step": float(self.model.step),
                                       "perf/train_time": time.monotonic() - t0,
                                       "perf/train_get_data_time": time.monotonic() - t0}, skipped=[why])
+
+    def _ref_log_probs(self, mine: list) -> float | None:
+        """train.lora without a reference role (:func:`relax_hpc.train.config.reference_from_actor`): π_ref of this
+        rank's samples from the actor's own model, adapters off, set as their ``ref_log_probs`` (the field the
+        reference role writes and the loss reads), before any update. The seconds it took, or None (not this run's
+        way: a reference role's side field, or no π_ref needed)."""
+        from relax_hpc.train.config import reference_from_actor
+
+        if not reference_from_actor(self.recipe):
+            return None
+        t0 = time.monotonic()
+        ref = self.model.compute_ref_log_probs(mine, share=True)
+        for s, lp in zip(mine, ref):
+            s.ref_log_probs = lp
+        return time.monotonic() - t0
 
     def _old_log_probs(self, mine: list) -> list | None:
         """π_old of this rank's samples, set on them: actor_fwd's ``log_probs`` (the weights held now), else this
@@ -227,9 +298,11 @@ class Actor:
     def sync(self, task: M.SyncTask) -> M.SyncResult:
         from relax_hpc.controller import messages as M
 
+        if getattr(self, "adapter_dir", False):  # train.lora.mode adapter with SGLang (_adapter_dir_connect)
+            return self._adapter_dir_sync(task)
         self._on(("params",))  # off since the connect (a resume's or a catch-up sync); else a no-op
         done = self.weights.sync(str(task.version), task.engines, self.model, progress=self.ctx.progress,
-                                 check=self.recipe.logging.check_weight_sync)
+                                 check=self.recipe.logging.check_weight_sync, nodes=task.nodes)
         if getattr(task, "snapshot", None):  # external engines (not in the group) load it from disk
             done.metrics["perf/weight_snapshot_time"] = self._snapshot(task.snapshot)
         if self.offload is not None:  # the engines generate next: the parameters go too, and the step's cycle is told
@@ -237,6 +310,75 @@ class Actor:
             done.metrics.update(self.offload.cycle_metrics())
         return M.SyncResult(metrics=done.metrics, engine_versions=done.engine_versions, checks=done.checks,
                             dead_engines=done.dead_engines, follower_versions=done.follower_versions)
+
+    # -- train.lora.mode adapter with SGLang engines: the adapters as a PEFT directory (relax_hpc.weights.lora)
+    def _adapter_dir_connect(self, engines: dict[str, str]) -> None:
+        """Collective: whether this run's adapters go by PEFT directory (adapter mode, and an engine that is not
+        relax_hpc's reference engine: SGLang, whose weight-update calls refuse adapter names and whose LoRA serves
+        an adapter to the requests naming it); if so the engines load the actor's adapters now (the base model
+        at a fresh start: B = 0), so the first step's requests find the adapter they name."""
+        import torch.distributed as dist
+
+        from relax_hpc.roles.runtime import resolve
+        from relax_hpc.weights.lora import AdapterDirSync, adapter_mode
+
+        self.adapter_dir = False
+        if not adapter_mode(self.model):
+            return
+        sender = self.weights.sender
+        infos = sender.infos if sender is not None else {}
+        flag = [self.rank == 0 and any((i or {}).get("engine") != "relax_hpc-cpu" for i in infos.values())]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(flag, src=0)
+        self.adapter_dir = bool(flag[0])
+        if not self.adapter_dir:
+            return
+        if self.rank == 0 and getattr(self, "_adapter_sync", None) is None:
+            self._adapter_sync = AdapterDirSync(self.ctx.run.path / "lora", self.ctx.run.api_key(),
+                                                str(resolve(self.recipe.model.path)))
+        self._publish_adapters(None, dict(engines))
+
+    def _publish_adapters(self, version: str | None, engines: dict[str, str]):
+        """Collective: every rank exports the adapters, rank 0 writes and swaps them on ``engines`` (``version``:
+        what they report after; None: left as it is). Rank 0's (metrics, versions, dead); other ranks' None."""
+        import torch.distributed as dist
+
+        from relax_hpc.weights.lora import adapter_tensors, lora_record
+
+        named = list(adapter_tensors(self.model))
+        out = None
+        if self.rank == 0:
+            sync = self._adapter_sync
+            if version is None:
+                sync.write("0", named, lora_record(self.model))
+                for url in engines.values():
+                    sync.swap(url, None)
+            else:
+                out = sync.publish(version, named, lora_record(self.model), engines)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        return out
+
+    def _adapter_dir_sync(self, task: M.SyncTask) -> M.SyncResult:
+        """``sync`` in adapter mode with SGLang: the adapters' PEFT directory, swapped on every engine; no
+        fingerprint check (SGLang's ``/get_weights_by_name`` reads base weights, not adapters)."""
+        from relax_hpc.controller import messages as M
+
+        self._on(("params",))
+        t0 = time.monotonic()
+        engines = dict(task.engines or self.weights.engines)
+        resumed = {}
+        if self.rank == 0 and getattr(self.weights, "released", None):  # engines that handed their memory over
+            resumed = self.weights._resume(engines)  # take it back first, as ActorSync.sync does before a push
+        out = self._publish_adapters(str(task.version), engines)
+        metrics, versions, dead = out if out is not None else ({}, {}, {})
+        metrics.update(resumed)
+        metrics["perf/weight_sync_time"] = time.monotonic() - t0
+        if self.offload is not None:
+            self._off(("params",))
+            metrics.update(self.offload.cycle_metrics())
+        return M.SyncResult(metrics=metrics, engine_versions=versions, checks={}, dead_engines=dead,
+                            follower_versions={})
 
     def _snapshot(self, where: str) -> float:
         """Collective: the weights as an HF directory at ``where``, whole or not at all (written beside it, then

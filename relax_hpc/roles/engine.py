@@ -145,6 +145,12 @@ def _sglang_args(recipe) -> list[str]:
     sglang = engine_kind(recipe.rollout.engine.kind) == "sglang"  # the reference engine returns them when asked
     if sglang and recipe.train.routing_replay and "--enable-return-routed-experts" not in args:
         args.append("--enable-return-routed-experts")
+    lora = recipe.train.lora
+    if sglang and lora is not None and lora.mode == "adapter":  # the actor loads the adapters at run time
+        from relax_hpc.engines.launcher import sglang_lora_args
+        from relax_hpc.train.config import hf_lora_targets
+
+        args += sglang_lora_args(lora.rank, hf_lora_targets(lora.target_modules))
     return args
 
 

@@ -14,8 +14,10 @@ goes on. Tasks (:mod:`relax_hpc.roles.tasks`; their fields and results: :mod:`re
   ``data.path`` (with ``rollout.dynamic_sampling_filter_path``: drawn in rounds until that many pass the filter,
   :mod:`relax_hpc.rollout.dynamic`), generated with :class:`~relax_hpc.rollout.driver.RolloutDriver` on the live
   engines (a dead one is reported by name and its requests go to the others), scored by the reward
-  (``rollout.custom_rm_path`` / ``rm_type``), written as one chunk in ``RUN_DIR/exchange/step_<N>/``, whose
-  attrs name its prompt groups (the audit counts prompts per epoch with them, :mod:`relax_hpc.exchange.audit`).
+  (``rollout.custom_rm_path`` / ``rm_type``), written as one chunk in ``RUN_DIR/exchange/step_<N>/`` (with
+  ``rollout.stream_groups: G``, as chunks of G groups each, written and reported with ``chunk_ready`` as soon as
+  their groups are done: :class:`_Streamer`), whose attrs name its prompt groups (the audit counts prompts per
+  epoch with them, :mod:`relax_hpc.exchange.audit`).
   Returns the chunk ref, Relax's ``rollout/*`` metrics, the data cursor (with partial rollout, and the saved
   buffer's reference), the weight versions the samples carry, reward failures (with their samples) and engine
   failures. With ``judges`` (the genrm role's engines), reward functions reach them through
@@ -142,6 +144,7 @@ class Generator:
         self.engines: dict[str, str] = {}
         self.teacher: tuple[list[str], Any] | None = None  # OPD: (teacher URLs, their TeacherClient)
         self.routed_width: int | None = None  # routing replay: expert ids a token (layers × top_k), once seen
+        self.client: Any = None  # streaming within a step: the connection its chunk_ready messages go on
 
     # -- rollout state: the data cursor and partial rollout's buffer, always together
     def state(self, step: int) -> dict:
@@ -230,15 +233,24 @@ class Generator:
         pool = self.driver.pool
         q0, live0 = pool.queue_clock(), len(pool.alive())
         t0 = time.monotonic()
-        result = self._samples(step, again)
+        stream = _Streamer(self, task) if self.recipe.rollout.stream_groups and again is None else None
+        try:
+            result = self._samples(step, again, stream)
+        finally:
+            if stream is not None:
+                stream.close()
         t_gen = time.monotonic() - t0
         taught = self._teach(step, result.samples, task.teachers)  # OPD: before the chunk is written
         if self.recipe.train.routing_replay:  # MoE routing replay: -1 rows where no engine ran a token
             self.routed_width = routed_rows(result.samples, self.routed_width or self._moe_width())
         q1 = pool.queue_clock()
         t1 = time.monotonic()
-        ref = S.write_step(self.ctx.run.path, step, result, seq=task.seq, attrs=self._prompt_attrs(result.samples),
-                           model_dir=str(self.tokenizer.name_or_path))  # a VLM: its image processor
+        if stream is None:
+            refs = [S.write_step(self.ctx.run.path, step, result, seq=task.seq,
+                                 attrs=self._prompt_attrs(result.samples),
+                                 model_dir=str(self.tokenizer.name_or_path))]  # a VLM: its image processor
+        else:  # the chunks streamed (announced already), then the groups left, as the step's last chunk
+            refs = stream.finish(result)
         if again is not None:  # the steps after it went on from the buffer it left then: so does this role
             self.restore(again["after"])
             after = again["after"]
@@ -263,7 +275,7 @@ class Generator:
         versions = sorted({str(s.weight_version) for s in result.samples})
         return GenerateResult(
             metrics=metrics,
-            chunks=[ref],
+            chunks=refs,
             n=len(result.samples),
             weight_versions=versions,
             data_state=after,
@@ -274,8 +286,9 @@ class Generator:
                              if st["requests"] > sent.get(n, 0)},
         )
 
-    def _samples(self, step: int, again: dict | None) -> Any:
-        """Step ``step``'s scored samples: anew, or (``again``: its chunk was damaged) the same groups, finished."""
+    def _samples(self, step: int, again: dict | None, stream: _Streamer | None = None) -> Any:
+        """Step ``step``'s scored samples: anew, or (``again``: its chunk was damaged) the same groups, finished.
+        ``stream``: streaming within the step (no group or sample filter, no partial rollout: validated)."""
         from relax_hpc.rollout.dynamic import generate_step
         from relax_hpc.rollout.rewards import RewardError
 
@@ -284,6 +297,9 @@ class Generator:
         try:
             if again is not None:  # generated here before (its chunk was damaged): the same groups, finished
                 return self._again(step, again, seed)
+            elif stream is not None:
+                return self.driver.generate_rollout_sync(self.data.get_samples(ro.rollout_batch_size), seed=seed,
+                                                         on_group=stream.on_group)
             else:
                 return generate_step(self.driver, self.data, target=ro.rollout_batch_size, seed=seed,
                                      group_filter=self.group_filter, args=self.driver.reward.args,
@@ -412,6 +428,85 @@ class Generator:
         scores = ", ".join(f"{n} {metrics[f'eval/{n}']:.3f}" for n in self.eval_sets)
         log.info("step %d eval: %s (%.1f s)", step, scores, metrics.get("perf/eval_time", 0.0))
         return EvalResult(metrics={k: float(v) for k, v in metrics.items()})  # NaN too: never hidden
+
+
+class _Streamer:
+    """Streaming within a step (``rollout.stream_groups: G``): chunk k holds the step's groups kG..(k+1)G−1 (the
+    groups past the last whole G: one last chunk at the step's end) and is named by its place, seq ``task.seq + k``.
+    It is written and announced (``chunk_ready``) as soon as its own groups are generated and scored, whichever
+    chunks are still waiting for a long response. A chunk's content and name are the same whatever the timing, so
+    the forward roles' per-chunk passes, the actor's sample order (chunks by seq) and ``staleness_mode: fixed`` stay
+    bit for bit; a generate given again (the role started again alone) skips the places ``task.streamed`` names,
+    announced by the attempt before (seeded sampling: the same groups). The writes go on a thread of their own, off
+    the event loop that drives the requests."""
+
+    def __init__(self, gen: Generator, task: Any):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.gen, self.task, self.size = gen, task, gen.recipe.rollout.stream_groups
+        self.total = gen.recipe.rollout.rollout_batch_size
+        self.whole = self.total // self.size  # chunks of G groups; the groups after them go at the step's end
+        self.done: dict[int, tuple[list, list]] = {}  # group position -> (its samples, its reward failures)
+        self.skip = set(getattr(task, "streamed", None) or ())  # places an earlier attempt announced
+        self.futures: list = []
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="stream-writer")
+        self.failed = False  # a reward failed under reward_error_policy fail: the step fails, nothing more streams
+
+    def on_group(self, i: int, group: list, failures: list) -> None:
+        self.done[i] = (list(group), list(failures))
+        k = i // self.size
+        span = range(k * self.size, (k + 1) * self.size)
+        if self.failed or k >= self.whole or k in self.skip or not all(j in self.done for j in span):
+            return
+        if any(self.done[j][1] for j in span) and self.gen.recipe.rollout.reward_error_policy == "fail":
+            self.failed = True  # the step's end raises the RewardError
+            return
+        self.futures.append((k, self.pool.submit(self._write, k, [self.done[j] for j in span])))
+
+    def _samples_of(self, parts: list) -> tuple[list, list]:
+        from relax_hpc.rollout.sample import SampleStatus
+
+        key = self.gen.driver.reward.reward_key(False)
+        samples = [s for g, _ in parts for s in g]
+        for _, failures in parts:  # reward_error_policy skip, as apply_policy does at the step's end
+            for f in failures:
+                f.sample.reward, f.sample.status = 0.0, SampleStatus.FAILED
+                f.sample.metadata["reward_error"] = f.error_text
+        return samples, [s.get_reward_value(reward_key=key) for s in samples]
+
+    def _chunk(self, k: int, parts: list) -> Any:
+        from relax_hpc.rollout.driver import RolloutResult
+        from relax_hpc.train import samples as S
+
+        samples, raw = self._samples_of(parts)
+        return S.write_step(self.gen.ctx.run.path, self.task.step,
+                            RolloutResult(samples=samples, raw_rewards=raw, metrics={}, group_size=len(parts[0][0])),
+                            seq=self.task.seq + k, attrs=self.gen._prompt_attrs(samples),
+                            model_dir=str(self.gen.tokenizer.name_or_path))
+
+    def _write(self, k: int, parts: list) -> Any:
+        from relax_hpc.controller.protocol import Client
+
+        ref = self._chunk(k, parts)
+        if self.gen.client is None:
+            run = self.gen.ctx.run
+            addr = run.read_json(run.controller_addr)
+            self.gen.client = Client(addr["host"], int(addr["port"]), run.token(), timeout_s=30.0)
+        self.gen.client.request("chunk_ready", role="rollout", rank=0, task_id=int(self.task.id), chunk=ref.to_dict())
+        log.info("step %d: chunk %d (%d samples) streamed: %s", self.task.step, k, ref.n, ref.id)
+        return ref
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def finish(self, result: Any) -> list:
+        """The chunks streamed (their writes' errors raised here), then the groups after the last whole chunk as the
+        step's last chunk (place ``whole``): in place order."""
+        refs = [f.result() for _, f in sorted(self.futures, key=lambda kf: kf[0])]
+        rest = [self.done[j] for j in range(self.whole * self.size, self.total) if j in self.done]
+        if rest and self.whole not in self.skip:
+            refs.append(self._chunk(self.whole, rest))
+        return refs
 
 
 class _NoMorePrompts:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from relax_hpc.engines.config import EngineConfig  # the engines' own section: rollout.engine
+
 
 @dataclass
 class DataConfig:
@@ -28,7 +30,7 @@ class DataConfig:
     eval_prompt_data: dict[str, str] = field(default_factory=dict)  # eval sets: name -> JSONL/Parquet path (Relax --eval-prompt-data)
     eval_input_key: str | None = None  # input_key of the eval sets; null = input_key
     eval_label_key: str | None = None  # label_key of the eval sets; null = label_key
-    multimodal_keys: dict[str, str] = field(default_factory=dict)  # modality -> record field (Relax --multimodal-keys), e.g. {image: images} or {audio: audios}: paths (relative to the data file), bytes or base64, one or a list; "image" and "audio" (an omni model's; not both in one recipe yet)
+    multimodal_keys: dict[str, str] = field(default_factory=dict)  # modality -> record field (Relax --multimodal-keys), e.g. {image: images} or {audio: audios}: paths (relative to the data file), bytes or base64, one or a list; "image", "video" (a list of frames, or an animated GIF/PNG/WebP) and "audio" (an omni model's); one of them a recipe
     image_min_token_num: int | None = None  # images smaller than this many image tokens are enlarged (Relax --image-min-token-num); null = the model processor's min_pixels
     image_max_token_num: int | None = None  # images larger than this many image tokens are shrunk (Relax --image-max-token-num); null = the model processor's max_pixels
     media_roots: list[str] = field(default_factory=list)  # directories besides the data file's own that a row's image paths may lie in (symlinks resolved); relative to the submit directory. Any other path fails its sample
@@ -36,23 +38,8 @@ class DataConfig:
     max_image_pixels: int | None = None  # an image over this many pixels (width × height, read from its header before decoding) fails its sample; null = the model processor's max_pixels (what it would resize to anyway)
     max_prompt_pixels: int | None = None  # a row whose images add up to more pixels fails its sample; null = 4 × max_image_pixels
     max_audio_seconds: float | None = None  # an audio clip longer than this (read from its header before decoding) fails its sample; null = what the model's processor takes (its chunk_length)
-
-
-@dataclass
-class EngineConfig:
-    """The inference servers' own settings."""
-
-    # extra sglang.launch_server arguments (e.g. ["--attention-backend", "fa3", "--mem-fraction-static", "0.8"]);
-    # the ones relax_hpc sets itself are refused (validate.ENGINE_ARGS_SET); the CPU engine has none to take
-    args: list[str] = field(default_factory=list)
-    max_restarts: int = 2  # an engine found dead is started again this many times (it rejoins at the next sync)
-    # which server generates: "sglang" (needs RELAX_SGLANG_PYTHON and a GPU on the node), "reference" (relax_hpc's
-    # own server, on the node's GPU when there is one, else its CPU), "auto": SGLang where both are there, else reference
-    kind: Literal["auto", "sglang", "reference"] = "auto"
-    # hand the GPU over while the actor trains (Relax --offload-rollout): the engines release their memory after
-    # generating, take it back before the weight sync, and get the weights by CUDA IPC (/update_weights_from_tensor)
-    # instead of a weight-sync group; null = when the engines share a GPU with the actor (a one-GPU box, share_with)
-    offload: bool | None = None
+    video_fps: float = 2.0  # the rate a row's video frames were taken at (a frame list has no clock); the model sees them at 2 a second (Qwen's rate): every (video_fps / 2)-th frame
+    video_max_frames: int | None = None  # at most this many frames of a video (evenly spaced) reach the model; null = all (up to 768)
 
 
 @dataclass
@@ -130,6 +117,7 @@ class RolloutConfig:
     partial_rollout_max_aborted_count: int | None = None  # a sample aborted this often is left to finish; null = no limit
     mask_offpolicy_in_partial_rollout: bool = False  # loss mask 0 on the tokens a sample had when it was aborted
     sample_filter_path: str | None = None  # fn(args, groups) called once per step; may set sample.remove_sample (zero loss mask, still normalized)
+    stream_groups: int = 0  # streaming within a step: a chunk of this many whole groups as soon as they are done (in group order), announced at once so the forward roles and the actor start on it; 0 = one chunk per step
     # --- engines -------------------------------------------------------------------------------------
     sglang_server_concurrency: int = 512  # max in-flight generate requests per engine
     batch_group_requests: bool = True  # a group of plain single-turn samples is one /generate (SGLang's batch form), not n

@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
 from relax_hpc.errors import PermanentError
 from relax_hpc.media import data_roots, short_url, url_scheme
-from relax_hpc.multimodal import IMAGE_PAD, IMAGE_PLACEHOLDER, TEXT_IMAGE_MARKER
+from relax_hpc.multimodal import (IMAGE_PAD, IMAGE_PLACEHOLDER, TEXT_IMAGE_MARKER, TEXT_VIDEO_MARKER, VIDEO_PLACEHOLDER,
+                                  video_parts, video_refs)
 from relax_hpc.rollout.sample import Sample, SampleStatus
 from relax_hpc.seed import DEFAULT_SEED
 
@@ -75,6 +76,7 @@ class DataKeys:
     label_name: str = "data.label_key"
     image_key: str | None = None  # the record field with the images (``data.multimodal_keys.image``)
     audio_key: str | None = None  # the record field with the audio clips (``data.multimodal_keys.audio``)
+    video_key: str | None = None  # the record field with the videos (``data.multimodal_keys.video``)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -250,6 +252,9 @@ class _Records:
             raw = [image_parts(m) for m in raw]
         if k.audio_key and self.apply_chat_template and _is_messages(raw):
             raw = [audio_parts(m) for m in raw]
+        videos = video_refs(rec.get(k.video_key)) if k.video_key else None
+        if k.video_key and self.apply_chat_template and _is_messages(raw):
+            raw = [video_parts(m) for m in raw]
         prompt = self._prompt_text(where, raw, tools)
         if k.image_key and not self.apply_chat_template and isinstance(prompt, str):
             prompt = prompt.replace(TEXT_IMAGE_MARKER, IMAGE_PLACEHOLDER)
@@ -257,11 +262,15 @@ class _Records:
             from relax_hpc.audio import AUDIO_PLACEHOLDER, TEXT_AUDIO_MARKER
 
             prompt = prompt.replace(TEXT_AUDIO_MARKER, AUDIO_PLACEHOLDER)
+        if k.video_key and not self.apply_chat_template and isinstance(prompt, str):
+            prompt = prompt.replace(TEXT_VIDEO_MARKER, VIDEO_PLACEHOLDER)
         sample = Sample(prompt=prompt, label=label, metadata=metadata)
         if images is not None:
             sample.multimodal_inputs = {"images": images}
         if audios is not None:
             sample.multimodal_inputs = {"audios": audios}
+        if videos is not None:
+            sample.multimodal_inputs = {"videos": videos}
         if self.tokenizer is not None:
             sample.tokens = list(self.tokenizer.encode(prompt, add_special_tokens=False))
         return sample
@@ -278,6 +287,7 @@ class _Records:
         if isinstance(raw, str):
             messages = [image_parts({"role": "user", "content": raw}) if self.keys.image_key
                         else audio_parts({"role": "user", "content": raw}) if self.keys.audio_key
+                        else video_parts({"role": "user", "content": raw}) if self.keys.video_key
                         else {"role": "user", "content": raw}]
         elif _is_messages(raw):
             messages = [dict(m) for m in raw]
@@ -332,6 +342,8 @@ class PromptDataset(_Records):
         max_prompt_pixels: int | None = None,
         prompt_room: int | None = None,
         max_audio_seconds: float | None = None,
+        video_fps: float = 2.0,
+        video_max_frames: int | None = None,
     ) -> None:
         self.files = expand_paths(paths)
         if isinstance(tokenizer, (str, os.PathLike)):
@@ -346,6 +358,10 @@ class PromptDataset(_Records):
             raise DataError("data.multimodal_keys.audio needs the model's directory (model.path: its feature extractor "
                             "and tokenizer) to read audio with; none was given")
         self.max_audio_seconds = max_audio_seconds  # None: the processor's (audio.max_seconds)
+        if keys.video_key and not getattr(tokenizer, "name_or_path", None):
+            raise DataError("data.multimodal_keys.video needs the model's directory (model.path: its image processor "
+                            "and tokenizer) to read videos with; none was given")
+        self.video_sampling = (video_fps, video_max_frames)  # the row's frames' rate, the most kept (multimodal)
         if keys.image_key and not getattr(tokenizer, "name_or_path", None):
             raise DataError("data.multimodal_keys needs the model's directory (model.path: its image processor and "
                             "tokenizer) to read images with; none was given")
@@ -401,6 +417,8 @@ class PromptDataset(_Records):
         row = self._rows.get(i if i >= 0 else i + len(self.samples))
         if row is not None and "audios" in (sample.multimodal_inputs or {}):
             return self.with_audio(sample, *row)
+        if row is not None and "videos" in (sample.multimodal_inputs or {}):
+            return self.with_videos(sample, *row)
         return sample if row is None else self.with_images(sample, *row)
 
     def with_audio(self, sample: Sample, where: str, base_dir: Path) -> Sample:
@@ -444,6 +462,26 @@ class PromptDataset(_Records):
                                 getattr(self.tokenizer, "eos_token_id", None), "audio")
         rate = sampling_rate(model_dir)
         return sample.copy(tokens=tokens, multimodal_inputs={"audios": [wav_base64(c, rate) for c in clips]})
+
+    def with_videos(self, sample: Sample, where: str, base_dir: Path) -> Sample:
+        """A copy of ``sample`` whose ``multimodal_inputs["videos"]`` are read (:func:`relax_hpc.multimodal.read_videos`:
+        frames sampled by ``data.video_fps``/``data.video_max_frames``, each checked as an image, kept as lists of
+        base64 PNG, SGLang's ``video_data``) and whose ``tokens`` have each ``<|video_pad|>`` expanded. A bad frame,
+        placeholders that do not match, or a prompt too long with its videos fail only this sample, naming its row
+        (as a bad image)."""
+        from relax_hpc.multimodal import ImageError, MediaPolicy, read_videos
+
+        policy = MediaPolicy(base_dir=base_dir, roots=self.media_roots, allow_urls=self.allow_media_urls)
+        try:
+            tokens, videos = read_videos(sample.multimodal_inputs["videos"], sample.tokens,
+                                         self.tokenizer.name_or_path, policy, *self.video_sampling,
+                                         max_pixels=self.pixel_budget[0], max_prompt_pixels=self.pixel_budget[1])
+            self._check_length(len(tokens), len(tokens) - len(sample.tokens) + len(videos), "videos")
+        except ImageError as e:
+            return image_failed(sample.copy(multimodal_inputs=None),
+                                f"{where}: key {self.keys.video_key!r} (data.multimodal_keys.video): {e}",
+                                getattr(self.tokenizer, "eos_token_id", None), "videos")
+        return sample.copy(tokens=tokens, multimodal_inputs={"videos": videos})
 
     def with_images(self, sample: Sample, where: str, base_dir: Path) -> Sample:
         """A copy of ``sample`` whose ``multimodal_inputs["images"]`` are read
@@ -510,6 +548,7 @@ class PromptDataset(_Records):
         from relax_hpc.multimodal import ImageError
 
         fix = "fewer or smaller images (data.image_max_token_num shrinks them)" if kind == "images" else \
+            "fewer or shorter videos (data.video_max_frames bounds them)" if kind == "videos" else \
             "fewer or shorter clips (data.max_audio_seconds bounds them)"
         what = f"with its {kind} the prompt has {n} tokens ({image_tokens} of them the {kind}')"
         if self.max_prompt_len is not None and n > self.max_prompt_len:
@@ -793,6 +832,7 @@ def dataset_keys(data_cfg: DataConfig, evaluation: bool = False) -> DataKeys:
         label_name="data.eval_label_key" if e_label else "data.label_key",
         image_key=(data_cfg.multimodal_keys or {}).get("image"),
         audio_key=(data_cfg.multimodal_keys or {}).get("audio"),
+        video_key=(data_cfg.multimodal_keys or {}).get("video"),
     )
 
 
@@ -823,6 +863,8 @@ def dataset_from_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig, *, tok
         max_image_pixels=data_cfg.max_image_pixels,
         max_prompt_pixels=data_cfg.max_prompt_pixels,
         max_audio_seconds=data_cfg.max_audio_seconds,
+        video_fps=data_cfg.video_fps,
+        video_max_frames=data_cfg.video_max_frames,
     )
 
 
@@ -1057,7 +1099,7 @@ def check_config(data_cfg: DataConfig, rollout_cfg: RolloutConfig) -> list[tuple
     return out
 
 
-MODALITIES = ("image", "audio")  # data.multimodal_keys' keys read so far; Relax's video is not
+MODALITIES = ("image", "audio", "video")  # data.multimodal_keys' keys read
 RELAX_MODALITIES = ("image", "video", "audio")
 
 
@@ -1071,7 +1113,7 @@ def _check_media(d: DataConfig) -> list[tuple[str, object, str]]:
         mk = {}
     for k, col in (mk or {}).items():
         if k not in MODALITIES:
-            why = "is not read yet (only images and audio are)" if k in RELAX_MODALITIES else \
+            why = "is not read yet (only images, videos and audio are)" if k in RELAX_MODALITIES else \
                 f"is not a modality (Relax's are {', '.join(RELAX_MODALITIES)})"
             out.append((f"data.multimodal_keys.{k}", col, f"{k!r} {why}. Fix: remove it; image: COLUMN and audio: "
                                                          "COLUMN are supported"))
@@ -1081,6 +1123,10 @@ def _check_media(d: DataConfig) -> list[tuple[str, object, str]]:
     if isinstance(mk, dict) and mk.get("image") and mk.get("audio"):
         out.append(("data.multimodal_keys", mk, "images and audio in one prompt are not wired yet (an omni prompt "
                                                 "with both needs 3-D positions in the actor). Fix: one of them"))
+    if isinstance(mk, dict) and mk.get("video") and (mk.get("image") or mk.get("audio")):
+        out.append(("data.multimodal_keys", mk, "videos beside images or audio in one recipe are not wired yet (a "
+                                                "row reads one modality). Fix: video alone"))
+    out += _check_video(d, mk if isinstance(mk, dict) else {})
     secs = d.max_audio_seconds
     if secs is not None:
         from relax_hpc.audio import MAX_AUDIO_SECONDS
@@ -1110,11 +1156,12 @@ def _check_media(d: DataConfig) -> list[tuple[str, object, str]]:
     roots = d.media_roots
     if not isinstance(roots, list) or not all(isinstance(x, str) and x.strip() and "\0" not in x for x in roots):
         out.append(("data.media_roots", roots, "must be a list of directories. Fix: e.g. [/datasets/images]"))
-    media = isinstance(mk, dict) and bool(mk.get("image") or mk.get("audio"))
+    media = isinstance(mk, dict) and bool(mk.get("image") or mk.get("audio") or mk.get("video"))
     if not (mk or {}).get("image"):  # they act on the files and pixels of a row's images: without images, nothing
         for key, v, default in (("data.media_roots", roots, []), ("data.allow_media_urls", d.allow_media_urls, False),
-                                ("data.max_image_pixels", per_image, None),
-                                ("data.max_prompt_pixels", per_prompt, None)):
+                                ("data.max_image_pixels", per_image if not (mk or {}).get("video") else None, None),
+                                ("data.max_prompt_pixels", per_prompt if not (mk or {}).get("video") else None,
+                                 None)):  # a video's frames are bounded by them too
             if v != default and not (media and key in ("data.media_roots", "data.allow_media_urls")):  # audio's too
                 out.append((key, v, "acts on a row's images, but data.multimodal_keys has no image column. Fix: set "
                                     "data.multimodal_keys: {image: COLUMN}, or remove this key"))
@@ -1122,4 +1169,24 @@ def _check_media(d: DataConfig) -> list[tuple[str, object, str]]:
         key = "data.image_min_token_num" if lo is not None else "data.image_max_token_num"
         out.append((key, lo if lo is not None else hi, "bounds images, but data.multimodal_keys has no image column. "
                                                       "Fix: set data.multimodal_keys: {image: COLUMN}, or null this"))
+    return out
+
+
+def _check_video(d: DataConfig, mk: dict) -> list[tuple[str, object, str]]:
+    """``data.video_fps`` and ``data.video_max_frames``: positive, bounded, and only with a video column."""
+    from relax_hpc.multimodal import MAX_VIDEO_FRAMES
+
+    out: list[tuple[str, object, str]] = []
+    fps, most = d.video_fps, d.video_max_frames
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= 1000:
+        out.append(("data.video_fps", fps, "must be the rate of a row's video frames, more than 0 and at most 1000 "
+                                           "frames a second (default 2.0: Qwen's)"))
+    if most is not None and (isinstance(most, bool) or not isinstance(most, int) or not 1 <= most <= MAX_VIDEO_FRAMES):
+        out.append(("data.video_max_frames", most, f"must be 1 to {MAX_VIDEO_FRAMES} frames a video, or null for "
+                                                   f"all (up to {MAX_VIDEO_FRAMES})"))
+    if not mk.get("video"):
+        for key, v, default in (("data.video_fps", fps, 2.0), ("data.video_max_frames", most, None)):
+            if v != default:
+                out.append((key, v, "samples a row's video frames, but data.multimodal_keys has no video column. "
+                                    "Fix: set data.multimodal_keys: {video: COLUMN}, or remove this key"))
     return out

@@ -53,7 +53,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from relax_hpc.engines.client import (Backoff, EngineError, EngineOutputError, Generation, SamplingParams,
                                      model_routing, vocabulary_size)
@@ -64,8 +64,7 @@ from relax_hpc.rollout.errors import NoEngineError, RequestTimeout, RolloutError
 from relax_hpc.rollout.multiturn import MultiTurn, env_factory, generate_multiturn
 from relax_hpc.rollout.sample import Sample, SampleStatus, sample_seed
 
-if TYPE_CHECKING:
-    from relax_hpc.recipe.schema import Recipe
+Recipe = Any  # the run's relax_hpc.recipe.Recipe, by its attributes: rollout/ imports nothing of the recipe
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +323,8 @@ class RolloutDriver:
         gen = await self.request(prompt_ids, sp, evaluation=evaluation, batch=batch, stop=stop, spent=spent,
                                  who=f"sample index={sample.index} group_index={sample.group_index}",
                                  image_data=(sample.multimodal_inputs or {}).get("images") or None,
-                                 audio_data=(sample.multimodal_inputs or {}).get("audios") or None)
+                                 audio_data=(sample.multimodal_inputs or {}).get("audios") or None,
+                                 video_data=(sample.multimodal_inputs or {}).get("videos") or None)
         if gen is None:  # the step ended before it was sent
             sample.status = SampleStatus.ABORTED if resumed else SampleStatus.PENDING
             return sample
@@ -337,7 +337,7 @@ class RolloutDriver:
     async def request(self, prompt_ids: list[int], sp: SamplingParams, *, evaluation: bool = False,
                       batch: BatchCounters | None = None, stop: asyncio.Event | None = None,
                       who: str = "a request", image_data: list | None = None, spent: float = 0.0,
-                      audio_data: list | None = None) -> Generation | None:
+                      audio_data: list | None = None, video_data: list | None = None) -> Generation | None:
         """One ``/generate`` on the least-loaded live engine, with the driver's handling (module docstring):
         dead engines left out, 5xx and aborts retried up to ``max_retries``, a 4xx a :class:`RolloutError` naming
         ``who``. With ``stop`` (partial rollout): None if ``stop`` is set before it is sent, and an abort after
@@ -368,7 +368,8 @@ class RolloutDriver:
                 gen = await engine.client.agenerate(prompt_ids, sp, return_logprob=not evaluation, rid=rid,
                                                     vocab_size=self.vocab_size, routing=self.routing, timeout=cap,
                                                     extra={**(self._replay(evaluation) or {}), **(
-                                                        {"audio_data": audio_data} if audio_data else {})} or None,
+                                                        {"audio_data": audio_data} if audio_data else {}), **(
+                                                        {"video_data": video_data} if video_data else {})} or None,
                                                     **({"image_data": image_data} if image_data else {}))
             except EngineError as err:
                 last = f"engine {engine.name}: {err.cause}"
@@ -493,9 +494,13 @@ class RolloutDriver:
         return len(rids)
 
     def _replay(self, evaluation: bool) -> dict | None:
-        """MoE routing replay (``train.routing_replay``): ask the engine for each token's experts (samples keep them)."""
+        """The fields every request adds: MoE routing replay (``train.routing_replay``) asks the engine for each
+        token's experts (samples keep them); ``train.lora.mode: adapter`` names the adapter (SGLang's ``lora_path``)."""
+        from relax_hpc.engines.lora import generate_fields  # train.lora.mode adapter: the adapter's name (SGLang)
+
         train = getattr(self.recipe, "train", None)
-        return {"return_routed_experts": True} if getattr(train, "routing_replay", False) and not evaluation else None
+        out = {"return_routed_experts": True} if getattr(train, "routing_replay", False) and not evaluation else {}
+        return {**out, **generate_fields(self.recipe)} or None
 
     def response_text(self, gen: Generation) -> str:
         """The engine's text of ``gen``, or its ids decoded (``rollout.skip_special_tokens``) when it sent none."""
@@ -575,12 +580,17 @@ class RolloutDriver:
             self.on_progress(n)
 
     async def generate_rollout(self, groups: Iterable[list[Sample]], *, evaluation: bool = False,
-                               seed: int | None = None) -> RolloutResult:
+                               seed: int | None = None,
+                               on_group: Callable[[int, list[Sample], list[RewardFailure]], None] | None = None
+                               ) -> RolloutResult:
         """Generate and score one batch of groups (rewards stay raw); see the module docstring.
 
         With ``seed``, the k-th sample of the batch is requested with ``sampling_seed`` derived from
         (seed, k): its tokens then depend on the weights and the prompt only, not on which engine serves it
         or in which order, so a run resumed from a checkpoint samples what the uninterrupted run sampled.
+
+        ``on_group(i, group, failures)`` is called in the event loop as soon as group ``i`` is generated and scored
+        (rewards raw, the reward policy not yet applied): streaming within a step (``rollout.stream_groups``).
 
         Raises :class:`NoEngineError` when every engine died, :class:`RolloutError` for a request that cannot
         be served, and :class:`~relax_hpc.rollout.rewards.RewardError` under ``reward_error_policy: fail``.
@@ -595,12 +605,16 @@ class RolloutDriver:
         batch = BatchCounters()
         sp = self.sampling_params(evaluation)
         t0 = time.monotonic()
+        async def group(i: int, g: list[Sample]) -> list[RewardFailure]:
+            failures = await self._group(g, sp, evaluation, batch,
+                                         [None if seed is None else sample_seed(seed, i * n + j) for j in range(n)])
+            if on_group is not None:
+                on_group(i, g, failures)
+            return failures
+
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._group(g, sp, evaluation, batch,
-                                                    [None if seed is None else sample_seed(seed, i * n + j)
-                                                     for j in range(n)]))
-                         for i, g in enumerate(groups)]
+                tasks = [tg.create_task(group(i, g)) for i, g in enumerate(groups)]
         except BaseExceptionGroup as eg:
             raise first_error(eg) from None
         rollout_time = time.monotonic() - t0
@@ -618,9 +632,11 @@ class RolloutDriver:
                              retries=batch.retries)
 
     def generate_rollout_sync(self, groups: Iterable[list[Sample]], *, evaluation: bool = False,
-                              seed: int | None = None) -> RolloutResult:
+                              seed: int | None = None,
+                              on_group: Callable[[int, list[Sample], list[RewardFailure]], None] | None = None
+                              ) -> RolloutResult:
         """:meth:`generate_rollout` from synchronous code (runs its own event loop)."""
-        return asyncio.run(self.generate_rollout(groups, evaluation=evaluation, seed=seed))
+        return asyncio.run(self.generate_rollout(groups, evaluation=evaluation, seed=seed, on_group=on_group))
 
     def batch_metrics(self, samples: list[Sample], raw: list[float], n: int, rollout_time: float, *,
                       evaluation: bool = False, retries: int = 0) -> dict[str, float]:

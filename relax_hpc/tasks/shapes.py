@@ -44,6 +44,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from relax_hpc.tasks.balanced import balanced_answer
+
 SIZE = 56  # pixels a side: 4 image tokens of the tiny Qwen2.5-VL
 BACKGROUND = (236, 236, 236)
 COLOURS = {"r": ("red", (220, 30, 30)), "g": ("green", (30, 170, 40)), "b": ("blue", (30, 60, 220)),
@@ -86,10 +88,13 @@ def picture(seed: int, index: int):
     """Picture ``index`` of the dataset made with ``seed``: (colour key, shape key, PIL image), the same every time.
     Pictures ``4k`` to ``4k + 3`` hold the four colours once each, in an order drawn from ``seed`` and ``k`` (balanced,
     and no colour bound to an index's parity); the shape, size and place are drawn from ``seed`` and ``index``."""
-    block = sorted(COLOURS)  # each aligned run of 4 pictures: the 4 colours in an order drawn per run
-    random.Random(f"shapes:{seed}:colours:{index // len(block)}").shuffle(block)
+    def order(k: int) -> list[int]:  # each aligned run of 4 pictures: the 4 colours in an order drawn per run
+        perm = list(range(len(COLOURS)))
+        random.Random(f"shapes:{seed}:colours:{k}").shuffle(perm)
+        return perm
+
     rng = random.Random(f"shapes:{seed}:{index}")
-    colour, shape = block[index % len(block)], rng.choice(sorted(SHAPES))
+    colour, shape = balanced_answer(sorted(COLOURS), index, order), rng.choice(sorted(SHAPES))
     return colour, shape, draw(colour, shape, rng)
 
 

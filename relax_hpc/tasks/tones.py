@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from relax_hpc.tasks.balanced import balanced_answer
+
 RATE = 8000  # the files' rate: the highest tone, 3.4 kHz, is under its 4 kHz Nyquist
 SECONDS = 0.4
 PITCHES = {"l": (280.0, 320.0), "m": (1000.0, 1200.0), "h": (3000.0, 3400.0)}  # answer -> Hz range
@@ -36,8 +38,8 @@ PARTIAL = 0.2
 
 def clip(seed: int, i: int) -> tuple[str, np.ndarray]:
     """Clip ``i`` of a seed: (its answer, float32 samples at :data:`RATE`). Deterministic."""
-    order = np.random.default_rng([seed, i // 3, 7]).permutation(len(PITCHES))
-    answer = list(PITCHES)[int(order[i % 3])]
+    answer = balanced_answer(list(PITCHES), i,
+                             lambda k: [int(j) for j in np.random.default_rng([seed, k, 7]).permutation(len(PITCHES))])
     rng = np.random.default_rng([seed, i, 11])
     lo, hi = PITCHES[answer]
     f = float(np.exp(rng.uniform(np.log(lo), np.log(hi))))

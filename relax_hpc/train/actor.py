@@ -103,6 +103,18 @@ class MegatronActor:
         return compute_log_probs(self.model, batch, mbs=mbs, pad_id=self.pad_id, temperature=self.temperature,
                                  max_seq_len=cfg.max_seq_len, share=share, max_tokens=max_tokens)
 
+    def compute_ref_log_probs(self, batch: Sequence, *, share: bool = False) -> list[torch.Tensor]:
+        """π_ref from this model with its LoRA adapters switched off (:func:`relax_hpc.train.lora.adapters_off`): the
+        base model's log-probs, what a reference role holding the base weights computes, with no second copy of
+        them. Arguments and result as :meth:`compute_log_probs`. A model without adapters has no base to return."""
+        from relax_hpc.train.lora import adapters_off, has_lora
+
+        if has_lora(self.model) is None:
+            raise RuntimeError("compute_ref_log_probs needs a model with train.lora adapters (without them the "
+                               "reference is a model of its own: roles.reference)")
+        with adapters_off(self.model):
+            return self.compute_log_probs(batch, share=share)
+
     def train_step(self, batch: Sequence | Share, *, rollout_step: int | None = None) -> dict[str, float]:
         """One optimizer step; metrics (same on every rank) incl. loss, pg_loss, grad_norm. ``batch``: the
         global batch (the same list on every rank; each takes its share) or this rank's :class:`Share` of it.

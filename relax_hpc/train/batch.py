@@ -52,6 +52,8 @@ class TrainingSample:
     routed_experts: torch.Tensor | None = None  # routing replay: the engine's expert ids, flat [L - 1, layers, top_k]
     pixel_values: torch.Tensor | None = None  # a VLM: the image processor's patches of its images, flat [patches·dim]
     image_grid_thw: torch.Tensor | None = None  # a VLM: each image's (t, h, w) patch grid, flat [images·3]
+    pixel_values_videos: torch.Tensor | None = None  # a VLM: its videos' patches, flat [patches·dim]
+    video_grid_thw: torch.Tensor | None = None  # a VLM: each video's (t, h, w) patch grid, flat [videos·3]
     input_features: torch.Tensor | None = None  # an omni model: its clips' log-mel frames, flat [frames·mel]
     audio_feature_lens: torch.Tensor | None = None  # an omni model: each clip's frames [clips]
 
@@ -114,6 +116,8 @@ class MicroBatch:
     image_grid_thw: torch.Tensor | None = None
     image_limits: list[int] | None = None
     image_counts: list[int] | None = None  # per real row, its images (a multi-turn sample's may follow its start)
+    pixel_values_videos: torch.Tensor | None = None  # a VLM's videos, as pixel_values: [patches, dim]
+    video_grid_thw: torch.Tensor | None = None  # [videos, 3]
     # an omni model: the samples' clips, concatenated in row order: input_features [frames, mel], audio_feature_lens
     # [clips]; audio_limits: per real row, its response start (0 without audio): audio pads before it are its clips'
     input_features: torch.Tensor | None = None
@@ -250,6 +254,7 @@ def _finish(samples: Sequence, tokens: torch.Tensor, position_ids: torch.Tensor,
                     valid=valid, response_lens=lens, lengths=[s + r for s, r in bounds], n_real=len(samples))
     mb.routed_experts = _routed(samples, tokens, offsets)
     _images(mb, samples, [s for s, _ in bounds])
+    _images(mb, samples, [s for s, _ in bounds], videos=True)
     _audio(mb, samples, [s for s, _ in bounds])
     if not train:
         return mb
@@ -293,20 +298,22 @@ def _routed(samples: Sequence, tokens: torch.Tensor, offsets: list[int]) -> torc
     return out
 
 
-def _images(mb: MicroBatch, samples: Sequence, starts: list[int]) -> None:
+def _images(mb: MicroBatch, samples: Sequence, starts: list[int], videos: bool = False) -> None:
     """The samples' images on ``mb`` (:attr:`MicroBatch.pixel_values`, ``image_grid_thw``, ``image_limits``), in
     sample order, where some sample has any. Each sample's ``pixel_values`` is flat: its row width is its patches
-    (the grid's t·h·w summed) into its values, the same for all (the processor's C·T·P·P)."""
-    grids = [field(s, "image_grid_thw") for s in samples]
+    (the grid's t·h·w summed) into its values, the same for all (the processor's C·T·P·P). ``videos``: the videos'
+    (``pixel_values_videos``, ``video_grid_thw``) the same way; a row's limit is its start where it has either."""
+    pix_name, grid_name = ("pixel_values_videos", "video_grid_thw") if videos else ("pixel_values", "image_grid_thw")
+    grids = [field(s, grid_name) for s in samples]
     if all(g is None or torch.as_tensor(g).numel() == 0 for g in grids):
         return
     pix, thw, limits, counts, dims = [], [], [], [], set()
     for i, (s, g, start) in enumerate(zip(samples, grids, starts)):
         g = torch.zeros(0, 3, dtype=torch.long) if g is None else torch.as_tensor(g).reshape(-1, 3).long()
-        p = torch.as_tensor(field(s, "pixel_values", torch.zeros(0))).reshape(-1)
+        p = torch.as_tensor(field(s, pix_name, torch.zeros(0))).reshape(-1)
         patches = int(g.prod(dim=1).sum())
         if (patches == 0) != (p.numel() == 0) or (patches and p.numel() % patches):
-            raise ValueError(f"sample {i} of the micro-batch: {p.numel()} pixel values for image grids "
+            raise ValueError(f"sample {i} of the micro-batch: {p.numel()} {pix_name} for grids "
                              f"{g.tolist()} ({patches} patches)")
         if patches:
             dims.add(p.numel() // patches)
@@ -315,7 +322,11 @@ def _images(mb: MicroBatch, samples: Sequence, starts: list[int]) -> None:
         limits.append(start if patches else 0)
         counts.append(int(g.shape[0]) if patches else 0)
     if len(dims) != 1:
-        raise ValueError(f"pixel_values: the samples of a micro-batch have patches of {sorted(dims)} values")
+        raise ValueError(f"{pix_name}: the samples of a micro-batch have patches of {sorted(dims)} values")
+    if videos:  # a video is in the prompt (no multi-turn observation has one): its limit is its start
+        mb.pixel_values_videos, mb.video_grid_thw = torch.cat(pix).float(), torch.cat(thw)
+        mb.image_limits = [max(a, b) for a, b in zip(mb.image_limits or [0] * len(limits), limits)]
+        return
     mb.pixel_values = torch.cat(pix).float()
     mb.image_grid_thw = torch.cat(thw)
     mb.image_limits = limits

@@ -10,7 +10,7 @@ the data-parallel size and the model's experts (checked at build, where both are
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from relax_hpc.seed import DEFAULT_SEED
 
@@ -195,6 +195,22 @@ def check_lora(lcfg: LoraConfig) -> list[tuple[str, object, str]]:
     return out
 
 
+def hf_lora_targets(names: list[str]) -> list[str]:
+    """``train.lora.target_modules`` as HF module names (PEFT's ``target_modules``, SGLang's
+    ``--lora-target-modules``): each Megatron linear stands for every HF module it fuses."""
+    megs = megatron_targets(names)
+    return [hf for hf, meg in HF_LORA_TARGETS.items() if meg in megs]
+
+
+def reference_from_actor(recipe) -> bool:
+    """Whether the actor itself computes π_ref (``ref_log_probs``) with its LoRA adapters switched off: the
+    reference is then the base model the adapters sit on, with no second copy of the weights and no reference
+    role. So when ``train.lora`` is set, the algorithm needs π_ref (``algorithm.use_kl_loss``) and
+    ``roles.reference`` is not enabled (an enabled reference role keeps doing it, as without LoRA)."""
+    return (recipe.train.lora is not None and recipe.algorithm.use_kl_loss
+            and not recipe.roles.reference.enabled)
+
+
 def steps_per_rollout(cfg: TrainConfig, samples: int) -> int:
     """k, the optimizer steps per rollout step of ``samples`` samples (Relax's ``--num-steps-per-rollout``, verl's
     ``ppo_mini_batch_size``): ``num_steps_per_rollout``, else samples / ``global_batch_size``, else 1. The
@@ -204,3 +220,91 @@ def steps_per_rollout(cfg: TrainConfig, samples: int) -> int:
     if cfg.global_batch_size:
         return max(1, samples // cfg.global_batch_size)
     return 1
+
+
+# Checks of train keys against other sections; relax_hpc.recipe.validate.check calls them (the recipe typed Any:
+# train/ does not import the recipe, which imports this module).
+
+
+def check_batch(r: Any) -> list[tuple[str, object, str]]:
+    """Mini-batch updates split a rollout step's samples into k equal global batches
+    (``train.num_steps_per_rollout`` = k, or ``train.global_batch_size`` = samples / k): a size that does not
+    divide the samples, or two keys that disagree, would fail at step 1, after the queue."""
+    gbs, k, ro = r.train.global_batch_size, r.train.num_steps_per_rollout, r.rollout
+    samples = ro.rollout_batch_size * ro.n_samples_per_prompt
+    what = (f"the samples of one rollout step, rollout.rollout_batch_size × rollout.n_samples_per_prompt = "
+            f"{ro.rollout_batch_size} × {ro.n_samples_per_prompt} = {samples}")
+    if gbs is not None and gbs >= 1 and samples % gbs:
+        return [("train.global_batch_size", gbs, f"must divide {what}: each optimizer step trains one equal "
+                 f"share of them. Fix: set it to {samples} (one step) or a divisor of {samples}, or null and "
+                 "set train.num_steps_per_rollout")]
+    if k is not None and k >= 1 and samples % k:
+        return [("train.num_steps_per_rollout", k, f"must divide {what}: the step's samples are split into "
+                 f"that many equal global batches. Fix: use a divisor of {samples}, e.g. 1, 2 or 4")]
+    if k is not None and k >= 1 and gbs is not None and gbs >= 1 and gbs * k != samples:
+        return [("train.num_steps_per_rollout", k, f"disagrees with train.global_batch_size = {gbs}: "
+                 f"{k} steps of {gbs} samples is not {what}. Fix: set one of them (the other to null), or "
+                 f"make global_batch_size = {samples} / num_steps_per_rollout")]
+    a, mp = r.roles.actor, r.train.tp * r.train.pp
+    world = a.nodes * a.tasks_per_node
+    k = steps_per_rollout(r.train, samples)
+    if mp >= 1 and world % mp == 0 and k >= 1 and samples // k < world // mp and gbs is None \
+            and r.train.num_steps_per_rollout is None:
+        # neither batch key is set: the actor's size is what asks too much (roles.actor.nodes=999)
+        return [("roles.actor.nodes", a.nodes, f"gives {world // mp} data-parallel actor ranks (roles.actor.nodes × "
+                 f"tasks_per_node ÷ (train.tp × train.pp)), more than the {samples} samples of one rollout step "
+                 f"({ro.rollout_batch_size} × {ro.n_samples_per_prompt}): every rank needs at least one. Fix: at "
+                 f"most {samples * mp // a.tasks_per_node or 1} nodes, or more samples per rollout step")]
+    if mp >= 1 and world % mp == 0 and k >= 1 and samples // k < world // mp:
+        return [("train.num_steps_per_rollout" if r.train.num_steps_per_rollout else "train.global_batch_size",
+                 r.train.num_steps_per_rollout or gbs, f"leaves {samples // k} samples per optimizer step for "
+                 f"{world // mp} data-parallel actor ranks: every rank needs at least one. Fix: fewer steps "
+                 "per rollout, or more samples per rollout step")]
+    return []
+
+
+def check_train_offload(r: Any) -> list[tuple[str, object, str]]:
+    """train.offload frees the actor's device memory for engines on the same device while they generate: only
+    colocate has them take turns (in fully_async the actor's GPUs are its own, and it trains while they generate)."""
+    if r.train.offload and r.mode != "colocate":
+        return [("train.offload", True, f"moves the actor's parameters, gradients and optimizer state off the GPU "
+                 f"while the engines on it generate, which only mode: colocate has them do (this recipe: {r.mode}, "
+                 "where the actor's GPUs are its own). Fix: offload: false, or mode: colocate")]
+    return []
+
+
+def check_lora_adapter_mode(r: Any) -> list[tuple[str, object, str]]:
+    """train.lora.mode: adapter sends the adapters alone: relax_hpc's reference engine merges them into its weights,
+    SGLang loads them as a LoRA adapter (/load_lora_adapter, from a PEFT directory under the run's directory) and
+    serves it to the requests naming it (every request of the run does: docs/lora.md). What cannot take them is
+    refused: actor_fwd's copy of the actor takes full weights only, and SGLang loads adapters at run time only
+    without data-parallel replicas in one server."""
+    lora = r.train.lora
+    if lora is None or lora.mode != "adapter":
+        return []
+    out: list[tuple[str, object, str]] = []
+    kind = r.rollout.engine.kind  # auto: SGLang on GPU engine nodes that have it (roles.engine_host.engine_kind)
+    args = list(r.rollout.engine.args)
+    dp = next((args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--dp-size", "--dp", "--data-parallel-size")),
+              None)
+    if kind != "reference" and dp is not None and dp != "1":
+        out.append(("rollout.engine.args", args, f"starts SGLang with {dp} data-parallel replicas, and SGLang loads "
+                    "LoRA adapters at run time (/load_lora_adapter) only with one: train.lora.mode adapter needs "
+                    "that. Fix: drop --dp-size (run more engines instead), or train.lora.mode: merge"))
+    if r.roles.actor_fwd.enabled:
+        out.append(("train.lora.mode", "adapter", "roles.actor_fwd follows the actor's full weights and cannot take "
+                    "the adapters alone. Fix: mode: merge, or roles.actor_fwd.enabled: false"))
+    return out
+
+
+def check_lora_reference(r: Any) -> list[tuple[str, object, str]]:
+    """With train.lora, use_kl_loss and no reference role the actor computes π_ref itself, adapters off: the base
+    model, always (relax_hpc.train.config.reference_from_actor). A key that would make π_ref anything else is
+    refused."""
+    if not reference_from_actor(r) or r.algorithm.ref_update_interval is None:
+        return []
+    return [("algorithm.ref_update_interval", r.algorithm.ref_update_interval,
+             "would refresh the reference from the actor's checkpoints, but with train.lora and no reference role "
+             "π_ref is the actor's own base model (its adapters switched off), which never changes. Fix: remove "
+             "algorithm.ref_update_interval, or roles.reference.enabled: true (a reference role that loads the "
+             "actor's checkpoints)")]

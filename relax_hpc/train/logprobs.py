@@ -54,7 +54,8 @@ def _forward_step(loss_fn: Callable, data_iterator, model):
     routing.replay(model, mb.routed_experts, mb.tokens.shape[0])  # MoE routing replay: the engine's experts, or off
     if vlm.is_vlm_model(model):  # keyword call, the images in; the model makes its M-RoPE positions itself
         out = vlm.vlm_forward(model, mb.tokens, mb.pixel_values, mb.image_grid_thw, image_limits=mb.image_limits or [],
-                              image_counts=mb.image_counts)
+                              image_counts=mb.image_counts, pixel_values_videos=mb.pixel_values_videos,
+                              video_grid_thw=mb.video_grid_thw)
     elif omni.is_omni_model(model):  # the audio tower's embeddings at the audio pads (relax_hpc.train.omni)
         out = omni.omni_forward(model, mb.tokens, mb.input_features, mb.audio_feature_lens,
                                 audio_limits=mb.audio_limits or [])

@@ -53,6 +53,9 @@ def _images(cols: dict[str, Any], i: int, s: TrainingSample) -> TrainingSample:
     if "pixel_values" in cols and "image_grid_thw" in cols:
         s.pixel_values = torch.from_numpy(cols["pixel_values"][i])
         s.image_grid_thw = torch.from_numpy(cols["image_grid_thw"][i])
+    if "pixel_values_videos" in cols and "video_grid_thw" in cols:  # a VLM's videos
+        s.pixel_values_videos = torch.from_numpy(cols["pixel_values_videos"][i])
+        s.video_grid_thw = torch.from_numpy(cols["video_grid_thw"][i])
     if "input_features" in cols and "audio_feature_lens" in cols:  # an omni model's audio
         s.input_features = torch.from_numpy(cols["input_features"][i])
         s.audio_feature_lens = torch.from_numpy(cols["audio_feature_lens"][i])
@@ -117,19 +120,20 @@ def check_train_columns(cols: dict[str, Any]) -> None:
             i = int(bad[0])
             raise UnsoundTrainData("teacher_log_probs", i, float(teacher.lengths()[i]),
                                    f"that many values for a response of {int(lens[i])} tokens", index(i))
-    pixels, grids = cols.get("pixel_values"), cols.get("image_grid_thw")  # a VLM's images
-    if pixels is not None and pixels.data.size:
-        bad = np.flatnonzero(~np.isfinite(pixels.data))
-        if bad.size:
-            t = int(bad[0])
-            raise UnsoundTrainData("pixel_values", _sample_of(pixels, t), float(pixels.data[t]), "not finite",
-                                   index(_sample_of(pixels, t)))
-    if grids is not None:
-        bad = np.flatnonzero(grids.lengths() % 3 != 0)
-        if bad.size:
-            i = int(bad[0])
-            raise UnsoundTrainData("image_grid_thw", i, float(grids.lengths()[i]),
-                                   "that many values: 3 per image (t, h, w)", index(i))
+    for pix_name, grid_name in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        pixels, grids = cols.get(pix_name), cols.get(grid_name)  # a VLM's images, and its videos
+        if pixels is not None and pixels.data.size:
+            bad = np.flatnonzero(~np.isfinite(pixels.data))
+            if bad.size:
+                t = int(bad[0])
+                raise UnsoundTrainData(pix_name, _sample_of(pixels, t), float(pixels.data[t]), "not finite",
+                                       index(_sample_of(pixels, t)))
+        if grids is not None:
+            bad = np.flatnonzero(grids.lengths() % 3 != 0)
+            if bad.size:
+                i = int(bad[0])
+                raise UnsoundTrainData(grid_name, i, float(grids.lengths()[i]),
+                                       "that many values: 3 per image or video (t, h, w)", index(i))
     feats = cols.get("input_features")  # an omni model's audio
     if feats is not None and feats.data.size:
         bad = np.flatnonzero(~np.isfinite(feats.data))

@@ -126,6 +126,38 @@ def _image_values(s: Any, model_dir: str | os.PathLike | None) -> dict[str, list
     return {"pixel_values": pixels, "image_grid_thw": grids}
 
 
+def _video_values(s: Any, model_dir: str | os.PathLike | None) -> dict[str, list]:
+    """``pixel_values_videos`` and ``video_grid_thw`` (:data:`~relax_hpc.exchange.fields.VIDEO_FIELDS`) of these
+    samples' videos (``multimodal_inputs["videos"]``: lists of base64 PNG frames as the data sampled them), by the
+    image processor of ``model_dir`` (:func:`relax_hpc.multimodal.encode_media_ids`, which checks each video pad run
+    of the prompt); written when some sample has videos, empty for one without. Once per distinct video list and
+    prompt (a group shares its prompt's)."""
+    refs = [(x.multimodal_inputs or {}).get("videos") or [] for x in s]
+    if not any(refs):
+        return {}
+    if model_dir is None:
+        raise ValueError("samples carry videos but write_step got no model_dir to run the image processor of")
+    from relax_hpc.multimodal import encode_media_ids, load_image
+
+    pixels, grids, done = [], [], {}
+    for x, vids in zip(s, refs):
+        if not vids:
+            pixels.append(np.zeros(0, np.float32))
+            grids.append(np.zeros(0, np.int64))
+            continue
+        prompt = tuple(x.tokens[:len(x.tokens) - x.response_length])
+        key = (tuple(tuple(v) for v in vids), prompt)
+        if key not in done:
+            enc = encode_media_ids(model_dir, list(prompt), videos=[[load_image(f) for f in v] for v in vids])
+            if enc["input_ids"][0].tolist() != list(prompt):
+                raise ValueError(f"sample index {x.index}: its prompt's video pads are not its videos' expansion")
+            done[key] = (enc["pixel_values_videos"].numpy().astype(np.float32).reshape(-1),
+                         enc["video_grid_thw"].numpy().astype(np.int64).reshape(-1))
+        pixels.append(done[key][0])
+        grids.append(done[key][1])
+    return {"pixel_values_videos": pixels, "video_grid_thw": grids}
+
+
 def _audio_values(s: Any, model_dir: str | os.PathLike | None) -> dict[str, list]:
     """``input_features`` and ``audio_feature_lens`` (:data:`~relax_hpc.exchange.fields.AUDIO_FIELDS`) of these
     samples' clips (``multimodal_inputs["audios"]``, base64 WAV as the data made them), by the feature extractor of
@@ -176,7 +208,7 @@ def write_step(run_path: str | os.PathLike, step: int, result: Any, seq: int = 0
     values = _rollout_values(result.samples)
     values["raw_reward"] = list(result.raw_rewards)
     extra = {**_optional_values(result.samples, model_dir), **_image_values(result.samples, model_dir),
-             **_audio_values(result.samples, model_dir)}
+             **_audio_values(result.samples, model_dir), **_video_values(result.samples, model_dir)}
     values.update(extra)
     names = rollout_fields(tuple(extra))
     assert set(values) == set(names), sorted(set(values) ^ set(names))  # the schema and this writer agree

@@ -23,7 +23,8 @@ micro-batches that carry their samples' ``pixel_values`` and ``image_grid_thw`` 
 
 Not wired yet: PP > 1 (only the first stage has the vision tower; the forward of the later stages needs the same
 ``input_ids``/``image_grid_thw`` for M-RoPE), packed (THD) micro-batches (``build_vlm`` refuses
-``train.max_tokens_per_micro_batch``), and videos.
+``train.max_tokens_per_micro_batch``), and Qwen3-VL's videos (the bridge's model asserts it takes none).
+Qwen2.5-VL's videos go in as ``pixel_values_videos``/``video_grid_thw`` beside the images.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from relax_hpc.errors import PermanentError
-from relax_hpc.multimodal import VLM_MODEL_TYPES, encode, images_end, is_vlm
+from relax_hpc.multimodal import MODEL_FPS, VLM_MODEL_TYPES, encode, images_end, is_vlm
 
 __all__ = ["VLM_MODEL_TYPES", "build_vlm", "check_freeze_vision", "encode", "is_vlm", "is_vlm_model", "vision_tower",
            "vlm_forward", "vlm_log_probs"]  # encode: callers import it here too
@@ -156,7 +157,9 @@ _VISION_TOKENS = ("vision_start_token_id", "image_token_id", "video_token_id")  
 
 def vlm_forward(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
                 image_grid_thw: torch.Tensor | None, *, image_limits: Sequence[int] | None = None,
-                image_counts: Sequence[int] | None = None, pad_id: int = 0) -> torch.Tensor:
+                image_counts: Sequence[int] | None = None, pad_id: int = 0,
+                pixel_values_videos: torch.Tensor | None = None,
+                video_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
     """The VLM's logits [B, S, V/tp] of ``input_ids`` [B, S] (right-padded) with the batch's images: the model called
     with keyword arguments (it computes the M-RoPE positions itself, so no position ids), right-padded here to a
     multiple of the TP size under sequence parallelism.
@@ -168,7 +171,11 @@ def vlm_forward(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | Non
     an image (a sampled one would break the M-RoPE positions; the logits after it change, the targets do not).
     ``image_counts``: per row, its images; a row's limit moves past its last image when that lies after its start
     (a multi-turn sample's observation images: the rollout ends a sample at a sampled vision token, so any before
-    the last image are the images' own)."""
+    the last image are the images' own).
+
+    ``pixel_values_videos``/``video_grid_thw``: the batch's videos (Qwen2.5-VL only; megatron-bridge 0.3.1's
+    Qwen3-VL refuses them), their frames shown at :data:`relax_hpc.multimodal.MODEL_FPS` (``second_per_grid_ts``
+    made here, as the engines make it)."""
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_model_config
 
@@ -192,15 +199,24 @@ def vlm_forward(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | Non
     tp = ps.get_tensor_model_parallel_world_size()
     if config.sequence_parallel and S % tp:
         ids = torch.nn.functional.pad(ids, (0, tp - S % tp), value=pad_id)
+    videos = {}
+    if video_grid_thw is not None and video_grid_thw.numel():
+        if not hasattr(_unwrap(model), "visual"):
+            raise PermanentError(f"videos for {type(_unwrap(model)).__name__}: megatron-bridge 0.3.1 takes videos "
+                                 "for Qwen2.5-VL only. Fix: a Qwen2.5-VL model.path, or images")
+        temporal = _unwrap(model).visual.config.temporal_patch_size  # frames a time step takes (2)
+        videos = dict(pixel_values_videos=pixel_values_videos.to(dev), video_grid_thw=video_grid_thw.to(dev),
+                      second_per_grid_ts=torch.full((video_grid_thw.shape[0],), temporal / MODEL_FPS, device=dev))
     logits = model(input_ids=ids, attention_mask=None, position_ids=None,
                    pixel_values=None if pixel_values is None else pixel_values.to(dev),
-                   image_grid_thw=None if image_grid_thw is None else image_grid_thw.to(dev))  # [B, S', V/tp]
+                   image_grid_thw=None if image_grid_thw is None else image_grid_thw.to(dev), **videos)  # [B, S', V/tp]
     return logits[:, :S]
 
 
 def vlm_log_probs(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
                   image_grid_thw: torch.Tensor | None, response_start: int | Sequence[int], *,
-                  temperature: float = 1.0, pad_id: int = 0) -> list[torch.Tensor]:
+                  temperature: float = 1.0, pad_id: int = 0, pixel_values_videos: torch.Tensor | None = None,
+                  video_grid_thw: torch.Tensor | None = None) -> list[torch.Tensor]:
     """log p of each response token, given the prompt and its images, from the Megatron VLM (TP-sharded vocab).
 
     ``input_ids`` [B, S] (right-padded with ``pad_id`` when lengths differ: the model is causal, a pad only
@@ -216,7 +232,8 @@ def vlm_log_probs(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | N
     starts = [response_start] * B if isinstance(response_start, int) else list(response_start)
     if len(starts) != B or min(starts) < 1:
         raise ValueError(f"response_start {response_start!r}: one start ≥ 1 per row of input_ids {(B, S)}")
-    logits = vlm_forward(model, input_ids, pixel_values, image_grid_thw, pad_id=pad_id)  # [B, S, V/tp]
+    logits = vlm_forward(model, input_ids, pixel_values, image_grid_thw, pad_id=pad_id,
+                         pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)  # [B, S, V/tp]
     ids = input_ids.to(logits.device)
     if temperature != 1.0:
         logits = logits / temperature

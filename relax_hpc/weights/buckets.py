@@ -1,17 +1,18 @@
 """Pack (name, tensor) pairs into flat buckets, the unit of one weight-sync broadcast, and unpack them.
 
-A :class:`Bucket` is SGLang's ``"flattened_bucket"`` (``sglang.srt.weight_sync.tensor_bucket``): the tensors
-flattened and laid end to end in one contiguous 1-D buffer, plus per tensor ``name, shape, dtype,
-start_idx, end_idx, numel`` (``start_idx`` is the element offset, also :attr:`TensorMeta.offset`). The engine
-learns the names/dtypes/shapes from ``/update_weights_from_distributed``, allocates the same tensors,
-concatenates them (``torch.cat``, so the buffer dtype is torch's promotion of the listed dtypes), receives
-the buffer with one ``dist.broadcast`` and cuts it back into views.
+A :class:`Bucket` is SGLang's ``"flattened_bucket"``: the tensors flattened and laid end to end in one contiguous 1-D
+buffer, plus per tensor ``name, shape, dtype, start_idx, end_idx, numel``. The layout, the metadata and the dtype
+names are the wire format's, :mod:`relax_hpc.engines.bucket_wire` (the one place both ends read them); this module
+decides what goes into which bucket. The engine learns the names/dtypes/shapes from
+``/update_weights_from_distributed``, allocates the buffer, receives it with one ``dist.broadcast`` and cuts it back
+into views.
 
-Every bucket holds **one dtype**, so that promotion is the identity: no bf16 weight travels as fp32 (twice
-the bytes) and no integer buffer is ever cast to float. Tensors are taken in iteration order and appended
-to the open bucket of their dtype; a bucket is emitted when the next tensor would push it over
-``bucket_bytes``. A tensor larger than ``bucket_bytes`` goes alone in its own bucket (no copy when it is
-already contiguous). At most one bucket per dtype is open at a time, so the memory held is about
+Every bucket holds **one dtype**: then SGLang 0.5.23's byte layout and older releases' ``torch.cat`` of the
+flattened tensors (whose dtype is torch's promotion of the listed ones) are the same bytes, no bf16 weight travels
+as fp32 (twice the bytes), no integer buffer is cast to float, and a bucket packs into a typed reusable buffer.
+Tensors are taken in iteration order and appended to the open bucket of their dtype; a bucket is emitted when the
+next tensor would push it over ``bucket_bytes``. A tensor larger than ``bucket_bytes`` goes alone in its own bucket
+(no copy when it is already contiguous). At most one bucket per dtype is open at a time, so the memory held is about
 ``bucket_bytes × number of dtypes`` plus the bucket being sent.
 """
 
@@ -22,48 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
+from relax_hpc.engines import bucket_wire
+# the wire format (layout, metadata, dtype names) is bucket_wire's; these names stay importable from here
+from relax_hpc.engines.bucket_wire import TensorMeta, dtype_from_name, dtype_name, empty_flat, plan, unpack
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "IN_PLACE_MIN_BYTES", "MiB", "Bucket", "BufferRing", "TensorMeta", "dtype_from_name",
+           "dtype_name", "empty_flat", "iter_buckets", "pack", "plan", "unpack"]
+
 MiB = 1 << 20
 DEFAULT_BUCKET_BYTES = 512 * MiB  # Relax's --update-weight-buffer-size default
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The wire name SGLang resolves with ``getattr(torch, name)``: ``torch.bfloat16`` → ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    dt = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dt
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """One tensor inside a bucket: elements ``[start_idx, end_idx)`` of the flat buffer, viewed as ``shape``."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
-
-    @property
-    def offset(self) -> int:
-        return self.start_idx
-
-    def to_json(self) -> dict:
-        """SGLang's FlattenedTensorMetadata fields, with the dtype as its wire name."""
-        return {"name": self.name, "shape": list(self.shape), "dtype": dtype_name(self.dtype),
-                "start_idx": self.start_idx, "end_idx": self.end_idx, "numel": self.numel}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "TensorMeta":
-        return cls(str(d["name"]), tuple(int(s) for s in d["shape"]), dtype_from_name(d["dtype"]),
-                   int(d["start_idx"]), int(d["end_idx"]), int(d["numel"]))
 
 
 @dataclass
@@ -99,77 +67,18 @@ class Bucket:
         return len(self.metadata)
 
     def unpack(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor) pairs; views of :attr:`flat` (a copy only where a tensor's dtype differs)."""
+        """(name, tensor) pairs, views of :attr:`flat`."""
         return unpack(self.flat, self.metadata)
 
 
-def plan(metas: Iterable[tuple[str, torch.Size | tuple[int, ...], torch.dtype]]) -> list[TensorMeta]:
-    """Metadata of one flat buffer holding these tensors in order (what the engine derives from
-    names/dtypes/shapes)."""
-    out, idx = [], 0
-    for name, shape, dtype in metas:
-        n = 1
-        for s in shape:
-            n *= int(s)
-        out.append(TensorMeta(name, tuple(int(s) for s in shape), dtype, idx, idx + n, n))
-        idx += n
-    return out
-
-
-def flat_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
-    """The dtype of the engine's ``torch.cat`` of tensors of these dtypes (the receiving buffer's dtype)."""
-    it = iter(dtypes)
-    out = next(it, None)
-    if out is None:
-        raise ValueError("no dtypes: an empty bucket has no buffer dtype")
-    for d in it:
-        out = torch.promote_types(out, d)
-    return out
-
-
-def empty_flat(metadata: list[TensorMeta], device: torch.device | str | None = None) -> torch.Tensor:
-    """The receiving side's buffer for ``metadata`` (dtype as the engine's ``torch.cat`` would give)."""
-    n = metadata[-1].end_idx if metadata else 0
-    return torch.empty(n, dtype=flat_dtype(m.dtype for m in metadata), device=device)
-
-
-def unpack(flat: torch.Tensor, metadata: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
-    """Cut ``flat`` back into (name, tensor) pairs, as SGLang's ``FlattenedTensorBucket.reconstruct_tensors``."""
-    if flat.dim() != 1:
-        raise ValueError(f"a flat bucket is 1-D, got shape {tuple(flat.shape)}")
-    if metadata and metadata[-1].end_idx > flat.numel():
-        raise ValueError(f"bucket metadata needs {metadata[-1].end_idx} elements, the buffer has {flat.numel()}")
-    out = []
-    for m in metadata:
-        t = flat[m.start_idx:m.end_idx].view(m.shape)
-        if t.dtype != m.dtype:
-            t = t.to(m.dtype)
-        out.append((m.name, t))
-    return out
-
-
 def pack(named: list[tuple[str, torch.Tensor]], *, out: torch.Tensor | None = None) -> Bucket:
-    """One bucket of ``named`` (all of one dtype, one device). ``out``: a 1-D buffer of that dtype with at least
-    the total number of elements to pack into (reused between pushes to skip an allocation); the bucket's
-    ``flat`` is then a view of its first elements. A single contiguous tensor is viewed, never copied."""
-    if not named:
-        raise ValueError("cannot pack an empty bucket")
+    """One bucket of ``named`` (all of one dtype, one device): :func:`relax_hpc.engines.bucket_wire.pack`, kept to
+    one dtype (module docstring). ``out``: a 1-D buffer of that dtype with at least the total number of elements to
+    pack into; the bucket's ``flat`` is then a view of its first elements. A single contiguous tensor is viewed."""
     dtypes = {t.dtype for _, t in named}
-    if len(dtypes) != 1:
+    if len(dtypes) > 1:
         raise ValueError(f"a bucket holds one dtype, got {sorted(map(str, dtypes))}")
-    meta = plan((n, tuple(t.shape), t.dtype) for n, t in named)
-    total = meta[-1].end_idx
-    if out is None and len(named) == 1 and named[0][1].is_contiguous():
-        return Bucket(named[0][1].detach().reshape(-1), meta)
-    if out is None:
-        out = torch.empty(total, dtype=named[0][1].dtype, device=named[0][1].device)
-    elif out.dim() != 1 or out.numel() < total or out.dtype != named[0][1].dtype:
-        raise ValueError(f"out must be 1-D {named[0][1].dtype} with ≥ {total} elements, got {out.dtype} "
-                         f"{tuple(out.shape)}")
-    flat = out[:total]
-    with torch.no_grad():  # one C++ call for the whole bucket (a per-tensor copy_ loop costs ~2× here)
-        torch.cat([t.detach().reshape(-1) for _, t in named], out=flat)
-    return Bucket(flat, meta)
+    return Bucket(*bucket_wire.pack(named, out=out))
 
 
 class BufferRing:
@@ -289,6 +198,6 @@ def _runs(held: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[l
 def _view_bucket(run: list[tuple[str, torch.Tensor]]) -> Bucket:
     """A bucket whose flat buffer is the memory the run's tensors already occupy: no copy."""
     meta = plan((n, tuple(t.shape), t.dtype) for n, t in run)
-    first = run[0][1]
-    flat = first.detach().as_strided((meta[-1].end_idx,), (1,))  # from the first tensor's start, in its storage
+    first = run[0][1]  # the run lies end to end, as the wire's layout does: its memory is the flat buffer
+    flat = first.detach().as_strided((bucket_wire.nbytes(meta) // first.element_size(),), (1,))
     return Bucket(flat, meta, in_place=True)

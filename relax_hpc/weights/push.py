@@ -5,17 +5,25 @@ that left mid-push, and the verdict (``docs/weights.md``).
 group, the engines and followers in it ({name: url}) and an :class:`~relax_hpc.weights.check.EngineChecker`.
 :meth:`ActorSync.sync` is collective over the actor's ranks (each walks the bridge's gather):
 
-1. rank 0 leaves out the engines that no longer answer ``/health`` (died after their last request);
-2. every rank pushes (:func:`~relax_hpc.weights.sync.push_from_actor`), after a new group if the engine set
-   changed; rank 0 keeps the first :data:`~relax_hpc.weights.check.ROWS` rows of every tensor;
-3. after a failed push rank 0 looks which engines are gone (again after 2 s if none) and broadcasts the verdict
-   to every rank: done, again without those (at most :data:`SYNC_TRIES` pushes), or failed (none gone: a retry
-   would change nothing);
+1. rank 0 leaves out the engines that no longer answer ``/health`` (died after their last request), on every rank;
+2. every rank walks the stream (:func:`~relax_hpc.weights.sync.push_from_actor`) and each sending rank pushes, after
+   a new group if the engine set changed; rank 0 keeps the first :data:`~relax_hpc.weights.check.ROWS` rows of every
+   tensor;
+3. after a failed push each sending rank that failed looks which of its engines are gone (again after 2 s if none),
+   and every rank gets the same verdict from all of them: done, again without those (at most :data:`SYNC_TRIES`
+   pushes), or failed (none gone: a retry would change nothing);
 4. a barrier; then rank 0 checks each member's spot fingerprint and version (``check``: the recipe's
    ``logging.check_weight_sync``); an engine that no longer answers then is reported dead, not a failed sync.
 
 With engines on the actor's GPU (the sender's tensor path; ``rollout.engine.offload``) they hand their memory over:
 :meth:`ActorSync.release` before the actor trains, and step 1 of the next sync resumes them first.
+
+On several actor nodes (multi-node colocate) each node's engines get their weights on their own node: the bridge's
+export gives every rank every full tensor (TP all-gathered, PP broadcast), so the first actor rank of each node (its
+leader, :func:`plan_nodes`) holds a sender of its own for the engines the controller placed on that node (``nodes``:
+{engine: node}), and releases and resumes them; rank 0 keeps the others (its own node's, engines on nodes of their
+own, the followers). Every leader pushes the same stream at once; the sync is done when every leader's is (the
+verdict is gathered from every rank), and rank 0 checks every engine.
 
 With ``freeze_vision`` (``model.freeze_vision``: the actor does not train a VLM's vision tower) the vision tower's
 tensors (:func:`vision_weight`) are left out of every push: the engines keep the ones they loaded, which are the
@@ -26,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +45,7 @@ import torch.distributed as dist
 from relax_hpc.threads import daemon_call
 from relax_hpc.weights.check import ROWS, EngineChecker
 from relax_hpc.weights.lora import sync_weights
-from relax_hpc.weights.sync import WeightSender, WeightSyncError, push_from_actor
+from relax_hpc.weights.sync import WeightSender, WeightSyncError, WeightSyncRefused, push_from_actor
 
 # the HF names of a vision-language model's vision tower: Qwen2-VL/2.5-VL's checkpoints (and the bridge's export)
 # say visual.*, transformers 4.57's modules (and Qwen3-VL's checkpoints) model.visual.*
@@ -57,20 +65,41 @@ class Synced:
     follower_versions: dict[str, str | None] = field(default_factory=dict)  # {role: the version it holds}
 
 
+def plan_nodes(rank_nodes: Sequence[str], engines: dict[str, str], nodes: dict[str, str]) -> dict[int, dict[str, str]]:
+    """Which actor rank sends to which engines ({rank: {name: url}}): an engine the controller placed on an actor node
+    (``nodes``: {name: node}; ``rank_nodes``: each actor rank's node) gets its weights from that node's first rank, which
+    holds every full tensor as rank 0 does; every other engine (on rank 0's node, on nodes of its own, or of no known
+    node) from rank 0, as on one node."""
+    leaders: dict[str, int] = {}
+    for rank, node in enumerate(rank_nodes):
+        leaders.setdefault(node, rank)
+    out: dict[int, dict[str, str]] = {}
+    for name, url in engines.items():
+        out.setdefault(leaders.get(nodes.get(name, ""), 0), {})[name] = url
+    return out
+
+
 class ActorSync:
     """The actor's weight-sync group and its syncs. ``backend``: the group's (``"nccl"``, ``"gloo"``, or None: one
     every member serves); ``api_key``: the run's engine key; ``address``: rank 0's address for the engines, asked at
     the first connect. ``offload`` (``rollout.engine.offload``): the engines hand their GPU memory over while the
     actor trains (:meth:`release`; the sync takes it back first) and get the weights by ``/update_weights_from_tensor``;
     None: when they share the actor's GPU (the sender's path); False: never. ``freeze_vision``
-    (``model.freeze_vision``): the vision tower's tensors are not pushed (the actor does not train them)."""
+    (``model.freeze_vision``): the vision tower's tensors are not pushed (the actor does not train them). ``node``: this
+    rank's node (the engines on it get their weights from its first rank: :func:`plan_nodes`); None: every engine
+    from rank 0."""
 
     def __init__(self, rank: int, backend: str | None, api_key: str | None, address: Callable[[], str], *,
-                 offload: bool | None = None, freeze_vision: bool = False):
+                 offload: bool | None = None, freeze_vision: bool = False, node: str | None = None):
         self.rank, self.backend, self.api_key, self.address = rank, backend, api_key, address
+        self.node = node
+        self.rank_nodes: list[str] | None = None  # every actor rank's node, gathered at the first connect
+        self.nodes: dict[str, str] = {}  # each engine's node, as the controller placed it {name: node}
+        self.plan: dict[int, dict[str, str]] = {}  # which rank sends to which engines (plan_nodes)
+        self.mine: dict[str, str] = {}  # the engines this rank sends to (its node's, as leader; rank 0: the rest)
         self.offload = offload
         self.freeze_vision = freeze_vision
-        self.sender: WeightSender | None = None  # rank 0's, once connected
+        self.sender: WeightSender | None = None  # a sending rank's (rank 0, a node's leader), once connected
         self.engines: dict[str, str] = {}  # the weight-sync group's engines {name: url}
         self.followers: dict[str, str] = {}  # forward roles that get every sync too {role: url}
         self.checker = EngineChecker(api_key)
@@ -78,26 +107,42 @@ class ActorSync:
 
     @property
     def hands_over(self) -> bool:
-        """Whether the engines give their memory up while the actor trains (rank 0 knows, once connected)."""
+        """Whether the engines give their memory up while the actor trains (each sending rank knows, for its own
+        engines, once connected)."""
         return self.sender is not None and self.sender.path == "tensor"
 
-    def connect(self, engines: dict[str, str], followers: dict[str, str]) -> None:
-        """Every rank: these are the members now; rank 0 builds the group (a new one if the set changed: a group's
-        size is fixed)."""
+    def connect(self, engines: dict[str, str], followers: dict[str, str], nodes: dict[str, str] | None = None) -> None:
+        """Every rank (collective): these are the members now (``nodes``: each engine's node, kept from the last call
+        when None); each sending rank builds its group (a new one if its set changed: a group's size is fixed). A
+        failure on any rank raises on every rank."""
         self.engines, self.followers = dict(engines), dict(followers)
-        if self.rank != 0:
-            return
-        members = [*self.engines.values(), *self.followers.values()]
-        if self.sender is None:
-            path = None if self.offload is None else "tensor" if self.offload else "distributed"
-            self.sender = WeightSender(backend=self.backend, api_key=self.api_key, path=path)
-            self.sender.connect(members, self.address())
-        else:  # the engine set changed (an engine died)
-            self.sender.reconnect(members)
+        if nodes is not None:
+            self.nodes = dict(nodes)
+        if self.rank_nodes is None:  # the ranks stay where they are: asked once
+            self.rank_nodes = _gathered(self.node or "")
+        self.plan = plan_nodes(self.rank_nodes, self.engines, self.nodes)
+        self.mine = self.plan.get(self.rank, {})
+        members = [*self.mine.values(), *(self.followers.values() if self.rank == 0 else ())]
+        err: BaseException | None = None
+        try:
+            if not members:  # nothing to send from here (any more)
+                if self.sender is not None:
+                    self.sender.close()
+                    self.sender = None
+            elif self.sender is None:
+                path = None if self.offload is None else "tensor" if self.offload else "distributed"
+                self.sender = WeightSender(backend=self.backend, api_key=self.api_key, path=path)
+                self.sender.connect(members, self.address())
+            else:  # the engine set changed (an engine died)
+                self.sender.reconnect(members)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it (below), or the others wait in a collective
+            err = e
+        _agreed(err, "connecting the weight sync")
         # an engine still released by an actor before this one (restarted mid-step) takes its memory back at the
         # next sync, before the weights come
-        self.released.update({n: u for n, u in self.engines.items()
-                              if (self.sender.infos.get(u) or {}).get("memory_released")})
+        if self.sender is not None:
+            self.released.update({n: u for n, u in self.mine.items()
+                                  if (self.sender.infos.get(u) or {}).get("memory_released")})
 
     def close(self) -> None:
         self.checker.close()
@@ -107,30 +152,39 @@ class ActorSync:
     def route(self) -> str:
         """How the weights travel, in words (rank 0; others ""): for the run's events and the user."""
         s = self.sender
-        if s is None:
+        if self.rank != 0:
             return ""
-        if s.path == "tensor":
-            return (f"to {len(s.engines)} engine(s) on the actor's {s.device.type.upper()} by /update_weights_from_tensor "
-                    f"({'CUDA IPC' if s.device.type == 'cuda' else 'shared memory'}); they hand their memory over while "
-                    "the actor trains (rollout.engine.offload)")
-        return f"to {len(s.engines)} member(s) over a {s.backend} group, sent from {s.device.type.upper()} memory"
+        if s is None:
+            how = "from their nodes' actor ranks"
+        elif s.path == "tensor":
+            how = (f"to {len(s.engines)} engine(s) on the actor's {s.device.type.upper()} by /update_weights_from_tensor "
+                   f"({'CUDA IPC' if s.device.type == 'cuda' else 'shared memory'}); they hand their memory over while "
+                   "the actor trains (rollout.engine.offload)")
+        else:
+            how = f"to {len(s.engines)} member(s) over a {s.backend} group, sent from {s.device.type.upper()} memory"
+        if len(self.plan) > 1 or any(r != 0 for r in self.plan):  # several nodes: who sends to whom
+            how += "; per node: " + "; ".join(
+                f"{(self.rank_nodes or [''])[r] or '?'} <- actor rank {r}: {', '.join(sorted(e))}"
+                for r, e in sorted(self.plan.items()))
+        return how
 
     def release(self) -> dict[str, float]:
-        """Rank 0, before the actor trains, when the engines hand over (:attr:`hands_over`): each engine releases
-        its weights and KV cache (``/release_memory_occupation``; generation is done in colocate mode), so the
-        actor has the GPU. Returns ``perf/engine_release_time``; other ranks and other runs get ``{}``."""
-        if self.rank != 0 or not self.hands_over or self.released:
+        """Each sending rank (rank 0; a node's leader: its node's engines), before the actor trains, when the engines
+        hand over (:attr:`hands_over`): each engine releases its weights and KV cache (``/release_memory_occupation``;
+        generation is done in colocate mode), so the actor has the GPU. Returns ``perf/engine_release_time``; other
+        ranks and other runs get ``{}``."""
+        if not self.hands_over or self.released:
             return {}
         t0 = time.monotonic()
-        failed = self._on_engines(self.engines, "release_memory_occupation")
+        failed = self._on_engines(self.mine, "release_memory_occupation")
         for n, e in failed.items():  # still busy or gone: it keeps its memory this step (the actor may run short)
-            log.warning("engine %s (%s) did not release its memory before training: %s", n, self.engines[n], e)
-        self.released = {n: u for n, u in self.engines.items() if n not in failed}
+            log.warning("engine %s (%s) did not release its memory before training: %s", n, self.mine[n], e)
+        self.released = {n: u for n, u in self.mine.items() if n not in failed}
         return {"perf/engine_release_time": time.monotonic() - t0}
 
     def _resume(self, alive: dict[str, str]) -> dict[str, float]:
-        """Rank 0, before a push: the released engines still alive take their memory back (the actor's cached blocks
-        are returned to the GPU first). Their weights are undefined until the push that follows."""
+        """Each sending rank, before a push: its released engines still alive take their memory back (the actor's
+        cached blocks are returned to the GPU first). Their weights are undefined until the push that follows."""
         back = {n: u for n, u in self.released.items() if n in alive}
         self.released = {}
         if not back:
@@ -152,14 +206,23 @@ class ActorSync:
         return {n: f.exception() for n, f in futs.items() if f.exception() is not None}
 
     def sync(self, version: str, engines: dict[str, str] | None, model: Any, *, progress: Callable[[], None],
-             check: bool) -> Synced:
+             check: bool, nodes: dict[str, str] | None = None) -> Synced:
         """Every rank: push ``model``'s weights (``named_hf_weights()``, a collective; ``in_place()``) as
-        ``version`` to ``engines`` (default: the group's) and the followers, check them on rank 0 with ``check``.
-        ``progress`` is called once per tensor. Raises :class:`WeightSyncError` when the push fails for good."""
+        ``version`` to ``engines`` (default: the group's; ``nodes``: where each is) and the followers, check them on
+        rank 0 with ``check``. ``progress`` is called once per tensor. Raises :class:`WeightSyncError` when the push
+        fails for good."""
         t0 = time.monotonic()
         engines = dict(engines or self.engines)
-        dead = self.checker.unreachable(engines) if self.rank == 0 else {}  # died after its last request: left out
-        resumed = self._resume({n: u for n, u in engines.items() if n not in dead}) if self.rank == 0 else {}
+        if nodes:
+            self.nodes.update(nodes)
+        # died after its last request: left out, on every rank alike (rank 0 looks; the ranks re-plan the same way)
+        dead = _from_rank0(self.checker.unreachable(engines) if self.rank == 0 else {})
+        resumed, err = {}, None
+        try:  # each sending rank resumes its own engines
+            resumed = self._resume({n: u for n, u in engines.items() if n not in dead})
+        except WeightSyncError as e:
+            err = e
+        _agreed(err, "resuming the engines' memory")
         out, engines, heads = self._push(version, engines, dead, model, progress)
         out.update(resumed)
         dist.barrier()
@@ -179,7 +242,8 @@ class ActorSync:
             for name, t in sync_weights(model):  # LoRA's adapter mode: the adapters only (weights/lora.py)
                 if self.freeze_vision and vision_weight(name):  # unchanged since the engines loaded it
                     continue
-                heads[name] = t[:ROWS].detach().clone()
+                if self.rank == 0:
+                    heads[name] = t[:ROWS].detach().clone()
                 progress()
                 yield name, t
 
@@ -190,18 +254,19 @@ class ActorSync:
             if engines != self.engines:  # an engine died, joined or left since the last sync
                 self.connect(engines, self.followers)
             err: WeightSyncError | None = None
-            try:
-                out: dict[str, Any] = dict(push_from_actor(stream(), self.sender if self.rank == 0 else None, version,
-                                                           in_place=model.in_place()))
+            out: dict[str, Any] = {}
+            try:  # every sending rank pushes to its own engines (rank 0: and the followers)
+                out = dict(push_from_actor(stream(), self.sender, version, in_place=model.in_place()))
             except WeightSyncError as e:
                 err = e
-            # rank 0 decides for every rank: done, again without the engines that are gone now, or failed
-            verdict: list[Any] = [None if err is None else (str(err), _gone(self.checker, engines))]
-            if dist.get_world_size() > 1:
-                dist.broadcast_object_list(verdict, src=0)
-            if verdict[0] is None:
+            # every rank the same verdict, from every sending rank's: done, again without the engines that are gone
+            # now (each looks at its own), or failed
+            said = _gathered(None if err is None else (str(err), _gone(self.checker, self.mine or engines)))
+            failed = [v for v in said if v is not None]
+            if not failed:
                 return out, engines, heads
-            why, lost = verdict[0]
+            why = "; ".join(w for w, _ in failed)
+            lost = {n: y for _, gone in failed for n, y in gone.items()}
             if not lost or attempt == SYNC_TRIES:
                 raise err if err is not None else WeightSyncError(why)
             log.warning("step sync %s: %s left during the push (%s); pushing again to the others", version,
@@ -229,6 +294,40 @@ class ActorSync:
         versions = {n: c["version"] for n, c in checks.items()} if checks else {n: version for n in engines}
         return Synced(metrics=out, engine_versions=versions, checks=checks, dead_engines=dead,
                       follower_versions=held)
+
+
+def _gathered(mine: Any) -> list[Any]:
+    """Every actor rank's ``mine``, in rank order (a collective; ``[mine]`` with one rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (a collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _agreed(err: BaseException | None, what: str) -> None:
+    """Every rank raises when one did (a collective): the ranks go on together or not at all. The rank's own error
+    where it has one, else a :class:`WeightSyncError` with what every failing rank said (and its engines): a
+    :class:`WeightSyncRefused` when one of them was refused (a restart would meet the same members)."""
+    said = _gathered(None if err is None else (str(err), list(getattr(err, "engines", [])),
+                                               bool(getattr(err, "restartable", True))))
+    failed = [(r, v) for r, v in enumerate(said) if v is not None]
+    if not failed:
+        return
+    if err is not None:
+        raise err
+    kind = WeightSyncError if all(again for _, (_, _, again) in failed) else WeightSyncRefused
+    raise kind(f"{what} failed on actor rank(s) {', '.join(str(r) for r, _ in failed)}: "
+               + "; ".join(w for _, (w, _, _) in failed), [u for _, (_, us, _) in failed for u in us])
 
 
 def vision_weight(name: str) -> bool:

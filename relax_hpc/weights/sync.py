@@ -1,7 +1,8 @@
 """Actor → engines weight sync over a torch.distributed group, driven through SGLang's HTTP API.
 
-:class:`WeightSender` lives on the actor's rank 0 (the rank that holds full HF-named weights after the
-bridge's TP/PP gather). One sync looks like this (``docs/weights.md`` has the why of each step)::
+:class:`WeightSender` lives on the actor's rank 0 (the bridge's TP/PP gather gives every rank full HF-named
+weights); with engines on several actor nodes (multi-node colocate) each node's first actor rank holds one too, for
+the engines on its node (:func:`relax_hpc.weights.push.plan_nodes`). One sync looks like this (``docs/weights.md`` has the why of each step)::
 
     sender = WeightSender(bucket_bytes=512 * MiB, pause_mode="retract")
     sender.connect([EngineClient(u, api_key=key) for u in urls], master_address=socket.gethostname())   # once
@@ -47,13 +48,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from relax_hpc.engines import bucket_wire
 from relax_hpc.engines.client import EngineClient, EngineError, update_protocol
 from relax_hpc.engines.tensor_wire import serialize_named
 from relax_hpc.errors import PermanentError
 from relax_hpc.stores import master_store
 from relax_hpc.threads import daemon_call
-from relax_hpc.weights.buckets import (DEFAULT_BUCKET_BYTES, IN_PLACE_MIN_BYTES, Bucket, BufferRing, dtype_from_name, empty_flat, iter_buckets, plan,
-                                       unpack)
+from relax_hpc.weights.buckets import DEFAULT_BUCKET_BYTES, IN_PLACE_MIN_BYTES, Bucket, BufferRing, iter_buckets
 
 log = logging.getLogger("relax_hpc.weights")
 
@@ -209,7 +210,7 @@ def send_buckets(named: Iterable[tuple[str, torch.Tensor]], pg: dist.ProcessGrou
             finish(*inflight)
         handle = announce(bucket) if announce is not None else None
         if mode == "bucketed":  # as bytes: SGLang 0.5.23 receives a flattened bucket into a uint8 buffer
-            works = [dist.broadcast(bucket.flat.view(torch.uint8), src=0, group=pg, async_op=True)]
+            works = [dist.broadcast(bucket_wire.as_bytes(bucket.flat), src=0, group=pg, async_op=True)]
         elif mode == "per_tensor":
             works = [dist.broadcast(t.contiguous(), src=0, group=pg, async_op=True) for _, t in bucket.unpack()]
         else:
@@ -230,14 +231,15 @@ def receive(names: Sequence[str], dtypes: Sequence[str | torch.dtype], shapes: S
     """A receiver's side of one announced bucket, exactly as SGLang's engine does it: allocate, receive
     (one flat buffer for ``"flattened_bucket"``, else one async broadcast per tensor), cut into views.
     For receivers that are not SGLang (benchmarks; a Megatron reference/actor_fwd)."""
-    metas = plan((n, s, dtype_from_name(d)) for n, d, s in zip(names, dtypes, shapes))
+    tensors = bucket_wire.announced(names, dtypes, shapes)
     if load_format == "flattened_bucket":
-        flat = empty_flat(metas, device)
-        dist.broadcast(flat.view(torch.uint8), src=0, group=pg)  # the sender's bytes (send_buckets)
-        return unpack(flat, metas)
+        metas = bucket_wire.plan(tensors)
+        flat = bucket_wire.empty_flat(metas, device)
+        dist.broadcast(bucket_wire.as_bytes(flat), src=0, group=pg)  # the sender's bytes (send_buckets)
+        return bucket_wire.unpack(flat, metas)
     if load_format not in (None, "", "direct"):
         raise ValueError(f"load_format must be 'flattened_bucket' or None, not {load_format!r}")
-    out = [(m.name, torch.empty(m.shape, dtype=m.dtype, device=device)) for m in metas]
+    out = [(n, torch.empty(s, dtype=d, device=device)) for n, s, d in tensors]
     works = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in out]
     for w in works:
         w.wait()
@@ -247,7 +249,7 @@ def receive(names: Sequence[str], dtypes: Sequence[str | torch.dtype], shapes: S
 # ----------------------------------------------------------------------------------------- sender
 
 class WeightSender:
-    """The actor rank 0's end of the weight-sync group (see the module docstring).
+    """A sending actor rank's end of the weight sync (rank 0's; a node's leader's: see the module docstring).
 
     bucket_bytes: largest bucket (default 512 MiB, Relax's ``--update-weight-buffer-size``); a bigger tensor
         travels alone. Rank 0 holds at most about two buckets per dtype at a time.
@@ -372,6 +374,7 @@ class WeightSender:
             self._choose(self.infos)
         if self.path == "tensor":  # no group: each update carries its tensors' handles
             self.engines, self.tp_sizes = engines, [int(t) for t in tp_sizes]
+            self.master_address = master_address  # a reconnect (an engine left) asks nothing new
             log.info("weights to %s by /update_weights_from_tensor (%s, same %s)", [e.url for e in engines],
                      "CUDA IPC" if self.device.type == "cuda" else "shared memory", self.device.type.upper())
             return self
@@ -428,12 +431,13 @@ class WeightSender:
                 "does not serve /update_weights_from_tensor" if "tensor" not in served(i)[1] else
                 f"runs on {i['hostname']}, not on this actor's host {host}" if i.get("hostname") not in (None, host)
                 else ""] if why}
-            if odd:
+            if odd:  # a node's engines get their weights from that node's actor rank: never across hosts
                 raise WeightSyncRefused("the weights go by /update_weights_from_tensor (rollout.engine.offload, or "
-                                        "engines on the actor's GPU), which needs every member on this host: "
-                                        + "; ".join(f"{u} {w}" for u, w in odd.items()) + ". Fix: rollout.engine."
-                                        "offload: false, or place the engines with the actor (roles.rollout.share_with: "
-                                        "actor), and no roles.actor_fwd", list(odd))
+                                        "engines on the actor's GPU), which needs every member on this actor rank's "
+                                        "host: " + "; ".join(f"{u} {w}" for u, w in odd.items()) + ". Fix: rollout."
+                                        "engine.offload: false, or place the engines with the actor (roles.rollout."
+                                        "share_with: actor, roles.rollout.nodes = roles.actor.nodes), and no "
+                                        "roles.actor_fwd", list(odd))
             self.backend = None
         else:
             self.backend = agree_backend(self.asked_backend, infos, cuda=torch.cuda.is_available(), shared_gpu=shared)
@@ -639,8 +643,9 @@ def push_from_actor(named: Iterable[tuple[str, torch.Tensor]], sender: WeightSen
                     **kw: Any) -> dict[str, float]:
     """Collective over the actor's ranks: every rank walks ``named``, the (HF name, tensor) stream of
     ``actor.named_hf_weights()`` (the bridge gathers TP/PP shards collectively, so every rank must walk it to the
-    end); rank 0, the one holding ``sender``, pushes it (:meth:`WeightSender.push`, ``kw`` passed on) and gets
-    its ``perf/weight_sync_*`` metrics. Other ranks pass ``sender=None`` and get ``{}``."""
+    end, and every rank gets every full tensor); each rank holding a ``sender`` (rank 0; on several nodes also each
+    node's first rank, for its node's engines) pushes it (:meth:`WeightSender.push`, ``kw`` passed on) and gets its
+    ``perf/weight_sync_*`` metrics. Other ranks pass ``sender=None`` and get ``{}``."""
     it = iter(named)
     if sender is None:
         for _ in it:

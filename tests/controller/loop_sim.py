@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from relax_hpc.backends import LocalBackend
 from relax_hpc.controller import messages as M
 from relax_hpc.controller.state import RunState
 from relax_hpc.controller.training import TrainingLoop
@@ -64,7 +65,7 @@ def sim_run(tmp_path: Path, recipe) -> RunDir:
 
 def sim_loop(recipe, run: RunDir) -> tuple[TrainingLoop, FakeChannel]:
     """A training loop on ``run`` (an attempt: it resumes from the run's checkpoint, if any) after its first tick."""
-    state = RunState(run, recipe, role_steps(recipe), "local")
+    state = RunState(run, recipe, role_steps(recipe), LocalBackend())
     ch = FakeChannel()
     loop = TrainingLoop(recipe, run, state, ch)
     loop.broker.check_files = False  # the chunks below are only announced, never written

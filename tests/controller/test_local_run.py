@@ -17,10 +17,7 @@ from ctl_helpers import TINY, make_run
 from relax_hpc.controller import RunFailed, run_controller
 
 
-@pytest.fixture(autouse=True)
-def local_executor(monkeypatch):
-    monkeypatch.setenv("RELAX_EXECUTOR", "local")
-    monkeypatch.delenv("RELAX_TEST_FAIL_ROLE", raising=False)
+pytestmark = pytest.mark.usefixtures("local_executor")  # tests/conftest.py's
 
 
 @pytest.fixture(autouse=True)

@@ -38,6 +38,11 @@ TASKS = [
     (M.EvalTask(id=10, step=4, judges=JUDGES, engines=ENGINES),
      {"id": 10, "kind": "eval", "step": 4, "judges": JUDGES, "engines": ENGINES}),
     (M.StopTask(id=9), {"id": 9, "kind": "stop"}),
+    # streaming within a step: a generate given again names the chunks streamed before; the actor's early π_old
+    (M.GenerateTask(id=12, step=3, engines=ENGINES, seq=2, data_state=None, streamed=[0, 2]),
+     {"id": 12, "kind": "generate", "step": 3, "engines": ENGINES, "seq": 2, "data_state": None, "judges": {},
+      "teachers": {}, "streamed": [0, 2]}),
+    (M.StageTask(id=13, step=3, chunks=[CHUNK]), {"id": 13, "kind": "stage", "step": 3, "chunks": [CHUNK]}),
 ]
 RESULTS = [
     (M.StartEnginesResult(engines=ENGINES, pids={"engine0": 11, "engine1": 12},
@@ -69,12 +74,13 @@ RESULTS = [
     (M.EvalResult(metrics={"eval/arith": 0.5, "eval/arith-pass@2": 0.75, "perf/eval_time": 2}),
      {"metrics": {"eval/arith": 0.5, "eval/arith-pass@2": 0.75, "perf/eval_time": 2}}),
     (M.StopResult(), {}),
+    (M.StageResult(metrics={"perf/actor_stage_time": 0.5}), {"metrics": {"perf/actor_stage_time": 0.5}}),
 ]
 
 
 def test_every_kind_has_a_task_and_a_result():
     assert set(M.TASKS) == set(M.RESULTS) == {"generate", "logprobs", "train", "sync", "checkpoint", "load", "connect",
-                                              "start_engines", "eval", "stop", "follow"}
+                                              "start_engines", "eval", "stop", "follow", "stage"}
     assert {type(t).kind for t, _ in TASKS} == set(M.TASKS)
     assert {type(r).kind for r, _ in RESULTS} == set(M.RESULTS)
 

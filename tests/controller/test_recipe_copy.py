@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from relax_hpc.backends import backend_for
 from relax_hpc.controller import recipe_copy
 from relax_hpc.controller.steps import describe_steps, engine_step_argv, step_commands
 from relax_hpc.launch.attach import AttachOptions, render_attach
@@ -61,7 +62,7 @@ def test_no_step_command_line_holds_a_secret_and_every_step_environment_does(tmp
             (tmp_path / "apptainer").write_text("#!/bin/sh\nexit 1\n")  # on PATH, never run
             (tmp_path / "apptainer").chmod(0o755)
             monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
-        procs = [p for sc in step_commands(r, run.path, executor, sys.executable) for p in sc.procs]
+        procs = [p for sc in step_commands(r, run.path, backend_for(executor), sys.executable) for p in sc.procs]
         for p in procs:
             assert not any(CANARY in a for a in p.argv), p.argv
             assert p.env["HF_TOKEN"] == f"{CANARY}-env"  # slurm.env: in the step's environment
@@ -70,9 +71,9 @@ def test_no_step_command_line_holds_a_secret_and_every_step_environment_does(tmp
                 assert "--container-env=PYTHONPATH,MY_API_KEY,NCCL_DEBUG" in p.argv
             elif runtime == "apptainer":
                 assert p.env["APPTAINERENV_MY_API_KEY"] == f"{CANARY}-ct" and "apptainer" in p.argv
-        engine = engine_step_argv(r, run.path, executor, "e0", "initial", "initial", python=sys.executable)
+        engine = engine_step_argv(r, run.path, backend_for(executor), "e0", "initial", "initial", python=sys.executable)
         assert not any(CANARY in a for a in engine), engine
-        assert CANARY not in "\n".join(describe_steps(r, run.path, sys.executable, executor))  # the dry run's lines
+        assert CANARY not in "\n".join(describe_steps(r, run.path, sys.executable, backend_for(executor)))  # the dry run's lines
     script = render_script(r, run.path, [sys.executable, "-m", "x"], "/repo")  # relax-submit's and resubmit's
     assert CANARY not in script and "self,tcp" not in script
     attached = render_attach(r, run.path, "op1", "att-", 1, AttachOptions())  # relax-scale --attach's job

@@ -5,6 +5,7 @@ in the exchange, and the rewind of an earlier attempt's later partitions."""
 from __future__ import annotations
 
 from loop_sim import fake_checkpoint, sim_recipe, sim_run
+from relax_hpc.backends import LocalBackend
 from relax_hpc.controller.fixed_staleness import FixedStaleness
 from relax_hpc.controller.generation import Generation
 from relax_hpc.controller.resume_plan import plan_resume
@@ -20,7 +21,7 @@ FIXED = ("run.steps=6", "mode=fully_async", "max_staleness=1", "staleness_mode=f
 def setup(tmp_path, *overrides: str):
     recipe = sim_recipe(tmp_path, *overrides)
     run = sim_run(tmp_path, recipe)
-    state = RunState(run, recipe, role_steps(recipe), "local")
+    state = RunState(run, recipe, role_steps(recipe), LocalBackend())
     broker = Broker(run.path / "exchange", tasks={"train": task_fields("train", (PRODUCER,))}, max_staleness=5)
     broker.check_files = False  # the chunks are only announced, never written
     return run, state, broker

@@ -15,8 +15,11 @@ import time
 import pytest
 
 from ctl_helpers import TINY, make_run
+from relax_hpc.backends import LocalBackend
 from relax_hpc.controller import RunFailed, run_controller
-from test_local_run import _children_before, all_pids, local_executor, no_descendants_left  # noqa: F401
+from test_local_run import _children_before, all_pids, no_descendants_left  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("local_executor")  # tests/conftest.py's
 
 
 def kill_when_ready(run, role: str, killed: list) -> threading.Thread:
@@ -139,7 +142,7 @@ def _state(tmp_path, **health):
 
     run = make_run(tmp_path, dict(TINY, health=health) if health else TINY)
     recipe = load_recipe(run.recipe)
-    st = RunState(run, recipe, role_steps(recipe), "local", env={})
+    st = RunState(run, recipe, role_steps(recipe), LocalBackend(), env={})
     for role in st.ranks:
         st.step_started(role, time.time())
         for rank in range(len(st.ranks[role])):  # every rank past the start's cross-role check

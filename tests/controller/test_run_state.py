@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from ctl_helpers import TINY, make_run
+from relax_hpc.backends import LocalBackend
 from relax_hpc.controller.state import RunState
 from relax_hpc.recipe import load_recipe, role_steps
 
@@ -15,7 +16,7 @@ from relax_hpc.recipe import load_recipe, role_steps
 def state(tmp_path):
     run = make_run(tmp_path)
     recipe = load_recipe(run.recipe)
-    st = RunState(run, recipe, role_steps(recipe), "local", env={})
+    st = RunState(run, recipe, role_steps(recipe), LocalBackend(), env={})
     for role in st.ranks:
         st.step_started(role, 100.0)
     return st
@@ -123,14 +124,14 @@ def test_a_failure_that_will_be_restarted_is_never_published_as_the_end(tmp_path
     records how the one before ended. With no restart left the same failure is FAILED at once."""
     run = make_run(tmp_path, {**TINY, "checkpoint": {"max_restarts": 1}})
     recipe = load_recipe(run.recipe)
-    st = RunState(run, recipe, role_steps(recipe), "local", env={})
+    st = RunState(run, recipe, role_steps(recipe), LocalBackend(), env={})
     st.step_exited("actor", -9)
     assert st.doc["state"] == "FAILED" and st.will_restart and not st.running  # the attempt itself is over
     st.write()
     doc = json.loads(run.state.read_text())
     assert (doc["state"], doc["phase"], doc["reason"]) == ("RUNNING", "restarting", None)
     assert "actor failed: step exited with code -9" in doc["restarting"] == doc["last_failure"]
-    again = RunState(run, recipe, role_steps(recipe), "local", env={}, restart=True)
+    again = RunState(run, recipe, role_steps(recipe), LocalBackend(), env={}, restart=True)
     assert again.doc["restarts"] == 1 and "restarting" not in again.doc
     assert again.doc["history"][-1]["state"] == "FAILED" and "code -9" in again.doc["history"][-1]["reason"]
     again.step_exited("actor", -9)  # the one restart is used: this failure ends the run
@@ -139,7 +140,7 @@ def test_a_failure_that_will_be_restarted_is_never_published_as_the_end(tmp_path
     doc = json.loads(run.state.read_text())
     assert doc["state"] == "FAILED" and "code -9" in doc["reason"] and "restarting" not in doc
     for kind in ("permanent", "task"):  # failures a restart cannot fix are published at once
-        st = RunState(create_run(tmp_path, kind), recipe, role_steps(recipe), "local", env={})
+        st = RunState(create_run(tmp_path, kind), recipe, role_steps(recipe), LocalBackend(), env={})
         st.fail("rollout", 0, "n0", "ValueError: bad data", kind=kind)
         st.write()
         assert json.loads(st.run.state.read_text())["state"] == "FAILED"
@@ -162,7 +163,7 @@ def _state_with(tmp_path, **logging):
     recipe = {**TINY, "logging": {**TINY["logging"], **logging}, "health": {"max_role_restarts": 0}}
     run = make_run(tmp_path, recipe)
     loaded = load_recipe(run.recipe)
-    st = RunState(run, loaded, role_steps(loaded), "local", env={})
+    st = RunState(run, loaded, role_steps(loaded), LocalBackend(), env={})
     for role in st.ranks:
         st.step_started(role, 100.0)
     ready_all(st)
@@ -270,7 +271,7 @@ def disk_state(small_disk, size_mib=8):
     disk = small_disk(size_mib)
     run = make_run(disk.path)
     recipe = load_recipe(run.recipe)
-    st = RunState(run, recipe, role_steps(recipe), "local", env={})
+    st = RunState(run, recipe, role_steps(recipe), LocalBackend(), env={})
     for role in st.ranks:
         st.step_started(role, 100.0)
     ready_all(st)

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from ctl_helpers import TOKEN, make_run
+from relax_hpc.backends import LocalBackend
 from relax_hpc.controller import channel as channel_mod
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.elastic import Elastic
@@ -31,11 +32,11 @@ def ch():
 def el(tmp_path, ch):
     run = make_run(tmp_path)
     recipe = load_recipe(run.recipe)
-    state = RunState(run, recipe, role_steps(recipe), "local", env={})
+    state = RunState(run, recipe, role_steps(recipe), LocalBackend(), env={})
     reg = EngineRegistry()
     reg.add("engine0", "http://127.0.0.1:1", origin="initial", state="ready", weight_version="3")
     held: set[str] = set()
-    e = Elastic(recipe, run, reg, state, ch, "local", holds=lambda n: n in held, on_change=lambda: None,
+    e = Elastic(recipe, run, reg, state, ch, LocalBackend(), holds=lambda n: n in held, on_change=lambda: None,
                 assign=ch.assign, capacity=attach)
     e.started = True
     e.held = held  # the test's handle on what "a task in flight holds it" answers

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ctl_helpers import TOKEN, make_run
+from relax_hpc.backends import LocalBackend
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.elastic import Elastic
 from relax_hpc.controller.engines import EngineRegistry
@@ -30,12 +31,12 @@ def ch():
 def el(tmp_path, ch):
     run = make_run(tmp_path)
     recipe = load_recipe(run.recipe)
-    state = RunState(run, recipe, role_steps(recipe), "local", env={})
+    state = RunState(run, recipe, role_steps(recipe), LocalBackend(), env={})
     reg = EngineRegistry()
     reg.add("engine0", "http://127.0.0.1:1", origin="initial", state="ready", weight_version="3")
     reg.add("ext0", URL, origin="external", state="ready", weight_version="3", job_id="external")
     held: set[str] = set()
-    e = Elastic(recipe, run, reg, state, ch, "local", holds=lambda n: n in held, on_change=lambda: None,
+    e = Elastic(recipe, run, reg, state, ch, LocalBackend(), holds=lambda n: n in held, on_change=lambda: None,
                 assign=ch.assign, capacity=attach)
     e.external.keys["ext0"] = "/nonexistent"  # as a join leaves it (the key file is read only for calls)
     e.started = True

@@ -1,4 +1,4 @@
-"""How often the controller asks Slurm about its jobs (relax_hpc.controller.backend.SchedulerPolls, used by
+"""How often the controller asks Slurm about its jobs (relax_hpc.controller.scheduler_polls.SchedulerPolls, used by
 relax_hpc.controller.elastic for attached jobs): over 10 minutes of simulated time, at most every 30 s, sooner
 only after a change, slower while slurmctld is slow. The figure docs/slurm.md gives is the one counted here."""
 
@@ -9,7 +9,8 @@ import time
 import pytest
 
 from ctl_helpers import TOKEN, make_run
-from relax_hpc.controller.backend import SchedulerPolls
+from relax_hpc.backends import SlurmBackend
+from relax_hpc.controller.scheduler_polls import SchedulerPolls
 from relax_hpc.controller.channel import Channel
 from relax_hpc.controller.elastic import CHECK_JOBS_S, Elastic
 from relax_hpc.controller.engines import EngineRegistry
@@ -45,10 +46,10 @@ def el(tmp_path):
     run = make_run(tmp_path)
     recipe = load_recipe(run.recipe)
     recipe.rollout.elastic.join_timeout_s = 24 * 3600  # the attached job stays pending: no join timeout here
-    state = RunState(run, recipe, role_steps(recipe), "slurm", env={})
+    state = RunState(run, recipe, role_steps(recipe), SlurmBackend(), env={})
     reg = EngineRegistry()
     reg.add("engine0", "http://127.0.0.1:1", origin="initial", state="ready", weight_version="3")
-    e = Elastic(recipe, run, reg, state, ch, "slurm", holds=lambda n: False, on_change=lambda: None,
+    e = Elastic(recipe, run, reg, state, ch, SlurmBackend(), holds=lambda n: False, on_change=lambda: None,
                 assign=ch.assign, capacity=CountingCapacity())
     e.started = True
     yield e

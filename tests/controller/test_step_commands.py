@@ -11,6 +11,7 @@ import time
 import pytest
 
 from ctl_helpers import TINY, make_run
+from relax_hpc.backends import LocalBackend, SlurmBackend
 from relax_hpc.controller.steps import (describe_steps, engine_step_argv, executor_from_env, step_commands,
                                        stop_processes)
 from relax_hpc.recipe import initial_engines, load_recipe
@@ -25,7 +26,7 @@ def run(tmp_path):
 
 def test_slurm_steps_one_srun_per_role(run):
     recipe = load_recipe(run.recipe)
-    cmds = {c.role: c for c in step_commands(recipe, run.path, "slurm", python="/py")}
+    cmds = {c.role: c for c in step_commands(recipe, run.path, SlurmBackend(), python="/py")}
     assert list(cmds) == ["actor", "rollout", "reference", "actor_fwd"]
     actor = cmds["actor"].procs[0].argv
     assert actor[:2] == ["srun", "--het-group=0"] and "--overlap" not in actor
@@ -43,7 +44,7 @@ def test_slurm_steps_one_srun_per_role(run):
 
 def test_local_steps_one_process_per_rank(run):
     recipe = load_recipe(run.recipe)
-    actor = step_commands(recipe, run.path, "local", python="/py")[0]
+    actor = step_commands(recipe, run.path, LocalBackend(), python="/py")[0]
     assert [p.env["RELAX_RANK"] for p in actor.procs] == ["0", "1"]
     assert {p.env["RELAX_WORLD_SIZE"] for p in actor.procs} == {"2"}
     assert [p.env["RELAX_LOCAL_RANK"] for p in actor.procs] == ["0", "1"]
@@ -82,13 +83,13 @@ def test_unknown_executor_is_refused():
 def test_local_roles_are_bound_to_the_cpus_relax_local_cpus_names(run, monkeypatch):
     recipe = load_recipe(run.recipe)
     monkeypatch.setenv("RELAX_LOCAL_CPUS", "actor=0;rollout=1")
-    cmds = {c.role: c for c in step_commands(recipe, run.path, "local", python="/py")}
+    cmds = {c.role: c for c in step_commands(recipe, run.path, LocalBackend(), python="/py")}
     assert cmds["actor"].procs[1].argv == ["taskset", "-c", "0", "/py", "-m", "relax_hpc.roles.actor", str(run.path)]
     assert cmds["rollout"].procs[0].argv[:3] == ["taskset", "-c", "1"]
     assert cmds["reference"].procs[0].argv[0] == "/py"  # not named: not bound
     monkeypatch.setenv("RELAX_LOCAL_CPUS", "actor:0")
     with pytest.raises(ValueError, match="RELAX_LOCAL_CPUS"):
-        step_commands(recipe, run.path, "local", python="/py")
+        step_commands(recipe, run.path, LocalBackend(), python="/py")
 
 
 def test_rollout_is_one_driver_task_and_each_engine_a_step_of_its_own(run, tmp_path):
@@ -96,10 +97,10 @@ def test_rollout_is_one_driver_task_and_each_engine_a_step_of_its_own(run, tmp_p
     are one step per task slot of roles.rollout, each with its share of the GPUs; scale-out ones avoid the nodes
     it is told to."""
     recipe = load_recipe(run.recipe)
-    cmds = {c.role: c for c in step_commands(recipe, run.path, "slurm", python="/py")}
+    cmds = {c.role: c for c in step_commands(recipe, run.path, SlurmBackend(), python="/py")}
     roll = cmds["rollout"].procs[0].argv
     assert "--ntasks=1" in roll and "--nodes=1" in roll and "--overlap" in roll and "--het-group=1" in roll
-    assert [len(c.procs) for c in step_commands(recipe, run.path, "local") if c.role == "rollout"] == [1]
+    assert [len(c.procs) for c in step_commands(recipe, run.path, LocalBackend()) if c.role == "rollout"] == [1]
 
     g = recipe.roles.rollout
     assert initial_engines(recipe) == [f"engine{k}" for k in range(g.nodes * g.tasks_per_node)]
@@ -107,13 +108,13 @@ def test_rollout_is_one_driver_task_and_each_engine_a_step_of_its_own(run, tmp_p
         "nodes": 3, "tasks_per_node": 2, "gpus_per_node": 4, "cpus_per_task": 3, "elastic": {"initial": 1}}}})
     r = load_recipe(big.recipe)
     assert initial_engines(r) == ["engine0", "engine1"]  # the first node's two slots; two spare nodes
-    argv = engine_step_argv(r, big.path, "slurm", "step0", "step", "s1", exclude=["node2"], python="/py")
+    argv = engine_step_argv(r, big.path, SlurmBackend(), "step0", "step", "s1", exclude=["node2"], python="/py")
     assert argv[:2] == ["srun", "--het-group=1"] and "--overlap" not in argv
     assert {"--nodes=1", "--ntasks=1", "--cpus-per-task=3", "--gres=gpu:2", "--exclude=node2",
             "--job-name=engine-step0"} <= set(argv)
     assert argv[-10:] == ["/py", "-m", "relax_hpc.roles.engine", str(big.path), "--name", "step0", "--origin", "step",
                           "--op", "s1"]
-    assert engine_step_argv(r, big.path, "local", "engine0", "initial", "initial", python="/py")[0] == "/py"
+    assert engine_step_argv(r, big.path, LocalBackend(), "engine0", "initial", "initial", python="/py")[0] == "/py"
 
 
 def _gone(pid: int) -> bool:

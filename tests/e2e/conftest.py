@@ -5,14 +5,10 @@ that several test files assert on (session-scoped: one whole run, each file its 
 from __future__ import annotations
 
 import functools
-import importlib.machinery
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,19 +16,13 @@ import pytest
 
 from relax_hpc.recipe import dump_recipe, load_recipe
 from relax_hpc.rundir import RunDir, create_run_dir
+from tests.conftest import locally as _locally
+from tests.conftest import make_tiny_model  # noqa: F401 - the e2e tests import it from here
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 ARITH = REPO / "recipes" / "data" / "arith.jsonl"
 HERE = Path(__file__).resolve().parent
-
-
-def make_tiny_model(out: Path, **kw) -> Path:
-    loader = importlib.machinery.SourceFileLoader("relax_make_tiny_model_e2e", str(REPO / "tools" / "make-tiny-model"))
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return Path(mod.make_tiny_model(out, **kw))
 
 
 @pytest.fixture(scope="session")
@@ -123,24 +113,10 @@ def ended_state(ctl: dict) -> bool:
         (ctl.get("events") or [{}])[-1].get("event") in ("finished", "failed", "cancelled")
 
 
-@contextmanager
 def locally(**env: str):
-    """The local executor, the reward and generate functions written for the tests (tests/e2e/e2e_rewards.py)
-    importable by the rollout role, ``env`` set; undone at the end (pytest's ``monkeypatch`` is function-scoped:
-    this also serves session-scoped fixtures)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RELAX_EXECUTOR", "local")
-        mp.delenv("RELAX_TEST_FAIL_ROLE", raising=False)
-        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p))
-        for k, v in env.items():
-            mp.setenv(k, v)
-        yield
-
-
-@pytest.fixture
-def local_executor():
-    with locally():
-        yield
+    """tests/conftest.py's :func:`~tests.conftest.locally` with this folder's rewards and generate functions
+    (tests/e2e/e2e_rewards.py) importable by the rollout role (the tests' ``local_executor`` fixture is the same)."""
+    return _locally(HERE, **env)
 
 
 def metrics(run: RunDir) -> list[dict]:

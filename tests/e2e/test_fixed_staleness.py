@@ -12,8 +12,11 @@ by hand, is tests/controller/test_loop_fixed_staleness.py.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
+from relax_hpc.exchange.audit import exactly_once
 from relax_hpc.exchange.journal import iter_ops, replay
 
 from . import interrupt
@@ -27,19 +30,29 @@ KEYS = ("rollout/raw_reward", "train/loss", "train/pg_loss", "train/grad_norm")
 FIXED = (f"run.steps={STEPS}", "staleness_mode=fixed", "checkpoint.interval=2", "rollout.rollout_batch_size=8")
 
 
+# streaming within a step (rollout.stream_groups): each step as 4 chunks of 2 groups, announced as they are written;
+# the reference and actor_fwd take them one by one while rollout writes the rest
+STREAMED = (*FIXED, "rollout.stream_groups=2")
+
+
+@pytest.fixture(scope="module", params=[FIXED, STREAMED], ids=["one_chunk_per_step", "streamed"])
+def overrides(request) -> tuple[str, ...]:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def first(uninterrupted) -> dict[int, dict]:
-    return uninterrupted(*FIXED, steps=STEPS, recipe=RECIPE)
+def first(uninterrupted, overrides) -> dict[int, dict]:
+    return uninterrupted(*overrides, steps=STEPS, recipe=RECIPE)
 
 
 @pytest.mark.slow
-def test_two_fixed_runs_of_one_seed_are_identical_even_when_one_is_requeued(first, tmp_path, tiny_model,
+def test_two_fixed_runs_of_one_seed_are_identical_even_when_one_is_requeued(first, overrides, tmp_path, tiny_model,
                                                                             local_executor):
     # rollout held after step 3: step 2 synced (it waited for step 3's generate), step 3 trained, its sync waiting
     # for step 4's generate, which the pause holds back. The stop lets step 4 be generated (the held sync needs it),
     # syncs and checkpoints step 3, keeping step 4; attempt 1 resumes, held after step 3.
-    run = interrupt.interrupted_run(tmp_path, tiny_model, FIXED, (Hit("requeue", hold=3, held=2, after=3, checkpoint=3),),
-                                    recipe=RECIPE)
+    run = interrupt.interrupted_run(tmp_path, tiny_model, overrides,
+                                    (Hit("requeue", hold=3, held=2, after=3, checkpoint=3),), recipe=RECIPE)
     interrupt.same_steps(run, first, KEYS, STEPS)
     second = {r["step"]: r for r in metrics(run)}
     for n in range(1, STEPS + 1):
@@ -50,3 +63,10 @@ def test_two_fixed_runs_of_one_seed_are_identical_even_when_one_is_requeued(firs
             assert second[n][key] == first[n][key], (n, key, second[n][key], first[n][key])
     starts = [s["step"] for s in iter_ops(replay(run.path / "exchange" / "journal.jsonl"), "start")]
     assert starts.count(4) == 1, f"step 4 (kept across the requeue) was generated again: {starts}"
+    journal = run.path / "exchange" / "journal.jsonl"
+    assert exactly_once(journal, ["train", "reference", "actor_fwd"]) == []
+    if overrides == STREAMED:  # every step in 4 chunks, each forward role given them one chunk a task
+        produced = list(iter_ops(replay(journal), "produced"))
+        assert sorted(Counter(p["step"] for p in produced).values()) == [4] * STEPS, produced
+        leases = [x for x in iter_ops(replay(journal), "leased") if x["task"] in ("reference", "actor_fwd")]
+        assert leases and all(len(x["chunks"]) == 1 for x in leases), leases

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import base64
 import json
-from pathlib import Path
-
 import pytest
 
 from relax_hpc.controller import run_controller
 
-from .conftest import REPO, make_run, make_tiny_model, metrics
+from .conftest import REPO, make_run, metrics
 
 RECIPE = REPO / "recipes" / "quickstart-vision.yaml"
 DATA = REPO / "recipes" / "data" / "shapes.jsonl"
@@ -33,12 +31,6 @@ RISE = 0.2  # measured 0.15 -> 0.48; the looking itself is LOOKED's check
 CHANCE = 0.25  # pass@1 of any answer that ignores the image, on the colour-balanced held-out set
 LOOKED = 0.375  # held-out pass@1 at the end (measured 0.67): 1.5 × CHANCE, ~4 sd above it
 BAD_ROW = 5  # 0-based: line 6 of the data copy
-
-
-@pytest.fixture(scope="session")
-def tiny_vlm(tmp_path_factory) -> Path:
-    """The vision quickstart's model: tools/make-tiny-model --arch qwen2_5_vl --seed 0."""
-    return make_tiny_model(tmp_path_factory.mktemp("e2e-vlm") / "tiny-qwen2_5_vl", arch="qwen2_5_vl", seed=0)
 
 
 @pytest.mark.slow

@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import os
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from relax_hpc.controller import run_controller
 
-from .conftest import HERE, REPO, locally, make_run, make_tiny_model, metrics
+from .conftest import HERE, REPO, locally, make_run, metrics
 
 RECIPE = REPO / "recipes" / "quickstart-vision-multiturn.yaml"
 STEPS = 3
@@ -43,12 +42,6 @@ RECORDING_REWARD = '''
                                 "answers": [t["output_ids"] for t in sample.metadata["rollout_traces"]]}) + "\\n")
         return await reward_func(args, sample, **kwargs)
 '''
-
-
-@pytest.fixture(scope="session")
-def tiny_vlm(tmp_path_factory) -> Path:
-    """The vision quickstart's model: tools/make-tiny-model --arch qwen2_5_vl --seed 0."""
-    return make_tiny_model(tmp_path_factory.mktemp("e2e-vlm") / "tiny-qwen2_5_vl", arch="qwen2_5_vl", seed=0)
 
 
 def test_vision_multiturn_trains_two_pictures_per_sample(tmp_path, tiny_vlm):

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from relax_hpc.controller import container
-from relax_hpc.controller.backend import LocalBackend, SlurmBackend
+from relax_hpc.backends import container
+from relax_hpc.backends import LocalBackend, SlurmBackend
 from relax_hpc.controller.steps import describe_steps, engine_step_argv, step_commands
 from relax_hpc.errors import PermanentError
 from relax_hpc.launch.submit import plan
@@ -41,7 +41,7 @@ def test_pyxis_role_and_engine_steps(tmp_path, monkeypatch):
     r = recipe(runtime="pyxis", image="nvcr.io#nvidia/pytorch:25.09-py3", mounts=["/lustre/models:/lustre/models:ro"],
                env={"NCCL_DEBUG": "INFO"})
     run_dir = tmp_path / "runs" / "r1"
-    actor = step_commands(r, run_dir, "slurm", PY)[0].procs[0]
+    actor = step_commands(r, run_dir, SlurmBackend(), PY)[0].procs[0]
     argv = actor.argv
     own = f"{run_dir}:{run_dir}"  # the run dir lies under the working directory: that mount brings it
     mounts = next(a for a in argv if a.startswith("--container-mounts=")).split("=", 1)[1].split(",")
@@ -56,7 +56,7 @@ def test_pyxis_role_and_engine_steps(tmp_path, monkeypatch):
     assert argv[-5:] == ["--exclusive", "python3", "-m", "relax_hpc.roles.actor", str(run_dir.resolve())]
     assert argv.index("--kill-on-bad-exit=1") < argv.index(pyxis[0]) < argv.index("--exclusive")
     assert PY not in argv and actor.env["PYTHONPATH"].startswith(container.PACKAGE_ROOT)
-    engine = engine_step_argv(r, run_dir, "slurm", "e0", "initial", "initial", python=PY)
+    engine = engine_step_argv(r, run_dir, SlurmBackend(), "e0", "initial", "initial", python=PY)
     assert engine[0] == "srun" and "--gres=gpu:2" in engine and all(o in engine for o in pyxis)
     assert engine[engine.index("--exclusive") + 1:][:3] == ["python3", "-m", "relax_hpc.roles.engine"]
 
@@ -81,18 +81,18 @@ def test_apptainer_prefix_under_slurm_and_locally(tmp_path, monkeypatch):
     (tmp_path / "apptainer").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("RELAX_LOCAL_CPUS", "actor=0")
-    proc = step_commands(r, run_dir, "local", PY)[0].procs[1]
+    proc = step_commands(r, run_dir, LocalBackend(), PY)[0].procs[1]
     assert proc.argv[:4] == ["taskset", "-c", "0", "apptainer"] and proc.argv[-3:-1] == ["-m", "relax_hpc.roles.actor"]
     assert f"PYTHONPATH={proc.env['PYTHONPATH']}" in proc.argv and proc.env["RELAX_RANK"] == "1"
     # the container's variables: Apptainer's APPTAINERENV_<NAME> in the step's environment, off its command line
     assert proc.env["APPTAINERENV_HF_HOME"] == "/data/hf" and not any("/data/hf" in a for a in proc.argv)
-    slurm_step = step_commands(r, run_dir, "slurm", PY)[0].procs[0]
+    slurm_step = step_commands(r, run_dir, SlurmBackend(), PY)[0].procs[0]
     assert slurm_step.env["APPTAINERENV_HF_HOME"] == "/data/hf" and not any("/data/hf" in a for a in slurm_step.argv)
 
 
 def test_no_container_leaves_the_steps_as_they_were(tmp_path):
     r = recipe_from_dict({"model": {"path": "/m"}})
-    lines = describe_steps(r, tmp_path, PY, "slurm")
+    lines = describe_steps(r, tmp_path, PY, SlurmBackend())
     assert all(PY in line and "--container-" not in line and "apptainer exec" not in line for line in lines)
     assert [container.readable(line) for line in lines] == lines
 
@@ -180,7 +180,7 @@ def test_readable_puts_each_container_part_on_a_line_and_means_the_same(tmp_path
     monkeypatch.chdir(tmp_path)
     for c in ({"runtime": "pyxis", "image": "nvcr.io#nvidia/pytorch:25.09-py3", "env": {"A": "x y"}},
               {"runtime": "apptainer", "image": "/i.sif", "env": {"A": "1", "B": "2"}}):
-        for line in describe_steps(recipe(**c), tmp_path / "r", PY, "slurm"):
+        for line in describe_steps(recipe(**c), tmp_path / "r", PY, SlurmBackend()):
             out = container.readable(line)
             rows = out.split(" \\\n    ")
             assert shlex.split(out.replace("\\\n", "")) == shlex.split(line)  # a shell reads the same words

@@ -11,6 +11,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
+from relax_hpc.backends import SlurmBackend
 from relax_hpc.launch.executors import (ControllerTask, HetSlurmExecutor, HetSlurmInfoWatcher, RelaxLocalExecutor,
                                         read_result, runner_argv)
 from relax_hpc.launch.render import render_script
@@ -118,11 +119,11 @@ def test_come_back_on_slurm_uses_the_injected_requeue_then_resubmit(tmp_path, mo
         return {"job_id": "78"}
 
     run, recipe = RunDir(tmp_path), recipe_from_dict({})
-    out = come_back(run, recipe, "slurm", requeue_job, resubmit)
+    out = come_back(run, recipe, SlurmBackend(), requeue_job, resubmit)
     assert out == ("continuation job 78" if refused else "requeued job 77")
     assert calls == [("requeue", "77")] + ([("resubmit", tmp_path)] if refused else [])
     with pytest.raises(RuntimeError, match="cannot come back by itself"):
-        come_back(run, recipe, "slurm")  # python -m relax_hpc.controller: no launcher, no way back
+        come_back(run, recipe, SlurmBackend())  # python -m relax_hpc.controller: no launcher, no way back
 
 
 def local_executor(tmp_path, **env) -> RelaxLocalExecutor:

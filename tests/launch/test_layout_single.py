@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_hpc.controller.backend import GROUP_NODES_ENV, SlurmBackend, slurm_layout
+from relax_hpc.backends.slurm import GROUP_NODES_ENV, SlurmBackend, slurm_layout
 from relax_hpc.controller.steps import describe_steps
 from relax_hpc.launch import doctor, layouts
 from relax_hpc.launch.preflight import preflight_problems
@@ -81,6 +81,23 @@ def test_dry_run_prints_the_het_layouts_components():
     steps = steps_of(out["steps"])
     assert "srun --het-group=0 --nodes=2 " in steps["actor"] and "srun --het-group=2 --overlap " in steps["actor_fwd"]
     assert "srun --het-group=1 --nodes=1 " in steps["engine0"] and not any("--relative" in s for s in steps.values())
+
+
+@pytest.mark.parametrize("layout", ["hetjob", "auto"])
+def test_one_component_is_a_plain_job_whatever_the_layout_says(layout):
+    """Colocate with no other role: one component. Rendered as a het job, its steps' --het-group=0 finds no het
+    component (Slurm: "No directives to start application on any available hetjob components")."""
+    over = [f"slurm.layout={layout}", "model.path=/models/m", "roles.rollout.share_with=actor",
+            "roles.rollout.nodes=2", "roles.reference.enabled=false", "roles.actor_fwd.enabled=false",
+            "roles.actor_fwd.share_with=null"]
+    p = plan(SMOKE, over, check_place=False)
+    out = dry_run(p)
+    assert "#SBATCH hetjob" not in out["script"] and "export RELAX_SLURM_LAYOUT=single" in out["script"]
+    assert all("--het-group" not in s for s in out["steps"]), out["steps"]
+    assert "one component" in out["script"]
+    r = load_recipe(SMOKE, over[1:] + [f"slurm.layout={layout}"])
+    assert not [x for x in preflight_problems(r, "slurm") if x[0] == "slurm.layout"]
+    assert r.slurm.layout == "single"  # settled by the preflight: the run's recipe copy says so
 
 
 def test_the_single_allocation_is_as_big_as_the_biggest_groups_node():

@@ -4,15 +4,14 @@ async one with reference and actor_fwd (run-qwen3-4B-4xgpu-async.sh), each with 
 
 - ``relax-submit --from-relax-args`` prints a recipe for each that validates, with each role sized from
   ``--resource`` and every flag either on its key or named in the header with the reason.
-- Both printed recipes pass ``relax-submit --dry-run`` against a cluster of 8-GPU nodes: a dev cluster of this
-  test's own (``tools/dev-slurm`` with its own directory and ports: four nodes of 8 fake GPUs and 64 CPUs), with a
+- Both printed recipes pass ``relax-submit --dry-run`` against a cluster of 8-GPU nodes: the suite's
+  (``gpu_slurm_cluster``, tests/conftest.py: four nodes of 8 fake GPUs and 64 CPUs), with a
   tiny Qwen3-shaped model and a prepared data file where the scripts' $MODEL_DIR and $DATA_DIR point.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -27,10 +26,6 @@ from relax_hpc.recipe.from_relax import convert
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "relax_scripts"
 COLOCATE, ASYNC = "run-qwen3-4B-8xgpu.args", "run-qwen3-4B-4xgpu-async.args"
-CLUSTER = {"RELAX_DEV_SLURM_DIR": "/tmp/relax-dev-slurm-relax-scripts", "RELAX_DEV_SLURM_PORT": "8417",
-           "RELAX_DEV_SLURM_NODES": "4", "RELAX_DEV_SLURM_CPUS": "64", "RELAX_DEV_SLURM_GPUS": "8",
-           "RELAX_DEV_SLURM_MEM_MB": "500000", "RELAX_DEV_SLURM_ACCOUNTING": "none", "RELAX_DEV_SLURM_AUTH": "none",
-           "RELAX_DEV_SLURM_LINK_ETC": "0", "RELAX_DEV_SLURM_KICK": "0"}
 
 
 def script_flags(name: str, model_dir: str = "/models", data_dir: str = "/data") -> list[str]:
@@ -106,23 +101,6 @@ def test_the_printed_recipes_say_what_they_left_out_and_load(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A dev cluster of this test's own: 4 nodes of 8 GPUs (the async script's 4 roles are 4 het components)."""
-    if os.geteuid() != 0:
-        pytest.skip("tools/dev-slurm needs root")
-    env = {**os.environ, **CLUSTER}
-    env.pop("SLURM_CONF", None)
-    up = subprocess.run([str(REPO / "tools" / "dev-slurm"), "up"], capture_output=True, text=True, env=env,
-                        timeout=600)
-    assert up.returncode == 0, up.stderr[-3000:]
-    env["SLURM_CONF"] = up.stdout.strip().splitlines()[-1].removeprefix("export SLURM_CONF=")
-    try:
-        yield env
-    finally:
-        subprocess.run([str(REPO / "tools" / "dev-slurm"), "down"], capture_output=True, env=env, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def script_dirs(tmp_path_factory):
     """$MODEL_DIR/Qwen3-4B: a tiny Qwen3-shaped model with the context the scripts ask; $DATA_DIR's dapo-math-17k and
     aime-2024 files in the layout the scripts name."""
@@ -145,7 +123,7 @@ def script_dirs(tmp_path_factory):
     (ASYNC, ["relax_hpc.roles.actor", "relax_hpc.roles.rollout", "relax_hpc.roles.reference",
              "relax_hpc.roles.actor_fwd", "relax_hpc.roles.engine"]),
 ])
-def test_the_printed_recipes_pass_a_dry_run_on_8_gpu_nodes(cluster, script_dirs, name, steps, tmp_path):
+def test_the_printed_recipes_pass_a_dry_run_on_8_gpu_nodes(gpu_slurm_cluster, script_dirs, name, steps, tmp_path):
     flags = script_flags(name, model_dir=str(script_dirs / "models"), data_dir=str(script_dirs / "data"))
     p = subprocess.run([sys.executable, "-m", "relax_hpc.launch.cli", "--from-relax-args", *flags], cwd=REPO,
                        capture_output=True, text=True, timeout=60)
@@ -154,7 +132,7 @@ def test_the_printed_recipes_pass_a_dry_run_on_8_gpu_nodes(cluster, script_dirs,
     recipe.write_text(p.stdout)
     p = subprocess.run([str(REPO / ".venv" / "bin" / "relax-submit"), "--dry-run", str(recipe), "slurm.partition=debug",
                         f"run.runs_root={tmp_path / 'runs'}"],
-                       capture_output=True, text=True, env=cluster, cwd=tmp_path, timeout=120)
+                       capture_output=True, text=True, env=gpu_slurm_cluster, cwd=tmp_path, timeout=120)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = p.stdout
     assert "nothing submitted" in out and "Executor: slurm" in out

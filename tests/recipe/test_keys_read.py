@@ -7,8 +7,9 @@ attribute of that section's field name (``recipe.rollout.max_turns``, ``g.elasti
 that returns it (``recipe.role(name).nodes``), or a name bound to one of those or annotated with the section's class
 (``ro = recipe.rollout``, ``cfg: AlgorithmConfig``); also a call given a section and the field's name
 (``positive_seconds(cfg, "reward_timeout_s")``). So ``lengths.max()`` does not count as reading
-``roles.rollout.elastic.max``. Not counted: the validator (``relax_hpc/recipe/validate.py``), the schema, the
-functions the validator calls to judge values (:data:`VALIDATORS`), values handed on to a user's function as
+``roles.rollout.elastic.max``. Not counted: the validator (``relax_hpc/recipe/validate.py``) and the check modules
+beside the configs (:data:`NOT_SCANNED`), the schema, the functions the validator calls to judge values
+(:data:`VALIDATORS`), values handed on to a user's function as
 Relax's ``args`` (:data:`PASS_THROUGH`), and ``dataclasses.asdict`` of a section unless the module reads that
 section whole, field by field (:data:`WHOLE_SECTIONS`; ``relax_args`` hands every ``algorithm`` key to a user's
 reward function that way, which is not the run using it). A field counts per class: ``RoleGroup.mem`` read for one
@@ -33,9 +34,13 @@ from relax_hpc.recipe.schema import Recipe
 from relax_hpc.recipe.validate import schema_keys
 
 PKG = Path(__file__).resolve().parents[2] / "relax_hpc"
-NOT_SCANNED = {"recipe/validate.py", "recipe/schema.py", "rollout/config.py"}  # the validator, the schema
+# the validator, the schema, and the checks each config owns (what they read judges values, acts on none)
+NOT_SCANNED = {"recipe/validate.py", "recipe/schema.py", "rollout/config.py", "rollout/checks.py", "launch/files.py",
+               "engines/config.py"}
 # functions that judge values for the validator (it imports them) rather than act on them
-VALIDATORS = {"algo/config.py": {"check", "_plugin_form", "check_opd"}, "train/config.py": {"check"},
+VALIDATORS = {"algo/config.py": {"check", "_plugin_form", "check_opd"},
+              "train/config.py": {"check", "check_batch", "check_train_offload", "check_lora_adapter_mode",
+                                  "check_lora_reference"},
               "rollout/data.py": {"check_config"}, "ops/wandb_log.py": {"check", "credential_problems"}}
 # functions that hand recipe values on to a user's function as keyword arguments (Relax's ``args``): a key that only
 # reaches ``args`` there does nothing in the run, so those arguments are not reads

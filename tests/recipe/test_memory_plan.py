@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from relax_hpc.launch.files import check_files
 from relax_hpc.recipe import RecipeError, load_recipe, recipe_from_dict
 from relax_hpc.recipe.memory_plan import GiB, ModelShape, for_recipe, plan
-from relax_hpc.recipe.validate import check_files
 
 REPO = Path(__file__).resolve().parents[2]
 EIGHT_GPU = REPO / "recipes" / "qwen3-4b-dapo-8gpu.yaml"

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from relax_hpc.launch.files import check_files
 from relax_hpc.recipe import RecipeError, recipe_from_dict
 from relax_hpc.recipe.relax_names import RELAX_NAMES
-from relax_hpc.recipe.validate import check_files, schema_keys
+from relax_hpc.recipe.validate import schema_keys
 from relax_hpc.rollout.rewards import BUILTIN_REWARDS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -956,14 +957,15 @@ def test_pyxis_env_may_not_change_the_hosts_srun():
 
 
 def test_lora_adapter_mode_is_refused_where_the_adapters_would_not_be_applied():
-    """SGLang applies an adapter only to requests naming it (none do); actor_fwd takes full weights only."""
+    """SGLang takes the adapters (/load_lora_adapter; every request names it) but not with data-parallel replicas in
+    one server; actor_fwd takes full weights only."""
     lora = {"train": {"lora": {"mode": "adapter"}}}
-    msg = problems({**lora, "rollout": {"engine": {"kind": "sglang"}}})["train.lora.mode"]
-    assert "SGLang" in msg and "mode: merge" in msg
+    assert recipe_from_dict({**lora, "rollout": {"engine": {"kind": "sglang"}}}).train.lora.mode == "adapter"
+    msg = problems({**lora, "rollout": {"engine": {"kind": "sglang", "args": ["--dp-size", "2"]}}})["rollout.engine.args"]
+    assert "data-parallel" in msg and "Fix:" in msg
     msg = problems({**lora, "roles": {"actor_fwd": {"enabled": True}}})["train.lora.mode"]
     assert "actor_fwd" in msg and "Fix:" in msg
     assert recipe_from_dict({**lora, "rollout": {"engine": {"kind": "reference"}}}).train.lora.mode == "adapter"
     assert recipe_from_dict({"train": {"lora": {"mode": "merge"}}, "rollout": {"engine": {"kind": "sglang"}}})
-    msg = problems({**lora, "roles": {"rollout": {"gpus_per_node": 1, "tasks_per_node": 1}}})["train.lora.mode"]
-    assert "kind: auto" in msg  # GPU engine nodes: auto may mean SGLang
+    assert recipe_from_dict({**lora, "roles": {"rollout": {"gpus_per_node": 1, "tasks_per_node": 1}}})
     assert recipe_from_dict(lora).train.lora.mode == "adapter"  # CPU engines (auto): the reference engine

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
+from relax_hpc.launch.files import check_files
 from relax_hpc.recipe import recipe_from_dict
-from relax_hpc.recipe.validate import check_files
 
 
 def _dirs(tmp_path):

@@ -1,4 +1,4 @@
-"""rollout.external_engines at validation (relax_hpc/recipe/validate.py): each entry a URL and an absolute key file
+"""rollout.external_engines at validation (relax_hpc/rollout/checks.py): each entry a URL and an absolute key file
 of mode 0600, and nothing else; a refusal names the key, the value and the fix."""
 
 from __future__ import annotations

@@ -6,23 +6,18 @@ import), and modules that change weights must not leak them into others.
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _tiny_model_maker():
-    """tools/make-tiny-model has no .py suffix: load it as a module to call make_tiny_model()."""
-    path = REPO / "tools" / "make-tiny-model"
-    loader = importlib.machinery.SourceFileLoader("relax_make_tiny_model", str(path))
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod.make_tiny_model
+    """tools/make-tiny-model's make_tiny_model() (tests/conftest.py loads it)."""
+    return make_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -35,15 +30,9 @@ def tiny_llama(tmp_path_factory) -> Path:
 ENGINE_ARGS = ["--threads", "1", "--seed", "0"]
 
 
-@pytest.fixture(scope="session")
-def tiny_vlm(tmp_path_factory) -> Path:
-    """tools/make-tiny-model --arch qwen2_5_vl --seed 0: the vision quickstart's model."""
-    return _tiny_model_maker()(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl", arch="qwen2_5_vl", seed=0)
-
-
 @pytest.fixture(scope="module")
 def vlm_engine(tiny_vlm, tmp_path_factory):
-    """A CPU engine serving ``tiny_vlm``, ready (its client); stopped afterwards."""
+    """A CPU engine serving ``tiny_vlm`` (tests/conftest.py), ready (its client); stopped afterwards."""
     from relax_hpc.engines.launcher import start_engine
 
     yield from served(start_engine("cpu", tiny_vlm, log_path=tmp_path_factory.mktemp("vlm-engine") / "engine.log",

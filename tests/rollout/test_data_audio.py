@@ -105,7 +105,7 @@ def test_the_check_before_submit():
                                   max_audio_seconds=0), __import__("relax_hpc.rollout.config",
                                                                    fromlist=["RolloutConfig"]).RolloutConfig())
     text = "\n".join(map(str, bad))
-    assert "'video' is not read yet (only images and audio are)" in text
+    assert "videos beside images or audio in one recipe are not wired yet" in text
     assert "images and audio in one prompt are not wired yet" in text
     assert "data.max_audio_seconds" in text and "more than 0" in text
     lone = check_config(DataConfig(path="x.jsonl", max_audio_seconds=3.0),

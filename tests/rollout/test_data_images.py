@@ -152,8 +152,9 @@ def test_the_check_before_submit(tmp_path):
         return {(k, str(v)): m for k, v, m in check_config(DataConfig(**kw), RolloutConfig())}
 
     assert problems(multimodal_keys={"image": "images"}, image_min_token_num=4, image_max_token_num=16) == {}
-    p = problems(multimodal_keys={"video": "clips", "smell": "x", "image": ""})
-    assert "not read yet" in p[("data.multimodal_keys.video", "clips")]
+    assert "videos beside images or audio in one recipe are not wired yet" in problems(
+        multimodal_keys={"video": "v", "image": "i"})[("data.multimodal_keys", str({"video": "v", "image": "i"}))]
+    p = problems(multimodal_keys={"smell": "x", "image": ""})
     assert "not a modality" in p[("data.multimodal_keys.smell", "x")]
     assert "Fix: e.g. image: images" in p[("data.multimodal_keys.image", "")]
     p = problems(multimodal_keys={"image": "images"}, image_min_token_num=16, image_max_token_num=4)

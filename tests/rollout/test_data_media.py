@@ -15,8 +15,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
+from relax_hpc.launch.files import check_files
 from relax_hpc.recipe import recipe_from_dict
-from relax_hpc.recipe.validate import check_files
 from relax_hpc.rollout.config import DataConfig, RolloutConfig
 from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, check_config, prompt_room
 from relax_hpc.rollout.sample import SampleStatus

@@ -79,6 +79,8 @@ def test_gpu_check_plan_and_no_cuda(gc, tmp_path):
     assert w["missing"] == []  # every pin is installed here at its version (the CI venv is the reference)
     assert len(w["errors"]) == 1 and "sdist" in w["errors"][0]
     assert plan["cuda"] is False
+    assert plan["torch"]["ok"] and plan["torch"]["pinned"] == gc.torch_pin()  # this venv's torch is the pinned one
+    assert plan["memory"]["test"] == "tests/recipe/test_memory_plan_gpu.py" in plan["test_files"]
     assert "tests/train/test_gpu.py" in plan["test_files"]
     ids = [t.split("::")[-1] for t in plan["tests"]]
     assert all(t in ids for t in NEW_GPU_TESTS), plan["tests"]
@@ -116,8 +118,12 @@ def test_gpu_check_cpu_dry_run_every_stage_and_the_bench(gc, tmp_path):
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     res = json.loads((out / "gpu-check.json").read_text())
     assert res["ok"] and res["dry_run"]
-    assert [s["name"] for s in res["stages"]] == ["cuda", "wheels", "imports", "tests", "sglang", "bench", "handover"]
+    assert [s["name"] for s in res["stages"]] == ["cuda", "wheels", "imports", "tests", "sglang", "memory", "bench",
+                                                  "handover"]
     stages = {s["name"]: s for s in res["stages"]}
+    # the pinned torch ran (this venv's), and the memory test ran in the tests stage and skipped (no CUDA)
+    assert stages["cuda"]["detail"]["torch_pinned"] is True and res["torch"]["torch_pin"] == gc.torch_pin()
+    assert stages["memory"]["detail"]["measured"] is False and "CPU dry run" in stages["memory"]["detail"]["why"]
     pins = {n: v for n, v, _, _ in gc.PINS}
     assert {n: stages["imports"]["detail"]["versions"][n] for n in pins} == pins
     cases = {c["id"].split("::")[-1]: c for c in stages["tests"]["detail"]["cases"]}
@@ -260,3 +266,56 @@ def test_only_the_nccl_skip_on_one_gpu_passes_the_sglang_stage(gc):
     assert gc.judge_sglang_skips(cases, dry=False, gpus=1) == ["l::test_real_sglang_engine (needs RELAX_SGLANG_PYTHON)"]
     assert len(gc.judge_sglang_skips(cases, dry=False, gpus=2)) == 2  # with two GPUs the NCCL test must run
     assert gc.judge_sglang_skips(cases, dry=True, gpus=0) == []
+
+
+def test_another_torch_than_the_pinned_one_is_refused_unless_asked_for(gc, tmp_path, monkeypatch):
+    """Stage cuda checks torch against requirements-pins.txt (the GPU lock's torch): the image's 2.11 is refused,
+    naming what was found, the pin and the fix; --image-torch runs with it and the result says so."""
+    import torch
+
+    pin = gc.torch_pin()
+    assert pin == next(ln.split("==")[1].strip(" \\") for ln in (REPO / "requirements-lock-gpu.txt").read_text().splitlines()
+                       if ln.startswith("torch=="))
+    with pytest.raises(gc.Failed, match=r"torch here is 2\.11\.0\+cu130 \(at /img/torch\), not the pinned "
+                                        rf"{re.escape(pin)} .*--image-torch"):
+        gc.torch_check("2.11.0+cu130", "/img/torch", pin, image_torch=False)
+    assert gc.torch_check("2.11.0+cu130", "/img/torch", pin, image_torch=True)["torch_pinned"] is False
+    assert gc.torch_check(f"{pin}+cu130", "/img/torch", pin, image_torch=False)["torch_pinned"] is True
+    # the stage itself, on this python's torch, with the pin moved away from it
+    log = gc.Log(tmp_path / "log")
+    monkeypatch.setattr(gc, "torch_pin", lambda: "2.11.0")
+    with pytest.raises(gc.Failed, match=f"torch here is {re.escape(torch.__version__)} .*not the pinned 2.11.0"):
+        gc.stage_cuda(log, dry=True)
+    got = gc.stage_cuda(log, dry=True, image_torch=True)
+    assert got["torch_pinned"] is False and got["torch"] == torch.__version__
+    assert "--image-torch: checking with torch" in (tmp_path / "log").read_text()
+
+
+def junit(path: Path, status: str, why: str = "") -> None:
+    """A pytest junit report of the memory test alone, with ``status`` (what the tests stage leaves)."""
+    mark = "" if status == "passed" else f'<{status} message="{why}"/>'
+    path.write_text('<testsuites><testsuite tests="1" failures="%d" errors="0" skipped="%d">'
+                    '<testcase classname="tests.recipe.test_memory_plan_gpu" name="test_the_memory_plan_against_'
+                    'measured_peaks" time="1">%s</testcase></testsuite></testsuites>'
+                    % (status == "failure", status == "skipped", mark))
+
+
+def test_the_memory_stage_reports_the_comparison_and_fails_with_its_test(gc, tmp_path):
+    log = gc.Log(tmp_path / "log")
+    row = {"measured_mib": 1800.0, "planned_mib": 1730.0, "ratio": 1.04}
+    (tmp_path / gc.MEMORY_RESULT).write_text(json.dumps({
+        "card": "NVIDIA H100", "torch": "2.13.0+cu130", "params": 1.0e8, "activations": row,
+        "phases": {"generate": row, "train": row, "sync (export, no buckets)": row,
+                   "generate (train.offload)": {"measured_mib": 3.0, "planned_mib": 0.0, "ratio": None}}}))
+    junit(tmp_path / "pytest-gpu.xml", "passed")
+    got = gc.stage_memory({}, tmp_path, log, 60)
+    assert got["measured"] and got["card"] == "NVIDIA H100"
+    text = (tmp_path / "log").read_text()
+    assert "memory plan vs measured on NVIDIA H100" in text and "1800.0" in text and "1.04" in text
+    junit(tmp_path / "pytest-gpu.xml", "failure", "the state terms are off")
+    with pytest.raises(gc.Failed, match="test_the_memory_plan_against_measured_peaks: failure .the state terms"):
+        gc.stage_memory({}, tmp_path, log, 60)
+    junit(tmp_path / "pytest-gpu.xml", "skipped", "needs a CUDA GPU")
+    assert gc.stage_memory({}, tmp_path, log, 60, dry=True)["measured"] is False
+    with pytest.raises(gc.Failed, match="skipped"):  # on a card the test must run
+        gc.stage_memory({}, tmp_path, log, 60)

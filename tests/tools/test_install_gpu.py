@@ -7,6 +7,7 @@ from __future__ import annotations
 import configparser
 import importlib.metadata as md
 import json
+import os
 import re
 import subprocess
 import urllib.request
@@ -79,8 +80,12 @@ def test_gpu_dry_run_resolves_cuda_torch(tmp_path):
         pytest.skip("PyPI is not reachable from here")
     p, before = pins(), md.version("torch")
     report = tmp_path / "gpu.json"
+    from tests.tools.test_install_lock import LOCKS, read_lock, uv
+
+    exe = uv()
     out = subprocess.run(["bash", str(INSTALL), "--gpu", "--dry-run", "--report", str(report)],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, **({"RELAX_UV": exe} if exe else {})))
     assert out.returncode == 0, out.stdout + out.stderr
     got = {i["metadata"]["name"].lower(): i for i in json.loads(report.read_text())["install"]}
     torch = got["torch"]
@@ -94,3 +99,7 @@ def test_gpu_dry_run_resolves_cuda_torch(tmp_path):
     assert got["megatron-core"]["metadata"]["version"] == p["megatron-core"]
     assert f"would install: torch=={p['torch']} " in out.stdout
     assert md.version("torch") == before  # the dry run installed nothing here
+    if exe:  # what tools/install --gpu installs: the GPU lock, every package of it, torch's CUDA wheel included
+        plan = dict(re.findall(r"^\[install\]\s+\+ (\S+)==(\S+)$", out.stdout, re.M))
+        assert plan == {n: v for n, (v, _) in read_lock(LOCKS["gpu"].read_text()).items()}, out.stdout
+        assert plan["torch"] == p["torch"] and "nvidia-nccl-cu13" in plan

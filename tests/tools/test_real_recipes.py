@@ -2,15 +2,14 @@
 
 - ``tools/prepare-data dapo-math`` on small files of the hub's two layouts (BytedTsinghua's parquet, with its
   repeated rows; zhuzilin's JSONL), and a bad row refused by number with nothing written.
-- Both recipes pass ``relax-submit --dry-run`` against a GPU cluster: a second dev cluster of two nodes with 64
-  CPUs and 8 fake GPUs each (``tools/dev-slurm`` with its own directory and ports), and print srun lines that
-  say where each role runs.
+- Both recipes pass ``relax-submit --dry-run`` against a GPU cluster: the suite's second dev cluster, of nodes
+  with 64 CPUs and 8 fake GPUs each (``gpu_slurm_cluster``, tests/conftest.py), and print srun lines that say
+  where each role runs.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +21,6 @@ TOOL = REPO / "tools" / "prepare-data"
 PROMPT = "Solve the following math problem step by step. The last line of your response should be of the form " \
          "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{q}\n\nRemember to put " \
          "your answer on its own line after \"Answer:\"."
-GPU_CLUSTER = {"RELAX_DEV_SLURM_DIR": "/tmp/relax-dev-slurm-gpu", "RELAX_DEV_SLURM_PORT": "7917",
-               "RELAX_DEV_SLURM_NODES": "2", "RELAX_DEV_SLURM_CPUS": "64", "RELAX_DEV_SLURM_GPUS": "8",
-               "RELAX_DEV_SLURM_MEM_MB": "500000", "RELAX_DEV_SLURM_ACCOUNTING": "none",
-               "RELAX_DEV_SLURM_AUTH": "none", "RELAX_DEV_SLURM_LINK_ETC": "0", "RELAX_DEV_SLURM_KICK": "0"}
 
 
 def prepare(*args: str) -> subprocess.CompletedProcess:
@@ -72,23 +67,6 @@ def test_prepare_data_reads_both_hub_layouts(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def gpu_cluster():
-    """A second dev cluster with GPU nodes of the recipes' size (no accounting, no munge: up in a second)."""
-    if os.geteuid() != 0:
-        pytest.skip("tools/dev-slurm needs root")
-    env = {**os.environ, **GPU_CLUSTER}
-    env.pop("SLURM_CONF", None)
-    up = subprocess.run([str(REPO / "tools" / "dev-slurm"), "up"], capture_output=True, text=True, env=env,
-                        timeout=600)
-    assert up.returncode == 0, up.stderr[-3000:]
-    env["SLURM_CONF"] = up.stdout.strip().splitlines()[-1].removeprefix("export SLURM_CONF=")
-    try:
-        yield env
-    finally:
-        subprocess.run([str(REPO / "tools" / "dev-slurm"), "down"], capture_output=True, env=env, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """The recipes' inputs, small: a prepared data file and a Qwen3-shaped model with the context they ask."""
     d = tmp_path_factory.mktemp("real-recipes")
@@ -106,12 +84,12 @@ def prepared(tmp_path_factory):
     ("qwen3-4b-dapo-async-2node.yaml", ["relax_hpc.roles.actor", "relax_hpc.roles.rollout", "relax_hpc.roles.engine",
                                         "relax_hpc.roles.engine"]),
 ])
-def test_the_real_recipes_pass_a_dry_run_on_a_gpu_cluster(gpu_cluster, prepared, recipe, steps, tmp_path):
+def test_the_real_recipes_pass_a_dry_run_on_a_gpu_cluster(gpu_slurm_cluster, prepared, recipe, steps, tmp_path):
     model, data = prepared
     p = subprocess.run([str(REPO / ".venv" / "bin" / "relax-submit"), "--dry-run", str(REPO / "recipes" / recipe),
                         f"model.path={model}", f"data.path={data}", "slurm.partition=debug",
                         f"run.runs_root={tmp_path / 'runs'}"],
-                       capture_output=True, text=True, env=gpu_cluster, cwd=tmp_path, timeout=120)
+                       capture_output=True, text=True, env=gpu_slurm_cluster, cwd=tmp_path, timeout=120)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = p.stdout
     assert "#SBATCH --gpus-per-node=8" in out and "nothing submitted" in out, out

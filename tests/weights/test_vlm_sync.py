@@ -153,8 +153,8 @@ def test_a_name_the_model_does_not_have_is_refused_naming_it(engine, vlms):
 def test_freeze_vision_with_a_text_model_is_refused_before_submit(vlms, tmp_path):
     import json
 
+    from relax_hpc.launch.files import check_files
     from relax_hpc.recipe import recipe_from_dict
-    from relax_hpc.recipe.validate import check_files
 
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "config.json").write_text(json.dumps({"model_type": "qwen3"}))

@@ -99,13 +99,12 @@ def test_sglang_flattened_layout():
     assert [B.TensorMeta.from_json(m.to_json()) for m in meta] == meta
 
 
-def test_mixed_dtype_flat_buffer_promotes_like_the_engine():
-    """Never produced by iter_buckets, but the engine must read such a buffer as torch.cat would make it."""
-    meta = B.plan([("x", (3,), torch.bfloat16), ("y", (2,), torch.float32)])
-    assert B.empty_flat(meta).dtype == torch.float32
-    flat = torch.cat([torch.tensor([1.5, 2.0, -3.0], dtype=torch.bfloat16).flatten(), torch.tensor([4.0, 5.0])])
-    x, y = (t for _, t in B.unpack(flat, meta))
-    assert x.dtype == torch.bfloat16 and x.tolist() == [1.5, 2.0, -3.0] and y.tolist() == [4.0, 5.0]
+def test_buckets_speak_the_one_bucket_wire():
+    """The layout, metadata and dtype names are engines/bucket_wire's (the receivers read the same), not a copy."""
+    from relax_hpc.engines import bucket_wire as W
+
+    assert (B.TensorMeta, B.plan, B.unpack, B.empty_flat, B.dtype_name) == (W.TensorMeta, W.plan, W.unpack,
+                                                                            W.empty_flat, W.dtype_name)
 
 
 def test_pack_into_reused_buffer():

@@ -269,6 +269,7 @@ SPLIT = ["roles.actor.nodes=32", "roles.actor.tasks_per_node=8", "roles.rollout.
 
 
 def sim_controller(base: Path, reps: int = 5) -> dict:
+    from relax_hpc.backends import LocalBackend
     from relax_hpc.controller import protocol as P
     from relax_hpc.controller.state import RunState
     from relax_hpc.recipe import load_recipe, role_steps
@@ -279,7 +280,7 @@ def sim_controller(base: Path, reps: int = 5) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="relax-bench-scaling-", dir=base))
     try:
         run = create_run_dir(tmp, "scaling")
-        st = RunState(run, recipe, steps, "local", env={})
+        st = RunState(run, recipe, steps, LocalBackend(), env={})
         now = time.time()
         for role in st.ranks:
             st.step_started(role, now)
@@ -321,6 +322,7 @@ def sim_controller(base: Path, reps: int = 5) -> dict:
 def sim_engine_polls(recipe, run, st, token: str, reps: int) -> dict:
     """The loop's part of one engine host's ``next_task`` long poll: ``RunState.apply`` (not a rank: it returns
     at once) and ``Elastic.on_message`` (the engine's sign of life), on a registry of the run's E engines."""
+    from relax_hpc.backends import LocalBackend
     from relax_hpc.controller.channel import Channel
     from relax_hpc.controller.elastic import Elastic
     from relax_hpc.controller.engines import EngineRegistry
@@ -333,7 +335,7 @@ def sim_engine_polls(recipe, run, st, token: str, reps: int) -> dict:
         reg.add(name, f"http://10.0.{i // 250}.{i % 250}:30000", origin="initial", state="ready", weight_version="3")
     ch = Channel(token, bind_host="127.0.0.1")
     try:
-        el = Elastic(recipe, run, reg, st, ch, "local", holds=lambda n: False, on_change=lambda: None,
+        el = Elastic(recipe, run, reg, st, ch, LocalBackend(), holds=lambda n: False, on_change=lambda: None,
                      assign=ch.assign)
         msgs = [{"type": "next_task", "role": f"engine:{n}", "rank": 0, "wait_s": POLL_S} for n in names]
         ts = []

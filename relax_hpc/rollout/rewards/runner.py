@@ -20,8 +20,11 @@ from relax_hpc.rollout.rewards.builtin import builtin_reward, dapo_genrm_reward,
 from relax_hpc.rollout.sample import Sample, SampleStatus, reward_value
 from relax_hpc.threads import in_daemon_thread
 
-if TYPE_CHECKING:  # relax_hpc.recipe imports this module (validate: BUILTIN_REWARDS), so only for annotations
-    from relax_hpc.recipe.schema import Recipe
+# the run's relax_hpc.recipe.Recipe, by its attributes: rollout/ imports nothing of the recipe (which imports rollout's
+# config and checks)
+Recipe = Any
+
+if TYPE_CHECKING:
     from relax_hpc.rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)

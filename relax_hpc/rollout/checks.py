@@ -1,0 +1,343 @@
+"""The checks of the recipe's ``rollout:``, ``data:``, ``genrm:`` sections and of the roles that serve them (the
+judge, the OPD teacher, the elastic engines), beside :mod:`relax_hpc.rollout.config`, which defines those sections.
+
+:func:`relax_hpc.recipe.validate.check` calls them in its order. The recipe arrives typed ``Any``: rollout/ imports
+nothing of :mod:`relax_hpc.recipe` (the recipe imports this module). Module level imports only the standard library;
+a check that needs a runtime lookup (the reward names, the data reader) imports it inside the function, so loading
+a recipe on a login node does not load rollout's runtime.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from typing import Any
+
+Problem = tuple[str, object, str]
+
+
+def check_data(data: Any, rollout: Any) -> list[Problem]:
+    """``data:`` and the rollout keys it reads (:func:`relax_hpc.rollout.data.check_config`); keys carry their
+    section."""
+    from relax_hpc.rollout.data import check_config
+
+    return check_config(data, rollout)
+
+
+_HTTP_URL = re.compile(r"https?://[^\s/?#]+[^\s]*")
+
+
+def known_rm_type(name: str) -> bool:
+    """Whether ``relax_hpc.rollout.rewards.builtin_reward`` scores ``name``: a built-in, or ``boxed_<built-in>``."""
+    while name.startswith("boxed_"):
+        name = name[len("boxed_"):]
+    from relax_hpc.rollout.rewards import BUILTIN_REWARDS  # runtime module: loaded only when a recipe names rm_type
+
+    return name in BUILTIN_REWARDS
+
+
+def check_rm_type(r: Any) -> list[Problem]:
+    """An unknown built-in reward failed only at the first reward call (step 1, after the engines started).
+    With ``custom_rm_path`` set, rm_type is only passed to that function, which may use names of its own."""
+    rm, url = r.rollout.rm_type, r.rollout.rm_url
+    out: list[Problem] = []
+    if url is not None and not _HTTP_URL.fullmatch(url):
+        out.append(("rollout.rm_url", url, "is not an http(s) URL. Fix: the reward server's address, e.g. "
+                    "'http://rm-host:8000/score'"))
+    if rm is None or r.rollout.custom_rm_path is not None:
+        return out
+    if rm == "remote_rm":
+        if url is None:
+            out.append(("rollout.rm_url", url, "is required with rollout.rm_type remote_rm (Relax --rm-url): each "
+                        "sample is POSTed there as {prompt, response, label}. Fix: set rollout.rm_url to the reward "
+                        "server's http(s) URL"))
+        return out
+    from relax_hpc.rollout.rewards import AWAITED_REWARDS, BUILTIN_REWARDS
+
+    boxed_awaited = rm.startswith("boxed_") and rm.split("boxed_")[-1] in AWAITED_REWARDS
+    if known_rm_type(rm) and not boxed_awaited:
+        return out
+    known = ", ".join(BUILTIN_REWARDS)
+    what = (f"is refused: {rm.split('boxed_')[-1]} reads the whole response itself, so it has no boxed_ form"
+            if boxed_awaited and known_rm_type(rm) else
+            "is not a built-in reward of relax_hpc (Relax's ifbench, openr1mm, geo3k and mopd are not built in)")
+    return out + [("rollout.rm_type", rm, f"{what}. Fix: use one of {known}, or boxed_<one of them> (e.g. "
+                   "boxed_math), or write your reward function and set rollout.custom_rm_path")]
+
+
+def check_dynamic_sampling(ro: Any, mode: str) -> list[Problem]:
+    """Over-sampling without a filter or partial rollout would draw more groups and keep the first ones, and
+    partial rollout without over-sampling never aborts anything: knobs that do nothing are refused."""
+    out: list[Problem] = []
+    osb = ro.over_sampling_batch_size
+    if ro.partial_rollout and mode != "fully_async":
+        out.append(("rollout.partial_rollout", True, "needs mode: fully_async: which groups finish first depends "
+                    "on timing, and colocate mode promises steps that come out the same on a resume. Fix: set "
+                    "mode: fully_async, or remove this key"))
+    elif ro.partial_rollout and (osb is None or osb <= ro.rollout_batch_size):
+        out.append(("rollout.partial_rollout", True, f"needs rollout.over_sampling_batch_size above "
+                    f"rollout.rollout_batch_size = {ro.rollout_batch_size}: the groups beyond it are the ones "
+                    f"aborted at the step's end. Fix: e.g. over_sampling_batch_size: {2 * ro.rollout_batch_size}"))
+    if not ro.partial_rollout:
+        for key in ("partial_rollout_max_aborted_count", "mask_offpolicy_in_partial_rollout"):
+            if getattr(ro, key) not in (None, False):
+                out.append((f"rollout.{key}", getattr(ro, key), "only acts with rollout.partial_rollout: true. "
+                            "Fix: set that too, or remove this key"))
+    if ro.max_turns is not None and ro.max_turns < 1:
+        out.append(("rollout.max_turns", ro.max_turns, "must be at least 1 model turn. Fix: e.g. 2"))
+    if ro.max_context_len is not None and ro.max_context_len < 2:
+        out.append(("rollout.max_context_len", ro.max_context_len, "must be at least 2 tokens or null. Fix: e.g. 4096"))
+    if ro.env_step_timeout_s <= 0:
+        out.append(("rollout.env_step_timeout_s", ro.env_step_timeout_s, "must be positive. Fix: e.g. 60"))
+    if ro.partial_rollout and ro.interaction_env_path:
+        out.append(("rollout.partial_rollout", True, "does not work with rollout.interaction_env_path yet (a "
+                    "multi-turn rollout is not aborted and continued). Fix: use one of the two"))
+    if ro.partial_rollout and ro.custom_generate_function_path:
+        out.append(("rollout.partial_rollout", True, "does not work with rollout.custom_generate_function_path yet "
+                    "(a custom function cannot be aborted and continued). Fix: use one of the two"))
+    if ro.partial_rollout_max_aborted_count is not None and ro.partial_rollout_max_aborted_count < 1:
+        out.append(("rollout.partial_rollout_max_aborted_count", ro.partial_rollout_max_aborted_count,
+                    "must be at least 1 or null (no limit). Fix: e.g. 3"))
+    if osb is not None and ro.dynamic_sampling_filter_path is None and not ro.partial_rollout:
+        out.append(("rollout.over_sampling_batch_size", osb, "only acts with rollout.dynamic_sampling_filter_path "
+                    "or rollout.partial_rollout (it is the number of groups drawn per round). Fix: set the filter, "
+                    "e.g. relax_hpc.rollout.dynamic.check_reward_nonzero_std, or remove this key"))
+    elif osb is not None and osb < ro.rollout_batch_size:
+        out.append(("rollout.over_sampling_batch_size", osb, f"must be at least rollout.rollout_batch_size = "
+                    f"{ro.rollout_batch_size} (groups drawn per round; Relax's rule). Fix: e.g. "
+                    f"{2 * ro.rollout_batch_size}, or null for rollout_batch_size"))
+    if ro.dynamic_sampling_max_rounds < 0:
+        out.append(("rollout.dynamic_sampling_max_rounds", ro.dynamic_sampling_max_rounds,
+                    "must be 0 (no limit) or more. Fix: e.g. 8"))
+    return out
+
+
+def check_streaming(recipe: Any) -> list[Problem]:
+    """``rollout.stream_groups``: chunks of whole groups written as they are done. Refused where a step's groups are
+    only known, or changed, once the whole step is done."""
+    ro, n = recipe.rollout, recipe.rollout.stream_groups
+    if n < 0:
+        return [("rollout.stream_groups", n, "must be 0 (one chunk per step) or more. Fix: e.g. 4")]
+    if not n:
+        return []
+    out: list[Problem] = []
+    why = {"dynamic_sampling_filter_path": "the filter keeps or drops groups round by round, so which groups the step "
+                                           "holds is known only at its end",
+           "partial_rollout": "which groups the step trains is decided when it has enough and the rest are aborted "
+                              "(streaming those is not built yet)",
+           "sample_filter_path": "the filter is called once on the whole step's groups and may change any sample"}
+    for key, reason in why.items():
+        if getattr(ro, key):
+            out.append((f"rollout.{key}", getattr(ro, key), f"does not work with rollout.stream_groups = {n}: {reason}. "
+                        "Fix: set rollout.stream_groups: 0, or remove this key"))
+    if recipe.opd is not None and recipe.opd.enabled:
+        out.append(("rollout.stream_groups", n, "does not work with opd: the teacher scores the step's samples after "
+                    "the whole step is generated. Fix: rollout.stream_groups: 0"))
+    if recipe.train.routing_replay:
+        out.append(("rollout.stream_groups", n, "does not work with train.routing_replay yet (the experts' width is "
+                    "settled over the whole step). Fix: rollout.stream_groups: 0"))
+    return out
+
+
+def check_context_bound(r: Any) -> list[Problem]:
+    """A multi-turn sample grows up to the context bound; one longer than ``train.max_seq_len`` failed the run at
+    its first training step ("a sample has 25 tokens, more than train.max_seq_len = 16")."""
+    ro, cap = r.rollout, r.train.max_seq_len
+    if ro.max_context_len is None or ro.max_context_len <= cap:
+        return []
+    return [("rollout.max_context_len", ro.max_context_len, f"is more than train.max_seq_len = {cap}, the longest "
+             "sample the trainer accepts (a multi-turn sample, prompt and every turn, grows up to "
+             f"rollout.max_context_len tokens). Fix: at most {cap}, or null (the bound is then train.max_seq_len), "
+             "or raise train.max_seq_len")]
+
+
+def check_lengths(r: Any, multiturn: bool) -> list[Problem]:
+    """Samples longer than the trainer accepts (``train.max_seq_len``), and multi-turn keys without an environment,
+    found before the queue. ``multiturn``: whether a multi-turn environment is named (with only a
+    ``custom_config_path``, its YAML says: :func:`relax_hpc.launch.files.check_files` calls this then). A custom generate function makes
+    its samples itself: only the trainer's own check applies to them."""
+    ro, cap = r.rollout, r.train.max_seq_len
+    out: list[Problem] = []
+    if not multiturn:
+        for key in ("max_turns", "max_context_len"):
+            if getattr(ro, key) is not None:
+                out.append((f"rollout.{key}", getattr(ro, key), "only acts with a multi-turn environment "
+                            "(rollout.interaction_env_path, or rollout_interaction_env_path in the custom_config_path "
+                            "YAML). Fix: set one, or remove this key"))
+    if ro.custom_generate_function_path is not None:
+        return out
+    bound = min(ro.max_context_len or cap, cap)
+    if multiturn and ro.max_prompt_len is not None and ro.max_prompt_len >= bound:
+        out.append(("rollout.max_prompt_len", ro.max_prompt_len, f"leaves no room for a response in the multi-turn "
+                    f"context bound of {bound} tokens (rollout.max_context_len, else train.max_seq_len = {cap}). "
+                    f"Fix: below {bound}, or raise the bound"))
+    elif not multiturn and ro.max_prompt_len is not None and ro.max_prompt_len + ro.max_response_len > cap:
+        out.append(("rollout.max_response_len", ro.max_response_len, f"rollout.max_prompt_len + "
+                    f"rollout.max_response_len = {ro.max_prompt_len} + {ro.max_response_len} = "
+                    f"{ro.max_prompt_len + ro.max_response_len} tokens, more than train.max_seq_len = {cap}, the "
+                    f"longest sample the trainer accepts. Fix: lower either so that their sum is at most {cap}, or "
+                    "raise train.max_seq_len"))
+    elif not multiturn and ro.max_response_len >= cap:
+        out.append(("rollout.max_response_len", ro.max_response_len, f"leaves no room for a prompt in "
+                    f"train.max_seq_len = {cap}, the longest sample (prompt + response) the trainer accepts. Fix: "
+                    f"below {cap} by the longest prompt (and set rollout.max_prompt_len, which drops longer "
+                    "prompts), or raise train.max_seq_len"))
+    return out
+
+
+def check_genrm(r: Any) -> list[Problem]:
+    """A judge role without a model, or a model without judge engines, would validate and do nothing."""
+    g, on = r.genrm, r.roles.genrm.enabled
+    out: list[Problem] = []
+    if on and g.model_path is None:
+        out.append(("genrm.model_path", None, "is required with roles.genrm.enabled: true (Relax --genrm-model-path). "
+                    "Fix: the judge model's directory, or disable roles.genrm"))
+    if g.model_path is not None and not on:
+        out.append(("roles.genrm.enabled", False, f"genrm.model_path is set ({g.model_path!r}) but no judge engines "
+                    "would run. Fix: set roles.genrm.enabled: true (and its nodes), or remove genrm.model_path"))
+    if r.rollout.rm_type == "dapo-genrm" and r.rollout.custom_rm_path is None and not on:
+        out.append(("rollout.rm_type", "dapo-genrm", "asks a GenRM judge, and the recipe has none. Fix: set "
+                    "genrm.model_path and roles.genrm.enabled: true"))
+    if r.roles.genrm.share_with is not None:
+        out.append(("roles.genrm.share_with", r.roles.genrm.share_with, "the judge engines need nodes of their own "
+                    "here. Fix: remove it and give roles.genrm its own nodes"))
+    for key, val in (("request_timeout_s", g.request_timeout_s), ("sampling.max_response_len", g.sampling.max_response_len),
+                     ("sampling.top_p", g.sampling.top_p)):
+        if val <= 0:
+            out.append((f"genrm.{key}", val, "must be more than 0"))
+    if g.retries < 1:
+        out.append(("genrm.retries", g.retries, "must be at least 1 (the number of attempts of one judge call)"))
+    if g.sampling.temperature < 0:
+        out.append(("genrm.sampling.temperature", g.sampling.temperature, "must be 0 or more"))
+    return out
+
+
+def check_teacher(r: Any) -> list[Problem]:
+    """OPD's teacher is the run's own engines (``roles.teacher``, serving ``opd.teacher_model_path``) or a server at
+    ``opd.teacher_url``, exactly one; teacher engines without OPD, or a model without them, would do nothing."""
+    on, opd = r.roles.teacher.enabled, r.opd if r.opd is not None and r.opd.enabled else None
+    out: list[Problem] = []
+    if r.roles.teacher.share_with is not None:
+        out.append(("roles.teacher.share_with", r.roles.teacher.share_with, "the teacher engines need nodes of their "
+                    "own here. Fix: remove it and give roles.teacher its own nodes"))
+    if opd is None:
+        if on:
+            out.append(("roles.teacher.enabled", True, "the teacher engines serve on-policy distillation, and the "
+                        "recipe has no opd section that is on. Fix: add opd: {teacher_model_path: <the teacher's "
+                        "directory>} (docs/distillation.md), or disable roles.teacher"))
+        return out
+    if not on and opd.teacher_url is None:
+        out.append(("opd.teacher_url", None, "is required when the run has no teacher engines of its own: the "
+                    "teacher scores the student's tokens there (Relax --opd-teacher-url). Fix: the teacher SGLang "
+                    "server's /generate endpoint, e.g. 'http://teacher-host:30000/generate', or roles.teacher.enabled: "
+                    "true with opd.teacher_model_path"))
+    if on and opd.teacher_url is not None:
+        out.append(("opd.teacher_url", opd.teacher_url, "names a teacher server, and roles.teacher starts the run's "
+                    "own teacher engines: the run would ask only one. Fix: remove opd.teacher_url, or disable "
+                    "roles.teacher (and remove opd.teacher_model_path)"))
+    if on and opd.teacher_model_path is None:
+        out.append(("opd.teacher_model_path", None, "is required with roles.teacher.enabled: true (Relax "
+                    "--teacher-hf-checkpoint). Fix: the teacher model's directory (it must use the student's "
+                    "tokenizer), or disable roles.teacher and set opd.teacher_url"))
+    if not on and opd.teacher_model_path is not None:
+        out.append(("roles.teacher.enabled", False, f"opd.teacher_model_path is set ({opd.teacher_model_path!r}) but "
+                    "no teacher engines would run. Fix: set roles.teacher.enabled: true (and its nodes), or remove "
+                    "opd.teacher_model_path"))
+    if opd.token_selection != "student_sampled":  # until the exchange carries both models' top-k to the trainer
+        out.append(("opd.token_selection", opd.token_selection, "needs the top-k log-probs of the teacher and of the "
+                    "student in the training step; the exchange carries the teacher's log-prob of each sampled token "
+                    "only (teacher_log_probs). Fix: token_selection: student_sampled, with kl_type reverse_kl or "
+                    "low_var_kl and log_prob_top_k 0"))
+    return out
+
+
+def check_external(r: Any) -> list[Problem]:
+    """rollout.external_engines: each a URL and an absolute key file of mode 0600 (read where the controller runs)."""
+    import os
+
+    from relax_hpc.rollout.external import KeyFileError, check_url, read_key_file
+
+    out: list[Problem] = []
+    seen: set[str] = set()
+    for i, x in enumerate(r.rollout.external_engines):
+        key = f"rollout.external_engines[{i}]"
+        if set(x) != {"url", "key_file"}:
+            out.append((key, x, "must be {url: http://HOST:PORT, key_file: /absolute/path} and nothing else (the key "
+                        "itself never goes in a recipe)"))
+            continue
+        try:
+            url = check_url(x["url"])
+            if url in seen:
+                out.append((f"{key}.url", x["url"], "is listed twice. Fix: list each engine once"))
+            seen.add(url)
+        except ValueError as e:
+            out.append((f"{key}.url", x["url"], f"{e}. Fix: the address of a running engine"))
+        if not os.path.isabs(os.path.expanduser(x["key_file"])):
+            out.append((f"{key}.key_file", x["key_file"], "must be an absolute path (the controller reads it from its "
+                        "own directory). Fix: the full path of the file holding the engine's API key"))
+            continue
+        try:
+            read_key_file(x["key_file"], f"{key}.key_file")
+        except KeyFileError as e:
+            out.append((f"{key}.key_file", x["key_file"], str(e)))
+    return out
+
+
+def check_elastic(r: Any) -> list[Problem]:
+    """Scale-out's knobs (docs/elastic.md): spare rollout nodes, drain and join bounds, the attach defaults."""
+    out: list[Problem] = []
+    for name in (f.name for f in fields(r.roles)):  # the role names, in order (recipe.schema.ROLE_NAMES)
+        if name != "rollout" and r.role(name).elastic is not None:
+            out.append((f"roles.{name}.elastic", "{...}", "only rollout scales (its engines). Fix: remove it"))
+    g, el = r.roles.rollout, r.roles.rollout.elastic
+    if el is not None:
+        if el.max is not None:  # it would only repeat nodes; accepted and ignored, it looked like a scale-out bound
+            out.append(("roles.rollout.elastic.max", el.max, f"is not a setting: rollout's component holds "
+                        f"roles.rollout.nodes ({g.nodes}) nodes, and the spare ones beyond elastic.initial are the "
+                        f"most relax-scale can add. Fix: remove max, and set roles.rollout.nodes: {el.max} for a "
+                        "component of that size (a cap on engines in all is rollout.elastic.max_engines)"))
+        if not 1 <= el.initial < g.nodes:
+            out.append(("roles.rollout.elastic.initial", el.initial, f"must be 1 to roles.rollout.nodes - 1 "
+                        f"({g.nodes - 1}): the rest of the component's nodes are the spare ones relax-scale starts "
+                        "engines on. Fix: raise roles.rollout.nodes, or remove roles.rollout.elastic"))
+        if g.share_with is not None:
+            out.append(("roles.rollout.elastic", "{...}", "needs rollout's own component (share_with is set)"))
+    e = r.rollout.elastic
+    for key in ("drain_timeout_s", "join_timeout_s"):
+        if not getattr(e, key) > 0:
+            out.append((f"rollout.elastic.{key}", getattr(e, key), "must be > 0 (seconds)"))
+    out += check_external(r)
+    initial = (el.initial if el is not None else g.nodes) * g.tasks_per_node
+    if e.max_engines is not None and e.max_engines < initial:
+        out.append(("rollout.elastic.max_engines", e.max_engines, f"is below the {initial} engines the run starts "
+                    "with. Fix: raise it, or null for no limit"))
+    a = e.autoscale
+    if a.enabled:
+        if r.mode != "fully_async":
+            out.append(("rollout.elastic.autoscale.enabled", True, "reads fully-async signals (the trainer waiting "
+                        "for samples, rollout held at the staleness gate); in colocate the roles take turns by design. "
+                        "Fix: mode: fully_async, or disable it"))
+        low = a.min if a.min is not None else initial
+        if a.max is None or a.max < max(low, 1):
+            out.append(("rollout.elastic.autoscale.max", a.max, f"must be set, and at least min ({low}). Fix: the "
+                        "most engines the run may have"))
+        if a.min is not None and a.min < 1:
+            out.append(("rollout.elastic.autoscale.min", a.min, "must be 1 or more, or null (the engines the run "
+                        "starts with)"))
+        for key in ("step", "window"):
+            if getattr(a, key) < 1:
+                out.append((f"rollout.elastic.autoscale.{key}", getattr(a, key), "must be 1 or more"))
+        for key in ("scale_out_wait_ratio", "scale_in_idle_ratio"):
+            if not 0 <= getattr(a, key) <= 1:
+                out.append((f"rollout.elastic.autoscale.{key}", getattr(a, key), "must be a share, 0 to 1"))
+        q = a.scale_out_queue_per_engine
+        if q is not None and not q > 0:
+            out.append(("rollout.elastic.autoscale.scale_out_queue_per_engine", q, "must be more than 0 (requests "
+                        "waiting per engine), or null to leave the queue out of the decision"))
+        for key in ("scale_out_cooldown_s", "scale_in_cooldown_s"):
+            if getattr(a, key) < 0:
+                out.append((f"rollout.elastic.autoscale.{key}", getattr(a, key), "must be 0 or more (seconds)"))
+    for i, x in enumerate(e.attach.extra):
+        if not x.startswith("--") or "\n" in x:
+            out.append((f"rollout.elastic.attach.extra[{i}]", x, "must be one sbatch option, like '--reservation=r1'"))
+    return out
