@@ -251,10 +251,15 @@ def _resume(args: argparse.Namespace, console: Console) -> int:
 
 
 def _foreground(rd: RunDir, record: dict, job: Any, console: Console, as_json: bool) -> int:
-    """Follow a local run until it ends; Ctrl-C cancels it (its whole process group)."""
+    """Follow a local run until it ends; Ctrl-C cancels it (its whole process group). Where this process was
+    started with SIGINT ignored (a shell's background job, ``relax-submit ... &`` in a script), no Ctrl-C reaches
+    it, and it says so rather than promise one: relax-cancel stops the run."""
+    interruptible = signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
     if not as_json:
+        how = "Ctrl-C cancels" if interruptible else (
+            f"SIGINT is ignored here (started in the background): relax-cancel {record['run']} cancels")
         console.print(f"Running [bold]{record['run']}[/bold] locally (pid {record['pid']}); "
-                      f"Ctrl-C cancels. Run directory: {record['run_dir']}", highlight=False)
+                      f"{how}. Run directory: {record['run_dir']}", highlight=False)
     proc = getattr(job, "_process", None)
 
     def ended(info: dict) -> bool:

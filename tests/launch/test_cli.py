@@ -73,7 +73,9 @@ def test_render_only_shows_the_batch_script_of_a_recipe_for_a_cluster_not_reacha
     assert "no sbatch on PATH" not in p.stderr and "Executor: slurm" in p.stdout
     assert "# NOT CHECKED (--render-only)" in p.stdout and "partition, node and GPU counts" in p.stdout
     assert "#SBATCH --gpus-per-node=8" in p.stdout and "#SBATCH --partition=gpu" in p.stdout
-    assert "srun --het-group=0 --nodes=1 --ntasks=8" in p.stdout and "/cluster/models" not in p.stderr
+    # colocate on one node: the job's one component is a plain job (no --het-group)
+    assert "srun --relative=0 --nodes=1 --ntasks=8" in p.stdout and "--het-group" not in p.stdout, p.stdout
+    assert "/cluster/models" not in p.stderr
     assert no_run_dirs(tmp_path)
     d = json.loads(cli("relax-submit", "--dry-run", "--render-only", "--json", str(EIGHT_GPU), *ELSEWHERE,
                        cwd=tmp_path, env=no_slurm_env).stdout)
@@ -278,41 +280,72 @@ def _hang_report(p: subprocess.Popen, out_file: Path, err_file: Path, cwd: Path)
             f"--- stderr:\n{err_file.read_text()[-12000:]}")
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="known defect, open (#43): inside the full suite relax-submit's Ctrl-C can wait "
-                   "past 90 s since the role tier; passes alone (see the session note)")
-def test_ctrl_c_in_foreground_cancels_the_run(no_slurm_env, tmp_path):
-    # SIGUSR1 dumps relax-submit's threads: if it ever hangs, the failure says where
+def _submit_held(no_slurm_env, tmp_path: Path, sigint) -> tuple[subprocess.Popen, Path, Path]:
+    """relax-submit --local of the smoke recipe, the rollout role held ready (the run is going until it is
+    stopped), started with SIGINT set to ``sigint``. Unbuffered, unwrapped output: its lines are in the files the
+    moment it prints them. SIGUSR1 dumps its threads: if it ever hangs, the failure says where."""
     code = ("import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
             "from relax_hpc.launch.cli import submit_main; sys.exit(submit_main(sys.argv[1:]))")
-    # the rollout role held ready: Ctrl-C always finds the run going. Unbuffered, unwrapped output: relax-submit's
-    # "Ctrl-C cancels" line is in the file the moment it follows the run
     env = dict(no_slurm_env, RELAX_TEST_HOLD_ROLE="rollout", PYTHONUNBUFFERED="1", COLUMNS="1000")
     out_file, err_file = tmp_path / "stdout", tmp_path / "stderr"
     with open(out_file, "w") as out, open(err_file, "w") as err:
         p = subprocess.Popen([sys.executable, "-c", code, "--local", str(SMOKE)], cwd=tmp_path, env=env,
-                             stdout=out, stderr=err)
+                             stdout=out, stderr=err, preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
+    return p, out_file, err_file
+
+
+def _wait_following(p: subprocess.Popen, out_file: Path, err_file: Path, cwd: Path, line: str) -> None:
+    """Until relax-submit printed ``line`` (it follows the run: its Ctrl-C handler is in place) and the run is going."""
+    deadline = time.monotonic() + 120
+    while not (line in out_file.read_text() and going(cwd)):
+        assert time.monotonic() < deadline and p.poll() is None, (out_file.read_text(), err_file.read_text())
+        time.sleep(0.05)
+
+
+def _ended_cancelled(p: subprocess.Popen, out_file: Path, err_file: Path, cwd: Path, env: dict) -> dict:
     try:
-        # Ctrl-C once relax-submit follows the run (its Ctrl-C handler is in place) and the run is going
-        deadline = time.monotonic() + 120
-        while not ("Ctrl-C cancels" in out_file.read_text() and going(tmp_path)):
-            assert time.monotonic() < deadline and p.poll() is None, (out_file.read_text(), err_file.read_text())
-            time.sleep(0.05)
-        p.send_signal(signal.SIGINT)
-        try:
-            p.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            pytest.fail(_hang_report(p, out_file, err_file, tmp_path))
+        p.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail(_hang_report(p, out_file, err_file, cwd))
     finally:
         if p.poll() is None:
             p.kill()
-    out, err = out_file.read_text(), err_file.read_text()
-    assert p.returncode == 130, (out, err)
-    assert "cancelling" in err
-    d = json.loads(cli("relax-status", "--json", cwd=tmp_path, env=no_slurm_env).stdout)
+    d = json.loads(cli("relax-status", "--json", cwd=cwd, env=env).stdout)
     assert d["state"] == "CANCELLED", d
-    job = json.loads((tmp_path / "runs" / d["run"] / "job.json").read_text())
+    job = json.loads((cwd / "runs" / d["run"] / "job.json").read_text())
     assert not localproc.run_processes(job["pid"])  # nothing of the run is left
+    return d
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_foreground_cancels_the_run(no_slurm_env, tmp_path):
+    # a terminal's foreground job gets SIGINT as Python's default handles it (the suite itself may run in the
+    # background of a script, where SIGINT is ignored and every child inherits that)
+    p, out_file, err_file = _submit_held(no_slurm_env, tmp_path, signal.SIG_DFL)
+    try:
+        _wait_following(p, out_file, err_file, tmp_path, "Ctrl-C cancels")
+        p.send_signal(signal.SIGINT)
+    finally:
+        _ended_cancelled(p, out_file, err_file, tmp_path, no_slurm_env)
+    assert p.returncode == 130, (out_file.read_text(), err_file.read_text())
+    assert "cancelling" in err_file.read_text()
+
+
+@pytest.mark.slow
+def test_in_the_background_relax_submit_names_relax_cancel_not_ctrl_c(no_slurm_env, tmp_path):
+    """Started with SIGINT ignored (``relax-submit ... &`` in a script): no Ctrl-C reaches it, and it does not
+    promise one; relax-cancel, which it names, stops the run and relax-submit reports it."""
+    p, out_file, err_file = _submit_held(no_slurm_env, tmp_path, signal.SIG_IGN)
+    try:
+        _wait_following(p, out_file, err_file, tmp_path, "SIGINT is ignored here")
+        out = out_file.read_text()
+        [run] = [d.name for d in (tmp_path / "runs").iterdir()]
+        assert "Ctrl-C cancels" not in out and f"relax-cancel {run} cancels" in out, out
+        c = cli("relax-cancel", run, cwd=tmp_path, env=no_slurm_env)
+        assert c.returncode == 0, (c.stdout, c.stderr)
+    finally:
+        _ended_cancelled(p, out_file, err_file, tmp_path, no_slurm_env)
+    assert p.returncode == 1 and "CANCELLED" in err_file.read_text(), (out_file.read_text(), err_file.read_text())
 
 
 @pytest.mark.slurm

@@ -21,7 +21,7 @@ def test_a_skipped_optimizer_step_shows_in_the_steps_metrics():
 
 def test_the_actor_serves_every_task_kind_with_a_short_method():
     """roles/ holds entry points: the actor's work is a class with one handler per task kind, none of them long."""
-    kinds = {"connect", "train", "sync", "checkpoint", "stop"}
+    kinds = {"connect", "train", "stage", "sync", "checkpoint", "stop"}
     handlers = A.Actor.handlers(object.__new__(A.Actor))
     assert set(handlers) == kinds
     longest = max((len(inspect.getsource(f).splitlines()), name) for name, f in vars(A).items()
