@@ -6,10 +6,19 @@ each task's held-out accuracy is measured against. Shared by :mod:`.shapes`, :mo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
+
+
+def letter_score(response: str, label: object, letters: Collection[str], partial: float) -> float:
+    """A one-letter answer's reward: 1.0 for the label, ``partial`` for another of the task's ``letters``, else 0.0
+    (the response's first character). :mod:`.tones` and :mod:`.dots` score so."""
+    first = (response or "")[:1]
+    if first == str(label).strip():
+        return 1.0
+    return partial if first and first in letters else 0.0
 
 
 def balanced_answer(answers: Sequence[T], index: int, order: Callable[[int], Sequence[int]]) -> T:

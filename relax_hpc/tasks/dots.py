@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from relax_hpc.tasks.balanced import balanced_answer
+from relax_hpc.tasks.balanced import balanced_answer, letter_score
 
 SIZE = 56  # pixels a side: 4 tokens a time step of the tiny Qwen2.5-VL
 FRAMES = 4  # 2 time steps of the processor's 2 frames
@@ -93,10 +93,7 @@ def rows(n: int = 128, seed: int = 0, frame_dir: str | os.PathLike | None = None
 
 def score(response: str, label: Any) -> float:
     """1.0 for the answer, :data:`PARTIAL` for another way's letter, else 0.0 (first character)."""
-    first = (response or "")[:1]
-    if first == str(label).strip():
-        return 1.0
-    return PARTIAL if first and first in WAYS else 0.0
+    return letter_score(response, label, WAYS, PARTIAL)
 
 
 async def reward_func(args: Any, sample: Any, **kwargs: Any) -> float:

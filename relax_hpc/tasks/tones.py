@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from relax_hpc.tasks.balanced import balanced_answer
+from relax_hpc.tasks.balanced import balanced_answer, letter_score
 
 RATE = 8000  # the files' rate: the highest tone, 3.4 kHz, is under its 4 kHz Nyquist
 SECONDS = 0.4
@@ -76,10 +76,7 @@ def rows(n: int = 96, seed: int = 0, audio_dir: str | os.PathLike | None = None,
 
 def score(response: str, label: Any) -> float:
     """1.0 for the answer, :data:`PARTIAL` for another pitch letter, else 0.0 (first character)."""
-    first = (response or "")[:1]
-    if first == str(label).strip():
-        return 1.0
-    return PARTIAL if first and first in PITCHES else 0.0
+    return letter_score(response, label, PITCHES, PARTIAL)
 
 
 async def reward_func(args: Any, sample: Any, **kwargs: Any) -> float:
