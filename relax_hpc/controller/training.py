@@ -437,6 +437,11 @@ class TrainingLoop:
                 self.gen.started(n)
                 self.rows.begin(n)
                 self.rows.waited("rollout", n, "perf/rollout_wait_time")  # idle: the staleness gate, a pause
+                # a rollout that died between writing a chunk and reporting it left the file: its seq is free again
+                stray = self.broker.set_aside_unannounced(n, PRODUCER)
+                if stray:
+                    log.info("step %d: set aside %s, written by a rollout that died before announcing it",
+                             n, ", ".join(stray))
                 # data_state: the cursor after step n-1, so that step n (also when generated again) gets its prompts
                 self._assign("rollout", n, M.GenerateTask(step=n, engines=engines,
                                                           seq=self.broker.next_seq(PRODUCER),

@@ -420,6 +420,29 @@ class Broker:
         with self._lock:
             return self._next_seq.get(producer, 0)
 
+    def set_aside_unannounced(self, step: int, producer: str) -> list[str]:
+        """Move ``producer``'s chunk files in partition ``step`` that were written but never announced (their writer
+        died between writing and reporting) to ``<root>/quarantine/step_<N>/``, so that the step generated again
+        takes their names afresh instead of failing on them. Nothing reads an unannounced chunk, so nothing is
+        lost. Call only while no task of ``producer`` writes to the step. The names moved, for the log."""
+        with self._lock:
+            d = partition_dir(self.root, step)
+            moved = []
+            for path in sorted(d.glob(f"chunk_{producer}_*.h5")) if d.is_dir() else ():
+                parsed = parse_chunk_file(path.name)
+                if parsed is None or parsed[0] != producer or f"step_{int(step)}/{path.stem}" in self._chunks:
+                    continue
+                dest = self.root / "quarantine" / f"step_{int(step)}"
+                dest.mkdir(parents=True, exist_ok=True)
+                k = 0
+                while (dest / f"{path.name}.unannounced{k or ''}").exists():
+                    k += 1
+                os.replace(path, dest / f"{path.name}.unannounced{k or ''}")
+                moved.append(path.name)
+            if moved:
+                _fsync_dir(d)
+            return moved
+
     def announce(self, ref: ChunkRef) -> bool:
         """Register a written chunk. False if it was already announced (same checksum): announces are idempotent."""
         with self._lock:

@@ -449,3 +449,20 @@ def test_audit_reports_quarantined_samples_never_produced_again(xroot):
     assert exactly_once(xroot / "journal.jsonl", ["train"]) == [
         "step 1: 2 samples of quarantined chunks were never produced again"]
     assert ok.id not in a.quarantined
+
+
+def test_a_chunk_written_but_never_announced_is_set_aside_so_its_step_can_be_written_again(xroot):
+    """A producer killed between writing its chunk and reporting it leaves the file; the step generated again
+    takes the same seq (the broker's next) and must not fail on that name."""
+    b = broker(xroot)
+    b.start_step(0)
+    kept = put(b, xroot, 0, [0])  # announced: stays
+    seq = b.next_seq("p")
+    write_chunk(xroot, 0, "p", seq, sample_fields([1], [3]))  # written, never announced: its writer died
+    with pytest.raises(ChunkExists):  # the failure a restarted producer met
+        write_chunk(xroot, 0, "p", seq, sample_fields([2], [3]))
+    assert b.set_aside_unannounced(0, "p") == [f"chunk_p_{seq}.h5"]
+    assert (xroot / "quarantine" / "step_0" / f"chunk_p_{seq}.h5.unannounced").exists()
+    assert b.announce(write_chunk(xroot, 0, "p", seq, sample_fields([2], [3])))
+    assert b.set_aside_unannounced(0, "p") == []  # announced chunks are never moved
+    assert [c.id for c in b.request("fwd", batch_size=10).chunks] == [kept.id, f"step_0/chunk_p_{seq}"]
