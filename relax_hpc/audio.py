@@ -8,10 +8,13 @@ and the media confinement); torch and transformers only inside the functions tha
 
 **An audio reference** takes the image forms (:func:`relax_hpc.multimodal.media_bytes`): raw bytes, a ``data:``
 URL, base64, an http(s) URL where allowed, a file path (a data row's only under its dataset's directory and
-``data.media_roots``), ``{"bytes": ...}`` / ``{"path": ...}``. :func:`decode_audio` reads WAV (PCM, 8/16/24/32-bit,
-any rate, mono or not: channels averaged) with the standard library's ``wave``; FLAC and others are refused, naming
-the fix (convert to WAV: a decoder library would be one more native dependency for one format). The clip's length is judged from its header before
-its samples are read: longer than the processor takes (its ``chunk_length``, :func:`max_seconds`) or than
+``data.media_roots``), ``{"bytes": ...}`` / ``{"path": ...}``. :func:`decode_audio` reads PCM WAV (8/16/24/32-bit,
+any rate, mono or not: channels averaged) with the standard library's ``wave``, and the other formats (FLAC, float
+WAV, OGG, MP3, AAC, MP4/M4A, Matroska/WebM, AIFF, CAF) with PyAV (``av``: FFmpeg's decoders in its wheel; the
+``audio`` extra, in tools/install's lock); without PyAV those are refused naming the fix. The format is told by the
+clip's first bytes and named to FFmpeg, which never probes (its playlist demuxers would open other files or URLs).
+The clip's length is judged from its header before its samples are read (a container without one: while they are
+decoded): longer than the processor takes (its ``chunk_length``, :func:`max_seconds`) or than
 ``data.max_audio_seconds`` is refused. :func:`resample` brings it to the processor's rate (band-limited, FFT).
 :class:`AudioError` says why a clip cannot be used; no message quotes a byte of it.
 
@@ -35,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from relax_hpc.media import MediaPolicy, may_be_path  # noqa: F401 (may_be_path: the engine's cache uses it from here)
+from relax_hpc.media_bounds import MAX_AUDIO_SECONDS  # noqa: F401 (read from here too)
 from relax_hpc.multimodal import expand_pads, media_bytes
 
 OMNI_MODEL_TYPES = ("qwen2_5_omni_thinker",)
@@ -43,8 +47,8 @@ AUDIO_PLACEHOLDER = "<|audio_bos|><|AUDIO|><|audio_eos|>"  # one clip in the cha
 AUDIO_START = "<|audio_bos|>"
 TEXT_AUDIO_MARKER = "<audio>"  # Relax's marker in a text prompt: the clips go there, in order
 MAX_AUDIO_BYTES = 64 << 20  # a larger encoded clip is refused
-MAX_AUDIO_SECONDS = 600.0  # the most relax_hpc reads of one clip, whatever the recipe says
-_SUFFIXES = frozenset({".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".aac"})
+_SUFFIXES = frozenset({".wav", ".flac", ".mp3", ".ogg", ".oga", ".opus", ".m4a", ".aac", ".mka", ".aif", ".aiff",
+                       ".caf"})  # a string ending so is taken for a path (a missing file: "no such file")
 
 
 class AudioError(ValueError):
@@ -67,17 +71,115 @@ def audio_bytes(ref: Any, where: MediaPolicy | str | os.PathLike | None = None) 
 
 def decode_audio(data: bytes, max_seconds: float | None = None, budget: str | None = None) -> tuple[np.ndarray, int]:
     """(mono float32 samples in [-1, 1], sampling rate) of an encoded clip; :class:`AudioError` when it is not a
-    clip this reads (WAV, with ``wave``) or longer than ``max_seconds``
+    clip this reads (PCM WAV with ``wave``; others with PyAV, where installed) or longer than ``max_seconds``
     (judged from the header, before the samples are read; never over :data:`MAX_AUDIO_SECONDS`). ``budget`` names
     where the bound comes from, for the message."""
     cap, name = MAX_AUDIO_SECONDS, "a clip may have"
     if max_seconds is not None and max_seconds < cap:
         cap, name = float(max_seconds), budget or "a clip may have here"
-    if data[:4] in (b"RIFF", b"RIFX") and data[8:12] == b"WAVE":
-        return _decode_wav(data, cap, name)
-    kind = "FLAC" if data[:4] == b"fLaC" else "not a WAV file"
-    raise AudioError(f"{kind} ({len(data)} bytes): only WAV (PCM) is read (the standard library's wave). Fix: "
-                     "convert the clips to WAV")
+    riff = data[:4] in (b"RIFF", b"RIFX") and data[8:12] == b"WAVE"
+    if riff:
+        try:
+            return _decode_wav(data, cap, name)
+        except _NotPcm as e:  # float WAV, a chunk wave does not know: FFmpeg may read it
+            why = str(e)
+    else:
+        why = "FLAC" if data[:4] == b"fLaC" else "not a WAV file"
+    return _decode_av(data, cap, name, why)
+
+
+class _NotPcm(AudioError):
+    """A RIFF/WAVE file the standard library's ``wave`` does not read (PyAV is tried next)."""
+
+
+# PyAV's sample formats (packed, or planar with a "p"): the divisor that brings each to [-1, 1], and the offset
+_AV_SCALE = {"u8": (128.0, 128.0), "s16": (32768.0, 0.0), "s32": (2147483648.0, 0.0), "s64": (2.0 ** 63, 0.0),
+             "flt": (1.0, 0.0), "dbl": (1.0, 0.0)}
+
+
+_FORMATS = "WAV, FLAC, OGG (Vorbis, Opus), MP3, AAC (ADTS), MP4/M4A, Matroska/WebM, AIFF, CAF"
+
+
+def _container(data: bytes) -> str | None:
+    """FFmpeg's demuxer for a clip's first bytes (one of :data:`_FORMATS`), or None."""
+    head = data[:12]
+    if head[:4] in (b"RIFF", b"RIFX") and head[8:12] == b"WAVE":
+        return "wav"
+    if head[:4] == b"RF64":
+        return "wav"
+    if head[:4] == b"fLaC":
+        return "flac"
+    if head[:4] == b"OggS":
+        return "ogg"
+    if head[:3] == b"ID3":
+        return "mp3"
+    if len(head) > 1 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0:  # an MPEG audio frame's sync
+        # layer bits set: MPEG audio (layer I-III); clear, with a 12-bit sync: ADTS (AAC)
+        return "mp3" if head[1] & 0x06 else "aac" if head[1] & 0xF0 == 0xF0 else None
+    if head[4:8] == b"ftyp":
+        return "mov"
+    if head[:4] == b"\x1aE\xdf\xa3":
+        return "matroska"
+    if head[:4] == b"FORM" and head[8:12] in (b"AIFF", b"AIFC"):
+        return "aiff"
+    if head[:4] == b"caff":
+        return "caf"
+    return None
+
+
+def _decode_av(data: bytes, cap: float, name: str, why: str) -> tuple[np.ndarray, int]:
+    """A clip that is not PCM WAV, decoded by FFmpeg through PyAV (its first audio stream; channels averaged, as
+    WAV's). ``why``: what the clip was taken for (``"FLAC"``, ``"not a WAV file"``, wave's reason), for the
+    messages. Its length is judged from the container's header where it says one, else while it is decoded."""
+    try:
+        import av
+    except ImportError:
+        raise AudioError(f"{why} ({len(data)} bytes): without PyAV only PCM WAV is read (the standard library's "
+                         "wave). Fix: pip install av (relax_hpc's audio extra; tools/install installs it), or "
+                         "convert the clips to PCM WAV") from None
+    fmt_name = _container(data)
+    if fmt_name is None:
+        raise AudioError(f"{why} ({len(data)} bytes), nor another audio format this reads: {_FORMATS}")
+    try:
+        container = av.open(io.BytesIO(data), mode="r", format=fmt_name)
+    except Exception as e:  # av.error.InvalidDataError and kin: the message names no byte, only the type
+        raise AudioError(f"{why}, nor audio FFmpeg reads (PyAV: {type(e).__name__}; {len(data)} bytes)") from None
+    with container:
+        if not container.streams.audio:
+            raise AudioError(f"{why}: FFmpeg (PyAV) finds no audio stream in it ({len(data)} bytes)")
+        st = container.streams.audio[0]
+        if st.codec_context is None:  # e.g. a float WAV of 16-bit samples
+            raise AudioError(f"{why}: FFmpeg (PyAV) has no decoder for its audio ({len(data)} bytes)")
+        rate = int(st.codec_context.sample_rate or 0)
+        if rate < 1:
+            raise AudioError(f"{why}: an audio stream of rate {rate} ({len(data)} bytes)")
+        secs = float(st.duration * st.time_base) if st.duration and st.time_base else \
+            container.duration / 1e6 if container.duration else None  # AV_TIME_BASE: microseconds
+        if secs is not None and secs > cap + 0.5 / rate:
+            raise AudioError(f"{secs:.2f} s (at {rate} Hz, by its header), over the {cap:g} s {name}")
+        most, n, parts = int(cap * rate), 0, []
+        try:
+            for frame in container.decode(st):
+                fmt = frame.format
+                div, off = _AV_SCALE.get(fmt.name.rstrip("p"), (None, 0.0))
+                if div is None:
+                    raise AudioError(f"{why}: samples of format {fmt.name!r}, which this does not convert")
+                ch = max(1, len(frame.layout.channels))
+                a = frame.to_ndarray()  # planar [ch, n]; packed [1, n·ch]
+                a = a if fmt.is_planar else a.reshape(-1, ch).T
+                x = ((a.astype(np.float64) - off) / div).mean(axis=0)
+                n += x.size
+                if n > most:  # no length in the header, or one that lied: stop at the bound
+                    raise AudioError(f"over {most} samples at {rate} Hz while decoding, over the {cap:g} s {name}")
+                parts.append(x)
+        except AudioError:
+            raise
+        except Exception as e:  # a damaged stream
+            raise AudioError(f"{why} that FFmpeg cannot decode (PyAV: {type(e).__name__}; {len(data)} bytes)") \
+                from None
+    if n == 0:
+        raise AudioError(f"{why}: an audio stream without samples ({len(data)} bytes)")
+    return _finish(np.concatenate(parts), rate)
 
 
 def _decode_wav(data: bytes, cap: float, name: str) -> tuple[np.ndarray, int]:
@@ -86,7 +188,7 @@ def _decode_wav(data: bytes, cap: float, name: str) -> tuple[np.ndarray, int]:
     except Exception as e:  # wave.Error ("unknown format: 3": float WAV), EOFError, a bad chunk's RuntimeError
         msg = str(e)
         said = f": {msg}" if msg and len(msg) < 80 and not any(q in msg for q in "'\"\\") else ""
-        raise AudioError(f"not a WAV file wave reads ({type(e).__name__}{said}; {len(data)} bytes; PCM only)") \
+        raise _NotPcm(f"not a WAV file wave reads ({type(e).__name__}{said}; {len(data)} bytes; PCM only)") \
             from None
     with w:
         rate, ch, width, n = w.getframerate(), w.getnchannels(), w.getsampwidth(), w.getnframes()

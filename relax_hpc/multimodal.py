@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_hpc.media import MediaError, MediaPolicy, as_policy, fetch_url, may_be_path, read_file, resolve, url_scheme
+from relax_hpc.media_bounds import MAX_IMAGE_PIXELS, MAX_VIDEO_FRAMES  # noqa: F401 (read from here too)
 
 VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 IMAGE_PAD = "<|image_pad|>"
@@ -48,7 +49,6 @@ VISION_START = "<|vision_start|>"
 VISION_TOKENS = (VISION_START, IMAGE_PAD, "<|video_pad|>")  # ids the model takes for (part of) an image
 TEXT_IMAGE_MARKER = "<image>"  # Relax's (slime's) marker in a text prompt: the images go there, in order
 MAX_IMAGE_BYTES = 64 << 20  # a larger encoded image is refused (a data file is not a place for such)
-MAX_IMAGE_PIXELS = 64_000_000  # width × height above this is refused before decoding (a decompression bomb)
 
 
 class ImageError(ValueError):
@@ -235,7 +235,6 @@ VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"  # one video i
 TEXT_VIDEO_MARKER = "<video>"  # Relax's marker in a text prompt: the videos go there, in order
 MODEL_FPS = 2.0  # the rate the model is told a video's kept frames were taken at: Qwen's processor's and SGLang's
 # default for frames (neither request form carries a rate), so the engine's M-RoPE positions and the actor's agree
-MAX_VIDEO_FRAMES = 768  # the most frames relax_hpc keeps of one video (Qwen's FPS_MAX_FRAMES), whatever the recipe
 _VIDEO_SUFFIXES = frozenset({".mp4", ".mkv", ".webm", ".avi", ".mov", ".m4v", ".mpg", ".mpeg", ".flv", ".wmv"})
 _ANIMATED = ("GIF", "PNG", "WEBP")  # PIL reads these as frame sequences: the video files relax_hpc decodes
 

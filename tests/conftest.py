@@ -65,6 +65,114 @@ def _group(item, name: str) -> None:
         item._nodeid = nodeid
 
 
+# Every process the session starts carries SESSION_MARK in its environment (inherited across setsid, detached local
+# runners and sbatch's --export=ALL); what still carries it when the session ends was left running by a test and
+# would eat the CPU of every later test (and the next session's). The main process names it, the xdist workers
+# inherit it; a pytest run inside a test names its own, so it never reaches the outer session's processes.
+SESSION_MARK = "PYTEST_RELAX_SESSION"  # not RELAX_*: the local executor logs those of each rank
+# the dev clusters' daemons outlive the session on purpose (tools/test leaves the cluster up)
+_DAEMONS = {"slurmctld", "slurmd", "slurmstepd", "slurmdbd", "slurmscriptd", "mariadbd", "munged"}
+
+
+def left_running(mark: str) -> dict[int, str]:
+    """The processes whose environment holds ``SESSION_MARK=mark``, not this one nor its ancestors, nor a dev
+    cluster's daemons and their kicker loop (its ``sleep`` too): pid -> command line."""
+    def parent(pid: int) -> int:
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    mine, pid = set(), os.getpid()
+    while pid > 1:  # this process and its ancestors (pytest's parent may carry the mark too)
+        mine.add(pid)
+        pid = parent(pid)
+    want = f"{SESSION_MARK}={mark}".encode()
+    found: dict[int, str] = {}
+    keep: set[int] = set()  # the daemons
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) in mine:
+            continue
+        try:
+            if want not in (d / "environ").read_bytes().split(b"\0"):
+                continue
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+        args = " ".join(a.decode(errors="replace") for a in argv if a)
+        if state == "Z" or not args:
+            continue
+        exe = Path(argv[0].decode(errors="replace")).name.split(":")[0]  # slurmstepd's argv[0]: "slurmstepd: [12.0]"
+        if exe in _DAEMONS or "relax-dev-slurm-kicker" in args:
+            keep.add(int(d.name))
+        else:
+            found[int(d.name)] = args
+    return {p: a for p, a in found.items() if parent(p) not in keep}
+
+
+def stop_left(pids, grace_s: float = 5.0) -> None:
+    """SIGTERM each of ``pids``; SIGKILL those alive after ``grace_s``."""
+    import signal
+
+    def alive(p: int) -> bool:
+        try:
+            return Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in pids:
+        if alive(p):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the main process (xdist's workers inherit its environment)
+        config._relax_mark = (os.environ.get(SESSION_MARK), f"{os.getpid()}-{time.time_ns()}")
+        os.environ[SESSION_MARK] = config._relax_mark[1]
+
+
+def pytest_unconfigure(config):
+    before, _ = getattr(config, "_relax_mark", (None, None))
+    if hasattr(config, "_relax_mark"):  # as it was (an enclosing session's, if any)
+        if before is None:
+            os.environ.pop(SESSION_MARK, None)
+        else:
+            os.environ[SESSION_MARK] = before
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's, which ends the workers
+def pytest_sessionfinish(session):
+    # the main process, after every worker and fixture is done: what is still running was leaked; stop it (by PID)
+    # so it cannot slow the next session, and name it in the summary so the test that left it gets fixed
+    config = session.config
+    if not hasattr(config, "_relax_mark"):
+        return
+    left = left_running(config._relax_mark[1])
+    if left:
+        stop_left(list(left))
+    config._relax_left = left
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    left = getattr(config, "_relax_left", None)
+    if left:
+        terminalreporter.section("processes left running by tests (stopped)", yellow=True)
+        for pid, args in sorted(left.items()):
+            terminalreporter.write_line(f"{pid} {args[:300]}")
+
+
 @dataclass(frozen=True)
 class SlurmCluster:
     """A reachable Slurm cluster. ``env`` is os.environ plus SLURM_CONF: pass it to

@@ -94,10 +94,3 @@ def test_default_pixel_budgets_are_the_processors(tiny_vlm):
     assert multimodal.processor_max_pixels(tiny_vlm) == 112 * 112
     assert multimodal.pixel_budgets(tiny_vlm, None, None) == (112 * 112, multimodal.PROMPT_IMAGES * 112 * 112)
     assert multimodal.pixel_budgets(tiny_vlm, 10 ** 9, 7) == (multimodal.MAX_IMAGE_PIXELS, 7)
-
-
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory):
-    from tests.rollout.conftest import _tiny_model_maker
-
-    return _tiny_model_maker()(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl", arch="qwen2_5_vl", seed=0)

@@ -27,13 +27,6 @@ def b64(img) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory):
-    from tests.rollout.conftest import _tiny_model_maker
-
-    return _tiny_model_maker()(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl", arch="qwen2_5_vl", seed=0)
-
-
 def test_frames_are_sampled_at_the_models_rate_then_capped():
     assert multimodal.sample_frames(5, 2.0) == [0, 1, 2, 3, 4]  # at the model's rate: every frame
     assert multimodal.sample_frames(5, 1.0) == [0, 1, 2, 3, 4]  # slower: every frame too (none invented)

@@ -71,6 +71,14 @@ class Dispatcher:
     def idle(self, role: str) -> bool:
         return not any(t.role == role for t in self.pending.values())
 
+    def expect(self, role: str, at: int, kind: str, engines: dict[str, str] | None = None) -> int:
+        """An id for a report ``role`` sends of its own accord, not a task queued for it (``land``: a sync's push
+        behind the next train, train.overlap_sync); it stays pending until that report comes (:meth:`idle` counts
+        it: only the loop knows what may run beside it)."""
+        tid = next(self._ids)
+        self.pending[tid] = Task(role, kind, at, engines=engines)  # engines: a drain waits for it too
+        return tid
+
     def holds(self, engine: str) -> bool:
         """Whether a task in flight (a generate or a sync) was given ``engine``: a drain waits for it."""
         return any(t.engines and engine in t.engines for t in self.pending.values())

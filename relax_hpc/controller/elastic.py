@@ -127,7 +127,9 @@ class Elastic:
         self.started = False  # the training loop says when engines may join (the initial ones are up)
         self.external = External(run, registry, model_path=str(recipe.model.path), event=self._event,
                                  on_change=on_change,
-                                 configured=[dict(x) for x in recipe.rollout.external_engines])
+                                 configured=[dict(x) for x in recipe.rollout.external_engines],
+                                 attached=state.doc.get("attached_engines"),  # an earlier attempt's: again
+                                 persist=lambda attached: state.progress(attached_engines=attached))
         state.progress(scale=[])  # an earlier attempt's operations ended with it (its engines were stopped)
 
     # -- questions
@@ -231,7 +233,7 @@ class Elastic:
                     not isinstance(ext.get("key_file"), str):
                 return _no("external: expected {url, key_file} (relax-scale --attach-url URL --key-file FILE)")
             op = self._new_op({**msg, "target": f"attach-url {ext['url']}"}, self.count() + 1, "external")
-            name, why = self.external.add(ext["url"], ext["key_file"], op.by)
+            name, why = self.external.add(ext["url"], ext["key_file"], op.by, keep=True)
             if name is None:
                 return self._refuse(op, why)
             op.engines, op.detail = [name], f"{name} at {self.registry.engines[name].url} (external)"
@@ -250,8 +252,14 @@ class Elastic:
                        "drains engines added by scale-out")
         op = self._new_op({**msg, "target": f"drain {url}"}, self.count() - 1, "drain")
         op.engines = [hit[0].name]
-        self.drain(hit[0].name, f"{op.id} {op.spec}", op.id)
-        op.detail = f"draining {hit[0].name} (external: it keeps running)"
+        if hit[0].state == "ready":
+            self.drain(hit[0].name, f"{op.id} {op.spec}", op.id)
+            op.detail = f"draining {hit[0].name} (external: it keeps running)"
+        else:  # still loading the weights from disk: no request was sent to it, so it is gone at once
+            self.registry.gone(hit[0].name, f"{op.id} {op.spec}: drained before it had the weights; it keeps running")
+            self.external.dropped(hit[0].name)
+            self.on_change()
+            op.detail = f"{hit[0].name} left before it had the weights (external: it keeps running)"
         self._event("scale", f"{op.id} {op.spec} by {op.by}: {op.detail}")
         return {"accepted": True, "op": op.id, "message": f"{op.id}: {op.detail}"}
 

@@ -21,6 +21,13 @@ So, unlike the engines :mod:`.elastic` starts:
 - **Leaving.** Drained on request (``relax-scale RUN --drain URL``) and at the end of the run: no new requests,
   then ``gone`` with why, still running. One that stops answering ``/health`` twice in a row, or that a
   request or load finds dead, is dropped (``gone``, with the reason); the run goes on with the others.
+- **Requeue, resume, restart.** The engines attached with ``relax-scale`` and still there at the end of an attempt
+  are in ``state.json`` (``attached_engines``: url, key file, who attached it; never the key itself). The next
+  attempt (a requeue, ``relax-submit --resume``, a restart of every step) attaches them again once its own engines are
+  up, as ``rollout.external_engines``: each is probed with its key file and loads the weights from disk; one that is
+  not reachable (or whose key file is gone) is dropped, with the reason in an ``engine_external`` event
+  (``relax-status``) and the log. At the end of an attempt they are drained, never stopped: the run does not own
+  them.
 """
 
 from __future__ import annotations
@@ -56,10 +63,18 @@ class External:
     the engines' HTTP calls run in threads whose outcomes :meth:`tick` applies."""
 
     def __init__(self, run: RunDir, registry: EngineRegistry, *, model_path: str, event: Callable[[str, str], None],
-                 on_change: Callable[[], None], configured: list[dict] | None = None):
+                 on_change: Callable[[], None], configured: list[dict] | None = None,
+                 attached: list[dict] | None = None, persist: Callable[[list[dict]], None] | None = None):
+        """``attached``: the engines an earlier attempt had attached with relax-scale (``state.json``'s
+        ``attached_engines``), joined again like ``configured``; ``persist(list)`` keeps that list in the state."""
         self.run, self.registry, self.model_path = run, registry, model_path
         self.event, self.on_change = event, on_change
-        self.configured = list(configured or [])  # rollout.external_engines: joined once the run's engines are up
+        # rollout.external_engines, then the earlier attempt's attached engines: joined once the run's engines are up
+        self.configured = list(configured or []) + [{**a, "again": True} for a in attached or []
+                                                     if isinstance(a, dict) and {"url", "key_file"} <= set(a)]
+        self.persist = persist or (lambda attached: None)
+        self.attached: dict[str, dict] = {}  # engine → {url, key_file, by}: attached with relax-scale (persisted)
+        self.ending = False  # the attempt's end: its engines stay in attached_engines for the next attempt
         self.keys: dict[str, str] = {}  # engine → its key file
         self.sent: dict[str, list[str]] = {}  # engine → the weight versions sent to it (the newest last)
         self.loads: dict[str, Future] = {}  # engine → its /update_weights_from_disk in flight
@@ -76,8 +91,9 @@ class External:
         return [n for n, e in self.registry.engines.items()
                 if e.origin == "external" and e.state not in ("gone", "dead")]
 
-    def add(self, url: str, key_file: str, by: str) -> tuple[str | None, str]:
-        """Register the engine at ``url`` with the key in ``key_file``; (its name, a sentence) or (None, why not)."""
+    def add(self, url: str, key_file: str, by: str, keep: bool = False) -> tuple[str | None, str]:
+        """Register the engine at ``url`` with the key in ``key_file``; (its name, a sentence) or (None, why not).
+        ``keep``: attached with relax-scale, so a later attempt attaches it again (``attached_engines``)."""
         try:
             url = X.check_url(url)
             X.read_key_file(key_file)
@@ -100,6 +116,9 @@ class External:
         self.keys[name] = str(Path(key_file).expanduser().resolve())
         self.sent[name] = []
         self._write()
+        if keep:
+            self.attached[name] = {"url": url, "key_file": self.keys[name], "by": by}
+            self._persist()
         self.event("engine_external", f"{name} at {url} joins (by {by}, model {info.get('model_path')}); it takes "
                                       "requests once it has loaded the run's current weights from disk")
         self.on_change()
@@ -107,13 +126,19 @@ class External:
         return name, f"{name}: the engine at {url} joined; it takes requests once it has the current weights"
 
     def join_configured(self) -> None:
-        """``rollout.external_engines``, once: each joins, or is dropped with why (the run goes on without it)."""
+        """``rollout.external_engines`` and the earlier attempt's attached engines, once: each joins, or is dropped
+        with why (the run goes on without it)."""
         todo, self.configured = self.configured, []
         for ext in todo:
-            name, why = self.add(ext["url"], ext["key_file"], "rollout.external_engines")
+            again = bool(ext.get("again"))
+            by = f"{ext.get('by') or 'relax-scale'}, attached again after the attempt it joined" if again \
+                else "rollout.external_engines"
+            name, why = self.add(ext["url"], ext["key_file"], by, keep=again)
             if name is None:
-                log.error("rollout.external_engines: %s: not used: %s", ext["url"], why)
-                self.event("engine_external", f"{ext['url']} (rollout.external_engines) not used: {why}")
+                what = "attached with relax-scale before this attempt" if again else "rollout.external_engines"
+                log.error("%s: %s: not used: %s", what, ext["url"], why)
+                self.event("engine_external", f"{ext['url']} ({what}) not used: {why}")
+        self._persist()  # the earlier attempt's that could not join are dropped from attached_engines
 
     # -- weights
     def snapshot_for(self, step: int) -> str | None:
@@ -196,20 +221,28 @@ class External:
                                                     name=f"external-health-{name}")
 
     def dropped(self, name: str) -> None:
-        """``name`` left the registry (drained, lost): no longer in the rollout role's key file."""
+        """``name`` left the registry (drained, lost): no longer in the rollout role's key file, nor (unless the
+        attempt is ending) attached again by a later attempt."""
         self.keys.pop(name, None)
         self.sent.pop(name, None)
         self.misses.pop(name, None)
         self._write()
+        if not self.ending and self.attached.pop(name, None) is not None:
+            self._persist()
 
     def finish(self) -> list[str]:
-        """The end of the run: the external engines still registered; the caller declares them gone (drained,
-        never stopped)."""
+        """The end of the attempt: the external engines still registered; the caller declares them gone (drained,
+        never stopped). Those attached with relax-scale stay in ``attached_engines``: a requeue or resume attaches
+        them again."""
         names = self.names()
+        self.ending = True
         self.configured = []
         return names
 
     # -- helpers
+    def _persist(self) -> None:
+        self.persist([dict(a) for a in self.attached.values()])
+
     def _write(self) -> None:
         """``RUN_DIR/external_engines.json`` (0600): ``{url: {"name", "key_file", "sent"}}``."""
         doc = {self.registry.engines[n].url: {"name": n, "key_file": k, "sent": self.sent.get(n, [])}

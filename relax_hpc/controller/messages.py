@@ -15,8 +15,8 @@ expected type and what came (a task the role cannot decode fails with that text)
 what its JSON value must be: ``int`` (not a bool), ``float`` (an int too), ``str``, ``bool``, ``X | None``,
 ``list[X]``, ``dict[str, X]``, ``dict``/``list`` (any contents), ``Any``, or one of the :data:`NESTED` types.
 
-The nested types are decoded here, once, for every reader: a field typed :class:`~relax_hpc.exchange.chunk.ChunkRef`
-or :class:`~relax_hpc.exchange.chunk.SideRef` holds that object (made from its JSON object when the message is
+The nested types are decoded here, once, for every reader: a field typed :class:`~relax_hpc.exchange.refs.ChunkRef`
+or :class:`~relax_hpc.exchange.refs.SideRef` holds that object (made from its JSON object when the message is
 made or decoded; a malformed one is a :class:`MessageError` naming the field), and goes on the wire as its
 ``to_dict()``. Other nested values are JSON on purpose: engines ``{name: url}``; ``data_state``, the rollout role's
 own state (its data source's ``state_dict()`` and partial rollout's buffer reference), which the controller
@@ -34,7 +34,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Union
 
-from relax_hpc.exchange.chunk import ChunkRef, SideRef
+from relax_hpc.exchange.refs import ChunkRef, SideRef  # plain data: a message never loads h5py
 
 DOC = "relax_hpc/controller/messages.py"
 NESTED = (ChunkRef, SideRef)  # typed fields inside a message: JSON objects on the wire (their to_dict/from_dict)
@@ -311,6 +311,9 @@ class SyncTask(TaskMessage):
     engines: dict[str, str]  # the live ones, {name: url}; empty: the ones of the last connect
     snapshot: str | None = _omit_none()  # also write the weights there as an HF directory (external engines)
     nodes: dict[str, str] | None = _omit_none()  # {engine name: its node}, as in ConnectTask
+    # train.overlap_sync: the id under which the actor reports the push's landing (a "land" task it is never sent),
+    # once it answered this task at the snapshot and pushes behind the next train; None: the push is this task
+    land: int | None = _omit_none()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -429,6 +432,7 @@ class SyncResult(ResultMessage):
     checks: dict[str, dict] = field(default_factory=dict)  # per engine: the spot fingerprint check
     dead_engines: dict[str, str] = field(default_factory=dict)  # found dead at the sync: {name: why}
     follower_versions: dict[str, str | None] = field(default_factory=dict)  # {role: the version it holds}
+    landing: bool | None = _omit_none()  # True: the weights were snapshotted and go out behind the next train
 
 
 @dataclass(frozen=True, kw_only=True)

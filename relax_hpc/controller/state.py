@@ -48,7 +48,8 @@ log = logging.getLogger("relax_hpc.controller")
 ORDER = {p: i for i, p in enumerate(PHASES)}
 RUNNING, COMPLETED, FAILED, CANCELLED = "RUNNING", "COMPLETED", "FAILED", "CANCELLED"
 REQUEUED = "REQUEUED"  # this attempt ended to come back (time limit, relax-cancel --requeue); the run goes on
-CARRIED = ("history", "restarts", "last_checkpoint", "last_failure", "events", "started_at", "reward_first10", "health")
+CARRIED = ("history", "restarts", "last_checkpoint", "last_failure", "events", "started_at", "reward_first10", "health",
+           "attached_engines")  # attached_engines: relax-scale --attach-url's, attached again by the next attempt
 MAX_RECOVERIES = 20  # recoveries kept in state.json's health
 MAX_EVENTS = 50
 

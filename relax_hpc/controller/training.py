@@ -34,7 +34,8 @@ idle role does next in one place, :meth:`TrainingLoop._pump`:
   ``_wait_for_previous_eval``), and the run stops only after the last step's eval. The metrics (``eval/<name>``,
   ``eval/<name>-pass@k``, ...) join step N's row (:meth:`RunMetrics.amend`; step 0's is a row of its own).
 
-Step N's lease of task ``train`` is acked when ``sync(N)`` is done, so with ``max_staleness: k`` rollout
+Step N's lease of task ``train`` is acked when ``sync(N)`` is done (with ``train.overlap_sync``, when its push
+landed: the actor may train step N+1 meanwhile, docs/controller.md), so with ``max_staleness: k`` rollout
 starts step N+1 only while ``N+1 − (oldest step not yet synced) ≤ k``. The modes differ only in k:
 ``colocate`` is k = 0 (strictly on-policy: step N is generated with the weights of step N−1; on GPU nodes
 the roles take turns on the same devices), ``fully_async`` lets rollout run up to k steps ahead while the
@@ -113,11 +114,13 @@ from relax_hpc.ops.metrics import REWARD, RunMetrics, summary_line
 from relax_hpc.ops.wandb_log import public_config
 from relax_hpc.recipe import Recipe, initial_engines, recipe_to_dict
 from relax_hpc.rundir import RunDir
+from relax_hpc.train.config import overlap_sync
 
 log = logging.getLogger("relax_hpc.controller")
 
 
 MAX_REGENERATIONS = 3  # lives of one step voided for damaged chunks before the run fails
+TEACHER_RETRIES = 2  # a step's generate given again while the teacher role lives, before it is started again alone
 # the roles whose ranks each serve one frozen engine (never synced) -> the Readiness field and state.json key of
 # their engines' URLs, which rollout gets with its tasks
 FROZEN_ROLES = {"genrm": "judges", "teacher": "teachers"}
@@ -177,10 +180,15 @@ class TrainingLoop:
         self.staged: dict[int, set[str]] = {}  # step -> its chunks whose π_old the actor computed early (stage)
         self.leases: dict[Any, Any] = {}  # step (train) or (role, step) (a forward role) -> its lease
         self.held_sync: int | None = None  # a trained step whose sync waits (an earlier step's eval; fixed: rollout)
+        self.overlap = overlap_sync(recipe)  # train.overlap_sync: step N's push runs behind step N+1's train
+        self.landing: int | None = None  # that step, while its push is on its way (synced once it lands)
         self.loaded: dict[str, str] = {}  # forward role -> the checkpoint its last load named (given again on a restart)
         # actor_fwd started again alone: "follow" until it serves the weight sync again, "reconnect" until the actor
         # has it in the group (syncs wait meanwhile: the group still names its old, dead, URL)
         self.refollow: str | None = None
+        # a generate failed by the run's own teacher (TeacherError): (step, when, error) while its verdict is awaited
+        self.teacher_wait: tuple[int, float, str] | None = None
+        self.teacher_tries: dict[int, int] = {}  # step -> its generates given again while the teacher lived
         self.stop, self.paused = Stop(), False  # paused: RUN_DIR/pause seen (see _paused)
         self.boot = Readiness(judges=None if recipe.roles.genrm.enabled else {},
                               teachers=None if recipe.roles.teacher.enabled else _external_teachers(recipe),
@@ -254,6 +262,8 @@ class TrainingLoop:
             setattr(self.boot, FROZEN_ROLES[role], None)
             if "start_engines" not in kinds:
                 self._assign(role, self.step, M.StartEnginesTask())
+        if role == "teacher" and self.teacher_wait is not None:  # the verdict: dead; the generate goes to the new one
+            self._generate_again(self.teacher_wait[0], "the teacher is started again alone")
         if role == "actor_fwd" and role in self.fwd:  # the model on disk now; the actor pushes it the weights again
             self.fwd[role] = 0
             self.refollow = "follow"
@@ -285,6 +295,48 @@ class TrainingLoop:
             self._release_sync()
         elif self.step > 0 or self.resume.path:  # else it holds step 0's weights already (the model on disk)
             self._sync(self.step)
+
+    def _teacher_failed(self, task: Task, error: str) -> bool:
+        """Rollout's generate got no answer from the run's own teacher (``TeacherError``; the rollout role serves on).
+        Not every step restarts: the teacher's liveness verdict is awaited (:meth:`_teacher_verdict`) and the step's
+        generate goes again from the same data cursor. False (every step restarts, as before) for an outside teacher
+        (``opd.teacher_url``: nothing of the run's to restart) or another error."""
+        if not (self.recipe.roles.teacher.enabled and error.startswith("TeacherError:")):
+            return False
+        n = task.step
+        log.warning("step %d: generate: %s; waiting for the teacher role's verdict (dead: started again alone; "
+                    "alive: the generate goes again)", n, error)
+        self.teacher_wait = (n, time.time(), error)
+        if getattr(task.message, "teachers", None) != self.boot.teachers:  # the teacher was started again since
+            self._generate_again(n, "the teacher was started again alone")
+        return True
+
+    def _teacher_verdict(self) -> None:
+        """Alive (every teacher rank spoke since the failure, none being restarted): the generate goes again, at most
+        :data:`TEACHER_RETRIES` times a step; then the teacher, alive but not answering (its engine gone), is started
+        again alone (the global tier where the role tier's limits say so). Dead: :meth:`role_restarted` says it."""
+        if self.teacher_wait is None or not self.state.running:
+            return
+        n, since, error = self.teacher_wait
+        ranks = self.state.ranks.get("teacher") or []
+        if not ranks or "teacher" in self.state.recovering or any(r.last is None or r.last <= since for r in ranks):
+            return  # no verdict yet: a dead rank is found by its exit or its silence (logging.heartbeat_timeout_s)
+        tries = self.teacher_tries.get(n, 0)
+        if tries < TEACHER_RETRIES:
+            self.teacher_tries[n] = tries + 1
+            self._generate_again(n, f"the teacher role is alive (try {tries + 1} of {TEACHER_RETRIES})")
+        else:
+            self.state.fail("teacher", None, self._node("teacher"), f"its engines gave rollout no answer in step "
+                            f"{n}'s generate {tries + 1} times while the role lived; last: {error}")
+        self._pump()
+
+    def _generate_again(self, n: int, why: str) -> None:
+        """Step ``n``'s generate, failed by the teacher, goes again (nothing of it was announced): the same prompts
+        (the data cursor after step n−1) and seeds, to the teachers known when it goes."""
+        self.teacher_wait = None
+        log.info("step %d: the generate goes again: %s", n, why)
+        self.state.event("generate_again", f"step {n}: {why}")
+        self.gen.regen.add(n)
 
     def _keep(self, k: int) -> None:
         """Resume the steps generated before step ``k``'s checkpoint (fixed staleness): trained, not generated again;
@@ -326,12 +378,14 @@ class TrainingLoop:
             self._connect()
         if self.paused and self.started and not self._paused(self.gen.next()):
             self._pump()
+        self._teacher_verdict()
 
     def _pump(self) -> None:
         """Give each idle role its next task (the one place that decides)."""
         if (not self.started or self.boot.judges is None or self.boot.teachers is None or self.stop.outcome is not None
                 or not self.state.running):
             return
+        self._pump_behind()
         if self._idle("actor") and self.held_sync is None:  # a held sync: the actor's step is not done yet
             if self.stop.request is not None:
                 if self.step > (self.last_ckpt_step or 0):
@@ -359,6 +413,17 @@ class TrainingLoop:
                                                   engines=self.registry.routable(min_version=n)))
         self._pump_generate()
         self.state.progress(phase=self._phase(), generated=self.gen.generated)
+
+    def _pump_behind(self) -> None:
+        """train.overlap_sync: while step N's push is on its way (the actor's only task in flight its landing), the
+        actor trains step N+1 once its data is there; nothing else of the actor's (a checkpoint, a catch-up sync, a
+        stop) goes before the landing."""
+        n = None if self.landing is None else self.landing + 1
+        if (n is None or n > self.total or self.stop.request is not None or self.held_sync is not None
+                or any(t.role == "actor" and t.kind != "land" for t in self.tasks.pending.values())):
+            return
+        if n in self.ready and self.ready[n].issuperset(self.fwd):
+            self._train(n)
 
     def _stop_roles(self) -> None:
         self.state.progress(phase="stopping")
@@ -424,7 +489,7 @@ class TrainingLoop:
         """Rollout's next generate, if it is idle and the gate, the engines and a pause let it start."""
         n = self.gen.next()
         owed = self._owed(n)  # fixed: a held sync waits for this step, so a stop does not hold it back
-        if self._saving_on_device():
+        if self._saving_on_device() or self.teacher_wait is not None:  # (the teacher's verdict first)
             return
         if self._idle("rollout") and (self.stop.request is None or owed) and (self.gen.regen or
                                                                               self.gen.generated < self.total):
@@ -455,14 +520,28 @@ class TrainingLoop:
             self.staged.pop(n, None)
             self.leases[n] = lease
             self.rows.waited("actor", n, "perf/actor_wait_time")  # idle until step n's samples were there
+            if self.landing == n - 1:  # train.overlap_sync: before step n−1's sync landed (the metric says so)
+                self.rows.cur.setdefault(n, {})["perf/weight_sync_overlapped"] = 1.0
+                log.info("step %d: train starts while step %d's weights are pushed", n, n - 1)
             chunks = sorted(lease.chunks, key=_seq) if self.streaming else list(lease.chunks)  # as the step's groups
             self._assign("actor", n, M.TrainTask(step=n, chunks=chunks))
 
     def _sync(self, n: int) -> None:
-        """The actor puts step ``n``'s weights on the live engines, as version ``"n"``."""
+        """The actor puts step ``n``'s weights on the live engines, as version ``"n"``; with train.overlap_sync it
+        may push them behind step n+1's train (:meth:`_behind`), the landing reported as task ``land``."""
         live = self.registry.live()
+        snapshot = self.elastic.external.snapshot_for(n)  # external engines
+        land = self.tasks.expect("actor", n, "land", live) if self._behind(n, snapshot) else None
         self._assign("actor", n, M.SyncTask(version=str(n), engines=live, nodes=self.registry.nodes(live) or None,
-                                            snapshot=self.elastic.external.snapshot_for(n)))  # external engines
+                                            snapshot=snapshot, land=land))
+
+    def _behind(self, n: int, snapshot: str | None) -> bool:
+        """Whether step ``n``'s push may run behind step n+1's train: train.overlap_sync, a step's own sync (not a
+        resume's or a catch-up one), and nothing due on step n's weights in the actor (a checkpoint, a stop)."""
+        every = self.recipe.checkpoint.interval
+        save = bool(every and n % every == 0) or n == self.total
+        return (self.overlap and self.started and n > self.step and not save and snapshot is None
+                and self.stop.request is None)
 
     def _checkpoint(self, n: int) -> None:
         extra: dict[str, Any] = {"step": n, "data": self.gen.data.get(n)}
@@ -647,12 +726,13 @@ class TrainingLoop:
             return
         if task.role in self.state.recovering:  # restarted alone, and working again
             self.state.recovered(task.role, time.time())
-        self.rows.freed(task.role)
+        if task.kind != "land":  # a push behind the actor's train: the actor was busy all along
+            self.rows.freed(task.role)
         if task.kind in ("logprobs", "train") and task.life != self.gen.life(task.step):
             return self._pump()  # its step was voided (damaged chunks) since: it is generated again, this is void
         at = f"step {task.step} {task.kind}" if task.kind not in ("start_engines", "connect") else task.kind
         try:
-            res = M.decode_result(task.kind, msg["result"])
+            res = M.decode_result("sync" if task.kind == "land" else task.kind, msg["result"])  # land: a sync's
         except M.MessageError as e:  # controller and role disagree about the protocol: no restart helps
             self.state.fail(task.role, msg["rank"], self._node(task.role), f"{at}: {e}", kind="task")
             return
@@ -661,6 +741,8 @@ class TrainingLoop:
                 return self._pump()
             if task.kind == "stage" and res.error.startswith("DamagedChunk:"):  # early π_old only: the train task
                 return self._pump()  # reads the step again and reports the damage (the step is generated again)
+            if task.kind == "generate" and res.restartable and self._teacher_failed(task, res.error):
+                return self._pump()
             # the task's verdict ends the run, unless the machinery broke (a restart of every step may help: what
             # broke may be another role's, e.g. a teacher engine gone, so not the role tier)
             self.state.fail(task.role, msg["rank"], self._node(task.role), f"{at}: {res.error}",
@@ -826,6 +908,11 @@ class TrainingLoop:
             return
         self._sync(task.step)
 
+    def _land_done(self, task: Task, res: M.SyncResult) -> None:
+        """train.overlap_sync: step ``task.step``'s push landed (the engines report its version): synced now."""
+        self.landing = None
+        self._sync_done(task, res)
+
     def _eval_done(self, task: Task, res: M.EvalResult) -> None:
         n = task.step
         self.evals.done()
@@ -836,6 +923,12 @@ class TrainingLoop:
 
     def _sync_done(self, task: Task, res: M.SyncResult) -> None:
         n = task.step
+        land = getattr(task.message, "land", None)
+        if res.landing:  # train.overlap_sync: snapshotted; synced when its land comes (_land_done)
+            self.landing = n
+            return
+        if land is not None:  # the actor pushed it in series after all (e.g. adapters by directory)
+            self.tasks.done(land)
         self._synced_engines(task, res)
         self.elastic.external.synced(n)  # external engines load the snapshot it wrote (if any)
         if not self.started:  # the resume sync
@@ -881,8 +974,8 @@ class TrainingLoop:
                               and e in self.registry.engines and given.get(e) == self.registry.engines[e].url})
         self._engines_changed()
         for role, v in res.follower_versions.items():  # a follower holds step n's weights now
-            if v == str(task.step):
-                self.fwd[role] = task.step
+            if v == str(task.step) and not (role == "actor_fwd" and self.refollow is not None):
+                self.fwd[role] = task.step  # (not one started again alone since: its old ranks had them)
 
     def _checkpoint_done(self, task: Task, res: M.CheckpointResult) -> None:
         self.last_ckpt_step = task.step

@@ -329,153 +329,128 @@ class CPUEngine(AdapterServing, WeightReceiver):  # AdapterServing: LoRA adapter
 
     def _images(self, image_data, prompts: list, batched: bool, held: list[int]) -> list[dict | None]:
         """Per item: None (no images) or :func:`relax_hpc.multimodal.encode_ids`'s inputs (``input_ids`` expanded,
-        ``pixel_values``, ``image_grid_thw``). SGLang's forms of ``image_data`` (module docstring); 400 naming a bad
-        image, or images for a model without vision. Every image's header is read first and the request's pixels
-        reserved from :attr:`pixels` (appended to ``held``) before any is decoded: 503 + Retry-After when they do not
-        fit within ``image_wait_s``."""
-        pad = getattr(self.config, "image_token_id", None) if self.vlm else None
+        ``pixel_values``, ``image_grid_thw``). SGLang's forms of ``image_data`` (module docstring): for one request
+        an image or a list of images, for a batch one entry per item (:meth:`_media`)."""
+        from relax_hpc.multimodal import encode_ids, image_bytes, open_header
 
-        def no_images(i: int, p: list) -> None:
-            if pad is not None and pad in p:  # the model would embed the bare pad token as if it were text
-                raise HTTPError(400, f"{'item %d: ' % i if batched else ''}the prompt has image pad tokens (id {pad}) "
-                                     "but the request has no image_data for it")
-
-        if image_data is None or image_data == []:
-            for i, p in enumerate(prompts):
-                no_images(i, p)
-            return [None] * len(prompts)
-        if not self.vlm:
-            raise HTTPError(400, f"image_data given, but the model ({getattr(self.config, 'model_type', '?')}) has no "
-                                 "vision: serve a Qwen2.5-VL or Qwen3-VL directory")
-        if not batched:
-            per_item = [image_data if isinstance(image_data, list) else [image_data]]
-        elif isinstance(image_data, list) and len(image_data) == len(prompts):
-            per_item = [x if isinstance(x, list) else ([] if x is None else [x]) for x in image_data]
-        else:
-            raise HTTPError(400, f"image_data must have one entry per item of the batch of {len(prompts)}")
-        from relax_hpc.multimodal import decode, encode_ids, image_bytes, open_header
-
-        headers: list[list] = []  # per item, its images opened to the header (nothing decoded)
-        for i, (p, refs) in enumerate(zip(prompts, per_item)):
-            if not refs:
-                no_images(i, p)
-            headers.append([])
-            for j, ref in enumerate(refs):
-                where = f"image_data[{i}][{j}]" if batched else f"image_data[{j}]"
-                try:
-                    headers[-1].append(open_header(image_bytes(ref)))
-                except ImageError as e:  # the reason names a path or a size, never the bytes
-                    kind = f"{type(ref).__name__} of {len(ref)}" if hasattr(ref, "__len__") else type(ref).__name__
-                    raise HTTPError(400, f"{where} ({kind}) is not a usable image: {e}") from None
-        need = sum(im.width * im.height for item in headers for im in item)
-        if need > self.pixels.total:
-            raise HTTPError(400, f"the request's images have {need} pixels, more than this engine serves at once "
-                                 f"({self.pixels.total}, --image-pixel-budget): it can never fit. Fix: smaller or "
-                                 "fewer images per request")
-        if not self.pixels.acquire(need, self.image_wait_s):
-            raise Busy(f"the request's images have {need} pixels and the engine's image budget has "
-                       f"{self.pixels.total - self.pixels.in_use} of {self.pixels.total} free (--image-pixel-budget) "
-                       f"after waiting {self.image_wait_s:g} s: try again later")
-        held.append(need)
-        out: list[dict | None] = []
-        for i, (p, item) in enumerate(zip(prompts, headers)):
-            if not item:
-                out.append(None)
-                continue
+        def open_image(ref) -> list:
             try:
-                imgs = []
-                for j, im in enumerate(item):
-                    try:
-                        imgs.append(decode(im))
-                    except ImageError as e:
-                        raise ImageError(f"image_data[{i}][{j}]: {e}" if batched else f"image_data[{j}]: {e}") \
-                            from None
-                out.append(encode_ids(self.model_path, p, imgs))
-            except ImageError as e:
-                raise HTTPError(400, f"{'item %d: ' % i if batched else ''}{e}") from None
-        return out
+                return [open_header(image_bytes(ref))]
+            except ImageError as e:  # the reason names a path or a size, never the bytes
+                kind = f"{type(ref).__name__} of {len(ref)}" if hasattr(ref, "__len__") else type(ref).__name__
+                raise ImageError(f"({kind}) is not a usable image: {e}") from None
+
+        return self._media("image", image_data, prompts, batched, held, serves="a Qwen2.5-VL or Qwen3-VL",
+                           as_list=lambda x: [] if x is None else x if isinstance(x, list) else [x], opened=open_image,
+                           encode=lambda p, media: encode_ids(self.model_path, p, [frames[0] for frames in media]))
 
     def _videos(self, video_data, prompts: list, batched: bool, held: list[int]) -> list[dict | None]:
         """Per item: None (no videos) or :func:`relax_hpc.multimodal.encode_media_ids`'s inputs (``input_ids`` with
         each ``<|video_pad|>`` expanded, ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``).
         ``video_data`` in SGLang's forms: for one request a video or a list of videos, for a batch one entry per
         item; a video is a list of frames (each an image form: base64, ``data:`` URL, a path on the engine's host;
-        shown at :data:`~relax_hpc.multimodal.MODEL_FPS`, as sent) or an animated GIF/PNG/WebP. Every frame's header
-        is read and the request's pixels reserved (:attr:`pixels`) before any is decoded, as for images; 400 naming
-        a bad frame (the video, the frame, the reason)."""
-        from relax_hpc.multimodal import decode, encode_media_ids, image_bytes, open_header, video_frame_refs
+        shown at :data:`~relax_hpc.multimodal.MODEL_FPS`, as sent) or an animated GIF/PNG/WebP (:meth:`_media`)."""
+        from relax_hpc.multimodal import encode_media_ids, image_bytes, open_header, video_frame_refs
 
-        pad = getattr(self.config, "video_token_id", None) if self.vlm else None
-        if video_data is None or video_data == []:  # no video: video pads would reach the model without features
+        def open_video(v) -> list:
+            try:
+                refs, _ = video_frame_refs(v)
+                if not refs:
+                    raise ImageError("a video without frames")
+                frames = []
+                for k, f in enumerate(refs):
+                    try:
+                        frames.append(open_header(image_bytes(f)))
+                    except ImageError as e:
+                        raise ImageError(f"frame {k}: {e}") from None
+                return frames
+            except ImageError as e:
+                raise ImageError(f"is not a usable video: {e}") from None
+
+        def encode(p: list, videos: list[list]) -> dict:
+            for j, frames in enumerate(videos):
+                if len({f.size for f in frames}) > 1:
+                    raise ImageError(f"video_data[{j}]: frames of more than one size")
+            return encode_media_ids(self.model_path, p, videos=videos)
+
+        refusal = None if getattr(self.config, "model_type", None) == "qwen2_5_vl" else (
+            f"video_data for a {getattr(self.config, 'model_type', '?')} model: the CPU engine serves videos to "
+            "Qwen2.5-VL only (megatron-bridge 0.3.1's Qwen3-VL takes no video)")
+        return self._media("video", video_data, prompts, batched, held, serves="a Qwen2.5-VL", refusal=refusal,
+                           as_list=lambda x: [] if x is None else [x] if isinstance(x, (str, dict)) else list(x),
+                           opened=open_video, encode=encode)
+
+    def _media(self, kind: str, data, prompts: list, batched: bool, held: list[int], *, serves: str, as_list,
+               opened, encode, refusal: str | None = None) -> list[dict | None]:
+        """The one path of a request's images or videos (``kind``): per item None or ``encode(prompt, decoded)``,
+        ``decoded`` holding per image or video its frames (an image: one). ``as_list`` makes an item's entry a list
+        of images or videos, ``opened`` reads one to its frames' headers (nothing decoded; ImageError saying why).
+        400 naming a bad one, a prompt with pad tokens and no media for them, or media for a model without vision
+        (``refusal``: a vision model that does not take this kind). Every frame's header is read first and the
+        request's pixels reserved from :attr:`pixels` (appended to ``held``) before any is decoded: 503 +
+        Retry-After when they do not fit within ``image_wait_s``."""
+        from relax_hpc.multimodal import decode
+
+        pad = getattr(self.config, f"{kind}_token_id", None) if self.vlm else None
+        item = (lambda i: f"item {i}: " if batched else "")
+
+        def none_for(i: int, p: list) -> None:
+            if pad is not None and pad in p:  # the model would embed the bare pad token as if it were text
+                raise HTTPError(400, f"{item(i)}the prompt has {kind} pad tokens (id {pad}) but the request has no "
+                                     f"{kind}_data for it")
+
+        if data is None or data == []:
             for i, p in enumerate(prompts):
-                if pad is not None and pad in p:
-                    raise HTTPError(400, f"{'item %d: ' % i if batched else ''}the prompt has video pad tokens (id "
-                                         f"{pad}) but the request has no video_data for it")
+                none_for(i, p)
             return [None] * len(prompts)
         if not self.vlm:
-            raise HTTPError(400, f"video_data given, but the model ({getattr(self.config, 'model_type', '?')}) has no "
-                                 "vision: serve a Qwen2.5-VL directory")
-        if getattr(self.config, "model_type", None) != "qwen2_5_vl":
-            raise HTTPError(400, f"video_data for a {self.config.model_type} model: the CPU engine serves videos to "
-                                 "Qwen2.5-VL only (megatron-bridge 0.3.1's Qwen3-VL takes no video)")
-
-        def videos_of(x):
-            return [] if x is None else [x] if isinstance(x, (str, dict)) else list(x)
-
+            raise HTTPError(400, f"{kind}_data given, but the model ({getattr(self.config, 'model_type', '?')}) has no "
+                                 f"vision: serve {serves} directory")
+        if refusal is not None:
+            raise HTTPError(400, refusal)
         if not batched:
-            per_item = [videos_of(video_data)]
-        elif isinstance(video_data, list) and len(video_data) == len(prompts):
-            per_item = [videos_of(x) for x in video_data]
+            per_item = [as_list(data)]
+        elif isinstance(data, list) and len(data) == len(prompts):
+            per_item = [as_list(x) for x in data]
         else:
-            raise HTTPError(400, f"video_data must have one entry per item of the batch of {len(prompts)}")
-        heads: list[list[list]] = []  # per item, per video, its frames opened to the header
-        for i, vids in enumerate(per_item):
+            raise HTTPError(400, f"{kind}_data must have one entry per item of the batch of {len(prompts)}")
+        where = (lambda i, j: f"{kind}_data[{i}][{j}]" if batched else f"{kind}_data[{j}]")
+        heads: list[list[list]] = []  # per item, per image or video, its frames opened to the header
+        for i, (p, refs) in enumerate(zip(prompts, per_item)):
+            if not refs:
+                none_for(i, p)
             heads.append([])
-            for j, v in enumerate(vids):
-                where = f"video_data[{i}][{j}]" if batched else f"video_data[{j}]"
+            for j, ref in enumerate(refs):
                 try:
-                    refs, _ = video_frame_refs(v)
-                    if not refs:
-                        raise ImageError("a video without frames")
-                    frames = []
-                    for k, f in enumerate(refs):
-                        try:
-                            frames.append(open_header(image_bytes(f)))
-                        except ImageError as e:
-                            raise ImageError(f"frame {k}: {e}") from None
+                    heads[-1].append(opened(ref))
                 except ImageError as e:
-                    raise HTTPError(400, f"{where} is not a usable video: {e}") from None
-                heads[-1].append(frames)
-        need = sum(f.width * f.height for item in heads for v in item for f in v)
+                    raise HTTPError(400, f"{where(i, j)} {e}") from None
+        need = sum(f.width * f.height for media in heads for frames in media for f in frames)
+        noun = "images" if kind == "image" else "video frames"
         if need > self.pixels.total:
-            raise HTTPError(400, f"the request's video frames have {need} pixels, more than this engine serves at "
-                                 f"once ({self.pixels.total}, --image-pixel-budget): it can never fit. Fix: fewer or "
-                                 "smaller frames per request")
+            raise HTTPError(400, f"the request's {noun} have {need} pixels, more than this engine serves at once "
+                                 f"({self.pixels.total}, --image-pixel-budget): it can never fit. Fix: smaller or "
+                                 f"fewer {noun} per request")
         if not self.pixels.acquire(need, self.image_wait_s):
-            raise Busy(f"the request's video frames have {need} pixels and the engine's image budget has "
+            raise Busy(f"the request's {noun} have {need} pixels and the engine's image budget has "
                        f"{self.pixels.total - self.pixels.in_use} of {self.pixels.total} free (--image-pixel-budget) "
                        f"after waiting {self.image_wait_s:g} s: try again later")
         held.append(need)
         out: list[dict | None] = []
-        for i, (p, item) in enumerate(zip(prompts, heads)):
-            if not item:
-                if pad is not None and pad in p:
-                    raise HTTPError(400, f"{'item %d: ' % i if batched else ''}the prompt has video pad tokens (id "
-                                         f"{pad}) but the request has no video_data for it")
+        for i, (p, media) in enumerate(zip(prompts, heads)):
+            if not media:
                 out.append(None)
                 continue
             try:
-                videos = []
-                for j, v in enumerate(item):
+                decoded = []
+                for j, frames in enumerate(media):
                     try:
-                        videos.append([decode(f) for f in v])
+                        decoded.append([decode(f) for f in frames])
                     except ImageError as e:
-                        raise ImageError(f"video_data[{j}]: {e}") from None
-                    if len({f.size for f in videos[-1]}) > 1:
-                        raise ImageError(f"video_data[{j}]: frames of more than one size")
-                out.append(encode_media_ids(self.model_path, p, videos=videos))
+                        raise ImageError(f"{where(i, j)}: {e}") from None
+                out.append(encode(p, decoded))
             except ImageError as e:
-                raise HTTPError(400, f"{'item %d: ' % i if batched else ''}{e}") from None
+                raise HTTPError(400, f"{item(i)}{e}") from None
         return out
 
     @torch.inference_mode()

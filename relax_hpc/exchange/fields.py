@@ -1,9 +1,16 @@
 """The one schema of a sample's fields in the exchange: name, dtype, shape, who writes it, which tasks read it.
 
-Every place that writes or reads chunk fields takes its lists from here: the rollout role's chunk writer
-(:func:`relax_hpc.train.samples.write_step`), the chunk reader, the broker's per-task field lists (a task
-is ready once its chunks carry the fields it reads), the forward roles (which add a side field) and the
-actor's batch builder. Names are Relax's where Relax has one.
+The sample seam has two sample types: the rollout's :class:`~relax_hpc.rollout.sample.Sample` (the producer's)
+and the trainer's :class:`~relax_hpc.train.batch.TrainingSample` (the consumer's); between them the chunk, whose
+fields are this table. Every place that writes or reads chunk fields takes its lists from here: the rollout's
+chunk writer (:func:`relax_hpc.rollout.write.write_step`: a field's value is the Sample attribute of its name
+unless the writer has a builder for it, the ``source`` below), the chunk reader, the broker's per-task field
+lists (a task is ready once its chunks carry the fields it reads), the forward roles (which add a side field),
+the trainer's data plan (:mod:`relax_hpc.train.plan`: a field with a ``sample`` attribute fills that attribute
+of each TrainingSample; a ``logprob`` field is checked at the trainer's door) and the micro-batch builder
+(:mod:`relax_hpc.train.batch`: the ``response`` fields it stacks). A new per-sample field is its producer (the
+Sample attribute and the code that sets it), a row here, and its consumer (the TrainingSample attribute and the
+code that uses it). Names are Relax's where Relax has one.
 
 Kinds: ``fixed`` is one number per sample (a 1-D column), ``ragged`` a variable-length array per sample
 (flat data plus offsets in the file), ``json`` one JSON value per sample (for people reading the files and
@@ -26,54 +33,85 @@ class Field:
     writer: str  # the role that writes it (a side file for every writer but rollout)
     read_by: tuple[str, ...]  # the tasks that read it: train, logprobs
     doc: str
+    source: str = ""  # who writes it, in code: what the writer reads (a Sample attribute) or which code computes it
+    per: str = "sample"  # a value per: sample | token (of tokens) | response (token) | media (the processor's rows)
+    sample: str | None = None  # the TrainingSample attribute the data plan fills from it (None: not carried so)
+    optional: bool = False  # a rollout field only some runs' chunks carry (the writer writes it where samples have it)
+    logprob: bool = False  # log-probs: finite and at most LOGPROB_TOLERANCE where the trainer reads them
 
+
+_MEDIA = "the model's processor (relax_hpc.rollout.write's media builders: multimodal.py, audio.py)"
 
 FIELDS: tuple[Field, ...] = (
-    Field("tokens", "ragged", "int64", ROLLOUT, ("train", "logprobs"), "prompt + response token ids"),
+    Field("tokens", "ragged", "int64", ROLLOUT, ("train", "logprobs"), "prompt + response token ids",
+          source="Sample.tokens", per="token"),
     Field("response_length", "fixed", "int64", ROLLOUT, ("train", "logprobs"),
-          "response tokens (the last ones of tokens)"),
-    Field("loss_mask", "ragged", "float32", ROLLOUT, ("train",), "over the response (0/1)"),
+          "response tokens (the last ones of tokens)", source="Sample.response_length"),
+    Field("loss_mask", "ragged", "float32", ROLLOUT, ("train",), "over the response (0/1)",
+          source="Sample.loss_mask (None: all ones)", per="response", sample="loss_mask"),
     Field("rollout_log_probs", "ragged", "float32", ROLLOUT, ("train",),
-          "the engine's log-prob of each response token"),
+          "the engine's log-prob of each response token", source="Sample.rollout_log_probs (None: empty)",
+          per="response", sample="rollout_log_probs", logprob=True),
     Field("raw_reward", "fixed", "float32", ROLLOUT, ("train",),
-          "R: the scalar reward; group normalization (R → R̃) and advantages happen on the training side"),
-    Field("index", "fixed", "int64", ROLLOUT, ("train",), "sample.index"),
-    Field("group_index", "fixed", "int64", ROLLOUT, (), "the sample's group (its prompt) in the step"),
+          "R: the scalar reward; group normalization (R → R̃) and advantages happen on the training side",
+          source="RolloutResult.raw_rewards (the reward functions', through reward_key)"),
+    Field("index", "fixed", "int64", ROLLOUT, ("train",), "sample.index", source="Sample.index (None: -1)"),
+    Field("group_index", "fixed", "int64", ROLLOUT, (), "the sample's group (its prompt) in the step",
+          source="Sample.group_index (None: -1)"),
     Field("rollout_id", "fixed", "int64", ROLLOUT, (),
-          "the rollout a segment belongs to (the index of the sample it came from); a whole rollout: its index"),
+          "the rollout a segment belongs to (the index of the sample it came from); a whole rollout: its index",
+          source="Sample.rollout_id (None: Sample.index, or -1)"),
     Field("weight_version", "json", "json", ROLLOUT, ("train",),
-          "the engine's weight version when it finished the sample"),
-    Field("status", "json", "json", ROLLOUT, (), "completed / truncated / aborted / failed"),
-    Field("prompt", "json", "json", ROLLOUT, (), "for people reading the files"),
-    Field("response", "json", "json", ROLLOUT, (), "for people reading the files"),
-    Field("label", "json", "json", ROLLOUT, (), "for people reading the files"),
+          "the engine's weight version when it finished the sample", source="Sample.weight_version"),
+    Field("status", "json", "json", ROLLOUT, (), "completed / truncated / aborted / failed",
+          source="Sample.status.value"),
+    Field("prompt", "json", "json", ROLLOUT, (), "for people reading the files", source="Sample.prompt"),
+    Field("response", "json", "json", ROLLOUT, (), "for people reading the files", source="Sample.response"),
+    Field("label", "json", "json", ROLLOUT, (), "for people reading the files", source="Sample.label"),
     Field("teacher_log_probs", "ragged", "float32", ROLLOUT, ("train",),
-          "on-policy distillation (opd:): the teacher's log-prob of each response token; only OPD runs' chunks"),
+          "on-policy distillation (opd:): the teacher's log-prob of each response token; only OPD runs' chunks",
+          source="Sample.teacher_log_probs (set by the rollout role's teacher call, rollout/teacher.py)",
+          per="response", sample="teacher_log_probs", optional=True, logprob=True),
     Field("routed_experts", "ragged", "int32", ROLLOUT, ("train",),
           "MoE routing replay (train.routing_replay): the expert ids the engine's router chose, SGLang's "
           "meta_info.routed_experts flattened: [len(tokens) - 1, layers, top_k], -1 rows for tokens no engine ran (the "
           "trainer's router chooses); only in chunks of runs with train.routing_replay. Checked by "
           "routed_experts_problem: ids in [0, num_experts), a token's top_k of a layer distinct, as many rows as "
-          "tokens, layers × top_k a row"),
+          "tokens, layers × top_k a row",
+          source="Sample.routed_experts (engines/client.py's decode_routed_experts; -1 rows: roles/rollout.py)",
+          per="token", sample="routed_experts", optional=True),
     Field("pixel_values", "ragged", "float32", ROLLOUT, ("train", "logprobs"),
           "vision-language models: the image processor's patches of the sample's images, flat [patches, C·T·P·P] "
-          "(empty for a sample without images); only in chunks of samples with images"),
+          "(empty for a sample without images); only in chunks of samples with images",
+          source=f"Sample.multimodal_inputs['images'] through {_MEDIA}", per="media", sample="pixel_values",
+          optional=True),
     Field("image_grid_thw", "ragged", "int64", ROLLOUT, ("train", "logprobs"),
           "vision-language models: each image's (t, h, w) patch grid, flat [images, 3], in the order of the "
-          "image pads in tokens; beside pixel_values"),
+          "image pads in tokens; beside pixel_values",
+          source="beside pixel_values", per="media", sample="image_grid_thw", optional=True),
     Field("pixel_values_videos", "ragged", "float32", ROLLOUT, ("train", "logprobs"),
           "vision-language models: the image processor's patches of the sample's videos (their frames in pairs), flat "
-          "[patches, C·T·P·P] (empty for a sample without videos); only in chunks of samples with videos"),
+          "[patches, C·T·P·P] (empty for a sample without videos); only in chunks of samples with videos",
+          source=f"Sample.multimodal_inputs['videos'] through {_MEDIA}", per="media", sample="pixel_values_videos",
+          optional=True),
     Field("video_grid_thw", "ragged", "int64", ROLLOUT, ("train", "logprobs"),
           "vision-language models: each video's (t, h, w) patch grid, flat [videos, 3], in the order of the video "
-          "pads in tokens; beside pixel_values_videos (frames shown at multimodal.MODEL_FPS)"),
+          "pads in tokens; beside pixel_values_videos (frames shown at multimodal.MODEL_FPS)",
+          source="beside pixel_values_videos", per="media", sample="video_grid_thw", optional=True),
     Field("input_features", "ragged", "float32", ROLLOUT, ("train", "logprobs"),
           "omni models: the feature extractor's log-mel frames of the sample's audio clips, flat [frames, mel] "
-          "(clips one after another; empty for a sample without audio); only in chunks of samples with audio"),
+          "(clips one after another; empty for a sample without audio); only in chunks of samples with audio",
+          source=f"Sample.multimodal_inputs['audios'] through {_MEDIA}", per="media", sample="input_features",
+          optional=True),
     Field("audio_feature_lens", "ragged", "int64", ROLLOUT, ("train", "logprobs"),
-          "omni models: each clip's frames in input_features, in the order of the audio pads in tokens"),
-    Field("ref_log_probs", "ragged", "float32", REFERENCE, ("train",), "π_ref of each response token"),
-    Field("log_probs", "ragged", "float32", ACTOR_FWD, ("train",), "π_old of each response token"),
+          "omni models: each clip's frames in input_features, in the order of the audio pads in tokens",
+          source="beside input_features", per="media", sample="audio_feature_lens", optional=True),
+    Field("ref_log_probs", "ragged", "float32", REFERENCE, ("train",), "π_ref of each response token",
+          source="the reference role's forward (roles/forward.py), a side file", per="response",
+          sample="ref_log_probs", logprob=True),
+    Field("log_probs", "ragged", "float32", ACTOR_FWD, ("train",), "π_old of each response token",
+          source="the actor_fwd role's forward (roles/forward.py), a side file", per="response",
+          sample="old_log_probs", logprob=True),
 )
 BY_NAME = {f.name: f for f in FIELDS}
 
@@ -178,8 +216,7 @@ SIDE_FIELD = {REFERENCE: "ref_log_probs", ACTOR_FWD: "log_probs"}
 # rollout fields only some runs' chunks carry (the rollout writes them when its samples have them, and the actor
 # reads them where every chunk of the step has them): OPD's teacher log-probs, MoE routing replay's routed experts,
 # a vision-language model's processed images
-OPTIONAL_ROLLOUT_FIELDS = ("teacher_log_probs", "routed_experts", "pixel_values", "image_grid_thw",
-                           "pixel_values_videos", "video_grid_thw", "input_features", "audio_feature_lens")
+OPTIONAL_ROLLOUT_FIELDS = tuple(f.name for f in FIELDS if f.optional)
 IMAGE_FIELDS = ("pixel_values", "image_grid_thw")  # written together, by the rollout's image processor
 AUDIO_FIELDS = ("input_features", "audio_feature_lens")  # written together, by the rollout's feature extractor
 VIDEO_FIELDS = ("pixel_values_videos", "video_grid_thw")  # written together, by the rollout's image processor
@@ -204,4 +241,10 @@ TRAIN_FIELDS = task_fields("train")  # what the actor reads from the rollout's c
 # also read by the actor where the chunk has them (chunks written before rollout_id existed do not): with segments
 # (a rollout returned as several samples) group normalization goes by group and rollout
 SEGMENT_FIELDS = ("group_index", "rollout_id")
+# what the trainer's data plan carries on each TrainingSample (relax_hpc.train.plan fills them from the columns)
+SAMPLE_FIELDS = tuple(f for f in FIELDS if f.sample is not None)
+# the log-prob columns, checked at the trainer's door (finite, at most LOGPROB_TOLERANCE)
+LOGPROB_COLUMNS = tuple(f.name for f in FIELDS if f.logprob)
+# the per-response-token values the micro-batch stacks [samples, longest response] (as TrainingSample names them)
+RESPONSE_VALUES = tuple(f.sample for f in FIELDS if f.per == "response" and f.sample is not None)
 LOGPROB_FIELDS = task_fields("logprobs")  # what reference/actor_fwd read to compute their side field

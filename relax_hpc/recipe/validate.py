@@ -21,7 +21,8 @@ from relax_hpc.recipe.memory_plan import recipe_problems as check_memory_keys
 from relax_hpc.recipe.schema import ROLE_NAMES, Recipe
 from relax_hpc.rollout import checks as rollout_checks
 from relax_hpc.train.config import (check as check_train, check_batch, check_lora_adapter_mode,
-                                    check_lora_reference, check_train_offload)
+                                    check_lora_reference, check_overlap_sync,
+                                    check_train_offload)
 from relax_hpc.train.forward_config import check as check_forward
 
 
@@ -97,6 +98,7 @@ def check(recipe: Recipe) -> list[Problem]:
     problems += rollout_checks.check_teacher(recipe)
     problems += check_engine_args(recipe)
     problems += check_train_offload(recipe)
+    problems += check_overlap_sync(recipe)
     problems += _check_colocate_nodes(recipe)
     problems += check_lora_adapter_mode(recipe)
     problems += check_lora_reference(recipe)

@@ -35,7 +35,10 @@ the controller's tasks (:mod:`relax_hpc.roles.tasks`; every task's fields and it
   ``SYNC_TRIES`` (3) times; it is reported in ``dead_engines``. The push, the check and the retry are one call,
   :meth:`relax_hpc.weights.push.ActorSync.sync`. Returns the sender's ``perf/weight_sync_*`` metrics,
   ``weights/fingerprint_match``, ``weights/engine_max_abs_diff`` and ``weights/versions_ok`` (every engine serves
-  the new version; the followers are checked alike), and ``follower_versions``.
+  the new version; the followers are checked alike), and ``follower_versions``. With ``land`` (``train.overlap_sync``,
+  docs/controller.md "The sync behind the next train") rank 0 packs the export into a host snapshot, answers at once
+  (``landing``) and pushes it while the next ``train`` runs, reporting the landing under task id ``land``
+  (:meth:`Actor._sync_behind`); the next ``sync``, ``connect`` or ``stop`` waits for that push first.
 - ``checkpoint {extra}``: ``save_checkpoint`` under ``RUN_DIR/checkpoints``.
 - ``stop``.
 
@@ -57,7 +60,9 @@ Without ``model.path`` the role only bootstraps (the launch smoke tests).
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +73,9 @@ if TYPE_CHECKING:
 
 ROLE = "actor"
 log = logging.getLogger("relax_hpc.actor")
+# tests (tests/e2e/test_overlap_sync.py): the push behind the train of step N (this variable's value) waits until the
+# next train has begun, so that a short run shows the overlap whatever the timing
+HOLD_PUSH, HOLD_PUSH_S = "RELAX_TEST_HOLD_PUSH", 600
 
 
 def work(ctx: RoleContext, comm: Any) -> None:
@@ -93,7 +101,7 @@ class Actor:
 
     def __init__(self, ctx: RoleContext, comm: Any, model: Any):
         from relax_hpc.identity import reachable_host
-        from relax_hpc.weights.push import ActorSync
+        from relax_hpc.weights.push import ActorSync, BackgroundPush
 
         self.ctx, self.comm, self.model, self.recipe = ctx, comm, model, ctx.recipe
         self.rank = ctx.ident.rank
@@ -105,6 +113,10 @@ class Actor:
                                  node=ctx.ident.node)  # a node's engines get their weights from its first rank
         # streaming within a step (rollout.stream_groups): π_old of the chunks that landed early, chunk id -> per sample
         self.staged: dict[str, list] = {}
+        self.adapter_dir = False  # train.lora.mode adapter with SGLang: the adapters go by PEFT directory (connect says)
+        self._adapter_sync = None  # rank 0's AdapterDirSync, then
+        self.behind = BackgroundPush()  # train.overlap_sync: rank 0's push of the last sync, behind this train
+        self.training = threading.Event()  # set when a train begins (the test hook below waits for it)
         self.offload = None  # train.offload: params, grads and optimizer state off the device while engines generate
         if ctx.recipe.train.offload:
             from relax_hpc.train.offload import TrainOffload
@@ -112,20 +124,29 @@ class Actor:
             self.offload = TrainOffload(model.model, model.optimizer)
 
     def handlers(self) -> dict[str, Any]:
+        return {"connect": self.connect, "train": self.train, "sync": self.sync, "checkpoint": self.checkpoint,
+                "stage": self.stage, "stop": self.stop}
+
+    def stop(self, task: M.StopTask) -> M.StopResult:
         from relax_hpc.controller import messages as M
 
-        return {"connect": self.connect, "train": self.train, "sync": self.sync, "checkpoint": self.checkpoint,
-                "stage": self.stage, "stop": lambda task: M.StopResult()}
+        self.behind.wait()  # a push still behind: it lands (and is reported) before the actor goes
+        return M.StopResult()
 
     def close(self) -> None:
+        try:
+            self.behind.wait()
+        except Exception as e:  # noqa: BLE001 - reported to the controller already; the group closes anyway
+            log.warning("%s", e)
         self.weights.close()
-        if getattr(self, "_adapter_sync", None) is not None:
+        if self._adapter_sync is not None:
             self._adapter_sync.close()
 
     # -- connect
     def connect(self, task: M.ConnectTask) -> M.ConnectResult:
         from relax_hpc.controller import messages as M
 
+        self.behind.wait()  # the group may be rebuilt: no push of the last sync still on it
         loaded = None
         if task.load:  # collective: every rank got this task
             self.model.load_checkpoint(task.load)
@@ -139,6 +160,7 @@ class Actor:
     def train(self, task: M.TrainTask) -> M.TrainResult:
         from relax_hpc.exchange.chunk import DamagedChunk
 
+        self.training.set()
         released = self.weights.release()  # engines sharing the GPU give it up first (rank 0 asks them)
         reload_s = self._on(("params", "grads", "optimizer"))  # then the actor's state comes back into it
         try:
@@ -298,8 +320,11 @@ class Actor:
     def sync(self, task: M.SyncTask) -> M.SyncResult:
         from relax_hpc.controller import messages as M
 
-        if getattr(self, "adapter_dir", False):  # train.lora.mode adapter with SGLang (_adapter_dir_connect)
+        self.behind.wait()  # the last sync's push landed: one push at a time, versions only rise
+        if self.adapter_dir:  # train.lora.mode adapter with SGLang (_adapter_dir_connect)
             return self._adapter_dir_sync(task)
+        if task.land is not None and self._can_push_behind(task):
+            return self._sync_behind(task)
         self._on(("params",))  # off since the connect (a resume's or a catch-up sync); else a no-op
         done = self.weights.sync(str(task.version), task.engines, self.model, progress=self.ctx.progress,
                                  check=self.recipe.logging.check_weight_sync, nodes=task.nodes)
@@ -310,6 +335,60 @@ class Actor:
             done.metrics.update(self.offload.cycle_metrics())
         return M.SyncResult(metrics=done.metrics, engine_versions=done.engine_versions, checks=done.checks,
                             dead_engines=done.dead_engines, follower_versions=done.follower_versions)
+
+    # -- train.overlap_sync: the push behind the next train
+    def _can_push_behind(self, task: M.SyncTask) -> bool:
+        """The same on every rank: rank 0 sends to every member (one node), the engines keep their memory, and no
+        snapshot is to be written. Else the sync runs in series, and the controller hears so (no ``landing``)."""
+        return (self.weights.solo_ok(task.engines, task.nodes) and not task.snapshot and self.offload is None
+                and not self.recipe.rollout.engine.offload)
+
+    def _sync_behind(self, task: M.SyncTask) -> M.SyncResult:
+        """Every rank walks the export (collective); rank 0 keeps a host copy and answers at once (``landing``), its
+        push of the copy runs while the next train does, and its landing goes to the controller as the result of
+        task ``task.land``: the step counts as synced only then."""
+        from relax_hpc.controller import messages as M
+        from relax_hpc.weights.push import take_snapshot
+
+        t0 = time.monotonic()
+        sender = self.weights.sender  # rank 0's: the snapshot is packed into the buckets it sends
+        snap = take_snapshot(self.model, self.rank, freeze_vision=self.recipe.model.freeze_vision,
+                             progress=self.ctx.progress, **({"bucket_bytes": sender.bucket_bytes} if sender else {}))
+        if snap is None:  # not rank 0: nothing to send
+            return M.SyncResult(landing=True)
+        version, engines, check = str(task.version), dict(task.engines), self.recipe.logging.check_weight_sync
+        self.training.clear()
+        hold = os.environ.get(HOLD_PUSH) == version  # tests: this push lands only once the next train has begun
+
+        def push():
+            if hold and not self.training.wait(HOLD_PUSH_S):
+                log.warning("%s=%s: no train began within %d s; pushing", HOLD_PUSH, version, HOLD_PUSH_S)
+            return self.weights.sync(version, engines, snap, progress=lambda: None, check=check, solo=True)
+
+        self.behind.start(push, lambda outcome, s: self._report_landing(task.land, outcome, s))
+        return M.SyncResult(landing=True, metrics={"perf/weight_snapshot_time": time.monotonic() - t0,
+                                                   "perf/weight_snapshot_bytes": float(snap.nbytes)})
+
+    def _report_landing(self, land: int, outcome: tuple[str, Any], seconds: float) -> None:
+        """Rank 0, in the push's thread: its outcome to the controller as the result of task ``land`` (a connection
+        of its own: the task poll holds the other)."""
+        from relax_hpc.controller import messages as M
+        from relax_hpc.controller.protocol import Client
+        from relax_hpc.roles.tasks import describe
+
+        kind, value = outcome
+        if kind == "ok":
+            result = M.SyncResult(metrics={**value.metrics, "perf/weight_sync_behind_time": seconds},
+                                  engine_versions=value.engine_versions, checks=value.checks,
+                                  dead_engines=value.dead_engines, follower_versions=value.follower_versions).to_dict()
+        else:
+            result = M.TaskError(error=describe(value), restartable=bool(getattr(value, "restartable", False))).to_dict()
+        addr = self.ctx.run.read_json(self.ctx.run.controller_addr)
+        client = Client(addr["host"], int(addr["port"]), self.ctx.run.token(), timeout_s=30.0)
+        try:
+            client.task_done(ROLE, 0, int(land), result, seconds)
+        finally:
+            client.close()
 
     # -- train.lora.mode adapter with SGLang engines: the adapters as a PEFT directory (relax_hpc.weights.lora)
     def _adapter_dir_connect(self, engines: dict[str, str]) -> None:
@@ -333,7 +412,7 @@ class Actor:
         self.adapter_dir = bool(flag[0])
         if not self.adapter_dir:
             return
-        if self.rank == 0 and getattr(self, "_adapter_sync", None) is None:
+        if self.rank == 0 and self._adapter_sync is None:
             self._adapter_sync = AdapterDirSync(self.ctx.run.path / "lora", self.ctx.run.api_key(),
                                                 str(resolve(self.recipe.model.path)))
         self._publish_adapters(None, dict(engines))
@@ -368,8 +447,8 @@ class Actor:
         t0 = time.monotonic()
         engines = dict(task.engines or self.weights.engines)
         resumed = {}
-        if self.rank == 0 and getattr(self.weights, "released", None):  # engines that handed their memory over
-            resumed = self.weights._resume(engines)  # take it back first, as ActorSync.sync does before a push
+        if self.rank == 0 and self.weights.released:  # engines that handed their memory over
+            resumed = self.weights.resume(engines)  # take it back first, as ActorSync.sync does before a push
         out = self._publish_adapters(str(task.version), engines)
         metrics, versions, dead = out if out is not None else ({}, {}, {})
         metrics.update(resumed)

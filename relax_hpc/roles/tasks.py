@@ -115,7 +115,9 @@ def serve(ctx: RoleContext, comm: Any, handlers: dict[str, Callable[[Any], Resul
     A handler that raises reports the error as the task's outcome and re-raises (the role then fails),
     except :class:`~relax_hpc.exchange.chunk.DamagedChunk` (a chunk that cannot be read: the controller
     quarantines it and generates the step again), after which the role serves on. Handlers raise it on every
-    rank at once (:func:`relax_hpc.train.samples.read_samples` with ``agree=True``), so the ranks stay in step.
+    rank at once (:func:`relax_hpc.train.samples.read_samples` with ``agree=True``), so the ranks stay in step. An
+    error whose class says ``serve_on = True`` (:class:`~relax_hpc.rollout.teacher.TeacherError`: another role's
+    engine gave no answer) is reported and the role serves on too: the controller decides what comes next.
     An unknown kind is an error too: controller and role disagree about the protocol.
     """
     stream = TaskStream(ctx, comm)
@@ -134,6 +136,8 @@ def serve(ctx: RoleContext, comm: Any, handlers: dict[str, Callable[[Any], Resul
                 continue
             except BaseException as e:
                 stream.failed(task, e)
+                if getattr(e, "serve_on", False):  # the controller decides what comes next (a TeacherError)
+                    continue
                 raise
             stream.done(task, result, time.perf_counter() - t0)
     finally:

@@ -11,9 +11,13 @@ tasks_per_node) is the number of teachers. Teachers never get weight syncs. Task
   student's response tokens;
 - ``stop``: the engines stop (by PID) on the way out, whatever happened.
 
-The teacher must use the student's tokenizer: it scores the student's token ids as they are. A teacher engine that
-dies is noticed by the rollout's client (:class:`~relax_hpc.rollout.teacher.TeacherError`, restartable): the run uses
-one of its ``checkpoint.max_restarts``, which starts this role, and so its engines, again.
+The teacher must use the student's tokenizer: it scores the student's token ids as they are. A teacher that dies is
+started again alone (the role tier, ``health.max_role_restarts``): its new engines' URLs go with the next generate.
+One that dies while rollout asks it fails that generate (:class:`~relax_hpc.rollout.teacher.TeacherError`; the rollout
+role serves on); the controller waits for this role's verdict: dead, it is started again alone; alive (its engine
+gone, or slow), the generate goes again, and after :data:`~relax_hpc.controller.training.TEACHER_RETRIES` such tries
+the role is started again alone. Either way the step's generate goes again from the same data cursor; the actor, the
+rollout driver and the rollout engines keep their processes.
 """
 
 from __future__ import annotations

@@ -2,26 +2,193 @@
 judge, the OPD teacher, the elastic engines), beside :mod:`relax_hpc.rollout.config`, which defines those sections.
 
 :func:`relax_hpc.recipe.validate.check` calls them in its order. The recipe arrives typed ``Any``: rollout/ imports
-nothing of :mod:`relax_hpc.recipe` (the recipe imports this module). Module level imports only the standard library;
-a check that needs a runtime lookup (the reward names, the data reader) imports it inside the function, so loading
-a recipe on a login node does not load rollout's runtime.
+nothing of :mod:`relax_hpc.recipe` (the recipe imports this module). Only config-level modules are imported, all at
+module level: the sections and the reward names (:mod:`relax_hpc.rollout.config`), the key-file rules
+(:mod:`relax_hpc.engines.keys`), the plugin spec grammar (:mod:`relax_hpc.plugins`) and the media bounds
+(:mod:`relax_hpc.media_bounds`); none loads rollout's runtime (the data reader, the rewards, the driver), so loading
+a recipe on a login node does not either (tests/recipe/test_layering.py).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from dataclasses import fields
 from typing import Any
 
+from relax_hpc.engines.keys import KeyFileError, check_url, read_key_file
+from relax_hpc.media_bounds import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, MAX_VIDEO_FRAMES
+from relax_hpc.plugins import FORMS, PluginError, parse_spec
+from relax_hpc.rollout.config import AWAITED_REWARDS, BUILTIN_REWARD_NAMES
+
 Problem = tuple[str, object, str]
 
 
-def check_data(data: Any, rollout: Any) -> list[Problem]:
-    """``data:`` and the rollout keys it reads (:func:`relax_hpc.rollout.data.check_config`); keys carry their
-    section."""
-    from relax_hpc.rollout.data import check_config
+def check_data(data_cfg: Any, rollout_cfg: Any) -> list[Problem]:
+    """Meaning checks of the ``data``/``rollout`` sections (:class:`~relax_hpc.rollout.config.DataConfig`,
+    :class:`~relax_hpc.rollout.config.RolloutConfig`): no file access, so the recipe validator runs them on a login
+    node; keys carry their section."""
+    out: list[Problem] = []
 
-    return check_config(data, rollout)
+    def need(ok: bool, key: str, value: object, msg: str) -> None:
+        if not ok:
+            out.append((key, value, msg))
+
+    r = rollout_cfg
+    need(r.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", r.n_samples_per_prompt, "must be at least 1")
+    need(r.rollout_batch_size >= 1, "rollout.rollout_batch_size", r.rollout_batch_size, "must be at least 1")
+    need(r.max_response_len >= 1, "rollout.max_response_len", r.max_response_len, "must be at least 1 token")
+    need(r.temperature >= 0, "rollout.temperature", r.temperature, "must be 0 or more")
+    need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
+    need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", r.top_k, "must be -1 (off) or at least 1")
+    if r.max_prompt_len is not None:
+        need(r.max_prompt_len >= 1, "rollout.max_prompt_len", r.max_prompt_len, "must be at least 1 or null")
+    need(r.sglang_server_concurrency >= 1, "rollout.sglang_server_concurrency", r.sglang_server_concurrency,
+         "must be at least 1 request per engine")
+    need(r.reward_max_concurrency >= 1, "rollout.reward_max_concurrency", r.reward_max_concurrency,
+         "must be at least 1")
+    need(r.max_retries >= 0, "rollout.max_retries", r.max_retries, "must be 0 or more")
+    for key, example in (("custom_rm_path", "examples.my_algo.reward_my_algo.reward_func (Relax's form)"),
+                         ("dynamic_sampling_filter_path", "relax_hpc.rollout.dynamic.check_reward_nonzero_std"),
+                         ("sample_filter_path", "my_filters.py:drop_long"),
+                         ("custom_generate_function_path", "examples.my_agent.rollout.generate")):
+        path = getattr(r, key)
+        if path is None:
+            continue
+        try:
+            parse_spec(path, f"rollout.{key}")
+            ok = True
+        except PluginError:
+            ok = False
+        need(ok, f"rollout.{key}", path, f"must be {FORMS}. Fix: e.g. {example}")
+    # no custom_rm_path and no rm_type is fine here: rm_type may come per sample from metadata["rm_type"]
+    # (a sample with neither is a reward failure)
+    if r.eval_interval is not None:
+        need(r.eval_interval >= 1, "rollout.eval_interval", r.eval_interval, "must be at least 1 or null (no eval)")
+        need(bool(data_cfg.eval_prompt_data), "data.eval_prompt_data", data_cfg.eval_prompt_data,
+             f"is empty but rollout.eval_interval = {r.eval_interval}. Fix: add name: path entries, "
+             "or set rollout.eval_interval to null")
+    need(r.n_samples_per_eval_prompt >= 1, "rollout.n_samples_per_eval_prompt", r.n_samples_per_eval_prompt,
+         "must be at least 1")
+    kwargs = data_cfg.apply_chat_template_kwargs
+    if kwargs:
+        try:
+            chat_template_kwargs(kwargs)
+        except ValueError as e:
+            out.append(("data.apply_chat_template_kwargs", kwargs, str(e).split(": ", 1)[-1]))
+    if data_cfg.seed is not None:
+        need(data_cfg.seed >= 0, "data.seed", data_cfg.seed, "must be 0 or more, or null for run.seed")
+    out += _check_media(data_cfg)
+    return out
+
+
+MODALITIES = ("image", "audio", "video")  # data.multimodal_keys' keys read
+RELAX_MODALITIES = ("image", "video", "audio")
+
+
+def _check_media(d: Any) -> list[Problem]:
+    """``data.multimodal_keys`` and the image token bounds: known modalities, a column name each, sane bounds."""
+    out: list[Problem] = []
+    mk = d.multimodal_keys
+    if isinstance(mk, str):  # Relax passes it as JSON text
+        out.append(("data.multimodal_keys", mk, "must be a mapping, not text. Fix: multimodal_keys: {image: images} "
+                                                "(modality: the record field)"))
+        mk = {}
+    for k, col in (mk or {}).items():
+        if k not in MODALITIES:
+            why = "is not read yet (only images, videos and audio are)" if k in RELAX_MODALITIES else \
+                f"is not a modality (Relax's are {', '.join(RELAX_MODALITIES)})"
+            out.append((f"data.multimodal_keys.{k}", col, f"{k!r} {why}. Fix: remove it; image: COLUMN and audio: "
+                                                         "COLUMN are supported"))
+        elif not isinstance(col, str) or not col.strip():
+            out.append((f"data.multimodal_keys.{k}", col, f"must name the record field that holds the {k}s. "
+                                                         f"Fix: e.g. {k}: {k}s"))
+    if isinstance(mk, dict) and mk.get("image") and mk.get("audio"):
+        out.append(("data.multimodal_keys", mk, "images and audio in one prompt are not wired yet (an omni prompt "
+                                                "with both needs 3-D positions in the actor). Fix: one of them"))
+    if isinstance(mk, dict) and mk.get("video") and (mk.get("image") or mk.get("audio")):
+        # Qwen2.5-Omni's thinker takes both (transformers' get_rope_index, use_audio_in_video); relax_hpc's does not
+        omni = "; the omni actor (relax_hpc.train.omni) runs the thinker's language model with 1-D positions and no " \
+            "vision tower, and video with audio needs its 3-D M-RoPE positions" if mk.get("audio") else ""
+        out.append(("data.multimodal_keys", mk, "videos beside images or audio in one recipe are not wired yet (a "
+                                                f"row reads one modality{omni}). Fix: video alone (a Qwen2.5-VL "
+                                                "model.path) or audio alone (an omni thinker)"))
+    out += _check_video(d, mk if isinstance(mk, dict) else {})
+    secs = d.max_audio_seconds
+    if secs is not None:
+        if not isinstance(secs, (int, float)) or not 0 < secs <= MAX_AUDIO_SECONDS:
+            out.append(("data.max_audio_seconds", secs, f"must be more than 0 and at most {MAX_AUDIO_SECONDS:g} "
+                                                        "seconds (the most relax_hpc reads of a clip), or null"))
+        elif not (mk if isinstance(mk, dict) else {}).get("audio"):
+            out.append(("data.max_audio_seconds", secs, "bounds audio clips, but data.multimodal_keys has no audio "
+                                                        "column. Fix: set data.multimodal_keys: {audio: COLUMN}, or "
+                                                        "null this"))
+    lo, hi = d.image_min_token_num, d.image_max_token_num
+    for key, v in (("data.image_min_token_num", lo), ("data.image_max_token_num", hi)):
+        if v is not None and v < 1:
+            out.append((key, v, "must be at least 1 image token, or null for the model processor's bound"))
+    if lo is not None and hi is not None and 1 <= hi < lo:
+        out.append(("data.image_max_token_num", hi, f"is below data.image_min_token_num = {lo}. Fix: max >= min"))
+    per_image, per_prompt = d.max_image_pixels, d.max_prompt_pixels
+    if per_image is not None and not 1 <= per_image <= MAX_IMAGE_PIXELS:
+        out.append(("data.max_image_pixels", per_image, f"must be 1 to {MAX_IMAGE_PIXELS} pixels (the most relax_hpc "
+                                                        "decodes), or null for the model processor's max_pixels"))
+    if per_prompt is not None and per_prompt < 1:
+        out.append(("data.max_prompt_pixels", per_prompt, "must be at least 1 pixel, or null for 4 × "
+                                                          "data.max_image_pixels"))
+    roots = d.media_roots
+    if not isinstance(roots, list) or not all(isinstance(x, str) and x.strip() and "\0" not in x for x in roots):
+        out.append(("data.media_roots", roots, "must be a list of directories. Fix: e.g. [/datasets/images]"))
+    media = isinstance(mk, dict) and bool(mk.get("image") or mk.get("audio") or mk.get("video"))
+    if not (mk or {}).get("image"):  # they act on the files and pixels of a row's images: without images, nothing
+        for key, v, default in (("data.media_roots", roots, []), ("data.allow_media_urls", d.allow_media_urls, False),
+                                ("data.max_image_pixels", per_image if not (mk or {}).get("video") else None, None),
+                                ("data.max_prompt_pixels", per_prompt if not (mk or {}).get("video") else None,
+                                 None)):  # a video's frames are bounded by them too
+            if v != default and not (media and key in ("data.media_roots", "data.allow_media_urls")):  # audio's too
+                out.append((key, v, "acts on a row's images, but data.multimodal_keys has no image column. Fix: set "
+                                    "data.multimodal_keys: {image: COLUMN}, or remove this key"))
+    if (lo is not None or hi is not None) and not (mk or {}).get("image"):
+        key = "data.image_min_token_num" if lo is not None else "data.image_max_token_num"
+        out.append((key, lo if lo is not None else hi, "bounds images, but data.multimodal_keys has no image column. "
+                                                      "Fix: set data.multimodal_keys: {image: COLUMN}, or null this"))
+    return out
+
+
+def _check_video(d: Any, mk: dict) -> list[Problem]:
+    """``data.video_fps`` and ``data.video_max_frames``: positive, bounded, and only with a video column."""
+    out: list[Problem] = []
+    fps, most = d.video_fps, d.video_max_frames
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= 1000:
+        out.append(("data.video_fps", fps, "must be the rate of a row's video frames, more than 0 and at most 1000 "
+                                           "frames a second (default 2.0: Qwen's)"))
+    if most is not None and (isinstance(most, bool) or not isinstance(most, int) or not 1 <= most <= MAX_VIDEO_FRAMES):
+        out.append(("data.video_max_frames", most, f"must be 1 to {MAX_VIDEO_FRAMES} frames a video, or null for "
+                                                   f"all (up to {MAX_VIDEO_FRAMES})"))
+    if not mk.get("video"):
+        for key, v, default in (("data.video_fps", fps, 2.0), ("data.video_max_frames", most, None)):
+            if v != default:
+                out.append((key, v, "samples a row's video frames, but data.multimodal_keys has no video column. "
+                                    "Fix: set data.multimodal_keys: {video: COLUMN}, or remove this key"))
+    return out
+
+
+def chat_template_kwargs(value: str | dict | None) -> dict[str, Any]:
+    """``data.apply_chat_template_kwargs``: a JSON object string, as Relax's flag takes it (or a dict). ValueError
+    names the key, the value and the fix (the data reader raises it as its DataError)."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    try:
+        out = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"data.apply_chat_template_kwargs is not JSON ({e.msg}): {value!r}. "
+                         "Fix: e.g. '{\"enable_thinking\": false}'") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"data.apply_chat_template_kwargs must be a JSON object, got {value!r}")
+    return out
 
 
 _HTTP_URL = re.compile(r"https?://[^\s/?#]+[^\s]*")
@@ -31,9 +198,7 @@ def known_rm_type(name: str) -> bool:
     """Whether ``relax_hpc.rollout.rewards.builtin_reward`` scores ``name``: a built-in, or ``boxed_<built-in>``."""
     while name.startswith("boxed_"):
         name = name[len("boxed_"):]
-    from relax_hpc.rollout.rewards import BUILTIN_REWARDS  # runtime module: loaded only when a recipe names rm_type
-
-    return name in BUILTIN_REWARDS
+    return name in BUILTIN_REWARD_NAMES
 
 
 def check_rm_type(r: Any) -> list[Problem]:
@@ -52,12 +217,10 @@ def check_rm_type(r: Any) -> list[Problem]:
                         "sample is POSTed there as {prompt, response, label}. Fix: set rollout.rm_url to the reward "
                         "server's http(s) URL"))
         return out
-    from relax_hpc.rollout.rewards import AWAITED_REWARDS, BUILTIN_REWARDS
-
     boxed_awaited = rm.startswith("boxed_") and rm.split("boxed_")[-1] in AWAITED_REWARDS
     if known_rm_type(rm) and not boxed_awaited:
         return out
-    known = ", ".join(BUILTIN_REWARDS)
+    known = ", ".join(BUILTIN_REWARD_NAMES)
     what = (f"is refused: {rm.split('boxed_')[-1]} reads the whole response itself, so it has no boxed_ form"
             if boxed_awaited and known_rm_type(rm) else
             "is not a built-in reward of relax_hpc (Relax's ifbench, openr1mm, geo3k and mopd are not built in)")
@@ -253,10 +416,6 @@ def check_teacher(r: Any) -> list[Problem]:
 
 def check_external(r: Any) -> list[Problem]:
     """rollout.external_engines: each a URL and an absolute key file of mode 0600 (read where the controller runs)."""
-    import os
-
-    from relax_hpc.rollout.external import KeyFileError, check_url, read_key_file
-
     out: list[Problem] = []
     seen: set[str] = set()
     for i, x in enumerate(r.rollout.external_engines):

@@ -42,6 +42,13 @@ class DataConfig:
     video_max_frames: int | None = None  # at most this many frames of a video (evenly spaced) reach the model; null = all (up to 768)
 
 
+BUILTIN_REWARD_NAMES = ("math", "exact_match", "f1", "dummy", "dapo", "deepscaler", "multiple_choice", "gpqa", "random",
+                        "remote_rm", "dapo-genrm")
+"""The values ``rollout.rm_type`` takes besides ``boxed_<name>``: the keys of
+:data:`relax_hpc.rollout.rewards.BUILTIN_REWARDS`, named here so the recipe's check needs no reward code."""
+AWAITED_REWARDS = ("remote_rm", "dapo-genrm")  # scored by the reward runner itself, never as boxed_<name>
+
+
 @dataclass
 class AttachDefaults:
     """sbatch options of attached jobs (relax-scale --attach, the autoscaler) where relax-scale gives none;

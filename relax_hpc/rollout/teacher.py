@@ -21,10 +21,11 @@ response tokens (Relax's ``--opd-type sglang``, ``relax/engine/rollout/on_policy
   answer is passed over for :data:`DOWN_S` seconds.
 - **Failures**, as the GenRM client handles its judges (:mod:`relax_hpc.rollout.genrm`): a transport error, a 5xx or
   an answer of the wrong shape is retried on the next teacher, ``retries`` attempts in all with backoff ``0.5·2^k`` s,
-  all inside one deadline of ``timeout_s`` per batch; then :class:`TeacherError` (transient: the step's failure uses a
-  restart, which starts the run's own teacher engines again). A 4xx (but 408 and 429) is the request's fault and would
-  come back from every teacher: it raises :class:`TeacherRefused` at once, a :class:`~relax_hpc.errors.PermanentError`
-  naming the teacher, its answer and the fix.
+  all inside one deadline of ``timeout_s`` per batch; then :class:`TeacherError` (transient: the rollout role serves
+  on, and the controller starts the run's own teacher role again alone and gives the step's generate again). A 4xx
+  (but 408 and 429) is the request's fault and would come back from every teacher: it raises
+  :class:`TeacherRefused` at once, a :class:`~relax_hpc.errors.PermanentError` naming the teacher, its answer and the
+  fix.
 - **Every number is checked.** A teacher log-prob that is NaN, null, infinite or positive (or such a top-k value)
   sends that sample to the next teacher; when every attempt gave a bad value, the sample's :class:`TeacherScore`
   has no log-probs and an ``error`` naming the teacher, the position and the value. The caller marks the sample
@@ -38,10 +39,15 @@ included), ``opd/teacher_retries`` (calls after a batch's first), ``opd/teacher_
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
+from urllib.parse import urlsplit
 
 from relax_hpc.engines.client import EngineClient, EngineError, EngineOutputError, InputLogprobs
 from relax_hpc.engines.picker import LeastBusy
@@ -104,17 +110,22 @@ class TeacherScore:
 
 class TeacherError(RuntimeError):
     """A batch got no answer from any teacher within ``timeout_s`` and ``retries`` (transport errors, 5xx, answers of
-    the wrong shape): a restart, or a later try, may find the teacher back. ``restartable``: the generate task that
-    raises it lets the controller restart the steps (:mod:`relax_hpc.roles.tasks`), which starts the run's own teacher
-    engines again (the teacher role is a step), as an engine that died is (``checkpoint.max_restarts``)."""
+    the wrong shape): a restart, or a later try, may find the teacher back. ``restartable``, and ``serve_on``: the
+    rollout role reports it as its generate's outcome and serves on (:func:`relax_hpc.roles.tasks.serve`). With the
+    run's own teacher (``roles.teacher``) the controller waits for the teacher's liveness verdict: dead, it is started
+    again alone (role tier) and the step's generate goes again, from the same data cursor; alive, the generate goes
+    again (:data:`relax_hpc.controller.training.TEACHER_RETRIES` times), then the teacher is started again alone. An
+    outside teacher (``opd.teacher_url``): every step restarts (``checkpoint.max_restarts``)."""
 
     restartable = True
+    serve_on = True
 
 
 class TeacherRefused(TeacherError, PermanentError):
     """A teacher refused the request itself (4xx): every teacher would, every time. The run fails with the reason."""
 
     restartable = False
+    serve_on = False
 
 
 class TeacherBadValues(TeacherError, PermanentError):
@@ -122,6 +133,7 @@ class TeacherBadValues(TeacherError, PermanentError):
     attempt): the same tokens would get the same answer again, so the run fails rather than restarting."""
 
     restartable = False
+    serve_on = False
 
 
 class TeacherClient:
@@ -191,6 +203,7 @@ class TeacherClient:
 
     def score(self, samples: Sequence[Sample]) -> list[TeacherScore]:
         """Blocking :meth:`ascore` (from code with no event loop running)."""
+        _test_gate(list(self._clients))
         async def run():
             try:
                 return await self.ascore(samples)
@@ -277,6 +290,36 @@ class TeacherClient:
     def close(self) -> None:
         for c in self._clients.values():
             c.close()
+
+
+_calls = itertools.count(1)  # score() calls of this process (one per generate with OPD): the test gate counts them
+
+
+def _test_gate(urls: list[str]) -> None:
+    """Test hook: ``RELAX_TEST_TEACHER_GATE=<k>[,<k>...]:<dir>``: at this process's k-th :meth:`TeacherClient.score`
+    call (the rollout role's k-th generate), once per run (the file ``<dir>/asked-<k>`` says it was done), write that
+    file and wait until every teacher refuses connections (a test kills the teacher then: a ``kill -9`` that lands
+    mid-generate without racing it), then ask them as always."""
+    spec = os.environ.get("RELAX_TEST_TEACHER_GATE", "")
+    k = next(_calls)
+    ks, _, where = spec.partition(":")
+    mark = Path(where) / f"asked-{k}"
+    if not spec or str(k) not in ks.split(",") or mark.exists():
+        return
+    mark.write_text(" ".join(urls))
+    deadline = time.monotonic() + 300.0  # never forever: a test that does not kill fails on its own asserts
+    while time.monotonic() < deadline and any(_accepts(u) for u in urls):
+        time.sleep(0.05)
+
+
+def _accepts(url: str) -> bool:
+    """Whether ``url``'s host:port takes a TCP connection."""
+    u = urlsplit(url)
+    try:
+        with socket.create_connection((u.hostname, u.port or 80), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def _score(url: str, a: InputLogprobs, response_length: int, top_k: int) -> TeacherScore:

@@ -1,14 +1,15 @@
 """Samples → micro-batch tensors, padded or packed (and per-sample results back), for the Megatron forward.
 
-A sample is a :class:`TrainingSample` (what the data plan, :mod:`relax_hpc.train.plan`, builds), or a mapping
-with the same keys (tests, tools), with:
+A sample is a :class:`TrainingSample`, the trainer's side of the sample seam (the data plan,
+:mod:`relax_hpc.train.plan`, builds them from the chunk's columns as the field table,
+:mod:`relax_hpc.exchange.fields`, says; tests and tools build them with :meth:`TrainingSample.of`), with:
 
 * ``tokens``: LongTensor[L] (or list of ints), prompt + response;
 * ``response_start``: int ≥ 1, index in ``tokens`` of the first response token (the response is
   ``tokens[response_start:]``, R = L − response_start tokens);
 * ``loss_mask`` (optional): [R] 0/1 over the response tokens (default all ones; a sample Relax marked
   ``remove_sample`` has all zeros);
-* ``advantage`` (float, per sample) or ``advantages`` ([R], per token);
+* ``advantages`` ([R], per token; :meth:`TrainingSample.of` spreads one float over the response);
 * ``old_log_probs`` [R] (π_old; optional only with ``use_rollout_logprobs``), ``ref_log_probs`` [R]
   (optional), ``rollout_log_probs`` [R] (optional), ``teacher_log_probs`` [R] (optional; OPD).
 
@@ -30,10 +31,13 @@ micro-batch's flattened [B·S] logits, so the same gather serves both layouts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from relax_hpc.exchange.fields import RESPONSE_VALUES
 
 
 @dataclass(slots=True)
@@ -57,13 +61,24 @@ class TrainingSample:
     input_features: torch.Tensor | None = None  # an omni model: its clips' log-mel frames, flat [frames·mel]
     audio_feature_lens: torch.Tensor | None = None  # an omni model: each clip's frames [clips]
 
+    @classmethod
+    def of(cls, tokens: Any, response_start: int, *, advantage: float | None = None, **fields: Any) -> TrainingSample:
+        """A sample from plain values (tests, tools): ``tokens`` as a LongTensor, one ``advantage`` spread over the
+        response's tokens as ``advantages``, the other ``fields`` as they are (lists become tensors where used)."""
+        t = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        if advantage is not None:
+            if "advantages" in fields:
+                raise ValueError("give advantage (one float) or advantages (one per response token), not both")
+            fields["advantages"] = torch.full((max(t.numel() - int(response_start), 0),), float(advantage))
+        return cls(tokens=t, response_start=int(response_start), **fields)
 
-def field(sample, name: str, default=None):
-    """``sample.name`` (a :class:`TrainingSample`), ``sample[name]`` for mappings; ``default`` when absent or None."""
-    if isinstance(sample, Mapping):
-        v = sample.get(name, default)
-    else:
-        v = getattr(sample, name, default)
+
+def field(sample: TrainingSample, name: str, default=None):
+    """``sample.name``, or ``default`` when it is None."""
+    if not isinstance(sample, TrainingSample):  # the seam's one type: a dict's keys would go unchecked
+        raise TypeError(f"a sample is a TrainingSample, not {type(sample).__name__}. Fix: build it with "
+                        "relax_hpc.train.batch.TrainingSample.of(tokens, response_start, advantage=..., ...)")
+    v = getattr(sample, name)
     return default if v is None else v
 
 
@@ -262,17 +277,12 @@ def _finish(samples: Sequence, tokens: torch.Tensor, position_ids: torch.Tensor,
     for s, (_, r) in zip(samples, bounds):
         m = _per_token(s, "loss_mask", r, required=False)
         masks.append(torch.ones(r) if m is None else m)
-        a = _per_token(s, "advantages", r, required=False)
-        if a is None:
-            adv = field(s, "advantage")
-            if adv is None:
-                raise ValueError("sample has neither advantage (float) nor advantages (per token)")
-            a = torch.full((r,), float(adv))
-        advs.append(a)
+        advs.append(_per_token(s, "advantages", r, required=True))
     mb.loss_mask = _stack(masks, T) * valid
     mb.advantages = _stack(advs, T)
-    for name in ("old_log_probs", "ref_log_probs", "rollout_log_probs", "teacher_log_probs"):
-        setattr(mb, name, _stack([_per_token(s, name, r, required=False) for s, (_, r) in zip(samples, bounds)], T))
+    for name in RESPONSE_VALUES:  # the table's per-response-token values (log-probs), where every sample has them
+        if name != "loss_mask":
+            setattr(mb, name, _stack([_per_token(s, name, r, required=False) for s, (_, r) in zip(samples, bounds)], T))
     return mb
 
 

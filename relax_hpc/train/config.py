@@ -94,6 +94,7 @@ class TrainConfig:
     max_nonfinite_skips: int = 3  # consecutive optimizer steps skipped before the run fails; 0: fail at the first
     balance_data: bool = False  # deal each mini-batch's samples to the DP ranks by token count, evenly (Relax's --balance-data); False: contiguous shares
     offload: bool = False  # colocate: params, grads and optimizer state leave the device while engines generate (Relax's --offload-train)
+    overlap_sync: Literal["auto", True, False] = "auto"  # step N's weight push runs behind step N+1's train (fully_async, bounded max_staleness >= 1; auto: there)
     lora: LoraConfig | None = None  # low-rank adapters on the frozen base model (docs/lora.md); None: full fine-tuning
 
 
@@ -271,6 +272,32 @@ def check_train_offload(r: Any) -> list[tuple[str, object, str]]:
                  f"while the engines on it generate, which only mode: colocate has them do (this recipe: {r.mode}, "
                  "where the actor's GPUs are its own). Fix: offload: false, or mode: colocate")]
     return []
+
+
+def overlap_allowed(r: Any) -> str | None:
+    """Why this recipe's mode cannot push step N's weights while step N+1 trains (None: it can). Step N+1's samples
+    must be allowed to be made without step N's weights: fully_async with a bounded staleness of at least 1."""
+    if r.mode != "fully_async":
+        return f"mode is {r.mode}, where rollout waits for every sync (the roles take turns)"
+    if r.staleness_mode != "bounded":
+        return f"staleness_mode is {r.staleness_mode}, where each sync is held for the generate it is due after"
+    if r.max_staleness < 1:
+        return f"max_staleness is {r.max_staleness}, so step N+1 may not be generated before step N's sync lands"
+    return None
+
+
+def overlap_sync(r: Any) -> bool:
+    """Whether the actor pushes step N's weights behind step N+1's train (train.overlap_sync; auto: where allowed)."""
+    return r.train.overlap_sync is not False and overlap_allowed(r) is None
+
+
+def check_overlap_sync(r: Any) -> list[tuple[str, object, str]]:
+    """train.overlap_sync: true where the mode cannot overlap the sync is refused (auto turns it off there)."""
+    why = overlap_allowed(r) if r.train.overlap_sync is True else None
+    if why is None:
+        return []
+    return [("train.overlap_sync", True, f"pushes step N's weights while step N+1 trains, but {why}. Fix: "
+             "overlap_sync: auto (or false), or mode: fully_async with staleness_mode: bounded and max_staleness >= 1")]
 
 
 def check_lora_adapter_mode(r: Any) -> list[tuple[str, object, str]]:

@@ -43,9 +43,10 @@ __all__ = ["build_omni", "check_freeze_audio", "is_omni", "is_omni_model", "omni
 def check_freeze_audio(hf_dir: str | os.PathLike, freeze_audio: bool) -> None:
     """``model.freeze_audio: false`` is not wired (the weight sync does not send the audio tower): refused."""
     if not freeze_audio and is_omni(hf_dir):
-        raise PermanentError("model.freeze_audio = false: training the audio tower is not wired yet (the weight "
-                             "sync sends the language model only, so the engines would keep the old tower). Fix: "
-                             "model.freeze_audio: true")
+        raise PermanentError("model.freeze_audio = false: training the audio tower is not wired yet (the actor "
+                             "holds it beside the Megatron model, with no gradient buffer, optimizer state or "
+                             "checkpoint, and the weight sync sends the language model only, so the engines would "
+                             "keep the old tower). Fix: model.freeze_audio: true")
 
 
 def text_dir(hf_dir: str | os.PathLike) -> Path:

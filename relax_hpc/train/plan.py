@@ -18,8 +18,8 @@ import numpy as np
 
 from relax_hpc.errors import PermanentError
 from relax_hpc.exchange.chunk import ChunkRef, Ragged
-from relax_hpc.exchange.fields import (FORWARD_FIELDS, LOGPROB_TOLERANCE, OPTIONAL_ROLLOUT_FIELDS, SEGMENT_FIELDS,
-                                       TRAIN_FIELDS, routed_experts_problem)
+from relax_hpc.exchange.fields import (FORWARD_FIELDS, LOGPROB_COLUMNS, LOGPROB_TOLERANCE, OPTIONAL_ROLLOUT_FIELDS,
+                                       SAMPLE_FIELDS, SEGMENT_FIELDS, TRAIN_FIELDS, routed_experts_problem)
 from relax_hpc.train.samples import as_ref, read_columns
 
 if TYPE_CHECKING:
@@ -27,8 +27,6 @@ if TYPE_CHECKING:
 
 __all__ = ["logprob_batch", "mini_batch_order", "TrainPlan", "train_plan", "train_batch", "read_train_columns",
            "read_train_batch", "UnsoundTrainData", "check_train_columns"]
-
-LOGPROB_COLUMNS = ("rollout_log_probs", "ref_log_probs", "log_probs", "teacher_log_probs")  # teacher: OPD (#32)
 
 
 def logprob_batch(cols: dict[str, Any]) -> list[TrainingSample]:
@@ -41,24 +39,22 @@ def logprob_batch(cols: dict[str, Any]) -> list[TrainingSample]:
     out = []
     for i, (tok, r) in enumerate(zip(cols["tokens"], cols["response_length"])):
         t = torch.from_numpy(tok)
-        out.append(_images(cols, i, TrainingSample(tokens=t, response_start=int(t.numel() - int(r)))))
+        out.append(_fill(cols, i, TrainingSample(tokens=t, response_start=int(t.numel() - int(r))), int(r)))
     return out
 
 
-def _images(cols: dict[str, Any], i: int, s: TrainingSample) -> TrainingSample:
-    """``s`` with sample ``i``'s images (a VLM's ``pixel_values`` and ``image_grid_thw`` columns), views, where the
-    columns are there."""
+def _fill(cols: dict[str, Any], i: int, s: TrainingSample, r: int) -> TrainingSample:
+    """``s`` with sample ``i``'s values of the columns the field table carries on a TrainingSample
+    (:data:`~relax_hpc.exchange.fields.SAMPLE_FIELDS`: log-probs, routed experts, a VLM's images and videos, an omni
+    model's audio), views, where the columns are there and ``s`` has none yet; a per-response-token one only where
+    it has a value for each of the ``r`` response tokens (an engine that returned no log-probs: none)."""
     import torch
 
-    if "pixel_values" in cols and "image_grid_thw" in cols:
-        s.pixel_values = torch.from_numpy(cols["pixel_values"][i])
-        s.image_grid_thw = torch.from_numpy(cols["image_grid_thw"][i])
-    if "pixel_values_videos" in cols and "video_grid_thw" in cols:  # a VLM's videos
-        s.pixel_values_videos = torch.from_numpy(cols["pixel_values_videos"][i])
-        s.video_grid_thw = torch.from_numpy(cols["video_grid_thw"][i])
-    if "input_features" in cols and "audio_feature_lens" in cols:  # an omni model's audio
-        s.input_features = torch.from_numpy(cols["input_features"][i])
-        s.audio_feature_lens = torch.from_numpy(cols["audio_feature_lens"][i])
+    for f in SAMPLE_FIELDS:
+        if f.name in cols and getattr(s, f.sample) is None:
+            v = cols[f.name][i]
+            if f.per != "response" or v.size == r:
+                setattr(s, f.sample, torch.from_numpy(v))
     return s
 
 
@@ -274,11 +270,6 @@ def _flat_beside(cols: dict[str, Any], name: str, mask: Ragged, lens: Any) -> An
     return torch.from_numpy(col.data)
 
 
-# the per-token columns beside the rollout's that a sample carries where the step has them, and the sample fields they
-# fill: the forward roles' side columns, and OPD's teacher log-probs (written by the rollout)
-SIDES = (("ref_log_probs", "ref_log_probs"), ("log_probs", "old_log_probs"), ("teacher_log_probs", "teacher_log_probs"))
-
-
 def _sample(cols: dict[str, Any], adv: Any, i: int) -> TrainingSample:
     """Sample ``i`` of the columns as tensors, views of the columns (and of ``adv``): no copies."""
     import torch
@@ -290,15 +281,7 @@ def _sample(cols: dict[str, Any], adv: Any, i: int) -> TrainingSample:
     t = torch.from_numpy(cols["tokens"][i])
     s = TrainingSample(tokens=t, response_start=int(t.numel() - r), loss_mask=torch.from_numpy(mask.data[o: o + r]),
                        advantages=adv[o: o + r])
-    lp = cols["rollout_log_probs"][i]
-    if lp.size == r:
-        s.rollout_log_probs = torch.from_numpy(lp)
-    for name, key in SIDES:
-        if name in cols and cols[name][i].size == r:
-            setattr(s, key, torch.from_numpy(cols[name][i]))
-    if "routed_experts" in cols:  # MoE routing replay: flat [L - 1, layers, top_k] (check_train_columns checked it)
-        s.routed_experts = torch.from_numpy(cols["routed_experts"][i])
-    return _images(cols, i, s)
+    return _fill(cols, i, s, r)  # the rest as the field table says (routed experts: check_train_columns checked them)
 
 
 def _reward_metrics(cols: dict[str, Any], rewards: Any, group_size: int) -> dict[str, float]:

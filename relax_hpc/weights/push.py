@@ -25,6 +25,11 @@ leader, :func:`plan_nodes`) holds a sender of its own for the engines the contro
 own, the followers). Every leader pushes the same stream at once; the sync is done when every leader's is (the
 verdict is gathered from every rank), and rank 0 checks every engine.
 
+Behind the next train (``train.overlap_sync``): :func:`take_snapshot` packs the export into host buckets (collective
+walk, rank 0 keeps them), and :class:`BackgroundPush` runs a solo :meth:`ActorSync.sync` of that :class:`Snapshot`
+(rank 0 alone, no collective: only where rank 0 sends to every member, :meth:`ActorSync.solo_ok`) in a thread while
+the actor trains on; each bucket goes out as it lies in the snapshot.
+
 With ``freeze_vision`` (``model.freeze_vision``: the actor does not train a VLM's vision tower) the vision tower's
 tensors (:func:`vision_weight`) are left out of every push: the engines keep the ones they loaded, which are the
 actor's too.
@@ -33,6 +38,7 @@ actor's too.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import wait
@@ -42,7 +48,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from relax_hpc.engines import bucket_wire
 from relax_hpc.threads import daemon_call
+from relax_hpc.weights.buckets import DEFAULT_BUCKET_BYTES
 from relax_hpc.weights.check import ROWS, EngineChecker
 from relax_hpc.weights.lora import sync_weights
 from relax_hpc.weights.sync import WeightSender, WeightSyncError, WeightSyncRefused, push_from_actor
@@ -111,10 +119,11 @@ class ActorSync:
         engines, once connected)."""
         return self.sender is not None and self.sender.path == "tensor"
 
-    def connect(self, engines: dict[str, str], followers: dict[str, str], nodes: dict[str, str] | None = None) -> None:
+    def connect(self, engines: dict[str, str], followers: dict[str, str], nodes: dict[str, str] | None = None, *,
+                solo: bool = False) -> None:
         """Every rank (collective): these are the members now (``nodes``: each engine's node, kept from the last call
         when None); each sending rank builds its group (a new one if its set changed: a group's size is fixed). A
-        failure on any rank raises on every rank."""
+        failure on any rank raises on every rank. ``solo``: rank 0 alone, after the first call (a solo sync)."""
         self.engines, self.followers = dict(engines), dict(followers)
         if nodes is not None:
             self.nodes = dict(nodes)
@@ -137,7 +146,7 @@ class ActorSync:
                 self.sender.reconnect(members)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it (below), or the others wait in a collective
             err = e
-        _agreed(err, "connecting the weight sync")
+        _agreed(err, "connecting the weight sync", solo)
         # an engine still released by an actor before this one (restarted mid-step) takes its memory back at the
         # next sync, before the weights come
         if self.sender is not None:
@@ -168,6 +177,13 @@ class ActorSync:
                 for r, e in sorted(self.plan.items()))
         return how
 
+    def solo_ok(self, engines: dict[str, str] | None = None, nodes: dict[str, str] | None = None) -> bool:
+        """Whether rank 0 alone sends to every member of a sync to ``engines`` (default: the group's) placed on
+        ``nodes`` (added to those known): what a solo sync (:meth:`sync`) needs. The same on every rank."""
+        plan = plan_nodes(self.rank_nodes or [self.node or ""], dict(engines or self.engines),
+                          {**self.nodes, **(nodes or {})})
+        return set(plan) <= {0}
+
     def release(self) -> dict[str, float]:
         """Each sending rank (rank 0; a node's leader: its node's engines), before the actor trains, when the engines
         hand over (:attr:`hands_over`): each engine releases its weights and KV cache (``/release_memory_occupation``;
@@ -182,7 +198,7 @@ class ActorSync:
         self.released = {n: u for n, u in self.mine.items() if n not in failed}
         return {"perf/engine_release_time": time.monotonic() - t0}
 
-    def _resume(self, alive: dict[str, str]) -> dict[str, float]:
+    def resume(self, alive: dict[str, str]) -> dict[str, float]:
         """Each sending rank, before a push: its released engines still alive take their memory back (the actor's
         cached blocks are returned to the GPU first). Their weights are undefined until the push that follows."""
         back = {n: u for n, u in self.released.items() if n in alive}
@@ -206,33 +222,35 @@ class ActorSync:
         return {n: f.exception() for n, f in futs.items() if f.exception() is not None}
 
     def sync(self, version: str, engines: dict[str, str] | None, model: Any, *, progress: Callable[[], None],
-             check: bool, nodes: dict[str, str] | None = None) -> Synced:
+             check: bool, nodes: dict[str, str] | None = None, solo: bool = False) -> Synced:
         """Every rank: push ``model``'s weights (``named_hf_weights()``, a collective; ``in_place()``) as
         ``version`` to ``engines`` (default: the group's; ``nodes``: where each is) and the followers, check them on
         rank 0 with ``check``. ``progress`` is called once per tensor. Raises :class:`WeightSyncError` when the push
-        fails for good."""
+        fails for good. ``solo``: rank 0 alone, no collective (a :class:`Snapshot` pushed behind the next train by
+        :class:`BackgroundPush`; only where rank 0 sends to every member, :meth:`solo_ok`)."""
         t0 = time.monotonic()
         engines = dict(engines or self.engines)
         if nodes:
             self.nodes.update(nodes)
         # died after its last request: left out, on every rank alike (rank 0 looks; the ranks re-plan the same way)
-        dead = _from_rank0(self.checker.unreachable(engines) if self.rank == 0 else {})
+        dead = _from_rank0(self.checker.unreachable(engines) if self.rank == 0 else {}, solo)
         resumed, err = {}, None
         try:  # each sending rank resumes its own engines
-            resumed = self._resume({n: u for n, u in engines.items() if n not in dead})
+            resumed = self.resume({n: u for n, u in engines.items() if n not in dead})
         except WeightSyncError as e:
             err = e
-        _agreed(err, "resuming the engines' memory")
-        out, engines, heads = self._push(version, engines, dead, model, progress)
+        _agreed(err, "resuming the engines' memory", solo)
+        out, engines, heads = self._push(version, engines, dead, model, progress, solo)
         out.update(resumed)
-        dist.barrier()
+        if not solo:
+            dist.barrier()
         out["perf/weight_sync_time"] = time.monotonic() - t0
         if self.rank != 0:
             return Synced(metrics=out)
         return self._checked(version, engines, dead, heads, out, check)
 
     def _push(self, version: str, engines: dict[str, str], dead: dict[str, str], model: Any,
-              progress: Callable[[], None]) -> tuple[dict, dict, dict]:
+              progress: Callable[[], None], solo: bool = False) -> tuple[dict, dict, dict]:
         """Every rank: push the weights to ``engines`` less ``dead``; an engine that dies during the push is added
         to ``dead`` and the push goes again to the others, up to ``SYNC_TRIES`` times. (The sender's metrics, the
         engines pushed to, and rank 0's first rows of every tensor for the check.)"""
@@ -251,17 +269,21 @@ class ActorSync:
             engines = {n: u for n, u in engines.items() if n not in dead}
             if not engines:
                 raise WeightSyncError(f"no rollout engine left to sync: {dead}")
-            if engines != self.engines:  # an engine died, joined or left since the last sync
-                self.connect(engines, self.followers)
+            # an engine died, joined or left since the last sync (rank 0's view: a solo push changed only its own)
+            if _from_rank0(engines != self.engines, solo):
+                self.connect(engines, self.followers, solo=solo)
             err: WeightSyncError | None = None
             out: dict[str, Any] = {}
             try:  # every sending rank pushes to its own engines (rank 0: and the followers)
-                out = dict(push_from_actor(stream(), self.sender, version, in_place=model.in_place()))
+                kw = {"in_place_min": model.in_place_min} if hasattr(model, "in_place_min") else {}  # a Snapshot
+                out = dict(push_from_actor(stream(), self.sender, version, in_place=model.in_place(), **kw))
             except WeightSyncError as e:
                 err = e
             # every rank the same verdict, from every sending rank's: done, again without the engines that are gone
             # now (each looks at its own), or failed
-            said = _gathered(None if err is None else (str(err), _gone(self.checker, self.mine or engines)))
+            # (rank 0 looks at the followers too: actor_fwd restarted alone is a follower gone, not a failed sync)
+            looked = {**(self.mine or engines), **(self.followers if self.rank == 0 else {})}
+            said = _gathered(None if err is None else (str(err), _gone(self.checker, looked)), solo)
             failed = [v for v in said if v is not None]
             if not failed:
                 return out, engines, heads
@@ -271,7 +293,11 @@ class ActorSync:
                 raise err if err is not None else WeightSyncError(why)
             log.warning("step sync %s: %s left during the push (%s); pushing again to the others", version,
                         ", ".join(sorted(lost)), why)
-            dead.update(lost)
+            left = {f for f in lost if f in self.followers}  # a follower gone: the controller re-follows its new ranks
+            if left:
+                self.connect({n: u for n, u in engines.items() if n not in lost},
+                             {f: u for f, u in self.followers.items() if f not in left}, solo=solo)
+            dead.update({n: y for n, y in lost.items() if n not in left})
         raise AssertionError("unreachable: the last try returns or raises")
 
     def _checked(self, version: str, engines: dict[str, str], dead: dict[str, str], heads: dict,
@@ -296,30 +322,30 @@ class ActorSync:
                       follower_versions=held)
 
 
-def _gathered(mine: Any) -> list[Any]:
-    """Every actor rank's ``mine``, in rank order (a collective; ``[mine]`` with one rank)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _gathered(mine: Any, solo: bool = False) -> list[Any]:
+    """Every actor rank's ``mine``, in rank order (a collective; ``[mine]`` with one rank, or ``solo``)."""
+    if solo or not dist.is_initialized() or dist.get_world_size() == 1:
         return [mine]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
     return out
 
 
-def _from_rank0(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (a collective)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _from_rank0(value: Any, solo: bool = False) -> Any:
+    """Rank 0's ``value`` on every rank (a collective; ``value`` itself with one rank, or ``solo``)."""
+    if solo or not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def _agreed(err: BaseException | None, what: str) -> None:
+def _agreed(err: BaseException | None, what: str, solo: bool = False) -> None:
     """Every rank raises when one did (a collective): the ranks go on together or not at all. The rank's own error
     where it has one, else a :class:`WeightSyncError` with what every failing rank said (and its engines): a
     :class:`WeightSyncRefused` when one of them was refused (a restart would meet the same members)."""
     said = _gathered(None if err is None else (str(err), list(getattr(err, "engines", [])),
-                                               bool(getattr(err, "restartable", True))))
+                                               bool(getattr(err, "restartable", True))), solo)
     failed = [(r, v) for r, v in enumerate(said) if v is not None]
     if not failed:
         return
@@ -343,3 +369,100 @@ def _gone(checker: EngineChecker, engines: dict[str, str], settle_s: float = 2.0
         time.sleep(settle_s)
         lost = checker.unreachable(engines)
     return lost
+
+
+# ------------------------------------------------------------------ the push behind the next train (train.overlap_sync)
+
+class Snapshot:
+    """Step N's exported weights, packed into the buckets the push sends (host memory), for a push that runs while step
+    N+1 trains: the copy the overlap needs anyway is the pack copy, so the push sends each bucket as it lies (one
+    broadcast of a ready buffer per bucket, as a raw broadcast of the same bytes). Stands in for the model in
+    :meth:`ActorSync.sync`: its tensors are views of the buckets (:meth:`in_place`, every run sent as it lies)."""
+
+    in_place_min = 0  # each bucket is one run, cut as the sender would cut it: no run is worth a pack copy
+
+    def __init__(self, flats: list[torch.Tensor], named: list[tuple[str, torch.Tensor]]):
+        self.flats, self.named = flats, named
+        self.nbytes = sum(f.numel() * f.element_size() for f in flats)
+        self._ptrs = {f.untyped_storage().data_ptr() for f in flats}
+
+    def named_hf_weights(self):
+        return iter(self.named)
+
+    def in_place(self) -> Callable[[torch.Tensor], bool]:
+        return lambda t: t.untyped_storage().data_ptr() in self._ptrs
+
+
+def take_snapshot(model: Any, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, freeze_vision: bool = False,
+                  progress: Callable[[], None] = lambda: None) -> Snapshot | None:
+    """Every rank (collective: the bridge's gather): walk what a sync sends of ``model``; rank 0 packs it into
+    buckets of at most ``bucket_bytes`` per dtype (a larger tensor alone), as the sender would, each a fresh buffer
+    moved to host memory (others: None). Without the copy the push would read parameters the next train updates."""
+    flats: list[torch.Tensor] = []
+    named: list[tuple[str, torch.Tensor]] = []
+    open_: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    size: dict[torch.dtype, int] = {}
+
+    def flush(items: list[tuple[str, torch.Tensor]]) -> None:
+        total = sum(t.numel() for _, t in items)
+        flat, meta = bucket_wire.pack(items, out=torch.empty(total, dtype=items[0][1].dtype, device=items[0][1].device))
+        flat = flat.cpu() if flat.device.type != "cpu" else flat  # a fresh buffer (out=): never the parameters
+        flats.append(flat)
+        named.extend(bucket_wire.unpack(flat, meta))
+
+    for name, t in sync_weights(model):
+        progress()
+        if rank != 0 or (freeze_vision and vision_weight(name)):
+            continue
+        nb, d = t.numel() * t.element_size(), t.dtype
+        if d in open_ and size[d] + nb > bucket_bytes:
+            flush(open_.pop(d))
+            del size[d]
+        open_.setdefault(d, []).append((name, t.detach()))
+        size[d] = size.get(d, 0) + nb
+    for items in open_.values():
+        flush(items)
+    return Snapshot(flats, named) if rank == 0 else None
+
+
+class BackgroundPush:
+    """Rank 0's one push in flight behind the actor's next train: ``start(fn, report)`` runs ``fn()`` (the sync of a
+    :class:`Snapshot`, solo) in a thread and hands its outcome to ``report(outcome, seconds)`` there, the moment it
+    lands: ``("ok", value)`` or ``("error", exception)``. :meth:`wait` joins it (every task that uses the sender or
+    stops the actor calls it first) and raises the push's error, so nothing goes on from engines in doubt. At most one
+    push at a time: the next sync waits for this one, so the engines' version only rises."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, fn: Callable[[], Any], report: Callable[[tuple[str, Any], float], None]) -> None:
+        self.wait()
+
+        def run() -> None:
+            t0 = time.monotonic()
+            try:
+                outcome: tuple[str, Any] = ("ok", fn())
+            except BaseException as e:  # noqa: BLE001 - reported to the controller, raised again by wait()
+                self._error = e
+                outcome = ("error", e)
+            try:
+                report(outcome, time.monotonic() - t0)
+            except BaseException as e:  # noqa: BLE001 - the controller never heard: the actor must fail
+                log.error("could not report the weight push's landing: %s", e)
+                self._error = self._error or e
+
+        self._thread = threading.Thread(target=run, name="weight-push-behind", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        err, self._error = self._error, None
+        if err is not None:
+            raise WeightSyncError(f"the weight push behind the last train failed: {type(err).__name__}: {err}") from err

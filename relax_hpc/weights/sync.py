@@ -475,12 +475,14 @@ class WeightSender:
     # ------------------------------------------------------------------ push
     def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: str | int, *,
              mode: str | None = None, pause_mode: str | None = None,
-             in_place: Callable[[torch.Tensor], bool] | None = None) -> dict[str, float]:
+             in_place: Callable[[torch.Tensor], bool] | None = None,
+             in_place_min: int | None = None) -> dict[str, float]:
         """Send every (HF name, full tensor) to every engine and set their ``weight_version`` to ``version``.
 
         ``named_weights`` is consumed lazily (the actor's collective gather yields tensor by tensor). ``in_place``:
         which of them are views of memory that stays put during the push (the actor's param buffer), sent as they
-        lie without a pack copy (:func:`~relax_hpc.weights.buckets.iter_buckets`). Returns
+        lie without a pack copy (:func:`~relax_hpc.weights.buckets.iter_buckets`; runs of ``in_place_min`` bytes or
+        more, default :attr:`in_place_min_bytes`: 0 for buckets packed ahead, ``relax_hpc.weights.push.Snapshot``). Returns
         metrics: ``perf/weight_sync_time`` (s, pause to continue; also as Relax's ``perf/update_weights_time``),
         ``perf/weight_sync_transfer_time`` (s, the bucket loop), ``perf/weight_sync_pause_time``,
         ``perf/weight_sync_bytes``, ``perf/weight_sync_buckets``, ``perf/weight_sync_tensors``,
@@ -512,7 +514,7 @@ class WeightSender:
             in_session = True  # SGLang >= 0.5.23 refuses updates outside a session; older releases have none
             self._on_all(lambda e: e.begin_weight_update(), "/begin_weight_update", only=self._in_sessions())
             t_xfer0 = time.perf_counter()
-            self._send_all(named_weights, mode, stats, in_place)
+            self._send_all(named_weights, mode, stats, in_place, in_place_min)
             t_xfer = time.perf_counter()
             # the version moves only once every bucket is in (SGLang's /end_weight_update carries none)
             self._on_all(lambda e: e.update_weight_version(version, abort_all_requests=False),
@@ -549,7 +551,7 @@ class WeightSender:
                  metrics["perf/weight_sync_gbps"])
         return metrics
 
-    def _send_all(self, named_weights, mode: str, stats: dict, in_place=None) -> None:
+    def _send_all(self, named_weights, mode: str, stats: dict, in_place=None, in_place_min: int | None = None) -> None:
         if self.path == "tensor":
             return self._hand_all(named_weights, stats)
 
@@ -572,7 +574,7 @@ class WeightSender:
         try:
             send_buckets(named_weights, self.pg, self.bucket_bytes, mode=mode, device=self.device,
                          announce=announce, confirm=confirm, stats=stats, ring=self.ring, in_place=in_place,
-                         in_place_min=self.in_place_min_bytes)
+                         in_place_min=self.in_place_min_bytes if in_place_min is None else in_place_min)
         except WeightSyncError:
             raise
         except Exception as e:

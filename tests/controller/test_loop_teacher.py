@@ -119,11 +119,29 @@ def reported(run, error: BaseException) -> M.TaskError:
     return M.decode_result("generate", sent[0])
 
 
-def test_the_run_s_own_teacher_engine_dying_uses_a_restart(tmp_path):
-    """The teacher role's engine died: the rollout's generate gets no answer from it (TeacherError, transient), reports
-    it restartable, and the controller fails the try as a step's failure, which a restart fixes (it starts the teacher
-    role, and so its engines, again): state.json says restarting, not FAILED. A teacher that refuses the request or
-    answers unusable numbers would do the same after a restart: those still end the run at once."""
+def fail_first_generate(loop, ch, report: M.TaskError) -> dict:
+    """Drive the loop until its first generate, which ``report`` answers; the generate task."""
+    deliver_joins(loop, ch)
+    while ch.queue:
+        role, task = ch.queue.pop(0)
+        res = report if task["kind"] == "generate" else answer(loop, task, role)
+        loop.on_message({"type": "task_done", "task_id": task["id"], "rank": 0, "result": res.to_dict()})
+        deliver_joins(loop, ch)
+        if task["kind"] == "generate":
+            return task
+    raise AssertionError("no generate went out")
+
+
+def generates(ch) -> list[dict]:
+    return [t for role, t in ch.queue if t["kind"] == "generate"]
+
+
+def test_the_run_s_own_teacher_dying_mid_generate_is_restarted_alone_and_the_generate_goes_again(tmp_path):
+    """The teacher role's engine died: the rollout's generate gets no answer (TeacherError, the rollout role serves
+    on). The run does not fail: the controller waits for the teacher's verdict, here its death found after the error
+    (under Slurm the step's end comes late): the teacher is started again alone, and once its new engine is known
+    the same step's generate goes again, with the same data cursor, to the new teacher. A teacher that refuses the
+    request or answers unusable numbers still ends the run."""
     from relax_hpc.rollout.teacher import TeacherBadValues, TeacherError, TeacherRefused
 
     err = dead_teacher_error()
@@ -133,14 +151,67 @@ def test_the_run_s_own_teacher_engine_dying_uses_a_restart(tmp_path):
     report = reported(run, err)
     assert report.restartable and report.error.startswith("TeacherError: ")
     loop, ch = sim_loop(recipe, run)
-    deliver_joins(loop, ch)
-    while ch.queue:
-        role, task = ch.queue.pop(0)
-        res = report if task["kind"] == "generate" else answer(loop, task, role)
-        loop.on_message({"type": "task_done", "task_id": task["id"], "rank": 0, "result": res.to_dict()})
-        deliver_joins(loop, ch)
-        if task["kind"] == "generate":
+    first = fail_first_generate(loop, ch, report)
+    assert loop.state.running and loop.state.failure is None, loop.state.doc["reason"]
+    loop.tick()
+    assert generates(ch) == []  # no verdict yet: nothing generated meanwhile
+    ch.drop = lambda role: []  # the channel's queue of the role restarted alone (FakeChannel has none; it is idle)
+    loop.role_restarted("teacher")  # the loop's _restart_alone, once the teacher's death is found
+    (start,) = [t for role, t in ch.queue if role == "teacher"]
+    assert start["kind"] == "start_engines" and generates(ch) == []  # the new teacher's engine first
+    ch.queue.remove(("teacher", start))
+    new = {"teacher0": "http://10.0.0.9:7200"}
+    loop.on_message({"type": "task_done", "task_id": start["id"], "rank": 0,
+                     "result": M.StartEnginesResult(engines=new, pids={"teacher0": 43}).to_dict()})
+    (again,) = generates(ch)
+    assert (again["step"], again["data_state"], again["seq"]) == (first["step"], first["data_state"], first["seq"])
+    assert again["teachers"] == new and first["teachers"] == TEACHER
+    assert [e["event"] for e in loop.state.doc["events"]].count("generate_again") == 1
+    done = drive(loop, ch)  # the run goes on
+    assert [s for k, s in done if k == "train"] == ["1", "2"] and loop.state.running
+    loop.finish()
+    for permanent in (TeacherRefused("HTTP 400"), TeacherBadValues("NaN log-probs")):
+        assert not reported(run, permanent).restartable
+
+
+def test_a_teacher_alive_gets_the_generate_again_then_is_restarted_alone(tmp_path):
+    """TeacherError while every teacher rank goes on speaking (its role alive, its engine not answering): the step's
+    generate goes again, TEACHER_RETRIES times, then the teacher is failed alone (role tier: the loop starts it
+    again)."""
+    from relax_hpc.controller.training import TEACHER_RETRIES
+
+    recipe = opd_recipe(tmp_path, own=True, steps=1)
+    run = sim_run(tmp_path, recipe)
+    report = M.TaskError(error="TeacherError: the OPD teacher gave no answer", restartable=True)
+    loop, ch = sim_loop(recipe, run)
+    first = fail_first_generate(loop, ch, report)
+    loop.state.ranks["teacher"][0].info["cross_group"] = {"ok": True}  # its start's check passed (a heartbeat says)
+    for k in range(TEACHER_RETRIES + 1):
+        since = loop.teacher_wait[1]  # when the failure came in
+        loop.state.ranks["teacher"][0].last = since - 1  # its last word before it
+        loop.tick()
+        assert generates(ch) == []  # the teacher has not spoken since: no verdict
+        loop.state.ranks["teacher"][0].last = since + 1e-3  # a heartbeat after the failure: alive
+        loop.tick()
+        if k == TEACHER_RETRIES:
             break
+        (again,) = generates(ch)
+        assert (again["step"], again["data_state"]) == (first["step"], first["data_state"])
+        ch.queue.remove(("rollout", again))
+        loop.on_message({"type": "task_done", "task_id": again["id"], "rank": 0, "result": report.to_dict()})
+    assert generates(ch) == [] and list(loop.state.alone) == ["teacher"] and loop.state.running
+    assert "gave rollout no answer in step 1's generate 3 times while the role lived" in \
+        loop.state.alone["teacher"].message
+    loop.finish()
+
+
+def test_an_outside_teacher_that_gives_no_answer_uses_a_restart(tmp_path):
+    """opd.teacher_url: nothing of the run's to restart alone, so a TeacherError fails the try as a step's failure,
+    which a restart may fix: state.json says restarting, not FAILED."""
+    recipe = opd_recipe(tmp_path, own=False, steps=2)
+    run = sim_run(tmp_path, recipe)
+    loop, ch = sim_loop(recipe, run)
+    fail_first_generate(loop, ch, M.TaskError(error="TeacherError: no answer", restartable=True))
     st = loop.state
     assert st.doc["state"] == "FAILED" and st.failure.kind == "role" and st.will_restart
     assert "TeacherError" in st.doc["reason"] and st.failure.role == "rollout"
@@ -148,5 +219,3 @@ def test_the_run_s_own_teacher_engine_dying_uses_a_restart(tmp_path):
     ctl, problem = read_state(run)  # as relax-status and a watcher read state.json: the run goes on
     assert problem is None and (ctl["state"], ctl["phase"]) == ("RUNNING", "restarting")
     loop.finish()
-    for permanent in (TeacherRefused("HTTP 400"), TeacherBadValues("NaN log-probs")):
-        assert not reported(run, permanent).restartable

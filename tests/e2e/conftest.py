@@ -186,13 +186,31 @@ def submit_detached(tmp_path: Path, model: Path, *overrides: str, recipe: Path =
 def uninterrupted_run(tmp_path_factory, tiny_model):
     """``uninterrupted_run(*overrides, steps=, recipe=)``: :func:`reference_run` of that recipe, run once per session,
     so the tests comparing against the same recipe share one run (tests/e2e/interrupt.py). Read it, never write."""
+    import hashlib
+    import os
+    import shutil
+
+    from filelock import FileLock
+
+    # once per session, not once per xdist worker: the files using it land on either worker, and on two cores a
+    # second copy of the same run only slows the other tests. The workers' base temps share a parent (this
+    # session's); without xdist the session's own base temp.
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "uninterrupted-runs"
+    shared.mkdir(exist_ok=True)
     runs: dict[tuple, RunDir] = {}
 
     def run(*overrides: str, steps: int, recipe: Path = QUICKSTART) -> RunDir:
         key = (str(recipe), overrides, steps)
         if key not in runs:
-            runs[key] = reference_run(tmp_path_factory.mktemp("uninterrupted"), tiny_model, *overrides,
-                                      name=f"ref{len(runs)}", steps=steps, recipe=recipe)
+            where = shared / hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+            with FileLock(f"{where}.lock"):  # a worker that finds the other one running it waits for it
+                if not (where / "done").exists():
+                    shutil.rmtree(where, ignore_errors=True)  # a failed try's run: not the reference
+                    where.mkdir()
+                    reference_run(where, tiny_model, *overrides, name="ref", steps=steps, recipe=recipe)
+                    (where / "done").write_text(repr(key))
+            [runs[key]] = [RunDir(p) for p in (where / "runs").glob("ref-*")]
         return runs[key]
 
     return run

@@ -30,8 +30,9 @@ def main(model: str, out: str) -> None:
     from relax_hpc.rollout.driver import RolloutDriver
     from relax_hpc.engines.launcher import launch_engine
     from relax_hpc.train import plan as P
-    from relax_hpc.train.samples import write_step
+    from relax_hpc.rollout.write import write_step
     from relax_hpc.train.actor import MegatronActor
+    from relax_hpc.train.batch import TrainingSample
     from relax_hpc.train.config import TrainConfig
     from relax_hpc.train.parallel import init_parallel
     from relax_hpc.weights import WeightSender, engine_fingerprint, fingerprint
@@ -53,8 +54,8 @@ def main(model: str, out: str) -> None:
 
         # the actor moves away from the files: one GRPO step on a made-up batch
         g = torch.Generator().manual_seed(0)
-        batch = [{"tokens": torch.randint(6, 128, (9,), generator=g), "response_start": 4,
-                  "advantage": 1.0 if i % 2 else -1.0} for i in range(16)]
+        batch = [TrainingSample.of(torch.randint(6, 128, (9,), generator=g), 4, advantage=1.0 if i % 2 else -1.0)
+                 for i in range(16)]
         res["train_metrics"] = actor.train_step(batch)
         res["fingerprint_actor_trained"] = fingerprint(actor.named_hf_weights())
 

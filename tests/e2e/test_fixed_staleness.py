@@ -6,8 +6,10 @@ log the same per-step rewards and losses, bit for bit, whatever the timing: the 
 SIGUSR2 (the time-limit warning) with a trained step whose sync waits for rollout; it checkpoints, is requeued,
 resumes and ends with the same rows as the first, bit for bit (:mod:`interrupt`; one run proves both, the timing of
 a requeue being as different as timing gets). The step generated before the checkpoint on older weights is kept and
-trained after the resume, not generated again (the journal shows it started once). The loop's side of it, driven
-by hand, is tests/controller/test_loop_fixed_staleness.py.
+trained after the resume, not generated again (the journal shows it started once). Streaming within a step
+(``rollout.stream_groups``) changes when the forward roles get a step's groups, not what is trained: the streamed
+run, requeued, ends with the rows of the same uninterrupted one-chunk-per-step run, bit for bit (one reference run
+for both). The loop's side of it, driven by hand, is tests/controller/test_loop_fixed_staleness.py.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ def overrides(request) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def first(uninterrupted, overrides) -> dict[int, dict]:
-    return uninterrupted(*overrides, steps=STEPS, recipe=RECIPE)
+def first(uninterrupted) -> dict[int, dict]:
+    """The uninterrupted run, one chunk per step: what both requeued runs, streamed or not, must equal."""
+    return uninterrupted(*FIXED, steps=STEPS, recipe=RECIPE)
 
 
 @pytest.mark.slow

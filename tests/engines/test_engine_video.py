@@ -9,11 +9,11 @@ import base64
 import io
 import json
 
-import httpx
 import numpy as np
 import torch
 
 from relax_hpc import multimodal
+from tests.engines.vlm_requests import hf_logprobs, post
 
 
 def frames(seed: int, n: int = 4) -> tuple[list[str], list]:
@@ -37,22 +37,6 @@ def prompt_ids(tiny_vlm) -> list[int]:
     tok = multimodal._tokenizer(str(tiny_vlm))
     return tok.encode("<|im_start|>user\n" + multimodal.VIDEO_PLACEHOLDER + "way?<|im_end|>\n<|im_start|>assistant\n",
                       add_special_tokens=False)
-
-
-def post(engine, body) -> httpx.Response:
-    return httpx.post(engine.url + "/generate", json=body, timeout=120)
-
-
-def hf_logprobs(model_dir, prompt: list[int], gen: list[int], enc: dict) -> torch.Tensor:
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    seq = torch.tensor([prompt + gen])
-    with torch.no_grad():
-        logits = model(input_ids=seq, pixel_values_videos=enc["pixel_values_videos"],
-                       video_grid_thw=enc["video_grid_thw"], second_per_grid_ts=enc["second_per_grid_ts"],
-                       attention_mask=torch.ones_like(seq)).logits[0].float()
-    return torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(1, torch.tensor(gen)[:, None])[:, 0]
 
 
 def test_video_request_expands_the_prompt_and_its_logprobs_are_the_models(vlm_engine, tiny_vlm):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from relax_hpc import multimodal
+from tests.engines.vlm_requests import hf_logprobs, post
 from tests.rollout.conftest import _tiny_model_maker
 
 IMAGE_PAD = 9  # make-tiny-model's <|image_pad|>
@@ -35,23 +36,6 @@ def prompt_ids(tiny_vlm, n_images: int = 1) -> list[int]:
     content = [{"type": "image"}] * n_images + [{"type": "text", "text": "what is it?"}]
     text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
     return tok.encode(text, add_special_tokens=False)
-
-
-def post(engine, body) -> httpx.Response:
-    return httpx.post(engine.url + "/generate", json=body, timeout=120)
-
-
-def hf_logprobs(model_dir, prompt: list[int], gen: list[int], feats) -> torch.Tensor:
-    """log p of each of ``gen`` after ``prompt`` (expanded) and the images in ``feats``: one fp32 transformers
-    forward of the whole sequence."""
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    seq = torch.tensor([prompt + gen])
-    with torch.no_grad():
-        logits = model(input_ids=seq, pixel_values=feats["pixel_values"], image_grid_thw=feats["image_grid_thw"],
-                       attention_mask=torch.ones_like(seq)).logits[0].float()
-    return torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(1, torch.tensor(gen)[:, None])[:, 0]
 
 
 def test_image_request_expands_the_prompt_and_its_logprobs_are_the_models(vlm_engine, tiny_vlm):

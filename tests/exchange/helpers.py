@@ -53,7 +53,7 @@ def bump_byte(path: Path, offset: int) -> None:
 
 # ------------------------------------------------------------------ the run's way of using the broker ---
 # In a run the controller owns the broker: it hands the rollout role ``next_seq(producer)`` with its ``generate``
-# task, the role writes the chunk (``train.samples.write_step`` → ``write_chunk``) and the controller announces
+# task, the role writes the chunk (``rollout.write.write_step`` → ``write_chunk``) and the controller announces
 # it; a forward role writes side files (``roles.forward.compute_and_write`` → ``write_fields``) for the chunks
 # whose lease does not list the field yet, and the controller adds them. These helpers do the same in one process.
 

@@ -82,3 +82,25 @@ def test_the_routing_of_a_model_config():
         Routing(61, 8, 256)  # DeepSeek's name
     assert Routing.from_config({"num_hidden_layers": 2, "vocab_size": 128}) is None  # dense
     assert Routing.from_config({**qwen3_moe, "num_experts": 0}) is None and Routing.from_config([]) is None
+
+
+def test_every_field_says_who_writes_it_and_the_sample_types_on_both_sides_have_its_attributes():
+    """The sample seam: each field's row names its source; a rollout field the writer has no builder for is the
+    rollout Sample's attribute of its name; a field the data plan carries names a TrainingSample attribute, and one
+    per response token a MicroBatch attribute too (the micro-batch stacks it): a row that names a missing attribute
+    fails here, not in a run."""
+    import dataclasses
+
+    from relax_hpc.exchange.fields import (FIELDS, MEDIA_FIELDS, OPTIONAL_ROLLOUT_FIELDS, RESPONSE_VALUES, ROLLOUT,
+                                           SAMPLE_FIELDS)
+    from relax_hpc.rollout import write
+    from relax_hpc.rollout.sample import Sample
+    from relax_hpc.train.batch import MicroBatch, TrainingSample
+
+    assert all(f.source and f.per in ("sample", "token", "response", "media") for f in FIELDS)
+    plain = {f.name for f in FIELDS if f.writer == ROLLOUT} - set(write._VALUES) - set(MEDIA_FIELDS) - {"raw_reward"}
+    assert plain <= {f.name for f in dataclasses.fields(Sample)} | {"weight_version"}, plain  # a property
+    assert set(OPTIONAL_ROLLOUT_FIELDS) - set(MEDIA_FIELDS) <= plain
+    assert {f.sample for f in SAMPLE_FIELDS} <= set(TrainingSample.__slots__)
+    assert set(RESPONSE_VALUES) <= {f.name for f in dataclasses.fields(MicroBatch)}
+    assert {f.name: f.sample for f in SAMPLE_FIELDS if f.sample != f.name} == {"log_probs": "old_log_probs"}

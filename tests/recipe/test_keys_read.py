@@ -41,7 +41,7 @@ NOT_SCANNED = {"recipe/validate.py", "recipe/schema.py", "rollout/config.py", "r
 VALIDATORS = {"algo/config.py": {"check", "_plugin_form", "check_opd"},
               "train/config.py": {"check", "check_batch", "check_train_offload", "check_lora_adapter_mode",
                                   "check_lora_reference"},
-              "rollout/data.py": {"check_config"}, "ops/wandb_log.py": {"check", "credential_problems"}}
+              "ops/wandb_log.py": {"check", "credential_problems"}}
 # functions that hand recipe values on to a user's function as keyword arguments (Relax's ``args``): a key that only
 # reaches ``args`` there does nothing in the run, so those arguments are not reads
 PASS_THROUGH = {"rollout/rewards/runner.py": {"relax_args"}}

@@ -62,13 +62,33 @@ def test_the_recipe_imports_nothing_of_rollout_but_its_config_and_checks():
     assert not bad, bad
 
 
-@pytest.mark.parametrize("module", ["rollout/config.py", "rollout/checks.py", "engines/config.py", "ops/config.py"])
+# the config-level modules: the sections, their checks, and the pure facts they read (reward names, key-file rules,
+# the plugin spec grammar, the media bounds, the seed); importing one loads nothing but others of this list
+CONFIG_LEVEL = ("relax_hpc.rollout.config", "relax_hpc.rollout.checks", "relax_hpc.engines.config",
+                "relax_hpc.engines.keys", "relax_hpc.ops.config", "relax_hpc.train.config", "relax_hpc.algo.config",
+                "relax_hpc.plugins", "relax_hpc.errors", "relax_hpc.media_bounds", "relax_hpc.seed")
+CHECK_MODULES = ["rollout/config.py", "rollout/checks.py", "engines/config.py", "ops/config.py", "train/config.py",
+                 "algo/config.py"]
+
+
+@pytest.mark.parametrize("module", CHECK_MODULES)
+def test_the_config_and_check_modules_import_only_config_level_modules(module):
+    """Every import counts, inside functions too: a check that needed a runtime lookup (the reward names, the data
+    reader, the key-file helpers) imported it inside the function, which hid a dependency on rollout's runtime.
+    Such a fact belongs in a config-level module that the runtime imports too."""
+    bad = [f"{module}:{line} imports {name}" for name, line in _imports(ROOT / module)
+           if name.startswith("relax_hpc.") and not (name + ".").startswith(tuple(m + "." for m in CONFIG_LEVEL))]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("module", CHECK_MODULES)
 def test_the_config_and_check_modules_load_no_runtime(module):
-    """What the recipe imports of another package loads, when imported, only the standard library and config
-    modules: a runtime lookup (the reward names, the data reader) is imported inside the check that needs it."""
-    allowed = ("relax_hpc.engines.config", "relax_hpc.rollout.config")
-    bad = [f"{module}:{line} imports {name}" for name, line in _imports(ROOT / module, module_level_only=True)
-           if name.startswith("relax_hpc.") and not name.startswith(allowed)]
+    """Asked of a fresh interpreter: what importing a config module loads is config-level (and the packages
+    above it, whose ``__init__`` loads nothing)."""
+    dotted = "relax_hpc." + module.removesuffix(".py").replace("/", ".")
+    loaded = _loaded(f"import {dotted}")
+    packages = {"relax_hpc"} | {"relax_hpc." + m.split("/")[0] for m in CHECK_MODULES}
+    bad = [m for m in loaded if m not in packages and m not in CONFIG_LEVEL]
     assert not bad, bad
 
 
@@ -96,3 +116,15 @@ def test_loading_a_recipe_loads_no_rollout_runtime():
     not its data reader, rewards, multi-turn or driver."""
     loaded = _loaded("import relax_hpc.recipe")
     assert not [m for m in loaded if m.startswith(ROLLOUT_RUNTIME)], loaded
+
+
+def test_validating_a_recipe_loads_no_rollout_runtime():
+    """Checking a recipe that names a built-in reward, prompt data with images and a chat template (the checks that
+    once looked the reward names up in rollout.rewards and called the data reader's check) loads none of rollout's
+    runtime, nor the media readers."""
+    recipe = {"rollout": {"rm_type": "boxed_math"},
+              "data": {"path": "p.jsonl", "multimodal_keys": {"image": "images"}, "max_image_pixels": 10 ** 6,
+                       "apply_chat_template_kwargs": '{"enable_thinking": false}'}}
+    loaded = _loaded(f"from relax_hpc.recipe import recipe_from_dict; recipe_from_dict({recipe!r})")
+    runtime = (*ROLLOUT_RUNTIME, "relax_hpc.rollout.external", "relax_hpc.multimodal", "relax_hpc.audio")
+    assert not [m for m in loaded if m.startswith(runtime)], loaded

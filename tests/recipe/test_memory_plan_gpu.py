@@ -3,8 +3,8 @@
 A one-GPU colocate recipe (the actor and relax_hpc's reference engine share the card) on a ~100M Qwen3 shape (actor_gpu.py's, 8 layers) made by
 tools/make-tiny-model, bf16, packed micro-batches of ``max_tokens_per_micro_batch`` tokens. The plan comes from the
 recipe and the model's config.json alone, as relax-submit --dry-run makes it; the actor then runs in a child
-process (a one-rank NCCL group: megatron's parallel state is process-wide) and ``torch.cuda.max_memory_allocated``
-(reset at each phase's start) gives the actor's bytes per phase:
+process (tests/train/gpu_child.py: a one-rank NCCL group, megatron's parallel state is process-wide) and
+``torch.cuda.max_memory_allocated`` (reset at each phase's start) gives the actor's bytes per phase:
 
 * ``generate``: what the actor holds between steps (the engines generate then): params, grads and optimizer state
   after a train step; and with ``train.offload`` (:class:`~relax_hpc.train.offload.TrainOffload`), what is left;
@@ -22,18 +22,16 @@ stage reads it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import signal
-import subprocess
-import sys
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from train.gpu_child import child_main, run_child
+
 SHAPE = dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=3072, max_pos=2304)  # ~100M parameters
 TOKENS = 4096  # train.max_tokens_per_micro_batch: 4 samples of 1024 tokens a micro-batch
 SAMPLES, LENGTH, PROMPT = 8, 1024, 256
@@ -70,20 +68,20 @@ def job_measure(out: Path) -> dict:
     from relax_hpc.algo import AlgorithmConfig
     from relax_hpc.recipe import recipe_from_dict
     from relax_hpc.train import MegatronActor, init_parallel
+    from relax_hpc.train.batch import TrainingSample
     from relax_hpc.train.offload import TrainOffload
 
-    sys.path.insert(0, str(REPO / "tests"))
     from train.conftest import load_tiny_model_tool
 
     model_dir = str(load_tiny_model_tool().make_tiny_model(out / "model", arch="qwen3", seed=0, **SHAPE))
     cfg = recipe_from_dict(recipe_data(model_dir, False)).train
     g = torch.Generator().manual_seed(3)
-    batch = [{"tokens": torch.randint(6, 128, (LENGTH,), generator=g), "response_start": PROMPT,
-              "advantage": [1.0, -1.0][i % 2]} for i in range(SAMPLES)]
+    batch = [TrainingSample.of(torch.randint(6, 128, (LENGTH,), generator=g), PROMPT, advantage=[1.0, -1.0][i % 2])
+             for i in range(SAMPLES)]
     init_parallel(1, 1, seed=1)
     actor = MegatronActor.from_hf(model_dir, cfg, AlgorithmConfig())
     old = actor.compute_log_probs(batch)
-    data = [dict(s, old_log_probs=o) for s, o in zip(batch, old)]
+    data = [dataclasses.replace(s, old_log_probs=o) for s, o in zip(batch, old)]
     actor.train_step(data)  # the first step makes the optimizer state
     torch.cuda.synchronize()
     measured = {"generate": torch.cuda.memory_allocated()}
@@ -129,28 +127,9 @@ def compare(res: dict) -> dict:
             "state_measured_mib": {k: round(v / MiB, 1) for k, v in res["held_by_kind"].items()}}
 
 
-def run_child(out: Path, timeout: float = 540) -> dict:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
-    log = out / "child.log"
-    with open(log, "w") as f:
-        p = subprocess.Popen([sys.executable, __file__, str(out)], env=env, cwd=REPO, stdout=f,
-                             stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            p.wait(timeout=timeout)
-        finally:  # never leave it on the GPU
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    result = out / "result.json"
-    if p.returncode != 0 or not result.exists():
-        raise AssertionError(f"child (exit {p.returncode}) wrote no result:\n{log.read_text()[-8000:]}")
-    return json.loads(result.read_text())
-
-
 @pytest.mark.timeout(600)
 def test_the_memory_plan_against_measured_peaks(tmp_path):
-    res = run_child(tmp_path)
+    res = run_child(__file__, {"measure": ["measure", {}]}, tmp_path, timeout=540)["measure"]
     assert "error" not in res, res.get("error")
     cmp = compare(res)
     if os.environ.get("RELAX_MEMORY_PLAN_OUT"):
@@ -165,24 +144,5 @@ def test_the_memory_plan_against_measured_peaks(tmp_path):
     assert ph["train"]["measured_mib"] > ph["generate"]["measured_mib"], cmp  # activations on top of the state
 
 
-def _child_main() -> int:
-    import torch.distributed as dist
-
-    out = Path(sys.argv[1])
-    torch.cuda.set_device(0)
-    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
-    try:
-        res = job_measure(out)
-    except Exception:
-        traceback.print_exc()
-        res = {"error": traceback.format_exc()}
-    (out / "result.json").write_text(json.dumps(res))
-    return 0
-
-
 if __name__ == "__main__":
-    code = _child_main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # megatron + transformers teardown takes seconds
+    child_main({"measure": lambda args, out: job_measure(out)})

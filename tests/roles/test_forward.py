@@ -107,6 +107,7 @@ def _child(model: str, ref_json: str, out: Path) -> dict:
     from relax_hpc.exchange.chunk import ChunkRef, read_chunk
     from relax_hpc.recipe.schema import Recipe
     from relax_hpc.roles import forward as F
+    from relax_hpc.train.batch import TrainingSample
     from relax_hpc.train.build import build_megatron
     from relax_hpc.train import cpu_compat
 
@@ -126,13 +127,12 @@ def _child(model: str, ref_json: str, out: Path) -> dict:
     (again,) = F.compute_and_write(actor, [ref.with_side(side)], "ref_log_probs", "reference", 0)
 
     cols = read_chunk(ref, ["tokens", "response_length"])
-    batch = [{"tokens": torch.as_tensor(tk), "response_start": len(tk) - int(n)}
-             for tk, n in zip(cols["tokens"], cols["response_length"])]
+    batch = [TrainingSample.of(tk, len(tk) - int(n)) for tk, n in zip(cols["tokens"], cols["response_length"])]
     meg = actor.compute_log_probs(batch)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     vs_meg = vs_hf = 0.0
     for g, m, b in zip(got, meg, batch):
-        tk, s = b["tokens"], b["response_start"]
+        tk, s = b.tokens, b.response_start
         with torch.no_grad():
             full = torch.log_softmax(hf(tk[None]).logits[0].float(), -1)
         want = full[s - 1: -1].gather(-1, tk[s:, None])[:, 0]

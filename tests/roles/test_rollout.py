@@ -1,329 +1,92 @@
-"""The rollout role's Generator (relax_hpc.roles.rollout) in this process, with a real RoleContext (the run's recipe,
-run directory and controller channel) and a real driver against stub engines over HTTP: a step is generated on the
-engines its task names and written as one chunk naming its prompt groups; the task's data cursor wins over the
-role's memory; a buffer nothing can name any more is deleted, and none while a checkpoint is being written.
-Partial rollout's generate-again path runs on a CPU engine in tests/rollout/test_dynamic.py."""
+"""The rollout role's entry point (relax_hpc.roles.rollout) in this process, with a real RoleContext (the run's
+recipe, run directory and controller channel): a generate task goes through the generator and back as the reply,
+its data_state a plain JSON dict on the wire both ways, a malformed one refused by name. The announcement of streamed
+chunks (``chunk_ready`` over the real control socket) is tests/rollout/test_driver_stream.py; the generator's own
+logic is tests/rollout/test_generator.py."""
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import itertools
 import json
-import logging
-from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
-from relax_hpc.algo.config import OPDConfig
 from relax_hpc.controller.channel import Channel
-from relax_hpc.controller.messages import EvalTask, GenerateTask
+from relax_hpc.controller.messages import GenerateTask, decode_task, encode_result
 from relax_hpc.exchange.audit import chunk_prompts
 from relax_hpc.recipe import dump_recipe, recipe_from_dict
-from relax_hpc.roles.rollout import MAX_PROMPT_ATTRS, Generator, _buffer_files, _NoMorePrompts
+from relax_hpc.roles.rollout import generate, make_generator
 from relax_hpc.roles.runtime import RoleContext
 from relax_hpc.rundir import create_run_dir, write_json, write_private
-from relax_hpc.train.samples import read_samples
-from tests.engines.stub_http import StubHandler, StubServer
 from tests.rollout.conftest import tiny_llama  # noqa: F401 - a fixture, used by name
+from tests.rollout.test_generator import Engine
 
 PROMPTS = 8
 
 
-class Engine:
-    """A stub SGLang engine: every ``POST /generate`` gets a valid two-token answer with weight version 3 (asked
-    ``return_routed_experts``: SGLang's ids for every token it ran, 2 layers × top-2, token t's all t % 4)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        outer = self
-
-        class Handler(StubHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if self.path != "/generate":
-                    return self.send_json(200, b"{}")
-                outer.calls += 1
-                meta = {"id": "r", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 3,
-                        "completion_tokens": 2, "output_token_logprobs": [[-0.5, 5, None], [-1.0, 6, None]],
-                        "weight_version": "3"}
-                req = json.loads(body or b"{}")
-                if req.get("return_routed_experts"):
-                    ran = len(req["input_ids"]) + 2 - 1
-                    ids = np.repeat(np.arange(ran, dtype="<i4") % 4, 4)
-                    meta.update(prompt_tokens=len(req["input_ids"]),
-                                routed_experts=base64.b64encode(ids.tobytes()).decode())
-                return self.send_json(200, json.dumps({"text": "ab", "output_ids": [5, 6],
-                                                       "meta_info": meta}).encode())
-
-            def do_GET(self):
-                self.send_json(200, b"{}")
-
-        self.http = StubServer(Handler)
-        self.url = self.http.url
-
-
-class Teacher:
-    """A stub SGLang teacher answering scoring requests: response position j (from 1) gets log-prob -0.1·j
-    (``mode`` "bad": +0.5, a log-prob above 0; "down": every call a 503). Records each call's API key."""
-
-    def __init__(self, mode: str = "ok") -> None:
-        self.calls, self.keys = 0, []
-        outer = self
-
-        class Handler(StubHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
-                outer.calls += 1
-                outer.keys.append(self.headers.get("Authorization"))
-                if mode == "down":
-                    return self.send_json(503, b"{}")
-                out = []
-                for ids, k in zip(body["input_ids"], body["logprob_start_len"]):
-                    rows = [[None, ids[k], None]] + [[0.5 if mode == "bad" else -0.1 * j, ids[k + j], None]
-                                                     for j in range(1, len(ids) - k)]
-                    out.append({"text": "", "output_ids": [], "meta_info": {
-                        "id": "t", "finish_reason": {"type": "length", "length": 0}, "input_token_logprobs": rows,
-                        "weight_version": "0"}})
-                return self.send_json(200, json.dumps(out).encode())
-
-        self.http = StubServer(Handler)
-        self.url = self.http.url
-
-
-@pytest.fixture
-def engines():
-    made: list[Engine] = []
-
-    def make() -> Engine:
-        made.append(Engine())
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.http.close()
-
-
 @pytest.fixture
 def role(tmp_path, tiny_llama, monkeypatch):  # noqa: F811 - the fixture imported above
-    """``make(**rollout)``: a rollout role's Generator on a run directory of its own (a recipe with ``PROMPTS``
-    prompts, a controller channel the context's client could reach)."""
+    """A rollout role's context and generator on a run directory of its own (a recipe with ``PROMPTS`` prompts, a
+    controller channel the context's client and the announcer reach)."""
     monkeypatch.setenv("RELAX_RANK", "0")
     monkeypatch.setenv("RELAX_WORLD_SIZE", "1")
     with open(tmp_path / "p.jsonl", "w") as f:
         for i in range(PROMPTS):
             f.write(json.dumps({"q": f"{i}+1=", "a": str(i + 1)}) + "\n")
-    opened: list[tuple[RoleContext, Channel]] = []
+    recipe = recipe_from_dict({
+        "model": {"path": str(tiny_llama)},
+        "data": {"path": str(tmp_path / "p.jsonl"), "input_key": "q", "label_key": "a"},
+        "rollout": {"rm_type": "math", "n_samples_per_prompt": 2, "rollout_batch_size": 2, "max_response_len": 2,
+                    "batch_group_requests": False}})
+    rd = create_run_dir(tmp_path / "runs", "r")
+    write_private(rd.recipe, dump_recipe(recipe))
+    ch = Channel(rd.token(), "127.0.0.1")
+    write_json(rd.controller_addr, {"host": "127.0.0.1", "port": ch.port})
+    ctx = RoleContext("rollout", rd.path)
+    yield ctx, ch
+    ctx.close()
+    ch.close()
 
-    def make(train: dict | None = None, **rollout) -> Generator:
-        recipe = recipe_from_dict({
-            "train": train or {},
-            "model": {"path": str(tiny_llama)},
-            "data": {"path": str(tmp_path / "p.jsonl"), "input_key": "q", "label_key": "a"},
-            # the stub engines answer one prompt per request: a group goes sample by sample
-            "rollout": {"rm_type": "math", "n_samples_per_prompt": 2, "rollout_batch_size": 2,
-                        "max_response_len": 2, "batch_group_requests": False, **rollout},
-            **({"mode": "fully_async", "max_staleness": 1} if rollout.get("partial_rollout") else {})})
-        rd = create_run_dir(tmp_path / "runs", "r")
-        write_private(rd.recipe, dump_recipe(recipe))
-        ch = Channel(rd.token(), "127.0.0.1")
-        write_json(rd.controller_addr, {"host": "127.0.0.1", "port": ch.port})
-        ctx = RoleContext("rollout", rd.path)
-        opened.append((ctx, ch))
-        return Generator(ctx)
 
-    yield make
-    for ctx, ch in opened:
-        ctx.close()
-        ch.close()
+@pytest.fixture
+def engine():
+    e = Engine()
+    yield e
+    e.http.close()
 
 
 _ids = itertools.count(1)
 
 
-def task(step: int, engines: dict[str, str], state: dict | None) -> GenerateTask:
+def wire(state: dict | None, engines: dict[str, str], step: int) -> GenerateTask:
+    """A generate task as the role receives it: encoded by the controller, decoded by the task loop."""
     n = next(_ids)
-    return GenerateTask(id=n, step=step, engines=engines, seq=n, data_state=state)
+    sent = GenerateTask(id=n, step=step, engines=engines, seq=n, data_state=state).to_dict()
+    return decode_task(json.loads(json.dumps(sent)))
 
 
-def groups(result) -> list[int]:
-    return chunk_prompts(result.chunks[0].attrs)[1]
+def test_a_generate_task_is_answered_with_its_chunk_and_the_state_after_it_as_plain_json(role, engine):
+    ctx, _ = role
+    gen = make_generator(ctx)
+    start = gen.state(0).to_dict()  # start_engines' reply: a fresh run's step 1 starts from it
+    assert start == gen.data.state_dict()  # without partial rollout the state is the data cursor, nothing more
+
+    r1 = generate(gen, wire(start, {"e": engine.url}, 1))
+    reply = json.loads(json.dumps(encode_result("generate", r1)))
+    assert reply["data_state"] == gen.data.state_dict() and reply["data_state"]["sample_group_index"] == 2
+    assert reply["n"] == 4 and reply["weight_versions"] == ["3"] and reply["engine_requests"] == {"e": 4}
+    assert chunk_prompts(r1.chunks[0].attrs)[1] == [0, 1]
+    assert ctx.progress_count >= 4  # the role's heartbeats show the work moving
+
+    r2 = generate(gen, wire(reply["data_state"], {"e": engine.url}, 2))
+    again = generate(gen, wire(reply["data_state"], {"e": engine.url}, 2))  # the reply's state, sent back
+    assert chunk_prompts(again.chunks[0].attrs)[1] == chunk_prompts(r2.chunks[0].attrs)[1] == [2, 3]
+    assert again.data_state == r2.data_state
 
 
-def test_a_step_is_generated_on_the_engines_its_task_names_and_written_as_one_chunk(role, engines):
-    a, b = engines(), engines()
-    gen = role()
-    s0 = gen.state(0)
-    assert s0["sample_group_index"] == 0 and "partial" not in s0 and gen.current == s0
-
-    r1 = gen.generate(task(1, {"a": a.url, "b": b.url}, s0))
-    assert r1.n == 4 and r1.weight_versions == ["3"] and r1.engine_failures == [] and r1.dead_engines == {}
-    assert sum(r1.engine_requests.values()) == a.calls + b.calls == 4 and set(r1.engine_requests) <= {"a", "b"}
-    assert chunk_prompts(r1.chunks[0].attrs) == (PROMPTS, [0, 1])  # the audit counts prompts per epoch with it
-    got = read_samples(r1.chunks, ("tokens", "group_index"))
-    assert sorted(s["group_index"] for s in got) == [0, 0, 1, 1] and all(list(s["tokens"][-2:]) == [5, 6] for s in got)
-    assert r1.data_state == gen.data.state_dict() == gen.current and r1.data_state["sample_group_index"] == 2
-    assert gen.ctx.progress_count >= 4  # its heartbeats show the work moving (a stalled task is taken for hung)
-    assert {"rollout/queue_per_engine", "perf/exchange_write_time", "perf/rollout_time"} <= set(r1.metrics)
-
-    asked_a = a.calls
-    r2 = gen.generate(task(2, {"b": b.url}, None))  # a left the registry; no state: where the role stands
-    assert r2.engine_requests == {"b": 4} and a.calls == asked_a and groups(r2) == [2, 3]
-    r3 = gen.generate(task(3, {}, None))  # a task that names no engine keeps the last ones
-    assert r3.engine_requests == {"b": 4} and groups(r3) == [4, 5]
-
-    again = gen.generate(task(2, {"a": a.url}, r1.data_state))  # step 2 again (its chunk damaged): its prompts
-    assert groups(again) == [2, 3] and again.data_state == r2.data_state and again.engine_requests == {"a": 4}
-    with pytest.raises(ValueError, match="an eval task came, but there is no eval set"):
-        gen.evaluate(EvalTask(id=next(_ids), step=3))
-
-
-def test_with_routing_replay_the_chunk_carries_each_token_s_engine_experts(role, engines):
-    """``train.routing_replay``: the role asks for the routed experts and its chunk carries, per sample, one row
-    of ids per token but the last: the engine's where it ran the token, -1 where no engine did (the placeholder
-    token of a sample failed before any generation: the step goes on)."""
-    from relax_hpc.rollout.sample import SampleStatus
-
-    e = engines()
-    gen = role(train={"routing_replay": True})
-    r1 = gen.generate(task(1, {"e": e.url}, gen.state(0)))
-    got = read_samples(r1.chunks, ("tokens", "routed_experts"))
-    assert len(got) == 4 and gen.routed_width == 4
-    for s in got:
-        ran = len(s["tokens"]) - 1
-        assert s["routed_experts"].tolist() == np.repeat(np.arange(ran) % 4, 4).tolist()
-
-    steps = gen.driver.generate_rollout_sync
-
-    def one_failed(groups, **kw):  # the first sample fails before its engine call (an env error, a bad image)
-        res = steps(groups, **kw)
-        s = res.samples[0]
-        s.reset_response(s.tokens[: s.prompt_length])
-        s.append_response([0], "", [0.0], loss_mask_value=0)
-        s.status = SampleStatus.FAILED
-        return res
-
-    gen.driver.generate_rollout_sync = one_failed
-    got = read_samples(gen.generate(task(2, {"e": e.url}, None)).chunks, ("tokens", "routed_experts"))
-    assert got[0]["routed_experts"].reshape(-1, 4).tolist() == [[-1] * 4] * (len(got[0]["tokens"]) - 1)
-    assert (got[1]["routed_experts"] >= 0).all()
-    assert "routed_experts" not in role().generate(task(1, {"e": e.url}, None)).chunks[0].fields  # key off
-
-
-def test_the_task_s_cursor_wins_and_a_buffer_without_partial_rollout_is_dropped_loudly(role, caplog):
-    gen = role()
-    s0 = gen.state(0)
-    gen.data.get_samples(3)
-    s1 = gen.state(1)
-    assert s1["sample_group_index"] == 3
-    gen.restore(s0)  # a step generated again, or a restarted role: where the task says, not where it stood
-    assert gen.data.state_dict() == s0 and gen.current == s0
-    buffer = {"file": "partial_rollout/after_00000001_0123456789abcdef.json", "groups": 2, "samples": 4}
-    with caplog.at_level(logging.WARNING, logger="relax_hpc.rollout"):
-        gen.restore({**s1, "partial": buffer})  # saved by a run with partial rollout, resumed without it
-    assert gen.data.state_dict()["sample_group_index"] == 3
-    assert "rollout.partial_rollout is off: the 2 prompt groups of the buffer saved with the data cursor " \
-           "(partial_rollout/after_00000001_0123456789abcdef.json) are dropped, never trained" in caplog.text
-
-
-def test_saved_buffers_are_deleted_once_nothing_can_name_them(role):
-    """max_staleness 1: after step s, the buffers of steps below s - 3 go, unless a complete checkpoint names one
-    (as its cursor's, or, staleness_mode fixed, as the kept cursor's); none goes while a checkpoint is half written
-    or one's meta.json cannot be read here."""
-    gen = role(partial_rollout=True, over_sampling_batch_size=4)
-    run = gen.ctx.run.path
-    (run / "partial_rollout").mkdir(exist_ok=True)
-    files = {n: run / "partial_rollout" / f"after_{n:08d}_{n:016x}.json" for n in range(1, 8)}
-    for f in files.values():
-        f.write_text("{}")
-    gen.made = {n: {} for n in files}
-
-    def named(n: int) -> dict:
-        return {"partial": {"file": f"partial_rollout/{files[n].name}", "groups": 1}}
-
-    def left() -> list[int]:
-        return [n for n, f in files.items() if f.exists()]
-
-    ckpts = run / "checkpoints"
-    (ckpts / "step_00000002").mkdir(parents=True)
-    (ckpts / "step_00000002" / "meta.json").write_text(json.dumps({"extra_state": {"data": named(1)}}))
-    (ckpts / "step_00000003").mkdir()  # being written: which buffer it names is not known yet
-    gen.state(6)
-    assert left() == list(files) and set(gen.made) == set(files)
-
-    (ckpts / "step_00000003" / "meta.json").write_text(json.dumps({"extra_state": "pickled"}))
-    gen.state(6)  # a meta.json this role cannot read: keep everything
-    assert left() == list(files)
-
-    (ckpts / "step_00000003" / "meta.json").write_text(json.dumps({"extra_state": {"kept": {"data": named(2)}}}))
-    gen.state(7)  # 1 and 2 named; 3 the last one below 7 - 3
-    assert left() == [1, 2, 4, 5, 6, 7] and set(gen.made) == {4, 5, 6, 7}
-    assert gen.current == {**gen.data.state_dict(), "partial": {"groups": 0, "samples": 0}}  # an empty buffer
-
-
-def test_a_step_generated_again_draws_no_prompt_of_its_own_and_the_buffers_a_checkpoint_names():
-    assert _NoMorePrompts().get_samples(0) == []
-    with pytest.raises(RuntimeError, match="asked for 1 more prompt groups: it may use only its own"):
-        _NoMorePrompts().get_samples(1)
-    extra = {"data": {"epoch": 0, "partial": {"file": "partial_rollout/a.json"}},
-             "kept": {"data": {"partial": {"file": "partial_rollout/b.json"}}}, "other": {"partial": {"groups": 0}}}
-    assert sorted(_buffer_files(extra)) == ["partial_rollout/a.json", "partial_rollout/b.json"]
-    assert _buffer_files("pickled") == []
-
-
-def test_prompt_attrs_too_large_for_a_chunk_are_left_out(role, caplog):
-    gen = role()
-    assert gen._prompt_attrs([SimpleNamespace(group_index=g) for g in (3, 0, 1)]) == \
-        {"prompts": {"per_epoch": PROMPTS, "groups": [[0, 2], [3, 4]]}}
-    scattered = [SimpleNamespace(group_index=g) for g in range(0, 8 * MAX_PROMPT_ATTRS // 10, 2)]
-    with caplog.at_level(logging.WARNING, logger="relax_hpc.rollout"):
-        assert gen._prompt_attrs(scattered) == {}
-    assert "relax-status --audit cannot count its prompts" in caplog.text
-
-
-@pytest.fixture
-def teachers():
-    made: list[Teacher] = []
-
-    def make(mode: str = "ok") -> Teacher:
-        made.append(Teacher(mode))
-        return made[-1]
-
-    yield make
-    for t in made:
-        t.http.close()
-
-
-def test_with_opd_the_teacher_scores_every_response_token_and_the_chunk_carries_them(role, engines, teachers):
-    """``opd:`` on (set past validation, which refuses it until the objective is in the training step): after the
-    reward, the task's teachers score each sample's response tokens; the chunk carries them as teacher_log_probs and
-    the step's metrics opd/*. A teacher that fails for good, or gives no good numbers, fails the step."""
-    from relax_hpc.errors import is_permanent
-    from relax_hpc.rollout.teacher import TeacherError
-
-    a, t = engines(), teachers()
-    gen = role()
-    gen.recipe = dataclasses.replace(gen.recipe, opd=OPDConfig(teacher_model_path="/t", teacher_timeout_s=3.0))
-    r = gen.generate(GenerateTask(id=next(_ids), step=1, engines={"a": a.url}, seq=1, data_state=None,
-                                  teachers={"teacher0": t.url}))
-    got = read_samples(r.chunks, ("response_length", "teacher_log_probs"))
-    assert len(got) == 4 and all(list(s["teacher_log_probs"]) == pytest.approx([-0.1, -0.2]) for s in got)
-    assert r.metrics["opd/teacher_calls"] == t.calls >= 1 and r.metrics["opd/teacher_bad_samples"] == 0
-    assert set(t.keys) == {f"Bearer {gen.ctx.run.api_key()}"}  # the run's own teacher engines want its key
-
-    ext = teachers()  # opd.teacher_url: a server outside the run never gets the run's key
-    gen.generate(GenerateTask(id=next(_ids), step=2, engines={"a": a.url}, seq=2, data_state=None,
-                              teachers={"opd.teacher_url": ext.url}))
-    assert ext.calls >= 1 and set(ext.keys) == {None}
-
-    with pytest.raises(TeacherError, match="gave no answer .* within teacher timeout_s"):
-        gen.generate(GenerateTask(id=next(_ids), step=3, engines={"a": a.url}, seq=3, data_state=None,
-                                  teachers={"teacher0": teachers("down").url}))
-    with pytest.raises(TeacherError, match="gave 4 of 4 samples no usable log-probs.*is 0.5 > 0") as bad:
-        gen.generate(GenerateTask(id=next(_ids), step=3, engines={"a": a.url}, seq=4, data_state=None,
-                                  teachers={"teacher0": teachers("bad").url}))
-    assert is_permanent(bad.value)  # the same tokens would get the same numbers: no restart
-    with pytest.raises(ValueError, match="names no teacher"):
-        gen.generate(GenerateTask(id=next(_ids), step=3, engines={"a": a.url}, seq=5, data_state=None))
-    assert not list((gen.ctx.run.path / "exchange" / "step_3").glob("*.h5"))  # no step without teacher numbers
+def test_a_malformed_data_state_fails_the_task_naming_the_key(role, engine):
+    ctx, _ = role
+    gen = make_generator(ctx)
+    state = {k: v for k, v in gen.state(0).to_dict().items() if k != "epoch"}  # the old code: a bare KeyError
+    with pytest.raises(ValueError, match=r"data_state: epoch = None is not an integer.*Fix: resume from a checkpoint"):
+        generate(gen, wire(state, {"e": engine.url}, 1))

@@ -141,7 +141,7 @@ def test_a_list_return_is_segments_of_one_rollout(tmp_path, tiny_llama, cpu_engi
     count each rollout once (its segments' mean); the segments go through the exchange to the actor's batch."""
     from relax_hpc.algo import AlgorithmConfig
     from relax_hpc.train import plan as P
-    from relax_hpc.train.samples import write_step
+    from relax_hpc.rollout.write import write_step
 
     driver = _driver(tiny_llama, cpu_engine, "relax_gen.split")
     groups = _groups(tmp_path, driver.tokenizer)

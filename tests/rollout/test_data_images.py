@@ -13,15 +13,9 @@ from relax_hpc import multimodal
 from relax_hpc.rollout.config import DataConfig, RolloutConfig
 from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, check_config, check_dataset
 from relax_hpc.rollout.sample import SampleStatus
-from tests.rollout.conftest import _tiny_model_maker
 
 IMAGE_PAD = 9  # make-tiny-model's <|image_pad|>
 KEYS = DataKeys(input_key="prompt", label_key=None, image_key="images")
-
-
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory):
-    return _tiny_model_maker()(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl", arch="qwen2_5_vl", seed=0)
 
 
 def png_bytes(w: int, h: int, seed: int = 0) -> bytes:

@@ -12,20 +12,13 @@ import json
 import logging
 
 import numpy as np
-import pytest
 
 from relax_hpc.rollout.config import DataConfig, RolloutConfig
 from relax_hpc.rollout.data import DataKeys, PromptDataset, check_config
 from relax_hpc.rollout.sample import SampleStatus
-from tests.rollout.conftest import _tiny_model_maker
 
 KEYS = DataKeys(input_key="prompt", label_key=None, video_key="video")
 CANARY = "CANARY-9b2c-contents-of-a-secret"
-
-
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory):
-    return _tiny_model_maker()(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl", arch="qwen2_5_vl", seed=0)
 
 
 def png(seed: int, h: int = 56, w: int = 56) -> bytes:

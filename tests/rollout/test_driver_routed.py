@@ -66,7 +66,7 @@ SPOILED = [("expert_out_of_range", rf"token 0, layer 0 has expert ids \[{PAST_AN
 def test_an_engine_with_bad_routed_experts_is_declared_dead_and_the_rollout_completes(tiny_moe, engines, tmp_path,
                                                                                       kind, reason):
     from relax_hpc.train import plan as P
-    from relax_hpc.train.samples import write_step
+    from relax_hpc.rollout.write import write_step
 
     engines["bad"].bad_output = BadOutput(f"{kind}:100", engines["bad"].vocab_size)  # every answer it gives
     try:

@@ -13,11 +13,13 @@ import pytest
 from relax_hpc.controller import messages as M
 from relax_hpc.controller.channel import Channel
 from relax_hpc.recipe.schema import ModelConfig, Recipe
-from relax_hpc.roles.rollout import _Streamer
+from relax_hpc.roles.rollout import ChunkAnnouncer
 from relax_hpc.rollout.config import RolloutConfig
 from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, load_tokenizer
 from relax_hpc.rollout.driver import RolloutDriver
+from relax_hpc.rollout.generator import Streamer
 from relax_hpc.rundir import create_run_dir, write_json
+from relax_hpc.rollout.write import write_step
 from relax_hpc.train.samples import read_columns
 
 GROUPS, N, G = 5, 2, 2  # 5 prompt groups of 2 samples, chunks of 2 groups: places 0 and 1 streamed, 2 at the end
@@ -37,17 +39,18 @@ def setup(tmp_path, tiny_llama, cpu_engine):
     run = create_run_dir(tmp_path / "runs", "stream")
     channel = Channel(run.token(), "127.0.0.1")  # the controller's end: chunk_ready lands in its queue
     write_json(run.controller_addr, {"host": "127.0.0.1", "port": channel.port, "pid": 0})
-    gen = SimpleNamespace(recipe=recipe, driver=driver, ctx=SimpleNamespace(run=run), tokenizer=tok, client=None,
-                          _prompt_attrs=lambda samples: {})
+    announce = ChunkAnnouncer(run)  # the role's: chunk_ready on a connection of its own
+    gen = SimpleNamespace(recipe=recipe, driver=driver, outlets=SimpleNamespace(announce=announce),
+                          write=lambda step, result, seq: write_step(run.path, step, result, seq=seq, attrs={},
+                                                                     model_dir=str(tok.name_or_path)))
     yield gen, lambda: RolloutDataSource(ds, rollout_batch_size=GROUPS, n_samples_per_prompt=N).get_samples(), channel
-    if gen.client is not None:
-        gen.client.close()
+    announce.close()
     channel.close()
 
 
 def stream(gen, groups, task):
     seen: list[int] = []
-    s = _Streamer(gen, task)
+    s = Streamer(gen, step=task.step, seq=task.seq, task_id=task.id, streamed=task.streamed)
 
     def on_group(i, group, failures):
         assert all(x.reward is not None for x in group)  # scored before it is reported

@@ -12,6 +12,7 @@ import pytest
 from relax_hpc.errors import PermanentError
 from relax_hpc.recipe.schema import Recipe
 from relax_hpc.rollout.config import RolloutConfig
+from relax_hpc.rollout.write import write_step
 from relax_hpc.train import samples as S
 from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, load_tokenizer
 from relax_hpc.rollout.driver import RolloutDriver, RolloutError
@@ -87,7 +88,7 @@ def test_env_tokens_are_masked_and_engine_tokens_arrive_in_the_chunk_as_sampled(
     assert res.metrics["rollout/turns"] == pytest.approx(sum(len(s.metadata["rollout_traces"]) for s in res.samples) / 8)
     assert 0 < res.metrics["rollout/env_tokens_ratio"] < 1 or res.metrics["rollout/turns"] == 1
 
-    ref = S.write_step(tmp_path, 1, res)  # what the actor reads: the same ids and mask, through the exchange
+    ref = write_step(tmp_path, 1, res)  # what the actor reads: the same ids and mask, through the exchange
     cols = S.read_columns([ref], ("tokens", "loss_mask", "response_length"))
     for i, s in enumerate(res.samples):
         assert cols["tokens"][i].tolist() == s.tokens and cols["loss_mask"][i].tolist() == s.loss_mask
@@ -178,7 +179,7 @@ def test_a_long_observation_never_takes_a_sample_past_train_max_seq_len(tmp_path
     assert res.metrics["rollout/truncated_observations"] == len(wrong)
     assert res.metrics["rollout/truncated_by/context"] == len(wrong) / len(res.samples)
 
-    ref = S.write_step(tmp_path, 1, res)  # what the actor reads
+    ref = write_step(tmp_path, 1, res)  # what the actor reads
     lengths = S.read_columns([ref], ("tokens",))["tokens"].lengths()
     assert len(lengths) == 8 and max(lengths) <= 16
 

@@ -22,6 +22,7 @@ from relax_hpc.rollout.driver import RolloutDriver
 from relax_hpc.rollout.multiturn import MultiTurn, encode_observation, generate_multiturn
 from relax_hpc.rollout.sample import Sample, SampleStatus
 from relax_hpc.tasks import shapes_turns
+from relax_hpc.rollout.write import write_step
 from relax_hpc.train import samples as S
 from relax_hpc.train.config import TrainConfig
 from tests.engines.test_engine_vision import hf_logprobs
@@ -106,7 +107,7 @@ def test_both_images_reach_the_engine_the_tokens_the_mask_and_the_exchange(tmp_p
     assert sorted(len(im) for _, im in seen) == [1] * 6 + [2] * 4
 
     # the trainer's fields: both pictures' pixel rows and two grid rows per good sample (one for a failed one)
-    ref = S.write_step(tmp_path, 1, res, model_dir=tiny_vlm)
+    ref = write_step(tmp_path, 1, res, model_dir=tiny_vlm)
     cols = S.read_columns([ref], ("tokens", "loss_mask", "pixel_values", "image_grid_thw"))
     for i, s in enumerate(res.samples):
         assert cols["tokens"][i].tolist() == s.tokens and cols["loss_mask"][i].tolist() == s.loss_mask

@@ -8,13 +8,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # contract_support.py, beside this file
-from contract_support import SIDE, Recorder  # noqa: E402
+from contract_support import served_recorder  # noqa: E402
 
 SGLANG_VERSION = "0.5.23"  # requirements-pins.txt's
 _checked: dict[str, str | None] = {}
@@ -54,28 +53,7 @@ def sglang_python() -> str:
 
 @pytest.fixture(scope="session")  # one SGLang app for the requests and the responses tests (each take() clears)
 def recorder(sglang_python, tmp_path_factory):
-    d = tmp_path_factory.mktemp("sglang-recorder")
-    key = "relax-contract-key"
-    ready, record, log = d / "url", d / "record.jsonl", d / "server.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("PYTHONPATH", None)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sglang_python, str(SIDE / "recorder_server.py"), "--record", str(record),
-                                 "--ready", str(ready), "--api-key", key], stdout=out, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not ready.exists():  # the server writes its URL once it listens
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"SGLang's app did not start (exit {proc.poll()}); log:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield Recorder(ready.read_text().strip(), key, record, proc)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    yield from served_recorder(sglang_python, "recorder_server.py", tmp_path_factory.mktemp("sglang-recorder"),
+                               "relax-contract-key")
 
 

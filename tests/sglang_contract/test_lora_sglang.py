@@ -14,14 +14,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import time
 
 import pytest
 import torch
 
-from contract_support import SIDE, Recorder, run_sglang
+from contract_support import run_sglang, served_recorder
 
 RANK, ALPHA = 4, 8.0
 KEY = "relax-lora-contract-key"
@@ -140,28 +137,7 @@ def test_negative_control_megatron_names_give_sglang_nothing_to_stack(sglang_pyt
 
 @pytest.fixture(scope="module")
 def lora_recorder(sglang_python, tmp_path_factory):
-    d = tmp_path_factory.mktemp("sglang-lora-recorder")
-    ready, record, log = d / "url", d / "record.jsonl", d / "server.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("PYTHONPATH", None)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sglang_python, str(SIDE / "lora_recorder.py"), "--record", str(record),
-                                 "--ready", str(ready), "--api-key", KEY], stdout=out, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not ready.exists():  # the server writes its URL once it listens
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"SGLang's app did not start (exit {proc.poll()}); log:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield Recorder(ready.read_text().strip(), KEY, record, proc)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    yield from served_recorder(sglang_python, "lora_recorder.py", tmp_path_factory.mktemp("sglang-lora-recorder"), KEY)
 
 
 IO = "sglang.srt.managers.io_struct."

@@ -16,7 +16,6 @@ from relax_hpc.rollout.data import DataKeys, PromptDataset
 from relax_hpc.rollout.rewards import RewardRunner
 from relax_hpc.rollout.sample import Sample, SampleStatus
 from relax_hpc.tasks import shapes
-from tests.rollout.conftest import _tiny_model_maker
 
 IMAGE_PAD = 9  # make-tiny-model's <|image_pad|>
 DATA = Path(__file__).resolve().parents[2] / "recipes" / "data"
@@ -105,11 +104,6 @@ def test_reward_func_works_unchanged_through_relax_custom_rm_path():
     group = [Sample(prompt="<image>shape?", label="t", response=r) for r in ("t", "s", "9")]
     failures = asyncio.run(runner.score_group(group))
     assert failures == [] and [s.reward for s in group] == [1.0, shapes.PARTIAL, 0.0]
-
-
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory):
-    return _tiny_model_maker()(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl", arch="qwen2_5_vl", seed=0)
 
 
 @pytest.mark.parametrize("files", [False, True], ids=["base64", "png-files"])

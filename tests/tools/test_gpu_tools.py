@@ -151,7 +151,7 @@ def test_gpu_check_cpu_dry_run_every_stage_and_the_bench(gc, tmp_path):
     bench = load(BENCH, "actor_gpu")
     b = bench.SHAPES["cpu-smoke"]["batch"]
     batch = bench.make_batch(b["n"], b["group"], b["prompt"], tuple(b["response"]), vocab=128, seed=0)
-    assert r["batch"]["lengths"] == [s["tokens"].numel() for s in batch]
+    assert r["batch"]["lengths"] == [s.tokens.numel() for s in batch]
     assert r["batch"]["real_tokens"] == sum(r["batch"]["lengths"])
     for k in ("relax_train", "hf_train", "relax_logprobs", "hf_logprobs"):
         assert r[k]["tokens_per_s"] == pytest.approx(r["batch"]["real_tokens"] / r[k]["time_s"])

@@ -36,7 +36,7 @@ def _batch(actor, n: int):
 
     batch = make_batch(n, seed=11)
     for s, o in zip(batch, actor.compute_log_probs(batch)):
-        s["old_log_probs"] = o
+        s.old_log_probs = o
     return batch
 
 

@@ -78,13 +78,14 @@ def _child(model: str, out: Path) -> dict:
 
     from relax_hpc.recipe.schema import Recipe
     from relax_hpc.train import cpu_compat
+    from relax_hpc.train.batch import TrainingSample
     from relax_hpc.train.build import build_megatron
     from relax_hpc.train.config import TrainConfig
     from relax_hpc.train.forward_config import ForwardConfig
     from relax_hpc.train.logprobs import set_progress_hook
 
     dist.init_process_group(cpu_compat.backend(), store=dist.HashStore(), rank=0, world_size=1)
-    batch = [{"tokens": torch.as_tensor(p + r), "response_start": len(p)} for p, r in SAMPLES]
+    batch = [TrainingSample.of(p + r, len(p)) for p, r in SAMPLES]
     count = [0]
     set_progress_hook(lambda: count.__setitem__(0, count[0] + 1))
 
@@ -133,7 +134,8 @@ def _child(model: str, out: Path) -> dict:
             groups = getattr(inner, "shard_fp32_from_float16_groups", None) or inner.fp32_from_float16_groups
             masters = [m for g in groups for m in g]
             before = [m.detach().clone() for m in masters]
-            train = [{**b, "advantage": 1.0 if i % 2 else -1.0} for i, b in enumerate(batch)]
+            train = [TrainingSample.of(b.tokens, b.response_start, advantage=1.0 if i % 2 else -1.0)
+                     for i, b in enumerate(batch)]
             actor.train_step(train)
             moved = max((m - b).abs().max().item() for m, b in zip(masters, before))
             model_params = [p for g in getattr(inner, "model_float16_groups", None) or inner.float16_groups

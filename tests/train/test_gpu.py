@@ -12,23 +12,16 @@ OUT``, a one-rank NCCL group): megatron's parallel state is process-wide. ``tool
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
 from train.conftest import RESUME_ARGS, TRAIN_ARGS, load_tiny_model_tool, part
+from train.gpu_child import child_main, run_child
 from train.launch import run_job
-
-REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.gpu,
@@ -91,7 +84,7 @@ PACKED_BF16 = {"mean": 0.02, "max": 0.25}
 @pytest.fixture(scope="module")
 def real_shape(tmp_path_factory) -> dict:
     """Both jobs in one child process (imports cost ~15 s a process)."""
-    return run_child({"attention": ["attention", ATTN_ARGS], "real": ["real_shape", REAL_ARGS]},
+    return run_child(__file__, {"attention": ["attention", ATTN_ARGS], "real": ["real_shape", REAL_ARGS]},
                      tmp_path_factory.mktemp("real_shape"), timeout=240)
 
 
@@ -141,28 +134,8 @@ def test_real_shape_trains_bf16_packed(real_shape):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The child process: python tests/train/test_gpu.py JOBS_JSON OUT_DIR
+# The child process: python tests/train/test_gpu.py JOBS_JSON OUT_DIR (tests/train/gpu_child.py)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def run_child(jobs: dict, out_dir: Path, timeout: float) -> dict:
-    """Run ``jobs`` ({name: [job, args]}) in a child process of its own session; killed with it on timeout."""
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
-    log = out_dir / "child.log"
-    with open(log, "w") as f:
-        p = subprocess.Popen([sys.executable, __file__, json.dumps(jobs), str(out_dir)], env=env, cwd=REPO,
-                             stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            p.wait(timeout=timeout)
-        finally:  # a timeout, or pytest interrupted by tools/gpu-check: never leave it on the GPU
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    result = out_dir / "result.json"
-    if p.returncode != 0 or not result.exists():
-        raise AssertionError(f"child (exit {p.returncode}) wrote no result:\n{log.read_text()[-8000:]}")
-    return json.loads(result.read_text())
 
 
 def job_attention(args: dict, out: Path) -> dict:
@@ -235,6 +208,7 @@ def job_real_shape(args: dict, out: Path) -> dict:
 
     from relax_hpc.algo import AlgorithmConfig
     from relax_hpc.train import MegatronActor, TrainConfig, init_parallel
+    from relax_hpc.train.batch import TrainingSample
     from relax_hpc.train.parallel import destroy_parallel
 
     hf = str(load_tiny_model_tool().make_tiny_model(out / "model", arch="qwen3", seed=0, **args["model"]))
@@ -242,8 +216,8 @@ def job_real_shape(args: dict, out: Path) -> dict:
     batch = []
     for i in range(args["n"]):
         r = int(torch.randint(args["response"][0], args["response"][1] + 1, (1,), generator=g))
-        batch.append({"tokens": torch.randint(6, 128, (args["prompt"] + r,), generator=g),
-                      "response_start": args["prompt"], "advantage": [1.0, -1.0, 0.5, -0.5][i % 4]})
+        batch.append(TrainingSample.of(torch.randint(6, 128, (args["prompt"] + r,), generator=g), args["prompt"],
+                                       advantage=[1.0, -1.0, 0.5, -0.5][i % 4]))
     base = dict(bf16=args["bf16"], micro_batch_size=4, max_seq_len=args["max_seq_len"], lr=args["lr"], clip_grad=1.0,
                 seed=1)
 
@@ -258,7 +232,7 @@ def job_real_shape(args: dict, out: Path) -> dict:
                                   AlgorithmConfig(eps_clip=0.2))
     params = sum(p.numel() for m in actor.model for p in m.parameters())
     old = actor.compute_log_probs(batch)
-    data = [dict(s, old_log_probs=o) for s, o in zip(batch, old)]
+    data = [dataclasses.replace(s, old_log_probs=o) for s, o in zip(batch, old)]
     steps = []
     for _ in range(args["steps"]):
         m = actor.train_step(data)
@@ -267,50 +241,17 @@ def job_real_shape(args: dict, out: Path) -> dict:
     del actor
     destroy_parallel()
     diff = torch.cat([(a - b).abs() for a, b in zip(old, padded)])
-    real = sum(s["tokens"].numel() for s in batch)
-    slots = sum(4 * max(s["tokens"].numel() for s in batch[i: i + 4]) for i in range(0, len(batch), 4))
+    real = sum(s.tokens.numel() for s in batch)
+    slots = sum(4 * max(s.tokens.numel() for s in batch[i: i + 4]) for i in range(0, len(batch), 4))
     return {"packed_vs_padded": {"mean": diff.mean().item(), "max": diff.max().item(), "tokens": diff.numel()},
-            "lengths": [s["tokens"].numel() for s in batch], "params": params, "steps": steps,
-            "advantage": [s["advantage"] for s in batch], "padding": {"padded_micro_batches_of_4": 1 - real / slots},
+            "lengths": [s.tokens.numel() for s in batch], "params": params, "steps": steps,
+            "advantage": [float(s.advantages[0]) for s in batch],
+            "padding": {"padded_micro_batches_of_4": 1 - real / slots},
             "change": [(n - o).mean().item() for n, o in zip(new, old)]}
 
 
 JOBS = {"attention": job_attention, "real_shape": job_real_shape}
 
 
-def _child_main() -> int:
-    """Every job of argv[1] in this process, on a one-rank group (NCCL on a GPU); each job's failure is its own
-    entry; rank 0's result.json in argv[2]."""
-    import torch.distributed as dist
-
-    from relax_hpc.train import cpu_compat
-
-    jobs, out = json.loads(sys.argv[1]), Path(sys.argv[2])
-    if torch.cuda.is_available():
-        torch.cuda.set_device(0)
-    else:
-        torch._dynamo.config.disable = True  # as the roles do on a CPU
-    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
-    dist.init_process_group(cpu_compat.backend(), store=store, rank=0, world_size=1)
-    res = {}
-    for name, (job, args) in jobs.items():
-        t0 = time.time()
-        try:
-            res[name] = JOBS[job](args, out)
-        except Exception:
-            traceback.print_exc()
-            res[name] = {"error": traceback.format_exc()}
-            from megatron.core import parallel_state as ps
-
-            if ps.model_parallel_is_initialized():  # the next job starts from a clean parallel state
-                ps.destroy_model_parallel()
-        res[name + "_s"] = time.time() - t0
-    (out / "result.json").write_text(json.dumps(res))
-    return 0
-
-
 if __name__ == "__main__":
-    code = _child_main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # megatron + transformers teardown takes seconds
+    child_main(JOBS)

@@ -40,23 +40,23 @@ def job_lora_ref(args: dict, out: Path) -> dict:
     actor = MegatronActor.from_hf(args["hf"], cfg, algo)
     batch = worker.make_batch(8, seed=11)
     for s, o in zip(batch, actor.compute_log_probs(batch)):
-        s["old_log_probs"] = o
+        s.old_log_probs = o
     ref0 = actor.compute_ref_log_probs(batch)
     for s, r in zip(batch, ref0):
-        s["ref_log_probs"] = r
+        s.ref_log_probs = r
     kl = [actor.train_step(batch)["kl_loss"] for _ in range(2)]  # the adapters move away from the base
     lp_on = actor.compute_log_probs(batch)
     from_actor = actor.compute_ref_log_probs(batch)
     after = actor.compute_log_probs(batch)  # the adapters are back on after
 
     # the actor role's path: this rank's samples get ref_log_probs, the field the reference role writes
-    samples = [TrainingSample(tokens=s["tokens"], response_start=s["response_start"]) for s in batch]
+    samples = [TrainingSample(tokens=s.tokens, response_start=s.response_start) for s in batch]
     role = SimpleNamespace(model=actor, recipe=SimpleNamespace(train=cfg, algorithm=algo, roles=SimpleNamespace(
         reference=SimpleNamespace(enabled=False))))
     took = Actor._ref_log_probs(role, samples)
     role_field = [s.ref_log_probs for s in samples]
     role.recipe.roles.reference.enabled = True  # a reference role writes the field instead: the actor leaves it
-    untouched = [TrainingSample(tokens=s["tokens"], response_start=s["response_start"]) for s in batch]
+    untouched = [TrainingSample(tokens=s.tokens, response_start=s.response_start) for s in batch]
     left = Actor._ref_log_probs(role, untouched)
     no_lora = MegatronActor.from_hf(args["hf"], dataclasses.replace(cfg, lora=None), algo, forward_only=True)
     try:
@@ -114,6 +114,7 @@ def _actor_role_adapter_sync(actor, eng, hf: str, out: Path, engine_diff) -> dic
     from relax_hpc.engines.lora import LORA_NAME
     from relax_hpc.roles.actor import Actor
     from relax_hpc.train import lora as L
+    from relax_hpc.weights.push import BackgroundPush
 
     for c in L._chunks(actor.model):
         c._relax_lora["mode"] = "adapter"
@@ -123,10 +124,11 @@ def _actor_role_adapter_sync(actor, eng, hf: str, out: Path, engine_diff) -> dic
     res: dict = {"base_before": engine_diff(), "version_before": eng.model_info().get("weight_version")}
     role = Actor.__new__(Actor)  # the role's own methods, on the state they read
     role.model, role.rank, role.offload = actor, 0, None
+    role._adapter_sync, role.behind = None, BackgroundPush()  # declared in Actor.__init__
     role.recipe = SimpleNamespace(model=SimpleNamespace(path=hf))
     role.ctx = SimpleNamespace(run=SimpleNamespace(path=out / "run", api_key=lambda: None))
     role.weights = SimpleNamespace(sender=SimpleNamespace(infos={eng.url: {"engine": "relax_hpc-cpu"}}),
-                                   engines={"e0": eng.url})
+                                   engines={"e0": eng.url}, released={})
     role._adapter_dir_connect({"e0": eng.url})
     res["cpu_route"] = role.adapter_dir
     role.weights.sender.infos = {eng.url: {"engine": "sglang"}}  # the stand-in (docstring)

@@ -13,6 +13,7 @@ tokens, so the two EP ranks route different token counts. This file is also the 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -32,10 +33,10 @@ def _hf_log_probs(hf_dir: str, batch: list) -> list:
     assert type(hf).__name__ == "Qwen3MoeForCausalLM"
     out = []
     for s in batch:
-        t = s["tokens"]
+        t = s.tokens
         with torch.no_grad():
             lp = torch.log_softmax(hf(t[None]).logits[0].float(), -1)
-        out.append(lp[s["response_start"] - 1: -1].gather(-1, t[s["response_start"]:, None])[:, 0])
+        out.append(lp[s.response_start - 1: -1].gather(-1, t[s.response_start:, None])[:, 0])
     return out
 
 
@@ -55,7 +56,7 @@ def _export_check(actor, hf_dir: str) -> tuple[dict, dict]:
 
 
 def _step(actor, batch: list, old: list) -> dict:
-    m = actor.train_step([dict(s, old_log_probs=o) for s, o in zip(batch, old)])
+    m = actor.train_step([dataclasses.replace(s, old_log_probs=o) for s, o in zip(batch, old)])
     return {k: m[k] for k in ("loss", "pg_loss", "grad_norm", "ppo_kl")}
 
 

@@ -11,6 +11,7 @@ test, not by the module under test) at each point.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -84,7 +85,7 @@ def job_offload(args: dict, out: Path) -> dict:
             if off:
                 r["reload_s"].append(off.reload())  # the train task
             old = actor.compute_log_probs(batch)
-            data = [dict(s, old_log_probs=o) for s, o in zip(batch, old)]
+            data = [dataclasses.replace(s, old_log_probs=o) for s, o in zip(batch, old)]
             r["metrics"].append(actor.train_step(data))
             if off:
                 off.offload(("grads", "optimizer"))

@@ -13,7 +13,7 @@ from relax_hpc.rollout.driver import RolloutResult
 from relax_hpc.rollout.sample import Sample, SampleStatus
 from relax_hpc.train import plan as P
 from relax_hpc.train.batch import make_micro_batch
-from relax_hpc.train.samples import write_step
+from relax_hpc.rollout.write import write_step
 from tests.rollout.conftest import _tiny_model_maker
 
 BOS, EOS, PAD = 11, 12, 13  # make-tiny-model's <|audio_bos|>, <|audio_eos|>, <|AUDIO|>

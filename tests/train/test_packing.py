@@ -16,8 +16,8 @@ from train.conftest import part
 BOUND = 1e-5  # fp32: packed and padded sum the same terms in other orders
 
 
-def _sample(start: int, n: int, first: int = 10) -> dict:
-    return {"tokens": torch.arange(first, first + n), "response_start": start, "advantage": 1.0}
+def _sample(start: int, n: int, first: int = 10) -> B.TrainingSample:
+    return B.TrainingSample.of(torch.arange(first, first + n), start, advantage=1.0)
 
 
 def test_pack_keeps_every_sample_once_within_the_budget_and_fills_better_than_in_order():

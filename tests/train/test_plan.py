@@ -9,9 +9,10 @@ from relax_hpc.algo import AlgorithmConfig
 from relax_hpc.exchange.chunk import DamagedChunk
 from relax_hpc.train import plan as P
 from relax_hpc.train.batch import TrainingSample
-from relax_hpc.train.samples import read_samples, write_step
+from relax_hpc.train.samples import read_samples
 from relax_hpc.rollout.driver import RolloutResult
 from relax_hpc.rollout.sample import Sample, SampleStatus
+from relax_hpc.rollout.write import write_step
 
 
 def result() -> RolloutResult:
@@ -197,9 +198,10 @@ def test_values_no_update_may_use_stop_the_step_at_the_trainers_door(tmp_path):
         P.train_plan(cols, AlgorithmConfig(), 2)
 
 
-def test_the_plan_builds_slotted_samples_that_batch_like_mappings(tmp_path):
-    """The trainer's seam is typed: the plan builds TrainingSample (slotted: a misspelt field fails), and a micro-batch
-    of them holds the same tensors as one of the same samples as mappings (what tests and tools pass)."""
+def test_the_plan_builds_slotted_samples_the_only_input_of_a_micro_batch(tmp_path):
+    """The trainer's seam is typed: the plan builds TrainingSample (slotted: a misspelt field fails); a micro-batch
+    takes nothing else (a mapping's keys would go unchecked: refused, naming the fix), and the same samples built
+    from plain values (TrainingSample.of, what tests and tools use) batch to the same tensors."""
     from relax_hpc.train.batch import make_micro_batch
 
     batch, _ = P.read_train_batch([write_step(tmp_path, 1, result())], AlgorithmConfig(), group_size=2)
@@ -207,10 +209,13 @@ def test_the_plan_builds_slotted_samples_that_batch_like_mappings(tmp_path):
     with pytest.raises(AttributeError):
         batch[0].advantage = 1.0  # not a field: no silent extra attribute
     plain = [{f: getattr(b, f) for f in TrainingSample.__slots__ if getattr(b, f) is not None} for b in batch]
-    typed, mapped = (make_micro_batch(x, pad_id=0, train=True) for x in (batch, plain))
+    with pytest.raises(TypeError, match=r"a sample is a TrainingSample, not dict\. Fix: .*TrainingSample\.of\("):
+        make_micro_batch(plain, pad_id=0, train=True)
+    rebuilt = [TrainingSample.of(**p) for p in plain]
+    typed, again = (make_micro_batch(x, pad_id=0, train=True) for x in (batch, rebuilt))
     for name in ("tokens", "targets", "valid", "loss_mask", "advantages", "rollout_log_probs"):
-        assert torch.equal(getattr(typed, name), getattr(mapped, name)), name
-    assert typed.old_log_probs is None and mapped.old_log_probs is None  # no π_old yet: the actor sets it
+        assert torch.equal(getattr(typed, name), getattr(again, name)), name
+    assert typed.old_log_probs is None and again.old_log_probs is None  # no π_old yet: the actor sets it
 
 
 def _taught(r: RolloutResult) -> RolloutResult:

@@ -13,6 +13,7 @@ runs' worker (``launch.py``) is this file (``python tests/train/test_routing_rep
 from __future__ import annotations
 
 import base64
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -122,7 +123,7 @@ def test_the_rollout_asks_for_experts_with_routing_replay(tiny_moe, tmp_path):
     from relax_hpc.rollout.driver import RolloutDriver
     from relax_hpc.rollout.sample import Sample
     from relax_hpc.train import TrainConfig
-    from relax_hpc.train.samples import write_step
+    from relax_hpc.rollout.write import write_step
 
     engine = CPUEngine(tiny_moe, max_batch=4, batch_wait_ms=1.0, seed=0, device="cpu")
     server = serve(engine)
@@ -183,8 +184,8 @@ def test_routed_experts_travel_from_the_engine_answer_to_the_micro_batch(tmp_pat
     from relax_hpc.rollout.driver import RolloutResult
     from relax_hpc.rollout.sample import Sample, SampleStatus
     from relax_hpc.train import plan as P
-    from relax_hpc.train.batch import make_micro_batch, make_packed_micro_batch
-    from relax_hpc.train.samples import write_step
+    from relax_hpc.train.batch import TrainingSample, make_micro_batch, make_packed_micro_batch
+    from relax_hpc.rollout.write import write_step
 
     def routed(n: int, base: int) -> list[int]:  # [n tokens, 2 layers, top-2]
         return [(base + t + j) % 4 for t in range(n) for j in range(4)]
@@ -218,7 +219,7 @@ def test_routed_experts_travel_from_the_engine_answer_to_the_micro_batch(tmp_pat
     assert packed.routed_experts.shape == (16, 4)
     assert packed.routed_experts[4:8].reshape(-1).tolist() == routed(4, 1) and (packed.routed_experts[8] == -1).all()
     assert (packed.routed_experts[14:] == -1).all()
-    assert make_micro_batch([dict(tokens=b.tokens, response_start=b.response_start, advantage=0.0) for b in batch],
+    assert make_micro_batch([TrainingSample.of(b.tokens, b.response_start, advantage=0.0) for b in batch],
                             pad_id=0, train=True).routed_experts is None
     bad = result()
     bad.samples[2].routed_experts = routed(3, 0)[:-1]
@@ -244,12 +245,12 @@ def test_tokens_no_engine_ran_get_minus_one_rows_and_the_step_goes_on(tmp_path):
     import torch
 
     from relax_hpc.algo import AlgorithmConfig
-    from relax_hpc.roles.rollout import routed_rows
     from relax_hpc.rollout.driver import RolloutResult
+    from relax_hpc.rollout.generator import routed_rows
     from relax_hpc.rollout.sample import Sample, SampleStatus
     from relax_hpc.train import plan as P
     from relax_hpc.train.batch import make_micro_batch
-    from relax_hpc.train.samples import write_step
+    from relax_hpc.rollout.write import write_step
 
     def answer(s: Sample, resp: list[int], base: int) -> None:  # one engine call: SGLang's meta_info for it
         ran = len(s.tokens) + len(resp) - 1
@@ -315,6 +316,7 @@ def job_replay(args: dict, out: Path) -> dict:
     import torch
 
     from relax_hpc.train import MegatronActor, TrainConfig, init_parallel
+    from relax_hpc.train.batch import TrainingSample
     from relax_hpc.train.logprobs import compute_log_probs
     from relax_hpc.train.step import RoutingReplayError
 
@@ -325,10 +327,9 @@ def job_replay(args: dict, out: Path) -> dict:
     init_parallel(1, 1, seed=1, ep=args["ep"])
     actor = MegatronActor.from_hf(args["hf"], TrainConfig(ep=args["ep"], seed=1, routing_replay=True, **CFG),
                                   _algo(eps_clip=0.2))
-    plain = [{"tokens": t, "response_start": s, "advantage": a}
-             for t, s, a in zip(data["tokens"], data["starts"], [1.0, -1.0] * 8)]
-    engine = [dict(x, routed_experts=r) for x, r in zip(plain, data["engine_routed"])]
-    own = [dict(x, routed_experts=r) for x, r in zip(plain, data["own_routed"])]
+    plain = [TrainingSample.of(t, s, advantage=a) for t, s, a in zip(data["tokens"], data["starts"], [1.0, -1.0] * 8)]
+    engine = [dataclasses.replace(x, routed_experts=r) for x, r in zip(plain, data["engine_routed"])]
+    own = [dataclasses.replace(x, routed_experts=r) for x, r in zip(plain, data["own_routed"])]
     # tokens no engine ran (-1 rows: the last 3 of each sample's, as an observation after the last engine call, and
     # a whole sample, as one that failed before any generation): the router's own choice there, the engine's elsewhere
     def tail(r: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
@@ -336,11 +337,12 @@ def job_replay(args: dict, out: Path) -> dict:
         r[-3:] = fill.reshape(-1, 4)[-3:]
         return r.reshape(-1)
 
-    unrun = [dict(x, routed_experts=tail(x["routed_experts"], torch.full_like(x["routed_experts"], -1)))
+    unrun = [dataclasses.replace(x, routed_experts=tail(x.routed_experts, torch.full_like(x.routed_experts, -1)))
              for x in engine]
-    unrun[1]["routed_experts"] = torch.full_like(engine[1]["routed_experts"], -1)
-    own_there = [dict(x, routed_experts=tail(x["routed_experts"], o)) for x, o in zip(engine, data["own_routed"])]
-    own_there[1]["routed_experts"] = data["own_routed"][1]
+    unrun[1].routed_experts = torch.full_like(engine[1].routed_experts, -1)
+    own_there = [dataclasses.replace(x, routed_experts=tail(x.routed_experts, o))
+                 for x, o in zip(engine, data["own_routed"])]
+    own_there[1].routed_experts = data["own_routed"][1]
     res = {"none": actor.compute_log_probs(plain), "engine": actor.compute_log_probs(engine),
            "own": actor.compute_log_probs(own), "unrun": actor.compute_log_probs(unrun),
            "own_there": actor.compute_log_probs(own_there)}
@@ -348,14 +350,14 @@ def job_replay(args: dict, out: Path) -> dict:
     res = {k: [x.tolist() for x in v] for k, v in res.items()}
     # the step: the engine's log-probs beside, and sample 0 failed (loss mask 0, placeholder engine log-probs 0): it
     # adds nothing to the trainer-engine gap
-    batch = [dict(x, old_log_probs=torch.tensor(o), rollout_log_probs=r)
+    batch = [dataclasses.replace(x, old_log_probs=torch.tensor(o), rollout_log_probs=r)
              for x, o, r in zip(unrun, res["unrun"], data["rollout"])]
-    batch[0] = dict(batch[0], loss_mask=torch.zeros(len(res["unrun"][0])), rollout_log_probs=torch.zeros(
+    batch[0] = dataclasses.replace(batch[0], loss_mask=torch.zeros(len(res["unrun"][0])), rollout_log_probs=torch.zeros(
         len(res["unrun"][0])))
     step = actor.train_step(batch)
     res["step"] = {k: step[k] for k in ("loss", "grad_norm", "ppo_kl", "train_rollout_logprob_abs_diff")}
     try:
-        actor.train_step([dict(x, old_log_probs=torch.tensor(o)) for x, o in zip(plain, res["none"])])
+        actor.train_step([dataclasses.replace(x, old_log_probs=torch.tensor(o)) for x, o in zip(plain, res["none"])])
         res["refused"] = None
     except RoutingReplayError as e:
         res["refused"] = str(e)

@@ -51,7 +51,7 @@ def test_import_is_cheap():
 
 
 def _sample(n_prompt, n_resp, adv=1.0, **kw):
-    return dict(tokens=torch.arange(10, 10 + n_prompt + n_resp), response_start=n_prompt, advantage=adv, **kw)
+    return B.TrainingSample.of(torch.arange(10, 10 + n_prompt + n_resp), n_prompt, advantage=adv, **kw)
 
 
 def test_micro_batch_padding_and_indices():
@@ -202,9 +202,9 @@ def test_the_rollout_logprob_gap_counts_only_loss_tokens():
     the loss's (Relax's sum_of_sample_mean, tests/algo/test_mismatch.py), not reported here."""
     from relax_hpc.train.logprobs import rollout_logprob_gap
 
-    samples = [{"rollout_log_probs": torch.tensor([-1.0, -2.0, -9.0]), "loss_mask": torch.tensor([1, 1, 0])},
-               {"rollout_log_probs": torch.zeros(2), "loss_mask": torch.zeros(2)},  # failed: no engine log-probs
-               {"rollout_log_probs": torch.tensor([-0.5])}]  # no mask: every response token counts
+    samples = [_sample(1, 3, rollout_log_probs=torch.tensor([-1.0, -2.0, -9.0]), loss_mask=torch.tensor([1, 1, 0])),
+               _sample(1, 2, rollout_log_probs=torch.zeros(2), loss_mask=torch.zeros(2)),  # failed: no engine log-probs
+               _sample(1, 1, rollout_log_probs=torch.tensor([-0.5]))]  # no mask: every response token counts
     got = rollout_logprob_gap(samples, [torch.tensor([-1.5, -2.0, -1.0]), torch.full((2,), -3.0),
                                         torch.tensor([-0.25])])
     assert got == {"train/train_rollout_logprob_abs_diff_max": pytest.approx(0.5)}

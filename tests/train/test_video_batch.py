@@ -15,15 +15,9 @@ from relax_hpc.rollout.sample import Sample, SampleStatus
 from relax_hpc.tasks import dots
 from relax_hpc.train import plan as P
 from relax_hpc.train.batch import make_micro_batch
-from relax_hpc.train.samples import write_step
-from tests.rollout.conftest import _tiny_model_maker
+from relax_hpc.rollout.write import write_step
 
 VS, VE = 6, 7  # make-tiny-model's <|vision_start|>, <|vision_end|>
-
-
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory):
-    return _tiny_model_maker()(tmp_path_factory.mktemp("vlm") / "qwen2_5_vl", arch="qwen2_5_vl", seed=0)
 
 
 def _video(seed: int, i: int) -> list[str]:

@@ -12,6 +12,7 @@ dist_checkpointing's writer uses the spawn start method and re-imports ``__main_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -41,15 +42,17 @@ def make_batch(n: int, seed: int = 0, vocab: int = 128, fixed_old: bool = False)
     """n samples of 8–14 tokens with a 2–5 token prompt, advantages +1/−1/+0.5/−0.5 repeating."""
     import torch
 
+    from relax_hpc.train.batch import TrainingSample
+
     g = torch.Generator().manual_seed(seed)
     out = []
     advs = [1.0, -1.0, 0.5, -0.5]
     for i in range(n):
         L = int(torch.randint(8, 15, (1,), generator=g))
         start = int(torch.randint(2, 6, (1,), generator=g))
-        s = {"tokens": torch.randint(6, vocab, (L,), generator=g), "response_start": start, "advantage": advs[i % 4]}
+        s = TrainingSample.of(torch.randint(6, vocab, (L,), generator=g), start, advantage=advs[i % 4])
         if fixed_old:  # data that does not depend on the model, so a resumed run sees the same batch
-            s["old_log_probs"] = torch.full((L - start,), -4.85) + 0.01 * torch.randn(L - start, generator=g)
+            s.old_log_probs = torch.full((L - start,), -4.85) + 0.01 * torch.randn(L - start, generator=g)
         out.append(s)
     return out
 
@@ -104,10 +107,10 @@ def job_parity(args: dict, out: Path) -> dict:
         lps = actor.compute_log_probs(batch)
         lp_diff = 0.0
         for s, lp in zip(batch, lps):
-            t = s["tokens"]
+            t = s.tokens
             with torch.no_grad():
                 full = torch.log_softmax(hf(t[None]).logits[0].float(), -1)
-            want = full[s["response_start"] - 1: -1].gather(-1, t[s["response_start"]:, None])[:, 0]
+            want = full[s.response_start - 1: -1].gather(-1, t[s.response_start:, None])[:, 0]
             lp_diff = max(lp_diff, (lp - want).abs().max().item())
         exp_dir = out / f"export_{arch}_tp{tp}"
         actor.export_hf(exp_dir)
@@ -142,12 +145,14 @@ def _share_checks(actor, batch: list, old: list) -> dict:
     from relax_hpc.train.logprobs import rollout_logprob_gap, sample_means
 
     p = actor.parallel
-    with_engine = [dict(s, rollout_log_probs=o + 0.001 * (i + 1)) for i, (s, o) in enumerate(zip(batch, old))]
+    with_engine = [dataclasses.replace(s, rollout_log_probs=o + 0.001 * (i + 1))
+                   for i, (s, o) in enumerate(zip(batch, old))]
     pairs = dp_shard(list(zip(with_engine, old)), p.dp, p.dp_rank)
     mine = [s for s, _ in pairs]
     own = actor.compute_log_probs(mine, share=True)
     gap = rollout_logprob_gap(mine, own)
-    means = sample_means([dict(s, old_log_probs=o) for s, o in zip(mine, own)], ["old_log_probs", "nosuch"])
+    means = sample_means([dataclasses.replace(s, old_log_probs=o) for s, o in zip(mine, own)],
+                         ["old_log_probs", "ref_log_probs"])  # no sample has ref_log_probs: left out
     return {"share_max_diff": max((a - o).abs().max().item() for a, (_, o) in zip(own, pairs)),
             "mean_lp": means["old_log_probs"], "mean_keys": sorted(means),
             "mean_lp_want": sum(float(o.mean()) for o in old) / len(old),
@@ -173,7 +178,7 @@ def job_train(args: dict, out: Path) -> dict:
         old = actor.compute_log_probs(batch)
         share = _share_checks(actor, batch, old)
         for s, o in zip(batch, old):
-            s["old_log_probs"] = o
+            s.old_log_probs = o
         steps, t0, calls = [], time.time(), []
         set_progress_hook(lambda: calls.append(1))  # a role's ctx.progress: once per micro-batch
         for _ in range(args["steps"]):
@@ -183,7 +188,7 @@ def job_train(args: dict, out: Path) -> dict:
         set_progress_hook(None)
         new = actor.compute_log_probs(batch)
         res[key] = {"steps": steps, "step_s": step_s, "progress_calls": len(calls),
-                    "advantage": [s["advantage"] for s in batch], **share,
+                    "advantage": [float(s.advantages[0]) for s in batch], **share,
                     "logprob_change": [(n - o).mean().item() for n, o in zip(new, old)]}
         del actor
         destroy_parallel()
@@ -268,7 +273,8 @@ def job_nonfinite(args: dict, out: Path) -> dict:
         cfg = _train_cfg(layout, micro_batch_size=2, lr=1e-3, clip_grad=1.0, max_nonfinite_skips=2)
         actor = MegatronActor.from_hf(args["hf"], cfg, _algo(eps_clip=0.2))
         batch = make_batch(4, seed=11, fixed_old=True)
-        poisoned = [dict(s, advantage=float("nan")) if i == 1 else s for i, s in enumerate(batch)]
+        poisoned = [dataclasses.replace(s, advantages=torch.full_like(s.advantages, float("nan"))) if i == 1 else s
+                    for i, s in enumerate(batch)]
         r: dict = {"first": actor.train_step(batch)}  # Adam state exists from here on
         before = _opt_state(actor)
         m = actor.train_step(poisoned, rollout_step=7)
@@ -305,13 +311,15 @@ def spread_batch(n: int, seed: int, lengths: tuple[int, int], vocab: int = 128) 
     """n samples with a 3–6 token prompt and a response length drawn in ``lengths``: a spread like an RL step's."""
     import torch
 
+    from relax_hpc.train.batch import TrainingSample
+
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         start = int(torch.randint(3, 7, (1,), generator=g))
         r = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
-        out.append({"tokens": torch.randint(6, vocab, (start + r,), generator=g), "response_start": start,
-                    "advantage": [1.0, -1.0, 0.5, -0.25][i % 4]})
+        out.append(TrainingSample.of(torch.randint(6, vocab, (start + r,), generator=g), start,
+                                     advantage=[1.0, -1.0, 0.5, -0.25][i % 4]))
     return out
 
 
@@ -343,7 +351,7 @@ def job_equal(args: dict, out: Path) -> dict:
 
         CF.forward = staticmethod(counted)
         old = actor.compute_log_probs(batch)
-        data = [dict(s, old_log_probs=o) for s, o in zip(batch, old)]
+        data = [dataclasses.replace(s, old_log_probs=o) for s, o in zip(batch, old)]
         steps = []
         for _ in range(args.get("steps", 2)):
             m = actor.train_step(data)
@@ -355,7 +363,7 @@ def job_equal(args: dict, out: Path) -> dict:
         mbs = plan_micro_batches(batch, cfg.micro_batch_size, pad_id=actor.pad_id, train=True, pp=1,
                                  max_seq_len=cfg.max_seq_len, global_seq_len=0,
                                  max_tokens=cfg.max_tokens_per_micro_batch)
-        real = sum(s["tokens"].numel() for s in batch)
+        real = sum(s.tokens.numel() for s in batch)
         held = sum(mb.tokens.numel() for mb in mbs)
         del actor
         destroy_parallel()

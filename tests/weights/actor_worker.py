@@ -28,6 +28,7 @@ def main() -> int:
         from relax_hpc.engines.client import EngineClient
         from relax_hpc.train import MegatronActor, TrainConfig, init_parallel
         from relax_hpc.train import cpu_compat
+        from relax_hpc.train.batch import TrainingSample
         from relax_hpc.weights import WeightSender, fingerprint, push_from_actor
 
         dist.init_process_group(cpu_compat.backend(), store=dist.HashStore(), rank=0, world_size=1)
@@ -37,7 +38,7 @@ def main() -> int:
         batch = []
         for i in range(4):
             tokens = torch.randint(6, 128, (12,), generator=g)
-            batch.append({"tokens": tokens, "response_start": 4, "advantage": [1.0, -1.0, 0.5, -0.5][i]})
+            batch.append(TrainingSample.of(tokens, 4, advantage=[1.0, -1.0, 0.5, -0.5][i]))
         res["train"] = actor.train_step(batch)
         # runs of parameters that lie end to end in the DDP param buffer go out as they lie (no minimum: the
         # tiny model's runs are small); the engine's fingerprint below shows they arrived exact

@@ -18,18 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.weights.hf_export import HFModel  # noqa: E402 - after the path
 
-class HFModel:
-    """The actor's export stand-in: every rank holds every full tensor (as the bridge's export gives them)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def named_hf_weights(self):
-        yield from self.model.state_dict().items()
-
-    def in_place(self):
-        return None
 
 
 def main() -> int:

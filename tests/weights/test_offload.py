@@ -20,6 +20,7 @@ from relax_hpc.weights import ActorSync, engine_fingerprint, fingerprint
 from relax_hpc.weights import sync as S
 from relax_hpc.weights.sync import WeightSender, WeightSyncRefused, agree_backend
 
+from .hf_export import HFModel
 from .conftest import ENGINE_ARGS, perturb
 
 N_ENGINES = 1
@@ -120,18 +121,6 @@ def test_the_tensor_path_lands_through_shared_memory(engines, hf_model):
     s.close()
     c.close()
 
-
-class HFModel:
-    """The actor's export stand-in: an HF model's tensors under their HF names, nothing in place."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def named_hf_weights(self):
-        yield from self.model.state_dict().items()
-
-    def in_place(self):
-        return None
 
 
 def test_offload_releases_before_training_and_resumes_before_the_push(engines, hf_model, world):

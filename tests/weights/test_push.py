@@ -128,3 +128,17 @@ def test_engines_gone_before_the_sync_are_never_pushed_to(world, servers):
     finally:
         s.close()
     assert len(s.sender.pushes) == 1
+
+
+def test_a_follower_that_leaves_mid_push_is_not_a_failed_sync(world, servers):
+    """actor_fwd restarted alone during a sync: its rank 0, a member of the sync group, stops answering. The push
+    goes again to the engines without it (the controller re-follows its new ranks); no engine is counted dead."""
+    s = actor_sync(servers, ["a"], dies=["fwd"])
+    servers["fwd"] = StubServer(Healthy)
+    s.followers = {"fwd": servers["fwd"].url}
+    try:
+        done = s.sync("7", None, Model(), progress=lambda: None, check=False)
+    finally:
+        s.close()
+    assert s.sender.groups == [[servers["a"].url]] and len(s.sender.pushes) == 2
+    assert done.dead_engines == {} and done.engine_versions == {"a": "7"} and s.followers == {}

@@ -30,6 +30,7 @@ peak bf16 dense FLOP/s of the card (2·N for forward only); N = all parameters; 
 
 from __future__ import annotations
 
+import dataclasses
 import argparse
 import datetime as dt
 import gc
@@ -85,6 +86,8 @@ def make_batch(n: int, group: int, prompt: int, response: tuple[int, int], vocab
     """GRPO samples: ``group`` responses per prompt; advantages are each group's 0/1 rewards, normalised."""
     import torch
 
+    from relax_hpc.train.batch import TrainingSample
+
     g = torch.Generator().manual_seed(seed)
     out, adv, p = [], None, None
     for i in range(n):
@@ -93,8 +96,8 @@ def make_batch(n: int, group: int, prompt: int, response: tuple[int, int], vocab
             r = torch.randint(0, 2, (group,), generator=g).float()
             adv = (r - r.mean()) / (r.std() + 1e-6)
         k = int(torch.randint(response[0], response[1] + 1, (1,), generator=g))
-        out.append({"tokens": torch.cat([p, torch.randint(6, vocab, (k,), generator=g)]), "response_start": prompt,
-                    "advantage": float(adv[i % group])})
+        out.append(TrainingSample.of(torch.cat([p, torch.randint(6, vocab, (k,), generator=g)]), prompt,
+                                     advantage=float(adv[i % group])))
     return out
 
 
@@ -152,15 +155,15 @@ def hf_logprobs(model, group: list[dict], pad_id: int, dev):
     """Right-padded forward of one micro-batch: response log-probs ``[b, R]`` (float32) and their mask."""
     import torch
 
-    b, L = len(group), max(s["tokens"].numel() for s in group)
-    R = max(s["tokens"].numel() - s["response_start"] for s in group)
+    b, L = len(group), max(s.tokens.numel() for s in group)
+    R = max(s.tokens.numel() - s.response_start for s in group)
     ids = torch.full((b, L), pad_id, dtype=torch.long)
     att = torch.zeros((b, L), dtype=torch.long)
     idx = torch.zeros((b, R), dtype=torch.long)  # the position whose logits predict each response token
     tgt = torch.zeros((b, R), dtype=torch.long)
     mask = torch.zeros((b, R), dtype=torch.bool)
     for i, s in enumerate(group):
-        t, st = s["tokens"], s["response_start"]
+        t, st = s.tokens, s.response_start
         n, r = t.numel(), t.numel() - st
         ids[i, :n], att[i, :n] = t, 1
         idx[i, :r] = torch.arange(st - 1, n - 1)
@@ -200,7 +203,7 @@ def hf_phase(model_dir: str, batch: list[dict], a, clock: Clock, dev, dtype, alg
         with torch.no_grad():
             for g in groups:
                 lp, _ = hf_logprobs(model, g, pad_id, dev)
-                out += [row[: s["tokens"].numel() - s["response_start"]].cpu()
+                out += [row[: s.tokens.numel() - s.response_start].cpu()
                         for row, s in zip(lp, g)]
         model.train()
         return out
@@ -223,7 +226,7 @@ def hf_phase(model_dir: str, batch: list[dict], a, clock: Clock, dev, dtype, alg
         for k, g in enumerate(groups):
             lp, mask = hf_logprobs(model, g, pad_id, dev)
             o = padded(old[k * a.micro_batch: k * a.micro_batch + len(g)], lp.shape[1], dev)
-            adv = torch.tensor([s["advantage"] for s in g], device=dev).unsqueeze(-1).expand_as(lp)
+            adv = torch.tensor([float(s.advantages[0]) for s in g], device=dev).unsqueeze(-1).expand_as(lp)
             loss, _ = policy_loss(algo, lp, o, adv, mask.float())
             (loss * (len(g) / N)).backward()
             total += loss.detach() * (len(g) / N)
@@ -240,14 +243,14 @@ def hf_phase(model_dir: str, batch: list[dict], a, clock: Clock, dev, dtype, alg
     clock.reset_peak()
     lp_s, lp_all, _ = timed(clock, forward_only, 0, a.reps)
     lp_peak = clock.peak_gb()
-    slots = sum(len(g) * max(s["tokens"].numel() for s in g) for g in groups)
+    slots = sum(len(g) * max(s.tokens.numel() for s in g) for g in groups)
     model = opt = None  # the closures hold them: drop them before freeing the cache
     clock.free()
     return {"first": first, "n_params": n_params, "fused_adamw": fused, "first_loss": losses[0],
             "first_grad_norm": norms[0],
             "train_s": train_s, "train_times": train_all, "train_peak_gb": train_peak,
             "logprob_s": lp_s, "logprob_times": lp_all, "logprob_peak_gb": lp_peak,
-            "padding_share": 1 - sum(s["tokens"].numel() for s in batch) / slots, "micro_batches": len(groups)}
+            "padding_share": 1 - sum(s.tokens.numel() for s in batch) / slots, "micro_batches": len(groups)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -262,7 +265,7 @@ def relax_phase(model_dir: str, batch: list[dict], old: list, a, clock: Clock, a
     init_parallel(1, 1, seed=cfg.seed)
     actor = MegatronActor.from_hf(model_dir, cfg, algo)
     first_s, first = clock.time(lambda: actor.compute_log_probs(batch))  # the untrained weights: compared
-    data = [dict(s, old_log_probs=o) for s, o in zip(batch, old)]
+    data = [dataclasses.replace(s, old_log_probs=o) for s, o in zip(batch, old)]
     metrics = []
 
     def step() -> float:
@@ -354,7 +357,7 @@ def run(a) -> dict:
     make_s = time.perf_counter() - t0
     bt = shape["batch"]
     batch = make_batch(bt["n"], bt["group"], bt["prompt"], tuple(bt["response"]), vocab=128, seed=a.seed)
-    real = sum(s["tokens"].numel() for s in batch)
+    real = sum(s.tokens.numel() for s in batch)
     algo = AlgorithmConfig()
 
     try:
@@ -376,7 +379,7 @@ def run(a) -> dict:
         "card": card, "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
         "peak_flops": flops,
         "model": dict(m, arch="qwen3", vocab=128, params=n, dtype=str(dtype).replace("torch.", ""), make_s=make_s),
-        "batch": dict(bt, seed=a.seed, real_tokens=real, lengths=[s["tokens"].numel() for s in batch]),
+        "batch": dict(bt, seed=a.seed, real_tokens=real, lengths=[s.tokens.numel() for s in batch]),
         "config": {"micro_batch_size": cfg.micro_batch_size, "max_tokens_per_micro_batch": cfg.max_tokens_per_micro_batch,
                    "train_overrides": over, "hf_micro_batch": a.micro_batch,
                    "lr": cfg.lr, "clip_grad": cfg.clip_grad, "reps": a.reps, "warmup": a.warmup,

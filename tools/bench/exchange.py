@@ -7,7 +7,7 @@
 Samples look like Relax's rollout rows: ``tokens`` (int32, ragged), ``loss_masks`` (uint8, ragged over the
 response), ``rollout_log_probs`` (float32, ragged over the response), ``raw_reward`` (float32), ``response_lengths``
 (int32). Lengths are uniform in [mean/2, 3·mean/2], the response half of each. The columns are what the rollout
-hands the exchange (``train/samples.write_step``): ragged fields as one flat :class:`Ragged` (data + offsets).
+hands the exchange (``rollout/write.write_step``): ragged fields as one flat :class:`Ragged` (data + offsets).
 
 1. **Throughput**, per directory (a filesystem): ``--steps`` steps of ``--chunks`` chunks of ``--samples`` samples
    (one chunk per step is what a run writes: ``write_step`` writes a rollout step as one chunk)

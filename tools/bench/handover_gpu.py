@@ -24,6 +24,7 @@ process: its memory shows only there).
 
 from __future__ import annotations
 
+import dataclasses
 import argparse
 import datetime as dt
 import json
@@ -80,13 +81,13 @@ def run(a) -> dict:
         client = EngineClient(engine.url, timeout=600)
         bt = shape["batch"]
         batch = A.make_batch(bt["n"], bt["group"], bt["prompt"], tuple(bt["response"]), vocab=128, seed=a.seed)
-        prompts = [s["tokens"][: bt["prompt"]].tolist() for s in batch]
+        prompts = [s.tokens[: bt["prompt"]].tolist() for s in batch]
         cfg = TrainConfig(bf16=shape["bf16"], micro_batch_size=1, lr=1e-6, seed=1, max_seq_len=shape["max_seq_len"],
                           max_tokens_per_micro_batch=8192 if cuda else 128)
         init_parallel(1, 1, seed=cfg.seed)
         actor = MegatronActor.from_hf(model_dir, cfg, AlgorithmConfig())
         old = actor.compute_log_probs(batch)
-        data = [dict(s, old_log_probs=o) for s, o in zip(batch, old)]
+        data = [dataclasses.replace(s, old_log_probs=o) for s, o in zip(batch, old)]
         # a one-GPU box: the engine shares the actor's GPU, so the sender picks the tensor path by itself
         sender = WeightSender(path=None if cuda else "tensor")
         sender.connect([engine.url], "127.0.0.1")

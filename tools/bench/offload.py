@@ -49,13 +49,14 @@ def build(model_dir: Path):
 
     from relax_hpc.algo import AlgorithmConfig
     from relax_hpc.train import MegatronActor, TrainConfig, cpu_compat, init_parallel
+    from relax_hpc.train.batch import TrainingSample
 
     dist.init_process_group(cpu_compat.backend(), store=dist.HashStore(), rank=0, world_size=1)
     init_parallel(1, 1, seed=0)
     actor = MegatronActor.from_hf(model_dir, TrainConfig(lr=1e-3, micro_batch_size=2, seed=0,
                                                          use_distributed_optimizer=True), AlgorithmConfig())
     g = torch.Generator().manual_seed(0)
-    batch = [{"tokens": torch.randint(6, 128, (24,), generator=g), "response_start": 8, "advantage": a}
+    batch = [TrainingSample.of(torch.randint(6, 128, (24,), generator=g), 8, advantage=a)
              for a in (1.0, -1.0, 0.5, -0.5)]
     actor.train_step(batch)
     return actor

@@ -52,6 +52,7 @@ import torch.distributed as dist  # noqa: E402
 
 from common import append, machine  # noqa: E402  (tools/bench/common.py: this script's directory is on sys.path)
 from relax_hpc.weights.buckets import BufferRing, MiB, dtype_from_name, empty_flat, iter_buckets, plan, unpack  # noqa: E402
+from relax_hpc.weights.push import take_snapshot  # noqa: E402
 from relax_hpc.weights.sync import new_group, receive, send_buckets  # noqa: E402
 
 GROUP = "relax_bench_weight_sync"
@@ -100,6 +101,15 @@ def receiver(port: int) -> int:
 
 # ----------------------------------------------------------------------------------------- sender (parent)
 
+class _Export:
+    """``named`` as a model's export, for take_snapshot."""
+
+    def __init__(self, named: list):
+        self.named = named
+
+    def named_hf_weights(self):
+        return iter(self.named)
+
 def make_model(hidden: int, layers: int, out: Path, heads: int = 4, kv_heads: int = 2,
                intermediate: int | None = None) -> Path:
     loader = importlib.machinery.SourceFileLoader("relax_make_tiny_model_bench", str(REPO / "tools" / "make-tiny-model"))
@@ -134,10 +144,16 @@ def transport(named: list, reps: int, bucket_sizes: list[int], reuse: bool, in_p
         raw = torch.cat([t.reshape(-1) for _, t in named])
         plans = {(b, ip is not None): [[bk.names, bk.dtypes, bk.shapes] for bk in iter_buckets(named, b, in_place=ip)]
                  for b in bucket_sizes for ip in {in_place, None}}
-        # (label, method, bucket bytes, in_place); "packed": the same buckets with every tensor packed (no in place)
         big = max(bucket_sizes)
+        # train.overlap_sync's push: the buckets packed ahead, in the snapshot (relax_hpc.weights.push.take_snapshot),
+        # each sent as it lies; the snapshot's own copy is timed apart ("pack only")
+        ahead = take_snapshot(_Export(named), 0, bucket_bytes=big)
+        plans["ahead"] = [[bk.names, bk.dtypes, bk.shapes] for bk in
+                          iter_buckets(ahead.named, big, in_place=ahead.in_place(), in_place_min=0)]
+        # (label, method, bucket bytes, in_place); "packed": the same buckets with every tensor packed (no in place)
         methods = ([("raw", "raw", None, None)] + [(f"bucketed {b // MiB} MiB", "bucketed", b, in_place) for b in bucket_sizes]
                    + ([(f"bucketed {big // MiB} MiB, all packed", "bucketed", big, None)] if in_place is not None else [])
+                   + [(f"bucketed {big // MiB} MiB, packed ahead", "bucketed", big, "ahead")]
                    + [("per_tensor", "per_tensor", big, in_place)])
         ring = BufferRing(2) if reuse else None
         times: dict[str, list[float]] = {}
@@ -145,15 +161,17 @@ def transport(named: list, reps: int, bucket_sizes: list[int], reuse: bool, in_p
         for rep in range(reps + 1):  # rep 0 warms up (allocator, sockets)
             for label, method, b, ip in methods:
                 cmd = {"method": method, "numel": total, "dtype": str(dtype).removeprefix("torch."), "reuse": reuse,
-                       "bucket": [b, ip is not None]}
+                       "bucket": [b, ip is not None, ip == "ahead"]}
                 if b is not None:
-                    cmd["buckets"] = plans[(b, ip is not None)]
+                    cmd["buckets"] = plans["ahead"] if ip == "ahead" else plans[(b, ip is not None)]
                 store.set(f"cmd/{seq}", json.dumps(cmd))
                 seq += 1
                 dist.broadcast(flag, src=0, group=pg)
                 t0 = time.perf_counter()
                 if method == "raw":
                     dist.broadcast(raw, src=0, group=pg)
+                elif ip == "ahead":
+                    send_buckets(ahead.named, pg, b, mode=method, in_place=ahead.in_place(), in_place_min=0)
                 else:
                     send_buckets(named, pg, b, mode=method, ring=ring, in_place=ip)
                 dist.broadcast(flag, src=1, group=pg)
@@ -271,20 +289,33 @@ def run(a, tmp: Path, when: str, where: str) -> int:
     rows = ["| method | broadcasts | median s | best s | GB/s (best) | vs raw (best) | speed-up vs per-tensor (best) |",
             "|---|---|---|---|---|---|---|"]
     for key, ts in times.items():
+        if key == "snapshot":
+            continue
         med = statistics.median(ts)
         if key == "raw":
             nb = 1
         elif key == "per_tensor":
             nb = len(named)
+        elif key.endswith("packed ahead"):
+            nb = len(take_snapshot(_Export(named), 0, bucket_bytes=max(sizes)).flats)
         else:
             nb = len(list(iter_buckets(named, int(float(key.split()[1]) * MiB),
                                        in_place=None if key.endswith("all packed") else in_place)))
         best = min(ts)
         rows.append(f"| {key.replace('_', '-')} | {nb} | {med:.4f} | {best:.4f} | {nbytes / best / 1e9:.2f} | "
                     f"{raw / best * 100:.0f} % | {per / best:.1f}× |")
+    snap_t = []
+    for rep in range(a.reps + 1):  # train.overlap_sync's snapshot: the same copy, done before the push
+        t0 = time.perf_counter()
+        take_snapshot(_Export(named), 0, bucket_bytes=max(sizes))
+        if rep:
+            snap_t.append(time.perf_counter() - t0)
+    times["snapshot"] = snap_t
     pk = statistics.median(pack_t)
     rows.append(f"| (pack only, {max(sizes) // MiB} MiB buckets, no broadcast) | 0 | {pk:.4f} | {min(pack_t):.4f} | "
                 f"{nbytes / min(pack_t) / 1e9:.2f} | | |")
+    rows.append(f"| (snapshot only: the packed-ahead copy, train.overlap_sync) | 0 | {statistics.median(snap_t):.4f} | "
+                f"{min(snap_t):.4f} | {nbytes / min(snap_t) / 1e9:.2f} | | |")
     out = [f"### Weight sync transport, gloo, 2 processes ({when})", "", f"Model: {desc}. Machine: {where}.",
            f"{a.reps} runs per method (after 1 warm-up), interleaved, each from a start handshake to the receiver's "
            "acknowledgement; ratios compare best runs (vs raw = raw best / method best). Pack and receive buffers "

@@ -24,6 +24,7 @@ import urllib.request
 from collections import Counter
 from typing import Any, Callable
 
+from relax_hpc.rollout.config import AWAITED_REWARDS, BUILTIN_REWARD_NAMES  # noqa: F401 (AWAITED_REWARDS: read from here too)
 from relax_hpc.rollout.rewards.answers import label_answer, extract_answer, extract_boxed, math_equal
 from relax_hpc.threads import in_daemon_thread
 
@@ -454,7 +455,9 @@ BUILTIN_REWARDS: dict[str, Callable[[str, Any, dict | None], Any]] = {
     "remote_rm": remote_rm_unawaited,  # awaited by RewardRunner (POST to rollout.rm_url)
     "dapo-genrm": dapo_genrm_unawaited,  # awaited by RewardRunner (asks the run's judge, roles.genrm)
 }
-AWAITED_REWARDS = ("remote_rm", "dapo-genrm")  # scored by the runner itself, never as boxed_<name>
+if tuple(BUILTIN_REWARDS) != BUILTIN_REWARD_NAMES:  # the recipe's check reads the names from the config module
+    raise ImportError(f"BUILTIN_REWARDS {tuple(BUILTIN_REWARDS)} and rollout.config.BUILTIN_REWARD_NAMES "
+                      f"{BUILTIN_REWARD_NAMES} differ. Fix: name a new reward in both")
 
 
 def builtin_reward(rm_type: str, response: str, label: Any, metadata: dict | None = None) -> float:
