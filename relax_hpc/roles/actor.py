@@ -366,8 +366,8 @@ class Actor:
             return self.weights.sync(version, engines, snap, progress=lambda: None, check=check, solo=True)
 
         self.behind.start(push, lambda outcome, s: self._report_landing(task.land, outcome, s))
-        return M.SyncResult(landing=True, metrics={"perf/weight_snapshot_time": time.monotonic() - t0,
-                                                   "perf/weight_snapshot_bytes": float(snap.nbytes)})
+        return M.SyncResult(landing=True, metrics={"perf/weight_pack_ahead_time": time.monotonic() - t0,
+                                                   "perf/weight_pack_ahead_bytes": float(snap.nbytes)})
 
     def _report_landing(self, land: int, outcome: tuple[str, Any], seconds: float) -> None:
         """Rank 0, in the push's thread: its outcome to the controller as the result of task ``land`` (a connection

@@ -41,7 +41,7 @@ def drive_behind(loop, ch):
         if task["kind"] == "sync" and task.get("land") is not None:
             assert pending is None, "one push in flight"
             pending = (task["land"], int(task["version"]), task["version"])
-            res = M.SyncResult(landing=True, metrics={"perf/weight_snapshot_time": 0.01})
+            res = M.SyncResult(landing=True, metrics={"perf/weight_pack_ahead_time": 0.01})
         else:
             res = answer(loop, task, role)
         ch.events.append(("-", *what(task)))
@@ -66,7 +66,7 @@ def test_the_next_train_starts_before_the_push_lands_and_the_step_counts_only_wh
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     overlapped = [r["step"] for r in rows if r.get("perf/weight_sync_overlapped") == 1.0]
     assert overlapped == [2, 3, 4, 5]
-    assert all("perf/weight_snapshot_time" in r for r in rows[:4])
+    assert all("perf/weight_pack_ahead_time" in r for r in rows[:4])
     loop.finish()
 
 

@@ -30,8 +30,8 @@ def test_the_next_train_runs_while_the_push_lands_and_the_bounds_hold(tiny_model
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[2].get("perf/weight_sync_overlapped") == 1.0, "train 3 began before sync 2 landed"
     # steps 1-3 pushed behind the next train (snapshot, then the landing's metrics); the last one in series
-    assert all("perf/weight_snapshot_time" in r and "perf/weight_sync_behind_time" in r for r in rows[:3])
-    assert "perf/weight_snapshot_time" not in rows[3] and rows[3]["perf/weight_sync_bytes"] > 0
+    assert all("perf/weight_pack_ahead_time" in r and "perf/weight_sync_behind_time" in r for r in rows[:3])
+    assert "perf/weight_pack_ahead_time" not in rows[3] and rows[3]["perf/weight_sync_bytes"] > 0
     assert all(r["weights/versions_ok"] == 1.0 and r["weights/fingerprint_match"] == 1.0 for r in rows)
     for r in rows:  # samples made with weights no older than N − 1 − k
         assert r["step"] - 1 - K <= r["rollout/weight_version_min"] <= r["rollout/weight_version"] <= r["step"] - 1

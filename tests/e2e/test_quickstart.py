@@ -49,6 +49,8 @@ NOT_IN_THE_QUICKSTART = {
     r"rollout/segments_per_rollout": "no custom generate function",
     r"perf/train_(offload_bytes|offload_time|reload_time)": "no trainer offload (train.offload)",
     r"perf/weight_snapshot_time": "no external engines (rollout.external_engines, relax-scale --attach-url)",
+    r"perf/weight_(pack_ahead_(time|bytes)|sync_behind_time|sync_overlapped)": "colocate: no sync behind the next "
+                                                                               "train (train.overlap_sync)",
     r"health/recovery_time": "nothing failed, so nothing recovered (docs/reliability.md)",
     r"rollout/(turns|env_tokens_ratio|env_failures|truncated_turns|truncated_by/.*|truncated_observations)":
         "no multi-turn environment",
