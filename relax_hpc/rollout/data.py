@@ -46,7 +46,7 @@ from relax_hpc.errors import PermanentError
 from relax_hpc.media import data_roots, short_url, url_scheme
 from relax_hpc.multimodal import (IMAGE_PAD, IMAGE_PLACEHOLDER, TEXT_IMAGE_MARKER, TEXT_VIDEO_MARKER, VIDEO_PLACEHOLDER,
                                   video_parts, video_refs)
-from relax_hpc.rollout.checks import chat_template_kwargs, check_data as check_config  # noqa: F401 (check_config: its old name)
+from relax_hpc.rollout.checks import chat_template_kwargs
 from relax_hpc.rollout.sample import Sample, SampleStatus
 from relax_hpc.seed import DEFAULT_SEED
 

@@ -16,7 +16,6 @@ from relax_hpc.rollout.data import (
     DataKeys,
     PromptDataset,
     RolloutDataSource,
-    check_config,
     check_data_files,
     check_dataset,
     dataset_from_config,
@@ -24,6 +23,7 @@ from relax_hpc.rollout.data import (
     eval_datasets_from_config,
     token_counter,
 )
+from relax_hpc.rollout.checks import check_data
 from relax_hpc.rollout.sample import Sample
 
 REPO = Path(__file__).resolve().parents[2]
@@ -209,9 +209,9 @@ def test_from_recipe_sections(tmp_path):
     assert ev[0] == "heldout" and (ev[1][0].prompt, ev[1][0].label) == ("c", "3")
 
 
-def test_check_config():
-    assert check_config(DataConfig(), RolloutConfig()) == []
-    bad = check_config(
+def test_check_data():
+    assert check_data(DataConfig(), RolloutConfig()) == []
+    bad = check_data(
         DataConfig(apply_chat_template_kwargs="{nope"),
         RolloutConfig(n_samples_per_prompt=0, custom_rm_path="my_mod reward", eval_interval=5, top_p=0.0),
     )

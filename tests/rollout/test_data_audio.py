@@ -14,7 +14,8 @@ import pytest
 
 from relax_hpc.audio import decode_audio, wav_bytes
 from relax_hpc.rollout.config import DataConfig
-from relax_hpc.rollout.data import DataKeys, PromptDataset, check_config
+from relax_hpc.rollout.data import DataKeys, PromptDataset
+from relax_hpc.rollout.checks import check_data
 from relax_hpc.rollout.sample import SampleStatus
 from tests.rollout.conftest import _tiny_model_maker
 
@@ -97,17 +98,17 @@ def test_each_bad_clip_fails_only_its_sample_with_its_line(tmp_path, tiny_omni, 
 
 
 def test_the_check_before_submit():
-    ok = check_config(DataConfig(path="x.jsonl", multimodal_keys={"audio": "audios"}, max_audio_seconds=2.0,
+    ok = check_data(DataConfig(path="x.jsonl", multimodal_keys={"audio": "audios"}, max_audio_seconds=2.0,
                                  media_roots=["/data/clips"], allow_media_urls=True),  # the audio's files too
                       __import__("relax_hpc.rollout.config", fromlist=["RolloutConfig"]).RolloutConfig())
     assert ok == [], ok
-    bad = check_config(DataConfig(path="x.jsonl", multimodal_keys={"audio": "a", "image": "i", "video": "v"},
+    bad = check_data(DataConfig(path="x.jsonl", multimodal_keys={"audio": "a", "image": "i", "video": "v"},
                                   max_audio_seconds=0), __import__("relax_hpc.rollout.config",
                                                                    fromlist=["RolloutConfig"]).RolloutConfig())
     text = "\n".join(map(str, bad))
     assert "videos beside images or audio in one recipe are not wired yet" in text
     assert "images and audio in one prompt are not wired yet" in text
     assert "data.max_audio_seconds" in text and "more than 0" in text
-    lone = check_config(DataConfig(path="x.jsonl", max_audio_seconds=3.0),
+    lone = check_data(DataConfig(path="x.jsonl", max_audio_seconds=3.0),
                         __import__("relax_hpc.rollout.config", fromlist=["RolloutConfig"]).RolloutConfig())
     assert any("bounds audio clips" in str(p) for p in lone), lone

@@ -11,7 +11,8 @@ import pytest
 
 from relax_hpc import multimodal
 from relax_hpc.rollout.config import DataConfig, RolloutConfig
-from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, check_config, check_dataset
+from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, check_dataset
+from relax_hpc.rollout.checks import check_data
 from relax_hpc.rollout.sample import SampleStatus
 
 IMAGE_PAD = 9  # make-tiny-model's <|image_pad|>
@@ -143,7 +144,7 @@ def test_the_check_before_submit(tmp_path):
                                                                  image_key="picture")).problems
 
     def problems(**kw):
-        return {(k, str(v)): m for k, v, m in check_config(DataConfig(**kw), RolloutConfig())}
+        return {(k, str(v)): m for k, v, m in check_data(DataConfig(**kw), RolloutConfig())}
 
     assert problems(multimodal_keys={"image": "images"}, image_min_token_num=4, image_max_token_num=16) == {}
     assert "videos beside images or audio in one recipe are not wired yet" in problems(

@@ -18,7 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from relax_hpc.launch.files import check_files
 from relax_hpc.recipe import recipe_from_dict
 from relax_hpc.rollout.config import DataConfig, RolloutConfig
-from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, check_config, prompt_room
+from relax_hpc.rollout.data import DataKeys, PromptDataset, RolloutDataSource, prompt_room
+from relax_hpc.rollout.checks import check_data
 from relax_hpc.rollout.sample import SampleStatus
 
 IMAGE_PAD = 9  # make-tiny-model's <|image_pad|>
@@ -161,7 +162,7 @@ def test_prompt_room():
 
 def test_the_new_keys_are_checked(tmp_path):
     def problems(**kw):
-        return {k: m for k, _, m in check_config(DataConfig(multimodal_keys={"image": "images"}, **kw),
+        return {k: m for k, _, m in check_data(DataConfig(multimodal_keys={"image": "images"}, **kw),
                                                  RolloutConfig())}
 
     assert problems(media_roots=["imgs"], allow_media_urls=True, max_image_pixels=10, max_prompt_pixels=10) == {}
@@ -170,7 +171,7 @@ def test_the_new_keys_are_checked(tmp_path):
     assert "at least 1 pixel" in problems(max_prompt_pixels=0)["data.max_prompt_pixels"]
     assert "list of directories" in problems(media_roots=[""])["data.media_roots"]
     # without an image column they would do nothing: refused
-    plain = {k for k, _, _ in check_config(DataConfig(media_roots=["imgs"], allow_media_urls=True,
+    plain = {k for k, _, _ in check_data(DataConfig(media_roots=["imgs"], allow_media_urls=True,
                                                       max_image_pixels=10, max_prompt_pixels=10), RolloutConfig())}
     assert plain == {"data.media_roots", "data.allow_media_urls", "data.max_image_pixels", "data.max_prompt_pixels"}
     (tmp_path / "imgs").mkdir()

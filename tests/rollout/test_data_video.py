@@ -14,7 +14,8 @@ import logging
 import numpy as np
 
 from relax_hpc.rollout.config import DataConfig, RolloutConfig
-from relax_hpc.rollout.data import DataKeys, PromptDataset, check_config
+from relax_hpc.rollout.data import DataKeys, PromptDataset
+from relax_hpc.rollout.checks import check_data
 from relax_hpc.rollout.sample import SampleStatus
 
 KEYS = DataKeys(input_key="prompt", label_key=None, video_key="video")
@@ -109,17 +110,17 @@ def test_a_corrupt_frame_fails_only_its_sample_with_its_line(tmp_path, tiny_vlm,
 
 
 def test_the_check_before_submit():
-    ok = check_config(DataConfig(path="x.jsonl", multimodal_keys={"video": "video"}, video_fps=30.0,
+    ok = check_data(DataConfig(path="x.jsonl", multimodal_keys={"video": "video"}, video_fps=30.0,
                                  video_max_frames=16, media_roots=["/data/frames"], max_image_pixels=10 ** 6),
                       RolloutConfig())
     assert ok == [], ok
-    bad = check_config(DataConfig(path="x.jsonl", multimodal_keys={"video": "v"}, video_fps=0,
+    bad = check_data(DataConfig(path="x.jsonl", multimodal_keys={"video": "v"}, video_fps=0,
                                   video_max_frames=10 ** 6), RolloutConfig())
     text = "\n".join(map(str, bad))
     assert "data.video_fps" in text and "more than 0" in text
     assert "data.video_max_frames" in text and "1 to 768 frames" in text
-    both = check_config(DataConfig(path="x.jsonl", multimodal_keys={"video": "v", "image": "i"}), RolloutConfig())
+    both = check_data(DataConfig(path="x.jsonl", multimodal_keys={"video": "v", "image": "i"}), RolloutConfig())
     assert any("videos beside images or audio" in str(p) for p in both), both
-    lone = check_config(DataConfig(path="x.jsonl", video_fps=30.0, video_max_frames=8), RolloutConfig())
+    lone = check_data(DataConfig(path="x.jsonl", video_fps=30.0, video_max_frames=8), RolloutConfig())
     assert sum("samples a row's video frames, but data.multimodal_keys has no video column" in str(p)
                for p in lone) == 2, lone

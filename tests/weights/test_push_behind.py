@@ -4,6 +4,7 @@ gloo group, real threads."""
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -18,6 +19,21 @@ from .conftest import perturb
 
 N_ENGINES = 1
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_export_is_snapshotted_into_host_memory_the_next_train_cannot_change(hf_model):
+    """On a GPU the export's tensors are on the device: the snapshot's buckets are moved to host memory (the device
+    keeps its memory for the next train), with the same values."""
+    model = copy.deepcopy(hf_model).to("cuda")  # the fixture is shared: a copy of its own
+    live = {n: t.detach().cpu().clone() for n, t in model.state_dict().items()}
+    snap = take_snapshot(HFModel(model), 0, bucket_bytes=64 * 1024)
+    assert snap.flats and all(f.device.type == "cpu" for f in snap.flats)
+    assert all(torch.equal(t, live[n]) for n, t in snap.named)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the next train's update, on the device
+    assert all(torch.equal(t, live[n]) for n, t in snap.named)
 
 
 def test_the_snapshot_is_a_copy_the_next_train_cannot_change_packed_as_the_sender_cuts_buckets(hf_model):
