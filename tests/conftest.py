@@ -143,6 +143,39 @@ def pytest_configure(config):
         os.environ[SESSION_MARK] = config._relax_mark[1]
 
 
+# Per-test CPU-seconds (tools/test sets RELAX_TEST_CPU_LOG where root can make cgroups): each worker moves itself
+# into a cpuacct cgroup of its own, so what its tests start (engines, runs, detached runners) is charged to the test
+# that was running; Slurm job steps are started by slurmd, outside it. One JSON line per test: where the CPU goes.
+def _cpu_cgroup_of_worker() -> Path | None:
+    try:
+        rel = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                   if "cpuacct" in line.split(":", 2)[1].split(","))
+        mine = Path("/sys/fs/cgroup/cpuacct") / rel.lstrip("/") / f"worker-{os.getpid()}"
+        mine.mkdir(exist_ok=True)
+        (mine / "tasks").write_text(str(os.getpid()))
+        return mine
+    except (OSError, StopIteration, IndexError):
+        return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    log = os.environ.get("RELAX_TEST_CPU_LOG")
+    cg = getattr(item.config, "_relax_cpu_cgroup", None)
+    if log and cg is None:
+        cg = item.config._relax_cpu_cgroup = _cpu_cgroup_of_worker() or False
+    if not (log and cg):
+        yield
+        return
+    import json
+
+    c0, t0 = int((cg / "cpuacct.usage").read_text()), time.monotonic()
+    yield
+    cpu, wall = (int((cg / "cpuacct.usage").read_text()) - c0) / 1e9, time.monotonic() - t0
+    with open(log, "a") as f:  # one short write per line: the workers' lines never interleave
+        f.write(json.dumps({"test": item.nodeid, "cpu_s": round(cpu, 2), "wall_s": round(wall, 2)}) + "\n")
+
+
 def pytest_unconfigure(config):
     before, _ = getattr(config, "_relax_mark", (None, None))
     if hasattr(config, "_relax_mark"):  # as it was (an enclosing session's, if any)
