@@ -158,6 +158,7 @@ class TrainingLoop:
             raise ValueError("algorithm.use_kl_loss needs reference log-probs. Fix: set roles.reference.enabled: true")
         self.recipe, self.run, self.state = recipe, run, state
         self.fwd = _forward_roles(recipe)  # the forward roles with work to do -> the step whose weights each holds
+        self.old_fused = _old_fused(recipe)  # π_old is the update's own forward: nothing to stage
         self.fixed = FixedStaleness.of(recipe)  # staleness_mode fixed (None: not in effect)
         self.broker = Broker(run.path / "exchange", tasks=_consumers(self.fwd, _opd(recipe), recipe.train.routing_replay),
                              max_staleness=recipe.max_staleness if recipe.mode == "fully_async" else 0)
@@ -473,11 +474,12 @@ class TrainingLoop:
     def _pump_stage(self, n: int) -> None:
         """Streaming within a step: the idle actor computes π_old of step ``n``'s chunks that have landed. It holds
         step n−1's weights (trained and synced, no sync held), the ones step n's first update starts from. Not where
-        π_old comes from elsewhere (actor_fwd, the engine's log-probs), nor where the engines or an offloaded actor
+        π_old comes from elsewhere (actor_fwd, the engine's log-probs) or is the update's own forward (one optimizer
+        step: :func:`relax_hpc.train.config.old_from_train_forward`), nor where the engines or an offloaded actor
         would need the device memory back (train.offload, rollout.engine.offload)."""
         r = self.recipe
         if (not self.streaming or "actor_fwd" in self.fwd or r.algorithm.use_rollout_logprobs or r.train.offload
-                or r.rollout.engine.offload or not self._idle("actor")):
+                or r.rollout.engine.offload or self.old_fused or not self._idle("actor")):
             return
         done = self.staged.setdefault(n, set())
         todo = [c for c in self.streamed.get(n, []) if c.id not in done]
@@ -1021,6 +1023,12 @@ def _forward_roles(recipe: Recipe) -> dict[str, int]:
 
     return {r: 0 for r, on in (("reference", recipe.algorithm.use_kl_loss and not reference_from_actor(recipe)),
                                ("actor_fwd", recipe.roles.actor_fwd.enabled)) if on}
+
+
+def _old_fused(recipe: Recipe) -> bool:
+    from relax_hpc.train.config import old_from_train_forward  # config only (train/ loads torch)
+
+    return old_from_train_forward(recipe)
 
 
 def _consumers(fwd: dict[str, int], opd: bool = False, replay: bool = False) -> dict[str, tuple[str, ...]]:

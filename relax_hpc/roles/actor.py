@@ -192,15 +192,17 @@ class Actor:
     def _train(self, task: M.TrainTask) -> M.TrainResult:
         from relax_hpc.controller import messages as M
         from relax_hpc.train import plan as P
-        from relax_hpc.train.config import steps_per_rollout
+        from relax_hpc.train.config import old_from_train_forward, steps_per_rollout
         from relax_hpc.train.logprobs import rollout_logprob_gap, sample_means
 
         t0 = time.monotonic()
         r, p = self.recipe, self.model.parallel
         cols = P.read_train_columns(task.chunks, agree=True)  # the forward roles' side fields too, when every chunk has them
-        if self.recipe.rollout.stream_groups and "log_probs" not in cols and not r.algorithm.use_rollout_logprobs:
-            cols["log_probs"] = self._chunk_old_log_probs(task)  # π_old chunk by chunk: staged early, or now
         k = steps_per_rollout(r.train, len(cols["raw_reward"]))
+        fused = old_from_train_forward(r) and k == 1 and "log_probs" not in cols  # π_old: the update's own forward
+        if (not fused and self.recipe.rollout.stream_groups and "log_probs" not in cols
+                and not r.algorithm.use_rollout_logprobs):
+            cols["log_probs"] = self._chunk_old_log_probs(task)  # π_old chunk by chunk: staged early, or now
         try:  # every rank reads the same columns: every rank skips (or fails) alike
             plan = P.train_plan(cols, r.algorithm, r.rollout.n_samples_per_prompt, k=k,
                                 seed=r.run.seed, step=task.step, dp=p.dp, dp_rank=p.dp_rank, opd=r.opd,
@@ -210,12 +212,16 @@ class Actor:
         mine = plan.samples  # this rank's samples of every mini-batch: only these become tensors
         t_read = time.monotonic() - t0
         ref_s = self._ref_log_probs(mine)
-        old = self._old_log_probs(mine)
-        out = rollout_logprob_gap(mine, old) if old is not None else {}
-        means = sample_means(mine, list(ROLLOUT_MEANS))  # before the updates: π_old as the step saw it
+        if not fused:
+            old = self._old_log_probs(mine)
+            out = rollout_logprob_gap(mine, old) if old is not None else {}
+            means = sample_means(mine, list(ROLLOUT_MEANS))  # before the updates: π_old as the step saw it
         t_train = time.monotonic()
-        metrics, skipped = self._optimizer_steps(plan.shares, task.step)
+        metrics, skipped = self._optimizer_steps(plan.shares, task.step, fused)
         t_train = time.monotonic() - t_train
+        if fused:  # π_old came out of the update's forward, before the update: the same metrics from it
+            out = rollout_logprob_gap(mine, [s.old_log_probs for s in mine])
+            means = sample_means(mine, list(ROLLOUT_MEANS))
         out = {**metrics, **out, **plan.metrics}  # plan.metrics: rollout/rewards, the mean R̃ this step trains on
         out.update({ROLLOUT_MEANS[k]: v for k, v in means.items()})
         if "rollout/advantages" in out:  # outcome rewards, no critic: the return is the advantage (Relax's GRPO)
@@ -306,11 +312,16 @@ class Actor:
             s.old_log_probs = lp
         return old
 
-    def _optimizer_steps(self, shares: list, step: int) -> tuple[dict[str, float], list[str]]:
-        """One ``train_step`` per mini-batch: the ``train/*`` metrics over them, and why steps were not applied."""
+    def _optimizer_steps(self, shares: list, step: int, fused: bool = False) -> tuple[dict[str, float], list[str]]:
+        """One ``train_step`` per mini-batch: the ``train/*`` metrics over them, and why steps were not applied.
+        ``fused`` (one mini-batch, :func:`~relax_hpc.train.config.old_from_train_forward`): its forward's π_old is set
+        on the samples as their ``old_log_probs``."""
         steps, skipped = [], []
         for share in shares:
-            steps.append(self.model.train_step(share, rollout_step=step))
+            old = [None] * len(share.samples) if fused else None
+            steps.append(self.model.train_step(share, rollout_step=step, old_out=old))
+            for s, lp in zip(share.samples, old or ()):
+                s.old_log_probs = lp
             if self.model.last_skip is not None:  # not applied (train.nonfinite = skip); NaN/inf stay in its metrics
                 skipped.append(f"optimizer step {self.model.step}: {self.model.last_skip}")
                 log.warning("step %d: optimizer step %d not applied: %s", step, self.model.step, self.model.last_skip)

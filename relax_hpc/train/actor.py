@@ -115,9 +115,11 @@ class MegatronActor:
         with adapters_off(self.model):
             return self.compute_log_probs(batch, share=share)
 
-    def train_step(self, batch: Sequence | Share, *, rollout_step: int | None = None) -> dict[str, float]:
+    def train_step(self, batch: Sequence | Share, *, rollout_step: int | None = None,
+                   old_out: list | None = None) -> dict[str, float]:
         """One optimizer step; metrics (same on every rank) incl. loss, pg_loss, grad_norm. ``batch``: the
         global batch (the same list on every rank; each takes its share) or this rank's :class:`Share` of it.
+        ``old_out``: filled with π_old from this forward (:func:`relax_hpc.train.step.train_step`).
 
         A non-finite loss or grad norm is never applied (:mod:`.step`): ``nonfinite_skipped`` is 1, ``last_skip``
         says why, and :class:`~relax_hpc.train.step.NonFiniteError` is raised where ``train.nonfinite`` /
@@ -129,7 +131,8 @@ class MegatronActor:
             batch = share_of(batch, p.dp, p.dp_rank, balance=self.train_cfg.balance_data)
         where = self._where(rollout_step)
         metrics = train_step(self.model, self.optimizer, batch, train_cfg=self.train_cfg, algo_cfg=self.algo_cfg,
-                             step=self.step, pad_id=self.pad_id, temperature=self.temperature, opd=self.opd)
+                             step=self.step, pad_id=self.pad_id, temperature=self.temperature, opd=self.opd,
+                             old_out=old_out)
         self.step += 1  # a skipped step's slot too: checkpoint names stay unique, the lr schedule moves on
         metrics["step"] = float(self.step)
         self.last_skip = nonfinite_what(metrics)

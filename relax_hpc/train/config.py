@@ -212,6 +212,19 @@ def reference_from_actor(recipe) -> bool:
             and not recipe.roles.reference.enabled)
 
 
+def old_from_train_forward(recipe) -> bool:
+    """Whether π_old (``log_probs``) is the train forward's own, detached (ratio ≡ 1; Relax's true on-policy): the
+    rollout step is one optimizer step (``train.num_steps_per_rollout`` 1, or ``train.global_batch_size`` the whole
+    step, or neither set) on one pipeline stage, and π_old is the actor's (no ``actor_fwd`` role, not
+    ``algorithm.use_rollout_logprobs``). A forward pass of its own before the update would compute the same numbers
+    with the same weights, so it is not made, and nothing stages π_old early (``rollout.stream_groups``)."""
+    t, ro = recipe.train, recipe.rollout
+    whole = ro.rollout_batch_size * ro.n_samples_per_prompt
+    one_step = t.num_steps_per_rollout in (None, 1) and t.global_batch_size in (None, whole)
+    return (one_step and t.pp == 1 and not recipe.roles.actor_fwd.enabled
+            and not recipe.algorithm.use_rollout_logprobs)
+
+
 def steps_per_rollout(cfg: TrainConfig, samples: int) -> int:
     """k, the optimizer steps per rollout step of ``samples`` samples (Relax's ``--num-steps-per-rollout``, verl's
     ``ppo_mini_batch_size``): ``num_steps_per_rollout``, else samples / ``global_batch_size``, else 1. The

@@ -89,7 +89,7 @@ def nonfinite_what(metrics: dict[str, float]) -> str | None:
 
 
 def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig, algo_cfg, step: int,
-               pad_id: int, temperature: float = 1.0, opd=None) -> dict[str, float]:
+               pad_id: int, temperature: float = 1.0, opd=None, old_out: list | None = None) -> dict[str, float]:
     """Forward/backward over this DP rank's ``share`` of a global batch and one optimizer step.
 
     Every rank of a DP group passes the same share (:func:`relax_hpc.train.batch.dp_shard`); the share's
@@ -100,6 +100,10 @@ def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig
     micro-batches held) and ``nonfinite_skipped`` (1: the loss or grad
     norm was not finite and the update was not applied; :func:`nonfinite_what` says why). Non-finite values stay
     in the metrics as they are.
+
+    ``old_out`` (a list as long as ``share.samples``): filled, on the last pipeline stage, with each sample's π_old
+    where this forward is it (no ``old_log_probs``, not ``use_rollout_logprobs``): its response log-probs before
+    the update, ``[R_i]`` float32 on the CPU (:func:`relax_hpc.train.config.old_from_train_forward`).
     """
     from megatron.core import parallel_state as ps
 
@@ -140,6 +144,10 @@ def train_step(model: list, optimizer, share: B.Share, *, train_cfg: TrainConfig
         old = data(mb.old_log_probs)
         if old is None and not algo_cfg.use_rollout_logprobs:
             old = lp.detach()  # no actor_fwd: π_old is this very forward (ratio 1), Relax's on-policy shortcut
+            if old_out is not None:
+                rows = old.float().cpu()
+                for row, i in enumerate(mb.index if mb.index is not None else range(mb.n_real)):
+                    old_out[i] = rows[row, :mb.response_lens[row]].clone()
         loss, metrics = policy_loss(
             algo_cfg, lp, old, data(mb.advantages), data(mb.loss_mask),
             ref_log_probs=data(mb.ref_log_probs), rollout_log_probs=data(mb.rollout_log_probs), entropy=ent,

@@ -27,7 +27,8 @@ from relax_hpc.engines import bucket_wire
 # the wire format (layout, metadata, dtype names) is bucket_wire's; these names stay importable from here
 from relax_hpc.engines.bucket_wire import TensorMeta, dtype_from_name, dtype_name, empty_flat, plan, unpack
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "IN_PLACE_MIN_BYTES", "MiB", "Bucket", "BufferRing", "TensorMeta", "dtype_from_name",
+__all__ = ["DEFAULT_BUCKET_BYTES", "IN_PLACE_MIN_BYTES", "MiB", "Bucket", "BufferRing", "PackedBuckets", "TensorMeta",
+           "dtype_from_name",
            "dtype_name", "empty_flat", "iter_buckets", "pack", "plan", "unpack"]
 
 MiB = 1 << 20
@@ -69,6 +70,11 @@ class Bucket:
     def unpack(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) pairs, views of :attr:`flat`."""
         return unpack(self.flat, self.metadata)
+
+
+class PackedBuckets(list):
+    """Buckets cut and packed ahead (``relax_hpc.weights.push.Snapshot``'s): a sender takes them as they are, one
+    broadcast each, without walking their tensors again (:func:`relax_hpc.weights.sync.send_buckets`)."""
 
 
 def pack(named: list[tuple[str, torch.Tensor]], *, out: torch.Tensor | None = None) -> Bucket:

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from relax_hpc.engines import bucket_wire
 from relax_hpc.threads import daemon_call
-from relax_hpc.weights.buckets import DEFAULT_BUCKET_BYTES
+from relax_hpc.weights.buckets import DEFAULT_BUCKET_BYTES, Bucket, PackedBuckets
 from relax_hpc.weights.check import ROWS, EngineChecker
 from relax_hpc.weights.lora import sync_weights
 from relax_hpc.weights.sync import WeightSender, WeightSyncError, WeightSyncRefused, push_from_actor
@@ -275,8 +275,12 @@ class ActorSync:
             err: WeightSyncError | None = None
             out: dict[str, Any] = {}
             try:  # every sending rank pushes to its own engines (rank 0: and the followers)
-                kw = {"in_place_min": model.in_place_min} if hasattr(model, "in_place_min") else {}  # a Snapshot
-                out = dict(push_from_actor(stream(), self.sender, version, in_place=model.in_place(), **kw))
+                if isinstance(model, Snapshot):  # rank 0 alone: the buckets as they lie, no walk over the tensors
+                    heads.update(model.heads)
+                    progress()
+                    out = dict(push_from_actor(model.buckets, self.sender, version))
+                else:
+                    out = dict(push_from_actor(stream(), self.sender, version, in_place=model.in_place()))
             except WeightSyncError as e:
                 err = e
             # every rank the same verdict, from every sending rank's: done, again without the engines that are gone
@@ -376,21 +380,22 @@ def _gone(checker: EngineChecker, engines: dict[str, str], settle_s: float = 2.0
 class Snapshot:
     """Step N's exported weights, packed into the buckets the push sends (host memory), for a push that runs while step
     N+1 trains: the copy the overlap needs anyway is the pack copy, so the push sends each bucket as it lies (one
-    broadcast of a ready buffer per bucket, as a raw broadcast of the same bytes). Stands in for the model in
-    :meth:`ActorSync.sync`: its tensors are views of the buckets (:meth:`in_place`, every run sent as it lies)."""
+    broadcast of a ready buffer per bucket, as a raw broadcast of the same bytes), cut once here, off the push's path.
+    Stands in for the model in :meth:`ActorSync.sync`. ``named``: the tensors, views of the buckets; ``heads``: the
+    first rows of each, for the check (views too: nothing writes a snapshot)."""
 
-    in_place_min = 0  # each bucket is one run, cut as the sender would cut it: no run is worth a pack copy
+    def __init__(self, buckets: list[Bucket]):
+        self.buckets = PackedBuckets(buckets)
+        self.named = [nt for b in buckets for nt in b.unpack()]
+        self.heads = {n: t[:ROWS] for n, t in self.named}
+        self.nbytes = sum(b.nbytes for b in buckets)
 
-    def __init__(self, flats: list[torch.Tensor], named: list[tuple[str, torch.Tensor]]):
-        self.flats, self.named = flats, named
-        self.nbytes = sum(f.numel() * f.element_size() for f in flats)
-        self._ptrs = {f.untyped_storage().data_ptr() for f in flats}
+    @property
+    def flats(self) -> list[torch.Tensor]:
+        return [b.flat for b in self.buckets]
 
     def named_hf_weights(self):
         return iter(self.named)
-
-    def in_place(self) -> Callable[[torch.Tensor], bool]:
-        return lambda t: t.untyped_storage().data_ptr() in self._ptrs
 
 
 def take_snapshot(model: Any, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, freeze_vision: bool = False,
@@ -398,8 +403,7 @@ def take_snapshot(model: Any, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_B
     """Every rank (collective: the bridge's gather): walk what a sync sends of ``model``; rank 0 packs it into
     buckets of at most ``bucket_bytes`` per dtype (a larger tensor alone), as the sender would, each a fresh buffer
     moved to host memory (others: None). Without the copy the push would read parameters the next train updates."""
-    flats: list[torch.Tensor] = []
-    named: list[tuple[str, torch.Tensor]] = []
+    buckets: list[Bucket] = []
     open_: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     size: dict[torch.dtype, int] = {}
 
@@ -407,8 +411,7 @@ def take_snapshot(model: Any, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_B
         total = sum(t.numel() for _, t in items)
         flat, meta = bucket_wire.pack(items, out=torch.empty(total, dtype=items[0][1].dtype, device=items[0][1].device))
         flat = flat.cpu() if flat.device.type != "cpu" else flat  # a fresh buffer (out=): never the parameters
-        flats.append(flat)
-        named.extend(bucket_wire.unpack(flat, meta))
+        buckets.append(Bucket(flat, meta, in_place=True))
 
     for name, t in sync_weights(model):
         progress()
@@ -422,7 +425,7 @@ def take_snapshot(model: Any, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_B
         size[d] = size.get(d, 0) + nb
     for items in open_.values():
         flush(items)
-    return Snapshot(flats, named) if rank == 0 else None
+    return Snapshot(buckets) if rank == 0 else None
 
 
 class BackgroundPush:

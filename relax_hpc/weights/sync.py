@@ -40,7 +40,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
@@ -54,7 +54,8 @@ from relax_hpc.engines.tensor_wire import serialize_named
 from relax_hpc.errors import PermanentError
 from relax_hpc.stores import master_store
 from relax_hpc.threads import daemon_call
-from relax_hpc.weights.buckets import DEFAULT_BUCKET_BYTES, IN_PLACE_MIN_BYTES, Bucket, BufferRing, iter_buckets
+from relax_hpc.weights.buckets import (DEFAULT_BUCKET_BYTES, IN_PLACE_MIN_BYTES, Bucket, BufferRing, PackedBuckets,
+                                      iter_buckets)
 
 log = logging.getLogger("relax_hpc.weights")
 
@@ -171,7 +172,7 @@ def new_group(store: dist.Store, rank: int, world_size: int, group_name: str, ba
 
 # ----------------------------------------------------------------------------------------- transfer
 
-def send_buckets(named: Iterable[tuple[str, torch.Tensor]], pg: dist.ProcessGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+def send_buckets(named: Iterable[tuple[str, torch.Tensor]] | PackedBuckets, pg: dist.ProcessGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  *, mode: str = "bucketed", device: torch.device | str | None = None,
                  announce: Callable[[Bucket], Any] | None = None, confirm: Callable[[Bucket, Any], None] | None = None,
                  stats: dict | None = None, ring: BufferRing | None = None,
@@ -185,7 +186,8 @@ def send_buckets(named: Iterable[tuple[str, torch.Tensor]], pg: dist.ProcessGrou
     broadcasts are waited for. ``device``: move tensors there first (the group's device; NCCL needs CUDA).
     ``ring``: reusable pack buffers (at least 2: one bucket on the wire, one being packed). ``in_place``: which
     tensors stay put during the send, to go out as they lie, without a pack copy (:func:`iter_buckets`; runs of
-    ``in_place_min`` bytes or more). Returns (and adds to ``stats``) bytes, buckets, tensors, in_place_bytes."""
+    ``in_place_min`` bytes or more). ``named`` a :class:`PackedBuckets` (packed ahead): each goes out as it is.
+    Returns (and adds to ``stats``) bytes, buckets, tensors, in_place_bytes."""
     stats = stats if stats is not None else {}
     for k in ("bytes", "buckets", "tensors", "in_place_bytes"):
         stats.setdefault(k, 0)
@@ -204,7 +206,7 @@ def send_buckets(named: Iterable[tuple[str, torch.Tensor]], pg: dist.ProcessGrou
     if ring is not None and ring.n < 2:
         raise ValueError("send_buckets needs a BufferRing of at least 2 buffers")
     inflight = None
-    for bucket in iter_buckets(moved(), bucket_bytes, ring=ring, in_place=in_place, in_place_min=in_place_min):
+    for bucket in _cut(named, moved, dev, bucket_bytes, ring, in_place, in_place_min):
         # (packing happened in iter_buckets, while `inflight` broadcast)
         if inflight is not None:
             finish(*inflight)
@@ -223,6 +225,14 @@ def send_buckets(named: Iterable[tuple[str, torch.Tensor]], pg: dist.ProcessGrou
     if inflight is not None:
         finish(*inflight)
     return stats
+
+
+def _cut(named, moved, dev, bucket_bytes, ring, in_place, in_place_min) -> Iterator[Bucket]:
+    """The buckets to send: :class:`PackedBuckets` as they are (moved to ``dev`` if elsewhere), else
+    :func:`iter_buckets` of the stream ``moved()``."""
+    if not isinstance(named, PackedBuckets):
+        return iter_buckets(moved(), bucket_bytes, ring=ring, in_place=in_place, in_place_min=in_place_min)
+    return (b if dev is None or b.flat.device == dev else Bucket(b.flat.to(dev), b.metadata) for b in named)
 
 
 def receive(names: Sequence[str], dtypes: Sequence[str | torch.dtype], shapes: Sequence[Sequence[int]],
@@ -473,16 +483,16 @@ class WeightSender:
         return self.connect(engines, addr, **kw)
 
     # ------------------------------------------------------------------ push
-    def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: str | int, *,
+    def push(self, named_weights: Iterable[tuple[str, torch.Tensor]] | PackedBuckets, version: str | int, *,
              mode: str | None = None, pause_mode: str | None = None,
-             in_place: Callable[[torch.Tensor], bool] | None = None,
-             in_place_min: int | None = None) -> dict[str, float]:
+             in_place: Callable[[torch.Tensor], bool] | None = None) -> dict[str, float]:
         """Send every (HF name, full tensor) to every engine and set their ``weight_version`` to ``version``.
 
-        ``named_weights`` is consumed lazily (the actor's collective gather yields tensor by tensor). ``in_place``:
-        which of them are views of memory that stays put during the push (the actor's param buffer), sent as they
-        lie without a pack copy (:func:`~relax_hpc.weights.buckets.iter_buckets`; runs of ``in_place_min`` bytes or
-        more, default :attr:`in_place_min_bytes`: 0 for buckets packed ahead, ``relax_hpc.weights.push.Snapshot``). Returns
+        ``named_weights`` is consumed lazily (the actor's collective gather yields tensor by tensor), or is a
+        :class:`~relax_hpc.weights.buckets.PackedBuckets` (packed ahead: ``relax_hpc.weights.push.Snapshot``), each
+        sent as it is. ``in_place``: which of them are views of memory that stays put during the push (the actor's
+        param buffer), sent as they lie without a pack copy (:func:`~relax_hpc.weights.buckets.iter_buckets`; runs of
+        :attr:`in_place_min_bytes` or more). Returns
         metrics: ``perf/weight_sync_time`` (s, pause to continue; also as Relax's ``perf/update_weights_time``),
         ``perf/weight_sync_transfer_time`` (s, the bucket loop), ``perf/weight_sync_pause_time``,
         ``perf/weight_sync_bytes``, ``perf/weight_sync_buckets``, ``perf/weight_sync_tensors``,
@@ -514,7 +524,7 @@ class WeightSender:
             in_session = True  # SGLang >= 0.5.23 refuses updates outside a session; older releases have none
             self._on_all(lambda e: e.begin_weight_update(), "/begin_weight_update", only=self._in_sessions())
             t_xfer0 = time.perf_counter()
-            self._send_all(named_weights, mode, stats, in_place, in_place_min)
+            self._send_all(named_weights, mode, stats, in_place)
             t_xfer = time.perf_counter()
             # the version moves only once every bucket is in (SGLang's /end_weight_update carries none)
             self._on_all(lambda e: e.update_weight_version(version, abort_all_requests=False),
@@ -551,7 +561,7 @@ class WeightSender:
                  metrics["perf/weight_sync_gbps"])
         return metrics
 
-    def _send_all(self, named_weights, mode: str, stats: dict, in_place=None, in_place_min: int | None = None) -> None:
+    def _send_all(self, named_weights, mode: str, stats: dict, in_place=None) -> None:
         if self.path == "tensor":
             return self._hand_all(named_weights, stats)
 
@@ -574,7 +584,7 @@ class WeightSender:
         try:
             send_buckets(named_weights, self.pg, self.bucket_bytes, mode=mode, device=self.device,
                          announce=announce, confirm=confirm, stats=stats, ring=self.ring, in_place=in_place,
-                         in_place_min=self.in_place_min_bytes if in_place_min is None else in_place_min)
+                         in_place_min=self.in_place_min_bytes)
         except WeightSyncError:
             raise
         except Exception as e:
@@ -587,8 +597,11 @@ class WeightSender:
         given to every engine by ``/update_weights_from_tensor`` (one entry per TP rank, as SGLang asks); the
         bucket stays alive until every engine answered, as the handles point into it."""
         dev = self.device
-        moved = ((n, t if t.device == dev else t.to(dev)) for n, t in named_weights)
-        for bucket in iter_buckets(moved, self.bucket_bytes, ring=self.ring):
+
+        def moved():
+            return ((n, t if t.device == dev else t.to(dev)) for n, t in named_weights)
+
+        for bucket in _cut(named_weights, moved, dev, self.bucket_bytes, self.ring, None, 0):
             if dev.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the packing copies are done before another process reads
             what = (f"/update_weights_from_tensor ({len(bucket)} tensors, {bucket.nbytes / 1e6:.1f} MB, "
@@ -648,7 +661,7 @@ def push_from_actor(named: Iterable[tuple[str, torch.Tensor]], sender: WeightSen
     end, and every rank gets every full tensor); each rank holding a ``sender`` (rank 0; on several nodes also each
     node's first rank, for its node's engines) pushes it (:meth:`WeightSender.push`, ``kw`` passed on) and gets its
     ``perf/weight_sync_*`` metrics. Other ranks pass ``sender=None`` and get ``{}``."""
-    it = iter(named)
+    it = named if isinstance(named, PackedBuckets) else iter(named)  # packed ahead: the sender takes them as cut
     if sender is None:
         for _ in it:
             pass

@@ -2,7 +2,8 @@
 reported by ``chunk_ready`` while the generate runs are announced at once, the reference gets them one chunk a task
 and the idle actor its π_old pass (``stage``) before the step's last response; the train task takes the step's
 chunks in seq order whatever order they landed in; a report of a generate no longer in flight is dropped; a
-generate given again to a rollout role started alone names the chunks already announced."""
+generate given again to a rollout role started alone names the chunks already announced; with one optimizer step a
+rollout step no π_old pass is staged (the update's own forward is π_old)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from loop_sim import answer, deliver_joins, sim_loop, sim_recipe, sim_run
 from relax_hpc.controller import messages as M
 from relax_hpc.exchange.fields import PRODUCER, task_fields
 
+# two optimizer steps a rollout step: π_old is a pass of its own before the first (with one, it is the update's own
+# forward and nothing is staged: the last test)
 STREAM = ("rollout.stream_groups=2", "rollout.rollout_batch_size=8", "algorithm.use_kl_loss=true",
-          "roles.reference.enabled=true", "run.steps=2")
+          "roles.reference.enabled=true", "run.steps=2", "train.num_steps_per_rollout=2")
 
 
 def chunk(loop, n: int, seq: int) -> dict:
@@ -105,3 +108,22 @@ def test_a_generate_given_again_names_the_chunks_already_streamed(tmp_path):
     loop.on_message({"type": "chunk_ready", "role": "rollout", "rank": 0, "task_id": gen["id"],
                      "chunk": chunk(loop, n, seq + 0)})
     assert sorted(c.name for c in loop.broker.chunks(n)) == [f"chunk_{PRODUCER}_{seq + k}" for k in (1, 3)]
+
+
+def test_one_optimizer_step_a_rollout_step_stages_no_old_log_prob_pass(tmp_path):
+    """π_old of a one-update step is the update's own forward (relax_hpc.train.config.old_from_train_forward): the
+    idle actor gets no stage task for the landed chunks; the reference still takes them one by one."""
+    recipe = sim_recipe(tmp_path, *STREAM[:-1])  # num_steps_per_rollout unset: one step
+    loop, ch = sim_loop(recipe, sim_run(tmp_path, recipe))
+    deliver_joins(loop, ch)
+    for kind in ("start_engines", "connect"):
+        role, t = take(ch, kind)
+        done(loop, t, answer(loop, t, role))
+    _, gen = take(ch, "generate")
+    n, seq = gen["step"], gen["seq"]
+    for k in (0, 1):
+        loop.on_message({"type": "chunk_ready", "role": "rollout", "rank": 0, "task_id": gen["id"],
+                         "chunk": chunk(loop, n, seq + k)})
+    _, ref = take(ch, "logprobs")
+    assert [c["path"] for c in ref["chunks"]] == [chunk(loop, n, seq)["path"]]
+    assert loop._idle("actor") and not any(t["kind"] == "stage" for _, t in ch.queue)

@@ -28,6 +28,10 @@ def test_grpo_lowers_loss_and_follows_advantages(single_run):
     assert all(s["grad_norm"] > 0 for s in r["steps"])
     n = len(r["advantage"])  # micro_batch_size 2: each step shows progress once per micro-batch
     assert r["progress_calls"] == len(r["steps"]) * -(-n // 2), r["progress_calls"]
+    # the first update, of a batch without π_old: its forward's log-probs, handed back for every sample, are π_old
+    # (a pass of its own with the same weights), and its ratio is 1 (nothing clipped, no KL to π_old)
+    assert r["fused_n"] == n and r["fused_max_diff"] <= TOL, r["fused_max_diff"]
+    assert r["steps"][0]["pg_clipfrac"] == 0 and r["steps"][0]["ppo_kl"] == 0
 
 
 @pytest.mark.slow

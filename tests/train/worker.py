@@ -159,6 +159,20 @@ def _share_checks(actor, batch: list, old: list) -> dict:
             "share_n": len(mine), "gap_max": gap["train/train_rollout_logprob_abs_diff_max"]}
 
 
+def _fused_old(actor, batch: list, old: list) -> dict:
+    """One update of ``batch`` without π_old, as the actor role trains a one-update step: the log-probs its forward
+    hands back (``old_out``) against π_old of a pass of its own (``old``, the same weights)."""
+    from relax_hpc.train.batch import share_of
+
+    p = actor.parallel
+    share = share_of([dataclasses.replace(s, old_log_probs=None) for s in batch], p.dp, p.dp_rank)
+    got = [None] * len(share.samples)
+    m = actor.train_step(share, old_out=got)
+    pos = [next(j for j, b in enumerate(batch) if b.tokens is s.tokens) for s in share.samples]  # its batch index
+    return {"metrics": m, "fused_n": sum(g is not None for g in got),
+            "fused_max_diff": max((g - old[j]).abs().max().item() for g, j in zip(got, pos) if g is not None)}
+
+
 def job_train(args: dict, out: Path) -> dict:
     """For each layout: fixed batch, old log-probs from the initial model, GRPO steps; losses and log-prob moves."""
     import torch
@@ -181,14 +195,19 @@ def job_train(args: dict, out: Path) -> dict:
             s.old_log_probs = o
         steps, t0, calls = [], time.time(), []
         set_progress_hook(lambda: calls.append(1))  # a role's ctx.progress: once per micro-batch
-        for _ in range(args["steps"]):
-            m = actor.train_step(batch)
+        fused = {}
+        for i in range(args["steps"]):
+            if i == 0 and layout.get("pp", 1) == 1:  # a one-update step: π_old is the update's own forward
+                fused = _fused_old(actor, batch, old)  # (relax_hpc.train.config.old_from_train_forward)
+                m = fused.pop("metrics")
+            else:
+                m = actor.train_step(batch)
             steps.append({k: m[k] for k in ("loss", "pg_loss", "grad_norm", "pg_clipfrac", "ppo_kl", "entropy_loss")})
         step_s = (time.time() - t0) / args["steps"]
         set_progress_hook(None)
         new = actor.compute_log_probs(batch)
         res[key] = {"steps": steps, "step_s": step_s, "progress_calls": len(calls),
-                    "advantage": [float(s.advantages[0]) for s in batch], **share,
+                    "advantage": [float(s.advantages[0]) for s in batch], **share, **fused,
                     "logprob_change": [(n - o).mean().item() for n, o in zip(new, old)]}
         del actor
         destroy_parallel()

@@ -12,6 +12,7 @@ import torch
 
 from relax_hpc.engines.client import EngineClient
 from relax_hpc.weights import WeightSyncError, engine_fingerprint, fingerprint
+from relax_hpc.weights.buckets import PackedBuckets
 from relax_hpc.weights.push import ActorSync, BackgroundPush, take_snapshot
 
 from .hf_export import HFModel
@@ -47,7 +48,10 @@ def test_the_snapshot_is_a_copy_the_next_train_cannot_change_packed_as_the_sende
     # as the sender would cut them: at most 64 KiB a bucket, a larger tensor alone; each bucket's tensors end to end
     assert all(f.numel() * f.element_size() <= 64 * 1024 or len([1 for _, t in snap.named if
                t.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()]) == 1 for f in snap.flats)
-    assert all(snap.in_place()(t) for _, t in snap.named) and not snap.in_place()(live["lm_head.weight"])
+    # the push takes the buckets as they are (PackedBuckets), each its own memory, never the model's
+    ptrs = {t.untyped_storage().data_ptr() for t in live.values()}
+    assert isinstance(snap.buckets, PackedBuckets) and all(b.in_place for b in snap.buckets)
+    assert not {b.flat.untyped_storage().data_ptr() for b in snap.buckets} & ptrs
     assert take_snapshot(HFModel(hf_model), 1) is None, "other ranks walk the export and keep nothing"
 
 

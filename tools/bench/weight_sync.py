@@ -148,8 +148,7 @@ def transport(named: list, reps: int, bucket_sizes: list[int], reuse: bool, in_p
         # train.overlap_sync's push: the buckets packed ahead, in the snapshot (relax_hpc.weights.push.take_snapshot),
         # each sent as it lies; the snapshot's own copy is timed apart ("pack only")
         ahead = take_snapshot(_Export(named), 0, bucket_bytes=big)
-        plans["ahead"] = [[bk.names, bk.dtypes, bk.shapes] for bk in
-                          iter_buckets(ahead.named, big, in_place=ahead.in_place(), in_place_min=0)]
+        plans["ahead"] = [[bk.names, bk.dtypes, bk.shapes] for bk in ahead.buckets]
         # (label, method, bucket bytes, in_place); "packed": the same buckets with every tensor packed (no in place)
         methods = ([("raw", "raw", None, None)] + [(f"bucketed {b // MiB} MiB", "bucketed", b, in_place) for b in bucket_sizes]
                    + ([(f"bucketed {big // MiB} MiB, all packed", "bucketed", big, None)] if in_place is not None else [])
@@ -171,7 +170,7 @@ def transport(named: list, reps: int, bucket_sizes: list[int], reuse: bool, in_p
                 if method == "raw":
                     dist.broadcast(raw, src=0, group=pg)
                 elif ip == "ahead":
-                    send_buckets(ahead.named, pg, b, mode=method, in_place=ahead.in_place(), in_place_min=0)
+                    send_buckets(ahead.buckets, pg, b, mode=method)  # as the push sends a Snapshot: as they lie
                 else:
                     send_buckets(named, pg, b, mode=method, ring=ring, in_place=ip)
                 dist.broadcast(flag, src=1, group=pg)
@@ -297,7 +296,7 @@ def run(a, tmp: Path, when: str, where: str) -> int:
         elif key == "per_tensor":
             nb = len(named)
         elif key.endswith("packed ahead"):
-            nb = len(take_snapshot(_Export(named), 0, bucket_bytes=max(sizes)).flats)
+            nb = len(take_snapshot(_Export(named), 0, bucket_bytes=max(sizes)).buckets)
         else:
             nb = len(list(iter_buckets(named, int(float(key.split()[1]) * MiB),
                                        in_place=None if key.endswith("all packed") else in_place)))
