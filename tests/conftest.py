@@ -48,21 +48,9 @@ def pytest_collection_modifyitems(config, items):
         keys += [f"group:{m.args[0] if m.args else m.kwargs.get('name')}" for m in item.iter_markers("xdist_group")]
         for k in keys[1:]:
             parent[find(k)] = find(keys[0])
-    weight: dict[str, int] = {}
-    group = {}
     for item in items:
         name = find(f"file:{item.path}").split(":", 1)[1].removeprefix(str(REPO / "tests") + "/")
         _group(item, name)
-        group[item] = name
-        heavy = item.get_closest_marker("slow") or item.get_closest_marker("slurm")
-        weight[name] = weight.get(name, 0) + (HEAVY if heavy else 1)
-    # the heaviest groups first (longest processing time first): the Slurm tests' long chain and the whole runs start
-    # at once and the small tests fill in around them, not the other way round at the end (tools/test turns off
-    # xdist's own reorder, by test count, which put the one-test whole-run files last)
-    items.sort(key=lambda it: -weight[group[it]])
-
-
-HEAVY = 60  # a slow or Slurm test weighs as much as this many others, for the order above
 
 
 def _group(item, name: str) -> None:

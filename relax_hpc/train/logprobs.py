@@ -215,15 +215,18 @@ def rollout_logprob_gap(samples: Sequence, log_probs: Sequence[torch.Tensor]) ->
     from megatron.core import parallel_state as ps
 
     top, count = 0.0, 0
-    for s, lp in zip(samples, log_probs):
-        rollout = B.field(s, "rollout_log_probs")
-        if rollout is None:
-            continue
-        mask = B.field(s, "loss_mask")
-        d = (lp - rollout).abs()
-        d = d if mask is None else d[torch.as_tensor(mask).reshape(-1) != 0]
+    have = [(lp, r, B.field(s, "loss_mask")) for s, lp in zip(samples, log_probs)
+            if (r := B.field(s, "rollout_log_probs")) is not None]
+    if have:  # all samples at once: a step holds thousands of short ones, and a torch call per sample adds up
+        lps, n = _rows([lp for lp, _, _ in have])
+        rollout, n_r = _rows([r for _, r, _ in have])
+        if n != n_r:
+            i = next(i for i, (a, b) in enumerate(zip(n, n_r)) if a != b)
+            raise ValueError(f"sample {i} has {n[i]} log-probs from the actor but {n_r[i]} from the engine")
+        keep = _rows([torch.ones(k) if m is None else m for (_, _, m), k in zip(have, n)])[0] != 0
+        d = (lps - rollout).abs()[keep]
         if d.numel():
-            top, count = max(top, float(d.max())), count + d.numel()
+            top, count = float(d.max()), d.numel()
     acc = torch.tensor([top, float(count)], dtype=torch.float64, device=cpu_compat.device())
     if ps.get_data_parallel_world_size() > 1:  # [max, count]: one all-reduce (MAX), a count > 0 anywhere counts
         dist.all_reduce(acc, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
@@ -240,18 +243,27 @@ def sample_means(samples: Sequence, names: Sequence[str]) -> dict[str, float]:
 
     k = len(names)
     acc = torch.zeros(2 * k, dtype=torch.float64)  # [sums..., counts...]
-    for s in samples:
-        m = B.field(s, "loss_mask")
-        for j, n in enumerate(names):
-            v = B.field(s, n)
-            if v is None:
-                continue
-            v = torch.as_tensor(v).float()
-            w = torch.ones_like(v) if m is None else torch.as_tensor(m).float()
-            acc[j] += float((v * w).sum()) / max(float(w.sum()), 1.0)
-            acc[k + j] += 1.0
+    masks = [B.field(s, "loss_mask") for s in samples]
+    for j, n in enumerate(names):  # all samples at once, as rollout_logprob_gap
+        have = [(v, m) for s, m in zip(samples, masks) if (v := B.field(s, n)) is not None]
+        if not have:
+            continue
+        v, lens = _rows([v for v, _ in have])
+        w = _rows([torch.ones(c) if m is None else m for (_, m), c in zip(have, lens)])[0]
+        row = torch.repeat_interleave(torch.arange(len(have)), torch.tensor(lens))
+        v, w = v.double(), w.double()
+        num = torch.zeros(len(have), dtype=torch.float64).index_add_(0, row, v * w)
+        den = torch.zeros(len(have), dtype=torch.float64).index_add_(0, row, w)
+        acc[j] = float((num / den.clamp(min=1.0)).sum())
+        acc[k + j] = float(len(have))
     acc = acc.to(cpu_compat.device())
     if ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(acc, group=ps.get_data_parallel_group())
     acc = acc.cpu().tolist()
     return {n: acc[j] / acc[k + j] for j, n in enumerate(names) if acc[k + j] > 0}
+
+
+def _rows(rows: Sequence) -> tuple[torch.Tensor, list[int]]:
+    """Per-sample values (tensors or arrays, each flattened) laid end to end, and each one's length."""
+    parts = [r if isinstance(r, torch.Tensor) and r.dim() == 1 else torch.as_tensor(r).reshape(-1) for r in rows]
+    return torch.cat(parts), [p.numel() for p in parts]

@@ -209,3 +209,18 @@ def test_the_rollout_logprob_gap_counts_only_loss_tokens():
                                         torch.tensor([-0.25])])
     assert got == {"train/train_rollout_logprob_abs_diff_max": pytest.approx(0.5)}
     assert rollout_logprob_gap(samples[1:2], [torch.zeros(2)]) == {}  # no loss token: no gap to report
+    with pytest.raises(ValueError, match="sample 1 has 1 log-probs from the actor but 2 from the engine"):
+        rollout_logprob_gap(samples, [torch.zeros(3), torch.zeros(1), torch.zeros(1)])
+
+
+def test_sample_means_are_the_mean_of_each_sample_s_loss_token_mean():
+    """Relax's ``rollout/*`` means, computed for all samples at once: each sample's mean over its loss tokens (every
+    token without a mask; 0 for a sample whose mask is all 0), then the mean over the samples that have the field."""
+    from relax_hpc.train.logprobs import sample_means
+
+    samples = [_sample(1, 3, old_log_probs=torch.tensor([-1.0, -2.0, -9.0]), loss_mask=torch.tensor([1, 1, 0]),
+                       ref_log_probs=torch.tensor([-4.0, -4.0, -4.0])),
+               _sample(1, 2, old_log_probs=torch.tensor([-3.0, -5.0])),  # no mask: both tokens
+               _sample(1, 2, old_log_probs=torch.tensor([-7.0, -7.0]), loss_mask=torch.zeros(2))]  # nothing counts
+    got = sample_means(samples, ["old_log_probs", "ref_log_probs", "rollout_log_probs"])
+    assert got == {"old_log_probs": pytest.approx((-1.5 + -4.0 + 0.0) / 3), "ref_log_probs": pytest.approx(-4.0)}
