@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.machinery
 import importlib.util
 import os
@@ -138,6 +139,7 @@ def stop_left(pids, grace_s: float = 5.0) -> None:
 
 
 def pytest_configure(config):
+    _cpu_log(config)  # taken out of the environment before any worker or test process starts
     if not hasattr(config, "workerinput"):  # the main process (xdist's workers inherit its environment)
         config._relax_mark = (os.environ.get(SESSION_MARK), f"{os.getpid()}-{time.time_ns()}")
         os.environ[SESSION_MARK] = config._relax_mark[1]
@@ -153,14 +155,43 @@ def _cpu_cgroup_of_worker() -> Path | None:
         mine = Path("/sys/fs/cgroup/cpuacct") / rel.lstrip("/") / f"worker-{os.getpid()}"
         mine.mkdir(exist_ok=True)
         (mine / "tasks").write_text(str(os.getpid()))
-        return mine
     except (OSError, StopIteration, IndexError):
         return None
+
+    def leave() -> None:  # back to the cgroup it came from, and its own removed (once what it started is gone too)
+        try:
+            (mine.parent / "tasks").write_text(str(os.getpid()))
+            mine.rmdir()
+        except OSError:
+            pass
+
+    atexit.register(leave)
+    return mine
+
+
+CPU_LOG = "RELAX_TEST_CPU_LOG"
+
+
+def _cpu_log(config) -> str | None:
+    """The CPU log of this session: the main process takes it out of the environment (a pytest run inside a test
+    must not write to it), its xdist workers get it as worker input."""
+    if hasattr(config, "workerinput"):
+        return config.workerinput.get(CPU_LOG)
+    if not hasattr(config, "_relax_cpu_log"):
+        config._relax_cpu_log = os.environ.pop(CPU_LOG, None)
+    return config._relax_cpu_log
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):  # xdist, in the main process: each worker's input
+    log = _cpu_log(node.config)
+    if log:
+        node.workerinput[CPU_LOG] = log
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    log = os.environ.get("RELAX_TEST_CPU_LOG")
+    log = _cpu_log(item.config)
     cg = getattr(item.config, "_relax_cpu_cgroup", None)
     if log and cg is None:
         cg = item.config._relax_cpu_cgroup = _cpu_cgroup_of_worker() or False
