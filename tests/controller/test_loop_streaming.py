@@ -39,14 +39,19 @@ def take(ch, kind: str) -> tuple[str, dict]:
     return ch.queue.pop(i)
 
 
-def test_streamed_chunks_start_the_forward_passes_before_the_step_is_whole(tmp_path):
-    recipe = sim_recipe(tmp_path, *STREAM)
+def started(tmp_path, *over: str):
+    """A loop of the recipe with ``over``, its run started (engines, connect): (loop, channel, the first generate)."""
+    recipe = sim_recipe(tmp_path, *over)
     loop, ch = sim_loop(recipe, sim_run(tmp_path, recipe))
     deliver_joins(loop, ch)
-    for kind in ("start_engines", "connect"):  # the run's start
+    for kind in ("start_engines", "connect"):
         role, t = take(ch, kind)
         done(loop, t, answer(loop, t, role))
-    _, gen = take(ch, "generate")
+    return loop, ch, take(ch, "generate")[1]
+
+
+def test_streamed_chunks_start_the_forward_passes_before_the_step_is_whole(tmp_path):
+    loop, ch, gen = started(tmp_path, *STREAM)
     n, seq = gen["step"], gen["seq"]
     chunks = [chunk(loop, n, seq + k) for k in range(4)]
     # a report of no generate in flight (a task id the loop never gave out): dropped, nothing announced
@@ -84,13 +89,7 @@ def test_streamed_chunks_start_the_forward_passes_before_the_step_is_whole(tmp_p
 
 
 def test_a_generate_given_again_names_the_chunks_already_streamed(tmp_path):
-    recipe = sim_recipe(tmp_path, *STREAM)
-    loop, ch = sim_loop(recipe, sim_run(tmp_path, recipe))
-    deliver_joins(loop, ch)
-    for kind in ("start_engines", "connect"):
-        role, t = take(ch, kind)
-        done(loop, t, answer(loop, t, role))
-    _, gen = take(ch, "generate")
+    loop, ch, gen = started(tmp_path, *STREAM)
     n, seq = gen["step"], gen["seq"]
     for k in (1, 3):
         loop.on_message({"type": "chunk_ready", "role": "rollout", "rank": 0, "task_id": gen["id"],
@@ -113,13 +112,7 @@ def test_a_generate_given_again_names_the_chunks_already_streamed(tmp_path):
 def test_one_optimizer_step_a_rollout_step_stages_no_old_log_prob_pass(tmp_path):
     """π_old of a one-update step is the update's own forward (relax_hpc.train.config.old_from_train_forward): the
     idle actor gets no stage task for the landed chunks; the reference still takes them one by one."""
-    recipe = sim_recipe(tmp_path, *STREAM[:-1])  # num_steps_per_rollout unset: one step
-    loop, ch = sim_loop(recipe, sim_run(tmp_path, recipe))
-    deliver_joins(loop, ch)
-    for kind in ("start_engines", "connect"):
-        role, t = take(ch, kind)
-        done(loop, t, answer(loop, t, role))
-    _, gen = take(ch, "generate")
+    loop, ch, gen = started(tmp_path, *STREAM[:-1])  # num_steps_per_rollout unset: one step
     n, seq = gen["step"], gen["seq"]
     for k in (0, 1):
         loop.on_message({"type": "chunk_ready", "role": "rollout", "rank": 0, "task_id": gen["id"],
