@@ -7,6 +7,7 @@ is kept for the process (relax-submit renders a script twice).
 
 from __future__ import annotations
 
+import copy
 import functools
 import subprocess
 from dataclasses import dataclass
@@ -76,6 +77,25 @@ def choose_layout(recipe: Any) -> tuple[str, str]:
     if v.allowed is False:
         return "single", f"slurm.layout: auto -> single: {v.detail}"
     return "hetjob", f"slurm.layout: auto -> hetjob: {v.detail}"
+
+
+def unasked(recipe: Any) -> Any:
+    """A shallow copy of ``recipe`` with its layout chosen without asking Slurm, for a run that has no Slurm job
+    (``relax-submit --local``), whose script is rendered only to check the template: ``auto`` is rendered as the
+    het job it becomes where Slurm cannot be asked. Asking would make a local run wait up to
+    :data:`HET_PROBE_TIMEOUT_S` wherever ``sbatch`` is installed and no slurmctld answers (a laptop, a container
+    built with Slurm's clients). The recipe itself keeps its ``slurm.layout``."""
+    s = copy.copy(recipe.slurm)
+    if one_component(recipe):
+        s.layout, why = "single", f"slurm.layout: {s.layout} -> single: every role runs in one component"
+    elif s.layout == "auto":
+        s.layout, why = "hetjob", "slurm.layout: auto -> hetjob: a run with no Slurm job (Slurm not asked)"
+    else:
+        why = f"slurm.layout: {s.layout} (set in the recipe)"
+    s.__dict__["layout_why"] = why
+    r = copy.copy(recipe)
+    r.slurm = s
+    return r
 
 
 def settle_layout(recipe: Any) -> tuple[str, str]:

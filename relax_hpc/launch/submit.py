@@ -9,6 +9,7 @@ backend's (:meth:`~relax_hpc.backends.Backend.submit`, over :mod:`relax_hpc.laun
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import shutil
 import socket
@@ -23,6 +24,7 @@ from relax_hpc.controller.steps import describe_steps
 from relax_hpc.launch import provenance
 from relax_hpc.launch.tools import launcher_for
 from relax_hpc.launch.jobs import Plan, SubmitError, pythonpath, resubmit
+from relax_hpc.launch.layouts import unasked
 from relax_hpc.launch.preflight import preflight_problems
 from relax_hpc.recipe import RecipeError
 from relax_hpc.recipe.load import read_recipe
@@ -57,7 +59,8 @@ def plan(recipe_path: str | Path, overrides: list[str] | tuple[str, ...] = (), e
     p = Plan(recipe, str(recipe_path), list(overrides), executor, python or sys.executable,
              [Path.cwd(), Path(recipe_path).resolve().parent])
     try:  # a broken template is a recipe problem (also for a local run of the recipe): find it now
-        p.script(p.runs_root / f"{recipe.run.name}-YYYYmmdd-HHMMSS")
+        check = p if launcher_for(executor).batch_script else dataclasses.replace(p, recipe=unasked(recipe))
+        check.script(p.runs_root / f"{recipe.run.name}-YYYYmmdd-HHMMSS")
     except RecipeError as e:
         raise RecipeError(e.problems, source=str(recipe_path)) from None
     return p

@@ -17,16 +17,13 @@ def build_megatron(recipe: Any, role: str, model_path: str, *, forward_only: boo
     :class:`~relax_hpc.train.actor.MegatronActor`."""
     import torch
 
+    from relax_hpc.train import cpu_compat
     from relax_hpc.train.actor import MegatronActor
     from relax_hpc.train.forward_config import role_train
     from relax_hpc.train.parallel import init_parallel
 
+    cpu_compat.compile_eagerly()  # before megatron is imported (its fused ops are wrapped on import)
     if not torch.cuda.is_available():
-        # Megatron wraps fused ops in torch.compile; on a CPU that compiles C++ for ~20 s at the first step
-        # and gains nothing at the sizes a CPU trains
-        import torch._dynamo
-
-        torch._dynamo.config.disable = True
         torch.set_num_threads(max(1, recipe.role(role).cpus_per_task))
     cfg = role_train(recipe, role)  # the forward roles: their own TP/PP and token budget (recipe.forward)
     init_parallel(cfg.tp, cfg.pp, seed=cfg.seed, ep=cfg.ep)

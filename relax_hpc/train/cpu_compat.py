@@ -79,6 +79,25 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _eager(model=None, **_):
+    return model if model is not None else (lambda fn: fn)
+
+
+def compile_eagerly() -> None:
+    """On a CPU, ``torch.compile`` returns what it is given, and dynamo is off. Call before megatron is imported.
+
+    Megatron wraps its fused ops in ``torch.compile`` (``megatron.core.jit.jit_fuser``) when its modules are
+    imported; on a CPU compiling them costs ~20 s of C++ at the first step and gains nothing at the sizes a CPU
+    trains, so dynamo is disabled and they run eagerly. Eagerly is what they do with dynamo off, but wrapping them
+    still imports inductor: 0.8 CPU-s of every Megatron process's start (1.7 s of ``import megatron.core``'s 4.4)."""
+    if not needed():
+        return
+    torch.compile = _eager
+    from torch import _dynamo
+
+    _dynamo.config.disable = True  # what is compiled another way (torch._dynamo.optimize) runs eagerly too
+
+
 def apply() -> bool:
     """Install the CPU layer once per process (no-op on a GPU machine). Returns whether it is active.
 

@@ -229,15 +229,15 @@ def export(p: Plan) -> Path:
         warnings.filterwarnings("ignore", category=cat)
     warnings.filterwarnings("ignore", module=r"megatron\.")  # "Apex is not installed", deprecations of specs
     verify_checkpoint(p)
-    import torch
-    import torch._dynamo
     import torch.distributed as dist
 
+    from relax_hpc.train import cpu_compat
+
+    cpu_compat.compile_eagerly()  # before megatron is imported: its fused ops, eager on a CPU
     from relax_hpc.train.checkpoint import fsync_tree
     from relax_hpc.train.export import NonFiniteWeights, export_checkpoint
     from relax_hpc.train.manifest import CheckpointDamaged
 
-    torch._dynamo.config.disable = True  # Megatron's torch.compile'd fusions cost ~20 s of C++ on a CPU, for nothing
     p.out.parent.mkdir(parents=True, exist_ok=True)
     stage = _new_dir(p.out, "relax-export")
     try:

@@ -213,3 +213,27 @@ def test_srun_args_that_would_place_the_steps_are_refused(opt):
     with pytest.raises(RecipeError) as e:
         load_recipe(SMOKE, [f"slurm.srun_args=[{opt}]"])
     assert [k for k, _, _ in e.value.problems] == ["slurm.srun_args[0]"] and "places the steps" in str(e.value)
+
+
+def test_a_local_run_never_asks_slurm_for_its_layout(tmp_path, monkeypatch):
+    """relax-submit --local renders the script only to check its template: it must not ask Slurm which layout the
+    site takes (``sbatch --test-only`` waited its 30 s where Slurm's clients are installed and no slurmctld answers:
+    a local quickstart took 42 s instead of 12). An ``sbatch`` first on PATH records each call; the recipe keeps its
+    ``auto``. Negative control: a Slurm run's plan asks it."""
+    calls = tmp_path / "calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "sbatch"
+    fake.write_text(f'#!/bin/bash\necho "$@" >> {calls}\necho "sbatch: error: no controller" >&2\nexit 1\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+    layouts.het_jobs_allowed.cache_clear()
+    try:
+        p = plan(SMOKE, ["model.path=/m"], "local", check_place=False)
+        assert not calls.exists(), calls.read_text()
+        assert p.recipe.slurm.layout == "auto"
+        plan(SMOKE, ["model.path=/m"], "slurm", check_place=False)
+        assert "--test-only" in calls.read_text()
+    finally:
+        layouts.het_jobs_allowed.cache_clear()

@@ -52,8 +52,7 @@ def child_main(table: dict[str, Callable[[dict, Path], dict]]) -> None:
     jobs, out = json.loads(sys.argv[1]), Path(sys.argv[2])
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
-    else:
-        torch._dynamo.config.disable = True  # as the roles do on a CPU
+    cpu_compat.compile_eagerly()  # as the roles do (nothing on a GPU)
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
     dist.init_process_group(cpu_compat.backend(), store=store, rank=0, world_size=1)
     res = {}

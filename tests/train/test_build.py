@@ -69,12 +69,24 @@ def test_bf16_trains_bf16_weights_from_fp32_master_copies(built):
     assert built["fp32"]["param_dtypes"] == ["torch.float32"]  # the default: fp32, no master copies needed
 
 
+def test_on_a_cpu_megatron_s_fused_ops_run_as_written_and_inductor_is_never_imported(built):
+    """build_megatron makes ``torch.compile`` hand back what it wraps before megatron is imported
+    (cpu_compat.compile_eagerly): megatron's fused ops (``jit_fuser``) are the functions as written, which is what
+    they ran as with dynamo off anyway, and inductor, 0.8 CPU-s of every Megatron process's start, is not imported.
+    Negative control: wrapping one function in ``torch.compile`` imports it."""
+    assert built["compile"] == {"megatron_fused_ops_as_written": True, "inductor_imported": False,
+                                "dynamo_disabled": True}
+    p = subprocess.run([sys.executable, "-c", "import sys, torch; torch.compile(lambda x: x); "
+                        "print('torch._inductor.compile_fx' in sys.modules)"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.stdout.split() == ["True"], p.stderr[-2000:]
+
+
 def _child(model: str, out: Path) -> dict:
     import dataclasses
 
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from relax_hpc.recipe.schema import Recipe
     from relax_hpc.train import cpu_compat
@@ -105,6 +117,7 @@ def _child(model: str, out: Path) -> dict:
             return {"error": f"{type(e).__name__}: {e}"}
         finally:
             count[0] = 0
+        from megatron.core import parallel_state as ps  # after build_megatron, which must come before megatron
         lps = actor.compute_log_probs(batch)
         res = {"error": None, "tp_world": ps.get_tensor_model_parallel_world_size(),
                "config_tp": actor.model[0].config.tensor_model_parallel_size,
@@ -117,6 +130,12 @@ def _child(model: str, out: Path) -> dict:
 
     r = recipe(tp=2, sequence_parallel=True)
     result = {"reference_without_forward": layout("reference", r)}
+    from megatron.core import parallel_state as ps
+    from megatron.core.jit import jit_fuser
+
+    result["compile"] = {"megatron_fused_ops_as_written": jit_fuser(layout) is layout,
+                         "inductor_imported": "torch._inductor.compile_fx" in sys.modules,
+                         "dynamo_disabled": torch._dynamo.config.disable}
     ps.destroy_model_parallel()
     r.forward = ForwardConfig(tp=1, max_tokens_per_micro_batch=16)
     result["reference"] = layout("reference", r)

@@ -108,13 +108,13 @@ def job_integrity(args: dict, out: Path) -> dict:
     import torch
 
     from relax_hpc.errors import is_permanent
-    from relax_hpc.train import checkpoint as ckpt
+    from relax_hpc.train import checkpoint as ckpt, cpu_compat
     from relax_hpc.train.config import TrainConfig
     from relax_hpc.train.export_cli import main as export_main
     from relax_hpc.train.model import build_model
     from relax_hpc.train.parallel import init_parallel
 
-    torch._dynamo.config.disable = True
+    cpu_compat.compile_eagerly()  # as relax_hpc.train.build does
     run, cases = Path(args["run"]), Path(args["cases"])
     init_parallel(1, 1, seed=0)
     chunks = build_model(args["hf"], TrainConfig(tp=1, pp=1)).chunks
@@ -188,16 +188,15 @@ def job_integrity(args: dict, out: Path) -> dict:
 def job_integrity_tp2(args: dict, out: Path) -> dict:
     """Two ranks, TP=2: each hashes its own shards at the save; at a load each checks half the files, and damage
     only one rank can see fails both, with the same message (no rank left waiting in a collective)."""
-    import torch
     import torch.distributed as dist
 
     from relax_hpc.train import checkpoint as ckpt
-    from relax_hpc.train import manifest
+    from relax_hpc.train import cpu_compat, manifest
     from relax_hpc.train.config import TrainConfig
     from relax_hpc.train.model import build_model
     from relax_hpc.train.parallel import init_parallel
 
-    torch._dynamo.config.disable = True
+    cpu_compat.compile_eagerly()  # as relax_hpc.train.build does
     root = Path(args["root"])
     init_parallel(2, 1, seed=0)
     chunks = build_model(args["hf"], TrainConfig(tp=2, pp=1)).chunks

@@ -84,12 +84,12 @@ def job_moe(args: dict, out: Path) -> dict:
 
     import torch
 
-    from relax_hpc.train import MegatronActor, TrainConfig, init_parallel
+    from relax_hpc.train import MegatronActor, TrainConfig, cpu_compat, init_parallel
     from relax_hpc.train.parallel import destroy_parallel, info
 
     from worker import _algo, make_batch
 
-    torch._dynamo.config.disable = True  # as relax_hpc.train.build does on a CPU
+    cpu_compat.compile_eagerly()  # as relax_hpc.train.build does
     ep, hf_dir, ckpt = args["ep"], args["hf"], args["ckpt"]
     init_parallel(1, 1, seed=1, ep=ep)
     cfg = TrainConfig(tp=1, pp=1, ep=ep, seed=1, **CFG)

@@ -68,12 +68,12 @@ def job_omni_parity(args: dict, out: Path) -> dict:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from relax_hpc.train import TrainConfig
+    from relax_hpc.train import TrainConfig, cpu_compat
     from relax_hpc.train.export import named_hf_weights
     from relax_hpc.train.omni import build_omni, omni_log_probs
     from relax_hpc.train.parallel import destroy_parallel, init_parallel
 
-    torch._dynamo.config.disable = True  # as relax_hpc.train.build does on a CPU
+    cpu_compat.compile_eagerly()  # as relax_hpc.train.build does
     hf = args["model"]
     rows = _rows(hf)
     S = max(len(r["ids"]) for r in rows)

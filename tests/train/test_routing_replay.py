@@ -315,14 +315,14 @@ def job_replay(args: dict, out: Path) -> dict:
     replay, and one refused for samples without experts."""
     import torch
 
-    from relax_hpc.train import MegatronActor, TrainConfig, init_parallel
+    from relax_hpc.train import MegatronActor, TrainConfig, cpu_compat, init_parallel
     from relax_hpc.train.batch import TrainingSample
     from relax_hpc.train.logprobs import compute_log_probs
     from relax_hpc.train.step import RoutingReplayError
 
     from worker import _algo
 
-    torch._dynamo.config.disable = True
+    cpu_compat.compile_eagerly()  # as relax_hpc.train.build does
     data = torch.load(args["data"])
     init_parallel(1, 1, seed=1, ep=args["ep"])
     actor = MegatronActor.from_hf(args["hf"], TrainConfig(ep=args["ep"], seed=1, routing_replay=True, **CFG),

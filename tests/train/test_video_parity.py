@@ -58,11 +58,11 @@ def job_video_parity(args: dict, out: Path) -> dict:
     against transformers; at TP 2 one backward (the video's grads reach the vision tower)."""
     import torch
 
-    from relax_hpc.train import TrainConfig
+    from relax_hpc.train import TrainConfig, cpu_compat
     from relax_hpc.train.parallel import destroy_parallel, init_parallel
     from relax_hpc.train.vlm import build_vlm, vlm_log_probs
 
-    torch._dynamo.config.disable = True  # as relax_hpc.train.build does on a CPU
+    cpu_compat.compile_eagerly()  # as relax_hpc.train.build does
     hf = args["model"]
     rows = _rows(hf)
     res = {"n_video_tokens": int(rows[0]["video_grid_thw"].prod()) // 4, "grid": rows[0]["video_grid_thw"].tolist()}

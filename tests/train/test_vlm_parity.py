@@ -72,12 +72,12 @@ def job_vlm_parity(args: dict, out: Path) -> dict:
 
     from safetensors.torch import load_file
 
-    from relax_hpc.train import TrainConfig
+    from relax_hpc.train import TrainConfig, cpu_compat
     from relax_hpc.train.export import named_hf_weights
     from relax_hpc.train.parallel import destroy_parallel, init_parallel
     from relax_hpc.train.vlm import build_vlm, vlm_log_probs
 
-    torch._dynamo.config.disable = True  # as relax_hpc.train.build does on a CPU
+    cpu_compat.compile_eagerly()  # as relax_hpc.train.build does
     rows = {arch: _rows(arch, hf) for arch, hf in args["models"].items()}
     res = {arch: {"n_image_tokens": [int(r["image_grid_thw"].prod()) // 4 for r in rs]} for arch, rs in rows.items()}
     for layout in args["layouts"]:

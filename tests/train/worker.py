@@ -29,6 +29,7 @@ def init_dist():
 
     from relax_hpc.train import cpu_compat
 
+    cpu_compat.compile_eagerly()  # as relax_hpc.train.build does, before any job imports megatron
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     host, port = os.environ["RELAX_TEST_STORE"].rsplit(":", 1)
     if torch.cuda.is_available():

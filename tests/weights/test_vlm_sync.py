@@ -174,12 +174,12 @@ def job_vlm_freeze(args: dict, out) -> dict:
     ``freeze_vision``, then one optimizer step on a response's log-probs given an image."""
     import torch
 
-    from relax_hpc.train import TrainConfig
+    from relax_hpc.train import TrainConfig, cpu_compat
     from relax_hpc.train.actor import MegatronActor
     from relax_hpc.train.parallel import destroy_parallel, init_parallel
     from relax_hpc.train.vlm import encode, vision_tower, vlm_log_probs
 
-    torch._dynamo.config.disable = True  # as relax_hpc.train.build does on a CPU
+    cpu_compat.compile_eagerly()  # as relax_hpc.train.build does
     init_parallel(1, 1, seed=0)
     actor = MegatronActor.from_hf(args["model"], TrainConfig(tp=1, pp=1, seed=0, lr=1e-2, weight_decay=0.1),
                                   freeze_vision=True)
