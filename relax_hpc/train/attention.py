@@ -75,29 +75,48 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, np·hn]
 
     def _packed(self, query, key, value, params):
-        bounds = getattr(params, "_relax_bounds", None)
-        if bounds is None:  # once per micro-batch, not per layer
+        plan = getattr(params, "_relax_plan", None)
+        if plan is None:  # once per micro-batch, not per layer
             cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-            bounds = cu.tolist()
-            params._relax_bounds = bounds
-        if bounds[0] != 0 or bounds[-1] != query.shape[0]:
-            raise ValueError(f"cu_seqlens {bounds[0]}..{bounds[-1]} do not cover the {query.shape[0]} packed tokens")
-        # samples of one length go through one SDPA call as a batch (RL groups share prompts, and short answers
-        # repeat): fewer kernel launches than one call per sample, and still no mask and no padding
+            plan = params._relax_plan = _PackedPlan(cu.tolist(), query.device)
+        if plan.bounds[0] != 0 or plan.bounds[-1] != query.shape[0]:
+            raise ValueError(f"cu_seqlens {plan.bounds[0]}..{plan.bounds[-1]} do not cover the {query.shape[0]} "
+                             "packed tokens")
+        outs = []
+        for m, n, idx in plan.groups:  # m samples of n tokens: one gather of their tokens, one SDPA call
+            q, k, v = (t.index_select(0, idx).unflatten(0, (m, n)).transpose(1, 2) for t in (query, key, value))
+            outs.append(self._sdpa(q, k, v).transpose(1, 2).flatten(0, 1))  # [m·n, np, hn]
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return out if plan.inverse is None else out.index_select(0, plan.inverse)  # [t, np, hn]: Megatron makes
+        # it [t, 1, np·hn]
+
+
+class _PackedPlan:
+    """How a packed micro-batch's samples go through SDPA: the samples of one length are one batched call (RL groups
+    share prompts, and short answers repeat), still with no mask and no padding. Each length's tokens are gathered by
+    one index (``groups``: samples, length, token index) and the outputs put back in token order by one more
+    (``inverse``; None when the groups' order is the tokens' own). A gather is one op and one backward op where a
+    slice per sample was one each per sample and layer (1,760 samples of the quickstart's step: 10,560 slices)."""
+
+    def __init__(self, bounds: list[int], device):
+        self.bounds = bounds
         by_len: dict[int, list[int]] = {}
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             if hi > lo:
                 by_len.setdefault(hi - lo, []).append(lo)
-        pieces: dict[int, torch.Tensor] = {}
+        order: list[int] = []
+        self.groups = []
         for n, starts in by_len.items():
-            if len(starts) == 1:  # a view, no copy
-                q, k, v = (t[starts[0]: starts[0] + n].unsqueeze(0).transpose(1, 2) for t in (query, key, value))
-            else:
-                q, k, v = (torch.stack([t[lo: lo + n] for lo in starts]).transpose(1, 2) for t in (query, key, value))
-            o = self._sdpa(q, k, v)  # [m, np, n, hn]
-            for lo, piece in zip(starts, o.transpose(1, 2)):
-                pieces[lo] = piece
-        return torch.cat([pieces[lo] for lo in sorted(pieces)])  # [t, np, hn]: Megatron makes it [t, 1, np·hn]
+            idx = [lo + j for lo in starts for j in range(n)]
+            order += idx
+            self.groups.append((len(starts), n, torch.tensor(idx, dtype=torch.long, device=device)))
+        if order == list(range(len(order))):
+            self.inverse = None
+        else:
+            inverse = [0] * len(order)
+            for pos, i in enumerate(order):
+                inverse[i] = pos
+            self.inverse = torch.tensor(inverse, dtype=torch.long, device=device)
 
 
 def torch_layer_spec(config):

@@ -14,9 +14,12 @@ short:
   an "inference" tracker whose ``fork()`` is a no-op (valid because dropout is 0 in RL training,
   which :mod:`relax_hpc.train.model` enforces) — :func:`after_model_parallel`;
 * activation recompute saves and restores the CUDA RNG state around every recomputed chunk: CPU stand-ins
-  (:func:`_patch_recompute_rng`). Sequence parallelism needs nothing here: torch 2.13's gloo has the
-  ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` it uses (TP=2 with SP trains to the same numbers as
-  without, tests/train/test_memory.py);
+  (:func:`_patch_recompute_rng`); the unfused RoPE of packed sequences (GPUs run TE's fused kernel) slices the
+  frequencies per sequence in Python: one gather instead (:func:`_patch_rope_thd`, the same numbers). Sequence
+  parallelism needs nothing here: torch 2.13's gloo has the ``reduce_scatter_tensor`` and
+  ``all_gather_into_tensor`` it uses (TP=2 with SP trains to the same numbers as without,
+  tests/train/test_memory.py);
+* Megatron's fused ops are ``torch.compile``'d at import; on a CPU they run as written (:func:`compile_eagerly`);
 * four DistributedOptimizer bugs on the torch-Adam path (no apex/TE, so every CPU run hits them;
   one of them silently resumes with the wrong Adam bias correction) — :func:`_patch_distributed_optimizer`;
 * megatron-bridge's TP scatter hands non-contiguous views to gloo ``scatter``, which ignores strides and
@@ -120,6 +123,7 @@ def apply() -> bool:
         _mode = _CudaToCpu()
         _mode.__enter__()  # process-wide, for good: megatron calls these at any time
         _patch_recompute_rng()
+        _patch_rope_thd()
         _patch_distributed_optimizer(only_without_apex_or_te=False)
         _patch_moe_dispatcher()
         _patch_moe_router()
@@ -218,6 +222,36 @@ def _patch_bridge_sequential_experts() -> None:
     mb._megatron_local_name_to_global = to_global
     mb.extract_sort_key = sort_key
     pm.MegatronParamMapping.gather_from_ep_ranks = gather_from_ep_ranks
+
+
+def _patch_rope_thd() -> None:
+    """Megatron's unfused RoPE of packed (``thd``) sequences slices the frequencies once per sequence in Python (GPUs
+    run TE's fused kernel instead): 8 torch calls per sample per layer, 14,080 for the 1,760 one-token answers of
+    the quickstart's step. Each sequence takes ``freqs[0:len]``, so the concatenation is ``freqs`` indexed by each
+    token's position within its sequence: one gather, the same numbers. Context parallelism and the frequencies laid
+    out over the whole pack (``freqs.size(0) == cu_seqlens[-1]``) keep megatron's own loop."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    orig = rope_utils._apply_rotary_pos_emb_thd
+    if getattr(orig, "_relax", False):
+        return
+
+    @functools.wraps(orig)
+    def thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0, cp_group=None):
+        if cp_group is None or cp_group.size() != 1 or (freqs.dim() >= 1 and freqs.size(0) == t.size(0)):
+            return orig(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                        multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
+        pos = getattr(cu_seqlens, "_relax_positions", None)  # once per micro-batch (q and k of every layer)
+        if pos is None:
+            lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+            starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lens)
+            pos = cu_seqlens._relax_positions = torch.arange(starts.numel(), device=t.device) - starts
+        return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[pos], rotary_interleaved=rotary_interleaved,
+                                                     multi_latent_attention=multi_latent_attention,
+                                                     mscale=mscale).squeeze(1)
+
+    thd._relax = True
+    rope_utils._apply_rotary_pos_emb_thd = thd
 
 
 def _patch_recompute_rng() -> None:

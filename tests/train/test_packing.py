@@ -74,6 +74,7 @@ def test_sdpa_attention_equals_megatrons_unfused_attention(single_run):
     assert r["shape"] == [13, 3, 64] and r["packed_shape"] == [23, 4, 16]
     assert r["out"] <= BOUND and r["grad"] <= BOUND, r
     assert r["packed"] <= BOUND, r  # packed samples see only themselves
+    assert r["rope_thd"] == {"gathered": True, "as_megatron": True}, r  # bit for bit, one gather a layer
     assert r["layer_scaling"] <= BOUND, r
 
 

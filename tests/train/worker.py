@@ -445,6 +445,15 @@ def job_attention(args: dict, out: Path) -> dict:
     alone = torch.cat([ref(*[t.detach() for t in p], None).reshape(-1, 4, 16) for p in parts])
     res["packed_shape"] = list(packed.shape)
     res["packed"] = (packed - alone).abs().max().item()
+    # packed RoPE on a CPU: one gather of the frequencies (cpu_compat) where megatron slices them per sequence
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.common.embeddings import rope_utils
+
+    thd, cp = rope_utils._apply_rotary_pos_emb_thd, ps.get_context_parallel_group()
+    freqs, t = torch.randn(11, 1, 1, 16, generator=g), torch.randn(23, 4, 16, generator=g)
+    res["rope_thd"] = {"gathered": getattr(thd, "_relax", False),
+                       "as_megatron": torch.equal(thd(t, cu, freqs, cp_group=cp),
+                                                  thd.__wrapped__(t, cu, freqs, cp_group=cp))}
     # query-key layer scaling (an fp16 guard megatron undoes in its softmax) leaves the attention as it is
     scaled = TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                                kv_channels=16, attention_dropout=0.0, hidden_dropout=0.0, masked_softmax_fusion=False,
