@@ -86,9 +86,11 @@ def tokens_of(sample) -> torch.Tensor:
     return torch.as_tensor(field(sample, "tokens"), dtype=torch.long).reshape(-1)
 
 
-def response_bounds(sample) -> tuple[int, int]:
-    """(response_start, response length R); checks that there is at least one prompt and one response token."""
-    n = tokens_of(sample).numel()
+def response_bounds(sample, n: int | None = None) -> tuple[int, int]:
+    """(response_start, response length R) of a sample of ``n`` tokens (None: counted); checks that there is at
+    least one prompt and one response token."""
+    if n is None:
+        n = tokens_of(sample).numel()
     start = field(sample, "response_start")
     if start is None:
         raise ValueError("sample has no response_start")
@@ -150,24 +152,29 @@ class MicroBatch:
         return sum(self.lengths)
 
 
-def _per_token(sample, name: str, r: int, *, required: bool) -> torch.Tensor | None:
-    v = field(sample, name)
-    if v is None:
+def _per_response_token(samples: Sequence, name: str, lens: list[int], valid: torch.Tensor, *, required: bool,
+                         ones: bool = False) -> torch.Tensor | None:
+    """The samples' ``name`` values, one per response token, as ``[n, T]`` float32 (zero past each response): None
+    unless every sample has them (``required``: an error; ``ones``: a sample without them gets ones). One
+    concatenation and one masked write for the micro-batch, not a copy per sample (1,760 samples a step in the
+    quickstart), and each sample's count checked against its response."""
+    vals = [field(s, name) for s in samples]
+    if any(v is None for v in vals):
         if required:
             raise ValueError(f"sample has no {name}")
-        return None
-    t = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
-    if t.numel() != r:
-        raise ValueError(f"{name} has {t.numel()} values for a response of {r} tokens")
-    return t
-
-
-def _stack(rows: list[torch.Tensor | None], t: int) -> torch.Tensor | None:
-    if any(r is None for r in rows):
-        return None
-    out = torch.zeros(len(rows), t, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : r.numel()] = r
+        if not ones:
+            return None
+        vals = [torch.ones(r) if v is None else v for v, r in zip(vals, lens)]
+    rows = [v if type(v) is torch.Tensor else torch.as_tensor(v, dtype=torch.float32) for v in vals]
+    for t, r in zip(rows, lens):
+        if t.numel() != r:
+            raise ValueError(f"{name} has {t.numel()} values for a response of {r} tokens")
+    try:
+        flat = torch.cat(rows)
+    except RuntimeError:  # not all 1-D
+        flat = torch.cat([t.reshape(-1) for t in rows])
+    out = torch.zeros(valid.shape, dtype=torch.float32)
+    out[valid] = flat.to(torch.float32)  # row by row, each response's values first: valid is t < R
     return out
 
 
@@ -178,16 +185,17 @@ def make_micro_batch(samples: Sequence, *, pad_id: int, train: bool, seq_len: in
     if not samples:
         raise ValueError("empty micro-batch")
     toks = [tokens_of(s) for s in samples]
-    longest = max(t.numel() for t in toks)
+    lens = [t.numel() for t in toks]
+    longest = max(lens)
     _check_len(longest, max_seq_len)
     S = _round_up(seq_len or longest, multiple)
     B = rows or len(samples)
     assert S >= longest and B >= len(samples)
     tokens = torch.full((B, S), pad_id, dtype=torch.long)
     for i, t in enumerate(toks):
-        tokens[i, : t.numel()] = t
+        tokens[i, : lens[i]] = t
     position_ids = torch.arange(S, dtype=torch.long).unsqueeze(0).expand(B, S).contiguous()
-    return _finish(samples, tokens, position_ids, [i * S for i in range(len(samples))], train=train)
+    return _finish(samples, lens, tokens, position_ids, [i * S for i in range(len(samples))], train=train)
 
 
 def make_packed_micro_batch(samples: Sequence, *, pad_id: int, train: bool, seq_len: int | None = None,
@@ -218,7 +226,7 @@ def make_packed_micro_batch(samples: Sequence, *, pad_id: int, train: bool, seq_
     position_ids = torch.cat([torch.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:])]).unsqueeze(0)
     cu = torch.tensor(bounds, dtype=torch.int32)
     longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    mb = _finish(samples, tokens, position_ids, bounds[: len(samples)], train=train)
+    mb = _finish(samples, lens, tokens, position_ids, bounds[: len(samples)], train=train)
     mb.packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                                 max_seqlen_kv=longest)
     return mb
@@ -253,11 +261,11 @@ def _check_len(longest: int, max_seq_len: int | None) -> None:
         raise ValueError(f"a sample has {longest} tokens, more than train.max_seq_len = {max_seq_len}")
 
 
-def _finish(samples: Sequence, tokens: torch.Tensor, position_ids: torch.Tensor, offsets: list[int], *,
-            train: bool) -> MicroBatch:
+def _finish(samples: Sequence, lengths: list[int], tokens: torch.Tensor, position_ids: torch.Tensor,
+            offsets: list[int], *, train: bool) -> MicroBatch:
     """The response gather (``logit_index`` into the flattened logits, targets, valid) and, for training, the
-    per-token columns, for samples whose tokens start at ``offsets`` of the flattened ``tokens``."""
-    bounds = [response_bounds(s) for s in samples]
+    per-token columns, for samples of ``lengths`` tokens starting at ``offsets`` of the flattened ``tokens``."""
+    bounds = [response_bounds(s, n) for s, n in zip(samples, lengths)]
     lens = [r for _, r in bounds]
     T = max(lens)
     ar = torch.arange(T)
@@ -273,16 +281,11 @@ def _finish(samples: Sequence, tokens: torch.Tensor, position_ids: torch.Tensor,
     _audio(mb, samples, [s for s, _ in bounds])
     if not train:
         return mb
-    masks, advs = [], []
-    for s, (_, r) in zip(samples, bounds):
-        m = _per_token(s, "loss_mask", r, required=False)
-        masks.append(torch.ones(r) if m is None else m)
-        advs.append(_per_token(s, "advantages", r, required=True))
-    mb.loss_mask = _stack(masks, T) * valid
-    mb.advantages = _stack(advs, T)
+    mb.loss_mask = _per_response_token(samples, "loss_mask", lens, valid, required=False, ones=True)
+    mb.advantages = _per_response_token(samples, "advantages", lens, valid, required=True)
     for name in RESPONSE_VALUES:  # the table's per-response-token values (log-probs), where every sample has them
         if name != "loss_mask":
-            setattr(mb, name, _stack([_per_token(s, name, r, required=False) for s, (_, r) in zip(samples, bounds)], T))
+            setattr(mb, name, _per_response_token(samples, name, lens, valid, required=False))
     return mb
 
 
