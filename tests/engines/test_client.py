@@ -114,6 +114,82 @@ def test_concurrent_requests_are_batched_and_all_answered(client):
     assert state["num_batches"] - before < 16 and state["max_batch_size"] > 1
 
 
+def test_a_burst_of_requests_leaves_few_connections_open():
+    """64 requests at once (the server answers none before all 64 are in: 64 connections) leave the client keeping
+    KEEPALIVE_CONNECTIONS of them: httpcore's pool scans every connection for each idle one whenever a request
+    starts or ends, O(N²) with all of them kept. Counted on the server's side. Negative control: a client keeping
+    all of them, as before, leaves the 64 open."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx
+
+    from relax_hpc.engines import client as mod
+
+    n, open_now, lock = 64, [0], threading.Lock()
+    all_in = threading.Barrier(n)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def setup(self):
+            super().setup()
+            with lock:
+                open_now[0] += 1
+
+        def finish(self):
+            super().finish()
+            with lock:
+                open_now[0] -= 1
+
+        def do_GET(self):
+            all_in.wait(30)
+            body = b"{}"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 256
+        daemon_threads = True
+
+    server = Server(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def burst(keep_all: bool) -> int:
+        c = EngineClient(f"http://127.0.0.1:{server.server_port}")
+        if keep_all:
+            c._limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024,
+                                     keepalive_expiry=mod.KEEPALIVE_S)
+        kept = n if keep_all else mod.KEEPALIVE_CONNECTIONS
+
+        async def run() -> int:
+            await asyncio.gather(*(c.arequest("GET", "/health") for _ in range(n)))
+            deadline = time.monotonic() + 10
+            while open_now[0] > kept and time.monotonic() < deadline:  # until the server sees the closes
+                await asyncio.sleep(0.01)
+            held = open_now[0]
+            await c._async().aclose()
+            return held
+
+        all_in.reset()
+        return asyncio.run(run())
+
+    try:
+        assert mod.KEEPALIVE_CONNECTIONS == 16
+        assert burst(keep_all=False) == 16
+        deadline = time.monotonic() + 10
+        while open_now[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert burst(keep_all=True) == n
+    finally:
+        server.shutdown()
+
+
 def test_pause_abort_then_continue(client):
     pool = ThreadPoolExecutor(4)
     sp = SamplingParams(max_new_tokens=400, ignore_eos=True)
