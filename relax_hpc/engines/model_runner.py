@@ -46,6 +46,8 @@ transformers' router picks them, from one teacher-forced forward after generatio
 from __future__ import annotations
 
 import base64
+import copy
+import hashlib
 import inspect
 import logging
 import os
@@ -163,6 +165,29 @@ class PixelBudget:
                     "image_requests_refused": self.refused}
 
 
+class SharedPrefill:
+    """One prefill that identical requests with media running at once share (:meth:`CPUEngine._shared_prefill`):
+    set once, by the first of them; ``waiting`` counts the others."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.logits: torch.Tensor | None = None
+        self.cache = None
+        self.waiting = 0
+
+
+def _digest(media: dict) -> tuple:
+    """A request's media tensors as a key: name, shape, dtype and a hash of the bytes of each."""
+    out = []
+    for k in sorted(media):
+        v = media[k]
+        if isinstance(v, torch.Tensor):
+            t = v.detach().to("cpu").contiguous().view(-1)
+            v = (tuple(v.shape), str(v.dtype), hashlib.blake2b(t.view(torch.uint8).numpy()).hexdigest())
+        out.append((k, repr(v)))
+    return tuple(out)
+
+
 class CPUEngine(AdapterServing, WeightReceiver):  # AdapterServing: LoRA adapters (engines/lora.py)
     """The model, its weights and the endpoint logic (HTTP-free, so it reads like SGLang's request structs). The
     reference engine: on the CPU, or on one GPU (``device``)."""
@@ -218,6 +243,8 @@ class CPUEngine(AdapterServing, WeightReceiver):  # AdapterServing: LoRA adapter
         self.started = time.time()
         self.scheduler = Scheduler(self, max_batch, batch_wait_ms / 1000.0)
         self.solo: dict[int, Req] = {}  # requests with images running alone (_generate_one), under scheduler.cv
+        self.prefills: dict[tuple, SharedPrefill] = {}  # the prefills of such requests running now, by input
+        self.prefills_lock = threading.Lock()
         self.pixels = PixelBudget(image_pixel_budget)  # the images being served at once (module docstring)
         self.image_wait_s = float(image_wait_s)
         self.scheduler.thread.start()
@@ -478,11 +505,15 @@ class CPUEngine(AdapterServing, WeightReceiver):  # AdapterServing: LoRA adapter
                                                              attention_mask=mask)  # [3, 1, L], [1, 1]
                 media = dict(pixel_values=mm["pixel_values"].to(dev, self.dtype),
                              image_grid_thw=mm["image_grid_thw"].to(dev))
-            with self.model_lock:
-                out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                                 use_cache=True, **media)
+
+            def prefill():
+                with self.model_lock:
+                    return self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                                      use_cache=True, **media)
+
+            logits, cache = self._shared_prefill(r, (tuple(r.input_ids), _digest(media)), prefill)
             while not r.done.is_set():
-                (tok,), (lp,) = sample_batch([r], out.logits[:, -1, :].to("cpu", torch.float32))
+                (tok,), (lp,) = sample_batch([r], logits)
                 r.output_ids.append(tok)
                 if r.return_logprob:
                     r.logprobs.append(lp)
@@ -495,8 +526,9 @@ class CPUEngine(AdapterServing, WeightReceiver):  # AdapterServing: LoRA adapter
                 with self.model_lock:
                     out = self.model(input_ids=torch.tensor([[tok]], device=dev),
                                      attention_mask=torch.ones((1, n), dtype=torch.long, device=dev),
-                                     position_ids=at.to(dev), past_key_values=out.past_key_values, use_cache=True,
+                                     position_ids=at.to(dev), past_key_values=cache(), use_cache=True,
                                      cache_position=torch.tensor([n - 1], device=dev))
+                logits, cache = out.logits[:, -1, :].to("cpu", torch.float32), (lambda kv=out.past_key_values: kv)
         except Exception as e:  # as a failed batch: this request fails, the engine goes on
             log.error("image request failed: %s", traceback.format_exc())
             r.error = f"{type(e).__name__}: {e}"
@@ -505,6 +537,36 @@ class CPUEngine(AdapterServing, WeightReceiver):  # AdapterServing: LoRA adapter
             with self.scheduler.cv:
                 self.solo.pop(id(r), None)
                 self.scheduler.cv.notify_all()
+
+    def _shared_prefill(self, r: Req, key: tuple, prefill):
+        """The prefill of a request with media, shared by identical ones running at once (a GRPO group: one prompt,
+        its media, n samples): the first runs it, the others take its last logits and a copy of its KV cache, as if
+        batched with it, and say so in ``cached_tokens`` (SGLang's: the prompt tokens served from its cache).
+        Returns the float32 logits ``[1, V]`` on the CPU and a function giving this request's own KV cache."""
+        with self.prefills_lock:
+            slot = self.prefills.get(key)
+            first = slot is None
+            if first:
+                slot = self.prefills[key] = SharedPrefill()
+            else:
+                slot.waiting += 1
+        if first:
+            try:
+                out = prefill()
+                slot.logits = out.logits[:, -1, :].to("cpu", torch.float32)
+                # kept as it is for the others to copy: this request's decode grows its own cache
+                slot.cache = out.past_key_values if r.max_new_tokens <= 1 else copy.deepcopy(out.past_key_values)
+            finally:
+                with self.prefills_lock:
+                    self.prefills.pop(key, None)
+                slot.done.set()
+            return slot.logits, lambda: out.past_key_values
+        slot.done.wait()
+        if slot.logits is None:  # the first one failed: its error is its own
+            out = prefill()
+            return out.logits[:, -1, :].to("cpu", torch.float32), lambda: out.past_key_values
+        r.cached_tokens = len(r.input_ids)
+        return slot.logits, lambda: copy.deepcopy(slot.cache)
 
     def _solo_control(self, r: Req) -> dict | None:
         """Between two tokens of a request with images: SGLang's pause modes as the scheduler applies them to a
@@ -549,7 +611,8 @@ class CPUEngine(AdapterServing, WeightReceiver):  # AdapterServing: LoRA adapter
 
     def _response(self, r: Req, text_in_lp: bool, inputs: tuple | None = None, top_n: int = 0) -> dict:
         meta = {"id": r.rid, "finish_reason": r.finish, "prompt_tokens": len(r.input_ids),
-                "completion_tokens": len(r.output_ids), "cached_tokens": 0, "weight_version": r.weight_version,
+                "completion_tokens": len(r.output_ids), "cached_tokens": r.cached_tokens,
+                "weight_version": r.weight_version,
                 "e2e_latency": time.monotonic() - r.created}
         if getattr(r, "mm", None) is not None:
             meta["input_ids"] = list(r.input_ids)  # the expanded prompt (module docstring)

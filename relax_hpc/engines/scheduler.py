@@ -65,6 +65,7 @@ class Req:
         self.abort_message: str | None = None  # set by abort/pause; applied by the scheduler between steps
         self.weight_version: str | None = None
         self.error: str | None = None
+        self.cached_tokens = 0  # prompt tokens served from another request's prefill (SGLang's cached_tokens)
         self.created = time.monotonic()
         self.done = threading.Event()
 

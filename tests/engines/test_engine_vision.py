@@ -192,3 +192,49 @@ def test_pause_and_abort_reach_a_request_with_images(vlm_engine, tiny_vlm):
     httpx.post(vlm_engine.url + "/continue_generation", json={})
     out = held["out"]
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) == 1
+
+
+def test_identical_requests_with_an_image_running_at_once_share_one_prefill(tiny_vlm):
+    """A GRPO group sends one prompt with its image n times at once: the first request runs the prefill, the others
+    take its logits and a copy of its KV cache (SGLang serves them from its cache too) and say so in
+    ``cached_tokens``. Each answer is the one it gets alone: the same seed, the same tokens and log-probs, also past
+    the first token (each decodes on its own copy). Deterministic: the test holds the model lock until the three
+    others wait on the first's prefill. Negative control: another image is not shared."""
+    import threading
+    import time
+
+    from relax_hpc.engines.model_runner import CPUEngine
+
+    engine = CPUEngine(str(tiny_vlm), seed=0)
+    b64, _ = png(56, 56, 0)
+    other, _ = png(56, 56, 1)
+    ids = prompt_ids(tiny_vlm)
+
+    def body(seed: int, image: str = b64) -> dict:
+        return {"input_ids": ids, "image_data": image, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "sampling_seed": seed,
+                                    "ignore_eos": True}}
+
+    alone = [engine.generate(body(seed)) for seed in range(4)]
+    assert all(a["meta_info"]["cached_tokens"] == 0 for a in alone)
+    outs: dict[int, dict] = {}
+    with engine.model_lock:  # the first request's prefill waits here; the others wait on it
+        threads = [threading.Thread(target=lambda s=seed: outs.__setitem__(s, engine.generate(body(s))))
+                   for seed in range(4)]
+        threads.append(threading.Thread(target=lambda: outs.__setitem__(9, engine.generate(body(0, other)))))
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while sum(s.waiting for s in list(engine.prefills.values())) < 3 or len(engine.prefills) < 2:
+            assert time.monotonic() < deadline, engine.prefills
+            time.sleep(0.01)
+    for t in threads:
+        t.join(60)
+    cached = sorted(outs[s]["meta_info"]["cached_tokens"] for s in range(4))
+    n = len(alone[0]["meta_info"]["input_ids"])
+    assert cached == [0, n, n, n]
+    for s in range(4):
+        assert outs[s]["output_ids"] == alone[s]["output_ids"]
+        assert outs[s]["meta_info"]["output_token_logprobs"] == alone[s]["meta_info"]["output_token_logprobs"]
+    assert outs[9]["meta_info"]["cached_tokens"] == 0  # another image: a prefill of its own
+    assert not engine.prefills
