@@ -24,7 +24,8 @@ list for one request, a list per item of a batch; each a base64 string, a ``data
 host). The prompt (text or ids) has one ``<|image_pad|>`` per image, as the chat template writes it, or the runs
 already expanded; :func:`relax_hpc.multimodal.encode_ids` makes the pixels and the expanded ids. A request with
 images runs on its own in its HTTP thread, not in the scheduler's batches (its M-RoPE positions and pixels are per
-request; the model lock per forward, as there); it obeys the pause modes and aborts between its tokens
+request; the model lock per forward, as there; identical ones running at once share one prefill:
+:meth:`CPUEngine._shared_prefill`); it obeys the pause modes and aborts between its tokens
 (:meth:`CPUEngine._solo_control`; ``retract`` holds it as ``in_place``). Its answer adds
 ``meta_info["input_ids"]`` (relax_hpc's: the expanded prompt ids, so a caller can train on exactly what was run);
 ``prompt_tokens`` counts them, as SGLang counts the expanded prompt. A bad image is answered 400, naming it (its
