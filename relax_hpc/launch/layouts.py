@@ -63,16 +63,18 @@ def het_jobs_allowed(partition: str | None, account: str | None = None, qos: str
                              "a plain job is accepted")
 
 
-def choose_layout(recipe: Any) -> tuple[str, str]:
+def choose_layout(recipe: Any, ask: bool = True) -> tuple[str, str]:
     """``slurm.layout`` settled: (``hetjob`` or ``single``, why). ``auto`` asks :func:`het_jobs_allowed` (once per
     process): single where the site refuses het jobs, else hetjob (also when Slurm cannot be asked: the script then
-    says so)."""
+    says so). ``ask=False``: Slurm is not asked, ``auto`` is hetjob (a run with no Slurm job: :func:`unasked`)."""
     s = recipe.slurm
     if one_component(recipe):
         # one component is a plain job: steps naming --het-group=0 in it would find no het component to run on
         return "single", f"slurm.layout: {s.layout} -> single: every role runs in one component (a plain job)"
     if s.layout != "auto":
         return s.layout, f"slurm.layout: {s.layout} (set in the recipe)"
+    if not ask:
+        return "hetjob", "slurm.layout: auto -> hetjob: a run with no Slurm job (Slurm not asked)"
     v = het_jobs_allowed(s.partition, s.account, s.qos)
     if v.allowed is False:
         return "single", f"slurm.layout: auto -> single: {v.detail}"
@@ -85,16 +87,9 @@ def unasked(recipe: Any) -> Any:
     het job it becomes where Slurm cannot be asked. Asking would make a local run wait up to
     :data:`HET_PROBE_TIMEOUT_S` wherever ``sbatch`` is installed and no slurmctld answers (a laptop, a container
     built with Slurm's clients). The recipe itself keeps its ``slurm.layout``."""
-    s = copy.copy(recipe.slurm)
-    if one_component(recipe):
-        s.layout, why = "single", f"slurm.layout: {s.layout} -> single: every role runs in one component"
-    elif s.layout == "auto":
-        s.layout, why = "hetjob", "slurm.layout: auto -> hetjob: a run with no Slurm job (Slurm not asked)"
-    else:
-        why = f"slurm.layout: {s.layout} (set in the recipe)"
-    s.__dict__["layout_why"] = why
     r = copy.copy(recipe)
-    r.slurm = s
+    r.slurm = copy.copy(recipe.slurm)
+    r.slurm.layout, r.slurm.__dict__["layout_why"] = choose_layout(recipe, ask=False)
     return r
 
 
