@@ -527,9 +527,9 @@ class CPUEngine(AdapterServing, WeightReceiver):  # AdapterServing: LoRA adapter
                 with self.model_lock:
                     out = self.model(input_ids=torch.tensor([[tok]], device=dev),
                                      attention_mask=torch.ones((1, n), dtype=torch.long, device=dev),
-                                     position_ids=at.to(dev), past_key_values=cache(), use_cache=True,
+                                     position_ids=at.to(dev), past_key_values=cache, use_cache=True,
                                      cache_position=torch.tensor([n - 1], device=dev))
-                logits, cache = out.logits[:, -1, :].to("cpu", torch.float32), (lambda kv=out.past_key_values: kv)
+                logits, cache = out.logits[:, -1, :].to("cpu", torch.float32), out.past_key_values
         except Exception as e:  # as a failed batch: this request fails, the engine goes on
             log.error("image request failed: %s", traceback.format_exc())
             r.error = f"{type(e).__name__}: {e}"
@@ -543,31 +543,34 @@ class CPUEngine(AdapterServing, WeightReceiver):  # AdapterServing: LoRA adapter
         """The prefill of a request with media, shared by identical ones running at once (a GRPO group: one prompt,
         its media, n samples): the first runs it, the others take its last logits and a copy of its KV cache, as if
         batched with it, and say so in ``cached_tokens`` (SGLang's: the prompt tokens served from its cache).
-        Returns the float32 logits ``[1, V]`` on the CPU and a function giving this request's own KV cache."""
+        Returns the float32 logits ``[1, V]`` on the CPU and this request's own KV cache (None where it decodes no
+        token past the first)."""
         with self.prefills_lock:
             slot = self.prefills.get(key)
-            first = slot is None
-            if first:
+            if slot is None:
                 slot = self.prefills[key] = SharedPrefill()
+                first = True
             else:
                 slot.waiting += 1
-        if first:
-            try:
-                out = prefill()
-                slot.logits = out.logits[:, -1, :].to("cpu", torch.float32)
-                # kept as it is for the others to copy: this request's decode grows its own cache
+                first = False
+        if not first:
+            slot.done.wait()
+            if slot.logits is not None:
+                r.cached_tokens = len(r.input_ids)
+                return slot.logits, copy.deepcopy(slot.cache) if r.max_new_tokens > 1 else None
+            slot = None  # the first one failed (its error is its own): this one runs its own prefill
+        try:
+            out = prefill()
+            logits = out.logits[:, -1, :].to("cpu", torch.float32)
+            if slot is not None:  # kept as it is for the others: this request's decode grows its own cache
+                slot.logits = logits
                 slot.cache = out.past_key_values if r.max_new_tokens <= 1 else copy.deepcopy(out.past_key_values)
-            finally:
+        finally:
+            if slot is not None:
                 with self.prefills_lock:
                     self.prefills.pop(key, None)
                 slot.done.set()
-            return slot.logits, lambda: out.past_key_values
-        slot.done.wait()
-        if slot.logits is None:  # the first one failed: its error is its own
-            out = prefill()
-            return out.logits[:, -1, :].to("cpu", torch.float32), lambda: out.past_key_values
-        r.cached_tokens = len(r.input_ids)
-        return slot.logits, lambda: copy.deepcopy(slot.cache)
+        return logits, out.past_key_values
 
     def _solo_control(self, r: Req) -> dict | None:
         """Between two tokens of a request with images: SGLang's pause modes as the scheduler applies them to a
