@@ -152,6 +152,19 @@ class MicroBatch:
         return sum(self.lengths)
 
 
+def end_to_end(rows: Sequence) -> tuple[torch.Tensor, list[int]]:
+    """Per-sample values (tensors, arrays or lists, each flattened) laid end to end, and each one's length. One
+    concatenation where every row is already a tensor: a step holds thousands of short samples, and a torch call
+    per sample adds up."""
+    parts = [r if type(r) is torch.Tensor else torch.as_tensor(r) for r in rows]
+    try:
+        flat = torch.cat(parts).reshape(-1)  # rows of one shape but the first: each row's values stay together
+    except RuntimeError:  # rows of other ranks (a 0-d one, [r] beside [r, 1])
+        parts = [p.reshape(-1) for p in parts]
+        flat = torch.cat(parts)
+    return flat, [p.numel() for p in parts]
+
+
 def _per_response_token(samples: Sequence, name: str, lens: list[int], valid: torch.Tensor, *, required: bool,
                          ones: bool = False) -> torch.Tensor | None:
     """The samples' ``name`` values, one per response token, as ``[n, T]`` float32 (zero past each response): None
@@ -165,14 +178,10 @@ def _per_response_token(samples: Sequence, name: str, lens: list[int], valid: to
         if not ones:
             return None
         vals = [torch.ones(r) if v is None else v for v, r in zip(vals, lens)]
-    rows = [v if type(v) is torch.Tensor else torch.as_tensor(v, dtype=torch.float32) for v in vals]
-    for t, r in zip(rows, lens):
-        if t.numel() != r:
-            raise ValueError(f"{name} has {t.numel()} values for a response of {r} tokens")
-    try:
-        flat = torch.cat(rows)
-    except RuntimeError:  # not all 1-D
-        flat = torch.cat([t.reshape(-1) for t in rows])
+    flat, counts = end_to_end(vals)
+    for c, r in zip(counts, lens):
+        if c != r:
+            raise ValueError(f"{name} has {c} values for a response of {r} tokens")
     out = torch.zeros(valid.shape, dtype=torch.float32)
     out[valid] = flat.to(torch.float32)  # row by row, each response's values first: valid is t < R
     return out

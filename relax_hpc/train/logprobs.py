@@ -218,12 +218,12 @@ def rollout_logprob_gap(samples: Sequence, log_probs: Sequence[torch.Tensor]) ->
     have = [(lp, r, B.field(s, "loss_mask")) for s, lp in zip(samples, log_probs)
             if (r := B.field(s, "rollout_log_probs")) is not None]
     if have:  # all samples at once: a step holds thousands of short ones, and a torch call per sample adds up
-        lps, n = _rows([lp for lp, _, _ in have])
-        rollout, n_r = _rows([r for _, r, _ in have])
+        lps, n = B.end_to_end([lp for lp, _, _ in have])
+        rollout, n_r = B.end_to_end([r for _, r, _ in have])
         if n != n_r:
             i = next(i for i, (a, b) in enumerate(zip(n, n_r)) if a != b)
             raise ValueError(f"sample {i} has {n[i]} log-probs from the actor but {n_r[i]} from the engine")
-        keep = _rows([torch.ones(k) if m is None else m for (_, _, m), k in zip(have, n)])[0] != 0
+        keep = B.end_to_end([torch.ones(k) if m is None else m for (_, _, m), k in zip(have, n)])[0] != 0
         d = (lps - rollout).abs()[keep]
         if d.numel():
             top, count = float(d.max()), d.numel()
@@ -248,8 +248,8 @@ def sample_means(samples: Sequence, names: Sequence[str]) -> dict[str, float]:
         have = [(v, m) for s, m in zip(samples, masks) if (v := B.field(s, n)) is not None]
         if not have:
             continue
-        v, lens = _rows([v for v, _ in have])
-        w = _rows([torch.ones(c) if m is None else m for (_, m), c in zip(have, lens)])[0]
+        v, lens = B.end_to_end([v for v, _ in have])
+        w = B.end_to_end([torch.ones(c) if m is None else m for (_, m), c in zip(have, lens)])[0]
         row = torch.repeat_interleave(torch.arange(len(have)), torch.tensor(lens))
         v, w = v.double(), w.double()
         num = torch.zeros(len(have), dtype=torch.float64).index_add_(0, row, v * w)
@@ -261,9 +261,3 @@ def sample_means(samples: Sequence, names: Sequence[str]) -> dict[str, float]:
         dist.all_reduce(acc, group=ps.get_data_parallel_group())
     acc = acc.cpu().tolist()
     return {n: acc[j] / acc[k + j] for j, n in enumerate(names) if acc[k + j] > 0}
-
-
-def _rows(rows: Sequence) -> tuple[torch.Tensor, list[int]]:
-    """Per-sample values (tensors or arrays, each flattened) laid end to end, and each one's length."""
-    parts = [r if isinstance(r, torch.Tensor) and r.dim() == 1 else torch.as_tensor(r).reshape(-1) for r in rows]
-    return torch.cat(parts), [p.numel() for p in parts]

@@ -68,13 +68,16 @@ def test_per_response_token_values_sit_at_each_response_and_a_wrong_count_is_nam
     """A micro-batch's per-token columns ([n, T], zero past each response) from values of any form (tensors, lists,
     another float dtype); a sample without a loss mask counts every token; each sample's count is checked."""
     a = B.TrainingSample.of([1, 2, 3, 4, 5], 2, advantages=[0.5, -1.0, 2.0], loss_mask=torch.tensor([1, 0, 1]),
-                            rollout_log_probs=torch.tensor([-0.5, -1.5, -2.5], dtype=torch.float64))
-    b = B.TrainingSample.of([6, 7, 8], 2, advantages=torch.tensor([3.0]), rollout_log_probs=[-4.0])
+                            rollout_log_probs=torch.tensor([-0.5, -1.5, -2.5], dtype=torch.float64),
+                            teacher_log_probs=torch.tensor([[-0.25], [-0.5], [-0.75]]))
+    b = B.TrainingSample.of([6, 7, 8], 2, advantages=torch.tensor([3.0]), rollout_log_probs=[-4.0],
+                            teacher_log_probs=torch.tensor([[-1.0]]))  # [R, 1] rows: flattened too
     for make in (B.make_packed_micro_batch, B.make_micro_batch):
         mb = make([a, b], pad_id=0, train=True)
         assert mb.advantages.tolist() == [[0.5, -1.0, 2.0], [3.0, 0.0, 0.0]]
         assert mb.loss_mask.tolist() == [[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
         assert mb.rollout_log_probs.tolist() == [[-0.5, -1.5, -2.5], [-4.0, 0.0, 0.0]]
+        assert mb.teacher_log_probs.tolist() == [[-0.25, -0.5, -0.75], [-1.0, 0.0, 0.0]]
         assert mb.rollout_log_probs.dtype == torch.float32 and mb.ref_log_probs is None  # no sample has them
     b.advantages = torch.tensor([3.0, 1.0])
     with pytest.raises(ValueError, match="advantages has 2 values for a response of 1 tokens"):
