@@ -26,12 +26,16 @@ class StubHandler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # a burst of connections at once is queued, not reset (the listen backlog is 5)
+
+
 class StubServer:
     """``handler`` served at :attr:`url` until :meth:`close`."""
 
     def __init__(self, handler: type[BaseHTTPRequestHandler]):
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 

@@ -120,18 +120,16 @@ def test_a_burst_of_requests_leaves_few_connections_open():
     starts or ends, O(N²) with all of them kept. Counted on the server's side. Negative control: a client keeping
     all of them, as before, leaves the 64 open."""
     import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     import httpx
 
     from relax_hpc.engines import client as mod
+    from tests.engines.stub_http import StubHandler, StubServer
 
     n, open_now, lock = 64, [0], threading.Lock()
     all_in = threading.Barrier(n)
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
+    class Handler(StubHandler):
         def setup(self):
             super().setup()
             with lock:
@@ -144,24 +142,12 @@ def test_a_burst_of_requests_leaves_few_connections_open():
 
         def do_GET(self):
             all_in.wait(30)
-            body = b"{}"
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.send_json(200, b"{}")
 
-        def log_message(self, *a):
-            pass
-
-    class Server(ThreadingHTTPServer):
-        request_queue_size = 256
-        daemon_threads = True
-
-    server = Server(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = StubServer(Handler)
 
     def burst(keep_all: bool) -> int:
-        c = EngineClient(f"http://127.0.0.1:{server.server_port}")
+        c = EngineClient(server.url)
         if keep_all:
             c._limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024,
                                      keepalive_expiry=mod.KEEPALIVE_S)
@@ -187,7 +173,7 @@ def test_a_burst_of_requests_leaves_few_connections_open():
             time.sleep(0.01)
         assert burst(keep_all=True) == n
     finally:
-        server.shutdown()
+        server.close()
 
 
 def test_pause_abort_then_continue(client):
