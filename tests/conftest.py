@@ -237,6 +237,19 @@ def pytest_terminal_summary(terminalreporter, config):
             terminalreporter.write_line(f"{pid} {args[:300]}")
 
 
+# Each pytest process (each xdist worker) starts one fork server (relax_hpc.forkserver): the engines its tests start
+# themselves are forked from it instead of importing torch, Megatron and transformers each (~4 CPU-s a process, and
+# ~1 more to tear those modules down at exit).
+# A local run's controller starts its own for its roles and engines. RELAX_NO_FORKSERVER=1 turns both off.
+@pytest.fixture(scope="session", autouse=True)
+def _forkserver(tmp_path_factory):
+    from relax_hpc import forkserver
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    with forkserver.serving(tmp_path_factory.mktemp("forkserver") / "forkserver.log", env=env) as address:
+        yield address
+
+
 @dataclass(frozen=True)
 class SlurmCluster:
     """A reachable Slurm cluster. ``env`` is os.environ plus SLURM_CONF: pass it to

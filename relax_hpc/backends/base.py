@@ -109,6 +109,8 @@ class Backend(ABC):
     bind_host: str  # the control socket's bind address
     container_runtimes: tuple[str, ...] = ()  # the slurm.container runtimes its steps can run in
     steps_here = False  # its steps start on this machine (a container's runner must be on this PATH)
+    forks = False  # its steps and engines may be forked from a server of the run's (relax_hpc.forkserver): a
+    # scheduler would not count, signal or end what such a server starts
     # -- the submit half
     batch_script: bool  # relax-submit renders a batch script for it (the dry run prints it)
     follows: bool  # relax-submit stays and shows the run until it ends (unless --detach)

@@ -51,6 +51,7 @@ class LocalBackend(Backend):
     bind_host = "127.0.0.1"
     container_runtimes = ("apptainer",)  # pyxis needs srun
     steps_here = True
+    forks = True
     batch_script = False
     follows = True
     time_limited = False

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from relax_hpc import forkserver
 from relax_hpc.controller import recipe_copy
 from relax_hpc.backends import Backend, backend_from_env
 from relax_hpc.controller.channel import Channel
@@ -47,7 +48,7 @@ from relax_hpc.controller.procs import StepProcess, stop_steps
 from relax_hpc.controller.requeue import RequeueJob, Resubmit, come_back
 from relax_hpc.controller.signals import Signals
 from relax_hpc.controller.state import COMPLETED, FAILED, REQUEUED, RunState
-from relax_hpc.controller.steps import step_command, step_commands
+from relax_hpc.controller.steps import pythonpath, step_command, step_commands
 from relax_hpc.errors import no_space
 from relax_hpc.ops.metrics import summary_line
 from relax_hpc.ops.notify import EVENTS, Notifier, notify_urls
@@ -117,7 +118,8 @@ def _run(run: RunDir, requeue_job: RequeueJob | None, resubmit: Resubmit | None,
                     "without state.json saying so", run.path)
     notifier = Notifier(notify_urls(recipe.logging.notify_urls), run.name)
     restart = False
-    with Signals() as sig:  # held through the cleanup too: a second Ctrl-C must not cut the stop short
+    # held through the cleanup too: a second Ctrl-C must not cut the stop short
+    with Signals() as sig, _fork_server(run, recipe, backend):
         while True:
             state = RunState(run, recipe, role_steps(recipe), backend, restart=restart)
             state.on_event = lambda name, detail: name in EVENTS and notifier.send(
@@ -157,6 +159,22 @@ def _run(run: RunDir, requeue_job: RequeueJob | None, resubmit: Resubmit | None,
     if doc["state"] != COMPLETED:
         raise RunFailed(doc["reason"])
     return doc
+
+
+@contextlib.contextmanager
+def _fork_server(run: RunDir, recipe: Recipe, backend: Backend) -> Iterator[None]:
+    """Where the backend allows it (locally, without a GPU), the steps and engines of the run are forked from a
+    server of the run that imports torch, Megatron and transformers once (:mod:`relax_hpc.forkserver`): a role
+    restarted alone or an engine added starts in a second. The server is this process's child, so the run's
+    processes are still its descendants (``relax-cancel`` finds them by parent links)."""
+    if not backend.forks:
+        yield
+        return
+    env = {**os.environ, **recipe.slurm.env, "PYTHONPATH": pythonpath(os.environ.get("PYTHONPATH"))}
+    with forkserver.serving(run.logs / "forkserver.log", env=env) as address:
+        if address:
+            log.info("fork server %s (log: %s)", address, run.logs / "forkserver.log")
+        yield
 
 
 def _attempt(run: RunDir, recipe: Recipe, backend: Backend, state: RunState, sig: Signals,

@@ -9,17 +9,17 @@ then stops the steps in order.
 from __future__ import annotations
 
 import os
-import subprocess
 from collections import deque
 from pathlib import Path
 
+from relax_hpc import forkserver
 from relax_hpc.controller.steps import StepCommand, stop_processes, task_log_pattern
 
 
 class StepProcess:
     def __init__(self, cmd: StepCommand, run_dir: Path):
         self.cmd, self.run_dir = cmd, run_dir
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[forkserver.Process] = []
 
     @property
     def role(self) -> str:
@@ -33,9 +33,7 @@ class StepProcess:
         for spec in self.cmd.procs:
             spec.log.parent.mkdir(parents=True, exist_ok=True)
             with open(spec.log, "ab") as log:  # the child keeps its own descriptor
-                self.procs.append(subprocess.Popen(
-                    spec.argv, env={**os.environ, **spec.env}, stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True))
+                self.procs.append(forkserver.popen(spec.argv, env={**os.environ, **spec.env}, stdout=log))
 
     def poll(self) -> int | None:
         """None while running; the first non-zero exit code as soon as any process has one; else 0."""
@@ -45,7 +43,7 @@ class StepProcess:
             return bad[0]
         return None if None in codes else 0
 
-    def live(self) -> list[subprocess.Popen]:
+    def live(self) -> list[forkserver.Process]:
         return [p for p in self.procs if p.poll() is None]
 
     def log_tail(self, rank: int | None, lines: int = 20) -> str:

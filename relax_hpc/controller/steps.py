@@ -15,12 +15,12 @@ from __future__ import annotations
 import os
 import secrets
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import relax_hpc
+from relax_hpc import forkserver
 from relax_hpc.backends import (Backend, Proc, SlurmBackend, container, executor_from_env,  # noqa: F401
                                 stop_processes, task_log_pattern)
 from relax_hpc.recipe import Recipe, RoleStep, initial_engines, role_steps
@@ -129,13 +129,12 @@ def engine_step_argv(recipe: Recipe, run_dir: Path, backend: Backend, name: str,
 
 
 def start_engine_step(recipe: Recipe, run_dir: Path, backend: Backend, name: str, origin: str, op: str,
-                      exclude: list[str] = ()) -> subprocess.Popen:
+                      exclude: list[str] = ()) -> forkserver.Process:
     """:func:`engine_step_argv`, started (its own session, so it is stopped as a group)."""
     host_log = Path(run_dir) / "logs" / f"{name}.host.log"
     host_log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": pythonpath(os.environ.get("PYTHONPATH")), "PYTHONUNBUFFERED": "1",
            **recipe.slurm.env, **container.step_env(recipe)}
     with open(host_log, "ab") as out:
-        return subprocess.Popen(engine_step_argv(recipe, Path(run_dir), backend, name, origin, op, exclude),
-                                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return forkserver.popen(engine_step_argv(recipe, Path(run_dir), backend, name, origin, op, exclude),
+                                env=env, stdout=out)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from relax_hpc import forkserver
 from relax_hpc.engines.client import EngineClient
 
 KINDS = ("sglang", "reference")
@@ -126,7 +127,7 @@ class EngineHandle:
     extra_args: tuple = ()
     ready_file: Path | None = None
     api_key: str | None = field(default=None, repr=False)
-    _proc: subprocess.Popen | None = field(default=None, repr=False)
+    _proc: forkserver.Process | None = field(default=None, repr=False)
     _log_offset: int = field(default=0, repr=False)
     _stopped: bool = field(default=False, repr=False)
 
@@ -208,8 +209,13 @@ class EngineHandle:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             log.write(f"\n==== relax_hpc launch {stamp}: {_masked(self.command)}\n".encode())
             log.flush()
-            self._proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=env, start_new_session=True, preexec_fn=_dies_with(os.getpid()))
+            # its own session (a signal to the rank's group does not reach it), and SIGTERM when this process
+            # ends: a rank killed with kill -9 used to leave its engine running, holding its port and its GPU,
+            # after the run had restarted or ended. SIGTERM, not SIGKILL: SGLang then stops the processes it
+            # started itself. Under Popen that is PR_SET_PDEATHSIG, sent when the *thread* that started the engine
+            # ends: start engines from a thread that lives as long as they do (the roles and the tests use the
+            # main thread). EngineHandle.stop remains the normal way out.
+            self._proc = forkserver.popen(self.command, env=env, stdout=log, dies_with=os.getpid())
         self.pid = self._proc.pid
         self._stopped = False
 
@@ -235,30 +241,6 @@ class EngineHandle:
         except (ProcessLookupError, PermissionError):
             pass
         return self._proc.poll()
-
-
-def _dies_with(parent: int):
-    """For Popen's ``preexec_fn``: the engine gets SIGTERM when the process that started it dies (Linux's
-    ``PR_SET_PDEATHSIG``). The engine has a session of its own (so a signal to the rank's group does not reach it),
-    and without this a rank killed with ``kill -9`` left its engine running, holding its port and its GPU, after
-    the run had restarted or ended. SIGTERM, not SIGKILL: SGLang then stops the processes it started itself.
-    Linux sends it when the *thread* that started the engine ends, so start engines from a thread that lives as
-    long as they do (the roles and the tests use the main thread). Elsewhere (no prctl) a no-op;
-    :meth:`EngineHandle.stop` remains the normal way out."""
-    if not sys.platform.startswith("linux"):
-        return None
-
-    def arm() -> None:  # runs in the child between fork and exec: no allocation-heavy work, no imports of ours
-        try:
-            import ctypes
-
-            ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG = 1
-        except (OSError, AttributeError):
-            return
-        if os.getppid() != parent:  # the parent died before the prctl: nothing will send the signal
-            os._exit(1)
-
-    return arm
 
 
 def start_engine(kind: str, model_path: str | os.PathLike, *, python: str | None = None, tp: int = 1,

@@ -123,23 +123,31 @@ def test_real_sglang_engine(tiny_llama, tmp_path):
         assert time.monotonic() - t < 30 and not h.alive()
 
 
-def test_an_engine_dies_with_the_rank_that_started_it(tiny_llama, tmp_path):
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "popen"])
+def test_an_engine_dies_with_the_rank_that_started_it(tiny_llama, tmp_path, forked, _forkserver):
     """A rollout rank killed with kill -9 (a crash, the OOM killer, tools/chaos) must not leave its engine running:
-    the engine has a session of its own, so only the parent-death signal reaches it."""
+    the engine has a session of its own, so only the parent-death signal reaches it (PR_SET_PDEATHSIG for the
+    rank's child; a pidfd the child watches when the fork server started it: relax_hpc.forkserver)."""
     import signal as sig
     import subprocess
 
     import psutil
 
+    from relax_hpc import forkserver
+
+    if forked and _forkserver is None:
+        pytest.skip("no fork server in this session")
+
     code = ("import sys, time; from relax_hpc.engines.launcher import start_engine; "
             "h = start_engine('cpu', sys.argv[1], log_path=sys.argv[2], extra_args=['--threads', '1']).wait_ready(300); "
             "print(h.pid, flush=True); time.sleep(600)")
+    env = {**os.environ, forkserver.OFF: "0" if forked else "1"}
     rank = subprocess.Popen([sys.executable, "-c", code, str(tiny_llama), str(tmp_path / "engine.log")],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, env=env)
     engine = None
     try:
         engine = psutil.Process(int(rank.stdout.readline()))  # the engine is up and serving
-        assert engine.is_running() and engine.ppid() == rank.pid
+        assert engine.is_running() and (engine.ppid() == rank.pid) is not forked
         rank.send_signal(sig.SIGKILL)
         rank.wait(30)
         _, alive = psutil.wait_procs([engine], timeout=60)
