@@ -245,6 +245,9 @@ def pytest_terminal_summary(terminalreporter, config):
 def _forkserver(tmp_path_factory):
     from relax_hpc import forkserver
 
+    if os.environ.get(forkserver.ENV):  # a pytest run inside a test: the enclosing session's serves it too
+        yield os.environ[forkserver.ENV]
+        return
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     with forkserver.serving(tmp_path_factory.mktemp("forkserver") / "forkserver.log", env=env) as address:
         yield address

@@ -168,3 +168,25 @@ def test_serving_sets_the_variable_for_the_block_and_leaves_its_children(tmp_pat
         assert psutil.Process(p.pid).status() != psutil.STATUS_ZOMBIE  # the server ended; its child did not
     finally:
         os.kill(p.pid, signal.SIGKILL)
+
+
+@pytest.mark.gpu
+def test_on_a_machine_with_a_gpu_nothing_is_forked(tmp_path, monkeypatch):
+    """CUDA and fork do not mix: no server for a run (serving), and a server started anyway forks nothing."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.delenv(forkserver.OFF, raising=False)
+    with forkserver.serving(tmp_path / "run.log") as address:
+        assert address is None
+    with open(tmp_path / "server.log", "ab") as log:
+        server = forkserver.start(str(tmp_path / "sock"), log=log, env=env())
+    try:
+        monkeypatch.setenv(forkserver.ENV, str(tmp_path / "sock"))
+        p, _ = start(tmp_path, "exit0")
+        assert isinstance(p, subprocess.Popen) and p.wait(60) == 0
+        assert "a machine with a GPU" in (tmp_path / "server.log").read_text()
+    finally:
+        server.stdin.close()
+        server.wait(30)
