@@ -2,8 +2,9 @@
 
 Under Slurm a step is one ``srun`` process (SIGTERM makes srun signal its tasks; SIGKILL after a grace
 period ends srun, and slurmstepd then kills what is left of the step). Locally a step is one process per
-rank. Each process gets its own session, so a Ctrl-C at the terminal reaches the controller only, which
-then stops the steps in order.
+rank, forked from the run's fork server where it can be (:mod:`relax_hpc.forkserver`; Popen's interface either
+way). Each process gets its own session, so a Ctrl-C at the terminal reaches the controller only, which then
+stops the steps in order.
 """
 
 from __future__ import annotations
