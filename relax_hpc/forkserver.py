@@ -411,19 +411,21 @@ def run(job: Job) -> None:
     sys.path[:] = [job.cwd, *_entries(job.env.get("PYTHONPATH")),
                    *(p for p in sys.path[1:] if os.path.abspath(p) not in served)]
     importlib.invalidate_caches()
-    code = 0
+    code, interrupted = 0, False
     try:
         runpy.run_module(job.module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = _exit_code(e.code)
-    except KeyboardInterrupt:  # as the interpreter: die of SIGINT
-        _leave()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
+    except KeyboardInterrupt:
+        interrupted = True
     except BaseException:  # noqa: BLE001 - printed as the interpreter prints it
         sys.excepthook(*sys.exc_info())
         code = 1
     _leave()
+    if interrupted:  # as the interpreter: die of SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        code = 128 + signal.SIGINT
     os._exit(code)
 
 

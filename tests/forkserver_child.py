@@ -1,5 +1,5 @@
 """Run by tests/test_forkserver.py as ``python -m forkserver_child OUT ACTION``: writes what a started process sees
-to OUT (JSON), then does ACTION (exit N, message, raise, sleep, atexit, thread)."""
+to OUT (JSON), then does ACTION (exit N, message, raise, interrupt, sleep, atexit, thread)."""
 
 import atexit
 import json
@@ -29,6 +29,8 @@ if __name__ == "__main__":
         sys.exit("a message for stderr")
     if action == "raise":
         raise RuntimeError("raised in the child")
+    if action == "interrupt":
+        raise KeyboardInterrupt
     if action == "sleep":
         threading.Event().wait()
     if action == "atexit":

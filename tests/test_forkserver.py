@@ -77,7 +77,8 @@ def test_a_forked_child_is_what_popen_starts(server, tmp_path, monkeypatch):
 
 def test_exit_codes_and_an_interpreter_s_exit(server, tmp_path):
     for action, code, text in (("exit3", 3, None), ("message", 1, "a message for stderr"),
-                               ("raise", 1, "RuntimeError: raised in the child")):
+                               ("raise", 1, "RuntimeError: raised in the child"),
+                               ("interrupt", -signal.SIGINT, None)):  # as python: it dies of SIGINT
         p, log = start(tmp_path, action, name=action)
         assert isinstance(p, forkserver.ForkedProcess) and p.wait(60) == code, action
         assert text is None or text in log.read_text(), log.read_text()
